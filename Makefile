@@ -1,0 +1,40 @@
+# Two set-up commands on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# torch first, pinned: a bare `torch` would pull a multi-GB CUDA build. Override e.g. TORCH_SPEC="torch==2.14.1".
+TORCH_SPEC ?= torch==2.13.0
+EXTRAS ?= test,plot,deepspeed
+# DeepSpeed compiles its ops on first use (minutes on 2 cores): keep them inside the environment.
+export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
+PYTEST_ARGS ?=
+
+.PHONY: demo test test-unit test-distributed install clean bench
+
+$(VENV)/.installed: pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(PY) -m lightning_dist.demo
+
+test: install
+	$(PY) -m pytest -q -m "not distributed" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "distributed" $(PYTEST_ARGS)
+
+test-unit: install
+	$(PY) -m pytest -q -m "not distributed" $(PYTEST_ARGS)
+
+test-distributed: install
+	$(PY) -m pytest -q -m "distributed" $(PYTEST_ARGS)
+
+bench: install
+	$(PY) benchmarks/hsdp.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info
