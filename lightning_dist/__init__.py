@@ -1,0 +1,29 @@
+"""lightning-dist: distributed-training strategies and callbacks for PyTorch Lightning.
+
+Importing the package registers its strategies with Lightning, so ``Trainer(strategy="hsdp")`` and
+LightningCLI configs can name them.
+"""
+
+from lightning_dist.mesh import DIM_NAMES, DistMesh, MeshSpec
+from lightning_dist.strategies import (
+    REGISTERED,
+    FullyShardStrategy,
+    HybridShardStrategy,
+    MeshStrategy,
+    register_strategies,
+)
+
+__version__ = "0.1.0"
+
+register_strategies()
+
+__all__ = [
+    "DIM_NAMES",
+    "DistMesh",
+    "MeshSpec",
+    "MeshStrategy",
+    "HybridShardStrategy",
+    "FullyShardStrategy",
+    "REGISTERED",
+    "register_strategies",
+]

@@ -1,0 +1,333 @@
+"""Checkpoints of the pack's strategies: sharded DCP directories or one consolidated file.
+
+* **Sharded** (default): a directory written by ``torch.distributed.checkpoint`` (each rank writes its
+  shards; model under ``state_dict.*``, optimizer ``i`` under ``optimizer_i.*``) plus ``meta.pt`` with
+  Lightning's loop counters, LR schedulers, callbacks and hyper-parameters. It loads into any mesh
+  shape or world size (DCP reshards on load); ``lightning-dist consolidate`` turns it into one file.
+* **Consolidated**: one ``torch.save`` file in Lightning's own layout (full ``state_dict``, optimizer
+  states keyed by parameter index), so a plain single-device Lightning run can
+  ``load_from_checkpoint`` or resume from it.
+
+Writes are atomic: everything goes to ``<path>.tmp`` first and is swapped in by renames, so a crash
+mid-save never leaves a half-written checkpoint where the last good one was (if the crash falls
+between the two renames of a directory swap, the previous checkpoint is found at ``<path>.old`` and
+:func:`load` falls back to it). Every ``torch.load`` uses ``weights_only=True`` unless the caller
+explicitly trusts the file.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
+
+META = "meta.pt"
+MODEL_KEY = "state_dict"
+ZERO_KEY = "zero_consolidated"  # marks a ZeroRedundancyOptimizer's consolidated (index-keyed) state
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _unwrap(optimizer: Any) -> Optimizer:
+    return getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer -> torch optimizer
+
+
+def _is_zero(optimizer: Any) -> bool:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return isinstance(_unwrap(optimizer), ZeroRedundancyOptimizer)
+
+
+# ---- collecting state --------------------------------------------------------------------------
+def model_state(model: nn.Module, *, full: bool) -> dict[str, Any]:
+    """Sharded (DTensor) state dict, or the full one (on rank 0 only; other ranks get ``{}``)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=full, cpu_offload=full))
+
+
+def _fqn_order(fqn_keyed: Mapping[str, Any]) -> list[str]:
+    return [fqn for group in fqn_keyed["param_groups"] for fqn in group["params"]]
+
+
+def fqn_to_index(osd: Mapping[str, Any]) -> dict[str, Any]:
+    """An FQN-keyed optimizer state dict (torch.distributed.checkpoint) -> torch's index-keyed layout."""
+    index = {fqn: i for i, fqn in enumerate(_fqn_order(osd))}
+    groups = [{**g, "params": [index[f] for f in g["params"]]} for g in osd["param_groups"]]
+    return {"state": {index[f]: s for f, s in osd["state"].items()}, "param_groups": groups}
+
+
+def index_to_fqn(osd: Mapping[str, Any], template: Mapping[str, Any]) -> dict[str, Any]:
+    """torch's index-keyed optimizer state dict -> FQN keys, taking the order from a live FQN-keyed template."""
+    order = _fqn_order(template)
+    n_saved = sum(len(g["params"]) for g in osd["param_groups"])
+    if n_saved != len(order):
+        raise ValueError(
+            f"The checkpoint's optimizer has {n_saved} parameters but the live optimizer has {len(order)};"
+            " the checkpoint was written by a different model or `configure_optimizers`."
+        )
+    groups = [
+        {**g, "params": [order[i] for i in g["params"]]} for g in osd["param_groups"]
+    ]
+    return {"state": {order[int(i)]: s for i, s in osd["state"].items()}, "param_groups": groups}
+
+
+def optimizer_state(model: nn.Module, optimizer: Any, *, full: bool) -> dict[str, Any]:
+    """Sharded FQN-keyed optimizer state, or the full index-keyed one on rank 0 (``{}`` elsewhere).
+
+    A ZeroRedundancyOptimizer (ZeRO-1) is consolidated on rank 0 in both cases (a collective).
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    optimizer = _unwrap(optimizer)
+    if _is_zero(optimizer):
+        optimizer.consolidate_state_dict(to=0)
+        return {ZERO_KEY: optimizer.state_dict()} if _rank() == 0 else {ZERO_KEY: None}
+    osd = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=full, cpu_offload=full))
+    if full:
+        return fqn_to_index(osd) if osd else {}
+    return osd
+
+
+# ---- writing -----------------------------------------------------------------------------------
+def _atomic_torch_save(obj: Any, path: Path) -> None:
+    """torch.save to a temporary file in the same folder, fsync, then os.replace (atomic on POSIX)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _swap_in(tmp: Path, path: Path) -> None:
+    """Replace `path` (file or directory) by `tmp` so that a good checkpoint always exists on disk."""
+    old = path.with_name(path.name + ".old")
+    if old.exists():
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
+    if path.exists():
+        os.replace(path, old)
+    os.replace(tmp, path)
+    if old.exists():
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
+
+
+def save(checkpoint: dict[str, Any], path: str | os.PathLike, *, sharded: bool) -> None:
+    """Write a Lightning checkpoint dict atomically; every rank must call this (collectives inside).
+
+    `checkpoint` is what Lightning's ``dump_checkpoint`` built from :func:`model_state` and
+    :func:`optimizer_state` with the same `sharded` choice.
+    """
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    rank = _rank()
+    if not sharded:
+        if rank == 0:
+            checkpoint = dict(checkpoint)
+            checkpoint["optimizer_states"] = [
+                s[ZERO_KEY] if ZERO_KEY in s else s for s in checkpoint.get("optimizer_states", [])
+            ]
+            _atomic_torch_save(checkpoint, path)
+        _barrier()
+        return
+
+    import torch.distributed.checkpoint as dcp
+
+    if rank == 0:
+        if tmp.exists():
+            shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
+        tmp.mkdir(parents=True)
+    _barrier()
+    checkpoint = dict(checkpoint)
+    state: dict[str, Any] = {MODEL_KEY: checkpoint.pop(MODEL_KEY)}
+    zero_states: dict[int, Any] = {}
+    for i, osd in enumerate(checkpoint.pop("optimizer_states", [])):
+        if ZERO_KEY in osd:
+            zero_states[i] = osd[ZERO_KEY]
+        else:
+            state[f"optimizer_{i}"] = osd
+    dcp.save(state, checkpoint_id=tmp)
+    if rank == 0:
+        for i, osd in zero_states.items():
+            _atomic_torch_save(osd, tmp / f"optimizer_{i}.pt")
+        _atomic_torch_save(checkpoint, tmp / META)
+        _swap_in(tmp, path)
+    _barrier()
+
+
+# ---- reading -----------------------------------------------------------------------------------
+def resolve_path(path: str | os.PathLike) -> Path:
+    """`path`, or its ``.old`` twin when a crash interrupted the swap of a newer checkpoint."""
+    path = Path(path)
+    old = path.with_name(path.name + ".old")
+    if not path.exists() and old.exists():
+        return old
+    if not path.exists():
+        raise FileNotFoundError(f"Checkpoint {str(path)!r} does not exist.")
+    return path
+
+
+def _torch_load(path: Path, weights_only: bool) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=weights_only)
+    except Exception as err:  # pickle.UnpicklingError under weights_only: name the way out
+        if weights_only and "weights_only" in str(err):
+            raise RuntimeError(
+                f"{path} holds objects that `torch.load(weights_only=True)` refuses: {err}. If you trust the file,"
+                " allow those classes with `torch.serialization.add_safe_globals([...])`."
+            ) from err
+        raise
+
+
+def check_compatible(saved_shapes: Mapping[str, Sequence[int]], model: nn.Module, strict: bool = True) -> None:
+    """Raise ValueError naming the first parameter whose name or shape differs between checkpoint and model."""
+    live = {k: tuple(v.shape) for k, v in model_state_shapes(model).items()}
+    for name, shape in live.items():
+        if name not in saved_shapes:
+            if strict:
+                raise ValueError(
+                    f"The checkpoint has no entry for parameter {name!r} {list(shape)}: it was written by a"
+                    " different model. Load it into the model it came from, or pass strict=False."
+                )
+            continue
+        if tuple(saved_shapes[name]) != shape:
+            raise ValueError(
+                f"Parameter {name!r} has shape {list(saved_shapes[name])} in the checkpoint but {list(shape)} in"
+                " the model: the checkpoint was written by a different model configuration."
+            )
+    if strict:
+        extra = sorted(set(saved_shapes) - set(live))
+        if extra:
+            raise ValueError(f"The checkpoint has entries the model lacks, first {extra[0]!r}: a different model.")
+
+
+def model_state_shapes(model: nn.Module) -> dict[str, torch.Size]:
+    """Global (unsharded) shapes of the model's state, keyed as in the checkpoint."""
+    return {k: v.shape for k, v in model_state(model, full=False).items() if isinstance(v, torch.Tensor)}
+
+
+def load(
+    path: str | os.PathLike,
+    *,
+    model: nn.Module,
+    optimizers: Sequence[Any] = (),
+    strict: bool = True,
+    weights_only: bool = True,
+) -> dict[str, Any]:
+    """Load model and optimizer states in place (any mesh shape); return the remaining Lightning metadata."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    path = resolve_path(path)
+    if path.is_dir():
+        import torch.distributed.checkpoint as dcp
+
+        reader = dcp.FileSystemReader(path)
+        saved = {
+            k[len(MODEL_KEY) + 1:]: md.size
+            for k, md in reader.read_metadata().state_dict_metadata.items()
+            if k.startswith(MODEL_KEY + ".") and hasattr(md, "size")
+        }
+        check_compatible(saved, model, strict=strict)
+        model_sd = model_state(model, full=False)
+        dcp.load({MODEL_KEY: model_sd}, checkpoint_id=path)
+        set_model_state_dict(model, model_sd, options=StateDictOptions(strict=strict))
+        for i, optimizer in enumerate(optimizers):
+            optimizer = _unwrap(optimizer)
+            zero_file = path / f"optimizer_{i}.pt"
+            if zero_file.exists():
+                _load_full_optimizer(model, optimizer, _torch_load(zero_file, weights_only))
+                continue
+            if _is_zero(optimizer):
+                raise ValueError(
+                    f"{path} holds sharded optimizer state from a ZeRO-2/3 run; a zero_stage=1 run cannot resume"
+                    " from it. Resume with zero_stage 2 or 3, or load only the weights."
+                )
+            osd = get_optimizer_state_dict(model, optimizer)
+            dcp.load({f"optimizer_{i}": osd}, checkpoint_id=path)
+            set_optimizer_state_dict(model, optimizer, optim_state_dict=osd)
+        return _torch_load(path / META, weights_only)
+
+    checkpoint = _torch_load(path, weights_only)
+    state_dict = checkpoint.pop(MODEL_KEY)
+    check_compatible({k: v.shape for k, v in state_dict.items()}, model, strict=strict)
+    set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True, strict=strict))
+    for optimizer, osd in zip(optimizers, checkpoint.get("optimizer_states", [])):
+        _load_full_optimizer(model, _unwrap(optimizer), osd)
+    checkpoint.pop("optimizer_states", None)
+    return checkpoint
+
+
+def _load_full_optimizer(model: nn.Module, optimizer: Optimizer, osd: Mapping[str, Any]) -> None:
+    """Load a full index-keyed optimizer state into a (possibly sharded or ZeRO) optimizer."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    if _is_zero(optimizer):
+        optimizer.load_state_dict(osd)  # ZeroRedundancyOptimizer keeps its own partition of the full state
+        return
+    template = get_optimizer_state_dict(model, optimizer)
+    set_optimizer_state_dict(
+        model, optimizer, optim_state_dict=index_to_fqn(osd, template),
+        options=StateDictOptions(full_state_dict=True),
+    )
+
+
+def consolidate(src: str | os.PathLike, dst: str | os.PathLike, *, progress: Callable[[str], None] | None = None) -> Path:
+    """Turn a sharded checkpoint directory into one Lightning checkpoint file (no process group needed).
+
+    The result loads with ``LightningModule.load_from_checkpoint`` on a single device. ZeRO-1 optimizer
+    files are carried over; FSDP optimizer states are converted to torch's index-keyed layout.
+    """
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    src, dst = resolve_path(src), Path(dst)
+    if not src.is_dir():
+        raise ValueError(f"{src} is not a sharded checkpoint directory (it is already a single file).")
+    say = progress or (lambda msg: None)
+    with tempfile.TemporaryDirectory() as tmpdir:
+        flat = Path(tmpdir) / "flat.pt"
+        say(f"reading shards from {src}")
+        dcp_to_torch_save(src, flat)
+        state = torch.load(flat, map_location="cpu", weights_only=True)
+    checkpoint = _torch_load(src / META, weights_only=True)
+    checkpoint[MODEL_KEY] = state.pop(MODEL_KEY)
+    optimizer_states = []
+    i = 0
+    while f"optimizer_{i}" in state or (src / f"optimizer_{i}.pt").exists():
+        if (src / f"optimizer_{i}.pt").exists():
+            optimizer_states.append(_torch_load(src / f"optimizer_{i}.pt", True))
+        else:
+            optimizer_states.append(fqn_to_index(state.pop(f"optimizer_{i}")))
+        i += 1
+    checkpoint["optimizer_states"] = optimizer_states
+    say(f"writing {dst}")
+    _atomic_torch_save(checkpoint, dst)
+    return dst

@@ -1,0 +1,194 @@
+"""The ``lightning-dist`` command.
+
+One function adds each subcommand's arguments and one function runs it; :data:`SUBCOMMANDS` registers
+them in one place, so a new subcommand is an ``_add_<name>`` / ``run_<name>`` pair and one entry there.
+
+* ``lightning-dist plan``: per-device memory and per-step traffic of every candidate layout, and the
+  least parallelism that fits (:mod:`lightning_dist.planner`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+GB = 1e9  # the tables print decimal gigabytes, as DeepSpeed's ZeRO tutorial does
+
+
+# ---- plan -------------------------------------------------------------------------------------------------
+def _add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from lightning_dist.planner import _OPTIMIZER_SLOTS, _PRECISIONS, SCHEDULES
+
+    p = sub.add_parser(
+        "plan",
+        help="memory and traffic per device of each parallel layout; recommends the least parallelism that fits",
+        description="Plan a distributed run: model-state memory per device (params / grads / optimizer state) and"
+        " communication per step for DDP, ZeRO 1/2/3, hybrid sharding, tensor and pipeline parallel and"
+        " offloading. The model is built on the meta device (no memory). 1 GB = 1e9 bytes in the table.",
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", metavar="CLASS_PATH", help="dotted path of a torch.nn.Module / LightningModule class")
+    src.add_argument("--config", metavar="YAML", help="LightningCLI config with model.class_path / model.init_args")
+    src.add_argument("--params", metavar="N", help="parameter count instead of a model, e.g. 1.5e9, 1.5B, 125M")
+    p.add_argument("--init-args", metavar="JSON", default=None, help="keyword arguments of --model as a JSON object")
+    p.add_argument("--world-size", type=int, required=True, help="number of processes (devices)")
+    p.add_argument("--devices-per-node", type=int, default=None, help="devices per node (default: the world size)")
+    p.add_argument("--device-memory", default=None, help="memory per device, e.g. 80GB (1e9 B), 24GiB (2**30 B), bytes")
+    p.add_argument("--precision", default="bf16-mixed", choices=sorted(_PRECISIONS), metavar="PRECISION",
+                   help=f"Lightning precision flag (default bf16-mixed): {', '.join(sorted(_PRECISIONS))}")
+    p.add_argument("--optimizer", default="adamw", choices=sorted(_OPTIMIZER_SLOTS), metavar="OPTIMIZER",
+                   help=f"optimizer (default adamw): {', '.join(sorted(_OPTIMIZER_SLOTS))}")
+    p.add_argument("--master-weights", action="store_true",
+                   help="ZeRO/DeepSpeed convention: 16-bit params and grads + fp32 master copy (Adam: 2 + 2 + 12)")
+    p.add_argument("--optimizer-state-bytes", type=float, default=None,
+                   help="optimizer-state bytes per parameter, overriding --optimizer's")
+    p.add_argument("--micro-batches", type=int, default=8, help="pipeline micro-batches per step (default 8)")
+    p.add_argument("--schedule", default="1f1b", choices=SCHEDULES[:2], help="pipeline schedule (default 1f1b)")
+    p.add_argument("--batch-size", type=int, default=None, help="samples per data-parallel rank per step (activations)")
+    p.add_argument("--seq-len", type=int, default=1, help="sequence length (activations, default 1)")
+    p.add_argument("--hidden-size", type=int, default=None, help="hidden size between blocks (activations)")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON instead of the table")
+    p.add_argument("--plot", metavar="FILE.png", default=None, help="save a stacked bar chart of memory per device")
+    return p
+
+
+def _plan_counts(args: argparse.Namespace):
+    from lightning_dist import planner
+
+    if args.params is not None:
+        if args.init_args is not None:
+            raise ValueError("--init-args goes with --model; --params takes a plain count.")
+        return planner.ParamCounts(total=planner.parse_count(args.params)), f"{args.params} parameters"
+    if args.config is not None:
+        if args.init_args is not None:
+            raise ValueError("--init-args goes with --model; with --config the init args come from the YAML.")
+        class_path, init_args = planner.model_spec_from_config(args.config)
+    else:
+        class_path, init_args = args.model, args.init_args
+    model = planner.build_meta_model(class_path, init_args)
+    return planner.count_params(model), class_path
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from lightning_dist import planner
+
+    state = planner.state_bytes(precision=args.precision, optimizer=args.optimizer,
+                                master_weights=args.master_weights, optimizer_state_bytes=args.optimizer_state_bytes)
+    device_memory = planner.parse_bytes(args.device_memory) if args.device_memory is not None else None
+    activation = None
+    if (args.batch_size is None) != (args.hidden_size is None):
+        raise ValueError("Give --batch-size and --hidden-size together to count activation traffic"
+                         f" (got batch_size={args.batch_size}, hidden_size={args.hidden_size}).")
+    if args.batch_size is not None:
+        activation = planner.ActivationShape(batch=args.batch_size, seq=args.seq_len, hidden=args.hidden_size,
+                                             bytes_per_element=state.gather)
+    counts, label = _plan_counts(args)
+    layouts = planner.candidate_layouts(
+        counts, world_size=args.world_size, devices_per_node=args.devices_per_node or args.world_size,
+        state=state, device_memory=device_memory, activation=activation, micro_batches=args.micro_batches,
+        schedule=args.schedule,
+    )
+    best = planner.recommend(layouts)
+    if args.json:
+        print(json.dumps({
+            "model": label, "params": counts.total, "tp_sharded_params": counts.tp_sharded_params,
+            "world_size": args.world_size, "devices_per_node": args.devices_per_node or args.world_size,
+            "device_memory": device_memory, "state_bytes": state.__dict__,
+            "layouts": [layout.to_dict() for layout in layouts],
+            "recommended": best.name if best else None,
+        }, indent=2))
+    else:
+        _print_plan(layouts, best, label=label, counts=counts, state=state, device_memory=device_memory)
+    if args.plot:
+        _plot_plan(layouts, best, path=args.plot, device_memory=device_memory, title=label)
+        if not args.json:
+            print(f"Saved the memory chart to {args.plot}")
+    return 0
+
+
+def _print_plan(layouts, best, *, label, counts, state, device_memory) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    mem = f", device memory {device_memory / GB:.2f} GB" if device_memory else ""
+    table = Table(title=f"{label}: {counts.total:,} params, {state.param:g} + {state.grad:g} + {state.optimizer:g}"
+                        f" bytes/param{mem}")
+    for col in ("layout", "pp/rep/shard/tp", "params GB", "grads GB", "optim GB", "device GB", "host GB",
+                "traffic GB/step", "idle", "fits"):
+        table.add_column(col, justify="left" if col in ("layout", "pp/rep/shard/tp") else "right")
+    for lay in layouts:
+        m = lay.memory
+        mark = " *" if best is not None and lay.name == best.name else ""
+        traffic = f"{lay.wire_bytes / GB:.3f}" + ("" if lay.activations_counted else " +act")
+        fits = "-" if lay.fits is None else ("yes" if lay.fits else "no")
+        table.add_row(lay.name + mark, "/".join(str(v) for v in lay.mesh.values()), f"{m.params / GB:.3f}",
+                      f"{m.grads / GB:.3f}", f"{m.optimizer / GB:.3f}", f"{m.total / GB:.3f}",
+                      f"{(m.host + m.nvme) / GB:.3f}", traffic, f"{lay.idle_fraction:.1%}" if lay.idle_fraction else "",
+                      fits, style="bold green" if mark else None)
+    console = Console()
+    console.print(table)
+    console.print("traffic: bytes one device sends per step (ring collectives); '+act': tensor/pipeline activations"
+                  " not counted (give --batch-size and --hidden-size). Memory: model states only.")
+    if best is None:
+        console.print("No layout fits the device memory.")
+    else:
+        console.print(f"Recommended (least parallelism that fits): {best.name} - {best.note}")
+
+
+def _plot_plan(layouts, best, *, path: str, device_memory: float | None, title: str) -> None:
+    from lightning_dist._compat import matplotlib_available
+
+    if not matplotlib_available():
+        raise ValueError("--plot needs matplotlib: pip install 'lightning-dist[plot]'.")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    names = [lay.name + (" *" if best is not None and lay.name == best.name else "") for lay in layouts]
+    fig = Figure(figsize=(max(6.0, 0.6 * len(layouts) + 2), 4.5), layout="constrained")
+    FigureCanvasAgg(fig)  # Agg canvas: renders without a display
+    ax = fig.add_subplot()
+    bottom = [0.0] * len(layouts)
+    for part in ("params", "grads", "optimizer"):
+        heights = [getattr(lay.memory, part) / GB for lay in layouts]
+        ax.bar(names, heights, bottom=bottom, label=part)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    if device_memory:
+        ax.axhline(device_memory / GB, color="black", linestyle="--", linewidth=1, label="device memory")
+    ax.set_ylabel("model-state memory per device (GB)")
+    ax.set_title(f"{title} (* = recommended)")
+    ax.tick_params(axis="x", labelrotation=60)
+    ax.legend()
+    fig.savefig(path, dpi=100)
+
+
+# ---- registry ---------------------------------------------------------------------------------------------
+# name -> (adds the subparser, runs it). Add new subcommands here.
+SUBCOMMANDS: dict[str, tuple[Callable[[Any], argparse.ArgumentParser], Callable[[argparse.Namespace], int]]] = {
+    "plan": (_add_plan, run_plan),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lightning-dist", description="lightning-dist tools.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (add, run) in SUBCOMMANDS.items():
+        add(sub).set_defaults(_run=run, _name=name)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``lightning-dist``; configuration errors exit with status 2 and the message."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args._run(args)
+    except (ValueError, TypeError) as err:
+        parser.exit(2, f"lightning-dist {args._name}: error: {err}\n")
+    return 2  # unreachable: parser.exit raises SystemExit
+
+
+if __name__ == "__main__":
+    sys.exit(main())

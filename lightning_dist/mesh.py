@@ -1,0 +1,321 @@
+"""The pack's one device mesh: named dims ``pp``, ``dp_replicate``, ``dp_shard``, ``tp``.
+
+Two layers, as in torchtitan's ``ParallelDims``:
+
+* :class:`MeshSpec` is pure arithmetic: sizes, ``"auto"`` resolution, validation that collects every
+  problem and raises one ``ValueError``, per-rank coordinates and group membership, and a printable
+  plan. It needs no process group, so every rank can validate before the first collective and the
+  plan is unit-testable in one process.
+* :class:`DistMesh` wraps the real :class:`~torch.distributed.device_mesh.DeviceMesh` built from a
+  resolved spec, exposes sub-meshes by name, the flattened data-parallel mesh ``dp``
+  (= ``dp_replicate`` x ``dp_shard``) that samplers, metrics and logging reduce over, and checks right
+  after building that the groups torch created are the ones the spec asked for.
+
+Dims are laid out outermost to innermost as ``(pp, dp_replicate, dp_shard, tp)``: consecutive ranks
+(one node) form ``tp`` groups first, then ``dp_shard`` groups, so tensor-parallel and sharding traffic
+stays inside a node while ``dp_replicate`` and ``pp`` cross nodes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, Union
+
+import torch
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
+
+# The dim names, defined once, outermost first.
+PP, DP_REPLICATE, DP_SHARD, TP = "pp", "dp_replicate", "dp_shard", "tp"
+DIM_NAMES: tuple[str, ...] = (PP, DP_REPLICATE, DP_SHARD, TP)
+# The flattened data-parallel dim (dp_replicate x dp_shard).
+DP = "dp"
+
+Size = Union[int, Literal["auto"]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeshSpec:
+    """Sizes of the four mesh dims for one job; ``resolve()`` turns ``"auto"`` into numbers."""
+
+    world_size: int
+    """Total number of processes in the job."""
+    devices_per_node: int
+    """Processes per node; ``"auto"`` data-parallel sizes shard inside a node and replicate across nodes."""
+    pp: int = 1
+    """Pipeline-parallel degree (outermost dim)."""
+    dp_replicate: Size = "auto"
+    """Replica groups of hybrid sharding; ``"auto"``: what is left after the other dims."""
+    dp_shard: Size = "auto"
+    """Ranks one parameter is sharded over; ``"auto"``: the devices of one node left after ``tp``."""
+    tp: int = 1
+    """Tensor-parallel degree (innermost dim, inside a node)."""
+    allow_cross_node_tp: bool = False
+    """Opt in to a ``tp`` group larger than one node (tensor-parallel traffic belongs inside a node)."""
+
+    def __post_init__(self) -> None:
+        problems = self._problems()
+        if problems:
+            raise ValueError(
+                "Invalid device mesh " + self._describe() + ":\n  - " + "\n  - ".join(problems)
+            )
+
+    # ---- arithmetic and validation -------------------------------------------------------------
+    def _describe(self) -> str:
+        dims = ", ".join(f"{n}={getattr(self, n)!r}" for n in DIM_NAMES)
+        return f"({dims}; world_size={self.world_size}, devices_per_node={self.devices_per_node})"
+
+    def _problems(self) -> list[str]:
+        problems: list[str] = []
+        for name in ("world_size", "devices_per_node"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                problems.append(f"`{name}={value!r}` must be an integer >= 1.")
+        for name in DIM_NAMES:
+            value = getattr(self, name)
+            if value == "auto" and name in (DP_REPLICATE, DP_SHARD):
+                continue
+            if not isinstance(value, int) or isinstance(value, bool):
+                allowed = 'an integer >= 1 or "auto"' if name in (DP_REPLICATE, DP_SHARD) else "an integer >= 1"
+                problems.append(f"`{name}={value!r}` must be {allowed}.")
+            elif value < 1:
+                problems.append(f"`{name}={value}` must be >= 1; use 1 to switch that dim off.")
+        if problems:
+            return problems  # the arithmetic below needs valid numbers
+        fixed = self.pp * self.tp
+        if self.world_size % fixed:
+            problems.append(
+                f"pp x tp = {self.pp} x {self.tp} = {fixed} does not divide world_size={self.world_size};"
+                f" choose pp and tp whose product divides {self.world_size}."
+            )
+            return problems
+        rest = self.world_size // fixed
+        rep, shard = self.dp_replicate, self.dp_shard
+        if rep != "auto" and shard != "auto" and rep * shard != rest:
+            problems.append(
+                f"pp x dp_replicate x dp_shard x tp = {self.pp} x {rep} x {shard} x {self.tp}"
+                f" = {self.pp * rep * shard * self.tp} != world_size={self.world_size};"
+                f" the product of the dims must equal the number of processes"
+                f" (e.g. dp_replicate={rest // shard if rest % shard == 0 else 'auto'}, dp_shard={shard})."
+            )
+        for name, value in ((DP_REPLICATE, rep), (DP_SHARD, shard)):
+            if value != "auto" and rest % value:
+                problems.append(
+                    f"`{name}={value}` does not divide the {rest} data-parallel ranks"
+                    f" (world_size {self.world_size} / (pp x tp) {fixed}); pick a divisor of {rest}."
+                )
+        if self.tp > self.devices_per_node and not self.allow_cross_node_tp:
+            problems.append(
+                f"`tp={self.tp}` is larger than devices_per_node={self.devices_per_node}: tensor-parallel traffic"
+                " belongs inside a node. Lower tp, or pass allow_cross_node_tp=True to accept it."
+            )
+        elif self.devices_per_node % self.tp and self.tp < self.devices_per_node:
+            problems.append(
+                f"`tp={self.tp}` does not divide devices_per_node={self.devices_per_node}: a tp group would"
+                " straddle two nodes. Pick a divisor of the devices per node."
+            )
+        return problems
+
+    def resolve(self) -> "MeshSpec":
+        """A copy with ``"auto"`` replaced: dp_shard = devices of a node left after tp, dp_replicate = the rest."""
+        rest = self.world_size // (self.pp * self.tp)
+        rep, shard = self.dp_replicate, self.dp_shard
+        if shard == "auto" and rep == "auto":
+            per_node = max(1, self.devices_per_node // self.tp)
+            shard = math.gcd(per_node, rest)
+            rep = rest // shard
+        elif shard == "auto":
+            shard = rest // rep
+        elif rep == "auto":
+            rep = rest // shard
+        return dataclasses.replace(self, dp_replicate=rep, dp_shard=shard)
+
+    @property
+    def resolved(self) -> bool:
+        return self.dp_replicate != "auto" and self.dp_shard != "auto"
+
+    def _require_resolved(self) -> None:
+        if not self.resolved:
+            raise RuntimeError("Call `MeshSpec.resolve()` before asking for shapes or coordinates.")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Sizes in the order of :data:`DIM_NAMES`."""
+        self._require_resolved()
+        return tuple(getattr(self, n) for n in DIM_NAMES)  # type: ignore[return-value]
+
+    def size(self, name: str) -> int:
+        """Size of a dim, or of ``"dp"`` (the flattened data-parallel dim)."""
+        self._require_resolved()
+        if name == DP:
+            return self.dp_replicate * self.dp_shard  # type: ignore[operator]
+        if name not in DIM_NAMES:
+            raise ValueError(f"Unknown mesh dim {name!r}; the dims are {DIM_NAMES + (DP,)}.")
+        return getattr(self, name)
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """This rank's coordinate on each dim, plus its rank inside ``dp``."""
+        self._require_resolved()
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank={rank} is outside world_size={self.world_size}.")
+        out, rem = {}, rank
+        for name, size in zip(reversed(DIM_NAMES), reversed(self.shape)):
+            out[name] = rem % size
+            rem //= size
+        coords = {n: out[n] for n in DIM_NAMES}
+        coords[DP] = coords[DP_REPLICATE] * self.dp_shard + coords[DP_SHARD]  # type: ignore[operator]
+        return coords
+
+    def group_ranks(self, rank: int, name: str) -> list[int]:
+        """Global ranks of the group of `name` (a dim or ``"dp"``) that contains `rank`."""
+        varying = (DP_REPLICATE, DP_SHARD) if name == DP else (name,)
+        mine = self.coords(rank)
+        return [
+            r
+            for r in range(self.world_size)
+            if all(self.coords(r)[d] == mine[d] for d in DIM_NAMES if d not in varying)
+        ]
+
+    def plan_rows(self) -> list[dict[str, int]]:
+        """One row per rank: ``{"rank", pp, dp_replicate, dp_shard, tp, dp}``."""
+        return [{"rank": r, **self.coords(r)} for r in range(self.world_size)]
+
+    def format_plan(self) -> str:
+        """The rank -> coordinates table as text (rendered with rich)."""
+        from rich.console import Console
+        from rich.table import Table
+
+        shape = " x ".join(f"{n}={s}" for n, s in zip(DIM_NAMES, self.shape))
+        table = Table(title=f"Device mesh {shape} (world {self.world_size}, {self.devices_per_node}/node)")
+        for col in ("rank", "node", *DIM_NAMES, DP):
+            table.add_column(col, justify="right")
+        for row in self.plan_rows():
+            table.add_row(str(row["rank"]), str(row["rank"] // self.devices_per_node),
+                          *(str(row[c]) for c in (*DIM_NAMES, DP)))
+        buf = io.StringIO()
+        Console(file=buf, width=100, force_terminal=False).print(table)
+        return buf.getvalue()
+
+
+class DistMesh:
+    """A built :class:`DeviceMesh` over the four named dims, with the flattened ``dp`` dim.
+
+    Construct with :meth:`build` after the default process group exists.
+    """
+
+    def __init__(self, spec: MeshSpec, device_mesh: "DeviceMesh", dp_mesh: "DeviceMesh") -> None:
+        self.spec = spec
+        self.device_mesh = device_mesh
+        self._dp_mesh = dp_mesh  # the flattened dim is kept here: torch deprecates slicing it from the root
+
+    @classmethod
+    def build(cls, spec: MeshSpec, device_type: str) -> "DistMesh":
+        """Build the mesh on `device_type` (cpu -> gloo, cuda -> nccl groups) and check its topology."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        spec = spec if spec.resolved else spec.resolve()
+        device_mesh = init_device_mesh(device_type, spec.shape, mesh_dim_names=DIM_NAMES)
+        # flatten the two data-parallel dims: samplers, metrics and logging reduce over `dp`
+        dp_mesh = device_mesh[(DP_REPLICATE, DP_SHARD)]._flatten(DP)
+        mesh = cls(spec, device_mesh, dp_mesh)
+        mesh.check_topology()
+        return mesh
+
+    # ---- lookup by name ------------------------------------------------------------------------
+    def get_mesh(self, *names: str) -> "DeviceMesh":
+        """The sub-mesh over `names` (dims or ``"dp"``); raises for an unknown name."""
+        for n in names:
+            if n not in DIM_NAMES + (DP,):
+                raise ValueError(f"Unknown mesh dim {n!r}; the dims are {DIM_NAMES + (DP,)}.")
+        if names == (DP,):
+            return self._dp_mesh
+        if DP in names:
+            raise ValueError(f"`{DP}` is a flattened dim and cannot be combined with others: {names}.")
+        return self.device_mesh[names[0] if len(names) == 1 else names]
+
+    def get_optional_mesh(self, *names: str) -> "DeviceMesh | None":
+        """Like :meth:`get_mesh`, but None when every named dim has size 1 (the dim is switched off)."""
+        if all(self.spec.size(n) == 1 for n in names):
+            return None
+        return self.get_mesh(*names)
+
+    def group(self, name: str) -> "ProcessGroup":
+        return self.get_mesh(name).get_group()
+
+    def size(self, name: str) -> int:
+        return self.spec.size(name)
+
+    def local_rank(self, name: str) -> int:
+        return self.get_mesh(name).get_local_rank()
+
+    @property
+    def dp_mesh(self) -> "DeviceMesh":
+        return self.get_mesh(DP)
+
+    @property
+    def dp_group(self) -> "ProcessGroup":
+        return self.group(DP)
+
+    @property
+    def dp_size(self) -> int:
+        return self.spec.size(DP)
+
+    @property
+    def dp_rank(self) -> int:
+        return self.local_rank(DP)
+
+    def fsdp_mesh(self) -> "DeviceMesh":
+        """The mesh FSDP2 shards over: 1-D ``dp_shard`` when there is no replication, else 2-D (HSDP)."""
+        if self.spec.size(DP_REPLICATE) == 1:
+            return self.get_mesh(DP_SHARD)
+        return self.get_mesh(DP_REPLICATE, DP_SHARD)
+
+    # ---- self-check ----------------------------------------------------------------------------
+    def check_topology(self) -> None:
+        """Compare the process groups torch created with the spec (a 2x2 HSDP must never run as 4-way FSDP)."""
+        import torch.distributed as dist
+
+        rank = dist.get_rank()
+        expected = self.spec.coords(rank)
+        problems = []
+        coordinate = self.device_mesh.get_coordinate()
+        if coordinate is None or tuple(coordinate) != tuple(expected[n] for n in DIM_NAMES):
+            problems.append(f"coordinates {coordinate} != planned {[expected[n] for n in DIM_NAMES]}")
+        for name in DIM_NAMES + (DP,):
+            group = self.group(name)
+            got = sorted(dist.get_process_group_ranks(group))
+            want = self.spec.group_ranks(rank, name)
+            if got != want:
+                problems.append(f"{name} group ranks {got} != planned {want}")
+        if problems:
+            raise RuntimeError(f"Device mesh topology check failed on rank {rank}: " + "; ".join(problems))
+
+    def __repr__(self) -> str:
+        shape = ", ".join(f"{n}={s}" for n, s in zip(DIM_NAMES, self.spec.shape))
+        return f"DistMesh({shape})"
+
+
+def data_parallel_info(strategy: object) -> tuple["ProcessGroup | None", int, int]:
+    """(group, size, rank) of the data-parallel ranks of any Lightning strategy.
+
+    The pack's strategies reduce over their ``dp`` mesh; Lightning's ``ModelParallelStrategy`` over its
+    ``data_parallel`` dim; any other strategy (DDP, single device) over the whole world (group None).
+    Callbacks use this so tensor/pipeline ranks that saw the same samples are not double-counted.
+    """
+    import torch.distributed as dist
+
+    mesh = getattr(strategy, "mesh", None)
+    if isinstance(mesh, DistMesh):
+        return mesh.dp_group, mesh.dp_size, mesh.dp_rank
+    device_mesh = getattr(strategy, "_device_mesh", None)
+    if device_mesh is not None and "data_parallel" in (device_mesh.mesh_dim_names or ()):
+        sub = device_mesh["data_parallel"]
+        return sub.get_group(), sub.size(), sub.get_local_rank()
+    if dist.is_available() and dist.is_initialized():
+        return None, dist.get_world_size(), dist.get_rank()
+    return None, 1, 0

@@ -1,0 +1,82 @@
+"""Model-independent parallelism, applied by :func:`parallelize_model` in one fixed order.
+
+Order (each step changes the model in place and logs one line):
+
+1. tensor parallelism on ``tp`` (DTensor ``parallelize_module``): it rewrites Linear weights into
+   DTensors, which must happen before anything wraps or checkpoints those modules;
+2. activation checkpointing per block: after TP (it recomputes TP-parallel code as is) and before
+   FSDP (FSDP must see the checkpointed blocks as its units);
+3. data parallelism over ``dp_replicate`` x ``dp_shard``: FSDP2 ``fully_shard`` bottom-up (ZeRO-2/3,
+   HSDP), or all-reduce replication for ZeRO-1 — last, because it shards whatever TP left.
+
+Pipeline splitting happens before all of this, on the whole model (see ``pipeline.py``): each stage's
+module then goes through the same three steps.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from torch import nn
+
+from lightning_dist.mesh import DP_REPLICATE, DP_SHARD, TP, DistMesh
+from lightning_dist.parallelize.ac import apply_ac
+from lightning_dist.parallelize.fsdp import apply_fsdp, apply_replicate
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelizeConfig:
+    """What :func:`parallelize_model` applies."""
+
+    zero_stage: Literal[1, 2, 3] = 3
+    """3: parameters resharded after forward; 2: kept unsharded until backward; 1: replicated, optimizer sharded."""
+    units: str | Sequence[str] = "auto"
+    """FSDP units: ``"auto"`` (each block of the model's block list) or module class names."""
+    activation_checkpointing: bool | Sequence[str] = False
+    """True: checkpoint each block; or module class names to checkpoint."""
+    mp_policy: Any | None = None
+    """FSDP2 ``MixedPrecisionPolicy`` (derived from Lightning's precision flag by the strategy)."""
+    offload_policy: Any | None = None
+    """FSDP2 ``CPUOffloadPolicy`` or None."""
+    tp_plan: Any | None = None
+    """Tensor-parallel plan (see ``parallelize.tp``); used when the mesh has ``tp > 1``."""
+    tp_options: dict = field(default_factory=dict)
+    """Extra keyword arguments for ``apply_tp`` (e.g. ``sequence_parallel``)."""
+
+
+def parallelize_model(model: nn.Module, mesh: DistMesh, config: ParallelizeConfig) -> nn.Module:
+    """Apply TP, activation checkpointing and data parallelism to `model` in place, in that order."""
+    # 1. tensor parallelism first: it turns weights into DTensors on the `tp` mesh
+    if mesh.size(TP) > 1:
+        from lightning_dist.parallelize.tp import apply_tp
+
+        apply_tp(model, mesh.get_mesh(TP), plan=config.tp_plan, **config.tp_options)
+
+    # 2. activation checkpointing after TP and before FSDP, so FSDP's units are the checkpointed blocks
+    if config.activation_checkpointing:
+        ac_units = "auto" if config.activation_checkpointing is True else config.activation_checkpointing
+        apply_ac(model, units=ac_units)
+
+    # 3. data parallelism last, over what TP left
+    dp_size = mesh.size(DP_REPLICATE) * mesh.size(DP_SHARD)
+    if config.zero_stage == 1:
+        if dp_size > 1:
+            apply_replicate(model, mesh.dp_mesh)
+    elif dp_size > 1:
+        apply_fsdp(
+            model,
+            mesh.fsdp_mesh(),
+            units=config.units,
+            reshard_after_forward=config.zero_stage == 3,
+            mp_policy=config.mp_policy,
+            offload_policy=config.offload_policy,
+        )
+    return model
+
+
+__all__ = ["ParallelizeConfig", "parallelize_model", "apply_ac", "apply_fsdp", "apply_replicate"]

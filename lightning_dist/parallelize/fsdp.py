@@ -1,0 +1,75 @@
+"""Data-parallel wrapping over the mesh's data-parallel dims: FSDP2 (ZeRO-2/3, HSDP) or replication (ZeRO-1)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from lightning_dist._compat import fully_shard_api
+from lightning_dist.parallelize.units import select_units
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+log = logging.getLogger(__name__)
+
+
+def roots(model: nn.Module) -> list[nn.Module]:
+    """The modules to wrap last, as FSDP/replicate roots: the model's direct children that hold parameters.
+
+    A LightningModule's forward is often not what runs (``training_step`` calls ``self.model``), so the
+    root must be the submodule whose forward does run: FSDP2 treats the first wrapped module to run
+    forward as the root of its tree.
+    """
+    if any(True for _ in model.parameters(recurse=False)):
+        raise ValueError(
+            f"{type(model).__name__} holds parameters directly ({[n for n, _ in model.named_parameters(recurse=False)]});"
+            " move them into a submodule (e.g. `self.model = nn.Module(...)`) so that it can be sharded."
+        )
+    return [child for child in model.children() if any(True for _ in child.parameters())]
+
+
+def apply_fsdp(
+    model: nn.Module,
+    mesh: "DeviceMesh",
+    *,
+    units: str | Sequence[str] = "auto",
+    reshard_after_forward: bool = True,
+    mp_policy: Any | None = None,
+    offload_policy: Any | None = None,
+) -> int:
+    """``fully_shard`` each unit bottom-up, then each root; returns the number of FSDP groups.
+
+    A 1-D `mesh` shards fully over it; a 2-D ``(dp_replicate, dp_shard)`` mesh gives hybrid sharding
+    (shard inside a group, all-reduce across groups). ``reshard_after_forward=False`` keeps parameters
+    unsharded between forward and backward (ZeRO-2); True frees them after forward (ZeRO-3).
+    """
+    fully_shard, MixedPrecisionPolicy, CPUOffloadPolicy, _ = fully_shard_api()
+    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    if offload_policy is not None:
+        kwargs["offload_policy"] = offload_policy
+    picked = select_units(model, units)
+    # bottom-up: inner units first so each root only holds what no unit claimed
+    for _, module in reversed(picked):
+        fully_shard(module, **kwargs)
+    tops = roots(model)
+    for module in tops:
+        fully_shard(module, **kwargs)
+    log.info("applied FSDP2 to %d units and %d roots on mesh %s", len(picked), len(tops), mesh)
+    return len(picked) + len(tops)
+
+
+def apply_replicate(model: nn.Module, mesh: "DeviceMesh") -> int:
+    """Plain data parallelism (gradients all-reduced) over a 1-D mesh, keeping module classes and keys (ZeRO-1)."""
+    from torch.distributed._composable import replicate
+
+    tops = roots(model)
+    for module in tops:
+        replicate(module, process_group=mesh.get_group())
+    log.info("applied replicate (all-reduce) to %d roots over %d ranks", len(tops), mesh.size())
+    return len(tops)

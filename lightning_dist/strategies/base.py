@@ -1,0 +1,331 @@
+"""MeshStrategy: the base of every strategy of the pack.
+
+Built on Lightning's ``ParallelStrategy`` with Lightning's own pieces: its subprocess script launcher
+(``devices=N``), cluster environments (torchrun, SLURM), process-group start and meta-device
+materialization. It does not subclass ``ModelParallelStrategy``, whose accelerator connector refuses
+``precision="64-true"`` (needed for float64 parity). What it adds:
+
+* one :class:`~lightning_dist.mesh.DistMesh` with dims ``pp``, ``dp_replicate``, ``dp_shard``, ``tp``,
+  validated on every rank before the process group starts, and checked after it is built;
+* samplers, ``reduce`` and ``self.log(..., sync_dist=True)`` over the data-parallel mesh ``dp`` only,
+  so ranks that saw the same samples (tensor/pipeline peers) are not double-counted;
+* the model is parallelized by the strategy (built-in plans via ``parallelize_model``, or the user's
+  ``parallelize_fn(model, mesh)``), so ``configure_model`` is optional;
+* atomic sharded / consolidated checkpoints that load into any mesh (``lightning_dist.checkpoint``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Generator, Mapping
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from typing import Any, Literal, Optional, Union
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from torch import Tensor, nn
+from typing_extensions import override
+
+import lightning.pytorch as pl
+from lightning_dist import checkpoint as ckpt
+from lightning_dist.mesh import DIM_NAMES, DistMesh, MeshSpec
+
+log = logging.getLogger(__name__)
+
+ParallelizeFn = Callable[[nn.Module, DistMesh], Optional[nn.Module]]
+
+
+def attach_mesh(module: pl.LightningModule, mesh: DistMesh) -> None:
+    """Expose the mesh to the user's module: ``self.device_mesh`` (the 4-D DeviceMesh) in ``configure_model``.
+
+    This is the one place the pack writes into the user's LightningModule; Lightning's own
+    ``LightningModule.device_mesh`` property reads it.
+    """
+    module._device_mesh = mesh.device_mesh
+
+
+def _check_size(name: str, value: Any, allow_auto: bool) -> list[str]:
+    if allow_auto and value == "auto":
+        return []
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        what = 'an integer >= 1 or "auto"' if allow_auto else "an integer >= 1"
+        return [f"`{name}={value!r}` must be {what}."]
+    return []
+
+
+class MeshStrategy(ParallelStrategy):
+    """Lightning strategy over the pack's named device mesh.
+
+    Args:
+        pp, dp_replicate, dp_shard, tp: mesh sizes; ``"auto"`` data-parallel sizes shard inside a node
+            and replicate across nodes.
+        allow_cross_node_tp: accept a ``tp`` group larger than one node.
+        parallelize_fn: ``fn(model, mesh)`` that parallelizes the LightningModule in place, replacing the
+            strategy's built-in plan (for models the built-in plans do not cover).
+        save_distributed_checkpoint: True: sharded DCP directory; False: one consolidated file.
+        process_group_backend: ``"gloo"``/``"nccl"``; default from the device (cpu -> gloo, cuda -> nccl).
+        timeout: collective timeout; a failing rank makes the others exit after at most this long.
+    """
+
+    def __init__(
+        self,
+        *,
+        pp: int = 1,
+        dp_replicate: Union[int, Literal["auto"]] = "auto",
+        dp_shard: Union[int, Literal["auto"]] = "auto",
+        tp: int = 1,
+        allow_cross_node_tp: bool = False,
+        parallelize_fn: Optional[ParallelizeFn] = None,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+    ) -> None:
+        super().__init__()
+        problems = _check_size("pp", pp, False) + _check_size("tp", tp, False)
+        problems += _check_size("dp_replicate", dp_replicate, True) + _check_size("dp_shard", dp_shard, True)
+        if parallelize_fn is not None and not callable(parallelize_fn):
+            problems.append(f"`parallelize_fn={parallelize_fn!r}` must be callable as fn(model, mesh).")
+        if problems:
+            raise ValueError(f"Invalid {type(self).__name__} configuration:\n  - " + "\n  - ".join(problems))
+        self._sizes = {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp}
+        self._allow_cross_node_tp = allow_cross_node_tp
+        self._parallelize_fn = parallelize_fn
+        self._mesh: Optional[DistMesh] = None
+        self._device_mesh = None
+        self._save_distributed_checkpoint = save_distributed_checkpoint
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self.num_nodes = 1
+
+    # ---- processes (Lightning's launcher and cluster environments) -----------------------------
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._process_group_backend
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # sharded states load into the parallelized model
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # optimizer states are loaded by `load_checkpoint`
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def _setup_distributed(self) -> None:
+        reset_seed()
+        assert self.cluster_environment is not None
+        self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+        self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout,
+                              device_id=device_id)
+
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if torch.distributed.get_backend() == "nccl":
+            torch.distributed.barrier(device_ids=[self.root_device.index])
+        else:
+            torch.distributed.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
+        return box[0]
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        # with empty_init the model is built on the meta device and materialized after parallelizing
+        with (torch.device("meta") if empty_init else nullcontext()), self.precision_plugin.tensor_init_context():
+            yield
+
+    @override
+    def teardown(self) -> None:
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+    # ---- mesh ----------------------------------------------------------------------------------
+    def mesh_spec(self) -> MeshSpec:
+        """The resolved mesh for this job; pure arithmetic, identical on every rank, raises ValueError."""
+        return MeshSpec(
+            world_size=self.num_nodes * self.num_processes,
+            devices_per_node=self.num_processes,
+            allow_cross_node_tp=self._allow_cross_node_tp,
+            **self._sizes,
+        ).resolve()
+
+    @property
+    def device_mesh(self):
+        """The 4-D DeviceMesh (``self.mesh.device_mesh``)."""
+        return self.mesh.device_mesh
+
+    @property
+    def mesh(self) -> DistMesh:
+        if self._mesh is None:
+            raise RuntimeError(
+                f"{type(self).__name__}.mesh is built in `setup_environment`; it is not available before"
+                " `Trainer.fit/validate/test/predict` starts."
+            )
+        return self._mesh
+
+    @override
+    def setup_environment(self) -> None:
+        # validate the whole configuration on every rank before the first collective
+        spec = self.mesh_spec()
+        self.validate_config(spec)
+        ParallelStrategy.setup_environment(self)
+        self._setup_distributed()
+        self._mesh = DistMesh.build(spec, self.root_device.type)
+        self._device_mesh = self._mesh.device_mesh
+        assert self.lightning_module is not None
+        attach_mesh(self.lightning_module, self._mesh)
+        rank_zero_info(spec.format_plan())
+
+    def validate_config(self, spec: MeshSpec) -> None:
+        """Subclasses check option combinations against the resolved mesh here (raise ValueError)."""
+
+    # ---- data parallel dim ---------------------------------------------------------------------
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.mesh.dp_size, "rank": self.mesh.dp_rank}
+
+    @override
+    def reduce(
+        self,
+        tensor: Union[Tensor, Any],
+        group: Optional[Any] = None,
+        reduce_op: Optional[Union[ReduceOp, str]] = "mean",
+    ) -> Tensor:
+        """Reduce over the data-parallel ranks (tensor/pipeline peers hold the same samples)."""
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group if group is not None else self.mesh.dp_group, reduce_op)
+        return tensor
+
+    # ---- model set-up --------------------------------------------------------------------------
+    def parallelize(self, module: pl.LightningModule) -> None:
+        """Parallelize the LightningModule in place (subclasses apply their built-in plan)."""
+        raise NotImplementedError
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        if any(isinstance(mod, FullyShardedDataParallel) for mod in self.model.modules()):
+            raise TypeError(
+                "Found modules wrapped in FSDP1 `FullyShardedDataParallel`; the pack shards with FSDP2."
+                " Remove the wrapping: the strategy applies sharding itself."
+            )
+        # dtype first (cheap on meta or full tensors), then device, then parallelize, then materialize
+        self.model = self.precision_plugin.convert_module(self.model)
+        if not _has_meta(self.model):
+            self.model.to(self.root_device)
+        if self._parallelize_fn is not None:
+            self._parallelize_fn(self.lightning_module, self.mesh)
+        else:
+            self.parallelize(self.lightning_module)
+        _materialize_distributed_module(self.model, self.root_device)
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.model is not None
+        return ckpt.model_state(self.model, full=not self._save_distributed_checkpoint)
+
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        assert self.model is not None
+        return ckpt.optimizer_state(self.model, optimizer, full=not self._save_distributed_checkpoint)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options (no CheckpointIO).")
+        path = self.broadcast(filepath)  # rank 0 decides the path
+        ckpt.save(checkpoint, path, sharded=self._save_distributed_checkpoint)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        path = self.broadcast(checkpoint_path)
+        assert self.model is not None and self.lightning_module is not None
+        return ckpt.load(
+            path,
+            model=self.model,
+            optimizers=self.optimizers,
+            strict=self.lightning_module.strict_loading,
+            weights_only=True if weights_only is None else weights_only,
+        )
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        pass  # already loaded in `load_checkpoint`
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pass  # already loaded in `load_checkpoint`
+
+    def __repr__(self) -> str:
+        sizes = ", ".join(f"{n}={self._sizes[n]}" for n in DIM_NAMES)
+        return f"{type(self).__name__}({sizes})"
+
+
+def _has_meta(module: nn.Module) -> bool:
+    return any(t.is_meta for t in (*module.parameters(), *module.buffers()))

@@ -1,0 +1,139 @@
+"""HybridShardStrategy: FSDP2 over a (dp_replicate x dp_shard) mesh, with ZeRO-style stages."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from typing import Any, Literal, Optional, Union
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from typing_extensions import override
+
+import lightning.pytorch as pl
+from lightning_dist._compat import fully_shard_api
+from lightning_dist.mesh import MeshSpec
+from lightning_dist.parallelize import ParallelizeConfig, parallelize_model
+from lightning_dist.strategies.base import MeshStrategy
+
+_MP_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
+class HybridShardStrategy(MeshStrategy):
+    """Hybrid sharded data parallelism with FSDP2 (``Trainer(strategy="hsdp")``; ``"fsdp2"`` = full sharding).
+
+    Parameters are sharded inside groups of ``shard_size`` ranks and replicated across the groups, so
+    parameter gathers stay inside a node while only a gradient all-reduce crosses nodes.
+
+    Args:
+        shard_size: ranks per shard group. ``"auto"``: the devices of one node; ``1``: pure replication
+            (DDP-like); ``"full"`` or the world size: full sharding (FSDP/ZeRO-3 over all ranks).
+        zero_stage: ``3`` reshard parameters after forward (least memory); ``2`` keep them unsharded
+            until backward (one all-gather fewer per step); ``1`` replicate parameters and gradients
+            (all-reduce) and shard only the optimizer state (torch's ``ZeroRedundancyOptimizer``).
+        units: FSDP units: ``"auto"`` (each block of the model's block list) or module class names.
+        activation_checkpointing: True to recompute each block in backward, or block class names.
+        offload_policy: an FSDP2 ``CPUOffloadPolicy`` (see ``OffloadStrategy`` for the managed version).
+        **kwargs: the mesh and checkpoint options of :class:`MeshStrategy` (``dp_replicate``, ``timeout``...).
+    """
+
+    strategy_name = "hsdp"
+
+    def __init__(
+        self,
+        *,
+        shard_size: Union[int, Literal["auto", "full"]] = "auto",
+        zero_stage: Literal[1, 2, 3] = 3,
+        units: Union[str, Sequence[str]] = "auto",
+        activation_checkpointing: Union[bool, Sequence[str]] = False,
+        offload_policy: Optional[Any] = None,
+        **kwargs: Any,
+    ) -> None:
+        problems = []
+        if zero_stage not in (1, 2, 3):
+            problems.append(f"`zero_stage={zero_stage!r}` must be 1, 2 or 3.")
+        if shard_size == "full":
+            kwargs.setdefault("dp_replicate", 1)
+            shard = "auto"
+        elif shard_size == "auto" or (isinstance(shard_size, int) and not isinstance(shard_size, bool) and shard_size >= 1):
+            shard = shard_size
+        else:
+            problems.append(f'`shard_size={shard_size!r}` must be an integer >= 1, "auto" or "full".')
+            shard = "auto"
+        if problems:
+            raise ValueError(f"Invalid {type(self).__name__} configuration:\n  - " + "\n  - ".join(problems))
+        if "dp_shard" in kwargs and shard != "auto":
+            raise ValueError(f"Pass either shard_size={shard_size!r} or dp_shard={kwargs['dp_shard']!r}, not both.")
+        kwargs.setdefault("dp_shard", shard)
+        super().__init__(**kwargs)
+        self.zero_stage = zero_stage
+        self.units = units
+        self.activation_checkpointing = activation_checkpointing
+        self.offload_policy = offload_policy
+
+    @override
+    def validate_config(self, spec: MeshSpec) -> None:
+        if self.zero_stage == 1 and spec.size("dp_shard") > 1 and spec.size("dp_replicate") > 1:
+            rank_zero_warn(
+                "zero_stage=1 replicates parameters over all data-parallel ranks; the dp_replicate x dp_shard"
+                " split only matters for stages 2 and 3."
+            )
+
+    def mp_policy(self) -> Optional[Any]:
+        """FSDP2 mixed precision from Lightning's precision flag (``bf16-mixed``: bf16 compute, fp32 reduce)."""
+        dtype = _MP_DTYPES.get(getattr(self.precision_plugin, "precision", ""))
+        if dtype is None:
+            return None
+        _, MixedPrecisionPolicy, _, _ = fully_shard_api()
+        return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+
+    def parallelize_config(self) -> ParallelizeConfig:
+        return ParallelizeConfig(
+            zero_stage=self.zero_stage,
+            units=self.units,
+            activation_checkpointing=self.activation_checkpointing,
+            mp_policy=self.mp_policy(),
+            offload_policy=self.offload_policy,
+        )
+
+    @override
+    def parallelize(self, module: pl.LightningModule) -> None:
+        parallelize_model(module, self.mesh, self.parallelize_config())
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        super().setup_optimizers(trainer)
+        if self.zero_stage == 1 and self.mesh.dp_size > 1:
+            self._shard_optimizers()
+
+    def _shard_optimizers(self) -> None:
+        """ZeRO-1: wrap each optimizer in ZeroRedundancyOptimizer over `dp` and repoint its LR schedulers."""
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        wrapped = []
+        for optimizer in self.optimizers:
+            if isinstance(optimizer, ZeroRedundancyOptimizer):
+                wrapped.append(optimizer)
+                continue
+            groups = [dict(g) for g in optimizer.param_groups]
+            # `defaults` can hold keys the constructor does not take (AdamW's 'decoupled_weight_decay')
+            accepted = inspect.signature(type(optimizer).__init__).parameters
+            defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+            zero = ZeroRedundancyOptimizer(
+                groups, optimizer_class=type(optimizer), process_group=self.mesh.dp_group, **defaults
+            )
+            for config in self.lr_scheduler_configs:
+                if config.scheduler.optimizer is optimizer:
+                    config.scheduler.optimizer = zero
+            wrapped.append(zero)
+        self.optimizers = wrapped
+
+
+class FullyShardStrategy(HybridShardStrategy):
+    """FSDP2 full sharding over all data-parallel ranks (``Trainer(strategy="fsdp2")``)."""
+
+    strategy_name = "fsdp2"
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("shard_size", "full")
+        super().__init__(**kwargs)

@@ -1,0 +1,103 @@
+"""A small harness for multi-process tests (no dependency on torch.testing._internal).
+
+Lightning's launcher re-executes ``sys.argv`` for every rank, so a distributed test starts a scenario
+script in a subprocess: plain ``python script.py`` (Lightning's own launcher spawns the other ranks) or
+``torchrun``. Scenario scripts print one line ``RESULT <json>`` per rank; tests parse and assert on them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCENARIOS = ROOT / "tests" / "scenarios"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(extra: dict | None = None) -> dict:
+    env = dict(os.environ)
+    env.update(
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port()),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
+        }
+    )
+    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE"):
+        env.pop(key, None)  # never inherit a launcher's variables into a fresh job
+    env.update(extra or {})
+    return env
+
+
+class ScenarioError(AssertionError):
+    pass
+
+
+def _run(cmd: list[str], timeout: float, env: dict | None, cwd: Path | None) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        cmd, cwd=cwd or ROOT, env=_env(env), capture_output=True, text=True, timeout=timeout
+    )
+    return proc
+
+
+def results(proc: subprocess.CompletedProcess) -> list[dict]:
+    """The ``RESULT {...}`` lines printed by the ranks, sorted by their ``rank`` key when present."""
+    out = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    return sorted(out, key=lambda r: r.get("rank", 0))
+
+
+def run_script(
+    script: str | Path,
+    *args: str,
+    timeout: float = 300,
+    env: dict | None = None,
+    expect_ok: bool = True,
+    cwd: Path | None = None,
+) -> subprocess.CompletedProcess:
+    """``python script args...``: Lightning's launcher spawns the other ranks itself."""
+    path = Path(script)
+    if not path.is_absolute():
+        path = SCENARIOS / path
+    proc = _run([sys.executable, str(path), *args], timeout, env, cwd)
+    if expect_ok and proc.returncode != 0:
+        raise ScenarioError(f"{path.name} {' '.join(args)} exited {proc.returncode}\n--- stdout\n"
+                            f"{proc.stdout[-6000:]}\n--- stderr\n{proc.stderr[-8000:]}")
+    return proc
+
+
+def run_torchrun(
+    script: str | Path,
+    *args: str,
+    nproc: int = 2,
+    timeout: float = 300,
+    env: dict | None = None,
+    expect_ok: bool = True,
+    extra_torchrun: tuple[str, ...] = (),
+    cwd: Path | None = None,
+) -> subprocess.CompletedProcess:
+    """``torchrun --nproc-per-node N script args...`` on loopback."""
+    path = Path(script)
+    if not path.is_absolute():
+        path = SCENARIOS / path
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+        "--master-addr=127.0.0.1", f"--master-port={port}", *extra_torchrun, str(path), *args,
+    ]
+    proc = _run(cmd, timeout, env, cwd)
+    if expect_ok and proc.returncode != 0:
+        raise ScenarioError(f"torchrun {path.name} {' '.join(args)} exited {proc.returncode}\n--- stdout\n"
+                            f"{proc.stdout[-6000:]}\n--- stderr\n{proc.stderr[-8000:]}")
+    return proc
