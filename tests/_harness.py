@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -54,7 +55,14 @@ def _run(cmd: list[str], timeout: float, env: dict | None, cwd: Path | None) -> 
 
 def results(proc: subprocess.CompletedProcess) -> list[dict]:
     """The ``RESULT {...}`` lines printed by the ranks, sorted by their ``rank`` key when present."""
-    out = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    decoder = json.JSONDecoder()
+    out = []
+    for match in re.finditer(r"RESULT ", proc.stdout):  # robust to two ranks' lines run together
+        try:
+            obj, _ = decoder.raw_decode(proc.stdout, match.end())
+        except json.JSONDecodeError:
+            continue
+        out.append(obj)
     return sorted(out, key=lambda r: r.get("rank", 0))
 
 

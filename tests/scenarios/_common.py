@@ -19,7 +19,8 @@ def rank() -> int:
 def emit(**payload) -> None:
     """One RESULT line for the test to parse."""
     payload.setdefault("rank", torch.distributed.get_rank() if torch.distributed.is_initialized() else rank())
-    print("RESULT " + json.dumps(payload), flush=True)
+    # one write call per line, so lines of ranks sharing a pipe do not interleave
+    os.write(1, ("RESULT " + json.dumps(payload) + "\n").encode())
 
 
 class Block(nn.Module):
@@ -85,7 +86,7 @@ class Classifier(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def train_dataloader(self):
-        kw = self.trainer.strategy.distributed_sampler_kwargs or {"num_replicas": 1, "rank": 0}
+        kw = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {"num_replicas": 1, "rank": 0}
         per_rank = self.global_batch // kw["num_replicas"]
         sampler = DistributedSampler(dataset(self.n, dtype=self.dtype_), shuffle=False, **kw)
         return DataLoader(sampler.dataset, batch_size=per_rank, sampler=sampler)
