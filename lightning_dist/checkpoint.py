@@ -201,7 +201,7 @@ def _torch_load(path: Path, weights_only: bool) -> Any:
 
 def check_compatible(saved_shapes: Mapping[str, Sequence[int]], model: nn.Module, strict: bool = True) -> None:
     """Raise ValueError naming the first parameter whose name or shape differs between checkpoint and model."""
-    live = {k: tuple(v.shape) for k, v in model_state_shapes(model).items()}
+    live = {k: tuple(v) for k, v in model_state_shapes(model).items()}
     for name, shape in live.items():
         if name not in saved_shapes:
             if strict:
