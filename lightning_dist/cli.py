@@ -10,24 +10,31 @@ them in one place, so a new subcommand is an ``_add_<name>`` / ``run_<name>`` pa
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-GB = 1e9  # the tables print decimal gigabytes, as DeepSpeed's ZeRO tutorial does
+# decimal units, as DeepSpeed's ZeRO tutorial uses (1 GB = 1e9 bytes)
+_UNITS = ((1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "kB"), (1.0, "B"))
+
+
+def _unit(largest: float) -> tuple[float, str]:
+    """The largest decimal unit in which ``largest`` is at least 1 (so small models do not print 0.000)."""
+    return next(((scale, name) for scale, name in _UNITS if largest >= scale), _UNITS[-1])
 
 
 # ---- plan -------------------------------------------------------------------------------------------------
 def _add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from lightning_dist.planner import _OPTIMIZER_SLOTS, _PRECISIONS, SCHEDULES
+    from lightning_dist.planner import OPTIMIZER_SLOTS, PRECISIONS, SCHEDULES
 
     p = sub.add_parser(
         "plan",
         help="memory and traffic per device of each parallel layout; recommends the least parallelism that fits",
         description="Plan a distributed run: model-state memory per device (params / grads / optimizer state) and"
         " communication per step for DDP, ZeRO 1/2/3, hybrid sharding, tensor and pipeline parallel and"
-        " offloading. The model is built on the meta device (no memory). 1 GB = 1e9 bytes in the table.",
+        " offloading. The model is built on the meta device (no memory). Decimal units: 1 GB = 1e9 bytes.",
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", metavar="CLASS_PATH", help="dotted path of a torch.nn.Module / LightningModule class")
@@ -37,10 +44,10 @@ def _add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, required=True, help="number of processes (devices)")
     p.add_argument("--devices-per-node", type=int, default=None, help="devices per node (default: the world size)")
     p.add_argument("--device-memory", default=None, help="memory per device, e.g. 80GB (1e9 B), 24GiB (2**30 B), bytes")
-    p.add_argument("--precision", default="bf16-mixed", choices=sorted(_PRECISIONS), metavar="PRECISION",
-                   help=f"Lightning precision flag (default bf16-mixed): {', '.join(sorted(_PRECISIONS))}")
-    p.add_argument("--optimizer", default="adamw", choices=sorted(_OPTIMIZER_SLOTS), metavar="OPTIMIZER",
-                   help=f"optimizer (default adamw): {', '.join(sorted(_OPTIMIZER_SLOTS))}")
+    p.add_argument("--precision", default="bf16-mixed", choices=sorted(PRECISIONS), metavar="PRECISION",
+                   help=f"Lightning precision flag (default bf16-mixed): {', '.join(sorted(PRECISIONS))}")
+    p.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_SLOTS), metavar="OPTIMIZER",
+                   help=f"optimizer (default adamw): {', '.join(sorted(OPTIMIZER_SLOTS))}")
     p.add_argument("--master-weights", action="store_true",
                    help="ZeRO/DeepSpeed convention: 16-bit params and grads + fp32 master copy (Adam: 2 + 2 + 12)")
     p.add_argument("--optimizer-state-bytes", type=float, default=None,
@@ -96,7 +103,7 @@ def run_plan(args: argparse.Namespace) -> int:
         print(json.dumps({
             "model": label, "params": counts.total, "tp_sharded_params": counts.tp_sharded_params,
             "world_size": args.world_size, "devices_per_node": args.devices_per_node or args.world_size,
-            "device_memory": device_memory, "state_bytes": state.__dict__,
+            "device_memory": device_memory, "state_bytes": dataclasses.asdict(state),
             "layouts": [layout.to_dict() for layout in layouts],
             "recommended": best.name if best else None,
         }, indent=2))
@@ -113,25 +120,28 @@ def _print_plan(layouts, best, *, label, counts, state, device_memory) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    mem = f", device memory {device_memory / GB:.2f} GB" if device_memory else ""
+    scale, unit = _unit(max(max(lay.memory.total + lay.memory.host + lay.memory.nvme for lay in layouts),
+                            device_memory or 0))
+    mem = f", device memory {device_memory / scale:.3g} {unit}" if device_memory else ""
     table = Table(title=f"{label}: {counts.total:,} params, {state.param:g} + {state.grad:g} + {state.optimizer:g}"
-                        f" bytes/param{mem}")
-    for col in ("layout", "pp/rep/shard/tp", "params GB", "grads GB", "optim GB", "device GB", "host GB",
-                "traffic GB/step", "idle", "fits"):
-        table.add_column(col, justify="left" if col in ("layout", "pp/rep/shard/tp") else "right")
+                        f" bytes/param{mem}; memory and traffic in {unit}",
+                  caption=f"{unit} per device (1 kB = 1e3 B, model states only). traffic: {unit} one device sends"
+                          " per step"
+                          " (ring collectives); +act: tensor/pipeline activations not counted (give --batch-size"
+                          " and --hidden-size). mesh: pp x dp_replicate x dp_shard x tp. * = recommended.")
+    for col in ("layout", "mesh", "params", "grads", "optim", "device", "host", "traffic", "idle", "fits"):
+        table.add_column(col, justify="left" if col in ("layout", "mesh") else "right", no_wrap=True)
     for lay in layouts:
         m = lay.memory
         mark = " *" if best is not None and lay.name == best.name else ""
-        traffic = f"{lay.wire_bytes / GB:.3f}" + ("" if lay.activations_counted else " +act")
+        traffic = f"{lay.wire_bytes / scale:.3g}" + ("" if lay.activations_counted else " +act")
         fits = "-" if lay.fits is None else ("yes" if lay.fits else "no")
-        table.add_row(lay.name + mark, "/".join(str(v) for v in lay.mesh.values()), f"{m.params / GB:.3f}",
-                      f"{m.grads / GB:.3f}", f"{m.optimizer / GB:.3f}", f"{m.total / GB:.3f}",
-                      f"{(m.host + m.nvme) / GB:.3f}", traffic, f"{lay.idle_fraction:.1%}" if lay.idle_fraction else "",
-                      fits, style="bold green" if mark else None)
-    console = Console()
+        table.add_row(lay.name + mark, "x".join(str(v) for v in lay.mesh.values()), *(
+            f"{v / scale:.3g}" for v in (m.params, m.grads, m.optimizer, m.total, m.host + m.nvme)),
+            traffic, f"{lay.idle_fraction:.1%}" if lay.idle_fraction else "", fits,
+            style="bold green" if mark else None)
+    console = Console() if sys.stdout.isatty() else Console(width=120)  # pipes/files: don't squeeze to 80 columns
     console.print(table)
-    console.print("traffic: bytes one device sends per step (ring collectives); '+act': tensor/pipeline activations"
-                  " not counted (give --batch-size and --hidden-size). Memory: model states only.")
     if best is None:
         console.print("No layout fits the device memory.")
     else:
@@ -150,24 +160,51 @@ def _plot_plan(layouts, best, *, path: str, device_memory: float | None, title: 
     fig = Figure(figsize=(max(6.0, 0.6 * len(layouts) + 2), 4.5), layout="constrained")
     FigureCanvasAgg(fig)  # Agg canvas: renders without a display
     ax = fig.add_subplot()
+    scale, unit = _unit(max(max(lay.memory.total for lay in layouts), device_memory or 0))
     bottom = [0.0] * len(layouts)
     for part in ("params", "grads", "optimizer"):
-        heights = [getattr(lay.memory, part) / GB for lay in layouts]
+        heights = [getattr(lay.memory, part) / scale for lay in layouts]
         ax.bar(names, heights, bottom=bottom, label=part)
         bottom = [b + h for b, h in zip(bottom, heights)]
     if device_memory:
-        ax.axhline(device_memory / GB, color="black", linestyle="--", linewidth=1, label="device memory")
-    ax.set_ylabel("model-state memory per device (GB)")
+        ax.axhline(device_memory / scale, color="black", linestyle="--", linewidth=1, label="device memory")
+    ax.set_ylabel(f"model-state memory per device ({unit})")
     ax.set_title(f"{title} (* = recommended)")
     ax.tick_params(axis="x", labelrotation=60)
+    for tick in ax.get_xticklabels():
+        tick.set_horizontalalignment("right")
     ax.legend()
     fig.savefig(path, dpi=100)
+
+
+# ---- consolidate ------------------------------------------------------------------------------------------
+def _add_consolidate(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "consolidate",
+        help="turn a sharded checkpoint directory into one file a single-device Lightning run can load",
+    )
+    p.add_argument("src", help="sharded checkpoint directory written by a lightning-dist strategy")
+    p.add_argument("dst", help="output file (written atomically)")
+    return p
+
+
+def run_consolidate(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from lightning_dist.checkpoint import consolidate
+
+    console = Console(stderr=True)
+    with console.status("consolidating") as status:
+        out = consolidate(args.src, args.dst, progress=lambda msg: status.update(msg))
+    console.print(f"wrote {out} ({out.stat().st_size:,} bytes)")
+    return 0
 
 
 # ---- registry ---------------------------------------------------------------------------------------------
 # name -> (adds the subparser, runs it). Add new subcommands here.
 SUBCOMMANDS: dict[str, tuple[Callable[[Any], argparse.ArgumentParser], Callable[[argparse.Namespace], int]]] = {
     "plan": (_add_plan, run_plan),
+    "consolidate": (_add_consolidate, run_consolidate),
 }
 
 

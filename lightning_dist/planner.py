@@ -25,6 +25,10 @@ gradients (z >= 2) and the parameters (z = 3); what is not sharded is replicated
 * DDP: ``z = 0`` -> ``P (b_p + b_g + b_o)``; with mixed-precision Adam (2 + 2 + 12) that is ``16 P``.
 * ZeRO 1 / 2 / 3 over ``W`` ranks: ``S = W`` -> ``(b_p + b_g) P + b_o P / W``, ``b_p P + (b_g + b_o) P / W``,
   ``(b_p + b_g + b_o) P / W``. 1.5e9 parameters, 2 + 2 + 12, W = 8: 24.0, 8.25, 5.625, 3.0 GB (1 GB = 1e9 B).
+* The ZeRO-2 row is DeepSpeed's (16-bit parameters resident and replicated). The pack's FSDP2
+  ``zero_stage=2`` (``reshard_after_forward=False``) keeps only shards between steps, like stage 3, and
+  holds the unsharded compute-dtype parameters from forward to backward: use :func:`fsdp2_state_bytes`
+  for live bytes at rest.
 * Hybrid sharding (HSDP): the same with ``S = dp_shard`` (replicated across the ``R`` replica groups).
 * Tensor parallel: ``P = P_sharded / t + P_replicated`` (:func:`tp_local_params`), then the above over
   the data-parallel shard group.
@@ -36,6 +40,7 @@ gradients (z >= 2) and the parameters (z = 3); what is not sharded is replicated
 FSDP2 shards every parameter along dim 0 (``torch.chunk`` semantics, chunks of ``ceil(d0 / S)`` rows,
 trailing ranks may hold fewer or zero rows), so the exact per-rank count differs from ``P / S`` by the
 rounding; :func:`per_parameter_shards` counts it exactly and :func:`fsdp2_state_bytes` turns it into bytes.
+Its collectives move the padded shards (``S * ceil(d0 / S)`` rows per parameter): :func:`fsdp2_traffic`.
 
 Communication per step, per device (:func:`data_parallel_traffic` and friends)
 ------------------------------------------------------------------------------
@@ -62,11 +67,15 @@ calls) and its ring-algorithm *wire* bytes (what one device sends, = what it rec
   linears per block, 2 for attention + MLP): forward one all-reduce of the ``batch * seq * hidden``
   activation per row-parallel linear, backward one all-reduce of the same size per column-parallel input:
   payload ``2 n_row L * b s h * b_act`` on ``tp`` (:func:`tp_activation_traffic`). With sequence parallelism
-  each all-reduce becomes an all-gather + a reduce-scatter of the same payload: same wire bytes.
+  each all-reduce becomes an all-gather + a reduce-scatter of the same payload: same wire bytes. Only the
+  blocks are counted (not a vocabulary-parallel embedding or loss-parallel head).
 * Pipeline: per micro-batch, each stage boundary carries the activation forward and its gradient back;
   an interior stage sends ``2 m v A`` bytes per step (``A`` = activation bytes per micro-batch,
   :func:`pipeline_p2p_traffic`). Idle (bubble) fraction of a step with equal stage times:
   GPipe and 1F1B ``(p - 1) / (m + p - 1)``; interleaved 1F1B ``(p - 1) / (v m + p - 1)``.
+
+"Per step" is one forward + backward + optimizer step; with ``k`` gradient-accumulation micro-steps FSDP
+gathers ``k`` times while DDP under ``no_sync`` still all-reduces once.
 
 Choosing a layout (:func:`candidate_layouts`, :func:`recommend`)
 -----------------------------------------------------------------
@@ -99,14 +108,14 @@ SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b")
 
 # Lightning precision flag -> (bytes of the stored parameters, bytes of the compute/all-gather dtype).
 # "-mixed" keeps float32 parameters and computes in 16 bit (autocast / FSDP2 MixedPrecisionPolicy).
-_PRECISIONS: dict[str, tuple[int, int]] = {
+PRECISIONS: dict[str, tuple[int, int]] = {
     "64-true": (8, 8), "64": (8, 8),
     "32-true": (4, 4), "32": (4, 4),
     "bf16-mixed": (4, 2), "bf16": (4, 2), "16-mixed": (4, 2), "16": (4, 2),
     "bf16-true": (2, 2), "16-true": (2, 2),
 }
 # Optimizer -> state tensors per parameter (each in the parameter's dtype, as torch.optim keeps them).
-_OPTIMIZER_SLOTS: dict[str, int] = {"adamw": 2, "adam": 2, "sgd": 0, "sgd-momentum": 1}
+OPTIMIZER_SLOTS: dict[str, int] = {"adamw": 2, "adam": 2, "sgd": 0, "sgd-momentum": 1}
 
 _DECIMAL = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _BINARY = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -171,15 +180,15 @@ def state_bytes(
     gradients plus an fp32 master copy and fp32 states, i.e. Adam 2 + 2 + 12.
     ``optimizer_state_bytes`` replaces the optimizer's bytes per parameter outright.
     """
-    if precision not in _PRECISIONS:
-        raise ValueError(f"Unknown precision {precision!r}; use one of {sorted(_PRECISIONS)}.")
-    if optimizer not in _OPTIMIZER_SLOTS:
-        raise ValueError(f"Unknown optimizer {optimizer!r}; use one of {sorted(_OPTIMIZER_SLOTS)},"
+    if precision not in PRECISIONS:
+        raise ValueError(f"Unknown precision {precision!r}; use one of {sorted(PRECISIONS)}.")
+    if optimizer not in OPTIMIZER_SLOTS:
+        raise ValueError(f"Unknown optimizer {optimizer!r}; use one of {sorted(OPTIMIZER_SLOTS)},"
                          " or pass optimizer_state_bytes for another optimizer.")
     if optimizer_state_bytes is not None and optimizer_state_bytes < 0:
         raise ValueError(f"optimizer_state_bytes={optimizer_state_bytes!r} must be >= 0.")
-    stored, compute = _PRECISIONS[precision]
-    slots = _OPTIMIZER_SLOTS[optimizer]
+    stored, compute = PRECISIONS[precision]
+    slots = OPTIMIZER_SLOTS[optimizer]
     if master_weights:
         if compute >= 4:
             raise ValueError(f"master_weights=True needs a 16-bit precision (bf16-mixed, 16-mixed, bf16-true,"
@@ -397,23 +406,32 @@ def per_parameter_shards(shapes: Iterable[Sequence[int]], world_size: int, *, pa
     return [sum(fsdp2_local_numel(s, world_size, r, padded=padded) for s in shapes) for r in range(world_size)]
 
 
-def zero_redundancy_partition(numels: Sequence[int], world_size: int) -> list[int]:
-    """Parameter elements whose optimizer state each rank owns under torch's ``ZeroRedundancyOptimizer``.
+def zero_redundancy_owners(numels: Sequence[int], world_size: int) -> list[int]:
+    """Rank that owns each parameter's optimizer state under torch's ``ZeroRedundancyOptimizer``.
 
-    Mirrors its greedy partition (one parameter group): whole parameters, largest first, each to the rank
-    with the smallest total so far (lowest rank on ties).
+    Mirrors its greedy partition (one parameter group): parameters sorted by size, largest first (a stable
+    sort), each to the rank with the smallest total so far (the lowest such rank on ties).
     """
     _check_size("world_size", world_size)
-    sizes = [0] * world_size
-    for n in sorted(numels, reverse=True):  # sorted() is stable, like torch's sort of the param list
+    sizes, owners = [0] * world_size, [0] * len(numels)
+    for i in sorted(range(len(numels)), key=lambda i: numels[i], reverse=True):
         rank = sizes.index(min(sizes))
+        owners[i] = rank
+        sizes[rank] += int(numels[i])
+    return owners
+
+
+def zero_redundancy_partition(numels: Sequence[int], world_size: int) -> list[int]:
+    """Parameter elements whose optimizer state each rank owns under ``ZeroRedundancyOptimizer``."""
+    sizes = [0] * world_size
+    for n, rank in zip(numels, zero_redundancy_owners(numels, world_size)):
         sizes[rank] += int(n)
     return sizes
 
 
 def fsdp2_state_bytes(
     shapes: Iterable[Sequence[int]], *, shard_size: int, rank: int = 0, state: StateBytes,
-    zero_stage: int = 3, padded: bool = False,
+    zero_stage: int = 3, padded: bool = False, step_bytes: float = 0,
 ) -> MemoryBreakdown:
     """Live model-state bytes on ``rank`` of a shard group, as the pack's FSDP2 strategies hold them at rest.
 
@@ -423,21 +441,30 @@ def fsdp2_state_bytes(
     * ``zero_stage`` 1: parameters and gradients replicated, optimizer state partitioned whole-parameter by
       :func:`zero_redundancy_partition` over ``shard_size`` ranks (ZeroRedundancyOptimizer).
     * ``zero_stage`` 0: everything replicated.
+    ``step_bytes``: per-parameter-tensor scalar optimizer state, added to the optimizer part (torch's Adam
+    keeps a float32 ``step`` per parameter: 4; FSDP2 ranks hold one per parameter, even with zero rows).
     Differs from the closed form :func:`model_state_bytes` only by the rounding of uneven shards.
     """
     _check_zero_stage(zero_stage)
+    _check_count("step_bytes", step_bytes)
     shapes = [tuple(s) for s in shapes]
     total = sum(math.prod(s) for s in shapes)
+    steps = len(shapes) * step_bytes
     if zero_stage >= 2:
         local = sum(fsdp2_local_numel(s, shard_size, rank, padded=padded) for s in shapes)
-        return MemoryBreakdown(params=local * state.param, grads=local * state.grad, optimizer=local * state.optimizer)
+        return MemoryBreakdown(params=local * state.param, grads=local * state.grad,
+                               optimizer=local * state.optimizer + steps)
     opt = total
     if zero_stage == 1:
         _check_size("shard_size", shard_size)
         if not 0 <= rank < shard_size:
             raise ValueError(f"rank={rank} is outside shard_size={shard_size}.")
-        opt = zero_redundancy_partition([math.prod(s) for s in shapes], shard_size)[rank]
-    return MemoryBreakdown(params=total * state.param, grads=total * state.grad, optimizer=opt * state.optimizer)
+        numels = [math.prod(s) for s in shapes]
+        owners = zero_redundancy_owners(numels, shard_size)
+        opt = sum(n for n, r in zip(numels, owners) if r == rank)
+        steps = sum(1 for r in owners if r == rank) * step_bytes
+    return MemoryBreakdown(params=total * state.param, grads=total * state.grad,
+                           optimizer=opt * state.optimizer + steps)
 
 
 # ---- communication --------------------------------------------------------------------------------------
@@ -525,6 +552,42 @@ def data_parallel_traffic(
     return out
 
 
+def fsdp2_traffic(
+    unit_shapes: Iterable[Sequence[int]], *, root_shapes: Iterable[Sequence[int]] = (), shard_size: int,
+    replicate_size: int = 1, state: StateBytes, zero_stage: int = 3,
+) -> list[Collective]:
+    """Exact FSDP2 collectives per step (one forward + backward), padding included.
+
+    FSDP2 gathers and reduce-scatters the *padded* shards: a parameter of dim 0 ``d0`` moves
+    ``S * ceil(d0 / S) * rest`` elements (``S * padded`` of :func:`fsdp2_local_numel`), which for small or
+    odd-sized models exceeds the closed form of :func:`data_parallel_traffic` noticeably.
+    ``unit_shapes``: parameters of the non-root ``fully_shard`` units (gathered in forward and again in
+    backward at ``zero_stage`` 3); ``root_shapes``: parameters held directly by the root unit, which FSDP2
+    does not reshard after forward (gathered once). ``zero_stage`` 2 (``reshard_after_forward=False``)
+    gathers every unit once. HSDP all-reduces each rank's padded gradient shard on ``dp_replicate``.
+    """
+    if zero_stage not in (2, 3):
+        raise ValueError(f"`zero_stage={zero_stage!r}`: FSDP2 traffic is defined for stages 2 and 3.")
+    _check_size("shard_size", shard_size)
+    _check_size("replicate_size", replicate_size)
+
+    def padded(shapes: Iterable[Sequence[int]]) -> int:
+        return sum(shard_size * fsdp2_local_numel(tuple(s), shard_size, 0, padded=True) for s in shapes)
+
+    units, root = padded(unit_shapes), padded(root_shapes)
+    gathered = (2 if zero_stage == 3 else 1) * units + root
+    out = [
+        Collective(op="all_gather", dim=DP_SHARD, group_size=shard_size, payload_bytes=gathered * state.gather,
+                   what="parameters (padded shards)"),
+        Collective(op="reduce_scatter", dim=DP_SHARD, group_size=shard_size,
+                   payload_bytes=(units + root) * state.reduce, what="gradients (padded)"),
+    ]
+    if replicate_size > 1:
+        out.append(Collective(op="all_reduce", dim=DP_REPLICATE, group_size=replicate_size,
+                              payload_bytes=(units + root) / shard_size * state.reduce, what="gradient shards"))
+    return out
+
+
 def tp_activation_traffic(
     *, batch: int, seq: int, hidden: int, blocks: int, tp: int, bytes_per_element: float,
     row_parallel_per_block: int = 2, sequence_parallel: bool = False,
@@ -558,7 +621,9 @@ def _check_schedule(schedule: str, virtual_stages: int) -> None:
                          " one stage per rank).")
 
 
-def pipeline_idle_fraction(*, stages: int, micro_batches: int, schedule: str = "1f1b", virtual_stages: int = 1) -> float:
+def pipeline_idle_fraction(
+    *, stages: int, micro_batches: int, schedule: str = "1f1b", virtual_stages: int = 1
+) -> float:
     """Bubble share of a step with equal stage times: ``(p-1)/(m+p-1)`` for GPipe and 1F1B (1F1B reorders
     the work and cuts activation memory, not the bubble); ``(p-1)/(v m + p-1)`` for interleaved 1F1B."""
     _check_size("stages", stages)
@@ -910,7 +975,8 @@ def candidate_layouts(
             out.append(Layout(name=f"tp{t}-{label}{dp}" if dp > 1 else f"tp{t}", kind="tp",
                               mesh=_mesh(shard=dp if stage else 1, rep=1 if stage else dp, tp=t), zero_stage=stage,
                               memory=mem, traffic=tuple(traffic), activations_counted=bool(act),
-                              note=f"tensor parallel x{t} in a node, dp x{dp} " + ("sharded" if stage else "replicated")))
+                              note=f"tensor parallel x{t} in a node, dp x{dp} "
+                                   + ("sharded" if stage else "replicated")))
 
     # pipeline x data parallel
     max_stages = len(counts.layer_params) if counts.layer_params else W
