@@ -7,7 +7,8 @@ Order (each step changes the model in place and logs one line):
 2. activation checkpointing per block: after TP (it recomputes TP-parallel code as is) and before
    FSDP (FSDP must see the checkpointed blocks as its units);
 3. data parallelism over ``dp_replicate`` x ``dp_shard``: FSDP2 ``fully_shard`` bottom-up (ZeRO-2/3,
-   HSDP), or all-reduce replication for ZeRO-1 — last, because it shards whatever TP left.
+   HSDP), or DDP-style all-reduce replication for ZeRO-1 and shard groups of size 1 — last, because it
+   shards whatever TP left.
 
 Pipeline splitting happens before all of this, on the whole model (see ``pipeline.py``): each stage's
 module then goes through the same three steps.
@@ -64,7 +65,11 @@ def parallelize_model(model: nn.Module, mesh: DistMesh, config: ParallelizeConfi
 
     # 3. data parallelism last, over what TP left
     dp_size = mesh.size(DP_REPLICATE) * mesh.size(DP_SHARD)
-    if config.zero_stage == 1:
+    # with nothing to shard (ZeRO-1, or shard groups of one rank) the fastest correct choice is DDP's
+    # bucketed all-reduce; FSDP2 over a (N, 1) mesh would issue one small all-reduce per unit (~3x slower
+    # here). DTensor (TP) parameters need FSDP2, which composes with them.
+    replicate_only = config.zero_stage == 1 or (mesh.size(DP_SHARD) == 1 and mesh.size(TP) == 1)
+    if replicate_only:
         if dp_size > 1:
             apply_replicate(model, mesh.dp_mesh)
     elif dp_size > 1:

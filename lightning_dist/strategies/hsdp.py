@@ -62,9 +62,10 @@ class HybridShardStrategy(MeshStrategy):
             shard = "auto"
         if problems:
             raise ValueError(f"Invalid {type(self).__name__} configuration:\n  - " + "\n  - ".join(problems))
-        if "dp_shard" in kwargs and shard != "auto":
+        if kwargs.get("dp_shard", "auto") != "auto" and shard != "auto":
             raise ValueError(f"Pass either shard_size={shard_size!r} or dp_shard={kwargs['dp_shard']!r}, not both.")
-        kwargs.setdefault("dp_shard", shard)
+        if shard != "auto":
+            kwargs["dp_shard"] = shard
         super().__init__(**kwargs)
         self.zero_stage = zero_stage
         self.units = units

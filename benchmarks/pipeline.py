@@ -1,0 +1,195 @@
+"""Pipeline bubble on 2 CPU processes: measured idle fraction vs theory, activations held, step time vs DDP.
+
+One invocation (it starts torchrun itself)::
+
+    python benchmarks/pipeline.py [--steps 8] [--json FILE] [--gantt DIR]
+
+``PipelineStrategy(pp=2)`` trains an MLP (stem, 8 blocks of width 256, head; float32, micro-batches of
+32 rows) for each schedule and micro-batch count; the ``PipelineBubble`` callback records every F/B/I/W
+action of every rank. Reports, averaged over the steps after warm-up:
+
+* measured idle fraction = mean over ranks of 1 - busy / step span, and its ratio to the GPipe/1F1B theory
+  (p-1)/(m+p-1) for 1F1B and GPipe with m in {2, 4, 8} (goal <= 1.10). The table gives the least-disturbed
+  step ("best", as timeit reports its minimum: on a shared machine preemption only adds idle time) and the
+  median and mean over the steps after warm-up;
+* the zero-bubble (ZBV, F/I/W split) schedule's idle fraction next to 1F1B's at the same m;
+* the peak number of micro-batches whose activations stage 0 held (1F1B <= p, GPipe = m);
+* step time (median of the training-batch wall times of rank 0) vs Lightning's ``DDPStrategy`` training the
+  same model on the same global batch on the same 2 processes (for context: DDP does all the work twice
+  as fast per process when compute is free, the pipeline halves memory per process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+WIDTH, DEPTH, MICRO = 256, 8, 32
+CONFIGS = [("1f1b", 2), ("1f1b", 4), ("1f1b", 8), ("gpipe", 2), ("gpipe", 4), ("gpipe", 8),
+           ("zero_bubble", 4), ("zero_bubble", 8)]
+
+
+def _launch(argv: list[str]) -> int:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+           f"--master-port={29500 + os.getpid() % 1000}", __file__, *argv]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    return subprocess.call(cmd, env=env)
+
+
+def _worker(args: argparse.Namespace) -> None:
+    import lightning.pytorch as pl
+    import torch.nn.functional as F
+    from lightning.pytorch.callbacks import Callback
+    from torch import nn
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    import lightning_dist  # noqa: F401
+    from lightning_dist.callbacks.pipeline_bubble import PipelineBubble
+    from lightning_dist.strategies import PipelineStrategy
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+
+        def forward(self, x):
+            return x + self.fc2(torch.relu(self.fc1(x)))
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stem = nn.Linear(64, WIDTH)
+            self.blocks = nn.ModuleList(Block() for _ in range(DEPTH))
+            self.head = nn.Linear(WIDTH, 10)
+
+        def forward(self, x):
+            x = self.stem(x)
+            for b in self.blocks:
+                x = b(x)
+            return self.head(x)
+
+    class Module(pl.LightningModule):
+        def __init__(self, batch: int) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.model, self.batch = Net(), batch
+            self.example_input_array = torch.randn(MICRO, 64)
+
+        def pipeline_loss(self, out, y):
+            return F.cross_entropy(out, y)
+
+        def training_step(self, batch, _):
+            x, y = batch
+            loss = F.cross_entropy(self.model(x), y)
+            self.log("loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+        def train_dataloader(self):
+            kw = self.trainer.strategy.distributed_sampler_kwargs
+            g = torch.Generator().manual_seed(0)
+            n = self.batch * (args.steps + 1)
+            data = TensorDataset(torch.randn(n, 64, generator=g), torch.randint(0, 10, (n,), generator=g))
+            sampler = DistributedSampler(data, shuffle=False, **kw)
+            return DataLoader(data, batch_size=self.batch // kw["num_replicas"], sampler=sampler)
+
+    class StepTimer(Callback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def on_train_batch_start(self, *a) -> None:
+            self._t = time.perf_counter()
+
+        def on_train_batch_end(self, *a) -> None:
+            self.times.append(time.perf_counter() - self._t)
+
+    def trainer(strategy, callbacks):
+        return pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=args.steps, logger=False,
+                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                          use_distributed_sampler=False, callbacks=callbacks)
+
+    rows = []
+    for schedule, m in CONFIGS:
+        bubble = PipelineBubble(warmup_steps=2, log=False,
+                                gantt_path=Path(args.gantt) / f"{schedule}_m{m}.png" if args.gantt else None)
+        timer = StepTimer()
+        strategy = PipelineStrategy(pp=2, schedule=schedule, n_microbatches=m, split="params")
+        trainer(strategy, [bubble, timer]).fit(Module(MICRO * m))
+        s = bubble.summary()
+        rows.append({"schedule": schedule, "m": m, "idle": s["idle_best"], "idle_mean": s["idle_fraction"],
+                     "idle_median": s["idle_median"], "theory": s["idle_theory"],
+                     "ratio": s["ratio_best"], "ratio_mean": s["ratio"], "peak_held_stage0": s["peak_held"].get(0, 0),
+                     "peak_held": {str(k): v for k, v in s["peak_held"].items()},
+                     "step_s": statistics.median(timer.times[2:])})
+    ddp = []
+    for m in (4, 8):
+        timer = StepTimer()
+        trainer("ddp", [timer]).fit(Module(MICRO * m))
+        ddp.append({"m": m, "step_s": statistics.median(timer.times[2:])})
+    if int(os.environ.get("RANK", "0")) == 0:
+        Path(args.out).write_text(json.dumps({"pipeline": rows, "ddp": ddp, "loadavg": os.getloadavg()}))
+
+
+def _report(data: dict, json_path: str | None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    rows, ddp = data["pipeline"], {d["m"]: d["step_s"] for d in data["ddp"]}
+    table = Table(title=f"Pipeline bubble, p=2 on 2 CPU processes (MLP {DEPTH}x{WIDTH}, micro-batch {MICRO})")
+    for col in ("schedule", "m", "idle best", "idle median", "theory", "ratio best", "ratio mean", "peak held s0",
+                "step (ms)", "DDP (ms)"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(r["schedule"], str(r["m"]), f"{r['idle']:.3f}", f"{r['idle_median']:.3f}", f"{r['theory']:.3f}",
+                      f"{r['ratio']:.2f}", f"{r['ratio_mean']:.2f}",
+                      str(r["peak_held_stage0"]), f"{r['step_s'] * 1e3:.1f}",
+                      f"{ddp[r['m']] * 1e3:.1f}" if r["m"] in ddp else "-")
+    Console(width=140).print(table)
+    Console().print(f"load average during the run: {data['loadavg']} on {os.cpu_count()} CPUs"
+                    " (idle best = the least-disturbed step after warm-up; preemption only adds idle time)")
+    by = {(r["schedule"], r["m"]): r for r in rows}
+    checks = {
+        "1F1B/GPipe ratio <= 1.10": all(r["ratio"] <= 1.10 for r in rows if r["schedule"] in ("1f1b", "gpipe")),
+        "zero-bubble idle < 1F1B idle": all(by[("zero_bubble", m)]["idle"] < by[("1f1b", m)]["idle"] for m in (4, 8)),
+        "1F1B peak held <= p": all(r["peak_held_stage0"] <= 2 for r in rows if r["schedule"] == "1f1b"),
+        "GPipe peak held = m": all(r["peak_held_stage0"] == r["m"] for r in rows if r["schedule"] == "gpipe"),
+    }
+    for name, ok in checks.items():
+        Console().print(f"{'PASS' if ok else 'MISS'}  {name}")
+    if json_path:
+        Path(json_path).write_text(json.dumps({**data, "checks": checks}, indent=2))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--gantt", default=None, help="folder for one Gantt PNG per configuration")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        _worker(args)
+        return
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        argv = ["--worker", "--out", out, "--steps", str(args.steps)] + (["--gantt", args.gantt] if args.gantt else [])
+        if _launch(argv) != 0:
+            sys.exit("benchmark workers failed")
+        _report(json.loads(Path(out).read_text()), args.json)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""Checkpoint module in one process: atomic writes, key layouts, mismatch messages, safe loading."""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_dist import checkpoint as ckpt
+
+
+def test_atomic_file_save_keeps_the_previous_checkpoint_when_writing_fails(tmp_path, monkeypatch):
+    path = tmp_path / "last.ckpt"
+    ckpt.save({"state_dict": {"w": torch.ones(3)}, "optimizer_states": []}, path, sharded=False)
+    good = path.read_bytes()
+
+    def crash(obj, f, *a, **k):
+        f.write(b"half a checkpoint")
+        raise OSError("disk died mid-write")
+
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(OSError, match="disk died"):
+        ckpt.save({"state_dict": {"w": torch.zeros(3)}, "optimizer_states": []}, path, sharded=False)
+    assert path.read_bytes() == good  # the last good checkpoint is untouched
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]  # no temporary file left behind
+
+
+def test_directory_swap_falls_back_to_old_when_interrupted(tmp_path):
+    path = tmp_path / "ck"
+    old = tmp_path / "ck.old"
+    old.mkdir()
+    (old / "meta.pt").write_bytes(b"x")
+    # a crash between the two renames leaves only `ck.old`: loading finds it
+    assert ckpt.resolve_path(path) == old
+    new = tmp_path / "ck.tmp"
+    new.mkdir()
+    ckpt._swap_in(new, path)
+    assert path.is_dir() and not old.exists() and not new.exists()
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        ckpt.resolve_path(tmp_path / "missing")
+
+
+def test_optimizer_key_layouts_round_trip():
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    opt = torch.optim.AdamW([{"params": [model[0].weight, model[1].weight]},
+                             {"params": [model[0].bias, model[1].bias], "weight_decay": 0.0}], lr=0.1)
+    model(torch.randn(5, 3)).sum().backward()
+    opt.step()
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    fqn = get_optimizer_state_dict(model, opt)
+    index = ckpt.fqn_to_index(fqn)
+    plain = opt.state_dict()
+    assert [g["params"] for g in index["param_groups"]] == [g["params"] for g in plain["param_groups"]]
+    for i, s in plain["state"].items():
+        assert torch.equal(index["state"][i]["exp_avg"], s["exp_avg"])
+    back = ckpt.index_to_fqn(plain, fqn)
+    assert back["state"].keys() == fqn["state"].keys()
+    with pytest.raises(ValueError, match="different model"):
+        ckpt.index_to_fqn({"state": {}, "param_groups": [{"params": [0]}]}, fqn)
+
+
+def test_mismatched_model_names_first_parameter_and_shapes(tmp_path):
+    src, dst = nn.Sequential(nn.Linear(3, 4)), nn.Sequential(nn.Linear(3, 5))
+    path = tmp_path / "m.ckpt"
+    ckpt.save({"state_dict": src.state_dict(), "optimizer_states": []}, path, sharded=False)
+    with pytest.raises(ValueError, match=r"Parameter '0.weight' has shape \[4, 3\] in the checkpoint but \[5, 3\]"):
+        ckpt.load(path, model=dst)
+    with pytest.raises(ValueError, match="no entry for parameter '1.weight'"):
+        ckpt.load(path, model=nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 4)))
+
+
+def test_full_checkpoint_loads_into_a_plain_model(tmp_path):
+    src, dst = nn.Linear(3, 4), nn.Linear(3, 4)
+    path = tmp_path / "m.ckpt"
+    ckpt.save({"state_dict": src.state_dict(), "optimizer_states": [], "global_step": 7}, path, sharded=False)
+    rest = ckpt.load(path, model=dst)
+    assert rest["global_step"] == 7
+    assert torch.equal(dst.weight, src.weight)
+
+
+def test_loading_refuses_pickled_objects_by_default(tmp_path):
+    class Evil:
+        def __reduce__(self):
+            return (os.getcwd, ())
+
+    path = tmp_path / "evil.ckpt"
+    torch.save({"state_dict": {}, "payload": Evil()}, path)
+    with pytest.raises(RuntimeError, match="weights_only=True"):
+        ckpt.load(path, model=nn.Linear(1, 1), strict=False)

@@ -1,0 +1,94 @@
+"""Strategy construction, registration and LightningCLI configs (one process, no process group)."""
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.strategies import Strategy, StrategyRegistry
+
+import lightning_dist
+from lightning_dist.strategies import REGISTERED, FullyShardStrategy, HybridShardStrategy
+
+
+def test_every_name_is_registered_with_lightning():
+    for name, (cls, _, params) in REGISTERED.items():
+        assert name in StrategyRegistry.available_strategies()
+        assert isinstance(StrategyRegistry.get(name), Strategy)  # some names build a backend-specific class
+    for name in ("hsdp", "hsdp_zero2", "hsdp_zero1", "fsdp2", "fsdp2_zero2"):
+        strategy = StrategyRegistry.get(name)
+        assert isinstance(strategy, REGISTERED[name][0])
+        for key, value in REGISTERED[name][2].items():
+            assert getattr(strategy, key) == value
+
+
+def test_trainer_accepts_string_names():
+    trainer = Trainer(strategy="hsdp_zero2", accelerator="cpu", devices=1, logger=False)
+    assert isinstance(trainer.strategy, HybridShardStrategy) and trainer.strategy.zero_stage == 2
+    trainer = Trainer(strategy="fsdp2", accelerator="cpu", devices=1, logger=False, precision="64-true")
+    assert isinstance(trainer.strategy, FullyShardStrategy)
+    assert trainer.strategy._sizes["dp_replicate"] == 1  # full sharding: no replica groups
+
+
+def test_mesh_spec_resolves_from_devices_and_nodes():
+    trainer = Trainer(strategy=HybridShardStrategy(), accelerator="cpu", devices=4, num_nodes=2, logger=False)
+    assert trainer.strategy.mesh_spec().shape == (1, 2, 4, 1)  # shard in a node, replicate across nodes
+    trainer = Trainer(strategy=HybridShardStrategy(shard_size=2), accelerator="cpu", devices=4, logger=False)
+    assert trainer.strategy.mesh_spec().shape == (1, 2, 2, 1)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"zero_stage": 4}, "`zero_stage=4` must be 1, 2 or 3"),
+        ({"shard_size": 0}, '`shard_size=0` must be an integer >= 1, "auto" or "full"'),
+        ({"shard_size": "half"}, "`shard_size='half'`"),
+        ({"tp": 0}, "`tp=0` must be an integer >= 1"),
+        ({"dp_replicate": -2}, '`dp_replicate=-2` must be an integer >= 1 or "auto"'),
+        ({"parallelize_fn": 3}, "`parallelize_fn=3` must be callable"),
+        ({"shard_size": 2, "dp_shard": 2}, "Pass either shard_size=2 or dp_shard=2"),
+    ],
+)
+def test_bad_options_raise_value_error_naming_the_value(kwargs, message):
+    with pytest.raises(ValueError) as err:
+        HybridShardStrategy(**kwargs)
+    assert message in str(err.value)
+
+
+def test_mesh_is_a_lifecycle_error_before_fit():
+    with pytest.raises(RuntimeError, match="not available before"):
+        HybridShardStrategy().mesh
+
+
+def test_precision_maps_to_fsdp2_mixed_precision():
+    trainer = Trainer(strategy="hsdp", accelerator="cpu", devices=1, precision="bf16-mixed", logger=False)
+    policy = trainer.strategy.mp_policy()
+    assert policy.param_dtype == torch.bfloat16 and policy.reduce_dtype == torch.float32
+    trainer = Trainer(strategy="hsdp", accelerator="cpu", devices=1, precision="64-true", logger=False)
+    assert trainer.strategy.mp_policy() is None
+
+
+def test_lightning_cli_yaml_by_name_and_by_class_path(tmp_path):
+    from lightning.pytorch.cli import LightningCLI
+
+    from lightning_dist.models.data import ShapesDataModule
+    from lightning_dist.models.vision import ShapesClassifier
+
+    by_name = tmp_path / "name.yaml"
+    by_name.write_text("trainer:\n  strategy: hsdp_zero1\n  accelerator: cpu\n  devices: 1\n")
+    cli = LightningCLI(ShapesClassifier, ShapesDataModule, run=False, args=["--config", str(by_name)])
+    assert isinstance(cli.trainer.strategy, HybridShardStrategy) and cli.trainer.strategy.zero_stage == 1
+
+    by_class = tmp_path / "class.yaml"
+    by_class.write_text(
+        "trainer:\n  accelerator: cpu\n  devices: 1\n  strategy:\n"
+        "    class_path: lightning_dist.strategies.HybridShardStrategy\n"
+        "    init_args:\n      shard_size: 2\n      zero_stage: 2\n      activation_checkpointing: true\n"
+    )
+    cli = LightningCLI(ShapesClassifier, ShapesDataModule, run=False, args=["--config", str(by_class)])
+    s = cli.trainer.strategy
+    assert isinstance(s, HybridShardStrategy) and s.zero_stage == 2 and s.activation_checkpointing is True
+    assert s._sizes["dp_shard"] == 2
+
+
+def test_package_exports():
+    assert lightning_dist.HybridShardStrategy is HybridShardStrategy
+    assert lightning_dist.DIM_NAMES == ("pp", "dp_replicate", "dp_shard", "tp")
