@@ -122,6 +122,11 @@ class MeshStrategy(ParallelStrategy):
         return self.parallel_devices[self.local_rank]
 
     @property
+    def is_distributed(self) -> bool:
+        """Lightning asks this to inject DistributedSamplers and enable `sync_dist` for custom strategies."""
+        return True
+
+    @property
     def num_processes(self) -> int:
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 

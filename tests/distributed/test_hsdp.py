@@ -27,6 +27,10 @@ def test_parity_every_mesh_and_stage_float64_and_float32_vs_ddp():
         assert r["sampler"] == {"num_replicas": 4, "rank": r["rank"]}, r
         assert r["seen"] == 3 * 16 // 4, r  # 3 steps of a 16-sample global batch, 4 per rank
     assert seen == {(rep, shard, s) for rep, shard in [(4, 1), (2, 2), (1, 4)] for s in (1, 2, 3)}
+    injected = [r for r in rows if r["kind"] == "injection"]
+    assert len(injected) == 4 and all(
+        r["sampler"] == "DistributedSampler" and r["replicas"] == 4 and r["batches"] == 6 for r in injected
+    ), injected
     f32 = [r for r in rows if r["kind"] == "parity32"]
     assert len(f32) == 4
     for r in f32:

@@ -135,7 +135,8 @@ def max_rel_diff(a: dict, b: dict) -> float:
 def trainer(strategy, *, devices: int, steps: int, precision: str = "64-true", **kw) -> pl.Trainer:
     kw.setdefault("enable_checkpointing", False)
     kw.setdefault("logger", False)
+    kw.setdefault("use_distributed_sampler", False)
     return pl.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, precision=precision, max_steps=steps,
-        use_distributed_sampler=False, enable_progress_bar=False, enable_model_summary=False, **kw,
+        enable_progress_bar=False, enable_model_summary=False, **kw,
     )

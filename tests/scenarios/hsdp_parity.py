@@ -40,3 +40,21 @@ ddp_diff = max_rel_diff(full_params(module), ref32)
 module = Classifier(dtype=torch.float32)
 trainer(HybridShardStrategy(dp_replicate=2, shard_size=2), devices=WORLD, steps=STEPS, precision="32-true").fit(module)
 emit(kind="parity32", ddp=ddp_diff, hsdp=max_rel_diff(full_params(module), ref32))
+
+# Lightning counts the strategy as distributed: it injects a DistributedSampler over `dp` (96 samples,
+# 4 ranks, batch 4 -> 6 batches per rank), and `sync_dist` logging reduces over `dp`.
+class Injected(Classifier):
+    def train_dataloader(self):
+        from torch.utils.data import DataLoader
+
+        from _common import dataset
+
+        return DataLoader(dataset(self.n, dtype=self.dtype_), batch_size=4, shuffle=True)
+
+
+module = Injected()
+t = trainer(HybridShardStrategy(dp_replicate=2, shard_size=2), devices=WORLD, steps=1, use_distributed_sampler=True)
+t.fit(module)
+sampler = t.train_dataloader.sampler
+emit(kind="injection", sampler=type(sampler).__name__, replicas=getattr(sampler, "num_replicas", None),
+     batches=t.num_training_batches)
