@@ -1,8 +1,9 @@
 """A small GPT-like character-level decoder and its LightningModule.
 
 Layout ``tok_emb`` + ``pos_emb`` (stem) -> ``blocks`` (nn.ModuleList of :class:`GPTBlock`) -> ``norm`` ->
-``lm_head``. A pipeline stage may set ``tok_emb``/``pos_emb`` or ``norm``/``lm_head`` to ``None``; ``forward``
-then passes hidden states through.
+``lm_head``. A pipeline stage may set ``tok_emb``/``pos_emb`` or ``norm``/``lm_head`` to ``None`` and slice
+``blocks`` or set entries of it to ``None`` (keeps parameter names stable); ``forward`` skips what is ``None``
+(first stage: token ids in; later stages: hidden states in).
 """
 
 from __future__ import annotations
@@ -49,6 +50,28 @@ class GPTConfig:
             raise ValueError("Invalid GPTConfig: " + "; ".join(problems) + ".")
 
 
+class PositionEmbedding(nn.Module):
+    """Learned absolute positions added to token embeddings: ``x [B, T, dim] -> x + weight[:T]``.
+
+    A module of its own (rather than an ``nn.Embedding`` looked up in ``GPT.forward``) so that the model's
+    children applied in order reproduce ``forward``, which is how pipeline stages run the stem.
+    """
+
+    def __init__(self, *, block_size: int, dim: int) -> None:
+        super().__init__()
+        self.block_size = block_size
+        self.weight = nn.Parameter(torch.empty(block_size, dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight)  # as nn.Embedding
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.shape[1] > self.block_size:
+            raise ValueError(f"Sequence length {x.shape[1]} exceeds block_size={self.block_size}.")
+        return x + self.weight[: x.shape[1]]
+
+
 class GPTBlock(TransformerBlock):
     """Pre-norm causal block: ``norm1``, ``attn`` (``q``, ``k``, ``v``, ``proj``), ``norm2``, ``mlp`` (``fc1``, ``fc2``)."""
 
@@ -57,6 +80,9 @@ class GPTBlock(TransformerBlock):
 
 class GPT(nn.Module):
     """GPT-like decoder; ``forward(idx [B, T] int64) -> logits [B, T, vocab_size]``.
+
+    Children ``tok_emb`` (nn.Embedding), ``pos_emb`` (:class:`PositionEmbedding`), ``blocks``, ``norm``,
+    ``lm_head`` (nn.Linear, no bias); ``forward`` applies them in that order.
 
     Keyword-only sizes as in :class:`GPTConfig` (kept as ``self.config``).
     """
@@ -80,7 +106,7 @@ class GPT(nn.Module):
         )
         with deferred_init(self):
             self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-            self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
+            self.pos_emb = PositionEmbedding(block_size=cfg.block_size, dim=cfg.n_embd)
             self.blocks = nn.ModuleList(
                 GPTBlock(dim=cfg.n_embd, n_heads=cfg.n_head, mlp_ratio=cfg.mlp_ratio, bias=cfg.bias) for _ in range(cfg.n_layer)
             )
@@ -99,18 +125,18 @@ class GPT(nn.Module):
         return cls(**asdict(config))
 
     def forward(self, idx: Tensor) -> Tensor:
-        if self.tok_emb is not None:
-            if idx.shape[1] > self.config.block_size:
-                raise ValueError(f"Sequence length {idx.shape[1]} exceeds block_size={self.config.block_size}.")
-            pos = torch.arange(idx.shape[1], device=idx.device)
-            x = self.tok_emb(idx) + self.pos_emb(pos)
-        else:
-            x = idx  # a later pipeline stage receives hidden states
+        # the children in registration order; a later pipeline stage has no tok_emb/pos_emb and gets hidden states
+        x = idx
+        for part in (self.tok_emb, self.pos_emb):
+            if part is not None:
+                x = part(x)
         for block in self.blocks:
-            x = block(x)
-        if self.norm is not None:
-            x = self.norm(x)
-        return self.lm_head(x) if self.lm_head is not None else x
+            if block is not None:  # a pipeline stage may blank out blocks it does not own
+                x = block(x)
+        for part in (self.norm, self.lm_head):
+            if part is not None:
+                x = part(x)
+        return x
 
 
 class CharGPT(LightningModule):

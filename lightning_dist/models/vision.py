@@ -1,8 +1,10 @@
 """Example vision models (a BatchNorm CNN and a small ViT) and their LightningModule.
 
 Every model is ``stem -> blocks (nn.ModuleList) -> head`` so FSDP units and pipeline stages can be
-taken per block. A pipeline stage may set the stem or head attributes to ``None``; ``forward`` then
-passes activations through (first stage: images in; middle stages: activations in and out).
+taken per block, and ``forward`` equals applying the children in registration order (what a pipeline
+stage runs). A pipeline stage may set the stem or head attributes to ``None`` and slice ``blocks``
+or set entries of it to ``None`` (which keeps parameter names stable); ``forward`` skips what is
+``None`` (first stage: images in; later stages: activations in).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ class ConvBlock(nn.Module):
 
 
 class ShapesCNN(nn.Module):
-    """Small residual CNN with BatchNorm: ``stem`` (conv, BN, ReLU, 2x2 max-pool), ``blocks``, ``head``.
+    """Small residual CNN with BatchNorm: ``stem`` (conv, BN, ReLU, 2x2 max-pool), ``blocks``, ``head`` (global max-pool, linear).
 
     Args:
         in_channels: Image channels.
@@ -55,13 +57,15 @@ class ShapesCNN(nn.Module):
                 nn.Conv2d(in_channels, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU(), nn.MaxPool2d(2)
             )
             self.blocks = nn.ModuleList(ConvBlock(channels=width) for _ in range(n_blocks))
-            self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, num_classes))
+            # global max-pool: 'is this corner/edge present' features; an average-pooled head drifted with BatchNorm's running stats
+            self.head = nn.Sequential(nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(width, num_classes))
 
     def forward(self, x: Tensor) -> Tensor:
         if self.stem is not None:
             x = self.stem(x)
         for block in self.blocks:
-            x = block(x)
+            if block is not None:  # a pipeline stage may blank out blocks it does not own
+                x = block(x)
         return self.head(x) if self.head is not None else x
 
 
@@ -89,6 +93,13 @@ class PatchEmbed(nn.Module):
         return torch.cat([cls, x], dim=1) + self.pos_embed
 
 
+class ClsPool(nn.Module):
+    """Select the class-token position: ``[B, 1 + P, dim] -> [B, dim]`` (no parameters)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x[:, 0]
+
+
 class ViTBlock(TransformerBlock):
     """Pre-norm ViT block: ``norm1``, ``attn`` (``q``, ``k``, ``v``, ``proj``), ``norm2``, ``mlp`` (``fc1``, ``fc2``)."""
 
@@ -96,9 +107,8 @@ class ViTBlock(TransformerBlock):
 
 
 class ViT(nn.Module):
-    """Small Vision Transformer: ``embed`` (:class:`PatchEmbed`), ``blocks`` of :class:`ViTBlock`, ``norm``, ``head``.
-
-    The class-token output feeds the head. Sizes are keyword-only; defaults suit 32x32 grayscale shapes.
+    """Small Vision Transformer: ``embed`` (:class:`PatchEmbed`), ``blocks`` of :class:`ViTBlock`, ``norm``,
+    ``pool`` (:class:`ClsPool`), ``head``; ``forward`` applies these children in that order. Sizes are keyword-only; defaults suit 32x32 grayscale shapes.
 
     Args:
         image_size: Input height and width.
@@ -132,16 +142,19 @@ class ViT(nn.Module):
             self.embed = PatchEmbed(image_size=image_size, patch_size=patch_size, in_channels=in_channels, dim=dim)
             self.blocks = nn.ModuleList(ViTBlock(dim=dim, n_heads=n_heads, mlp_ratio=mlp_ratio) for _ in range(depth))
             self.norm = nn.LayerNorm(dim)
+            self.pool = ClsPool()
             self.head = nn.Linear(dim, num_classes)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.embed is not None:
             x = self.embed(x)
         for block in self.blocks:
-            x = block(x)
-        if self.norm is not None:
-            x = self.norm(x)
-        return self.head(x[:, 0]) if self.head is not None else x
+            if block is not None:  # a pipeline stage may blank out blocks it does not own
+                x = block(x)
+        for part in (self.norm, self.pool, self.head):
+            if part is not None:
+                x = part(x)
+        return x
 
 
 class ShapesClassifier(LightningModule):

@@ -1,0 +1,21 @@
+"""Train a shape classifier (BatchNorm CNN by default, or the small ViT) with any strategy.
+
+    python examples/vision/train.py fit --config examples/configs/ddp_cnn.yaml
+
+Pick the network in YAML under ``model.model`` (``class_path: lightning_dist.models.ViT`` with its
+``init_args``; keep its ``image_size`` equal to ``data.image_size``) and the strategy under
+``trainer.strategy`` (a registered name such as ``ddp`` or one of the pack's).
+"""
+
+from lightning.pytorch.cli import LightningCLI
+
+import lightning_dist  # noqa: F401  (importing the pack registers its strategy names)
+from lightning_dist.models import ShapesClassifier, ShapesDataModule
+
+
+def main() -> None:
+    LightningCLI(ShapesClassifier, ShapesDataModule, seed_everything_default=0, save_config_kwargs={"overwrite": True})
+
+
+if __name__ == "__main__":
+    main()
