@@ -96,3 +96,22 @@ def test_bad_mesh_fails_on_every_rank_without_hang(name, kwargs, message):
     assert proc.stderr.count("ValueError: Invalid device mesh") >= 4, proc.stderr[-3000:]
     assert message in proc.stderr
     assert elapsed < 200
+
+
+def test_features_meta_init_ac_units_parallelize_fn_bf16_and_dp_logging():
+    rows = results(run_torchrun("hsdp_features.py", nproc=4, timeout=600))
+    by_kind = {}
+    for r in rows:
+        by_kind.setdefault(r["kind"], []).append(r)
+    assert len(by_kind["option"]) == 4 * 3
+    for r in by_kind["option"]:
+        assert r["diff"] <= 1e-12, r  # checkpointed / class-named units change nothing numerically
+        assert r["logged"] == 16.0, r  # a sum over dp counts each sample once
+    for r in by_kind["meta"]:
+        assert r["mesh"] == [["pp", "dp_replicate", "dp_shard", "tp"], [1, 2, 2, 1]], r
+        assert r["is_dtensor"] and r["placements"] == ["R", "S(0)"] and r["local_rows"] == 8 and r["finite"], r
+    for r in by_kind["parallelize_fn"]:
+        assert r["calls"] == [[1, 1, 4, 1]] and r["diff"] <= 1e-12, r
+    for r in by_kind["bf16"]:
+        assert r["compute"] == ["torch.bfloat16"] and r["params"] == ["torch.float32"], r
+        assert 0 < r["loss"] < 10, r

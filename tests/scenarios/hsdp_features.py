@@ -1,0 +1,79 @@
+"""HybridShardStrategy features on 4 processes (torchrun): meta-device init through `configure_model`,
+activation checkpointing, unit class names, a user `parallelize_fn`, bf16-mixed, and `sync_dist` over dp."""
+
+import torch
+from _common import MLP, Block, Classifier, emit, full_params, max_rel_diff, reference, trainer
+from torch.distributed.tensor import DTensor
+
+from lightning_dist.strategies import HybridShardStrategy
+
+STEPS, WORLD = 3, 4
+ref = reference(STEPS)
+
+
+class Counting(Classifier):
+    def training_step(self, batch, batch_idx):
+        # a sum over the data-parallel ranks: 16 samples per step, whatever the mesh
+        self.log("samples", float(len(batch[0])), reduce_fx="sum", sync_dist=True, on_step=True, on_epoch=False)
+        return super().training_step(batch, batch_idx)
+
+
+# 1. activation checkpointing + units by class name: same numbers as single-device training
+for kw in ({"activation_checkpointing": True}, {"units": ["Block"]}, {"activation_checkpointing": ["Block"]}):
+    module = Counting()
+    t = trainer(HybridShardStrategy(dp_replicate=2, shard_size=2, **kw), devices=WORLD, steps=STEPS)
+    t.fit(module)
+    emit(kind="option", option=str(kw), diff=max_rel_diff(full_params(module), ref),
+         logged=float(t.callback_metrics["samples"]))
+
+
+# 2. a model created on the meta device in configure_model; the mesh is visible there
+class MetaInit(Classifier):
+    def __init__(self):
+        super().__init__()
+        self.model = None
+        self.seen_mesh = None
+
+    def configure_model(self):
+        if self.model is not None:
+            return
+        self.seen_mesh = (self.device_mesh.mesh_dim_names, tuple(self.device_mesh.shape))
+        self.model = MLP()  # under the strategy's init context: meta device, materialized after sharding
+
+
+module = MetaInit()
+t = trainer(HybridShardStrategy(dp_replicate=2, shard_size=2), devices=WORLD, steps=2)
+t.fit(module)
+w = module.model.blocks[0].fc.weight
+emit(kind="meta", mesh=module.seen_mesh, is_dtensor=isinstance(w, DTensor),
+     placements=[str(p) for p in w.placements] if isinstance(w, DTensor) else None,
+     local_rows=w.to_local().shape[0], finite=all(torch.isfinite(p.full_tensor()).all().item()
+                                                   for p in module.parameters()))
+
+# 3. a user parallelize_fn replaces the built-in plan
+calls = []
+
+
+def my_plan(lightning_module, mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    calls.append(mesh.spec.shape)
+    for block in lightning_module.model.blocks:
+        fully_shard(block, mesh=mesh.fsdp_mesh())
+    fully_shard(lightning_module.model, mesh=mesh.fsdp_mesh())
+
+
+module = Classifier()
+trainer(HybridShardStrategy(shard_size=4, parallelize_fn=my_plan), devices=WORLD, steps=STEPS).fit(module)
+emit(kind="parallelize_fn", calls=[list(c) for c in calls], diff=max_rel_diff(full_params(module), ref))
+
+# 4. bf16-mixed: blocks compute in bf16, parameters (and optimizer state) stay fp32
+dtypes = []
+module = Classifier(dtype=torch.float32)
+hook = lambda mod, args, out: dtypes.append(str(out.dtype))  # noqa: E731
+for block in module.model.blocks:
+    block.fc.register_forward_hook(hook)
+t = trainer(HybridShardStrategy(dp_replicate=2, shard_size=2), devices=WORLD, steps=2, precision="bf16-mixed")
+t.fit(module)
+emit(kind="bf16", compute=sorted(set(dtypes)), params=sorted({str(p.dtype) for p in module.parameters()}),
+     loss=float(t.callback_metrics["train_loss"]))
