@@ -109,3 +109,39 @@ def run_torchrun(
         raise ScenarioError(f"torchrun {path.name} {' '.join(args)} exited {proc.returncode}\n--- stdout\n"
                             f"{proc.stdout[-6000:]}\n--- stderr\n{proc.stderr[-8000:]}")
     return proc
+
+
+def run_torchrun_nodes(
+    script: str | Path,
+    *args: str,
+    nnodes: int = 2,
+    nproc: int = 2,
+    timeout: float = 300,
+    env: dict | None = None,
+) -> list[subprocess.CompletedProcess]:
+    """Simulate `nnodes` machines on this one: one torchrun per node rank, rendezvous on loopback."""
+    path = Path(script)
+    if not path.is_absolute():
+        path = SCENARIOS / path
+    port = free_port()
+    procs = []
+    for node_rank in range(nnodes):
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
+            f"--node-rank={node_rank}", "--master-addr=127.0.0.1", f"--master-port={port}", str(path), *args,
+        ]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    done = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    for d in done:
+        if d.returncode != 0:
+            raise ScenarioError(f"node exited {d.returncode}\n--- stdout\n{d.stdout[-4000:]}\n--- stderr\n{d.stderr[-6000:]}")
+    return done
