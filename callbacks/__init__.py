@@ -1,0 +1,45 @@
+"""Lightning callbacks that fix silent distributed-training pitfalls (installed as ``lightning_dist.callbacks``).
+
+* :class:`SamplerEpoch`: every sampler, batch sampler, wrapper and iterable dataset gets the epoch.
+* :class:`ExactEvaluation` + :class:`ExactMetric`: validation/test score every sample exactly once.
+* :class:`MeshSyncBatchNorm`: BatchNorm statistics pooled over the data-parallel group (CPU and GPU).
+* :class:`GradientParityCheck`: the distributed gradient equals the single-device one, checked in the run.
+"""
+
+from lightning_dist.callbacks.exact_eval import ExactBatchSampler, ExactEvaluation, ExactMetric, exact_eval_mask
+from lightning_dist.callbacks.gradient_parity import GradientParityCheck, GradientParityError, default_tolerance
+from lightning_dist.callbacks.ledger import CollectiveRecorder, CommunicationLedger
+from lightning_dist.callbacks.memory import MemoryReport
+from lightning_dist.callbacks.sampler_epoch import (
+    SamplerEpoch,
+    check_sampler_seeds,
+    find_epoch_holders,
+    set_epoch_everywhere,
+)
+from lightning_dist.callbacks.sync_batchnorm import (
+    DataParallelBatchNorm,
+    MeshSyncBatchNorm,
+    convert_sync_batchnorm,
+    revert_sync_batchnorm,
+)
+
+__all__ = [
+    "CollectiveRecorder",
+    "CommunicationLedger",
+    "MemoryReport",
+    "DataParallelBatchNorm",
+    "ExactBatchSampler",
+    "ExactEvaluation",
+    "ExactMetric",
+    "GradientParityCheck",
+    "GradientParityError",
+    "MeshSyncBatchNorm",
+    "SamplerEpoch",
+    "check_sampler_seeds",
+    "convert_sync_batchnorm",
+    "default_tolerance",
+    "exact_eval_mask",
+    "find_epoch_holders",
+    "revert_sync_batchnorm",
+    "set_epoch_everywhere",
+]

@@ -1,0 +1,379 @@
+"""Check, inside a real run, that the distributed gradient equals the single-device gradient.
+
+At the chosen optimizer steps the callback gathers the global batch (every data-parallel rank's
+micro-batches, padded duplicates removed), recomputes the gradient on an unsharded copy of the model on
+one device, gathers the distributed gradient, and compares the two.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch import Tensor, nn
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
+from torchmetrics import Metric
+from typing_extensions import override
+
+from lightning_dist._compat import TORCH_GE_2_6, fully_shard_api
+from lightning_dist.callbacks.sync_batchnorm import revert_sync_batchnorm
+from lightning_dist.mesh import DistMesh, data_parallel_info
+
+# the class FSDP2 mixes into the modules it shards (None without FSDP2)
+_FSDPModule = fully_shard_api()[3] if TORCH_GE_2_6 else None
+
+__all__ = ["GradientParityCheck", "GradientParityError", "default_tolerance"]
+
+_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
+
+
+def default_tolerance(dtype: torch.dtype) -> float:
+    """Relative tolerance for a parameter dtype: rounding of a different reduction order, with margin."""
+    return _TOLERANCE.get(dtype, 1e-4)
+
+
+def _compute_dtype(trainer: Trainer, param_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the step computes in: a mixed/half precision flag lowers it below the parameters'."""
+    precision = str(getattr(trainer.precision_plugin, "precision", ""))
+    if precision.startswith("bf16"):
+        return torch.bfloat16
+    if precision.startswith("16"):
+        return torch.float16
+    return param_dtype
+
+
+class GradientParityError(RuntimeError):
+    """The distributed gradient differs from the single-device gradient of the same global batch."""
+
+
+def _full(t: Tensor) -> Tensor:
+    """A plain tensor holding the whole value (DTensor shards are gathered: a collective)."""
+    full_tensor = getattr(t, "full_tensor", None)
+    return full_tensor() if callable(full_tensor) else t
+
+
+def _to_cpu(batch: Any) -> Any:
+    if isinstance(batch, Tensor):
+        return batch.detach().cpu()
+    if isinstance(batch, Mapping):
+        return {k: _to_cpu(v) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_cpu(v) for v in batch) if not hasattr(batch, "_fields") else type(batch)(*(_to_cpu(v) for v in batch))
+    return batch
+
+
+def _select_rows(batch: Any, keep: Optional[Tensor]) -> Any:
+    if keep is None:
+        return batch
+    if isinstance(batch, Tensor):
+        return batch[keep] if batch.dim() > 0 and batch.shape[0] == keep.shape[0] else batch
+    if isinstance(batch, Mapping):
+        return {k: _select_rows(v, keep) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        items = [_select_rows(v, keep) for v in batch]
+        return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)
+    return batch
+
+
+def _concat(parts: Sequence[Any]) -> Any:
+    """Concatenate the same batch structure from several ranks along dim 0."""
+    first = parts[0]
+    if isinstance(first, Tensor):
+        return torch.cat(list(parts)) if first.dim() > 0 else first
+    if isinstance(first, Mapping):
+        return {k: _concat([p[k] for p in parts]) for k in first}
+    if isinstance(first, (list, tuple)):
+        items = [_concat([p[i] for p in parts]) for i in range(len(first))]
+        return type(first)(*items) if hasattr(first, "_fields") else type(first)(items)
+    return first
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, Tensor):
+        return batch.to(device)
+    if isinstance(batch, Mapping):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        items = [_to_device(v, device) for v in batch]
+        return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)
+    return batch
+
+
+def _padding_keep_mask(trainer: Trainer, batch_idx: int) -> Optional[Tensor]:
+    """Rows of this training batch that are real samples (not ``DistributedSampler`` padding), when the
+    training loader is a plain DataLoader over a DistributedSampler; None when nothing can be told."""
+    dl = trainer.train_dataloader
+    if not isinstance(dl, DataLoader):
+        return None
+    sampler, batch_sampler = dl.sampler, dl.batch_sampler
+    if not isinstance(sampler, DistributedSampler) or sampler.drop_last or type(batch_sampler) is not BatchSampler:
+        return None
+    n = len(sampler.dataset)  # type: ignore[arg-type]
+    start = batch_idx * batch_sampler.batch_size
+    stop = min(start + batch_sampler.batch_size, sampler.num_samples)
+    # local position j is global position rank + j * num_replicas; positions >= n repeat earlier samples
+    return torch.tensor([sampler.rank + j * sampler.num_replicas < n for j in range(start, stop)])
+
+
+class GradientParityCheck(Callback):
+    """At chosen optimizer steps, compare the distributed gradient with the single-device gradient.
+
+    The global batch is every data-parallel rank's micro-batches of that optimizer step (all of them
+    under gradient accumulation), gathered over the ``dp`` group; rows that a ``DistributedSampler`` added
+    as padding are removed, as a single-device run would never see them. An unsharded copy of the model
+    (synced BatchNorm turned into plain BatchNorm) computes the gradient of the mean loss of the
+    micro-batches of that global batch; the distributed gradient is gathered from the shards. The relative
+    difference ``||g_dist - g_ref|| / ||g_ref||`` is logged as ``grad_parity/rel_diff`` and kept in
+    :attr:`results`; above the tolerance the callback raises :class:`GradientParityError` (or warns).
+    It also checks that the parameters are identical on every data-parallel rank and that the ranks did
+    not all receive the same batch (unsharded data).
+
+    Example::
+
+        from lightning_dist.callbacks import GradientParityCheck
+
+        trainer = Trainer(strategy="ddp", devices=4, callbacks=[GradientParityCheck(steps=(0, 100))])
+
+    Supported: DDP (and single device), ``hsdp``/``fsdp2`` (FSDP2 DTensor parameters gathered with
+    ``full_tensor()``; checked in the tests), and other strategies whose parameters are plain tensors or
+    DTensors sharded over the data-parallel dims only. Not supported, with an error at setup: pipeline
+    and tensor parallelism, DeepSpeed (the pack's ``offload``) and FSDP1. Every rank recomputes the
+    reference on its own device, so the unsharded model and the global batch must fit there. The loss is
+    ``training_step(batch, batch_idx)`` run on the copy (``self.log`` is a no-op there and
+    ``self.trainer`` is not available); pass ``loss_fn(module, batch) -> loss`` for manual optimization
+    or a training step that needs the trainer. Dropout or other randomness in the forward makes the two
+    gradients differ: disable it for the checked steps.
+    """
+
+    def __init__(
+        self,
+        *,
+        steps: Sequence[int] = (0,),
+        on_mismatch: str = "raise",
+        tolerance: Optional[float] = None,
+        loss_fn: Optional[Callable[[LightningModule, Any], Tensor]] = None,
+    ) -> None:
+        if on_mismatch not in ("raise", "warn"):
+            raise ValueError(f"`on_mismatch={on_mismatch!r}` must be 'raise' or 'warn'.")
+        if tolerance is not None and not tolerance > 0:
+            raise ValueError(f"`tolerance={tolerance!r}` must be a positive number (or None for the dtype default).")
+        steps = tuple(steps)
+        if not steps or any(not isinstance(s, int) or s < 0 for s in steps):
+            raise ValueError(f"`steps={steps!r}` must be a non-empty list of optimizer step numbers >= 0.")
+        self.steps = frozenset(steps)
+        """Optimizer steps (``trainer.global_step`` before the step) at which to check."""
+        self.on_mismatch = on_mismatch
+        """``"raise"`` a :class:`GradientParityError` or ``"warn"`` when the difference is above tolerance."""
+        self.tolerance = tolerance
+        """Relative tolerance; None: by compute dtype (float64 1e-10, float32 1e-4, fp16 1e-2, bf16 3e-2)."""
+        self.loss_fn = loss_fn
+        """``loss_fn(module, batch) -> scalar loss``; None: the model's ``training_step``."""
+        self.results: list[dict[str, Any]] = []
+        """One entry per checked step: step, rel_diff, tolerance, ok, worst parameter, params_equal."""
+        self._micro: list[tuple[Any, Optional[Tensor], int]] = []
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
+
+        if isinstance(trainer.strategy, (DeepSpeedStrategy, FSDPStrategy)):
+            raise ValueError(
+                f"GradientParityCheck cannot read whole gradients under {type(trainer.strategy).__name__} (they live"
+                " in flat partitioned buffers). Use it with ddp, hsdp/fsdp2 or Lightning's ModelParallelStrategy."
+            )
+        mesh = getattr(trainer.strategy, "mesh", None)
+        if isinstance(mesh, DistMesh) and (mesh.size("pp") > 1 or mesh.size("tp") > 1):
+            raise ValueError(
+                f"GradientParityCheck supports data-parallel meshes only; this mesh has pp={mesh.size('pp')},"
+                f" tp={mesh.size('tp')}. Remove the callback or check on a pp=1, tp=1 mesh."
+            )
+        device_mesh = getattr(trainer.strategy, "_device_mesh", None)  # Lightning's ModelParallelStrategy
+        if device_mesh is not None and "tensor_parallel" in (device_mesh.mesh_dim_names or ()):
+            if device_mesh["tensor_parallel"].size() > 1:
+                raise ValueError("GradientParityCheck does not support tensor parallelism (tensor_parallel > 1).")
+        if not pl_module.automatic_optimization and self.loss_fn is None:
+            raise ValueError(
+                "GradientParityCheck: with manual optimization pass `loss_fn=lambda module, batch: ...` (the"
+                " training_step steps the optimizer itself and cannot be replayed)."
+            )
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step not in self.steps:
+            return
+        self._micro.append((_to_cpu(batch), _padding_keep_mask(trainer, batch_idx), batch_idx))
+
+    @override
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        if trainer.global_step not in self.steps or not self._micro:
+            return
+        micro, self._micro = self._micro, []
+        group, size, _ = data_parallel_info(trainer.strategy)
+        named = [(n, p) for n, p in pl_module.named_parameters() if p.requires_grad]
+
+        # the distributed gradient and parameters, whole (every rank joins the same collectives)
+        full_params = {n: _full(p.detach()) for n, p in named}
+        dist_grads = {n: None if p.grad is None else _full(p.grad.detach()) for n, p in named}
+        params_equal = self._params_equal(full_params, group, size)
+
+        # the global batch: each micro-batch of every dp rank, padded rows dropped
+        gathered = [micro]
+        if size > 1:
+            gathered = [None] * size
+            dist.all_gather_object(gathered, micro, group=group)
+        global_batches = [
+            (_concat([_select_rows(g[k][0], g[k][1]) for g in gathered]), micro[k][2]) for k in range(len(micro))
+        ]
+
+        # every dp rank holding the same rows means the data is not sharded (no DistributedSampler)
+        same_batch = size > 1 and all(
+            _same(g[k][0], gathered[0][k][0]) for g in gathered[1:] for k in range(len(micro))
+        )
+
+        ref_grads = self._reference_grads(trainer, pl_module, full_params, global_batches)
+        rel, worst = self._compare(dist_grads, ref_grads)
+        if size > 1:  # one verdict on every rank (a rank with different parameters sees another value)
+            t = torch.tensor([rel], dtype=torch.float64, device=pl_module.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+            rel = float(t.item())
+        dtype = _compute_dtype(trainer, next(iter(full_params.values())).dtype if full_params else torch.float32)
+        tol = self.tolerance if self.tolerance is not None else default_tolerance(dtype)
+        ok = rel <= tol and params_equal and not same_batch
+        self.results.append(
+            {"step": trainer.global_step, "rel_diff": rel, "tolerance": tol, "ok": ok, "worst": worst,
+             "params_equal": params_equal, "same_batch_on_all_ranks": same_batch,
+             "global_batch": sum(_rows(b) for b, _ in global_batches)}
+        )
+        pl_module.log("grad_parity/rel_diff", rel, on_step=True, on_epoch=False, sync_dist=False)
+        if ok:
+            return
+        msg = (
+            f"GradientParityCheck at step {trainer.global_step}: relative gradient difference {rel:.3e} vs the"
+            f" single-device gradient (tolerance {tol:.1e} for {dtype}); largest in `{worst}`."
+        )
+        if not params_equal:
+            msg += " The parameters differ between data-parallel ranks."
+        if same_batch:
+            msg += (
+                f" All {size} data-parallel ranks received the same batch: the training data is not sharded"
+                " (no DistributedSampler; build it from `trainer.strategy.distributed_sampler_kwargs`)."
+            )
+        msg += (
+            " Common causes: the loss not divided under accumulation, per-shard BatchNorm statistics (use"
+            " MeshSyncBatchNorm), padded duplicate samples in the training batch, a rank-dependent model change."
+        )
+        if self.on_mismatch == "raise":
+            raise GradientParityError(msg)
+        warnings.warn(msg, stacklevel=2)
+
+    # ---- helpers ---------------------------------------------------------------------------------
+    @staticmethod
+    def _params_equal(full_params: dict[str, Tensor], group: Any, size: int) -> bool:
+        if size == 1 or not full_params:
+            return True
+        # a fingerprint of every parameter; different values almost surely change it
+        fp = torch.stack([p.double().sum() + (p.double() ** 2).sum() * math.pi for p in full_params.values()])
+        gathered = [torch.empty_like(fp) for _ in range(size)]
+        dist.all_gather(gathered, fp.contiguous(), group=group)
+        return all(torch.equal(g, gathered[0]) for g in gathered)
+
+    def _reference_grads(
+        self, trainer: Trainer, pl_module: LightningModule, full_params: dict[str, Tensor], batches: list
+    ) -> dict[str, Optional[Tensor]]:
+        by_id = {id(p): full_params[n] for n, p in pl_module.named_parameters() if n in full_params}
+        ref = _unsharded_clone(pl_module, by_id)
+        ref = revert_sync_batchnorm(ref)
+        ref.train()
+        ref.zero_grad(set_to_none=True)
+        device = next(iter(full_params.values())).device if full_params else pl_module.device
+        with trainer.precision_plugin.train_step_context():
+            for batch, batch_idx in batches:
+                batch = _to_device(batch, device)
+                if self.loss_fn is not None:
+                    loss = self.loss_fn(ref, batch)
+                else:
+                    out = ref.training_step(batch, batch_idx)
+                    loss = out["loss"] if isinstance(out, Mapping) else out
+                if not isinstance(loss, Tensor):
+                    raise TypeError(f"GradientParityCheck needs a loss tensor, the step returned {type(loss).__name__}.")
+                (loss / len(batches)).backward()  # the mean over micro-batches, like Lightning's accumulation
+        params = dict(ref.named_parameters())
+        return {n: None if params[n].grad is None else params[n].grad.detach() for n in full_params}
+
+    @staticmethod
+    def _compare(dist_grads: dict, ref_grads: dict) -> tuple[float, str]:
+        diff_sq, ref_sq, worst, worst_rel = 0.0, 0.0, "", -1.0
+        for n, g in dist_grads.items():
+            r = ref_grads.get(n)
+            if g is None and r is None:
+                continue
+            g = torch.zeros_like(r) if g is None else g.double()
+            r = torch.zeros_like(g) if r is None else r.to(g.device).double()
+            d = float((g - r).pow(2).sum())
+            rs = float(r.pow(2).sum())
+            diff_sq, ref_sq = diff_sq + d, ref_sq + rs
+            rel_n = math.sqrt(d) / max(math.sqrt(rs), 1e-30)
+            if rel_n > worst_rel:
+                worst, worst_rel = n, rel_n
+        return math.sqrt(diff_sq) / max(math.sqrt(ref_sq), 1e-30), worst
+
+
+def _unsharded_clone(module: nn.Module, full_by_id: dict[int, Tensor]) -> nn.Module:
+    """A plain single-device copy of `module` for the reference computation.
+
+    Hand-written because ``copy.deepcopy`` cannot copy what distributed wrappers attach (process
+    groups, FSDP2 state and hooks): every module is copied shallowly with fresh parameter/buffer/child
+    dicts and no hooks, FSDP2's generated classes are turned back into the user's classes, parameters
+    are replaced by their gathered whole values (``full_by_id``), buffers by clones, and torchmetrics
+    metrics are deep-copied without their process group so updates never touch the real states.
+    """
+    if isinstance(module, Metric):
+        memo = {id(module.process_group): None} if module.process_group is not None else {}
+        return copy.deepcopy(module, memo)
+    new = copy.copy(module)
+    for key, value in vars(module).items():
+        if "hooks" in key and isinstance(value, dict):
+            setattr(new, key, type(value)())  # no FSDP/DDP hooks on the copy
+    new._parameters = {
+        name: None if p is None else nn.Parameter(
+            (full_by_id[id(p)] if id(p) in full_by_id else _full(p.detach())).clone(), requires_grad=p.requires_grad
+        )
+        for name, p in module._parameters.items()
+    }
+    new._buffers = {name: None if b is None else _full(b).clone() for name, b in module._buffers.items()}
+    new._modules = {name: None if c is None else _unsharded_clone(c, full_by_id) for name, c in module._modules.items()}
+    if _FSDPModule is not None and isinstance(new, _FSDPModule):
+        # fully_shard swapped in a generated subclass (FSDPModule, UserClass); give back the user's class
+        new.__class__ = next(b for b in type(new).__bases__ if b is not _FSDPModule)
+    if isinstance(new, LightningModule):
+        new._trainer = None  # the copy's `self.log` is a no-op and it never drives the real trainer
+    return new
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Structural equality of two gathered batches."""
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _rows(batch: Any) -> int:
+    if isinstance(batch, Tensor):
+        return batch.shape[0] if batch.dim() else 1
+    if isinstance(batch, Mapping):
+        return _rows(next(iter(batch.values())))
+    if isinstance(batch, (list, tuple)) and batch:
+        return _rows(batch[0])
+    return 0

@@ -1,0 +1,303 @@
+"""CommunicationLedger: every collective of every training step, by operation and mesh dim, next to the plan.
+
+How collectives are seen: a :class:`~torch.utils._python_dispatch.TorchDispatchMode` is active from
+``on_train_batch_start`` to ``on_train_batch_end`` and records each ``c10d`` / ``_c10d_functional`` op that
+reaches the dispatcher. That one hook sees FSDP2's all-gathers / reduce-scatters, DDP's bucket all-reduces
+(the C++ reducer calls ``ProcessGroup::allreduce``, which dispatches the ``c10d::allreduce_`` op: patching
+``torch.distributed`` functions in Python would miss them), ZeroRedundancyOptimizer's broadcasts, DTensor
+redistributions (functional collectives) and pipeline ``send`` / ``recv``.
+
+Payload convention (the planner's, :class:`lightning_dist.planner.Collective`): the full, unsharded tensor
+bytes of each call: all-gather = output size, reduce-scatter = input size, all-reduce / broadcast = tensor
+size, all-to-all = input size, send / recv = tensor size. Ring wire bytes follow from the planner's factors.
+"""
+
+from __future__ import annotations
+
+import io
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from torch.utils._python_dispatch import TorchDispatchMode
+from typing_extensions import override
+
+from lightning_dist import planner
+from lightning_dist.callbacks import _planned
+
+# c10d op name -> (ledger op, argument holding the payload tensor(s): the output of gathers, input of scatters)
+# c10d ops: the process group is a positional ScriptObject; functional ops: a group name (or object) last.
+_C10D = {
+    "allreduce_": ("all_reduce", 0), "allreduce_coalesced_": ("all_reduce", 0),
+    "_allgather_base_": ("all_gather", 0), "allgather_": ("all_gather", 0),
+    "allgather_into_tensor_coalesced_": ("all_gather", 0), "allgather_coalesced_": ("all_gather", 0),
+    "_reduce_scatter_base_": ("reduce_scatter", 1), "reduce_scatter_": ("reduce_scatter", 1),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
+    "broadcast_": ("broadcast", 0), "reduce_": ("reduce", 0),
+    "alltoall_base_": ("all_to_all", 1), "alltoall_": ("all_to_all", 1),
+    "gather_": ("gather", 1), "scatter_": ("scatter", 0),
+    "send": ("send", 0), "recv_": ("recv", 0), "recv_any_source_": ("recv", 0),
+}
+_FUNCTIONAL = {
+    "all_reduce": "all_reduce", "all_reduce_": "all_reduce", "all_reduce_coalesced": "all_reduce",
+    "all_reduce_coalesced_": "all_reduce", "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_out": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "all_to_all_single": "all_to_all", "broadcast": "broadcast", "broadcast_": "broadcast",
+}
+
+
+def _nbytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(o) for o in obj)
+    return 0
+
+
+class CollectiveRecorder(TorchDispatchMode):
+    """Records ``(op, group ranks, payload bytes)`` for every collective dispatched while it is active.
+
+    Use as ``with CollectiveRecorder() as rec: ...`` or via :class:`CommunicationLedger`. Calls go through
+    unchanged; only the bytes and the group are read.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, tuple[int, ...], int]] = []
+        self._ranks: dict[str, tuple[int, ...]] = {}
+
+    def _group_ranks(self, group: Any) -> tuple[int, ...]:
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        if not isinstance(group, str):
+            if not isinstance(group, dist.ProcessGroup):
+                group = dist.ProcessGroup.unbox(group)
+            group = group.group_name
+        if group not in self._ranks:
+            self._ranks[group] = tuple(dist.get_process_group_ranks(_resolve_process_group(group)))
+        return self._ranks[group]
+
+    def _record(self, func: Any, args: tuple, kwargs: dict) -> None:
+        ns, name = func.namespace, func._overloadpacket.__name__
+        if ns == "c10d" and name in _C10D:
+            op, idx = _C10D[name]
+            nbytes = _nbytes(args[idx])
+            # the group follows the tensor argument(s): position 1, or 2 when outputs and inputs come first
+            group = args[2] if isinstance(args[1], (torch.Tensor, list, tuple)) else args[1]
+        elif ns == "_c10d_functional" and name in _FUNCTIONAL:
+            op = _FUNCTIONAL[name]
+            nbytes = _nbytes(args[0])
+            if op == "all_gather":  # payload = gathered output = input x group size
+                nbytes *= int(args[1])
+            group = kwargs.get("group_name", args[-1])
+        else:
+            return
+        self.calls.append((op, self._group_ranks(group), nbytes))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+
+        kwargs = kwargs or {}
+        # modes run before tensor subclasses: let DTensor desugar into plain ops + collectives first,
+        # they come back through this mode (the trick torch's CommDebugMode uses)
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        if isinstance(func, torch._ops.OpOverload):
+            self._record(func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+class CommunicationLedger(Callback):
+    """Records every collective of each training step: operation, mesh dim (or group), count and payload bytes.
+
+    A step is one optimizer step: with gradient accumulation its micro-batches are added up.
+
+    Groups are named by the pack's mesh dims when the strategy is a ``MeshStrategy`` (a group spanning
+    several dims takes the most elementary name: ``dp_shard`` before ``dp``), otherwise ``world`` or their
+    ranks. Per-step totals are logged (``comm/bytes``, ``comm/<op>/<dim>``); at the end of fit rank 0 prints
+    a table of the mean per step next to the planner's prediction for the strategy, mesh and parameter
+    shapes in use (measured / planned per op and dim).
+
+    Args:
+        skip_steps: first steps left out of the per-step mean (still logged), e.g. one-time broadcasts.
+        planned: the planner's collectives to compare against; ``"auto"`` derives them from the strategy
+            (DDP/replicate, ZeRO-1, FSDP2 and HSDP exactly, plus tensor-parallel block activations measured
+            from the first block's input); None for no comparison.
+        log: log per-step totals through ``pl_module.log``.
+        print_table: print the rank-0 table at the end of fit.
+    """
+
+    def __init__(self, *, skip_steps: int = 1, planned: str | Sequence[planner.Collective] | None = "auto",
+                 log: bool = True, print_table: bool = True) -> None:
+        if planned is not None and not isinstance(planned, str):
+            planned = list(planned)
+        if isinstance(skip_steps, bool) or not isinstance(skip_steps, int) or skip_steps < 0:
+            raise ValueError(f"`skip_steps={skip_steps!r}` must be an integer >= 0.")
+        if not (planned is None or planned == "auto" or (not isinstance(planned, str) and all(
+                isinstance(c, planner.Collective) for c in planned))):
+            raise ValueError(f"`planned={planned!r}` must be 'auto', None or a sequence of planner.Collective.")
+        self.skip_steps, self.planned_arg, self.log, self.print_table = skip_steps, planned, log, print_table
+        self.steps: list[dict[tuple[str, str], list[int]]] = []
+        """Per optimizer step: {(op, dim): [count, payload bytes]} on this rank."""
+        self.summary: list[dict[str, Any]] = []
+        """Filled at the end of fit on every rank: one row per (op, dim) with measured and planned bytes."""
+        self.group_sizes: dict[str, int] = {}
+        """Ranks in each group label seen."""
+        self._recorder: CollectiveRecorder | None = None
+        self._pending: dict[tuple[str, str], list[int]] = {}
+        self._step_at_start = 0
+        self._activation: dict | None = None
+        self._hook: Any = None
+
+    # ---- recording -----------------------------------------------------------------------------
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.steps, self.summary, self._activation, self._pending, self.group_sizes = [], [], None, {}, {}
+        if _planned.strategy_mesh(trainer.strategy) is not None and trainer.strategy.mesh.size("tp") > 1:
+            self._watch_activation(trainer, pl_module)
+
+    def _watch_activation(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Measure the block input (batch, seq, hidden, dtype) once, for the tensor-parallel prediction."""
+        from lightning_dist.parallelize.units import find_block_lists
+
+        lists = find_block_lists(pl_module)
+        if not lists:
+            return
+        entries = getattr(trainer.strategy, "tp_entries", [])
+        blocks = sum(len(b) for _, b in lists)
+        prefixes = tuple(f"{name}." for name, _ in lists)
+        rows = sum(1 for e in entries if e.active and e.style == "rowwise" and e.fqn.startswith(prefixes))
+        first = lists[0][1][0]
+
+        def hook(module, args):
+            x = args[0]
+            seq = x.shape[1] if x.dim() == 3 else 1
+            self._activation = {"batch": x.shape[0], "seq": seq, "hidden": x.shape[-1], "bytes": x.element_size(),
+                                "blocks": blocks, "row_parallel_per_block": max(1, rows // blocks)}
+            self._hook.remove()
+
+        self._hook = first.register_forward_pre_hook(hook)
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self._step_at_start = trainer.global_step
+        self._recorder = CollectiveRecorder()
+        self._recorder.__enter__()
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self._recorder is None:
+            return
+        rec, self._recorder = self._recorder, None
+        rec.__exit__(None, None, None)
+        mesh, rank, world = self._where(trainer)
+        for op, ranks, nbytes in rec.calls:
+            label = _planned.group_label(list(ranks), mesh=mesh, rank=rank, world=world)
+            self.group_sizes[label] = len(ranks)
+            entry = self._pending.setdefault((op, label), [0, 0])
+            entry[0] += 1
+            entry[1] += nbytes
+        if trainer.global_step == self._step_at_start:
+            return  # gradient accumulation: the optimizer step (and the ledger's step) is not over yet
+        step, self._pending = self._pending, {}
+        self.steps.append(step)
+        if self.log:
+            pl_module.log("comm/bytes", float(sum(v[1] for v in step.values())), on_step=True, on_epoch=False)
+            for (op, dim), (_, nbytes) in step.items():
+                pl_module.log(f"comm/{op}/{dim}", float(nbytes), on_step=True, on_epoch=False)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if self._recorder is not None:  # never leave the mode on the dispatch stack
+            self._recorder.__exit__(None, None, None)
+            self._recorder = None
+
+    @staticmethod
+    def _where(trainer: pl.Trainer) -> tuple[Any, int, int]:
+        initialized = dist.is_available() and dist.is_initialized()
+        return (_planned.strategy_mesh(trainer.strategy), dist.get_rank() if initialized else 0,
+                dist.get_world_size() if initialized else 1)
+
+    # ---- summary -------------------------------------------------------------------------------
+    def per_step(self) -> dict[tuple[str, str], tuple[float, float]]:
+        """Mean (count, payload bytes) per step for each (op, dim), after the first ``skip_steps`` steps."""
+        steps = self.steps[self.skip_steps:] or self.steps
+        out: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0.0])
+        for step in steps:
+            for key, (count, nbytes) in step.items():
+                out[key][0] += count / len(steps)
+                out[key][1] += nbytes / len(steps)
+        return {k: (v[0], v[1]) for k, v in out.items()}
+
+    def _planned_rows(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[tuple[str, str], float] | None:
+        if self.planned_arg is None:
+            return None
+        if self.planned_arg == "auto":
+            collectives = _planned.planned_traffic(trainer, pl_module, activation=self._activation)
+            if collectives is None:
+                return None
+        else:
+            collectives = list(self.planned_arg)
+        mesh, rank, world = self._where(trainer)
+        out: dict[tuple[str, str], float] = defaultdict(float)
+        for c in collectives:
+            op = "send" if c.op == "send_recv" else c.op  # planner payload = bytes one rank sends
+            out[(op, _planned.dim_label(c.dim, mesh=mesh, rank=rank, world=world))] += c.payload_bytes
+        return dict(out)
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+        measured = self.per_step()
+        planned = self._planned_rows(trainer, pl_module) or {}
+        keys = sorted(set(measured) | set(planned))
+        _, rank, world = self._where(trainer)
+        self.summary = []
+        for op, dim in keys:
+            count, got = measured.get((op, dim), (0.0, 0.0))
+            want = planned.get((op, dim))
+            group_size = self.group_sizes.get(dim, world)
+            wire = planner.Collective(op=op, dim=dim, group_size=group_size, payload_bytes=got).wire_bytes \
+                if op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast") else got
+            self.summary.append({"op": op, "dim": dim, "count": count, "bytes": got, "wire_bytes": wire,
+                                 "planned_bytes": want, "ratio": (got / want) if want else None})
+        if self.print_table:
+            rows = _gather(self.summary)
+            if rank == 0:
+                print(format_ledger(rows, title=f"Communication per step ({type(trainer.strategy).__name__},"
+                                                f" mean of {len(self.steps[self.skip_steps:] or self.steps)}"
+                                                " steps, payload bytes)"), flush=True)
+
+
+def _gather(rows: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    if dist.is_available() and dist.is_initialized():
+        out: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, rows)
+        return out
+    return [rows]
+
+
+def format_ledger(per_rank: list[list[dict[str, Any]]], *, title: str = "Communication per step") -> str:
+    """Rich table: rows (rank, op, dim) with count, payload and wire bytes, planned payload, measured / planned."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("rank", "op", "dim", "calls", "payload B", "wire B", "planned B", "measured/planned"):
+        table.add_column(col, justify="left" if col in ("op", "dim") else "right")
+    for rank, rows in enumerate(per_rank):
+        for r in rows:
+            table.add_row(str(rank), r["op"], r["dim"], f"{r['count']:.1f}", f"{r['bytes']:,.0f}",
+                          f"{r['wire_bytes']:,.0f}", "-" if r["planned_bytes"] is None else f"{r['planned_bytes']:,.0f}",
+                          "-" if r["ratio"] is None else f"{r['ratio']:.3f}")
+    buf = io.StringIO()
+    Console(file=buf, width=120, force_terminal=False).print(table)
+    return buf.getvalue()

@@ -1,0 +1,113 @@
+"""MemoryReport: per-rank model-state bytes from the live tensors and peak memory, next to the planner."""
+
+from __future__ import annotations
+
+import io
+import resource
+import sys
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from lightning_dist.callbacks import _planned
+from lightning_dist.measure import model_state_bytes
+
+_PARTS = ("params", "grads", "optimizer", "total")
+
+
+def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
+    """(bytes, what): CUDA max allocated on a GPU; this process's resident-set high-water mark on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device)), "cuda max allocated"
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # ru_maxrss is in kilobytes on Linux, in bytes on macOS
+    return int(rss if sys.platform == "darwin" else rss * 1024), "process max RSS"
+
+
+class MemoryReport(Callback):
+    """Per rank: model-state bytes of the live tensors vs the planner, and peak memory.
+
+    Model state = local shards of parameters, gradients and optimizer state (scalar ``step`` counters
+    excluded), measured with :func:`lightning_dist.measure.model_state_bytes` after each optimizer step
+    (gradients still present) and kept from the last step. Planned = :func:`lightning_dist.planner.fsdp2_state_bytes`
+    for the actual parameter shapes (tensor-parallel local shapes), mesh, ZeRO stage, precision and optimizer
+    (Adam/AdamW/SGD); "-" when the strategy or optimizer is one the planner cannot place. Peak memory is CUDA's
+    max allocated on a GPU, the process's max RSS on CPU (it includes the Python runtime, so it is no
+    model-state figure). Logs ``memory/model_state_bytes``, ``memory/planned_bytes`` and ``memory/peak_bytes``
+    per step and prints a rank-0 table at the end of fit.
+
+    Args:
+        log: log the figures through ``pl_module.log``.
+        print_table: print the rank-0 table at the end of fit.
+    """
+
+    def __init__(self, *, log: bool = True, print_table: bool = True) -> None:
+        self.log, self.print_table = log, print_table
+        self.measured: dict[str, int] | None = None
+        """This rank's live model-state bytes after the last step."""
+        self.planned: dict[str, float] | None = None
+        """The planner's prediction for this rank (None when it has none)."""
+        self.peak: tuple[int, str] | None = None
+        """(bytes, what) peak memory of this rank."""
+        self.rows: list[dict[str, Any]] = []
+        """Every rank's row, gathered at the end of fit (on every rank)."""
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.measured = self.planned = self.peak = None
+        self.rows = []
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.measured = model_state_bytes(pl_module, trainer.optimizers)
+        self.peak = peak_memory_bytes(trainer.strategy.root_device)
+        if self.planned is None:
+            planned = _planned.planned_memory(trainer, pl_module)
+            self.planned = planned.to_dict() if planned is not None else None
+        if self.log:
+            pl_module.log("memory/model_state_bytes", float(self.measured["total"]), on_step=True, on_epoch=False)
+            pl_module.log("memory/peak_bytes", float(self.peak[0]), on_step=True, on_epoch=False)
+            if self.planned is not None:
+                pl_module.log("memory/planned_bytes", float(self.planned["total"]), on_step=True, on_epoch=False)
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.measured is None:
+            return
+        initialized = dist.is_available() and dist.is_initialized()
+        row = {"rank": dist.get_rank() if initialized else 0, "measured": self.measured, "planned": self.planned,
+               "peak_bytes": self.peak[0], "peak_what": self.peak[1],
+               "ratio": (self.measured["total"] / self.planned["total"]) if self.planned and self.planned["total"]
+               else None}
+        if initialized:
+            rows: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(rows, row)
+        else:
+            rows = [row]
+        self.rows = rows
+        if self.print_table and row["rank"] == 0:
+            print(format_memory(rows, title=f"Model-state bytes per rank ({type(trainer.strategy).__name__})"),
+                  flush=True)
+
+
+def format_memory(rows: list[dict[str, Any]], *, title: str = "Model-state bytes per rank") -> str:
+    """Rich table: per rank, measured params / grads / optimizer / total, planned total, ratio, peak memory."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("rank", "params B", "grads B", "optimizer B", "total B", "planned B", "measured/planned",
+                "peak B"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        m, p = r["measured"], r["planned"]
+        table.add_row(str(r["rank"]), *(f"{m[k]:,}" for k in _PARTS), "-" if p is None else f"{p['total']:,.0f}",
+                      "-" if r["ratio"] is None else f"{r['ratio']:.3f}", f"{r['peak_bytes']:,} ({r['peak_what']})")
+    buf = io.StringIO()
+    Console(file=buf, width=140, force_terminal=False).print(table)
+    return buf.getvalue()

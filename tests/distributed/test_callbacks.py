@@ -1,0 +1,142 @@
+"""The callbacks on 3 and 4 CPU processes (scenario: tests/scenarios/callbacks_ddp.py): Lightning's DDP,
+and the pack's ``hsdp`` (2 x 2) and ``tp`` (dp 2 x tp 2) strategies.
+
+One launch per world size runs every part; the tests below assert on the figures each rank printed.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from _harness import results, run_script
+
+pytestmark = pytest.mark.distributed
+
+SCENARIO = "callbacks_ddp.py"
+
+
+def _by_part(proc, world: int) -> dict[str, list[dict]]:
+    parts: dict[str, list[dict]] = {}
+    for r in results(proc):
+        parts.setdefault(r["part"], []).append(r[r["part"]])
+    for name, ranks in parts.items():
+        assert len(ranks) == world, f"part {name}: {len(ranks)} of {world} ranks reported"
+    return parts
+
+
+@pytest.fixture(scope="module")
+def ddp4() -> dict[str, list[dict]]:
+    proc = run_script(SCENARIO, "--devices", "4", "--parts", "exact,syncbn,parity,sampler,hsdp,tp", timeout=900)
+    return _by_part(proc, 4)
+
+
+@pytest.fixture(scope="module")
+def ddp3() -> dict[str, list[dict]]:
+    proc = run_script(SCENARIO, "--devices", "3", "--parts", "exact,syncbn", timeout=600)
+    return _by_part(proc, 3)
+
+
+def _check_exact(ranks: list[dict], world: int) -> None:
+    for out in ranks:
+        for variant, r in out.items():  # drop_last False / True
+            ref = r["ref"]
+            # the control: without masking, the padded rows are scored (31 -> 32 on 4 ranks, 33 on 3)
+            assert r["naive_rows"] == -(-31 // world) * world, variant
+            assert r["last_count"] == 31, variant
+            for where in ("fit_val", "val", "test"):
+                got = r[where]
+                assert got["samples"] == 31.0, (variant, where)
+                assert got["acc"] == ref["acc_metric"], (variant, where)  # the same metric on one device, exactly
+                assert abs(got["acc"] - ref["acc"]) < 1e-7, (variant, where)  # torchmetrics computes in float32
+                assert abs(got["loss"] - ref["loss"]) <= 1e-12 * abs(ref["loss"]), (variant, where, got, ref)
+
+
+def test_exact_evaluation_4_ranks(ddp4):
+    _check_exact(ddp4["exact"], 4)
+
+
+def test_exact_evaluation_3_ranks(ddp3):
+    _check_exact(ddp3["exact"], 3)
+
+
+def _check_syncbn(ranks: list[dict]) -> None:
+    for out in ranks:
+        for case, r in out.items():
+            assert r["input_grad_rel"] <= 1e-12, (case, r)
+            assert r["param_grad_rel"] <= 1e-12, (case, r)
+            # per-shard statistics (the control) give a visibly different gradient
+            assert r["control_input_grad_rel"] > 1e-2, (case, r)
+            assert r["control_param_grad_rel"] > 1e-3, (case, r)
+            assert r["running_stats_equal_in_group"], case
+            assert r["running_stats_vs_full_rel"] <= 1e-12, (case, r)
+
+
+def test_sync_batchnorm_4_ranks(ddp4):
+    cases = ddp4["syncbn"][0]
+    assert any("[3, 5, 2, 6]" in c and "None" in c for c in cases)  # unequal per-rank batches
+    assert any("group_size=2" in c for c in cases)  # groups of 2 ranks
+    _check_syncbn(ddp4["syncbn"])
+
+
+def test_sync_batchnorm_3_ranks(ddp3):
+    _check_syncbn(ddp3["syncbn"])
+
+
+def test_gradient_parity_check(ddp4):
+    for out in ddp4["parity"]:
+        assert set(out) >= {
+            "correct_syncbn", "correct_manual_accumulation", "bug_per_shard_batchnorm",
+            "bug_undivided_accumulation", "bug_padded_duplicates", "bug_param_changed_on_one_rank",
+            "bug_unsharded_data",
+        }
+        for case, r in out.items():
+            assert r["ok"] == r["expect_ok"], (case, r)
+            if r["expect_ok"]:
+                assert r["rel_diff"] <= 1e-12, (case, r)
+            else:
+                assert r["rel_diff"] > 1e-3 or not r["params_equal"] or r["same_batch_on_all_ranks"], (case, r)
+        assert abs(out["bug_undivided_accumulation"]["rel_diff"] - 1.0) < 1e-9  # gradient x 2
+        assert out["bug_padded_duplicates"]["global_batch"] == 31  # the duplicate was removed
+        assert out["bug_param_changed_on_one_rank"]["params_equal"] is False
+        # every rank trained on the same rows (use_distributed_sampler=False, no sampler of its own)
+        assert out["bug_unsharded_data"]["same_batch_on_all_ranks"] is True
+    assert len({str(out) for out in ddp4["parity"]}) == 1  # one verdict on every rank
+
+
+def test_sampler_epoch(ddp4):
+    seen = ddp4["sampler"][0]["seen"]  # per rank: epoch -> indices
+    orders = []
+    for epoch in ("0", "1", "2"):
+        shards = [rank_seen[epoch] for rank_seen in seen]
+        flat = [i for s in shards for i in s]
+        assert sorted(flat) == list(range(24)), epoch  # disjoint shards that cover the dataset
+        orders.append(shards)
+    assert orders[0] != orders[1] != orders[2]  # the custom batch sampler and the sampler got the epoch
+    for out in ddp4["sampler"]:
+        # Lightning itself never reaches a custom batch sampler: only the callback sets its epoch
+        assert out["batch_sampler_epochs"] == {"0": 0, "1": 1, "2": 2}
+        assert out["seed_error"] is not None and "different sampler seeds" in out["seed_error"]
+        assert "dp rank 3: [('DistributedSampler', 3)]" in out["seed_error"]
+
+
+def test_callbacks_under_hsdp(ddp4):
+    """The pack's ``hsdp`` strategy, 2 x 2 (replicate x shard), FSDP2 DTensor parameters."""
+    for out in ddp4["hsdp"]:
+        exact = out["exact"]
+        assert exact["last_count"] == 31 and exact["val"]["samples"] == 31.0
+        assert exact["val"]["acc"] == exact["ref"]["acc_metric"]
+        assert abs(exact["val"]["loss"] - exact["ref"]["loss"]) <= 1e-12 * exact["ref"]["loss"]
+        assert out["correct_syncbn"]["ok"] and out["correct_syncbn"]["rel_diff"] <= 1e-12
+        assert not out["bug_per_shard_batchnorm"]["ok"] and out["bug_per_shard_batchnorm"]["rel_diff"] > 1e-3
+        assert out["injected_sampler_shards_data"]
+
+
+def test_exact_evaluation_under_tp(ddp4):
+    """The pack's ``tp`` strategy, dp 2 x tp 2: tensor-parallel peers see the same samples and are not
+    double-counted (31, not 62); a batch of padding only (the last step of dp rank 1) is skipped."""
+    for out in ddp4["tp"]:
+        exact = out["exact"]
+        assert exact["last_count"] == 31 and exact["val"]["samples"] == 31.0
+        assert exact["val"]["acc"] == exact["ref"]["acc_metric"]
+        assert abs(exact["val"]["loss"] - exact["ref"]["loss"]) <= 1e-12 * exact["ref"]["loss"]
+        assert "tp=2" in out["parity_refused"]  # GradientParityCheck refuses tensor parallelism, saying so

@@ -1,0 +1,442 @@
+"""Callbacks under Lightning's DDP and the pack's hsdp / tp strategies on CPU/gloo, several checks per launch.
+
+    python callbacks_ddp.py --devices 4 --parts exact,syncbn,parity,sampler,hsdp,tp
+
+Prints one ``RESULT {...}`` line per rank with the figures of every part; the test asserts on them.
+Every single-device reference is computed in this run on each rank from the same data and weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, TensorDataset
+from torchmetrics import MeanMetric
+from torchmetrics.classification import MulticlassAccuracy
+
+from lightning_dist.callbacks import (
+    DataParallelBatchNorm,
+    ExactEvaluation,
+    ExactMetric,
+    GradientParityCheck,
+    MeshSyncBatchNorm,
+    SamplerEpoch,
+    check_sampler_seeds,
+    convert_sync_batchnorm,
+)
+from lightning_dist.callbacks.sync_batchnorm import _partition_group
+
+warnings.filterwarnings("ignore")
+
+
+def trainer(devices: int, **kwargs) -> pl.Trainer:
+    defaults = dict(
+        accelerator="cpu", devices=devices, strategy="ddp", precision="64-true", logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    defaults.update(kwargs)
+    return pl.Trainer(**defaults)
+
+
+# ---- exact evaluation ---------------------------------------------------------------------------
+def eval_data(n: int = 31) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(n, 8, generator=g, dtype=torch.float64), torch.randint(0, 3, (n,), generator=g))
+
+
+class EvalModel(pl.LightningModule):
+    def __init__(self, loaders: dict):
+        super().__init__()
+        torch.manual_seed(1)
+        self.net = nn.Linear(8, 3)
+        self.loaders = loaders
+        for stage in ("val", "test"):
+            setattr(self, f"{stage}_acc", ExactMetric(MulticlassAccuracy(num_classes=3, average="micro")))
+            setattr(self, f"{stage}_loss", ExactMetric(MeanMetric().set_dtype(torch.float64)))
+        self.naive_rows = 0  # rows seen without the mask (the control: padding included)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+    def _eval(self, batch, stage):
+        x, y = batch
+        logits = self.net(x)
+        getattr(self, f"{stage}_acc").update(logits, y)
+        getattr(self, f"{stage}_loss").update(F.cross_entropy(logits, y, reduction="none"))
+        self.log(f"{stage}_acc", getattr(self, f"{stage}_acc"))
+        self.log(f"{stage}_loss", getattr(self, f"{stage}_loss"))
+        self.naive_rows += len(y)
+
+    def validation_step(self, batch, batch_idx):
+        self._eval(batch, "val")
+
+    def _epoch_end(self, stage):
+        # read the metrics themselves: Lightning's logged copies are rounded to float32
+        self.final = {k: float(getattr(self, f"{stage}_{k}").compute()) for k in ("acc", "loss")}
+
+    def _float64_means(self):
+        # torchmetrics resets a metric's dtype to the default on `.to(device)`: set it again once placed
+        for stage in ("val", "test"):
+            getattr(self, f"{stage}_loss").metric.set_dtype(torch.float64)
+
+    def on_validation_start(self):
+        self._float64_means()
+
+    def on_test_start(self):
+        self._float64_means()
+
+    def on_validation_epoch_end(self):
+        self._epoch_end("val")
+
+    def on_test_epoch_end(self):
+        self._epoch_end("test")
+
+    def test_step(self, batch, batch_idx):
+        self._eval(batch, "test")
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return self.loaders["train"]
+
+    def val_dataloader(self):
+        return self.loaders["val"]
+
+    def test_dataloader(self):
+        return self.loaders["test"]
+
+
+def reference_eval(model: EvalModel, ds: TensorDataset) -> dict:
+    x, y = ds.tensors
+    with torch.no_grad():
+        logits = model.net(x)
+    return {
+        "acc": float((logits.argmax(-1) == y).double().mean()),
+        # the same metric on one device: the distributed value must equal it bit for bit
+        "acc_metric": float(MulticlassAccuracy(num_classes=3, average="micro")(logits, y)),
+        "loss": float(F.cross_entropy(logits, y)),
+    }
+
+
+def part_exact(devices: int) -> dict:
+    ds = eval_data(31)
+    out = {}
+    for drop_last in (False, True):
+        loaders = {k: DataLoader(ds, batch_size=3, drop_last=drop_last) for k in ("train", "val", "test")}
+        model = EvalModel(loaders)
+        cb = ExactEvaluation()
+        t = trainer(devices, max_epochs=1, limit_train_batches=2, num_sanity_val_steps=0, callbacks=[cb])
+        t.fit(model)
+        fit_val = {**model.final, "samples": float(t.callback_metrics["val_samples"])}
+        ref = reference_eval(model, ds)
+        model.naive_rows = 0
+        samples = t.validate(model, verbose=False)[0]["val_samples"]  # before reading `final` (set by it)
+        val = {**model.final, "samples": samples}
+        naive = torch.tensor(model.naive_rows)
+        dist.all_reduce(naive)
+        samples = t.test(model, verbose=False)[0]["test_samples"]
+        test = {**model.final, "samples": samples}
+        out[f"drop_last={drop_last}"] = {
+            "ref": ref, "fit_val": fit_val, "val": val, "test": test,
+            "naive_rows": int(naive), "last_count": cb.last_count,
+        }
+    return out
+
+
+# ---- SyncBatchNorm, directly on the process group ----------------------------------------------
+def part_syncbn(devices: int) -> dict:
+    if not dist.is_initialized():  # Lightning's launcher starts the ranks on the first fit
+        trainer(devices, max_steps=1, limit_val_batches=0).fit(ParityModel())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    cases = [([4] * world, None), ([3, 5, 2, 6, 1, 4][:world], None)]
+    if world % 2 == 0:
+        cases.append(([3, 5, 2, 6, 1, 4][:world], 2))  # groups of 2 consecutive ranks (e.g. per node)
+    for sizes, group_size in cases:
+        g = torch.Generator().manual_seed(5)
+        total = sum(sizes)
+        x_all = torch.randn(total, 3, 4, 4, generator=g, dtype=torch.float64) * 2 + 1
+        target_all = torch.randn(total, 3, 4, 4, generator=g, dtype=torch.float64)
+        if group_size is None:
+            members, group = list(range(world)), dist.group.WORLD
+        else:
+            members = [r for r in range(world) if r // group_size == rank // group_size]
+            group = _partition_group(None, world, group_size)
+        offsets = [sum(sizes[:r]) for r in range(world + 1)]
+        lo, hi = offsets[rank], offsets[rank + 1]
+        sub_lo, sub_hi = offsets[members[0]], offsets[members[-1] + 1]
+        n_sub = sub_hi - sub_lo
+
+        def build(sync: bool):
+            torch.manual_seed(3)
+            m = nn.Sequential(nn.Conv2d(3, 3, 1), nn.BatchNorm2d(3)).double()
+            return convert_sync_batchnorm(m, process_group=group) if sync else m
+
+        def run(m, x, t, n_norm):
+            x = x.clone().requires_grad_(True)
+            loss = ((m(x) - t) ** 2).sum() / n_norm  # a sum: the full-batch mean splits across ranks
+            loss.backward()
+            return x.grad, [p.grad.clone() for p in m.parameters()]
+
+        # distributed: every rank its own rows, param grads summed over the sync group
+        dist_model = build(True)
+        assert isinstance(dist_model[1], DataParallelBatchNorm)
+        gx, gp = run(dist_model, x_all[lo:hi], target_all[lo:hi], n_sub)
+        for p in gp:
+            dist.all_reduce(p, group=group)
+        # control: per-shard statistics
+        cx, cp = run(build(False), x_all[lo:hi], target_all[lo:hi], n_sub)
+        for p in cp:
+            dist.all_reduce(p, group=group)
+        # reference: the whole batch of the sync group on one device
+        ref_model = build(False)
+        rx, rp = run(ref_model, x_all[sub_lo:sub_hi], target_all[sub_lo:sub_hi], n_sub)
+        rx = rx[lo - sub_lo:hi - sub_lo]
+
+        def rel(a, b):
+            return float((a - b).norm() / b.norm())
+
+        def flat(ts):
+            return torch.cat([t.flatten() for t in ts])
+
+        stats = torch.cat([dist_model[1].running_mean, dist_model[1].running_var])
+        gathered = [torch.empty_like(stats) for _ in range(world)]
+        dist.all_gather(gathered, stats)
+        ref_stats = torch.cat([ref_model[1].running_mean, ref_model[1].running_var])
+        out[f"sizes={sizes},group_size={group_size}"] = {
+            "input_grad_rel": rel(gx, rx),
+            # over all parameters together: the conv bias gradient is ~0 (BatchNorm removes shifts)
+            "param_grad_rel": rel(flat(gp), flat(rp)),
+            "control_input_grad_rel": rel(cx, rx),
+            "control_param_grad_rel": rel(flat(cp), flat(rp)),
+            "running_stats_equal_in_group": all(torch.equal(gathered[r], stats) for r in members),
+            "running_stats_vs_full_rel": rel(stats, ref_stats),
+        }
+    return out
+
+
+# ---- GradientParityCheck ------------------------------------------------------------------------
+class ParityModel(pl.LightningModule):
+    def __init__(self, *, manual: str = "", perturb_rank: int = -1, batch_size: int = 4, n: int = 32,
+                 own_sampler: bool = False):
+        super().__init__()
+        torch.manual_seed(2)
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 2))
+        self.manual, self.perturb_rank, self.batch_size, self.n = manual, perturb_rank, batch_size, n
+        self.automatic_optimization = not manual
+        self.own_sampler = own_sampler  # shard with a sampler built here (with use_distributed_sampler=False)
+
+    def loss(self, batch):
+        x, y = batch
+        return F.mse_loss(self.net(x), y)
+
+    def on_train_start(self):
+        if self.global_rank == self.perturb_rank:  # planted bug: a parameter changed on one rank
+            with torch.no_grad():
+                self.net[0].weight[0, 0] += 0.5
+
+    def training_step(self, batch, batch_idx):
+        if not self.manual:
+            return self.loss(batch)
+        opt = self.optimizers()
+        loss = self.loss(batch)
+        # planted bug "undivided": accumulate 2 micro-batches without dividing the loss
+        self.manual_backward(loss if self.manual == "undivided" else loss / 2)
+        if batch_idx % 2 == 1:
+            opt.step()
+            opt.zero_grad()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(4)
+        ds = TensorDataset(torch.randn(self.n, 4, generator=g, dtype=torch.float64),
+                           torch.randn(self.n, 2, generator=g, dtype=torch.float64))
+        if self.own_sampler:
+            kwargs = self.trainer.strategy.distributed_sampler_kwargs
+            return DataLoader(ds, batch_size=self.batch_size, sampler=DistributedSampler(ds, shuffle=False, **kwargs))
+        return DataLoader(ds, batch_size=self.batch_size)
+
+
+def part_parity(devices: int) -> dict:
+    cases = {
+        # name: (model kwargs, sync BN?, expect ok)
+        "correct_syncbn": (dict(), True, True),
+        "correct_manual_accumulation": (dict(manual="divided"), True, True),
+        "bug_per_shard_batchnorm": (dict(), False, False),
+        "bug_undivided_accumulation": (dict(manual="undivided"), True, False),
+        "bug_padded_duplicates": (dict(n=31, batch_size=8), True, False),
+        "bug_param_changed_on_one_rank": (dict(perturb_rank=1), True, False),
+        "bug_unsharded_data": (dict(), True, False),  # run with use_distributed_sampler=False below
+    }
+    out = {}
+    for name, (kwargs, sync, expect_ok) in cases.items():
+        model = ParityModel(**kwargs)
+        check = GradientParityCheck(
+            steps=(0,), on_mismatch="warn", loss_fn=(lambda m, b: m.loss(b)) if kwargs.get("manual") else None
+        )
+        callbacks = [check] + ([MeshSyncBatchNorm()] if sync else [])
+        t = trainer(devices, max_steps=1, callbacks=callbacks, limit_val_batches=0,
+                    use_distributed_sampler=name != "bug_unsharded_data")
+        t.fit(model)
+        r = check.results[0]
+        keys = ("ok", "rel_diff", "tolerance", "params_equal", "same_batch_on_all_ranks", "global_batch")
+        out[name] = {"expect_ok": expect_ok, **{k: r[k] for k in keys}}
+    return out
+
+
+# ---- SamplerEpoch -------------------------------------------------------------------------------
+class EpochBatchSampler(BatchSampler):
+    """A custom batch sampler over a wrapped DistributedSampler that shuffles batches by epoch itself."""
+
+    def __init__(self, sampler, batch_size):
+        super().__init__(sampler, batch_size, drop_last=False)
+        self.epoch = -1
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __iter__(self):
+        batches = list(super().__iter__())
+        order = torch.randperm(len(batches), generator=torch.Generator().manual_seed(100 + self.epoch))
+        return iter([batches[i] for i in order])
+
+
+class SamplerModel(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(1, dtype=torch.float64))
+        self.seen: dict[int, list[int]] = {}
+        self.batch_sampler_epochs: dict[int, int] = {}
+
+    def training_step(self, batch, batch_idx):
+        (idx,) = batch
+        self.seen.setdefault(self.current_epoch, []).extend(idx.tolist())
+        self.batch_sampler_epochs[self.current_epoch] = self.trainer.train_dataloader.batch_sampler.epoch
+        return (self.w * idx.double()).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    def train_dataloader(self):
+        kwargs = self.trainer.strategy.distributed_sampler_kwargs
+        sampler = DistributedSampler(range(24), shuffle=True, seed=7, **kwargs)
+        ds = TensorDataset(torch.arange(24))
+        return DataLoader(ds, batch_sampler=EpochBatchSampler(sampler, 2))
+
+
+def part_sampler(devices: int) -> dict:
+    model = SamplerModel()
+    t = trainer(devices, max_epochs=3, callbacks=[SamplerEpoch()], use_distributed_sampler=False, limit_val_batches=0)
+    t.fit(model)
+    world = dist.get_world_size()
+    seen = [None] * world
+    dist.all_gather_object(seen, model.seen)
+    # the seed check, on a deliberately rank-dependent sampler
+    bad = DataLoader(range(8), sampler=DistributedSampler(range(8), seed=dist.get_rank()))
+    try:
+        check_sampler_seeds(bad, group=None, dp_size=world, dp_rank=dist.get_rank())
+        error = None
+    except ValueError as err:
+        error = str(err)
+    return {"seen": seen, "batch_sampler_epochs": model.batch_sampler_epochs, "seed_error": error}
+
+
+# ---- the pack's hsdp strategy (2 x 2: replicate x shard, FSDP2 DTensor parameters) -----------------
+def part_hsdp(devices: int) -> dict:
+    from lightning_dist.strategies import HybridShardStrategy
+
+    def hsdp(**kwargs):
+        return trainer(devices, strategy=HybridShardStrategy(shard_size=2), **kwargs)
+
+    out: dict = {}
+    # exact evaluation: the dp group is the flattened (dp_replicate x dp_shard) mesh dim
+    ds = eval_data(31)
+    loaders = {k: DataLoader(ds, batch_size=3, drop_last=True) for k in ("train", "val", "test")}
+    model, cb = EvalModel(loaders), ExactEvaluation()
+    # validation inside fit, at the end of a one-batch epoch (a second `validate` would re-shard the model)
+    t = hsdp(max_epochs=1, limit_train_batches=1, num_sanity_val_steps=0, callbacks=[cb])
+    t.fit(model)
+    # the sharded weights, whole, for the single-device reference (a collective on every rank)
+    full = {n: p.full_tensor() if hasattr(p, "full_tensor") else p for n, p in model.net.named_parameters()}
+    plain = nn.Linear(8, 3).double()
+    plain.load_state_dict({k: v.detach() for k, v in full.items()})
+    ref = reference_eval(type("M", (), {"net": plain})(), ds)
+    val = {**model.final, "samples": float(t.callback_metrics["val_samples"])}
+    out["exact"] = {"ref": ref, "val": val, "last_count": cb.last_count}
+    # gradient parity on FSDP2 parameters, with and without synced BatchNorm
+    for name, sync, expect_ok in (("correct_syncbn", True, True), ("bug_per_shard_batchnorm", False, False)):
+        check = GradientParityCheck(on_mismatch="warn")
+        callbacks = [check] + ([MeshSyncBatchNorm()] if sync else [])
+        pm = ParityModel(own_sampler=True)
+        hsdp(max_steps=1, limit_val_batches=0, callbacks=callbacks, use_distributed_sampler=False).fit(pm)
+        r = check.results[0]
+        keys = ("ok", "rel_diff", "params_equal", "same_batch_on_all_ranks", "global_batch")
+        out[name] = {"expect_ok": expect_ok, **{k: r[k] for k in keys}}
+    # the strategy's own sampler injection: the data must be sharded over dp (different rows per rank)
+    check = GradientParityCheck(on_mismatch="warn")
+    hsdp(max_steps=1, limit_val_batches=0, callbacks=[check, MeshSyncBatchNorm()]).fit(ParityModel())
+    out["injected_sampler_shards_data"] = not check.results[0]["same_batch_on_all_ranks"]
+    return out
+
+
+# ---- the pack's tp strategy (dp 2 x tp 2): tensor-parallel peers hold the same samples -------------
+class TPEvalModel(EvalModel):
+    def __init__(self, loaders: dict):
+        super().__init__(loaders)
+        torch.manual_seed(1)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))  # column- then row-wise
+
+
+def part_tp(devices: int) -> dict:
+    from lightning_dist.strategies import TensorParallelStrategy
+
+    ds = eval_data(31)
+    loaders = {k: DataLoader(ds, batch_size=3) for k in ("train", "val", "test")}
+    model, cb = TPEvalModel(loaders), ExactEvaluation()
+    t = trainer(devices, strategy=TensorParallelStrategy(tp=2), max_epochs=1, limit_train_batches=1,
+                num_sanity_val_steps=0, callbacks=[cb])
+    t.fit(model)
+    whole = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in model.net.named_parameters()}
+    plain = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3)).double()
+    plain.load_state_dict(whole)
+    ref = reference_eval(type("M", (), {"net": plain})(), ds)
+    out = {"exact": {"ref": ref, "val": {**model.final, "samples": float(t.callback_metrics["val_samples"])},
+                     "last_count": cb.last_count}}
+    try:  # tensor parallelism is refused at setup, with the reason
+        GradientParityCheck().setup(t, model, "fit")
+        out["parity_refused"] = None
+    except ValueError as err:
+        out["parity_refused"] = str(err)
+    return out
+
+
+PARTS = {"exact": part_exact, "syncbn": part_syncbn, "parity": part_parity, "sampler": part_sampler, "hsdp": part_hsdp, "tp": part_tp}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--devices", type=int, default=4)
+    parser.add_argument("--parts", default=",".join(PARTS))
+    args = parser.parse_args()
+    for name in args.parts.split(","):
+        result = {"part": name, name: PARTS[name](args.devices), "rank": dist.get_rank()}
+        # one write per line (< 4 KiB, atomic on a pipe): the ranks share stdout
+        sys.stdout.flush()
+        os.write(1, ("RESULT " + json.dumps(result) + "\n").encode())
+
+
+if __name__ == "__main__":
+    main()
