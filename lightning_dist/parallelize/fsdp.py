@@ -58,8 +58,11 @@ def apply_fsdp(
     for _, module in reversed(picked):
         fully_shard(module, **kwargs)
     tops = roots(model)
+    # a root's parameters are needed again at once by backward: FSDP2's None keeps the root unsharded
+    # after forward (one all-gather fewer per step) and still reshards it after backward
+    root_kwargs = {**kwargs, "reshard_after_forward": None if reshard_after_forward else False}
     for module in tops:
-        fully_shard(module, **kwargs)
+        fully_shard(module, **root_kwargs)
     log.info("applied FSDP2 to %d units and %d roots on mesh %s", len(picked), len(tops), mesh)
     return len(picked) + len(tops)
 

@@ -277,7 +277,10 @@ class MeshStrategy(ParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         if not _has_meta(self.model):
             self.model.to(self.root_device)
-        if self._parallelize_fn is not None:
+        if _is_parallelized(self.model):
+            # `trainer.validate()` after `fit()` sets up the same module again: it is already sharded
+            pass
+        elif self._parallelize_fn is not None:
             self._parallelize_fn(self.lightning_module, self.mesh)
         else:
             self.parallelize(self.lightning_module)
@@ -330,6 +333,18 @@ class MeshStrategy(ParallelStrategy):
     def __repr__(self) -> str:
         sizes = ", ".join(f"{n}={self._sizes[n]}" for n in DIM_NAMES)
         return f"{type(self).__name__}({sizes})"
+
+
+def _is_parallelized(module: nn.Module) -> bool:
+    """True when FSDP2, replicate or tensor parallelism was already applied to `module` or a submodule."""
+    from torch.distributed._composable.contract import _get_registry
+    from torch.distributed.tensor import DTensor
+
+    for m in module.modules():
+        registry = _get_registry(m) or {}
+        if "fully_shard" in registry or "replicate" in registry:
+            return True
+    return any(isinstance(p, DTensor) for p in module.parameters())
 
 
 def _has_meta(module: nn.Module) -> bool:

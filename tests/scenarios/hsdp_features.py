@@ -77,3 +77,30 @@ t = trainer(HybridShardStrategy(dp_replicate=2, shard_size=2), devices=WORLD, st
 t.fit(module)
 emit(kind="bf16", compute=sorted(set(dtypes)), params=sorted({str(p.dtype) for p in module.parameters()}),
      loss=float(t.callback_metrics["train_loss"]))
+
+# 5. validate() after fit() on the same Trainer reuses the sharded module; the loss equals single-device
+class Validating(Classifier):
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.cross_entropy(self(x), y), sync_dist=True)
+
+    def val_dataloader(self):
+        from torch.utils.data import DataLoader, DistributedSampler
+
+        from _common import dataset
+
+        sampler = DistributedSampler(dataset(32, seed=2), shuffle=False, **self.trainer.strategy.distributed_sampler_kwargs)
+        return DataLoader(sampler.dataset, batch_size=8, sampler=sampler)
+
+
+module = Validating()
+t = trainer(HybridShardStrategy(dp_replicate=2, shard_size=2), devices=WORLD, steps=STEPS, num_sanity_val_steps=0)
+t.fit(module)
+val = t.validate(module, verbose=False)[0]["val_loss"]
+net = MLP().double()
+net.load_state_dict({k.removeprefix("model."): v for k, v in ref.items()})
+from _common import dataset  # noqa: E402
+
+x, y = dataset(32, seed=2).tensors
+expected = torch.nn.functional.cross_entropy(net(x), y).item()
+emit(kind="validate_after_fit", val=val, expected=expected)
