@@ -1,0 +1,116 @@
+"""CommunicationLedger / MemoryReport pieces in one process: labels, formatting, options, a single-device fit."""
+
+from __future__ import annotations
+
+import types
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_dist import planner
+from lightning_dist.callbacks import CommunicationLedger, MemoryReport
+from lightning_dist.callbacks import _planned
+from lightning_dist.callbacks.ledger import format_ledger
+from lightning_dist.callbacks.memory import format_memory, peak_memory_bytes
+from lightning_dist.mesh import MeshSpec
+
+
+def _mesh(**dims):
+    # group_label only reads `mesh.spec`
+    return types.SimpleNamespace(spec=MeshSpec(world_size=4, devices_per_node=4, **dims).resolve())
+
+
+def test_group_label_prefers_elementary_dims():
+    hsdp = _mesh(dp_replicate=2, dp_shard=2)
+    assert _planned.group_label([0, 1], mesh=hsdp, rank=0, world=4) == "dp_shard"
+    assert _planned.group_label([1, 3], mesh=hsdp, rank=1, world=4) == "dp_replicate"
+    assert _planned.group_label([0, 1, 2, 3], mesh=hsdp, rank=0, world=4) == "dp"
+    full = _mesh(dp_replicate=1, dp_shard=4)  # dp_shard spans the same ranks as dp: the elementary name wins
+    assert _planned.group_label([3, 2, 1, 0], mesh=full, rank=2, world=4) == "dp_shard"
+    tp = _mesh(tp=2, dp_shard=2, dp_replicate=1)
+    assert _planned.group_label([2, 3], mesh=tp, rank=3, world=4) == "tp"
+    assert _planned.group_label([1, 3], mesh=tp, rank=3, world=4) == "dp_shard"
+    assert _planned.group_label([0, 2], mesh=None, rank=0, world=4) == "ranks0,2"
+    assert _planned.group_label([0, 1, 2, 3], mesh=None, rank=0, world=4) == "world"
+    # a planner dim maps to the same label as the group it runs on
+    assert _planned.dim_label("dp", mesh=full, rank=0, world=4) == "dp_shard"
+    assert _planned.dim_label("dp", mesh=_mesh(dp_replicate=4, dp_shard=1), rank=0, world=4) == "dp_replicate"
+
+
+def test_optimizer_names():
+    p = [nn.Parameter(torch.zeros(2))]
+    assert _planned.optimizer_name([torch.optim.AdamW(p)]) == "adamw"
+    assert _planned.optimizer_name([torch.optim.SGD(p, lr=0.1)]) == "sgd"
+    assert _planned.optimizer_name([torch.optim.SGD(p, lr=0.1, momentum=0.9)]) == "sgd-momentum"
+    assert _planned.optimizer_name([torch.optim.Adagrad(p)]) is None  # the planner has no entry: no prediction
+
+
+def test_ledger_options_are_validated():
+    with pytest.raises(ValueError, match="skip_steps"):
+        CommunicationLedger(skip_steps=-1)
+    with pytest.raises(ValueError, match="planned"):
+        CommunicationLedger(planned="guess")
+    CommunicationLedger(planned=[planner.Collective(op="all_reduce", dim="dp", group_size=2, payload_bytes=8)])
+
+
+def test_per_step_mean_skips_the_first_steps():
+    ledger = CommunicationLedger(skip_steps=1)
+    ledger.steps = [{("broadcast", "dp"): [4, 400]}, {("all_reduce", "dp"): [1, 100]}, {("all_reduce", "dp"): [3, 300]}]
+    assert ledger.per_step() == {("all_reduce", "dp"): (2.0, 200.0)}
+    ledger.steps = ledger.steps[:1]  # fewer steps than skipped: use them all
+    assert ledger.per_step() == {("broadcast", "dp"): (4.0, 400.0)}
+
+
+def test_tables_render():
+    ledger_rows = [[{"op": "all_gather", "dim": "dp_shard", "count": 8.0, "bytes": 1000.0, "wire_bytes": 500.0,
+                     "planned_bytes": 1000.0, "ratio": 1.0},
+                    {"op": "broadcast", "dim": "dp", "count": 1.0, "bytes": 36.0, "wire_bytes": 27.0,
+                     "planned_bytes": None, "ratio": None}]]
+    text = format_ledger(ledger_rows)
+    assert "all_gather" in text and "dp_shard" in text and "1.000" in text
+    mem = [{"rank": 0, "measured": {"params": 4, "grads": 4, "optimizer": 8, "total": 16},
+            "planned": {"total": 16.0}, "ratio": 1.0, "peak_bytes": 10_000, "peak_what": "process max RSS"}]
+    text = format_memory(mem)
+    assert "1.000" in text and "process max RSS" in text
+
+
+def test_peak_memory_on_cpu_is_the_rss_high_water_mark():
+    nbytes, what = peak_memory_bytes(torch.device("cpu"))
+    assert what == "process max RSS" and nbytes > 10 * 2**20  # a Python process with torch holds > 10 MiB
+
+
+class _Tiny(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.model = nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 3))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.model(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.randn(16, 6), torch.randint(0, 3, (16,))), batch_size=4)
+
+
+def test_single_device_fit_reports_exact_bytes_and_no_collectives(capsys):
+    ledger, memory = CommunicationLedger(), MemoryReport()
+    # two micro-batches per optimizer step: the ledger's steps are optimizer steps
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, accumulate_grad_batches=2, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[ledger, memory])
+    trainer.fit(_Tiny())
+    n = 6 * 10 + 10 + 10 * 3 + 3
+    assert memory.measured == {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n, "total": 16 * n}
+    assert memory.planned["total"] == 16 * n and memory.rows[0]["ratio"] == 1.0
+    assert ledger.steps == [{}, {}]  # 4 batches = 2 optimizer steps; one process: nothing communicated
+    assert trainer.callback_metrics["memory/model_state_bytes"].item() == 16 * n
+    assert trainer.callback_metrics["comm/bytes"].item() == 0
+    out = capsys.readouterr().out
+    assert "Model-state bytes per rank" in out and "Communication per step" in out
