@@ -1,0 +1,139 @@
+"""TensorParallelStrategy: DTensor tensor parallelism on ``tp``, FSDP2 over the data-parallel dims (3-D)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, Optional, Union
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
+
+import lightning.pytorch as pl
+from lightning_dist.mesh import TP, MeshSpec
+from lightning_dist.parallelize import ParallelizeConfig
+from lightning_dist.parallelize.tp import BUILTIN_PLANS, TPEntry, builtin_plan, format_plan, resolve_plan
+from lightning_dist.strategies.hsdp import HybridShardStrategy
+
+
+class TensorParallelStrategy(HybridShardStrategy):
+    """Tensor parallelism from a declarative plan, composed with hybrid sharding on one mesh (``strategy="tp"``).
+
+    The mesh is ``dp_replicate x dp_shard x tp``: each ``tp`` group (consecutive ranks, inside a node)
+    splits every planned layer; FSDP2 then shards what TP left over ``dp_shard`` and replicates over
+    ``dp_replicate``. All ranks of a ``tp`` group get the same samples, and ``self.log(...,
+    sync_dist=True)`` / metrics reduce over the data-parallel ranks only.
+
+    Args:
+        tp: tensor-parallel degree; ``"auto"``: the devices of one node.
+        plan: ``"auto"`` (the built-in plan that matches the model), a built-in plan name
+            (``"gpt"``, ``"vit"``, ``"transformer"``, ``"mlp"``) or a mapping ``{module-name glob: style}``
+            (see :mod:`lightning_dist.parallelize.tp`). Patterns are matched against the LightningModule's
+            module names or any dotted suffix of them.
+        sequence_parallel: run norms/dropout between the parallel regions on sequence shards
+            (reduce-scatter/all-gather instead of all-reduce; activations between regions are 1/tp).
+        sequence_dim: the activation dim that sequence parallelism splits (``[B, T, C]``: 1).
+        dp_replicate, dp_shard: data-parallel sizes (``"auto"``: shard inside a node, replicate across nodes).
+        zero_stage: 3 or 2 (FSDP2 reshards parameters after forward or not); 1 needs ``tp=1``.
+        activation_checkpointing: True to recompute each block in backward, or block class names.
+        **kwargs: the other options of :class:`HybridShardStrategy` / :class:`MeshStrategy`.
+    """
+
+    strategy_name = "tp"
+
+    def __init__(
+        self,
+        *,
+        tp: Union[int, Literal["auto"]] = "auto",
+        plan: Union[str, Mapping[str, Any]] = "auto",
+        sequence_parallel: bool = False,
+        sequence_dim: int = 1,
+        dp_replicate: Union[int, Literal["auto"]] = "auto",
+        dp_shard: Union[int, Literal["auto"]] = "auto",
+        zero_stage: Literal[1, 2, 3] = 3,
+        activation_checkpointing: Union[bool, Sequence[str]] = False,
+        **kwargs: Any,
+    ) -> None:
+        problems = []
+        if tp != "auto" and (isinstance(tp, bool) or not isinstance(tp, int) or tp < 1):
+            problems.append(f'`tp={tp!r}` must be an integer >= 1 or "auto" (the devices of one node).')
+        if isinstance(plan, str) and plan != "auto" and plan not in BUILTIN_PLANS:
+            problems.append(f"`plan={plan!r}` is not a built-in plan; use 'auto', one of {sorted(BUILTIN_PLANS)} or a mapping.")
+        elif not isinstance(plan, (str, Mapping)):
+            problems.append(f"`plan` must be 'auto', a built-in plan name or a mapping of pattern -> style; got {type(plan).__name__}.")
+        if not isinstance(sequence_parallel, bool):
+            problems.append(f"`sequence_parallel={sequence_parallel!r}` must be True or False.")
+        if isinstance(sequence_dim, bool) or not isinstance(sequence_dim, int):
+            problems.append(f"`sequence_dim={sequence_dim!r}` must be an integer (the activation dim to split).")
+        if problems:
+            raise ValueError(f"Invalid {type(self).__name__} configuration:\n  - " + "\n  - ".join(problems))
+        super().__init__(
+            tp=1 if tp == "auto" else tp, dp_replicate=dp_replicate, dp_shard=dp_shard, zero_stage=zero_stage,
+            activation_checkpointing=activation_checkpointing, **kwargs,
+        )
+        self._tp_auto = tp == "auto"
+        self.plan = dict(plan) if isinstance(plan, Mapping) else plan
+        self.sequence_parallel = sequence_parallel
+        self.sequence_dim = sequence_dim
+        self.tp_entries: list[TPEntry] = []
+        """The resolved plan (filled in when the model is parallelized)."""
+
+    @property
+    def is_distributed(self) -> bool:
+        # Lightning only syncs `self.log(..., sync_dist=True)` for strategies that say they are distributed
+        return True
+
+    @override
+    def mesh_spec(self) -> MeshSpec:
+        if self._tp_auto:
+            self._sizes[TP] = self.num_processes  # "auto": one tp group per node
+        return super().mesh_spec()
+
+    @override
+    def validate_config(self, spec: MeshSpec) -> None:
+        super().validate_config(spec)
+        tp, dp = spec.size(TP), spec.size("dp")
+        if self.zero_stage == 1 and tp > 1 and dp > 1:
+            raise ValueError(
+                f"zero_stage=1 (all-reduce replication) does not compose with tp={tp}: torch's `replicate` does not"
+                " take tensor-parallel DTensor parameters. Use zero_stage=2 or 3."
+            )
+        module = self.lightning_module
+        # check the plan now when the model already exists (else in `parallelize`): same on every rank
+        if module is not None and tp > 1 and any(True for _ in module.parameters()):
+            resolve_plan(module, self._plan_for(module, tp), tp=tp, sequence_parallel=self.sequence_parallel)
+
+    def _plan_for(self, module: pl.LightningModule, tp: int) -> Mapping[str, Any]:
+        return builtin_plan(module, self.plan, tp=tp)[1] if isinstance(self.plan, str) else self.plan
+
+    @override
+    def parallelize_config(self) -> ParallelizeConfig:
+        assert self.lightning_module is not None
+        tp = self.mesh.size(TP)
+        plan = self._plan_for(self.lightning_module, tp) if tp > 1 else None
+        return dataclasses.replace(
+            super().parallelize_config(),
+            tp_plan=plan,
+            tp_options={"sequence_parallel": self.sequence_parallel, "sequence_dim": self.sequence_dim},
+        )
+
+    @override
+    def parallelize(self, module: pl.LightningModule) -> None:
+        tp = self.mesh.size(TP)
+        if tp > 1:
+            self.tp_entries = resolve_plan(module, self._plan_for(module, tp), tp=tp, sequence_parallel=self.sequence_parallel)
+            rank_zero_info(format_plan(self.tp_entries, tp=tp))
+        super().parallelize(module)
+
+    def __repr__(self) -> str:
+        return f"{super().__repr__()[:-1]}, plan={self.plan if isinstance(self.plan, str) else 'custom'}, sequence_parallel={self.sequence_parallel})"
+
+
+class SequenceParallelStrategy(TensorParallelStrategy):
+    """:class:`TensorParallelStrategy` with sequence parallelism on (``strategy="tp_sp"``)."""
+
+    strategy_name = "tp_sp"
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("sequence_parallel", True)
+        super().__init__(**kwargs)

@@ -1,0 +1,231 @@
+"""Tensor-parallel plans in one process (no process group): matching, built-ins, printing, every error."""
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import yaml
+from lightning.pytorch.strategies import StrategyRegistry
+from torch import nn
+
+import lightning_dist  # noqa: F401  (registers the strategies)
+from lightning_dist.mesh import MeshSpec
+from lightning_dist.models import GPT, ShapesCNN, ViT
+from lightning_dist.parallelize.tp import BUILTIN_PLANS, builtin_plan, format_plan, resolve_plan
+from lightning_dist.strategies import TensorParallelStrategy
+
+
+def meta(build):
+    with torch.device("meta"):
+        return build()
+
+
+class Wrapped(pl.LightningModule):
+    """The strategy sees the LightningModule, so names carry its attribute (``model.``)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+
+class FusedAttention(nn.Module):
+    def __init__(self, dim: int, n_heads: int) -> None:
+        super().__init__()
+        self.num_heads = n_heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+
+class FFN(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+
+class FusedBlock(nn.Module):
+    def __init__(self, dim: int, n_heads: int) -> None:
+        super().__init__()
+        self.ln_1, self.attn, self.ln_2, self.mlp = nn.LayerNorm(dim), FusedAttention(dim, n_heads), nn.LayerNorm(dim), FFN(dim)
+
+
+class FusedNet(nn.Module):
+    def __init__(self, dim: int = 32, n_heads: int = 4, depth: int = 3) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(FusedBlock(dim, n_heads) for _ in range(depth))
+        self.out = nn.Linear(dim, 10)
+
+
+def plain_mlp(hidden: int = 32) -> nn.Module:
+    return nn.Sequential(nn.Linear(12, hidden), nn.GELU(), nn.Linear(hidden, 16), nn.Linear(16, 6))
+
+
+def gpt(**kw) -> nn.Module:
+    return meta(lambda: GPT(**{"n_layer": 2, "n_head": 4, "n_embd": 32, **kw}))
+
+
+# ---- built-in plans and matching -----------------------------------------------------------------
+def test_auto_picks_the_matching_builtin_plan():
+    assert builtin_plan(gpt(), "auto", tp=2)[0] == "gpt"
+    assert builtin_plan(meta(lambda: ViT(dim=32, n_heads=4)), "auto", tp=2)[0] == "vit"
+    assert builtin_plan(meta(FusedNet), "auto", tp=2)[0] == "transformer"
+    assert builtin_plan(meta(plain_mlp), "auto", tp=2)[0] == "mlp"
+    assert list(BUILTIN_PLANS) == ["gpt", "vit", "transformer", "mlp"]
+
+
+def test_auto_fails_naming_what_it_could_not_match():
+    with pytest.raises(ValueError) as err:
+        builtin_plan(meta(ShapesCNN), "auto", tp=2)
+    msg = str(err.value)
+    assert "No built-in tensor-parallel plan matches ShapesCNN" in msg
+    assert "blocks.0 has no `attn`" in msg  # transformer: what the block lacks
+    assert "gpt: its blocks are ['ConvBlock'], not GPTBlock" in msg
+    assert "mlp: not a plain MLP: modules other than Linear hold parameters: stem.0 (Conv2d)" in msg
+    with pytest.raises(ValueError, match="Unknown tensor-parallel plan 'nope'"):
+        builtin_plan(gpt(), "nope")
+
+
+def test_gpt_plan_splits_heads_and_gathers_the_output_head():
+    entries = resolve_plan(Wrapped(gpt()), "auto", tp=2)
+    styles = {e.fqn: e.style for e in entries}
+    for i in (0, 1):
+        for name in "qkv":
+            assert styles[f"model.blocks.{i}.attn.{name}"] == "colwise"
+        assert styles[f"model.blocks.{i}.attn.proj"] == "rowwise"
+        assert styles[f"model.blocks.{i}.mlp.fc1"] == "colwise"
+        assert styles[f"model.blocks.{i}.mlp.fc2"] == "rowwise"
+        assert styles[f"model.blocks.{i}.norm1"] == "sequence_parallel"
+    assert styles["model.blocks.0"] == "sp_enter" and styles["model.blocks.1"] == "sp_exit"
+    assert styles["model.lm_head"] == "colwise_gather"
+    assert "model.tok_emb" not in styles  # the embedding stays replicated
+    assert styles["model.blocks.0.attn"] == styles["model.blocks.1.mlp"] == "region_input"
+    sp_entries = [e for e in entries if e.style.startswith("sp") or e.style == "sequence_parallel"]
+    assert sp_entries and not any(e.active for e in sp_entries)  # no-ops without sequence parallelism
+    assert all(e.active for e in resolve_plan(Wrapped(gpt()), "auto", tp=2, sequence_parallel=True))
+
+
+def test_output_head_left_replicated_when_not_divisible():
+    styles = {e.fqn: e.style for e in resolve_plan(gpt(vocab_size=33), "gpt", tp=2)}
+    assert "lm_head" not in styles and styles["blocks.0.attn.q"] == "colwise"
+
+
+def test_fused_qkv_and_mlp_plans():
+    styles = {e.fqn: e.style for e in resolve_plan(meta(FusedNet), "auto", tp=4, sequence_parallel=True)}
+    assert styles["layers.2.attn.qkv"] == "colwise" and styles["layers.2.attn.proj"] == "rowwise"
+    assert styles["layers.0.ln_2"] == "sequence_parallel"
+    assert styles["layers.0"] == "sp_enter" and styles["layers.2"] == "sp_exit"
+    styles = {e.fqn: e.style for e in resolve_plan(meta(plain_mlp), "mlp", tp=2)}
+    assert styles == {"0": "colwise", "2": "rowwise"}  # an odd last Linear stays replicated
+
+
+def test_patterns_match_full_names_or_dotted_suffixes_and_plans_load_from_yaml():
+    plan = yaml.safe_load(
+        """
+        blocks.*.attn.q: colwise
+        model.blocks.*.attn.proj: {style: rowwise, output: replicate}
+        "*.mlp.fc1": colwise
+        blocks.1.mlp.fc2: rowwise
+        """
+    )
+    entries = resolve_plan(Wrapped(gpt()), plan, tp=2)
+    assert [e.fqn for e in entries] == [
+        "model.blocks.0.attn.q", "model.blocks.0.attn.proj", "model.blocks.0.mlp.fc1",
+        "model.blocks.1.attn.q", "model.blocks.1.attn.proj", "model.blocks.1.mlp.fc1", "model.blocks.1.mlp.fc2",
+    ]
+    assert entries[1].options == {"output": "replicate"} and entries[1].pattern == "model.blocks.*.attn.proj"
+
+
+def test_format_plan_shows_style_and_local_shard_shapes():
+    entries = resolve_plan(Wrapped(gpt()), "auto", tp=2)
+    text = format_plan(entries, tp=2)
+    assert "Tensor-parallel plan (tp=2)" in text
+    row = next(line for line in text.splitlines() if "model.blocks.0.mlp.fc1" in line)
+    assert "colwise" in row and "weight 128x32, bias 128" in row and "weight 64x32, bias 64" in row
+    row = next(line for line in text.splitlines() if "model.blocks.0.mlp.fc2 " in line)
+    assert "rowwise" in row and "weight 32x64, bias 32" in row  # input features split, bias replicated
+    assert "sequence_parallel (off)" in text
+    by_fqn = {e.fqn: e for e in entries}
+    assert by_fqn["model.lm_head"].shapes == (("weight", (32, 32), (16, 32)),)
+
+
+# ---- every error -----------------------------------------------------------------------------------
+def test_heads_not_divisible_by_tp():
+    # 48 features split fine over 4 ranks, but 6 heads do not
+    with pytest.raises(ValueError, match=r"the attention module has 6 heads, not divisible by tp=4"):
+        resolve_plan(gpt(n_head=6, n_embd=48), "auto", tp=4)
+    with pytest.raises(ValueError, match=r"has 4 heads, not divisible by tp=8"):
+        resolve_plan(meta(lambda: FusedNet(dim=64, n_heads=4)), "auto", tp=8)
+
+
+def test_hidden_size_not_divisible_by_tp():
+    with pytest.raises(ValueError) as err:
+        resolve_plan(meta(lambda: plain_mlp(hidden=30)), "mlp", tp=4)
+    assert "0 (Linear, colwise): out_features=30 is not divisible by tp=4" in str(err.value)
+    assert "2 (Linear, rowwise): in_features=30 is not divisible by tp=4" in str(err.value)  # all problems at once
+
+
+def test_pattern_matching_no_module():
+    with pytest.raises(ValueError, match=r"plan pattern 'blocks\.\*\.attn\.query' \(colwise\) matches no module of GPT"):
+        resolve_plan(gpt(), {"blocks.*.attn.q": "colwise", "blocks.*.attn.query": "colwise"}, tp=2)
+
+
+def test_module_given_two_styles():
+    with pytest.raises(ValueError, match=r"module 'blocks.0.mlp.fc1' is given two styles: 'blocks\.\*\.mlp\.fc1' -> 'colwise'"):
+        resolve_plan(gpt(), {"blocks.*.mlp.fc1": "colwise", "blocks.0.mlp.*": "rowwise"}, tp=2)
+
+
+def test_unsupported_module_types_for_a_style():
+    with pytest.raises(ValueError, match=r"module 'blocks.0.norm1' is a LayerNorm; style 'colwise' supports only \['Linear', 'Embedding'\]"):
+        resolve_plan(gpt(), {"blocks.0.norm1": "colwise"}, tp=2)
+    with pytest.raises(ValueError, match=r"'blocks.0.attn.q' is a Linear; style 'sequence_parallel' supports only"):
+        resolve_plan(gpt(), {"blocks.0.attn.q": "sequence_parallel"}, tp=2)
+    with pytest.raises(ValueError, match=r"'tok_emb' is a Embedding; style 'colwise_gather' supports only \['Linear'\]"):
+        resolve_plan(gpt(), {"tok_emb": "colwise_gather"}, tp=2)
+
+
+def test_bad_plan_values():
+    with pytest.raises(ValueError, match=r"unknown style 'columnwise'"):
+        resolve_plan(gpt(), {"lm_head": "columnwise"}, tp=2)
+    with pytest.raises(ValueError, match=r"style 'sp_exit' takes no option\(s\) \['output'\]"):
+        resolve_plan(gpt(), {"blocks.1": {"style": "sp_exit", "output": "replicate"}}, tp=2)
+    with pytest.raises(ValueError, match=r"output='shard' is not a layout"):
+        resolve_plan(gpt(), {"lm_head": {"style": "colwise", "output": "shard"}}, tp=2)
+    with pytest.raises(ValueError, match=r"`tp=0` must be an integer >= 1"):
+        resolve_plan(gpt(), "auto", tp=0)
+    with pytest.raises(TypeError, match="must be a mapping"):
+        resolve_plan(gpt(), ["lm_head"], tp=2)
+
+
+def test_sequence_parallel_needs_a_plan_that_marks_sequence_regions():
+    with pytest.raises(ValueError, match=r"sequence_parallel=True but the plan has no 'sp_enter'"):
+        resolve_plan(meta(plain_mlp), "mlp", tp=2, sequence_parallel=True)
+
+
+def test_tp_larger_than_devices_per_node_needs_opt_in():
+    with pytest.raises(ValueError, match=r"`tp=4` is larger than devices_per_node=2"):
+        MeshSpec(world_size=8, devices_per_node=2, tp=4)
+    assert MeshSpec(world_size=8, devices_per_node=2, tp=4, allow_cross_node_tp=True).resolve().size("tp") == 4
+
+
+# ---- the strategy ----------------------------------------------------------------------------------
+def test_strategy_registration_and_options():
+    assert StrategyRegistry["tp"]["strategy"] is TensorParallelStrategy
+    assert StrategyRegistry.get("tp").sequence_parallel is False
+    assert StrategyRegistry.get("tp_sp").sequence_parallel is True
+    with pytest.raises(ValueError) as err:
+        TensorParallelStrategy(tp=0, plan="nope", sequence_parallel="yes")
+    msg = str(err.value)
+    assert "`tp=0` must be an integer >= 1" in msg and "`plan='nope'`" in msg and "`sequence_parallel='yes'`" in msg
+
+
+def test_strategy_tp_auto_is_devices_per_node_and_validates_before_collectives():
+    strategy = TensorParallelStrategy(plan="auto")
+    strategy.parallel_devices = [torch.device("cpu")] * 4
+    spec = strategy.mesh_spec()
+    assert (spec.size("tp"), spec.size("dp")) == (4, 1)
+    # the plan is checked against the module on every rank in setup_environment, before the mesh exists
+    strategy.connect(Wrapped(GPT(n_layer=1, n_head=2, n_embd=16)))
+    with pytest.raises(ValueError, match="has 2 heads, not divisible by tp=4"):
+        strategy.validate_config(spec)
+    strategy = TensorParallelStrategy(tp=2, dp_shard=2, zero_stage=1)
+    strategy.parallel_devices = [torch.device("cpu")] * 4
+    with pytest.raises(ValueError, match="zero_stage=1 .* does not compose with tp=2"):
+        strategy.validate_config(strategy.mesh_spec())
