@@ -4,14 +4,16 @@ One invocation (it starts torchrun itself)::
 
     python benchmarks/pipeline.py [--steps 8] [--json FILE] [--gantt DIR]
 
-``PipelineStrategy(pp=2)`` trains an MLP (stem, 8 blocks of width 256, head; float32, micro-batches of
+``PipelineStrategy(pp=2)`` trains an MLP (stem, 8 blocks of width 512, head; float32, micro-batches of
 32 rows) for each schedule and micro-batch count; the ``PipelineBubble`` callback records every F/B/I/W
 action of every rank. Reports, averaged over the steps after warm-up:
 
 * measured idle fraction = mean over ranks of 1 - busy / step span, and its ratio to the GPipe/1F1B theory
   (p-1)/(m+p-1) for 1F1B and GPipe with m in {2, 4, 8} (goal <= 1.10). The table gives the least-disturbed
-  step ("best", as timeit reports its minimum: on a shared machine preemption only adds idle time) and the
-  median and mean over the steps after warm-up;
+  step ("best", as timeit reports its minimum) and the
+  median and mean over the steps after warm-up, and the "replay" idle: the same recorded actions replayed
+  with their measured CPU times and instant communication (the schedule's own bubble, free of message
+  latency, wake-ups and preemption, which dominate on an oversubscribed machine);
 * the zero-bubble (ZBV, F/I/W split) schedule's idle fraction next to 1F1B's at the same m;
 * the peak number of micro-batches whose activations stage 0 held (1F1B <= p, GPipe = m);
 * step time (median of the training-batch wall times of rank 0) vs Lightning's ``DDPStrategy`` training the
@@ -32,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-WIDTH, DEPTH, MICRO = 256, 8, 32
+WIDTH, DEPTH, MICRO = 512, 8, 32
 CONFIGS = [("1f1b", 2), ("1f1b", 4), ("1f1b", 8), ("gpipe", 2), ("gpipe", 4), ("gpipe", 8),
            ("zero_bubble", 4), ("zero_bubble", 8)]
 
@@ -128,7 +130,8 @@ def _worker(args: argparse.Namespace) -> None:
         s = bubble.summary()
         rows.append({"schedule": schedule, "m": m, "idle": s["idle_best"], "idle_mean": s["idle_fraction"],
                      "idle_median": s["idle_median"], "theory": s["idle_theory"],
-                     "ratio": s["ratio_best"], "ratio_mean": s["ratio"], "peak_held_stage0": s["peak_held"].get(0, 0),
+                     "ratio": s["ratio_best"], "ratio_mean": s["ratio"], "idle_replay": s["idle_replay"],
+                     "ratio_replay": s["ratio_replay"], "peak_held_stage0": s["peak_held"].get(0, 0),
                      "peak_held": {str(k): v for k, v in s["peak_held"].items()},
                      "step_s": statistics.median(timer.times[2:])})
     ddp = []
@@ -146,21 +149,25 @@ def _report(data: dict, json_path: str | None) -> None:
 
     rows, ddp = data["pipeline"], {d["m"]: d["step_s"] for d in data["ddp"]}
     table = Table(title=f"Pipeline bubble, p=2 on 2 CPU processes (MLP {DEPTH}x{WIDTH}, micro-batch {MICRO})")
-    for col in ("schedule", "m", "idle best", "idle median", "theory", "ratio best", "ratio mean", "peak held s0",
-                "step (ms)", "DDP (ms)"):
+    for col in ("schedule", "m", "theory", "wall idle best", "wall idle median", "wall ratio best",
+                "replay idle", "replay ratio", "peak held s0", "step (ms)", "DDP (ms)"):
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(r["schedule"], str(r["m"]), f"{r['idle']:.3f}", f"{r['idle_median']:.3f}", f"{r['theory']:.3f}",
-                      f"{r['ratio']:.2f}", f"{r['ratio_mean']:.2f}",
+        table.add_row(r["schedule"], str(r["m"]), f"{r['theory']:.3f}", f"{r['idle']:.3f}", f"{r['idle_median']:.3f}",
+                      f"{r['ratio']:.2f}", f"{r['idle_replay']:.3f}", f"{r['ratio_replay']:.2f}",
                       str(r["peak_held_stage0"]), f"{r['step_s'] * 1e3:.1f}",
                       f"{ddp[r['m']] * 1e3:.1f}" if r["m"] in ddp else "-")
-    Console(width=140).print(table)
-    Console().print(f"load average during the run: {data['loadavg']} on {os.cpu_count()} CPUs"
-                    " (idle best = the least-disturbed step after warm-up; preemption only adds idle time)")
+    Console(width=160).print(table)
+    Console().print(f"load average during the run: {data['loadavg']} on {os.cpu_count()} CPUs (wall idle best ="
+                    " the step with the least idle after warm-up; replay = measured CPU times, instant messages)")
     by = {(r["schedule"], r["m"]): r for r in rows}
+    pipes = [r for r in rows if r["schedule"] in ("1f1b", "gpipe")]
     checks = {
-        "1F1B/GPipe ratio <= 1.10": all(r["ratio"] <= 1.10 for r in rows if r["schedule"] in ("1f1b", "gpipe")),
-        "zero-bubble idle < 1F1B idle": all(by[("zero_bubble", m)]["idle"] < by[("1f1b", m)]["idle"] for m in (4, 8)),
+        "1F1B/GPipe wall ratio <= 1.10 (best step)": all(r["ratio"] <= 1.10 for r in pipes),
+        "1F1B/GPipe replay ratio <= 1.10": all(r["ratio_replay"] <= 1.10 for r in pipes),
+        "zero-bubble idle < 1F1B idle (wall)": all(by[("zero_bubble", m)]["idle"] < by[("1f1b", m)]["idle"] for m in (4, 8)),
+        "zero-bubble idle < 1F1B idle (replay)": all(
+            by[("zero_bubble", m)]["idle_replay"] < by[("1f1b", m)]["idle_replay"] for m in (4, 8)),
         "1F1B peak held <= p": all(r["peak_held_stage0"] <= 2 for r in rows if r["schedule"] == "1f1b"),
         "GPipe peak held = m": all(r["peak_held_stage0"] == r["m"] for r in rows if r["schedule"] == "gpipe"),
     }

@@ -145,6 +145,9 @@ class PipelineBubble(Callback):
         gantt_path: where global rank 0 writes the Gantt chart of the last recorded step (None: no chart).
         log: log ``pipeline/idle_fraction``, ``pipeline/idle_theory``, ``pipeline/peak_held_stage0``.
         warmup_steps: steps left out of :attr:`steps` (the first includes the schedule's set-up).
+
+    After fitting, :attr:`steps` holds the statistics of each recorded step, :attr:`last_records` the
+    gathered per-rank action records of the last one, and :meth:`summary` their means.
     """
 
     def __init__(self, *, gantt_path: Optional[Union[str, Path]] = None, log: bool = True, warmup_steps: int = 1) -> None:
@@ -152,7 +155,7 @@ class PipelineBubble(Callback):
         self.log = log
         self.warmup_steps = warmup_steps
         self.steps: list[dict] = []
-        self._last_records: Optional[list[dict]] = None
+        self.last_records: Optional[list[dict]] = None
         self._seen = 0
 
     @override
@@ -178,7 +181,7 @@ class PipelineBubble(Callback):
                 gathered = [record]
             self._seen += 1
             stats = bubble_stats(gathered, pp)
-            self._last_records = gathered
+            self.last_records = gathered
             if self._seen > self.warmup_steps:
                 self.steps.append(stats)
             if self.log:
@@ -189,9 +192,9 @@ class PipelineBubble(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.gantt_path is not None and self._last_records and trainer.is_global_zero:
-            stats = bubble_stats(self._last_records, len(self._last_records))  # one record per pp rank
-            save_gantt(self._last_records, self.gantt_path,
+        if self.gantt_path is not None and self.last_records and trainer.is_global_zero:
+            stats = bubble_stats(self.last_records, len(self.last_records))  # one record per pp rank
+            save_gantt(self.last_records, self.gantt_path,
                        title=f"{type(trainer.strategy).__name__} {getattr(trainer.strategy, 'schedule', '')}:"
                              f" p={stats['pp']}, m={stats['n_microbatches']}, idle {stats['idle_fraction']:.3f}"
                              f" (theory {stats['idle_theory']:.3f})")

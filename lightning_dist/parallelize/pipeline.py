@@ -1,0 +1,410 @@
+"""Pipeline stage splitting: a plan as data (stage -> blocks -> params -> cost) and the stage modules.
+
+A pipelined network has one of two shapes:
+
+* an ``nn.Sequential``: its children are the blocks;
+* a module with a **stem** (children registered before the block list), one ``nn.ModuleList`` of
+  blocks (found by :func:`~lightning_dist.parallelize.units.find_block_lists`, a direct child) and a
+  **head** (children registered after it). Its ``forward`` must equal applying the children in
+  registration order (checked on a sample micro-batch when one is given).
+
+:func:`plan_split` returns a :class:`PipelineSplit` (pure data, printable with rich, unit-testable in
+one process): contiguous runs of blocks per stage, the stem on stage 0 and the head on the last stage.
+``split="balanced"`` balances measured forward+backward time per block, ``"params"`` parameter counts,
+and a list of ``num_stages - 1`` block indices gives manual split points (where stages 1.. start).
+:func:`build_stage_module` keeps only the parts of the stages a rank runs, under their original
+names, so ``model.blocks.5.fc.weight`` is the same key whatever the pipeline layout.
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Union
+
+import torch
+from torch import nn
+
+from lightning_dist.parallelize.units import find_block_lists
+
+Split = Union[Literal["balanced", "params"], Sequence[int]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class NetworkLayout:
+    """Where a network's stem, blocks and head are, by child name."""
+
+    stem: tuple[str, ...]
+    """Children run before the blocks (on stage 0)."""
+    block_list: str | None
+    """Name of the ``nn.ModuleList`` of blocks; None for an ``nn.Sequential`` (its children are the blocks)."""
+    blocks: tuple[str, ...]
+    """Block keys, in order (``"0"``, ``"1"``, ...)."""
+    head: tuple[str, ...]
+    """Children run after the blocks (on the last stage)."""
+
+    def block_name(self, i: int) -> str:
+        key = self.blocks[i]
+        return key if self.block_list is None else f"{self.block_list}.{key}"
+
+
+def network_layout(net: nn.Module) -> NetworkLayout:
+    """Find stem / blocks / head of `net`; TypeError when it has neither shape."""
+    if isinstance(net, nn.Sequential):
+        return NetworkLayout(stem=(), block_list=None, blocks=tuple(net._modules), head=())
+    children = list(net.named_children())
+    found = [(name, mod) for name, mod in find_block_lists(net) if "." not in name]
+    if len(found) != 1:
+        what = "no" if not found else f"{len(found)} ({[n for n, _ in found]})"
+        raise TypeError(
+            f"Cannot split {type(net).__name__} into pipeline stages: it has {what} direct nn.ModuleList of blocks."
+            " Make it an nn.Sequential, or give it one nn.ModuleList of blocks (e.g. `self.blocks`) with the"
+            " layers before it (stem) and after it (head) registered as children in execution order."
+        )
+    name, blocks = found[0]
+    if any(True for _ in net.parameters(recurse=False)):
+        direct = [n for n, _ in net.named_parameters(recurse=False)]
+        raise TypeError(
+            f"{type(net).__name__} holds parameters directly ({direct}); a pipeline stage can only own whole"
+            " child modules. Move them into a child module registered before or after the block list."
+        )
+    names = [n for n, _ in children]
+    i = names.index(name)
+    return NetworkLayout(stem=tuple(names[:i]), block_list=name, blocks=tuple(blocks._modules), head=tuple(names[i + 1:]))
+
+
+def _block(net: nn.Module, layout: NetworkLayout, i: int) -> nn.Module:
+    container = net if layout.block_list is None else getattr(net, layout.block_list)
+    return container._modules[layout.blocks[i]]
+
+
+def _num_params(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+# ---- the plan as data --------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class StagePlan:
+    """One pipeline stage: which blocks it runs, whether it holds the stem/head, its size and cost."""
+
+    index: int
+    blocks: tuple[int, ...]
+    stem: bool
+    head: bool
+    params: int
+    cost: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineSplit:
+    """A split of a network into contiguous stages (pure data)."""
+
+    layout: NetworkLayout
+    stages: tuple[StagePlan, ...]
+    method: str
+    """``"balanced"`` (measured time), ``"params"`` or ``"manual"``."""
+    cost_unit: str
+    """``"ms"`` for measured forward+backward time, ``"params"`` for parameter counts."""
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def stage_of_block(self, i: int) -> int:
+        return next(s.index for s in self.stages if i in s.blocks)
+
+    def rows(self) -> list[dict]:
+        """One row per stage: ``{"stage", "blocks", "params", "cost"}`` with readable block names."""
+        out = []
+        for s in self.stages:
+            parts = (["stem"] if s.stem and self.layout.stem else []) + (
+                [f"{self.layout.block_name(s.blocks[0])}..{self.layout.blocks[s.blocks[-1]]}"]
+                if len(s.blocks) > 1 else [self.layout.block_name(s.blocks[0])]
+            ) + (["head"] if s.head and self.layout.head else [])
+            out.append({"stage": s.index, "blocks": " + ".join(parts), "params": s.params, "cost": s.cost})
+        return out
+
+    def imbalance(self) -> float:
+        """max stage cost / mean stage cost (1.0 is perfectly balanced)."""
+        costs = [s.cost for s in self.stages]
+        mean = sum(costs) / len(costs)
+        return max(costs) / mean if mean > 0 else 1.0
+
+    def format(self, stage_ranks: Sequence[int] | None = None) -> str:
+        """The stage -> blocks -> params -> cost table (rendered with rich)."""
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=f"Pipeline split ({self.method}, {self.num_stages} stages, imbalance {self.imbalance():.2f})")
+        for col in ("stage", *(("rank",) if stage_ranks is not None else ()), "blocks", "params", f"cost ({self.cost_unit})"):
+            table.add_column(col, justify="left" if col == "blocks" else "right")
+        for row in self.rows():
+            rank = (str(stage_ranks[row["stage"]]),) if stage_ranks is not None else ()
+            cost = f"{row['cost']:.3f}" if self.cost_unit == "ms" else f"{int(row['cost']):,}"
+            table.add_row(str(row["stage"]), *rank, row["blocks"], f"{row['params']:,}", cost)
+        buf = io.StringIO()
+        Console(file=buf, width=110, force_terminal=False).print(table)
+        return buf.getvalue()
+
+
+def partition(costs: Sequence[float], num_stages: int, *, first: float = 0.0, last: float = 0.0) -> list[int]:
+    """Split points (start block of stages 1..S-1) of the contiguous split minimising the costliest stage.
+
+    `first`/`last` are fixed costs of stage 0 (the stem) and the last stage (the head). Every stage gets at
+    least one block. Exact dynamic programme over (stage, end block): O(S n^2), n is a few hundred at most.
+    """
+    n = len(costs)
+    if not 1 <= num_stages <= n:
+        raise ValueError(f"Cannot split {n} blocks into {num_stages} stages; need 1 <= stages <= blocks.")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def stage_cost(s: int, i: int, j: int) -> float:  # blocks i..j-1 on stage s
+        return prefix[j] - prefix[i] + (first if s == 0 else 0.0) + (last if s == num_stages - 1 else 0.0)
+
+    inf = float("inf")
+    # best[s][j]: the smallest max-cost placing blocks 0..j-1 on stages 0..s; arg[s][j] the start of stage s
+    best = [[inf] * (n + 1) for _ in range(num_stages)]
+    arg = [[0] * (n + 1) for _ in range(num_stages)]
+    for j in range(1, n + 1):
+        best[0][j] = stage_cost(0, 0, j)
+    for s in range(1, num_stages):
+        for j in range(s + 1, n + 1):
+            for i in range(s, j):
+                value = max(best[s - 1][i], stage_cost(s, i, j))
+                if value < best[s][j] - 1e-12:  # strict: ties keep the earliest split (deterministic)
+                    best[s][j], arg[s][j] = value, i
+    points, j = [], n
+    for s in range(num_stages - 1, 0, -1):
+        j = arg[s][j]
+        points.append(j)
+    return points[::-1]
+
+
+def profile_costs(
+    net: nn.Module, layout: NetworkLayout, sample: torch.Tensor, *, repeats: int = 5
+) -> tuple[float, list[float], float]:
+    """Measured forward+backward milliseconds of (stem, each block, head) on one sample micro-batch (best of `repeats`).
+
+    Also checks that running the parts in order reproduces ``net(sample)``, the assumption stage
+    modules rely on; ValueError when it does not.
+    """
+    parts = [getattr(net, n) for n in layout.stem] + [_block(net, layout, i) for i in range(len(layout.blocks))] + [
+        getattr(net, n) for n in layout.head
+    ]
+    times: list[float] = []
+    x = sample
+    for part in parts:
+        runs = []
+        for i in range(repeats + 1):  # the first run (allocations, lazy kernels set-up) is not timed
+            inp = x.detach().requires_grad_(x.is_floating_point())
+            start = time.perf_counter()
+            out = part(inp)
+            out.float().sum().backward()
+            if i:
+                runs.append((time.perf_counter() - start) * 1e3)
+        times.append(min(runs))  # interference from other processes only ever adds time
+        with torch.no_grad():
+            x = part(x)
+    net.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        expected = net(sample)
+    if expected.shape != x.shape or not torch.allclose(expected, x, rtol=1e-5, atol=1e-6):
+        raise ValueError(
+            f"{type(net).__name__}.forward is not its children applied in registration order"
+            f" ({' -> '.join([*layout.stem, layout.block_list or 'blocks', *layout.head])}), so it cannot be split"
+            " into stages as is. Register the layers in execution order, move extra computation into a child module,"
+            " or express the network as an nn.Sequential."
+        )
+    n_stem, n_head = len(layout.stem), len(layout.head)
+    return sum(times[:n_stem]), times[n_stem:len(times) - n_head], sum(times[len(times) - n_head:])
+
+
+def plan_split(
+    net: nn.Module,
+    num_stages: int,
+    *,
+    split: Split = "params",
+    sample: torch.Tensor | None = None,
+    costs: tuple[float, list[float], float] | None = None,
+) -> PipelineSplit:
+    """Split `net` into `num_stages` contiguous stages.
+
+    `split`: ``"balanced"`` (measured time; needs `sample` or precomputed `costs` from :func:`profile_costs`),
+    ``"params"`` (parameter count) or a list of ``num_stages - 1`` increasing block indices where stages
+    1, 2, ... start. Raises ValueError naming the numbers when the split is impossible.
+    """
+    layout = network_layout(net)
+    n = len(layout.blocks)
+    if not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"num_stages={num_stages!r} must be an integer >= 1.")
+    if num_stages > n:
+        raise ValueError(
+            f"Cannot split {type(net).__name__} into {num_stages} pipeline stages: it has only {n} blocks"
+            f" ({layout.block_list or 'nn.Sequential children'}). Use at most {n} stages (pp x stages_per_rank),"
+            " or a deeper model."
+        )
+    params = [_num_params(_block(net, layout, i)) for i in range(n)]
+    stem_p = sum(_num_params(getattr(net, m)) for m in layout.stem)
+    head_p = sum(_num_params(getattr(net, m)) for m in layout.head)
+    if isinstance(split, str) and split == "balanced":
+        if costs is None:
+            if sample is None:
+                raise ValueError(
+                    'split="balanced" profiles each block on a sample micro-batch: set `example_input_array` on the'
+                    ' LightningModule to one micro-batch of inputs, or use split="params".'
+                )
+            costs = profile_costs(net, layout, sample)
+        first, block_costs, last = costs
+        method, unit = "balanced", "ms"
+    elif isinstance(split, str) and split == "params":
+        first, block_costs, last = float(stem_p), [float(p) for p in params], float(head_p)
+        method, unit = "params", "params"
+    elif not isinstance(split, str) and isinstance(split, Sequence):
+        first, block_costs, last = float(stem_p), [float(p) for p in params], float(head_p)
+        method, unit = "manual", "params"
+    else:
+        raise ValueError(f'split={split!r} must be "balanced", "params" or a list of {num_stages - 1} block indices.')
+    if method == "manual":
+        points = [int(p) for p in split]  # type: ignore[union-attr]
+        bounds = [0, *points, n]
+        if len(points) != num_stages - 1 or any(b >= e for b, e in zip(bounds, bounds[1:])):
+            raise ValueError(
+                f"Manual split points {list(split)} must be {num_stages - 1} strictly increasing block indices in"  # type: ignore[arg-type]
+                f" 1..{n - 1} (where stages 1..{num_stages - 1} start), e.g. {partition(params, num_stages)}."
+            )
+    else:
+        points = partition(block_costs, num_stages, first=first, last=last)
+    bounds = [0, *points, n]
+    stages = []
+    for s in range(num_stages):
+        idx = tuple(range(bounds[s], bounds[s + 1]))
+        is_first, is_last = s == 0, s == num_stages - 1
+        stages.append(StagePlan(
+            index=s, blocks=idx, stem=is_first, head=is_last,
+            params=sum(params[i] for i in idx) + (stem_p if is_first else 0) + (head_p if is_last else 0),
+            cost=sum(block_costs[i] for i in idx) + (first if is_first else 0.0) + (last if is_last else 0.0),
+        ))
+    return PipelineSplit(layout=layout, stages=tuple(stages), method=method, cost_unit=unit)
+
+
+# ---- what cannot be split ----------------------------------------------------------------------
+def _part_names(split: PipelineSplit, stage: StagePlan) -> list[str]:
+    lay = split.layout
+    return (list(lay.stem) if stage.stem else []) + [lay.block_name(i) for i in stage.blocks] + (
+        list(lay.head) if stage.head else []
+    )
+
+
+def shared_across_stages(net: nn.Module, split: PipelineSplit) -> list[tuple[str, ...]]:
+    """Parameters reachable from two or more stages (tied weights): the qualified names of each, per parameter."""
+    owners: dict[int, list[tuple[int, str]]] = {}
+    for stage in split.stages:
+        for part in _part_names(split, stage):
+            module = net.get_submodule(part)
+            for pname, p in module.named_parameters(remove_duplicate=False):
+                owners.setdefault(id(p), []).append((stage.index, f"{part}.{pname}"))
+    return [tuple(n for _, n in uses) for uses in owners.values() if len({s for s, _ in uses}) > 1]
+
+
+def batchnorm_modules(net: nn.Module) -> list[str]:
+    """Qualified names of BatchNorm layers (their statistics would come from one micro-batch, not the batch)."""
+    return [name for name, m in net.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+
+# ---- stage modules -----------------------------------------------------------------------------
+class StageModule(nn.Module):
+    """The parts of a network that some pipeline stages run, under their original names.
+
+    Children are kept in execution order: stem parts, the block list (an ``nn.ModuleDict`` keyed by the
+    original block indices, or the Sequential's own keys), head parts. ``forward`` applies them in order.
+    """
+
+    def __init__(self, parts: Sequence[tuple[str, nn.Module]], block_list: str | None,
+                 blocks: Sequence[tuple[str, nn.Module]]) -> None:
+        super().__init__()
+        self._block_list = block_list
+        for name, module in parts:
+            if name == block_list:
+                self.add_module(name, nn.ModuleDict(dict(blocks)))
+            else:
+                self.add_module(name, module)
+        if block_list is None:
+            for key, module in blocks:
+                self.add_module(key, module)
+        self.runner: Callable | None = None
+        """Set by the strategy: the whole-network call on the pipelined model runs the schedule instead."""
+
+    def run_local(self, x):
+        """Apply this module's parts in order (what a PipelineStage runs)."""
+        for child in self.children():
+            if isinstance(child, nn.ModuleDict):
+                for block in child.values():
+                    x = block(x)
+            else:
+                x = child(x)
+        return x
+
+    def forward(self, *args, **kwargs):
+        if self.runner is not None:
+            return self.runner(*args, **kwargs)
+        return self.run_local(*args, **kwargs)
+
+
+def build_stage_module(net: nn.Module, split: PipelineSplit, stage_indices: Sequence[int]) -> StageModule:
+    """A :class:`StageModule` with only the stem/blocks/head of `stage_indices` (the same module objects).
+
+    The rest of `net` is not referenced: once the caller drops `net`, those parameters are freed.
+    """
+    lay = split.layout
+    chosen = [split.stages[i] for i in sorted(stage_indices)]
+    block_ids = [b for s in chosen for b in s.blocks]
+    blocks = [(lay.blocks[i], _block(net, lay, i)) for i in block_ids]
+    parts: list[tuple[str, nn.Module]] = []
+    if any(s.stem for s in chosen):
+        parts += [(n, getattr(net, n)) for n in lay.stem]
+    if lay.block_list is not None:
+        parts.append((lay.block_list, getattr(net, lay.block_list)))
+    if any(s.head for s in chosen):
+        parts += [(n, getattr(net, n)) for n in lay.head]
+    return StageModule(parts, lay.block_list, blocks)
+
+
+def apply_fsdp_to_stages(stages: Sequence[StageModule], mesh: Any, *, reshard_after_forward: bool = False) -> None:
+    """FSDP2 on the data-parallel mesh for each stage module: its blocks first, then the stage module as root.
+
+    Each stage module must be its own FSDP root so ``PipelineStage`` can defer the gradient reduction to the
+    last micro-batch (``apply_fsdp``'s roots are the LightningModule's children, which never run here).
+    """
+    from lightning_dist._compat import fully_shard_api
+
+    fully_shard = fully_shard_api()[0]
+    for stage in stages:
+        for child in stage.children():
+            if isinstance(child, nn.ModuleDict):  # the kept blocks
+                for block in child.values():
+                    fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(stage, mesh=mesh, reshard_after_forward=reshard_after_forward)
+
+
+def stage_ranks(num_stages: int, pp: int, style: Literal["loop", "v"] = "loop") -> list[int]:
+    """Pipeline rank of each stage: ``loop`` (stage s on rank s % pp) or ``v`` (ZBV: 0..p-1 then p-1..0)."""
+    if num_stages % pp:
+        raise ValueError(f"{num_stages} stages do not divide over pp={pp} ranks.")
+    if style == "loop":
+        return [s % pp for s in range(num_stages)]
+    out = []
+    for s in range(num_stages):
+        lap, pos = divmod(s, pp)
+        out.append(pos if lap % 2 == 0 else pp - 1 - pos)
+    return out
+
+
+__all__ = [
+    "NetworkLayout", "PipelineSplit", "StagePlan", "StageModule", "apply_fsdp_to_stages", "batchnorm_modules",
+    "build_stage_module",
+    "network_layout", "partition", "plan_split", "profile_costs", "shared_across_stages", "stage_ranks",
+]

@@ -1,0 +1,137 @@
+"""Running a pipeline split with torch's schedules: which schedule, its checks, forward-only programs, timing.
+
+:data:`SCHEDULES` maps the pack's schedule names to ``torch.distributed.pipelining`` classes;
+:func:`schedule_problems` states up front (pure, with the numbers) what their constructors would reject;
+:func:`build_schedule` makes the ``PipelineStage`` objects of one rank and the schedule over them, using a
+forward-only program for evaluation; :class:`TimedStage` records every F/B/I/W action when asked.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+
+# name -> (torch schedule class, default stages per rank, stage -> rank style)
+SCHEDULES: dict[str, tuple[str, int, str]] = {
+    "gpipe": ("ScheduleGPipe", 1, "loop"),
+    "1f1b": ("Schedule1F1B", 1, "loop"),
+    "interleaved_1f1b": ("ScheduleInterleaved1F1B", 2, "loop"),
+    "interleaved_zero_bubble": ("ScheduleInterleavedZeroBubble", 2, "loop"),
+    "zero_bubble": ("ScheduleZBVZeroBubble", 2, "v"),
+}
+
+
+def schedule_problems(schedule: str, pp: int, n_microbatches: int, stages_per_rank: int) -> list[str]:
+    """What torch's schedule constructors would reject, checked up front with the numbers (pure)."""
+    if schedule not in SCHEDULES:
+        return [f"`schedule={schedule!r}` must be one of {sorted(SCHEDULES)}."]
+    out = []
+    if not isinstance(n_microbatches, int) or isinstance(n_microbatches, bool) or n_microbatches < 1:
+        return [f"`n_microbatches={n_microbatches!r}` must be an integer >= 1."]
+    multi = SCHEDULES[schedule][1] > 1
+    if not multi and stages_per_rank != 1:
+        out.append(f"schedule={schedule!r} runs one stage per rank; got stages_per_rank={stages_per_rank}."
+                   " Use 'interleaved_1f1b' or 'zero_bubble' for several.")
+    if schedule == "zero_bubble" and stages_per_rank != 2:
+        out.append(f"schedule='zero_bubble' (ZBV) needs stages_per_rank=2; got {stages_per_rank}.")
+    if schedule != "gpipe" and n_microbatches < pp:
+        out.append(f"schedule={schedule!r} needs n_microbatches >= pp = {pp}; got n_microbatches={n_microbatches}.")
+    if schedule == "zero_bubble" and n_microbatches < 2 * pp - 1:
+        out.append(f"schedule='zero_bubble' (ZBV) needs n_microbatches >= 2*pp-1 = {2 * pp - 1}; got {n_microbatches}.")
+    if multi and n_microbatches % max(1, n_microbatches // pp):
+        rounds = max(1, n_microbatches // pp)
+        out.append(f"schedule={schedule!r} needs n_microbatches to be a multiple of the rounds n_microbatches // pp"
+                   f" = {rounds}; got {n_microbatches} (use a multiple of pp={pp}).")
+    return out
+
+
+def use_forward_only_order(schedule: Any, stage_ranks: Sequence[int], n_microbatches: int) -> None:
+    """Give a multi-stage schedule a forward-only program: each rank runs its stages in order, all micro-batches.
+
+    torch's multi-stage schedules have no forward-only mode (ZBV's actions pass input gradients between the two
+    stages of a rank), and their validator insists on backward actions; so the F-only program is lowered to
+    send/recv actions with torch's own pass and installed directly (the schedule IR has no public name).
+    """
+    from torch.distributed.pipelining import schedules as S
+
+    order: dict[int, list] = {r: [] for r in sorted(set(stage_ranks))}
+    for stage, rank in enumerate(stage_ranks):
+        order[rank] += [S._Action(stage, S._ComputationType.FORWARD, mb) for mb in range(n_microbatches)]
+    schedule.pipeline_order_with_comms = S._add_send_recv(
+        {r: S._add_unshard_reshard(a) for r, a in order.items()},
+        stage_to_rank=lambda s: stage_ranks[s],
+        num_stages=len(stage_ranks),
+    )
+
+
+class TimedStage(PipelineStage):
+    """A PipelineStage that records its F/B/I/W actions when a timeline list is attached (else no overhead)."""
+
+    timeline: Optional[list] = None
+    peak_held: int = 0
+
+    def _record(self, kind: str, mb: int, start: float, cpu_start: float) -> None:
+        if self.timeline is not None:  # (stage, kind, micro-batch, wall start, wall end, thread CPU seconds)
+            self.timeline.append((self.stage_index, kind, mb, start, time.perf_counter(), time.thread_time() - cpu_start))
+
+    def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
+        start, cpu = time.perf_counter(), time.thread_time()
+        out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        self._record("F", fwd_chunk_id, start, cpu)
+        self.peak_held = max(self.peak_held, len(self.fwd_cache))  # micro-batches whose activations are held
+        return out
+
+    def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+        start, cpu = time.perf_counter(), time.thread_time()
+        out = super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
+        self._record("B" if full_backward else "I", bwd_chunk_id, start, cpu)
+        return out
+
+    def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
+        start, cpu = time.perf_counter(), time.thread_time()
+        out = super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+        self._record("W", bwd_chunk_id, start, cpu)
+        return out
+
+
+def build_schedule(
+    views: Sequence[nn.Module],
+    local_stages: Sequence[int],
+    stage_ranks: Sequence[int],
+    *,
+    schedule: str,
+    n_microbatches: int,
+    device: torch.device,
+    group: Optional[Any],
+    loss_fn: Optional[Callable] = None,
+) -> tuple[Any, list[TimedStage]]:
+    """This rank's stages (one per module of `views`) and the schedule running them.
+
+    With ``loss_fn=None`` the schedule is forward-only: GPipe for one stage per rank, otherwise the
+    schedule's own stage layout with an F-only program (see :func:`use_forward_only_order`).
+    """
+    from torch.distributed import pipelining
+
+    num_stages = len(stage_ranks)
+    stages = [TimedStage(view, s, num_stages, device, group=group) for s, view in zip(local_stages, views)]
+    train = loss_fn is not None
+    name = SCHEDULES[schedule][0] if train or len(stages) > 1 else "ScheduleGPipe"
+    single = name in ("ScheduleGPipe", "Schedule1F1B") and len(stages) == 1
+    sched = getattr(pipelining, name)(stages[0] if single else stages, n_microbatches=n_microbatches,
+                                      loss_fn=loss_fn, scale_grads=True)
+    if not train and not single:
+        use_forward_only_order(sched, stage_ranks, n_microbatches)
+    return sched, stages
+
+
+def bubble_theory(pp: int, n_microbatches: int) -> float:
+    """Idle fraction of GPipe/1F1B with equal stages and free communication: (p-1)/(m+p-1)."""
+    return (pp - 1) / (n_microbatches + pp - 1)
+
+
+__all__ = ["SCHEDULES", "TimedStage", "bubble_theory", "build_schedule", "schedule_problems", "use_forward_only_order"]

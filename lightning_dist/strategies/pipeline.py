@@ -1,0 +1,407 @@
+"""PipelineStrategy: ``torch.distributed.pipelining`` schedules inside Lightning's training loop.
+
+What the LightningModule must provide (checked on every rank before the first collective):
+
+* the network under ``self.<network>`` (default ``self.model``): an ``nn.Sequential``, or a module with a
+  stem, one ``nn.ModuleList`` of blocks and a head, whose forward is its children in registration order
+  (see :mod:`lightning_dist.parallelize.pipeline`); it takes one tensor and returns one tensor;
+* ``pipeline_loss(output, target) -> Tensor``: the mean loss of one micro-batch, used by the schedule's
+  backward (gradients are averaged over micro-batches, as for a mean over the batch);
+* batches ``(inputs, target, ...)``, or a ``pipeline_target(batch)`` hook returning the target;
+* for ``split="balanced"``: ``example_input_array`` set to one micro-batch of inputs.
+
+``training_step``/``validation_step``/``predict_step`` stay as they are: calling the network runs the
+whole schedule (forward and backward in training, forward only otherwise) and returns the last stage's
+output on every pipeline rank, so the loss computed from it, ``self.log`` and the progress bar see the
+single-device value. That loss is only for logging: the gradients come from the schedule. They are
+held aside during ``training_step`` and added to ``.grad`` in the strategy's ``backward``, so Lightning's
+closure (training_step -> zero_grad -> backward), gradient accumulation and manual optimization keep
+their meaning. Gradient-norm clipping uses the global norm across stages (and FSDP shards).
+``strategy.last_loss`` holds the mean ``pipeline_loss`` of the last step's micro-batches on every pp rank.
+
+Checkpoints are sharded (each stage writes its own parameters under their single-device names, optimizer
+states keyed by name); a pp=2 checkpoint loads into any pipeline layout or, converted with torch's
+``dcp_to_torch_save``, into the plain single-device module.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor, nn
+from typing_extensions import override
+
+import lightning.pytorch as pl
+from lightning_dist import checkpoint as ckpt
+from lightning_dist.mesh import PP, MeshSpec
+from lightning_dist.parallelize import pipeline as plan
+from lightning_dist.parallelize.pipeline_schedule import SCHEDULES, build_schedule, schedule_problems
+from lightning_dist.strategies.base import MeshStrategy
+
+log = logging.getLogger(__name__)
+
+
+def _flat_options() -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+_FLAT = _flat_options()
+
+
+class PipelineStrategy(MeshStrategy):
+    """Pipeline parallelism on the mesh's ``pp`` dim with torch's schedules; the rest of the ranks do data parallelism.
+
+    Args:
+        pp: pipeline degree; default: all devices (divided by ``tp`` and integer data-parallel sizes).
+        schedule: ``"1f1b"``, ``"gpipe"``, ``"interleaved_1f1b"``, ``"zero_bubble"`` (ZBV, 2 stages per rank)
+            or ``"interleaved_zero_bubble"``.
+        n_microbatches: micro-batches per step; every batch must divide into them. Default ``2 * pp``.
+        stages_per_rank: stages each rank runs (interleaved schedules); default from the schedule.
+        split: ``"balanced"`` (measured forward+backward time per block on ``example_input_array``),
+            ``"params"`` (parameter count), manual split points (block indices where stages 1.. start), or
+            ``"auto"``: balanced when the module has an ``example_input_array``, else by parameters.
+        network: attribute of the LightningModule holding the network to pipeline.
+        allow_batchnorm: pipeline BatchNorm layers anyway (with a warning): their statistics come from one
+            micro-batch, so they differ from single-device training.
+        reshard_after_forward: FSDP2 option on the data-parallel dims (False keeps parameters gathered
+            across the micro-batches of a step).
+        record_timeline: record each rank's F/B/W actions per step (see ``PipelineBubble``).
+        **kwargs: mesh and checkpoint options of :class:`MeshStrategy` (``dp_replicate``, ``dp_shard``...).
+    """
+
+    strategy_name = "pipeline"
+
+    def __init__(
+        self,
+        *,
+        pp: Optional[int] = None,
+        schedule: str = "1f1b",
+        n_microbatches: Optional[int] = None,
+        stages_per_rank: Optional[int] = None,
+        split: Union[plan.Split, str] = "auto",
+        network: str = "model",
+        allow_batchnorm: bool = False,
+        reshard_after_forward: bool = False,
+        record_timeline: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        if kwargs.get("save_distributed_checkpoint") is False:
+            raise ValueError("PipelineStrategy writes sharded checkpoints (save_distributed_checkpoint=True): each"
+                             " stage saves its own parameters. For one file, convert the directory with torch's"
+                             " `torch.distributed.checkpoint.format_utils.dcp_to_torch_save` (weights under 'state_dict').")
+        super().__init__(pp=1 if pp is None else pp, **kwargs)
+        if schedule not in SCHEDULES:
+            raise ValueError(f"`schedule={schedule!r}` must be one of {sorted(SCHEDULES)}.")
+        self._pp_auto = pp is None
+        self.schedule = schedule
+        self.stages_per_rank = SCHEDULES[schedule][1] if stages_per_rank is None else stages_per_rank
+        self._n_microbatches = n_microbatches
+        self.split_option = split
+        self.network = network
+        self.allow_batchnorm = allow_batchnorm
+        self.reshard_after_forward = reshard_after_forward
+        self.record_timeline = record_timeline
+        self.timelines: list[dict] = []
+        self.split: Optional[plan.PipelineSplit] = None
+        self.last_loss: Optional[Tensor] = None
+        self._views: list[plan.StageModule] = []
+        self._local_stages: list[int] = []
+        self._stage_ranks: list[int] = []
+        self._schedules: dict[tuple, tuple[Any, list[Any]]] = {}
+        self._out_meta: dict[tuple, tuple] = {}
+        self._target: Any = None
+        self._stash: Optional[list[tuple[Tensor, Optional[Tensor]]]] = None
+
+    # ---- configuration -------------------------------------------------------------------------
+    @property
+    def n_microbatches(self) -> int:
+        return 2 * self._sizes["pp"] if self._n_microbatches is None else self._n_microbatches
+
+    @property
+    def local_stages(self) -> list[int]:
+        """Indices of the pipeline stages this rank runs (set up in ``setup``)."""
+        return list(self._local_stages)
+
+    @property
+    def num_stages(self) -> int:
+        return self._sizes["pp"] * self.stages_per_rank
+
+    @override
+    def mesh_spec(self) -> MeshSpec:
+        if self._pp_auto:  # all devices left after tp and explicit data-parallel sizes
+            rest = self.num_nodes * self.num_processes // self._sizes["tp"]
+            for name in ("dp_replicate", "dp_shard"):
+                if isinstance(self._sizes[name], int):
+                    rest //= self._sizes[name]
+                else:
+                    self._sizes[name] = 1
+            self._sizes["pp"] = max(1, rest)
+        return super().mesh_spec()
+
+    @override
+    def validate_config(self, spec: MeshSpec) -> None:
+        pp, problems = spec.size(PP), []
+        if spec.size("tp") > 1:
+            problems.append(f"tp={spec.size('tp')}: PipelineStrategy does not apply tensor parallelism to its stages"
+                            " yet; use tp=1 (pp x dp).")
+        problems += schedule_problems(self.schedule, pp, self.n_microbatches, self.stages_per_rank)
+        module = self.lightning_module
+        net = getattr(module, self.network, None)
+        if self._is_pipelined(net):
+            return  # the same Trainer again (validate/test after fit): already split and checked
+        if isinstance(net, plan.StageModule):
+            problems.append(f"{type(module).__name__}.{self.network} was already split by another PipelineStrategy;"
+                            " build a fresh module (or load a checkpoint into one) for a new Trainer.")
+        elif not isinstance(net, nn.Module):
+            problems.append(f"{type(module).__name__}.{self.network} must be the network to pipeline (an nn.Module);"
+                            f" got {type(net).__name__}. Set `network=` to the attribute that holds it.")
+        if not callable(getattr(module, "pipeline_loss", None)):
+            problems.append(f"{type(module).__name__} has no `pipeline_loss(output, target)` method: the pipeline"
+                            " schedule computes the loss of each micro-batch on the last stage with it.")
+        if problems or net is None:
+            raise ValueError(f"Invalid {type(self).__name__} configuration:\n  - " + "\n  - ".join(problems))
+        # split arithmetic (TypeError for a network of another shape) and tied weights with parameter counts;
+        # the balanced split is checked again once measured
+        mode = self.split_mode()
+        check = plan.plan_split(net, self.num_stages, split="params" if mode == "balanced" else mode)
+        self._check_splittable(net, check)
+        if mode == "balanced" and getattr(module, "example_input_array", None) is None:
+            raise ValueError(f'split="balanced" profiles each block on a sample micro-batch: set'
+                             f" `{type(module).__name__}.example_input_array` to one micro-batch of inputs,"
+                             ' or pass split="params".')
+
+    def split_mode(self) -> Any:
+        """The split that will be used: ``split`` with ``"auto"`` resolved for the attached module."""
+        if isinstance(self.split_option, str) and self.split_option == "auto":
+            has_sample = getattr(self.lightning_module, "example_input_array", None) is not None
+            return "balanced" if has_sample else "params"
+        return self.split_option
+
+    def _check_splittable(self, net: nn.Module, split: plan.PipelineSplit) -> None:
+        shared = plan.shared_across_stages(net, split)
+        if shared:
+            raise ValueError(f"Parameters shared across pipeline stages cannot be split: {shared}. Untie them, or"
+                             " choose split points that keep the modules sharing them on one stage.")
+        bn = plan.batchnorm_modules(net)
+        if bn and not self.allow_batchnorm:
+            raise ValueError(f"BatchNorm layers {bn} would normalize each micro-batch with its own statistics, unlike"
+                             " single-device training. Use LayerNorm/GroupNorm, or pass allow_batchnorm=True.")
+        if bn:
+            rank_zero_warn(f"Pipelining BatchNorm layers {bn}: statistics come from micro-batches.")
+
+    # ---- model set-up --------------------------------------------------------------------------
+    def _is_pipelined(self, net: Any) -> bool:
+        return isinstance(net, plan.StageModule) and net.runner == self._run
+
+    @override
+    def parallelize(self, module: pl.LightningModule) -> None:
+        net = getattr(module, self.network)
+        if self._is_pipelined(net):
+            return
+        mesh, pp = self.mesh, self.mesh.size(PP)
+        costs = None
+        mode = self.split_mode()
+        if mode == "balanced":
+            sample = torch.as_tensor(module.example_input_array).to(self.root_device)
+            dtype = next((p.dtype for p in net.parameters() if p.is_floating_point()), None)
+            if dtype is not None and sample.is_floating_point():
+                sample = sample.to(dtype)
+            # profiled on global rank 0 alone (the others would compete for its cores), the same split everywhere
+            costs = plan.profile_costs(net, plan.network_layout(net), sample) if self.global_rank == 0 else None
+            costs = self.broadcast(costs)
+            log.debug("pipeline block costs (ms): stem %s, blocks %s, head %s", *costs)
+        self.split = plan.plan_split(net, self.num_stages, split=mode, costs=costs)
+        self._check_splittable(net, self.split)
+        self._stage_ranks = plan.stage_ranks(self.num_stages, pp, SCHEDULES[self.schedule][2])  # type: ignore[arg-type]
+        pp_rank = mesh.local_rank(PP) if pp > 1 else 0
+        self._local_stages = [s for s, r in enumerate(self._stage_ranks) if r == pp_rank]
+        rank_zero_info(self.split.format(self._stage_ranks))
+        container = plan.build_stage_module(net, self.split, self._local_stages)
+        self._views = [plan.build_stage_module(net, self.split, [s]) for s in self._local_stages]
+        setattr(module, self.network, container)  # the rest of the network is dropped here
+        if mesh.dp_size > 1:
+            plan.apply_fsdp_to_stages(self._views, mesh.fsdp_mesh(), reshard_after_forward=self.reshard_after_forward)
+        container.runner = self._run
+
+    def _schedule_for(self, x: Tensor, *, train: bool, n_micro: int):
+        key = (train, tuple(x.shape), x.dtype, n_micro)
+        if key not in self._schedules:
+            module = self.lightning_module
+            self._schedules[key] = build_schedule(
+                self._views, self._local_stages, self._stage_ranks, schedule=self.schedule, n_microbatches=n_micro,
+                device=self.root_device, group=self.mesh.group(PP) if self.mesh.size(PP) > 1 else None,
+                loss_fn=(lambda out, target: module.pipeline_loss(out, target)) if train else None,
+            )
+        return self._schedules[key]
+
+    # ---- running the pipeline ------------------------------------------------------------------
+    def _run(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        """The pipelined network's call: the whole schedule, returning the last stage's output on every pp rank."""
+        if args or kwargs or not isinstance(x, Tensor):
+            raise TypeError("A pipelined network takes exactly one tensor argument (the batch of inputs).")
+        module = self.lightning_module
+        train = self._target is not None and torch.is_grad_enabled() and module.training
+        m, batch = self.n_microbatches, x.shape[0]
+        if batch % m:
+            if train:
+                raise ValueError(f"The batch of {batch} samples does not divide into n_microbatches={m} micro-batches;"
+                                 f" use a batch size (per data-parallel rank) that is a multiple of {m}.")
+            m = max(d for d in range(1, m + 1) if batch % d == 0)  # forward-only programs take any count
+        sched, stages = self._schedule_for(x, train=train, n_micro=m)
+        has_first, has_last = 0 in self._local_stages, self.num_stages - 1 in self._local_stages
+        args_ = (x,) if has_first else ()
+        losses: list[Tensor] = []
+        kw = {"target": self._target, "losses": losses} if train and has_last else {}
+        params = list(self.model.parameters())
+        if train:  # the schedule's gradients go aside; `backward` adds them to .grad
+            held = [p.grad for p in params]
+            for p in params:
+                p.grad = None
+        events: list = []
+        for st in stages:
+            st.timeline, st.peak_held = (events if self.record_timeline and train else None), 0
+        start = time.perf_counter()
+        out = sched.step(*args_, **kw)
+        end = time.perf_counter()
+        if train:
+            self._target = None
+            self._stash = [(p, p.grad) for p in params]
+            for p, g in zip(params, held):
+                p.grad = g
+            if self.record_timeline:
+                self.timelines.append({"rank": self.mesh.local_rank(PP) if self.mesh.size(PP) > 1 else 0,
+                                       "start": start, "end": end, "events": events, "n_microbatches": m,
+                                       "peak_held": {st.stage_index: st.peak_held for st in stages}})
+        out = self._from_last_stage(out, ("out", train, tuple(x.shape)))
+        if train:
+            loss = torch.stack([l.detach() for l in losses]).mean() if losses else None
+            self.last_loss = self._from_last_stage(loss, ("loss",))
+        return out
+
+    def _from_last_stage(self, value: Optional[Tensor], key: tuple) -> Tensor:
+        """Broadcast a tensor held by the last stage's rank to the whole pp group."""
+        if self.mesh.size(PP) == 1:
+            assert value is not None
+            return value.detach()
+        group = self.mesh.group(PP)
+        src = dist.get_global_rank(group, self._stage_ranks[-1])
+        if key not in self._out_meta:  # shapes are fixed per input shape: one object broadcast, then cached
+            meta = [(tuple(value.shape), value.dtype) if value is not None else None]
+            dist.broadcast_object_list(meta, src=src, group=group, device=self.root_device)
+            self._out_meta[key] = meta[0]  # type: ignore[assignment]
+        shape, dtype = self._out_meta[key]
+        buf = value.detach().contiguous() if value is not None else torch.empty(shape, dtype=dtype, device=self.root_device)
+        dist.broadcast(buf, src=src, group=group)
+        return buf
+
+    def _pipeline_target(self, batch: Any) -> Tensor:
+        module = self.lightning_module
+        hook = getattr(module, "pipeline_target", None)
+        if callable(hook):
+            return hook(batch)
+        if isinstance(batch, (tuple, list)) and len(batch) >= 2:
+            return batch[1]
+        raise TypeError(f"Cannot find the target in a batch of type {type(batch).__name__}: batches must be"
+                        f" (inputs, target, ...), or define `{type(module).__name__}.pipeline_target(batch)`.")
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._target = self._pipeline_target(args[0] if args else kwargs["batch"])
+        self._stash = None
+        try:
+            out = super().training_step(*args, **kwargs)
+        except BaseException:
+            self._target = None
+            raise
+        if self._target is not None:
+            self._target = None
+            raise RuntimeError(f"training_step did not call self.{self.network}(inputs): under PipelineStrategy"
+                               " the network call runs the pipeline's forward and backward.")
+        return out
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Any], *args: Any, **kwargs: Any) -> Tensor:
+        if self._stash is None:
+            raise RuntimeError("PipelineStrategy.backward was called without a pipeline step: under this strategy the"
+                               f" network call self.{self.network}(inputs) in training_step runs forward and backward.")
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        # Lightning divides the loss by accumulate_grad_batches before backward; scale the schedule's grads alike
+        scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches
+        for p, g in self._stash:
+            if g is None:
+                continue
+            g = g * scale if scale != 1.0 else g
+            p.grad = g if p.grad is None else p.grad + g
+        self._stash = None
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        # Lightning clips each process's gradients alone; the norm must span every stage (and FSDP shard)
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+
+    def _clip_grad_by_norm(self, optimizer: Any, clip_val: Union[int, float]) -> None:
+        from torch.distributed.tensor import DTensor
+
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+        if isinstance(total, DTensor):
+            total = total.full_tensor()
+        if self.mesh.size(PP) > 1:
+            total = total.double() ** 2
+            dist.all_reduce(total, group=self.mesh.group(PP))
+            total = total.sqrt()
+        torch.nn.utils.clip_grads_with_norm_(params, clip_val, total)
+
+    # ---- checkpoints: each stage holds only its own keys ----------------------------------------
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        path = ckpt.resolve_path(self.broadcast(checkpoint_path))
+        assert self.model is not None
+        if path.is_dir():  # every key of this rank's stages must be in the checkpoint
+            import torch.distributed.checkpoint as dcp
+
+            saved = {k[len(ckpt.MODEL_KEY) + 1:] for k in dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+                     if k.startswith(ckpt.MODEL_KEY + ".")}
+            missing = sorted(set(ckpt.model_state_shapes(self.model)) - saved)
+            if missing:
+                raise ValueError(f"The checkpoint {path} has no entry for {missing[:3]}... of this pipeline stage:"
+                                 " it was written by a different model.")
+        meta = ckpt.load(path, model=self.model, optimizers=(), strict=False,
+                         weights_only=True if weights_only is None else weights_only)
+        if path.is_dir() and self.lightning_module.trainer.state.fn == "fit":
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+            for i, optimizer in enumerate(self.optimizers):
+                osd = get_optimizer_state_dict(self.model, optimizer, options=_FLAT)
+                dcp.load({f"optimizer_{i}": osd}, checkpoint_id=path)
+                set_optimizer_state_dict(self.model, optimizer, optim_state_dict=osd, options=_FLAT)
+        return meta
+
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        # keyed by parameter name: stages hold different parameters, so list-indexed param_groups would collide
+        return get_optimizer_state_dict(self.model, getattr(optimizer, "_optimizer", optimizer), options=_FLAT)
+
+    @override
+    def teardown(self) -> None:
+        self._schedules.clear()
+        self._out_meta.clear()
+        super().teardown()
+
+
+__all__ = ["PipelineStrategy"]

@@ -1,0 +1,219 @@
+"""PipelineStrategy against single-device training, float64 (run under torchrun with 2 or 4 processes).
+
+2 processes (pp=2): every schedule; accumulate_grad_batches=2 + gradient clipping + LR scheduler;
+validation through the pipeline; checkpoint resume and consolidation into a single-device model;
+bad configurations raising on every rank.
+4 processes: every schedule with pp=4, and pp=2 x dp=2 (FSDP2 on dp).
+Each rank compares the parameters it holds with the reference (keys are the single-device names).
+"""
+
+import os
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from _common import MLP, Classifier, dataset, emit, trainer
+from torch.utils.data import DataLoader, DistributedSampler
+
+import lightning_dist  # noqa: F401  (registers the strategies)
+from lightning_dist import checkpoint as ckpt
+from lightning_dist.strategies import PipelineStrategy
+
+DEPTH = 8
+WORLD = int(os.environ.get("WORLD_SIZE", "2"))
+SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"]
+
+
+class PipeClassifier(Classifier):
+    """The Classifier plus the PipelineStrategy contract and a validation loop through the network."""
+
+    def __init__(self, *, micro: int = 4, **kw) -> None:
+        kw.setdefault("depth", DEPTH)
+        super().__init__(**kw)
+        self.example_input_array = torch.randn(micro, 12, dtype=torch.float64)
+        self.step_losses: list[float] = []
+
+    def pipeline_loss(self, output, target):
+        return F.cross_entropy(output, target)
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.step_losses.append(loss.item())
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x), y), sync_dist=True)
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch)
+
+    def val_dataloader(self):
+        kw = self.trainer.strategy.distributed_sampler_kwargs
+        sampler = DistributedSampler(dataset(self.n, dtype=self.dtype_, seed=2), shuffle=False, **kw)
+        return DataLoader(sampler.dataset, batch_size=self.global_batch // kw["num_replicas"], sampler=sampler)
+
+
+def reference(steps, *, accumulate=1, clip=None, schedule=False, n=96, global_batch=16):
+    """Single-device AdamW on the global batch (Lightning's order, loss / accumulate, clipping, StepLR)."""
+    torch.manual_seed(0)
+    model = MLP(depth=DEPTH).double()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5) if schedule else None
+    data, per_epoch, b, losses, clipped = dataset(n), n // global_batch, 0, [], []
+    for _ in range(steps):
+        opt.zero_grad()
+        for _ in range(accumulate):
+            j, b = b % per_epoch, b + 1
+            x, y = data[j * global_batch:(j + 1) * global_batch]
+            loss = F.cross_entropy(model(x), y)
+            losses.append(loss.item())
+            (loss / accumulate).backward()
+        if clip:
+            clipped.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item() > clip)
+        opt.step()
+        if sched:
+            sched.step()
+    val = dataset(n, seed=2)
+    with torch.no_grad():
+        val_loss = sum(F.cross_entropy(model(val[i:i + global_batch][0]), val[i:i + global_batch][1]).item()
+                       for i in range(0, n, global_batch)) / (n // global_batch)
+    reference.clipped, reference.model = clipped, model  # for the checks that clipping was active / predictions
+    return {f"model.{k}": p.detach().clone() for k, p in model.named_parameters()}, losses, val_loss
+
+
+def local_diff(module, ref) -> tuple[float, list[str]]:
+    """Max relative difference of the parameters this rank holds (full tensors of FSDP shards)."""
+    from torch.distributed.tensor import DTensor
+
+    worst, keys = 0.0, []
+    for name, p in module.named_parameters():
+        t = (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+        worst = max(worst, ((t - ref[name]).norm() / ref[name].norm()).item())
+        keys.append(name)
+    return worst, keys
+
+
+def fit(strategy, steps, *, module=None, **kw):
+    module = module or PipeClassifier(global_batch=kw.pop("global_batch", 16), n=kw.pop("n", 96),
+                                      schedule=kw.pop("lr_schedule", False))
+    t = trainer(strategy, devices=WORLD, steps=steps, num_sanity_val_steps=0, **kw)
+    t.fit(module)
+    return module, t
+
+
+def parity(tag, strategy, steps=3, **kw):
+    ref, ref_losses, ref_val = reference(steps, accumulate=kw.get("accumulate_grad_batches", 1),
+                                         clip=kw.get("gradient_clip_val"), schedule=kw.get("lr_schedule", False))
+    clipped, ref_model = reference.clipped, reference.model
+    module, t = fit(strategy, steps, **kw)
+    strategy = t.strategy  # a registry name resolves to a PipelineStrategy
+    diff, keys = local_diff(module, ref)
+    logged = t.callback_metrics["train_loss"].item()  # what self.log(sync_dist=True) and the progress bar show
+    metrics = t.validate(module, verbose=False)[0]
+    val_x = dataset(module.n, seed=2).tensors[0]
+    with torch.no_grad():
+        expected = ref_model(val_x[: module.global_batch])
+    preds = t.predict(module, DataLoader(val_x[: module.global_batch], batch_size=module.global_batch))
+    predict_diff = (torch.cat(preds) - expected).abs().max().item()
+    emit(kind="parity", tag=tag, diff=diff, keys=keys, n_keys=len(ref), losses=module.step_losses,
+         ref_losses=ref_losses, logged=logged, val=metrics["val_loss"], ref_val=ref_val,
+         split=[list(s.blocks) for s in strategy.split.stages], stages=strategy.local_stages,
+         shape=list(strategy.mesh.spec.shape), clipped=clipped, predict_diff=predict_diff,
+         schedule=strategy.schedule)
+
+
+def errors():
+    """Bad configurations: every rank raises the same clear error before any collective."""
+    cases = {
+        "too_many_stages": lambda: PipelineStrategy(pp=2, schedule="interleaved_1f1b", stages_per_rank=5, split="params"),
+        "few_microbatches": lambda: PipelineStrategy(pp=2, schedule="1f1b", n_microbatches=1, split="params"),
+        "indivisible_batch": lambda: PipelineStrategy(pp=2, n_microbatches=3, split="params"),
+    }
+    for name, make in cases.items():
+        try:
+            fit(make(), 1)
+            emit(kind="error", case=name, message=None)
+        except (ValueError, TypeError, RuntimeError) as err:
+            emit(kind="error", case=name, type=type(err).__name__, message=str(err))
+
+    class NoLoss(PipeClassifier):
+        pipeline_loss = None
+
+    try:
+        fit(PipelineStrategy(pp=2, split="params"), 1, module=NoLoss())
+        emit(kind="error", case="no_loss_hook", message=None)
+    except ValueError as err:
+        emit(kind="error", case="no_loss_hook", type=type(err).__name__, message=str(err))
+
+
+def bubble():
+    """PipelineBubble: the recorded action timeline (counts per kind), held micro-batches, logged metrics, PNG."""
+    from lightning_dist.callbacks.pipeline_bubble import PipelineBubble
+
+    root = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(root, src=0)
+    for schedule in ("1f1b", "gpipe", "zero_bubble"):
+        png = os.path.join(root[0], f"{schedule}.png")
+        cb = PipelineBubble(gantt_path=png, warmup_steps=0)
+        strategy = PipelineStrategy(pp=2, schedule=schedule, n_microbatches=4, split="params")
+        module = PipeClassifier()
+        t = trainer(strategy, devices=WORLD, steps=2, num_sanity_val_steps=0, callbacks=[cb])
+        t.fit(module)
+        kinds = {}
+        for stage, kind, mb, *_ in cb.last_records[dist.get_rank()]["events"]:
+            kinds.setdefault(f"{stage}{kind}", []).append(mb)
+        emit(kind="bubble", schedule=schedule, kinds={k: sorted(v) for k, v in kinds.items()},
+             summary={k: v for k, v in cb.summary().items() if k != "peak_held"}, peak_held=cb.steps[-1]["peak_held"],
+             logged={k: t.callback_metrics[k].item() for k in t.callback_metrics if k.startswith("pipeline/")},
+             png=os.path.exists(png) and os.path.getsize(png) if dist.get_rank() == 0 else None)
+
+
+def checkpoint_resume():
+    """2 steps with 1F1B, save (sharded); resume interleaved to 4 steps == 4 reference steps; load on 1 device."""
+    ref4, _, _ = reference(4, n=32)
+    root = tempfile.mkdtemp() if dist.get_rank() == 0 else None
+    box = [root]
+    dist.broadcast_object_list(box, src=0)
+    path = os.path.join(box[0], "pp2.ckpt")
+    module, t = fit(PipelineStrategy(pp=2, schedule="1f1b", split="params"), 2, n=32)
+    t.save_checkpoint(path)
+    resumed = PipeClassifier(n=32)
+    # resumed in another layout (interleaved: 4 stages, rank 0 holds stages 0 and 2): keys are single-device names
+    t2 = trainer(PipelineStrategy(pp=2, schedule="interleaved_1f1b", split="params"), devices=WORLD, steps=4,
+                 num_sanity_val_steps=0)
+    t2.fit(resumed, ckpt_path=path)
+    diff, _ = local_diff(resumed, ref4)
+    t2.save_checkpoint(path + "4")
+    single_diff = None
+    if dist.get_rank() == 0:
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        dcp_to_torch_save(path + "4", path + "4.pt")  # no process group: what a single-device user does
+        state = torch.load(path + "4.pt", map_location="cpu", weights_only=True)[ckpt.MODEL_KEY]
+        single = Classifier(depth=DEPTH).double()
+        single.load_state_dict(state, strict=True)  # every key present, single-device layout
+        single_diff = max(((p - ref4[k]).norm() / ref4[k].norm()).item() for k, p in single.named_parameters())
+    emit(kind="resume", diff=diff, global_step=t2.global_step, single_diff=single_diff,
+         stages=t2.strategy.local_stages)
+
+
+if __name__ == "__main__":
+    mode = sys.argv[1] if len(sys.argv) > 1 else "pp2"
+    if mode == "pp2":
+        parity("pp2_gpipe", "pipeline_gpipe", steps=3)  # by name: pp = all devices, balanced split, m = 2 * pp
+        for schedule in SCHEDULES[1:] + ["interleaved_zero_bubble"]:
+            parity(f"pp2_{schedule}", PipelineStrategy(pp=2, schedule=schedule, n_microbatches=4), steps=3)
+        parity("pp2_accum_clip_sched", PipelineStrategy(pp=2, schedule="1f1b", n_microbatches=2, split="params"),
+               steps=3, accumulate_grad_batches=2, gradient_clip_val=0.05, lr_schedule=True)
+        checkpoint_resume()
+        bubble()
+        errors()
+    else:
+        for schedule in SCHEDULES:
+            parity(f"pp4_{schedule}", PipelineStrategy(pp=4, schedule=schedule, n_microbatches=8), steps=3)
+        parity("pp2xdp2_1f1b", PipelineStrategy(pp=2, schedule="1f1b", n_microbatches=4), steps=3)
+        parity("pp2xdp2_zero_bubble", PipelineStrategy(pp=2, schedule="zero_bubble", n_microbatches=4, split="params"),
+               steps=3)

@@ -1,0 +1,329 @@
+"""Pipeline plans in one process: stage split arithmetic, printing, stage modules, schedule checks, bad input."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+from torch import nn
+
+import lightning_dist  # noqa: F401  (registers the strategies)
+from lightning_dist.mesh import MeshSpec
+from lightning_dist.parallelize.pipeline import (
+    batchnorm_modules,
+    build_stage_module,
+    network_layout,
+    partition,
+    plan_split,
+    profile_costs,
+    shared_across_stages,
+    stage_ranks,
+)
+from lightning_dist.strategies import REGISTERED
+from lightning_dist.parallelize.pipeline_schedule import bubble_theory, schedule_problems
+from lightning_dist.strategies.pipeline import PipelineStrategy
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x))
+
+
+class Net(nn.Module):
+    def __init__(self, depth: int = 8, width: int = 8) -> None:
+        super().__init__()
+        self.stem = nn.Linear(4, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def _brute_force(costs, stages, first, last):
+    n, best = len(costs), float("inf")
+    for points in itertools.combinations(range(1, n), stages - 1):
+        bounds = [0, *points, n]
+        worst = max(
+            sum(costs[bounds[s]:bounds[s + 1]]) + (first if s == 0 else 0) + (last if s == stages - 1 else 0)
+            for s in range(stages)
+        )
+        best = min(best, worst)
+    return best
+
+
+def _max_cost(costs, points, first, last):
+    bounds = [0, *points, len(costs)]
+    s_count = len(bounds) - 1
+    return max(sum(costs[bounds[s]:bounds[s + 1]]) + (first if s == 0 else 0) + (last if s == s_count - 1 else 0)
+               for s in range(s_count))
+
+
+def test_layout_of_stem_blocks_head_and_sequential():
+    lay = network_layout(Net(depth=3))
+    assert (lay.stem, lay.block_list, lay.blocks, lay.head) == (("stem",), "blocks", ("0", "1", "2"), ("head",))
+    seq = network_layout(nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2)))
+    assert (seq.stem, seq.block_list, seq.blocks, seq.head) == ((), None, ("0", "1", "2"), ())
+
+
+def test_layout_refuses_unsplittable_networks():
+    with pytest.raises(TypeError, match="no direct nn.ModuleList of blocks"):
+        network_layout(nn.Linear(2, 2))
+
+    class Direct(Net):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(1))
+
+    with pytest.raises(TypeError, match=r"holds parameters directly \(\['scale'\]\)"):
+        network_layout(Direct())
+
+
+def test_partition_is_optimal_and_simple_cases():
+    assert partition([1, 1, 1, 1], 2) == [2]
+    assert partition([1, 1, 1, 1], 2, first=2) == [1]  # the stem weighs on stage 0
+    assert partition([1, 1, 1, 9], 2) == [3]
+    assert partition([5, 1, 1, 1, 1, 1], 3)[0] == 1 and _max_cost([5, 1, 1, 1, 1, 1], partition([5, 1, 1, 1, 1, 1], 3), 0, 0) == 5
+    rng = random.Random(0)
+    for _ in range(60):
+        n = rng.randint(2, 8)
+        s = rng.randint(1, n)
+        costs = [rng.uniform(0.1, 5) for _ in range(n)]
+        first, last = rng.uniform(0, 3), rng.uniform(0, 3)
+        points = partition(costs, s, first=first, last=last)
+        assert len(points) == s - 1 and points == sorted(set(points)) and all(0 < p < n for p in points)
+        assert _max_cost(costs, points, first, last) == pytest.approx(_brute_force(costs, s, first, last))
+
+
+def test_params_split_covers_every_block_once():
+    net = Net(depth=8)
+    split = plan_split(net, 4, split="params")
+    blocks = [b for s in split.stages for b in s.blocks]
+    assert blocks == list(range(8))
+    assert split.stages[0].stem and split.stages[-1].head and not split.stages[1].stem
+    assert sum(s.params for s in split.stages) == sum(p.numel() for p in net.parameters())
+    assert split.method == "params" and split.num_stages == 4
+    assert split.stage_of_block(7) == 3
+
+
+def test_manual_and_balanced_splits():
+    net = Net(depth=6)
+    manual = plan_split(net, 3, split=[1, 4])
+    assert [s.blocks for s in manual.stages] == [(0,), (1, 2, 3), (4, 5)]
+    # measured costs (ms): the heavy last block gets a stage of its own
+    balanced = plan_split(net, 2, split="balanced", costs=(0.0, [1, 1, 1, 1, 1, 6], 0.5))
+    assert [s.blocks for s in balanced.stages] == [(0, 1, 2, 3, 4), (5,)]
+    assert balanced.stages[1].cost == pytest.approx(6.5) and balanced.cost_unit == "ms"
+    assert balanced.imbalance() == pytest.approx(6.5 / ((5 + 6.5) / 2))
+
+
+def test_profile_costs_measures_every_part_and_checks_forward_order():
+    net = Net(depth=3).double()
+    stem, blocks, head = profile_costs(net, network_layout(net), torch.randn(4, 4, dtype=torch.float64))
+    assert len(blocks) == 3 and all(t > 0 for t in (stem, head, *blocks))
+    assert all(p.grad is None for p in net.parameters())  # profiling leaves no gradients behind
+
+    class Residual(Net):
+        def forward(self, x):  # not its children in order: a skip around everything
+            return super().forward(x) + self.head(self.stem(x))
+
+    with pytest.raises(ValueError, match="not its children applied in registration order"):
+        plan_split(Residual(depth=2), 2, split="balanced", sample=torch.randn(2, 4))
+
+
+def test_bad_splits_raise_with_the_numbers():
+    net = Net(depth=3)
+    with pytest.raises(ValueError, match="into 4 pipeline stages: it has only 3 blocks"):
+        plan_split(net, 4)
+    with pytest.raises(ValueError, match=r"Manual split points \[2, 1\] must be 2 strictly increasing"):
+        plan_split(net, 3, split=[2, 1])
+    with pytest.raises(ValueError, match="must be 1 strictly increasing"):
+        plan_split(net, 2, split=[1, 2])
+    with pytest.raises(ValueError, match="example_input_array"):
+        plan_split(net, 2, split="balanced")
+    with pytest.raises(ValueError, match='must be "balanced", "params"'):
+        plan_split(net, 2, split="fast")
+
+
+def test_split_prints_as_a_table():
+    split = plan_split(Net(depth=8), 2, split="params")
+    text = split.format(stage_ranks=[0, 1])
+    assert "Pipeline split (params, 2 stages" in text
+    assert "stem + blocks.0..3" in text and "blocks.4..7 + head" in text
+    rows = split.rows()
+    assert [r["stage"] for r in rows] == [0, 1] and rows[0]["params"] == split.stages[0].params
+    assert f"{rows[1]['params']:,}" in text
+
+
+def test_stage_modules_keep_original_names_and_compose_to_the_network():
+    torch.manual_seed(0)
+    net = Net(depth=8).double()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    expected = net(x)
+    full_keys = set(net.state_dict())
+    split = plan_split(net, 4, split="params")
+    mods = [build_stage_module(net, split, [s]) for s in range(4)]
+    keys = [set(m.state_dict()) for m in mods]
+    assert set().union(*keys) == full_keys and sum(len(k) for k in keys) == len(full_keys)
+    assert "stem.weight" in keys[0] and "head.weight" in keys[3]
+    assert all(k.startswith(f"blocks.{i}.") for k in keys[1] for i in [int(k.split(".")[1])])
+    y = x
+    for m in mods:
+        y = m(y)
+    torch.testing.assert_close(y, expected, rtol=0, atol=0)
+    # a rank with two stages (interleaved: 0 and 2) holds the union under the same names
+    both = build_stage_module(net, split, [0, 2])
+    assert set(both.state_dict()) == keys[0] | keys[2]
+
+
+def test_sequential_stage_modules():
+    seq = nn.Sequential(*(nn.Linear(3, 3) for _ in range(4)))
+    split = plan_split(seq, 2, split=[1])
+    first, rest = build_stage_module(seq, split, [0]), build_stage_module(seq, split, [1])
+    assert set(first.state_dict()) == {"0.weight", "0.bias"}
+    assert set(rest.state_dict()) == {f"{i}.{p}" for i in (1, 2, 3) for p in ("weight", "bias")}
+    x = torch.randn(2, 3)
+    torch.testing.assert_close(rest(first(x)), seq(x))
+
+
+def test_tied_weights_across_stages_are_named():
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
+    net[3].weight = net[0].weight
+    across = shared_across_stages(net, plan_split(net, 2, split=[2]))
+    assert across == [("0.weight", "3.weight")]
+    net2 = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
+    net2[1].weight = net2[0].weight
+    assert shared_across_stages(net2, plan_split(net2, 2, split=[2])) == []  # tied inside one stage is fine
+
+
+def test_stage_ranks_loop_and_v():
+    assert stage_ranks(4, 2, "loop") == [0, 1, 0, 1]
+    assert stage_ranks(4, 2, "v") == [0, 1, 1, 0]
+    assert stage_ranks(8, 4, "v") == [0, 1, 2, 3, 3, 2, 1, 0]
+    with pytest.raises(ValueError, match="do not divide"):
+        stage_ranks(5, 2)
+
+
+def test_schedule_problems():
+    assert schedule_problems("1f1b", 2, 4, 1) == []
+    assert schedule_problems("gpipe", 4, 1, 1) == []
+    assert "n_microbatches >= pp = 4" in schedule_problems("1f1b", 4, 2, 1)[0]
+    assert "stages_per_rank=2" in " ".join(schedule_problems("zero_bubble", 2, 4, 3))
+    assert "2*pp-1 = 7" in " ".join(schedule_problems("zero_bubble", 4, 4, 2))
+    assert "multiple of the rounds" in " ".join(schedule_problems("interleaved_1f1b", 4, 10, 2)) or \
+        schedule_problems("interleaved_1f1b", 4, 10, 2) == []  # 10 // 4 = 2 rounds: 10 % 2 == 0 is fine
+    assert "multiple of the rounds" in " ".join(schedule_problems("interleaved_1f1b", 2, 5, 2))
+    assert "one stage per rank" in " ".join(schedule_problems("1f1b", 2, 4, 2))
+    assert "must be one of" in schedule_problems("pipedream", 2, 4, 1)[0]
+    assert bubble_theory(2, 4) == pytest.approx(1 / 5)
+
+
+class _Module(__import__("lightning.pytorch", fromlist=["LightningModule"]).LightningModule):
+    def __init__(self, net=None, loss=True):
+        super().__init__()
+        self.model = net if net is not None else Net(depth=4)
+        if loss:
+            self.pipeline_loss = lambda out, y: torch.nn.functional.cross_entropy(out, y)
+
+
+def _validate(module, **kw):
+    strategy = PipelineStrategy(pp=2, split="params", **kw)
+    strategy.connect(module)
+    strategy.validate_config(MeshSpec(world_size=2, devices_per_node=2, pp=2).resolve())
+    return strategy
+
+
+def test_module_contract_is_checked_before_any_collective():
+    _validate(_Module())  # fine
+    with pytest.raises(ValueError, match=r"has no `pipeline_loss\(output, target\)`"):
+        _validate(_Module(loss=False))
+    with pytest.raises(ValueError, match="schedule='1f1b' needs n_microbatches >= pp = 2"):
+        _validate(_Module(), n_microbatches=1)
+    with pytest.raises(ValueError, match="only 4 blocks"):
+        _validate(_Module(), schedule="interleaved_1f1b", stages_per_rank=3)
+    strategy = PipelineStrategy(pp=2, split="params", network="backbone")
+    strategy.connect(_Module())
+    with pytest.raises(ValueError, match=r"_Module.backbone must be the network to pipeline"):
+        strategy.validate_config(MeshSpec(world_size=2, devices_per_node=2, pp=2).resolve())
+    auto = PipelineStrategy(pp=2)  # split="auto": by parameters without a sample micro-batch
+    auto.connect(_Module())
+    auto.validate_config(MeshSpec(world_size=2, devices_per_node=2, pp=2).resolve())
+    assert auto.split_mode() == "params"
+    balanced = PipelineStrategy(pp=2, split="balanced")
+    balanced.connect(_Module())
+    with pytest.raises(ValueError, match="example_input_array"):
+        balanced.validate_config(MeshSpec(world_size=2, devices_per_node=2, pp=2).resolve())
+
+
+def test_tied_weights_and_batchnorm_are_refused_with_names():
+    tied = Net(depth=4, width=4)
+    tied.stem = nn.Linear(4, 4)
+    tied.head = nn.Linear(4, 4)
+    tied.head.weight = tied.stem.weight
+    with pytest.raises(ValueError, match=r"shared across pipeline stages.*'stem.weight', 'head.weight'"):
+        _validate(_Module(net=tied))
+    bn = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 4))
+    assert batchnorm_modules(bn) == ["1"]
+    with pytest.raises(ValueError, match=r"BatchNorm layers \['1'\] would normalize each micro-batch"):
+        _validate(_Module(net=bn))
+    with pytest.warns(UserWarning, match="Pipelining BatchNorm"):
+        _validate(_Module(net=bn), allow_batchnorm=True)
+
+
+def test_options_and_registration():
+    with pytest.raises(ValueError, match="must be one of"):
+        PipelineStrategy(schedule="pipedream")
+    with pytest.raises(ValueError, match="sharded checkpoints"):
+        PipelineStrategy(save_distributed_checkpoint=False)
+    s = PipelineStrategy(pp=4, schedule="zero_bubble")
+    assert s.stages_per_rank == 2 and s.num_stages == 8 and s.n_microbatches == 8
+    names = {"pipeline": "1f1b", "pipeline_1f1b": "1f1b", "pipeline_gpipe": "gpipe",
+             "pipeline_interleaved": "interleaved_1f1b", "pipeline_zero_bubble": "zero_bubble"}
+    for name, schedule in names.items():
+        cls, _, params = REGISTERED[name]
+        assert cls is PipelineStrategy and params.get("schedule", "1f1b") == schedule
+
+
+def _fake_step(p: int, m: int, tf: float = 1.0, tb: float = 2.0) -> list[dict]:
+    """Per-rank records of an ideal GPipe step (equal stages, free communication)."""
+    records = []
+    for r in range(p):
+        events = [(r, "F", i, (r + i) * tf, (r + i + 1) * tf) for i in range(m)]
+        b0 = (m + p - 1) * tf + (p - 1 - r) * tb
+        events += [(r, "B", i, b0 + i * tb, b0 + (i + 1) * tb) for i in range(m)]
+        records.append({"rank": r, "start": 0.0, "end": (m + p - 1) * (tf + tb), "events": events,
+                        "n_microbatches": m, "peak_held": {r: m}})
+    return records
+
+
+def test_bubble_stats_match_theory_on_an_ideal_schedule(tmp_path):
+    from lightning_dist.callbacks.pipeline_bubble import bubble_stats, save_gantt
+
+    for p, m in ((2, 2), (2, 8), (4, 4)):
+        stats = bubble_stats(_fake_step(p, m), p)
+        assert stats["idle_fraction"] == pytest.approx((p - 1) / (m + p - 1))
+        assert stats["ratio"] == pytest.approx(1.0) and stats["peak_held"] == {r: m for r in range(p)}
+    path = save_gantt(_fake_step(2, 4), tmp_path / "gantt.png", title="ideal GPipe")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
+
+
+def test_replay_removes_latency_but_keeps_the_schedule_bubble():
+    from lightning_dist.callbacks.pipeline_bubble import bubble_stats, replay_idle
+
+    p, m = 2, 4
+    ideal = _fake_step(p, m)
+    assert replay_idle(ideal) == pytest.approx((p - 1) / (m + p - 1))
+    # the same actions, with 0.5 of message latency before every action of rank 1: wall idle grows, replay does not
+    late = [dict(r, events=[(s, k, mb, t0 + 0.5 * (r["rank"] == 1) * (i + 1), t1 + 0.5 * (r["rank"] == 1) * (i + 1))
+                            for i, (s, k, mb, t0, t1) in enumerate(r["events"])], end=r["end"] + 4.0) for r in ideal]
+    assert bubble_stats(late, p)["idle_fraction"] > (p - 1) / (m + p - 1) + 0.05
+    assert replay_idle(late) == pytest.approx((p - 1) / (m + p - 1))
