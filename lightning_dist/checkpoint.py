@@ -72,6 +72,33 @@ def fqn_to_index(osd: Mapping[str, Any]) -> dict[str, Any]:
     return {"state": {index[f]: s for f, s in osd["state"].items()}, "param_groups": groups}
 
 
+def unflatten_optimizer(flat: Mapping[str, Any], order: Sequence[str]) -> dict[str, Any]:
+    """torch's flattened optimizer layout (``state.<fqn>.<slot>``, ``param_groups.<fqn>.<option>``, used by
+    the pipeline strategy because stages hold different parameters) -> the FQN-keyed nested layout.
+
+    Parameters with equal options form one group; `order` (the model's parameter names) orders them.
+    """
+    state: dict[str, dict[str, Any]] = {}
+    options: dict[str, dict[str, Any]] = {}
+    for key, value in flat.items():
+        kind, _, rest = key.partition(".")
+        fqn, _, leaf = rest.rpartition(".")
+        (state if kind == "state" else options).setdefault(fqn, {})[leaf] = value
+    rank = {name: i for i, name in enumerate(order)}
+    groups: list[dict[str, Any]] = []
+    for fqn in sorted(options, key=lambda n: rank.get(n, len(rank))):
+        group = next((g for g in groups if {k: v for k, v in g.items() if k != "params"} == options[fqn]), None)
+        if group is None:
+            group = {**options[fqn], "params": []}
+            groups.append(group)
+        group["params"].append(fqn)
+    return {"state": state, "param_groups": groups}
+
+
+def _is_flat_optimizer(osd: Mapping[str, Any]) -> bool:
+    return bool(osd) and all(k.startswith(("state.", "param_groups.")) for k in osd)
+
+
 def index_to_fqn(osd: Mapping[str, Any], template: Mapping[str, Any]) -> dict[str, Any]:
     """torch's index-keyed optimizer state dict -> FQN keys, taking the order from a live FQN-keyed template."""
     order = _fqn_order(template)
@@ -325,7 +352,10 @@ def consolidate(src: str | os.PathLike, dst: str | os.PathLike, *, progress: Cal
         if (src / f"optimizer_{i}.pt").exists():
             optimizer_states.append(_torch_load(src / f"optimizer_{i}.pt", True))
         else:
-            optimizer_states.append(fqn_to_index(state.pop(f"optimizer_{i}")))
+            osd = state.pop(f"optimizer_{i}")
+            if _is_flat_optimizer(osd):
+                osd = unflatten_optimizer(osd, list(checkpoint[MODEL_KEY]))
+            optimizer_states.append(fqn_to_index(osd))
         i += 1
     checkpoint["optimizer_states"] = optimizer_states
     say(f"writing {dst}")

@@ -46,6 +46,15 @@ class ScenarioError(AssertionError):
     pass
 
 
+def _report(what: str, proc: subprocess.CompletedProcess) -> str:
+    """Failure text: the first error lines (usually the root cause) and the tail of both streams."""
+    first = [i for i, line in enumerate(proc.stderr.splitlines()) if "Error" in line or "Traceback" in line][:1]
+    lines = proc.stderr.splitlines()
+    head = "\n".join(lines[max(0, first[0] - 5):first[0] + 40]) if first else ""
+    return (f"{what} exited {proc.returncode}\n--- first error\n{head}\n--- stdout (tail)\n{proc.stdout[-4000:]}"
+            f"\n--- stderr (tail)\n{proc.stderr[-6000:]}")
+
+
 def _run(cmd: list[str], timeout: float, env: dict | None, cwd: Path | None) -> subprocess.CompletedProcess:
     proc = subprocess.run(
         cmd, cwd=cwd or ROOT, env=_env(env), capture_output=True, text=True, timeout=timeout
@@ -80,8 +89,7 @@ def run_script(
         path = SCENARIOS / path
     proc = _run([sys.executable, str(path), *args], timeout, env, cwd)
     if expect_ok and proc.returncode != 0:
-        raise ScenarioError(f"{path.name} {' '.join(args)} exited {proc.returncode}\n--- stdout\n"
-                            f"{proc.stdout[-6000:]}\n--- stderr\n{proc.stderr[-8000:]}")
+        raise ScenarioError(_report(f"{path.name} {' '.join(args)}", proc))
     return proc
 
 
@@ -106,8 +114,7 @@ def run_torchrun(
     ]
     proc = _run(cmd, timeout, env, cwd)
     if expect_ok and proc.returncode != 0:
-        raise ScenarioError(f"torchrun {path.name} {' '.join(args)} exited {proc.returncode}\n--- stdout\n"
-                            f"{proc.stdout[-6000:]}\n--- stderr\n{proc.stderr[-8000:]}")
+        raise ScenarioError(_report(f"torchrun {path.name} {' '.join(args)}", proc))
     return proc
 
 
@@ -143,5 +150,5 @@ def run_torchrun_nodes(
         done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
     for d in done:
         if d.returncode != 0:
-            raise ScenarioError(f"node exited {d.returncode}\n--- stdout\n{d.stdout[-4000:]}\n--- stderr\n{d.stderr[-6000:]}")
+            raise ScenarioError(_report("node", d))
     return done

@@ -189,12 +189,12 @@ def checkpoint_resume():
     t2.save_checkpoint(path + "4")
     single_diff = None
     if dist.get_rank() == 0:
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-        dcp_to_torch_save(path + "4", path + "4.pt")  # no process group: what a single-device user does
-        state = torch.load(path + "4.pt", map_location="cpu", weights_only=True)[ckpt.MODEL_KEY]
+        ckpt.consolidate(path + "4", path + "4.pt")  # no process group: what a single-device user does
+        full = torch.load(path + "4.pt", map_location="cpu", weights_only=True)
         single = Classifier(depth=DEPTH).double()
-        single.load_state_dict(state, strict=True)  # every key present, single-device layout
+        single.load_state_dict(full[ckpt.MODEL_KEY], strict=True)  # every key present, single-device layout
+        # the stages' optimizer states merge into torch's own layout for the single-device model
+        torch.optim.AdamW(single.parameters()).load_state_dict(full["optimizer_states"][0])
         single_diff = max(((p - ref4[k]).norm() / ref4[k].norm()).item() for k, p in single.named_parameters())
     emit(kind="resume", diff=diff, global_step=t2.global_step, single_diff=single_diff,
          stages=t2.strategy.local_stages)

@@ -89,3 +89,22 @@ def test_loading_refuses_pickled_objects_by_default(tmp_path):
     torch.save({"state_dict": {}, "payload": Evil()}, path)
     with pytest.raises(RuntimeError, match="weights_only=True"):
         ckpt.load(path, model=nn.Linear(1, 1), strict=False)
+
+
+def test_flattened_optimizer_layout_converts_to_torch_index_layout():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    model = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 1))
+    opt = torch.optim.AdamW([{"params": [model[0].weight, model[1].weight]},
+                             {"params": [model[0].bias, model[1].bias], "weight_decay": 0.0}], lr=0.1)
+    model(torch.randn(4, 2)).sum().backward()
+    opt.step()
+    flat = get_optimizer_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    nested = ckpt.unflatten_optimizer(flat, list(model.state_dict()))
+    index = ckpt.fqn_to_index(nested)
+    fresh = torch.optim.AdamW([{"params": [model[0].weight, model[1].weight]},
+                               {"params": [model[0].bias, model[1].bias], "weight_decay": 0.0}], lr=0.1)
+    fresh.load_state_dict(index)  # torch's own loader accepts it
+    for p in model.parameters():
+        assert torch.equal(fresh.state[p]["exp_avg"], opt.state[p]["exp_avg"])
+    assert [g["weight_decay"] for g in fresh.param_groups] == [0.01, 0.0]
