@@ -33,8 +33,12 @@ test-unit: install
 test-distributed: install
 	$(PY) -m pytest -q -m "distributed" $(PYTEST_ARGS)
 
+# side-by-side benchmarks (ratios printed, never asserted); each writes JSON next to its table
 bench: install
-	$(PY) benchmarks/hsdp.py
+	$(PY) benchmarks/hsdp.py --json bench-hsdp.json
+	$(PY) benchmarks/tensor_parallel.py --json bench-tp.json
+	$(PY) benchmarks/pipeline.py --json bench-pipeline.json
+	$(PY) benchmarks/planner_vs_measured.py --json bench-planner.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info
