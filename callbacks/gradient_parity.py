@@ -2,7 +2,9 @@
 
 At the chosen optimizer steps the callback gathers the global batch (every data-parallel rank's
 micro-batches, padded duplicates removed), recomputes the gradient on an unsharded copy of the model on
-one device, gathers the distributed gradient, and compares the two.
+one device, gathers the distributed gradient, and compares the two. Under pipeline parallelism each rank
+holds one stage: the whole network is assembled from every stage's copy, and each rank compares the
+gradients of its own stage's parameters.
 """
 
 from __future__ import annotations
@@ -24,9 +26,12 @@ from typing_extensions import override
 from lightning_dist._compat import TORCH_GE_2_6, fully_shard_api
 from lightning_dist.callbacks.sync_batchnorm import revert_sync_batchnorm
 from lightning_dist.mesh import DistMesh, data_parallel_info
+from lightning_dist.parallelize.pipeline import StageModule
 
 # the class FSDP2 mixes into the modules it shards (None without FSDP2)
 _FSDPModule = fully_shard_api()[3] if TORCH_GE_2_6 else None
+# the prefix of the keys torch's composable APIs (fully_shard, replicate) keep their state under in a module
+_COMPOSABLE_STATE = "__composable_api_state_key"
 
 __all__ = ["GradientParityCheck", "GradientParityError", "default_tolerance"]
 
@@ -140,14 +145,22 @@ class GradientParityCheck(Callback):
 
         trainer = Trainer(strategy="ddp", devices=4, callbacks=[GradientParityCheck(steps=(0, 100))])
 
-    Supported: DDP (and single device), ``hsdp``/``fsdp2`` (FSDP2 DTensor parameters gathered with
-    ``full_tensor()``; checked in the tests), and other strategies whose parameters are plain tensors or
-    DTensors sharded over the data-parallel dims only. Not supported, with an error at setup: pipeline
-    and tensor parallelism, DeepSpeed (the pack's ``offload``) and FSDP1. Every rank recomputes the
-    reference on its own device, so the unsharded model and the global batch must fit there. The loss is
-    ``training_step(batch, batch_idx)`` run on the copy (``self.log`` is a no-op there and
-    ``self.trainer`` is not available); pass ``loss_fn(module, batch) -> loss`` for manual optimization
-    or a training step that needs the trainer. Dropout or other randomness in the forward makes the two
+    Supported (each checked in the tests): DDP (and single device); ``hsdp``/``fsdp2`` and ``tp`` (DTensor
+    parameters and gradients, sharded over ``tp`` and the data-parallel dims, gathered with
+    ``full_tensor()``; the batch is gathered over ``dp`` only, as tensor-parallel peers hold the same
+    samples); ``pipeline`` (pp x dp): every rank holds only its stages' parameters, so the stage copies
+    are gathered over ``pp`` (``all_gather_object`` of CPU copies) and joined into the whole network,
+    which runs its children in order like the single-device one; each rank compares its own parameters
+    and the squared differences are summed over the stages. Parameter equality is checked over the ranks
+    that hold the same parameters (the world; under pipeline each stage's ``dp`` group). Not supported,
+    with an error at setup: DeepSpeed (the pack's ``offload``), FSDP1, and tensor parallelism under
+    Lightning's own ``ModelParallelStrategy``. Every rank recomputes the reference on its own device, so
+    the unsharded model and the global batch must fit there (under pipeline the whole model also
+    passes through CPU memory once). The loss is ``training_step(batch, batch_idx)`` run on the copy
+    (``self.log`` is a no-op there and ``self.trainer`` is not available; under pipeline the network
+    call runs the whole network locally, so this is the single-device loss that ``pipeline_loss`` must
+    reproduce per micro-batch); pass ``loss_fn(module, batch) -> loss`` for manual optimization or a
+    training step that needs the trainer. Dropout or other randomness in the forward makes the two
     gradients differ: disable it for the checked steps.
     """
 
@@ -187,18 +200,23 @@ class GradientParityCheck(Callback):
         if isinstance(trainer.strategy, (DeepSpeedStrategy, FSDPStrategy)):
             raise ValueError(
                 f"GradientParityCheck cannot read whole gradients under {type(trainer.strategy).__name__} (they live"
-                " in flat partitioned buffers). Use it with ddp, hsdp/fsdp2 or Lightning's ModelParallelStrategy."
+                " in flat partitioned buffers). Use it with ddp, hsdp/fsdp2, tp, pipeline or Lightning's"
+                " ModelParallelStrategy."
             )
         mesh = getattr(trainer.strategy, "mesh", None)
-        if isinstance(mesh, DistMesh) and (mesh.size("pp") > 1 or mesh.size("tp") > 1):
+        if isinstance(mesh, DistMesh) and mesh.size("pp") > 1 and not _is_pipeline(trainer.strategy):
             raise ValueError(
-                f"GradientParityCheck supports data-parallel meshes only; this mesh has pp={mesh.size('pp')},"
-                f" tp={mesh.size('tp')}. Remove the callback or check on a pp=1, tp=1 mesh."
+                f"GradientParityCheck: the mesh has pp={mesh.size('pp')} but the strategy is"
+                f" {type(trainer.strategy).__name__}; pipeline stages are supported under the pack's"
+                " PipelineStrategy (strategy='pipeline') only."
             )
         device_mesh = getattr(trainer.strategy, "_device_mesh", None)  # Lightning's ModelParallelStrategy
-        if device_mesh is not None and "tensor_parallel" in (device_mesh.mesh_dim_names or ()):
-            if device_mesh["tensor_parallel"].size() > 1:
-                raise ValueError("GradientParityCheck does not support tensor parallelism (tensor_parallel > 1).")
+        dim_names = () if isinstance(mesh, DistMesh) or device_mesh is None else (device_mesh.mesh_dim_names or ())
+        if "tensor_parallel" in dim_names and device_mesh["tensor_parallel"].size() > 1:
+            raise ValueError(
+                "GradientParityCheck does not support tensor parallelism under Lightning's ModelParallelStrategy"
+                " (tensor_parallel > 1); use the pack's strategy='tp', which it supports."
+            )
         if not pl_module.automatic_optimization and self.loss_fn is None:
             raise ValueError(
                 "GradientParityCheck: with manual optimization pass `loss_fn=lambda module, batch: ...` (the"
@@ -222,7 +240,14 @@ class GradientParityCheck(Callback):
         # the distributed gradient and parameters, whole (every rank joins the same collectives)
         full_params = {n: _full(p.detach()) for n, p in named}
         dist_grads = {n: None if p.grad is None else _full(p.grad.detach()) for n, p in named}
-        params_equal = self._params_equal(full_params, group, size)
+        # ranks holding the same parameters: the world, or under pipeline the dp group of each stage
+        pipeline = _is_pipeline(trainer.strategy)
+        same_params_group, same_params_size = (group, size) if pipeline else (None, _world_size())
+        params_equal = self._params_equal(full_params, same_params_group, same_params_size)
+        if pipeline and _world_size() > 1:  # one verdict on every stage
+            t = torch.tensor([int(params_equal)], device=pl_module.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+            params_equal = bool(t.item())
 
         # the global batch: each micro-batch of every dp rank, padded rows dropped
         gathered = [micro]
@@ -239,10 +264,19 @@ class GradientParityCheck(Callback):
         )
 
         ref_grads = self._reference_grads(trainer, pl_module, full_params, global_batches)
-        rel, worst = self._compare(dist_grads, ref_grads)
-        if size > 1:  # one verdict on every rank (a rank with different parameters sees another value)
+        diff_sq, ref_sq, worst, worst_rel = self._compare_sums(dist_grads, ref_grads)
+        if pipeline and trainer.strategy.mesh.size("pp") > 1:  # every stage holds different parameters: add them up
+            pp_group = trainer.strategy.mesh.group("pp")
+            sums = torch.tensor([diff_sq, ref_sq], dtype=torch.float64, device=pl_module.device)
+            dist.all_reduce(sums, group=pp_group)
+            diff_sq, ref_sq = float(sums[0]), float(sums[1])
+            worsts = [None] * trainer.strategy.mesh.size("pp")
+            dist.all_gather_object(worsts, (worst_rel, worst), group=pp_group)
+            worst_rel, worst = max(worsts)
+        rel = math.sqrt(diff_sq) / max(math.sqrt(ref_sq), 1e-30)
+        if _world_size() > 1:  # one verdict on every rank (a rank with different parameters sees another value)
             t = torch.tensor([rel], dtype=torch.float64, device=pl_module.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
             rel = float(t.item())
         dtype = _compute_dtype(trainer, next(iter(full_params.values())).dtype if full_params else torch.float32)
         tol = self.tolerance if self.tolerance is not None else default_tolerance(dtype)
@@ -260,7 +294,7 @@ class GradientParityCheck(Callback):
             f" single-device gradient (tolerance {tol:.1e} for {dtype}); largest in `{worst}`."
         )
         if not params_equal:
-            msg += " The parameters differ between data-parallel ranks."
+            msg += " The parameters differ between ranks that should hold the same values."
         if same_batch:
             msg += (
                 f" All {size} data-parallel ranks received the same batch: the training data is not sharded"
@@ -290,10 +324,14 @@ class GradientParityCheck(Callback):
     ) -> dict[str, Optional[Tensor]]:
         by_id = {id(p): full_params[n] for n, p in pl_module.named_parameters() if n in full_params}
         ref = _unsharded_clone(pl_module, by_id)
+        device = next(iter(full_params.values())).device if full_params else pl_module.device
+        strategy = trainer.strategy
+        if _is_pipeline(strategy):  # this rank holds its stages only: join every stage's copy into the network
+            name = strategy.network
+            setattr(ref, name, _whole_pipeline_network(strategy, getattr(ref, name)).to(device))
         ref = revert_sync_batchnorm(ref)
         ref.train()
         ref.zero_grad(set_to_none=True)
-        device = next(iter(full_params.values())).device if full_params else pl_module.device
         with trainer.precision_plugin.train_step_context():
             for batch, batch_idx in batches:
                 batch = _to_device(batch, device)
@@ -309,7 +347,8 @@ class GradientParityCheck(Callback):
         return {n: None if params[n].grad is None else params[n].grad.detach() for n in full_params}
 
     @staticmethod
-    def _compare(dist_grads: dict, ref_grads: dict) -> tuple[float, str]:
+    def _compare_sums(dist_grads: dict, ref_grads: dict) -> tuple[float, float, str, float]:
+        """(sum of squared differences, sum of squared reference values, worst parameter, its relative diff)."""
         diff_sq, ref_sq, worst, worst_rel = 0.0, 0.0, "", -1.0
         for n, g in dist_grads.items():
             r = ref_grads.get(n)
@@ -323,7 +362,7 @@ class GradientParityCheck(Callback):
             rel_n = math.sqrt(d) / max(math.sqrt(rs), 1e-30)
             if rel_n > worst_rel:
                 worst, worst_rel = n, rel_n
-        return math.sqrt(diff_sq) / max(math.sqrt(ref_sq), 1e-30), worst
+        return diff_sq, ref_sq, worst, worst_rel
 
 
 def _unsharded_clone(module: nn.Module, full_by_id: dict[int, Tensor]) -> nn.Module:
@@ -338,10 +377,16 @@ def _unsharded_clone(module: nn.Module, full_by_id: dict[int, Tensor]) -> nn.Mod
     if isinstance(module, Metric):
         memo = {id(module.process_group): None} if module.process_group is not None else {}
         return copy.deepcopy(module, memo)
-    new = copy.copy(module)
+    cls = type(module)
+    if _FSDPModule is not None and isinstance(module, _FSDPModule):
+        # fully_shard swapped in a generated subclass (FSDPModule, UserClass); give back the user's class
+        cls = next(b for b in cls.__bases__ if b is not _FSDPModule)
+    # not copy.copy: FSDP2's __new__ re-runs the user's __init__ without arguments
+    new = object.__new__(cls)
     for key, value in vars(module).items():
-        if "hooks" in key and isinstance(value, dict):
-            setattr(new, key, type(value)())  # no FSDP/DDP hooks on the copy
+        if key.startswith(_COMPOSABLE_STATE) or key.startswith("_fsdp") or key == "_is_fsdp_managed_module":
+            continue  # FSDP2/composable state (process groups, streams): neither needed nor picklable
+        new.__dict__[key] = type(value)() if "hooks" in key and isinstance(value, dict) else value  # no hooks
     new._parameters = {
         name: None if p is None else nn.Parameter(
             (full_by_id[id(p)] if id(p) in full_by_id else _full(p.detach())).clone(), requires_grad=p.requires_grad
@@ -350,12 +395,48 @@ def _unsharded_clone(module: nn.Module, full_by_id: dict[int, Tensor]) -> nn.Mod
     }
     new._buffers = {name: None if b is None else _full(b).clone() for name, b in module._buffers.items()}
     new._modules = {name: None if c is None else _unsharded_clone(c, full_by_id) for name, c in module._modules.items()}
-    if _FSDPModule is not None and isinstance(new, _FSDPModule):
-        # fully_shard swapped in a generated subclass (FSDPModule, UserClass); give back the user's class
-        new.__class__ = next(b for b in type(new).__bases__ if b is not _FSDPModule)
+    if isinstance(new, StageModule):
+        new.runner = None  # the copy runs its own layers, never the strategy's pipeline schedule
     if isinstance(new, LightningModule):
         new._trainer = None  # the copy's `self.log` is a no-op and it never drives the real trainer
     return new
+
+
+def _is_pipeline(strategy: Any) -> bool:
+    from lightning_dist.strategies.pipeline import PipelineStrategy
+
+    return isinstance(strategy, PipelineStrategy)
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _whole_pipeline_network(strategy: Any, local: StageModule) -> StageModule:
+    """The whole single-device network, joined from every pipeline rank's copy of its stages.
+
+    Each pp rank sends its plain stage copy (CPU) to the others (``all_gather_object``: simple, and the
+    model must fit on one device for the reference anyway); the stem, blocks and head are put back in the
+    split's order under their single-device names. Runs on every rank (a collective over ``pp``).
+    """
+    local = local.to("cpu")
+    pieces = [local]
+    if strategy.mesh.size("pp") > 1:
+        pieces = [None] * strategy.mesh.size("pp")
+        dist.all_gather_object(pieces, local, group=strategy.mesh.group("pp"))
+    layout = strategy.split.layout
+    parts: dict[str, nn.Module] = {}
+    blocks: dict[str, nn.Module] = {}
+    for piece in pieces:
+        for name, child in piece.named_children():
+            if name == layout.block_list:
+                blocks.update(child.items())
+            elif layout.block_list is None:  # an nn.Sequential: its children are the blocks
+                blocks[name] = child
+            else:
+                parts[name] = child
+    order = list(layout.stem) + ([layout.block_list] if layout.block_list is not None else []) + list(layout.head)
+    return StageModule([(n, parts.get(n)) for n in order], layout.block_list, [(k, blocks[k]) for k in layout.blocks])
 
 
 def _same(a: Any, b: Any) -> bool:

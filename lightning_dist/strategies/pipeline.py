@@ -347,6 +347,14 @@ class PipelineStrategy(MeshStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        if trainer.state.fn == "fit" and not self.lightning_module.automatic_optimization:
+            # the schedule computes the gradients itself: a loss rescaled before manual_backward would be ignored
+            raise ValueError(
+                f"{type(self).__name__} supports automatic optimization only (found"
+                f" `{type(self.lightning_module).__name__}.automatic_optimization = False`): the pipeline schedule"
+                " runs forward and backward inside the network call. Use automatic optimization, with"
+                " `accumulate_grad_batches` for accumulation."
+            )
         super().setup(trainer)
         # Lightning clips each process's gradients alone; the norm must span every stage (and FSDP shard)
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]

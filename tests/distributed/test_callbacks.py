@@ -1,5 +1,5 @@
 """The callbacks on 3 and 4 CPU processes (scenario: tests/scenarios/callbacks_ddp.py): Lightning's DDP,
-and the pack's ``hsdp`` (2 x 2) and ``tp`` (dp 2 x tp 2) strategies.
+and the pack's ``hsdp`` (2 x 2), ``tp`` (dp 2 x tp 2) and ``pipeline`` (pp 2 x dp 2) strategies.
 
 One launch per world size runs every part; the tests below assert on the figures each rank printed.
 """
@@ -26,7 +26,8 @@ def _by_part(proc, world: int) -> dict[str, list[dict]]:
 
 @pytest.fixture(scope="module")
 def ddp4() -> dict[str, list[dict]]:
-    proc = run_script(SCENARIO, "--devices", "4", "--parts", "exact,syncbn,parity,sampler,hsdp,tp", timeout=900)
+    proc = run_script(SCENARIO, "--devices", "4", "--parts", "exact,syncbn,parity,sampler,hsdp,tp,pipeline",
+                      timeout=900)
     return _by_part(proc, 4)
 
 
@@ -139,4 +140,56 @@ def test_exact_evaluation_under_tp(ddp4):
         assert exact["last_count"] == 31 and exact["val"]["samples"] == 31.0
         assert exact["val"]["acc"] == exact["ref"]["acc_metric"]
         assert abs(exact["val"]["loss"] - exact["ref"]["loss"]) <= 1e-12 * exact["ref"]["loss"]
-        assert "tp=2" in out["parity_refused"]  # GradientParityCheck refuses tensor parallelism, saying so
+
+
+def _check_parity_cases(ranks: list[dict], prefix: str) -> dict:
+    cases = {k: v for k, v in ranks[0].items() if k.startswith(prefix)}
+    for out in ranks:
+        for case in cases:
+            r = out[case]
+            assert r["ok"] == r["expect_ok"], (case, r)
+            assert not r["same_batch_on_all_ranks"], (case, r)
+            if r["expect_ok"]:
+                assert r["rel_diff"] <= 1e-12 and r["params_equal"], (case, r)
+            else:
+                assert r["rel_diff"] > 1e-3 or not r["params_equal"], (case, r)
+        # one verdict on every rank (the worst parameter may differ where a rank holds other values)
+        assert all({**out[k], "worst": None} == {**cases[k], "worst": None} for k in cases)
+    return cases
+
+
+def test_gradient_parity_under_tp(ddp4):
+    """DTensor gradients sharded over tp=2 (x FSDP dp_shard=2) equal the single-device gradient; the global
+    batch is gathered over dp only (2 dp ranks x 4 rows, not x tp); planted bugs are caught."""
+    cases = _check_parity_cases(ddp4["tp"], "tp2x")
+    assert len(cases) == 4
+    assert cases["tp2xdp_shard2_correct"]["global_batch"] == 8
+    assert cases["tp2xdp_shard2_correct_manual_accumulation"]["global_batch"] == 16  # 2 micro-batches
+    assert abs(cases["tp2xdp_shard2_bug_undivided_accumulation"]["rel_diff"] - 1.0) < 1e-9  # gradient x 2
+    # replicated over dp_replicate: the replicas diverged
+    assert cases["tp2xdp_replicate2_bug_param_changed_on_one_rank"]["params_equal"] is False
+
+
+def test_gradient_parity_under_pipeline(ddp4):
+    """pp=2 x dp=2: each rank compares its own stage's gradients with the whole single-device network's,
+    joined from every stage (also 2 stages per rank, interleaved); automatic accumulation; planted bugs: a
+    pipeline_loss that sums instead of averaging, a replica changed on one rank."""
+    cases = _check_parity_cases(ddp4["pipeline"], "pp2x")
+    assert len(cases) == 5 and cases["pp2xdp_shard2_correct_interleaved"]["ok"]
+    assert cases["pp2xdp_shard2_correct"]["global_batch"] == 8
+    assert cases["pp2xdp_shard2_correct_accumulate_2"]["global_batch"] == 16
+    # sum instead of mean over a micro-batch of 2 rows x 2 outputs: gradient x 4
+    assert abs(cases["pp2xdp_shard2_bug_sum_pipeline_loss"]["rel_diff"] - 3.0) < 1e-9
+    assert cases["pp2xdp_replicate2_bug_param_changed_on_one_rank"]["params_equal"] is False
+
+
+def test_exact_evaluation_under_pipeline(ddp4):
+    """ExactEvaluation(full_batches=True) through the pipeline, pp=2 x dp=2 and pp=4: 31 samples scored once."""
+    for out in ddp4["pipeline"]:
+        # the control: rows that went through the network on each rank, padding included (batches of 6)
+        for case, naive_rows in (("exact", 18), ("exact_pp4", 36)):  # 16 rows per dp rank; 31 rows on dp=1
+            exact = out[case]
+            assert exact["naive_rows"] == naive_rows, case
+            assert exact["last_count"] == 31 and exact["val"]["samples"] == 31.0, case
+            assert exact["val"]["acc"] == exact["ref"]["acc_metric"], case
+            assert abs(exact["val"]["loss"] - exact["ref"]["loss"]) <= 1e-12 * exact["ref"]["loss"], (case, exact)

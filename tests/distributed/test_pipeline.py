@@ -97,6 +97,7 @@ def test_pp2_bad_input_raises_on_every_rank(pp2):
         "few_microbatches": ("ValueError", "n_microbatches >= pp = 2"),
         "indivisible_batch": ("ValueError", "does not divide into n_microbatches=3"),
         "no_loss_hook": ("ValueError", "pipeline_loss(output, target)"),
+        "manual_optimization": ("ValueError", "supports automatic optimization only"),
     }
     for case, (kind, text) in expected.items():
         rows = errors[case]

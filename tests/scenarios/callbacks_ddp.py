@@ -1,6 +1,7 @@
-"""Callbacks under Lightning's DDP and the pack's hsdp / tp strategies on CPU/gloo, several checks per launch.
+"""Callbacks under Lightning's DDP and the pack's hsdp / tp / pipeline strategies on CPU/gloo, several checks
+per launch.
 
-    python callbacks_ddp.py --devices 4 --parts exact,syncbn,parity,sampler,hsdp,tp
+    python callbacks_ddp.py --devices 4 --parts exact,syncbn,parity,sampler,hsdp,tp,pipeline
 
 Prints one ``RESULT {...}`` line per rank with the figures of every part; the test asserts on them.
 Every single-device reference is computed in this run on each rank from the same data and weights.
@@ -9,6 +10,7 @@ Every single-device reference is computed in this run on each rank from the same
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
@@ -415,15 +417,121 @@ def part_tp(devices: int) -> dict:
     ref = reference_eval(type("M", (), {"net": plain})(), ds)
     out = {"exact": {"ref": ref, "val": {**model.final, "samples": float(t.callback_metrics["val_samples"])},
                      "last_count": cb.last_count}}
-    try:  # tensor parallelism is refused at setup, with the reason
-        GradientParityCheck().setup(t, model, "fit")
-        out["parity_refused"] = None
-    except ValueError as err:
-        out["parity_refused"] = str(err)
+    # gradient parity on DTensor parameters sharded over tp (and over dp_shard, or replicated over dp_replicate)
+    cases = {
+        # name: (strategy sizes, model kwargs, expect ok)
+        "tp2xdp_shard2_correct": (dict(dp_shard=2), dict(), True),
+        "tp2xdp_shard2_correct_manual_accumulation": (dict(dp_shard=2), dict(manual="divided"), True),
+        "tp2xdp_shard2_bug_undivided_accumulation": (dict(dp_shard=2), dict(manual="undivided"), False),
+        # replicated over dp: the change on one rank makes the replicas diverge
+        "tp2xdp_replicate2_bug_param_changed_on_one_rank":
+            (dict(dp_replicate=2, dp_shard=1), dict(perturb_rank=1), False),
+    }
+    for name, (sizes, kwargs, expect_ok) in cases.items():
+        out[name] = _parity_fit(devices, TensorParallelStrategy(tp=2, **sizes), TPParityModel(**kwargs), expect_ok)
     return out
 
 
-PARTS = {"exact": part_exact, "syncbn": part_syncbn, "parity": part_parity, "sampler": part_sampler, "hsdp": part_hsdp, "tp": part_tp}
+class _PerturbLocal:
+    """Planted bug: the first parameter of this rank changed on `perturb_rank` only (on the local shard)."""
+
+    def on_train_start(self):
+        if self.global_rank == self.perturb_rank:
+            p = next(self.parameters())
+            with torch.no_grad():  # a DTensor's to_local() is its storage outside autograd
+                (p.to_local() if hasattr(p, "to_local") else p).view(-1)[0] += 0.5
+
+
+class TPParityModel(_PerturbLocal, ParityModel):
+    """ParityModel without BatchNorm: two Linear layers, column- then row-wise over tp."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        torch.manual_seed(2)
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def _parity_fit(devices: int, strategy, model, expect_ok: bool, **kwargs) -> dict:
+    check = GradientParityCheck(
+        steps=(0,), on_mismatch="warn", loss_fn=(lambda m, b: m.loss(b)) if getattr(model, "manual", "") else None
+    )
+    trainer(devices, strategy=strategy, max_steps=1, limit_val_batches=0, callbacks=[check], **kwargs).fit(model)
+    r = check.results[0]
+    keys = ("ok", "rel_diff", "params_equal", "same_batch_on_all_ranks", "global_batch", "worst")
+    return {"expect_ok": expect_ok, **{k: r[k] for k in keys}}
+
+
+# ---- the pack's pipeline strategy (pp 2 x dp 2): each rank holds one stage ----------------------------
+class PipeEvalModel(EvalModel):
+    """EvalModel whose network runs as a 2-stage pipeline; lr 0 keeps the weights of the reference."""
+
+    def __init__(self, loaders: dict, hidden_layers: int = 1):
+        super().__init__(loaders)
+        torch.manual_seed(1)
+        layers = [nn.Linear(8, 16), nn.Tanh()]
+        for _ in range(hidden_layers - 1):
+            layers += [nn.Linear(16, 16), nn.Tanh()]
+        self.net = nn.Sequential(*layers, nn.Linear(16, 3))
+
+    def pipeline_loss(self, output, target):
+        return F.cross_entropy(output, target)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+class PipeParityModel(_PerturbLocal, ParityModel):
+    """ParityModel without BatchNorm as a pipeline; `sum_loss` plants a pipeline_loss that is not a mean."""
+
+    def __init__(self, *, sum_loss: bool = False, **kwargs):
+        super().__init__(**kwargs)
+        torch.manual_seed(2)
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+        self.sum_loss = sum_loss
+
+    def pipeline_loss(self, output, target):
+        return F.mse_loss(output, target, reduction="sum" if self.sum_loss else "mean")
+
+
+def part_pipeline(devices: int) -> dict:
+    from lightning_dist.strategies import PipelineStrategy
+
+    def pipe(**kwargs):
+        return PipelineStrategy(pp=2, n_microbatches=2, split="params", network="net", **kwargs)
+
+    # exact evaluation through the pipeline, 31 samples in batches of 6, the last one padded to 6 as well
+    # (full_batches: one forward program for every step). pp2 x dp2: 16 per dp rank (one padding row on dp
+    # rank 1) in batches of 6, 6, 4(+2); pp4 x dp1: 31 rows in 5 batches of 6 and 1(+5).
+    ds = eval_data(31)
+    loaders = {"train": DataLoader(ds, batch_size=4), "val": DataLoader(ds, batch_size=6), "test": None}
+    out = {}
+    for name, strategy, hidden in (("exact", pipe(), 1), ("exact_pp4", PipelineStrategy(
+            pp=4, n_microbatches=4, split="params", network="net"), 3)):
+        model, cb = PipeEvalModel(loaders, hidden), ExactEvaluation(full_batches=True)
+        plain = copy.deepcopy(model.net).double()  # lr 0: the weights the pipeline evaluates with
+        t = trainer(devices, strategy=strategy, max_epochs=1, limit_train_batches=1, num_sanity_val_steps=0,
+                    callbacks=[cb])
+        t.fit(model)
+        ref = reference_eval(type("M", (), {"net": plain})(), ds)
+        out[name] = {"ref": ref, "val": {**model.final, "samples": float(t.callback_metrics["val_samples"])},
+                     "last_count": cb.last_count, "naive_rows": model.naive_rows}
+    cases = {
+        # name: (strategy options, model kwargs, trainer kwargs, expect ok)
+        "pp2xdp_shard2_correct": (dict(), dict(), dict(), True),
+        "pp2xdp_shard2_correct_accumulate_2": (dict(), dict(), dict(accumulate_grad_batches=2), True),
+        # 2 stages per rank (stages 0, 2 on pp rank 0): the whole network is joined from 4 stages
+        "pp2xdp_shard2_correct_interleaved": (dict(schedule="interleaved_1f1b"), dict(), dict(), True),
+        "pp2xdp_shard2_bug_sum_pipeline_loss": (dict(), dict(sum_loss=True), dict(), False),
+        "pp2xdp_replicate2_bug_param_changed_on_one_rank":
+            (dict(dp_replicate=2, dp_shard=1), dict(perturb_rank=1), dict(), False),
+    }
+    for name, (sizes, kwargs, tkw, expect_ok) in cases.items():
+        out[name] = _parity_fit(devices, pipe(**sizes), PipeParityModel(**kwargs), expect_ok, **tkw)
+    return out
+
+
+PARTS = {"exact": part_exact, "syncbn": part_syncbn, "parity": part_parity, "sampler": part_sampler, "hsdp": part_hsdp,
+         "tp": part_tp, "pipeline": part_pipeline}
 
 
 def main() -> None:

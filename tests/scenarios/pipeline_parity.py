@@ -148,6 +148,17 @@ def errors():
     except ValueError as err:
         emit(kind="error", case="no_loss_hook", type=type(err).__name__, message=str(err))
 
+    class Manual(PipeClassifier):
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            self.automatic_optimization = False
+
+    try:
+        fit(PipelineStrategy(pp=2, split="params"), 1, module=Manual())
+        emit(kind="error", case="manual_optimization", message=None)
+    except ValueError as err:
+        emit(kind="error", case="manual_optimization", type=type(err).__name__, message=str(err))
+
 
 def bubble():
     """PipelineBubble: the recorded action timeline (counts per kind), held micro-batches, logged metrics, PNG."""

@@ -429,6 +429,29 @@ def test_gradient_parity_catches_undivided_accumulation():
         _trainer(max_steps=1, precision="64-true", callbacks=[check]).fit(ParityModel(manual="undivided"))
 
 
+def test_unsharded_clone_of_fsdp2_modules(one_rank_group):
+    """The reference copy of FSDP2-sharded layers whose ``__init__`` needs arguments is the user's plain model,
+    without FSDP state, picklable (pipeline stages are sent between ranks) and computing the same output."""
+    import pickle
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_dist._compat import fully_shard_api
+    from lightning_dist.callbacks.gradient_parity import _unsharded_clone
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    x = torch.randn(5, 3)
+    expected = model(x)
+    fully_shard, mesh = fully_shard_api()[0], init_device_mesh("cpu", (1,))
+    for layer in (model[0], model[2], model):
+        fully_shard(layer, mesh=mesh)
+    clone = pickle.loads(pickle.dumps(_unsharded_clone(model, {})))
+    assert type(clone) is nn.Sequential and [type(m) for m in clone] == [nn.Linear, nn.Tanh, nn.Linear]
+    assert all(type(p) is nn.Parameter for p in clone.parameters())
+    torch.testing.assert_close(clone(x), expected)
+
+
 def test_gradient_parity_config_errors():
     with pytest.raises(ValueError, match="on_mismatch='fail'"):
         GradientParityCheck(on_mismatch="fail")
