@@ -8,14 +8,20 @@ EXTRAS ?= test,plot,deepspeed
 # DeepSpeed compiles its ops on first use (minutes on 2 cores): keep them inside the environment.
 export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
 PYTEST_ARGS ?=
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo "sudo -n")
 
 .PHONY: demo test test-unit test-distributed install clean bench
 
 $(VENV)/.installed: pyproject.toml Makefile
+	# libaio: DeepSpeed's async_io op (NVMe offload) links against it
+	test -e /usr/include/libaio.h || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq libaio-dev; } \
+		|| echo "libaio-dev could not be installed: NVMe offload tests will be skipped"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	# NVMe offload: compile DeepSpeed's async_io op once into $(TORCH_EXTENSIONS_DIR) (minutes), not in a test
+	-$(PY) -c "from deepspeed.accelerator import get_accelerator as g; g().create_op_builder('AsyncIOBuilder').load()"
 	touch $@
 
 install: $(VENV)/.installed

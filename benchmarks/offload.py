@@ -4,8 +4,8 @@
 
 Side by side on the same >= 50M-parameter MLP under DeepSpeed ZeRO-3 (OffloadStrategy):
 no offload, optimizer -> NVMe, optimizer + parameters -> NVMe. Each configuration runs in its own
-torchrun job (peak RSS is a per-process high-water mark). Reports per rank: peak RSS, bytes in the
-swap folder, mean step time (first step excluded), and the ratios to the in-memory run. Goal: with
+torchrun job (peak RSS is a per-process high-water mark). Reports per rank: peak RSS over the whole run and
+during training (the high-water mark is reset when training starts), bytes in the swap folder, mean step time (first step excluded), and the ratios to the in-memory run. Goal: with
 optimizer+parameters on NVMe, peak RSS lower by >= 70% of the optimizer-state bytes.
 """
 
@@ -65,6 +65,14 @@ def worker(args: argparse.Namespace) -> None:
         def __init__(self) -> None:
             self.times, self.disk = [], 0
 
+        def on_train_start(self, *_):
+            # training-phase peak: reset the kernel's RSS high-water mark after set-up (Linux: clear_refs 5)
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+
+        def on_train_end(self, *_):
+            self.train_peak = _vm_hwm()
+
         def on_train_batch_start(self, *_):
             self.t0 = time.perf_counter()
 
@@ -80,6 +88,8 @@ def worker(args: argparse.Namespace) -> None:
     strategy = OffloadStrategy(
         **config, zero_stage=3, nvme_path=nvme if uses_nvme else None, sub_group_size=args.sub_group,
         params_buffer_size=args.width * args.width, report=False,
+        # Lightning's 200M-element communication buckets would dominate the RSS of a 50M-parameter model
+        reduce_bucket_size=args.bucket, allgather_bucket_size=args.bucket,
     )
     timer = Timer()
     trainer = pl.Trainer(
@@ -92,7 +102,8 @@ def worker(args: argparse.Namespace) -> None:
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
     row = {
-        "config": args.worker, "rank": trainer.global_rank, "params": n_params, "peak_rss": peak,
+        "config": args.worker, "rank": trainer.global_rank, "params": n_params, "peak_rss_all": peak,
+        "peak_rss": timer.train_peak,
         "disk": timer.disk, "step_s": sum(timer.times[1:]) / max(1, len(timer.times) - 1),
         "optimizer_state_bytes": -(-n_params // trainer.world_size) * 12,  # fp32 master + 2 Adam moments
     }
@@ -108,6 +119,7 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=12)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--sub-group", type=int, default=2_000_000, help="elements per optimizer sub-group")
+    parser.add_argument("--bucket", type=int, default=5_000_000, help="reduce/allgather bucket elements")
     parser.add_argument("--nvme-root", default=None, help="folder for the swap files (default: a temp dir)")
     parser.add_argument("--worker", choices=list(CONFIGS), help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -125,7 +137,7 @@ def main() -> None:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
                    f"--master-port={_free_port()}", __file__, "--worker", name, "--out", out, "--nvme-root", tmp,
                    "--steps", str(args.steps), "--width", str(args.width), "--depth", str(args.depth),
-                   "--batch", str(args.batch), "--sub-group", str(args.sub_group)]
+                   "--batch", str(args.batch), "--sub-group", str(args.sub_group), "--bucket", str(args.bucket)]
             env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
             env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
             print(f"running {name} ...", file=sys.stderr, flush=True)
@@ -144,20 +156,30 @@ def _report(rows: list[dict], json_path: str | None) -> None:
 
     base = {r["rank"]: r for r in rows if r["config"] == "no offload"}
     table = Table(title="Offload benchmark (DeepSpeed ZeRO-3, 2 CPU processes, float32)")
-    for col in ("config", "rank", "params", "peak RSS", "RSS saved / optimizer state", "on disk", "step",
-                "step ratio"):
+    for col in ("config", "rank", "params", "peak RSS (whole run)", "peak RSS (training)",
+                "training RSS saved / optimizer state", "on disk (both ranks)", "step", "step ratio"):
         table.add_column(col, justify="left" if col == "config" else "right")
     for r in rows:
         b = base[r["rank"]]
         r["rss_saved_fraction_of_optimizer_state"] = (b["peak_rss"] - r["peak_rss"]) / r["optimizer_state_bytes"]
         r["step_ratio"] = r["step_s"] / b["step_s"]
-        table.add_row(r["config"], str(r["rank"]), f"{r['params'] / 1e6:.1f}M", f"{r['peak_rss'] / 2**20:.0f} MiB",
+        table.add_row(r["config"], str(r["rank"]), f"{r['params'] / 1e6:.1f}M", f"{r['peak_rss_all'] / 2**20:.0f} MiB",
+                      f"{r['peak_rss'] / 2**20:.0f} MiB",
                       f"{r['rss_saved_fraction_of_optimizer_state']:.0%}", f"{r['disk'] / 2**20:.0f} MiB",
                       f"{r['step_s']:.2f} s", f"{r['step_ratio']:.2f}x")
-    Console().print(table)
+    Console(width=150).print(table)
     if json_path:
         with open(json_path, "w") as f:
             json.dump(rows, f, indent=2)
+
+
+def _vm_hwm() -> int:
+    """Peak resident bytes since the last reset (VmHWM in /proc/self/status)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("VmHWM not found in /proc/self/status")
 
 
 def _free_port() -> int:

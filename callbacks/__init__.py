@@ -4,18 +4,23 @@
 * :class:`ExactEvaluation` + :class:`ExactMetric`: validation/test score every sample exactly once.
 * :class:`MeshSyncBatchNorm`: BatchNorm statistics pooled over the data-parallel group (CPU and GPU).
 * :class:`GradientParityCheck`: the distributed gradient equals the single-device one, checked in the run.
+* :class:`CommunicationLedger`, :class:`MemoryReport`: measured traffic and model-state bytes next to the planner's.
+* :class:`PipelineBubble`: measured pipeline idle fraction against (p-1)/(m+p-1), and a Gantt chart.
+* :class:`ThroughputSummary`: global samples/s through Lightning's loggers and a rank-0 summary table of the fit.
 """
 
 from lightning_dist.callbacks.exact_eval import ExactBatchSampler, ExactEvaluation, ExactMetric, exact_eval_mask
 from lightning_dist.callbacks.gradient_parity import GradientParityCheck, GradientParityError, default_tolerance
 from lightning_dist.callbacks.ledger import CollectiveRecorder, CommunicationLedger
 from lightning_dist.callbacks.memory import MemoryReport
+from lightning_dist.callbacks.pipeline_bubble import PipelineBubble, bubble_stats, replay_idle, save_gantt
 from lightning_dist.callbacks.sampler_epoch import (
     SamplerEpoch,
     check_sampler_seeds,
     find_epoch_holders,
     set_epoch_everywhere,
 )
+from lightning_dist.callbacks.throughput import ThroughputSummary, format_summary
 from lightning_dist.callbacks.sync_batchnorm import (
     DataParallelBatchNorm,
     MeshSyncBatchNorm,
@@ -27,6 +32,10 @@ __all__ = [
     "CollectiveRecorder",
     "CommunicationLedger",
     "MemoryReport",
+    "PipelineBubble",
+    "bubble_stats",
+    "replay_idle",
+    "save_gantt",
     "DataParallelBatchNorm",
     "ExactBatchSampler",
     "ExactEvaluation",
@@ -42,4 +51,6 @@ __all__ = [
     "find_epoch_holders",
     "revert_sync_batchnorm",
     "set_epoch_everywhere",
+    "ThroughputSummary",
+    "format_summary",
 ]

@@ -10,6 +10,9 @@ from lightning_dist.strategies import (
     FullyShardStrategy,
     HybridShardStrategy,
     MeshStrategy,
+    OffloadStrategy,
+    PipelineStrategy,
+    TensorParallelStrategy,
     register_strategies,
 )
 
@@ -24,6 +27,9 @@ __all__ = [
     "MeshStrategy",
     "HybridShardStrategy",
     "FullyShardStrategy",
+    "TensorParallelStrategy",
+    "PipelineStrategy",
+    "OffloadStrategy",
     "REGISTERED",
     "register_strategies",
 ]

@@ -1,0 +1,352 @@
+"""OffloadStrategy: optimizer-state and parameter offloading to host memory or NVMe, on CPU machines too.
+
+Two backends:
+
+* ``"deepspeed"`` (default): ZeRO-Offload / ZeRO-Infinity through Lightning's ``DeepSpeedStrategy``,
+  with three small changes so it also runs on a CPU-only machine (DeepSpeed's CPU accelerator + gloo),
+  and a torch optimizer allowed with offload (``zero_force_ds_cpu_optimizer: false``), so DeepSpeed's
+  compiled CPU Adam is not needed. NVMe needs DeepSpeed's ``async_io`` op, built on first use against
+  libaio (``libaio-dev``).
+* ``"fsdp2"``: :class:`~lightning_dist.strategies.hsdp.HybridShardStrategy` with FSDP2's
+  ``CPUOffloadPolicy`` (parameters, gradients and optimizer state together, host memory only).
+
+Both print an offload report (rank-0 rich table: bytes of each state on the device, in host memory and
+on disk, per rank) when training starts and ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+from typing import Any, Literal, Optional
+
+import torch
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import nn
+from typing_extensions import override
+
+import lightning.pytorch as pl
+from lightning_dist._compat import CUDA_AVAILABLE, fully_shard_api
+from lightning_dist.mesh import MeshSpec
+from lightning_dist.parallelize import offload as off
+from lightning_dist.strategies.hsdp import HybridShardStrategy
+
+
+# measured with DeepSpeed 0.19.8 on CPU: an NVMe-offloaded optimizer checkpoint resumes to different weights
+# and zero_to_fp32 finds no fp32 partitions in it; with parameters on NVMe and the optimizer in host memory,
+# loading fails inside DeepSpeed (`_rigid_load_state_dict`)
+NVME_CHECKPOINT_UNSUPPORTED = (
+    "Checkpoints of NVMe-offloaded states are not supported yet (DeepSpeed 0.19 does not restore them"
+    " faithfully): offload to \"cpu\" for runs that save checkpoints, or pass `enable_checkpointing=False`."
+)
+
+
+class _OffloadReport:
+    """The offload report at fit start and end: each rank's ``offload_report()``, a rank-0 rich table."""
+
+    plan: off.OffloadPlan
+    report: bool
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self.report:
+            self.print_report("start of fit")
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        if self.report:
+            self.print_report("end of fit")
+
+    def print_report(self, title: str) -> list[dict[str, Any]]:
+        """Gather every rank's report (a collective) and print it on rank 0; returns the rows."""
+        rows = [None] * self.world_size
+        torch.distributed.all_gather_object(rows, self.offload_report())
+        if self.is_global_zero:
+            _print_table(off.render_report(rows, title=f"Offload report, {title} ({_describe(self.plan)})"))
+        return rows
+
+
+class OffloadStrategy(_OffloadReport, DeepSpeedStrategy):
+    """Offload optimizer state and/or parameters to host memory or NVMe (``Trainer(strategy="offload")``).
+
+    Args:
+        optimizer: where the optimizer state (fp32 master copy, Adam moments) and gradient partitions
+            live: ``"cpu"`` (host memory), ``"nvme"`` (swap files under ``nvme_path``) or None.
+        parameters: where the parameter partitions live between uses: ``"cpu"``, ``"nvme"`` or None;
+            needs ``zero_stage=3``.
+        nvme_path: folder on a fast local disk for the swap files; checked (exists, writable, room for
+            the estimated states) on every rank before the process group starts.
+        zero_stage: 1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters).
+        backend: ``"deepspeed"`` or ``"fsdp2"`` (returns a :class:`FSDP2OffloadStrategy`; CPU offload only,
+            of all three states together: ``optimizer="cpu", parameters="cpu"``).
+        sub_group_size: elements per optimizer step group; with NVMe only one group's state is in memory
+            at a time, so smaller groups lower the peak memory.
+        report: print the offload report when training starts and ends.
+        **kwargs: other options of Lightning's ``DeepSpeedStrategy`` (``params_buffer_size``, ``timeout``...)
+            or, for ``backend="fsdp2"``, of ``HybridShardStrategy``.
+    """
+
+    strategy_name = "offload"
+
+    def __new__(cls, *args: Any, backend: str = "deepspeed", **kwargs: Any) -> Any:
+        if backend == "fsdp2" and cls is OffloadStrategy:
+            # one registered name, two implementations: FSDP2 shares nothing with DeepSpeedStrategy
+            return FSDP2OffloadStrategy(backend=backend, **kwargs)
+        return super().__new__(cls)
+
+    def __init__(
+        self,
+        *,
+        optimizer: off.Target = "cpu",
+        parameters: off.Target = None,
+        nvme_path: Optional[str] = None,
+        zero_stage: Literal[1, 2, 3] = 3,
+        backend: Literal["deepspeed", "fsdp2"] = "deepspeed",
+        sub_group_size: int = 100_000_000,
+        report: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        self.plan = off.OffloadPlan(
+            optimizer=optimizer, parameters=parameters, nvme_path=nvme_path, zero_stage=zero_stage, backend=backend
+        ).validate()
+        self._user_buffer_size = "params_buffer_size" in kwargs
+        super().__init__(
+            stage=zero_stage,
+            offload_optimizer=optimizer is not None,
+            offload_parameters=parameters is not None,
+            offload_optimizer_device=optimizer or "cpu",
+            offload_params_device=parameters or "cpu",
+            nvme_path=nvme_path or "",
+            pin_memory=CUDA_AVAILABLE,  # pinning needs an accelerator
+            sub_group_size=sub_group_size,
+            **kwargs,
+        )
+        assert isinstance(self.config, dict)
+        # a torch optimizer (configure_optimizers) may run on offloaded state: no compiled DeepSpeedCPUAdam
+        self.config["zero_force_ds_cpu_optimizer"] = False
+        self.report = report
+
+    # ---- the three changes that let Lightning's DeepSpeedStrategy run on a CPU-only machine ---------
+    @override
+    def setup_environment(self) -> None:
+        # every check before the first collective, on every rank
+        off.check_precision(self.precision_plugin.precision, device_type=self.root_device.type)
+        if "nvme" in (self.plan.optimizer, self.plan.parameters):
+            if self.lightning_module is not None:
+                self._check_nvme(self.lightning_module)
+            off.require_async_io()
+            trainer = getattr(self.lightning_module, "_trainer", None)
+            if trainer is not None and trainer.checkpoint_callbacks:
+                rank_zero_warn(NVME_CHECKPOINT_UNSUPPORTED + " Saving a checkpoint will raise.")
+        # Lightning's DeepSpeedStrategy refuses non-CUDA accelerators here: go to DDPStrategy's directly
+        DDPStrategy.setup_environment(self)
+
+    @override
+    def setup_distributed(self) -> None:
+        # Lightning validates CUDA device indices here; a CPU device has none
+        if self.root_device.type != "cpu":
+            return super().setup_distributed()
+        _use_cpu_accelerator()
+        reset_seed()
+        self.set_world_ranks()
+        self._init_deepspeed_distributed()
+
+    @override
+    def _setup_model_and_optimizer(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
+                                   lr_scheduler: Optional[Any] = None) -> tuple[Any, Any]:
+        import deepspeed
+
+        if "nvme" in (self.plan.optimizer, self.plan.parameters):
+            self._check_nvme(model)  # models built in `configure_model` are only known now
+            self._size_param_buffers(model)
+            if self.plan.parameters == "nvme":
+                self._partition_for_nvme(model)
+        # Lightning passes `root_device.index`, None for a CPU device; DeepSpeed needs a number
+        device_rank = self.root_device.index if self.root_device.index is not None else self.local_rank
+        engine, ds_optimizer, _, _ = deepspeed.initialize(
+            args=argparse.Namespace(device_rank=device_rank),
+            config=self.config,
+            model=model,
+            model_parameters=[p for p in model.parameters() if p.requires_grad],
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            dist_init_required=False,
+        )
+        return engine, ds_optimizer
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+    @override
+    def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """DeepSpeed's sharded checkpoint folder (offloaded states included), written atomically.
+
+        Every rank writes into ``<filepath>.partial``; rank 0 renames it once all are done, so a failure
+        never leaves a half-written checkpoint under ``filepath``. Load it on one device with Lightning's
+        ``convert_zero_checkpoint_to_fp32_state_dict``.
+        """
+        if "nvme" in (self.plan.optimizer, self.plan.parameters):
+            # refuse before anything is written, on every rank (no collective yet)
+            raise RuntimeError(NVME_CHECKPOINT_UNSUPPORTED)
+        final = str(self.broadcast(filepath))
+        partial = final + ".partial"
+        if self.is_global_zero and os.path.exists(partial):
+            shutil.rmtree(partial)
+        self.barrier()
+        super().save_checkpoint(checkpoint, partial, storage_options)
+        self.barrier()
+        if self.is_global_zero:
+            if os.path.exists(final):
+                shutil.rmtree(final) if os.path.isdir(final) else os.remove(final)
+            os.replace(partial, final)
+        self.barrier()
+
+    # ---- NVMe ----------------------------------------------------------------------------------
+    def _check_nvme(self, model: nn.Module) -> None:
+        n = off.count_parameters(model)
+        if n == 0:
+            return  # built later in `configure_model`: checked again before DeepSpeed starts
+        world = self.num_nodes * self.num_processes  # known before the process group starts
+        estimate = off.estimate_states(n, plan=self.plan, world_size=world, param_bytes=_param_bytes(self))
+        off.check_nvme_path(
+            self.plan.nvme_path, required_bytes=estimate.total(place="disk"), ranks_sharing=self.num_processes
+        )
+
+    def _size_param_buffers(self, model: nn.Module) -> None:
+        """DeepSpeed swaps whole parameters through fixed buffers: size them to the largest one, not 100M elements."""
+        zero = self.config["zero_optimization"]
+        if self._user_buffer_size or "offload_param" not in zero:
+            return
+        largest = max((getattr(p, "ds_numel", p.numel()) for p in model.parameters()), default=0)
+        zero["offload_param"]["buffer_size"] = max(largest, 1 << 20)
+        zero["offload_param"]["max_in_cpu"] = 0
+
+    def _partition_for_nvme(self, model: nn.Module) -> None:
+        """Partition a model built outside ``configure_model`` with the config's dtype before DeepSpeed does.
+
+        When DeepSpeed 0.19 partitions a built model itself it passes a dtype that its fallback ignores on an
+        accelerator without float16 (the CPU): the NVMe swap buffers come out bfloat16 and float32 training
+        fails ("Float and BFloat16"). ``zero.Init`` without a dtype takes it from the config (float32 here).
+        """
+        import deepspeed
+
+        if all(hasattr(p, "ds_id") for p in model.parameters()):
+            return  # already built under zero.Init (configure_model)
+        deepspeed.zero.Init(module=model, config_dict_or_path=self.config)
+
+    # ---- report --------------------------------------------------------------------------------
+    def offload_report(self) -> dict[str, Any]:
+        """This rank's bytes of parameters / gradients / optimizer state by place (memory measured, disk files)."""
+        engine = self.deepspeed_engine
+        zero_opt = engine.optimizer
+        params = [p for p in engine.module.parameters()]
+        masters = list(getattr(zero_opt, "fp32_partitioned_groups_flat", None)
+                       or getattr(zero_opt, "single_partition_of_fp32_groups", None) or [])
+        inner = getattr(zero_opt, "optimizer", zero_opt)
+        states = [t for s in inner.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+        grads = [p.grad for p in params] + [m.grad for m in masters]
+        grads.append(getattr(zero_opt, "grad_partitions_flat_buffer", None))  # ZeRO-3's gradient partitions
+        for group in getattr(zero_opt, "averaged_gradients", {}).values():  # ZeRO-1/2's reduced gradients
+            grads.extend(group or [])
+        resident = {
+            "parameters": off.tensor_bytes([*params, *(getattr(p, "ds_tensor", None) for p in params)]),
+            "gradients": off.tensor_bytes(grads),
+            "optimizer": off.tensor_bytes([*masters, *states]),
+        }
+        return off.offload_report(plan=self.plan, resident=resident, disk=self._disk_bytes(), rank=self.global_rank)
+
+    def _disk_bytes(self) -> dict[str, int]:
+        out = dict.fromkeys(off.KINDS, 0)
+        if not self.plan.nvme_path:
+            return out
+        root = os.path.join(self.plan.nvme_path, "zero_stage_3")  # DeepSpeed's swap layout
+        rank = f"rank{self.global_rank}"
+        for folder, _, files in os.walk(root):
+            if os.path.basename(folder) != rank:
+                continue
+            for name in files:
+                size = os.path.getsize(os.path.join(folder, name))
+                kind = "gradients" if "_gradient_" in name else "optimizer" if "optimizer" in folder else "parameters"
+                out[kind] += size
+        return out
+
+
+class FSDP2OffloadStrategy(_OffloadReport, HybridShardStrategy):
+    """FSDP2 with ``CPUOffloadPolicy``: parameters, gradients and optimizer state in host memory.
+
+    Use it through ``OffloadStrategy(backend="fsdp2", optimizer="cpu", parameters="cpu")`` or
+    ``Trainer(strategy="offload_fsdp2")``. Memory is pinned only where CUDA exists; on a CPU-only
+    machine the device *is* host memory, so offloading saves nothing there (the code path still runs).
+    """
+
+    strategy_name = "offload_fsdp2"
+
+    def __init__(
+        self,
+        *,
+        optimizer: off.Target = "cpu",
+        parameters: off.Target = "cpu",
+        nvme_path: Optional[str] = None,
+        zero_stage: Literal[1, 2, 3] = 3,
+        backend: Literal["fsdp2"] = "fsdp2",
+        report: bool = True,
+        pin_memory: Optional[bool] = None,
+        **kwargs: Any,
+    ) -> None:
+        self.plan = off.OffloadPlan(
+            optimizer=optimizer, parameters=parameters, nvme_path=nvme_path, zero_stage=zero_stage, backend=backend
+        ).validate()
+        pin = CUDA_AVAILABLE if pin_memory is None else pin_memory
+        if pin and not CUDA_AVAILABLE:
+            raise ValueError("pin_memory=True needs a CUDA device (pinning fails without an accelerator): pass False.")
+        _, _, CPUOffloadPolicy, _ = fully_shard_api()
+        kwargs.setdefault("shard_size", "full")
+        super().__init__(zero_stage=zero_stage, offload_policy=CPUOffloadPolicy(pin_memory=pin), **kwargs)
+        self.report = report
+
+    @override
+    def validate_config(self, spec: MeshSpec) -> None:
+        super().validate_config(spec)
+        if self.root_device.type == "cpu":
+            rank_zero_warn("FSDP2 CPU offload saves nothing on a CPU-only machine: the device already is host memory.")
+
+    def offload_report(self) -> dict[str, Any]:
+        """This rank's bytes of each state (the local shards of the DTensors)."""
+        params = [_local(p) for p in self.lightning_module.parameters()]
+        grads = [_local(p.grad) for p in self.lightning_module.parameters() if p.grad is not None]
+        states = [_local(t) for opt in self.optimizers for s in opt.state.values() for t in s.values()
+                  if isinstance(t, torch.Tensor)]
+        resident = {"parameters": off.tensor_bytes(params), "gradients": off.tensor_bytes(grads),
+                    "optimizer": off.tensor_bytes(states)}
+        return off.offload_report(plan=self.plan, resident=resident, disk={}, rank=self.global_rank)
+
+
+def _local(t: Any) -> Any:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _use_cpu_accelerator() -> None:
+    """Make DeepSpeed use its CPU accelerator (it may have picked CUDA on a machine that has one)."""
+    from deepspeed.accelerator import get_accelerator, set_accelerator
+
+    if get_accelerator().device_name() != "cpu":
+        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+        set_accelerator(CPU_Accelerator())
+
+
+def _param_bytes(strategy: pl.strategies.Strategy) -> int:
+    return 2 if str(strategy.precision_plugin.precision).startswith(("bf16", "16")) else 4
+
+
+def _describe(plan: off.OffloadPlan) -> str:
+    return f"{plan.backend}, ZeRO-{plan.zero_stage}, optimizer->{plan.optimizer}, parameters->{plan.parameters}"
+
+
+def _print_table(table: Any) -> None:
+    from rich.console import Console
+
+    Console().print(table)

@@ -1,0 +1,101 @@
+"""OffloadStrategy on 2 CPU processes: parity with single-device AdamW, NVMe resume, FSDP2 offload.
+
+Two launches (torchrun and Lightning's launcher), each training every supported combination in one
+process group, so the group stays within a few minutes (each launch pays the imports once).
+"""
+
+import os
+import sys
+
+import pytest
+
+from lightning_dist.parallelize.offload import async_io_available
+from tests._harness import results, run_script, run_torchrun
+
+pytestmark = pytest.mark.distributed
+
+CPU_COMBOS = ["1:cpu:-", "2:cpu:-", "3:cpu:-", "3:cpu:cpu", "3:-:cpu"]
+NVME_COMBOS = ["3:nvme:-", "3:cpu:nvme", "3:-:nvme", "3:nvme:cpu", "3:nvme:nvme"]
+TOL = 1e-5
+needs_aio = pytest.mark.skipif(not async_io_available(), reason="libaio missing: apt-get install -y libaio-dev")
+
+
+def _env() -> dict:
+    # DeepSpeed compiles async_io on first use (minutes): reuse the environment's cache, as `make` does
+    return {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))}
+
+
+def _check_parity(out: list[dict], combos: list[str]) -> None:
+    parity = [r for r in out if r["kind"] == "parity"]
+    assert sorted({r["combo"] for r in parity}) == sorted(combos)
+    for r in parity:
+        assert r["seen"] == 24, r  # 3 steps x 8 samples per rank
+        assert r["diff"] <= TOL, r
+        # float32 rounding: no worse than 3x what Lightning's DDPStrategy shows on the same work
+        assert r["diff"] <= 3 * r["ddp"] + 1e-7, r
+
+
+def _check_reports(out: list[dict]) -> None:
+    for r in (r for r in out if r["kind"] == "report"):
+        stage, opt, par = r["combo"].split(":")
+        assert [row["rank"] for row in r["rows"]] == [0, 1]
+        for row in r["rows"]:
+            t = row["table"]
+            if opt == "nvme":
+                assert t["optimizer"]["disk"] > 0 and t["optimizer"]["device"] == 0, r
+            elif opt == "cpu":
+                assert t["optimizer"]["host"] > 0 and t["optimizer"]["disk"] == 0, r
+            if par == "nvme":
+                assert t["parameters"]["disk"] > 0, r
+            elif par == "-":
+                assert t["parameters"]["device"] > 0 and t["parameters"]["disk"] == 0, r
+
+
+@needs_aio
+def test_offload_torchrun_all_combinations_and_resume(tmp_path):
+    combos = CPU_COMBOS + NVME_COMBOS
+    proc = run_torchrun("offload_parity.py", ",".join(combos), "--resume", "3:cpu:cpu", "--nvme-save",
+                        "--nvme-root", str(tmp_path), nproc=2, timeout=900, env=_env())
+    out = results(proc)
+    _check_parity(out, combos)
+    _check_reports(out)
+    assert "Offload report, start of fit" in proc.stdout and "Offload report, end of fit" in proc.stdout
+    resume = [r for r in out if r["kind"] == "resume"]
+    assert len(resume) == 2
+    for r in resume:
+        assert r["diff"] == 0.0, r  # resumed from the offloaded checkpoint: identical to the straight run
+        assert r["steps_seen"] == 3 * 8, r  # only the 3 remaining steps ran after the restore
+    assert resume[0]["single_device"] == 0.0  # consolidated for one device (zero_to_fp32)
+    refused = [r for r in out if r["kind"] == "nvme_save"]
+    assert len(refused) == 2
+    for r in refused:  # NVMe-offloaded state: a clear error on every rank, nothing written
+        assert r["error"] and "not supported yet" in r["error"] and r["written"] == [], r
+
+
+@needs_aio
+def test_offload_lightning_launcher_and_fsdp2(tmp_path):
+    combos = CPU_COMBOS + NVME_COMBOS
+    proc = run_script("offload_parity.py", ",".join(combos), "--devices", "2", "--fsdp2",
+                      "--nvme-root", str(tmp_path), timeout=900, env=_env())
+    out = results(proc)
+    _check_parity(out, combos)
+    _check_reports(out)
+    fsdp2 = [r for r in out if r["kind"] == "fsdp2"]
+    assert len(fsdp2) == 2
+    for r in fsdp2:
+        assert r["type"] == "FSDP2OffloadStrategy" and r["pin"] is False
+        assert r["diff"] <= TOL and r["diff"] <= 3 * r["ddp"] + 1e-7, r
+        for row in r["rows"]:  # everything offloaded: nothing counted on the device
+            assert all(row["table"][k]["device"] == 0 for k in row["table"]), row
+            assert row["table"]["optimizer"]["host"] > 0
+    assert "saves nothing on a CPU-only machine" in proc.stderr + proc.stdout
+
+
+def test_offload_bad_nvme_path_fails_before_any_collective(tmp_path):
+    missing = tmp_path / "missing"
+    proc = run_torchrun("offload_parity.py", "3:nvme:-", "--no-ddp", "--nvme-root", str(missing),
+                        nproc=2, timeout=300, env=_env(), expect_ok=False)
+    assert proc.returncode != 0
+    # both ranks raise the same clear error (no hang); nothing was written
+    assert proc.stderr.count("does not exist: create the folder") >= 2, proc.stderr[-3000:]
+    assert not missing.exists()

@@ -1,0 +1,144 @@
+"""OffloadStrategy against single-device AdamW (float32, 2 processes, 3 steps), plus NVMe resume.
+
+Usage: ``offload_parity.py COMBOS [--resume DIR] [--fsdp2]`` under torchrun, or with ``--devices 2``
+for Lightning's own launcher. COMBOS is a comma list of ``stage:optimizer:parameters`` (``-`` = None),
+e.g. ``3:cpu:-,3:nvme:nvme``; ``nvme`` uses a fresh folder under ``--nvme-root``.
+
+Each rank prints RESULT lines: ``parity`` (max rel diff vs the reference, the DDP diff on the same
+work), ``report`` (the offload report rows), ``resume`` (interrupted+resumed vs uninterrupted, and the
+checkpoint loaded on a single device).
+"""
+
+import argparse
+import os
+import tempfile
+
+import torch
+from _common import Classifier, emit, full_params, max_rel_diff, reference, trainer
+
+import lightning_dist  # noqa: F401  (registers the strategies)
+from lightning_dist.strategies import OffloadStrategy
+
+STEPS = 3
+parser = argparse.ArgumentParser()
+parser.add_argument("combos", nargs="?", default="")
+parser.add_argument("--devices", type=int, default=None, help="Lightning's launcher: number of processes")
+parser.add_argument("--nvme-root", default=None)
+parser.add_argument("--resume", default=None, help="combo to save at step 3 and resume to step 6")
+parser.add_argument("--fsdp2", action="store_true")
+parser.add_argument("--no-ddp", action="store_true")
+parser.add_argument("--nvme-save", action="store_true", help="saving NVMe-offloaded state must refuse cleanly")
+args = parser.parse_args()
+devices = args.devices or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+nvme_root = args.nvme_root or tempfile.gettempdir()
+
+
+def gathered(module) -> dict:
+    """Full float32 parameters of a (possibly ZeRO-3 partitioned) module, on every rank."""
+    import deepspeed
+
+    params = list(module.parameters())
+    if not any(hasattr(p, "ds_id") for p in params):
+        return full_params(module)
+    with deepspeed.zero.GatheredParameters(params):
+        return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+def make(combo: str, tag: str, **kw) -> OffloadStrategy:
+    stage, opt, par = combo.split(":")
+    opt, par = (None if v == "-" else v for v in (opt, par))
+    nvme = None
+    if "nvme" in (opt, par):
+        nvme = os.path.join(nvme_root, f"nvme-{tag}-{stage}-{opt}-{par}")
+        if os.path.isdir(nvme_root):  # a missing root stays missing: the strategy must refuse it
+            os.makedirs(nvme, exist_ok=True)
+    return OffloadStrategy(optimizer=opt, parameters=par, zero_stage=int(stage), nvme_path=nvme, **kw)
+
+
+# DeepSpeed keeps tensors under 1 MiB in memory even with NVMe offload: NVMe combos use a wider MLP
+WIDE = dict(width=1024, depth=2)
+_refs, _ddp = {}, {}
+
+
+def size_of(combo: str) -> dict:
+    return WIDE if "nvme" in combo else {}
+
+
+def ref_and_ddp(model_kw: dict) -> tuple[dict, float]:
+    """The single-device float32 reference and Lightning DDP's diff to it on the same work (cached)."""
+    key = tuple(sorted(model_kw.items()))
+    if key not in _refs:
+        _refs[key] = reference(STEPS, dtype=torch.float32, **model_kw)
+        _ddp[key] = None
+        if not args.no_ddp:
+            module = Classifier(dtype=torch.float32, **model_kw)
+            trainer("ddp", devices=devices, steps=STEPS, precision="32-true").fit(module)
+            _ddp[key] = max_rel_diff(full_params(module), _refs[key])
+    return _refs[key], _ddp[key]
+
+
+for combo in filter(None, args.combos.split(",")):
+    ref32, ddp_diff = ref_and_ddp(size_of(combo))
+    strategy = make(combo, "parity")
+    module = Classifier(dtype=torch.float32, **size_of(combo))
+    trainer(strategy, devices=devices, steps=STEPS, precision="32-true").fit(module)
+    diff = max_rel_diff(gathered(module), ref32)
+    rows = strategy.print_report("after the test")
+    emit(kind="parity", combo=combo, diff=diff, ddp=ddp_diff, seen=module.seen)
+    emit(kind="report", combo=combo, rows=rows)
+
+if args.fsdp2:
+    ref32, ddp_diff = ref_and_ddp({})
+    strategy = OffloadStrategy(backend="fsdp2", optimizer="cpu", parameters="cpu")
+    module = Classifier(dtype=torch.float32)
+    trainer(strategy, devices=devices, steps=STEPS, precision="32-true").fit(module)
+    emit(kind="fsdp2", type=type(strategy).__name__, diff=max_rel_diff(full_params(module), ref32), ddp=ddp_diff,
+         pin=strategy.offload_policy.pin_memory, rows=strategy.print_report("after the test"))
+
+if args.resume:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
+
+    combo, total = args.resume, 6
+    kw = dict(dtype=torch.float32, n=48, **size_of(combo))  # 3 steps per epoch: checkpoint at an epoch boundary
+    straight = Classifier(**kw)
+    trainer(make(combo, "straight", report=False), devices=devices, steps=total, precision="32-true").fit(straight)
+    want = gathered(straight)
+
+    ckpt_dir = os.path.join(nvme_root, "ckpt")
+    first = Classifier(**kw)
+    cb = ModelCheckpoint(dirpath=ckpt_dir, filename="half", save_last=False, every_n_train_steps=STEPS)
+    trainer(make(combo, "first", report=False), devices=devices, steps=STEPS, precision="32-true",
+            enable_checkpointing=True, callbacks=[cb]).fit(first)
+    path = os.path.join(ckpt_dir, "half.ckpt")
+    second = Classifier(**kw, seed=123)  # different init: everything must come from the checkpoint
+    trainer(make(combo, "second", report=False), devices=devices, steps=total, precision="32-true").fit(
+        second, ckpt_path=path)
+    got = gathered(second)
+    at_half = gathered(first)  # a collective under ZeRO-3: every rank
+    single = None
+    if torch.distributed.get_rank() == 0:
+        # single-device load: consolidate the ZeRO shards into one fp32 state dict
+        out = os.path.join(nvme_root, "consolidated.pt")
+        convert_zero_checkpoint_to_fp32_state_dict(path, out)
+        plain = Classifier(**kw, seed=7)
+        plain.load_state_dict(torch.load(out, weights_only=False)["state_dict"])
+        single = max_rel_diff(dict(plain.named_parameters()), at_half)
+    ref_kw = {k: v for k, v in kw.items() if k != "n"}
+    emit(kind="resume", diff=max_rel_diff(got, want), steps_seen=second.seen, single_device=single,
+         straight_vs_ref=max_rel_diff(want, reference(total, n=48, **ref_kw)),
+         half_vs_ref=max_rel_diff(at_half, reference(STEPS, n=48, **ref_kw)))
+
+if args.nvme_save:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    ckpt_dir = os.path.join(nvme_root, "refused")
+    cb = ModelCheckpoint(dirpath=ckpt_dir, filename="x", every_n_train_steps=2)
+    error = None
+    try:
+        trainer(make("3:nvme:-", "refused", report=False), devices=devices, steps=STEPS, precision="32-true",
+                enable_checkpointing=True, callbacks=[cb]).fit(Classifier(dtype=torch.float32, **WIDE))
+    except RuntimeError as err:
+        error = str(err)
+    written = sorted(os.listdir(ckpt_dir)) if os.path.isdir(ckpt_dir) else []
+    emit(kind="nvme_save", error=error, written=written)

@@ -1,0 +1,181 @@
+"""OffloadStrategy in one process: plan validation, state estimates, NVMe path checks, the report."""
+
+import os
+
+import pytest
+import torch
+
+from lightning_dist._compat import CUDA_AVAILABLE
+from lightning_dist.parallelize import offload as off
+from lightning_dist.strategies import REGISTERED, FSDP2OffloadStrategy, OffloadStrategy
+
+MiB = 1 << 20
+
+
+def test_plan_lists_every_problem_at_once():
+    plan = off.OffloadPlan(optimizer="disk", parameters="cpu", zero_stage=2, nvme_path=None)
+    with pytest.raises(ValueError) as err:
+        plan.validate()
+    msg = str(err.value)
+    assert "`optimizer='disk'`" in msg
+    assert "zero_stage=3" in msg and "`zero_stage=2`" in msg  # parameter offload needs stage 3
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        ({"parameters": "cpu", "zero_stage": 1}, "`zero_stage=1`"),
+        ({"optimizer": "nvme", "zero_stage": 2, "nvme_path": "/x"}, "ZeRO-Infinity"),
+        ({"optimizer": "nvme"}, "needs `nvme_path=`"),
+        ({"optimizer": "cpu", "nvme_path": "/x"}, "nothing is offloaded to \"nvme\""),
+        ({"zero_stage": 4}, "`zero_stage=4`"),
+        ({"backend": "megatron"}, "`backend='megatron'`"),
+        ({"backend": "fsdp2", "optimizer": "nvme", "parameters": "nvme", "nvme_path": "/x"}, "host memory only"),
+        ({"backend": "fsdp2", "optimizer": "cpu", "parameters": None}, "together"),
+    ],
+)
+def test_plan_rejects(kwargs, needle):
+    with pytest.raises(ValueError, match="Invalid offload configuration") as err:
+        off.OffloadPlan(**kwargs).validate()
+    assert needle in str(err.value)
+
+
+def test_strategy_rejects_bad_input_at_construction():
+    with pytest.raises(ValueError, match="`zero_stage=2`"):
+        OffloadStrategy(parameters="cpu", zero_stage=2)
+    with pytest.raises(ValueError, match="nvme_path"):
+        OffloadStrategy(optimizer="nvme", parameters="nvme")
+
+
+def test_estimate_zero_arithmetic():
+    n, world = 1000, 4
+    # ZeRO-3, optimizer -> cpu: parameter shard on device, fp32 grads + 12 B/param optimizer on host
+    est = off.estimate_states(n, plan=off.OffloadPlan(optimizer="cpu", zero_stage=3), world_size=world)
+    assert est.table["parameters"] == {"device": 250 * 4, "host": 0, "disk": 0}
+    assert est.table["gradients"] == {"device": 0, "host": 250 * 4, "disk": 0}
+    assert est.table["optimizer"] == {"device": 0, "host": 250 * 12, "disk": 0}
+    # ZeRO-1: full parameters and gradients, only the optimizer state is sharded
+    est1 = off.estimate_states(n, plan=off.OffloadPlan(optimizer="cpu", zero_stage=1), world_size=world)
+    assert est1.total(kind="parameters") == n * 4 and est1.total(kind="gradients") == n * 4
+    # ZeRO-Infinity, bf16 parameters: everything but gradients on disk; uneven shards round up
+    plan = off.OffloadPlan(optimizer="nvme", parameters="nvme", nvme_path="/x", zero_stage=3)
+    est = off.estimate_states(1001, plan=plan, world_size=world, param_bytes=2)
+    assert est.total(place="disk") == 251 * 2 + 251 * 12
+    assert est.total(place="device") == 0
+    with pytest.raises(ValueError, match="world_size >= 1"):
+        off.estimate_states(10, plan=plan, world_size=0)
+
+
+def test_count_parameters_skips_frozen():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    model[1].requires_grad_(False)
+    assert off.count_parameters(model) == 3 * 4 + 4
+
+
+def test_nvme_path_missing(tmp_path):
+    with pytest.raises(ValueError, match="does not exist: create the folder"):
+        off.check_nvme_path(tmp_path / "nope", required_bytes=1)
+    assert not (tmp_path / "nope").exists()  # nothing created
+
+
+def test_nvme_path_not_a_folder(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(ValueError, match="is not a folder"):
+        off.check_nvme_path(f, required_bytes=1)
+
+
+def test_nvme_path_not_writable(tmp_path):
+    # /proc refuses new files even for root (os.access would say yes): the probe file is what decides
+    with pytest.raises(ValueError, match="is not writable"):
+        off.check_nvme_path("/proc", required_bytes=1)
+    if os.geteuid() != 0:
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        ro.chmod(0o500)
+        with pytest.raises(ValueError, match="is not writable"):
+            off.check_nvme_path(ro, required_bytes=1)
+
+
+def test_nvme_path_too_small_refuses_with_numbers(tmp_path):
+    free = __import__("shutil").disk_usage(tmp_path).free
+    with pytest.raises(ValueError) as err:
+        off.check_nvme_path(tmp_path, required_bytes=free, ranks_sharing=2)
+    msg = str(err.value)
+    assert "free but the offloaded states need about" in msg and "2 rank(s)" in msg
+    assert list(tmp_path.iterdir()) == []  # the probe file was removed, nothing half-written
+
+
+def test_nvme_path_ok(tmp_path):
+    assert off.check_nvme_path(tmp_path, required_bytes=MiB) == tmp_path
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_precision_on_cpu():
+    off.check_precision("32-true", device_type="cpu")
+    off.check_precision("bf16-mixed", device_type="cpu")
+    for bad in ("16-mixed", "64-true"):
+        with pytest.raises(ValueError, match="not supported by DeepSpeed on CPU"):
+            off.check_precision(bad, device_type="cpu")
+    off.check_precision("16-mixed", device_type="cuda")
+
+
+def test_libaio_hint_names_the_package():
+    assert "apt-get install -y libaio-dev" in off.LIBAIO_HINT
+
+
+def test_config_allows_torch_optimizer_with_offload():
+    strategy = OffloadStrategy(optimizer="cpu", parameters="cpu", zero_stage=3)
+    zero = strategy.config["zero_optimization"]
+    assert strategy.config["zero_force_ds_cpu_optimizer"] is False
+    assert zero["stage"] == 3
+    assert zero["offload_optimizer"]["device"] == "cpu" and zero["offload_param"]["device"] == "cpu"
+    assert zero["offload_optimizer"]["pin_memory"] is CUDA_AVAILABLE
+    plain = OffloadStrategy(optimizer=None, zero_stage=2)
+    assert "offload_optimizer" not in plain.config["zero_optimization"]
+
+
+def test_backend_fsdp2_builds_the_fsdp2_strategy():
+    strategy = OffloadStrategy(backend="fsdp2", optimizer="cpu", parameters="cpu")
+    assert isinstance(strategy, FSDP2OffloadStrategy)
+    assert strategy.offload_policy.pin_memory is CUDA_AVAILABLE
+    if not CUDA_AVAILABLE:
+        with pytest.raises(ValueError, match="pin_memory=True needs a CUDA device"):
+            FSDP2OffloadStrategy(pin_memory=True)
+
+
+@pytest.mark.skipif(not CUDA_AVAILABLE, reason="pinned host memory needs a CUDA device; CPU-only machine")
+def test_fsdp2_pinned_memory_on_gpu():
+    assert FSDP2OffloadStrategy(pin_memory=True).offload_policy.pin_memory is True
+
+
+def test_registered_names():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    import lightning_dist  # noqa: F401
+
+    for name in ("offload", "offload_nvme", "offload_fsdp2"):
+        assert name in REGISTERED and name in StrategyRegistry
+    nvme = StrategyRegistry.get("offload_nvme")
+    assert isinstance(nvme, OffloadStrategy) and nvme.plan.parameters == "nvme"
+    assert isinstance(StrategyRegistry.get("offload_fsdp2"), FSDP2OffloadStrategy)
+
+
+def test_report_attribution_and_table():
+    plan = off.OffloadPlan(optimizer="nvme", parameters="cpu", nvme_path="/x", zero_stage=3)
+    row = off.offload_report(plan=plan, resident={"parameters": 10, "gradients": 20, "optimizer": 30},
+                             disk={"optimizer": 400}, rank=1)
+    assert row["table"]["parameters"] == {"device": 0, "host": 10, "disk": 0}
+    assert row["table"]["gradients"] == {"device": 0, "host": 20, "disk": 0}
+    assert row["table"]["optimizer"] == {"device": 0, "host": 30, "disk": 400}
+    from rich.console import Console
+
+    console = Console(record=True, width=100)
+    console.print(off.render_report([row], title="t"))
+    text = console.export_text()
+    assert "400 B" in text and "optimizer" in text
+
+
+def test_tensor_bytes_counts_storage_once():
+    t = torch.zeros(10)
+    assert off.tensor_bytes([t, t[2:], None, torch.empty(0)]) == 40
