@@ -7,14 +7,18 @@ Pick the network in YAML under ``model.model`` (``class_path: lightning_dist.mod
 ``trainer.strategy`` (a registered name such as ``ddp`` or one of the pack's).
 """
 
+from __future__ import annotations
+
 from lightning.pytorch.cli import LightningCLI
 
 import lightning_dist  # noqa: F401  (importing the pack registers its strategy names)
 from lightning_dist.models import ShapesClassifier, ShapesDataModule
 
 
-def main() -> None:
-    LightningCLI(ShapesClassifier, ShapesDataModule, seed_everything_default=0, save_config_kwargs={"overwrite": True})
+def main(args: list[str] | None = None) -> LightningCLI:
+    """Run the CLI on ``args`` (default: the command line) and return it (its ``trainer`` and ``model``)."""
+    return LightningCLI(ShapesClassifier, ShapesDataModule, seed_everything_default=0,
+                        save_config_kwargs={"overwrite": True}, args=args)
 
 
 if __name__ == "__main__":
