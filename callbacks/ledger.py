@@ -141,7 +141,8 @@ class CommunicationLedger(Callback):
         if not (planned is None or planned == "auto" or (not isinstance(planned, str) and all(
                 isinstance(c, planner.Collective) for c in planned))):
             raise ValueError(f"`planned={planned!r}` must be 'auto', None or a sequence of planner.Collective.")
-        self.skip_steps, self.planned_arg, self.log, self.print_table = skip_steps, planned, log, print_table
+        # not `self.log`: Lightning sets every callback's `log` attribute to `pl_module.log` at fit start
+        self.skip_steps, self.planned_arg, self.log_figures, self.print_table = skip_steps, planned, log, print_table
         self.steps: list[dict[tuple[str, str], list[int]]] = []
         """Per optimizer step: {(op, dim): [count, payload bytes]} on this rank."""
         self.summary: list[dict[str, Any]] = []
@@ -208,7 +209,7 @@ class CommunicationLedger(Callback):
             return  # gradient accumulation: the optimizer step (and the ledger's step) is not over yet
         step, self._pending = self._pending, {}
         self.steps.append(step)
-        if self.log:
+        if self.log_figures:
             pl_module.log("comm/bytes", float(sum(v[1] for v in step.values())), on_step=True, on_epoch=False)
             for (op, dim), (_, nbytes) in step.items():
                 pl_module.log(f"comm/{op}/{dim}", float(nbytes), on_step=True, on_epoch=False)

@@ -46,7 +46,8 @@ class MemoryReport(Callback):
     """
 
     def __init__(self, *, log: bool = True, print_table: bool = True) -> None:
-        self.log, self.print_table = log, print_table
+        # not `self.log`: Lightning sets every callback's `log` attribute to `pl_module.log` at fit start
+        self.log_figures, self.print_table = log, print_table
         self.measured: dict[str, int] | None = None
         """This rank's live model-state bytes after the last step."""
         self.planned: dict[str, float] | None = None
@@ -69,7 +70,7 @@ class MemoryReport(Callback):
         if self.planned is None:
             planned = _planned.planned_memory(trainer, pl_module)
             self.planned = planned.to_dict() if planned is not None else None
-        if self.log:
+        if self.log_figures:
             pl_module.log("memory/model_state_bytes", float(self.measured["total"]), on_step=True, on_epoch=False)
             pl_module.log("memory/peak_bytes", float(self.peak[0]), on_step=True, on_epoch=False)
             if self.planned is not None:

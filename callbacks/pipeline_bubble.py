@@ -152,7 +152,7 @@ class PipelineBubble(Callback):
 
     def __init__(self, *, gantt_path: Optional[Union[str, Path]] = None, log: bool = True, warmup_steps: int = 1) -> None:
         self.gantt_path = gantt_path
-        self.log = log
+        self.log_figures = log  # not `self.log`: Lightning overwrites that attribute with pl_module.log
         self.warmup_steps = warmup_steps
         self.steps: list[dict] = []
         self.last_records: Optional[list[dict]] = None
@@ -184,7 +184,7 @@ class PipelineBubble(Callback):
             self.last_records = gathered
             if self._seen > self.warmup_steps:
                 self.steps.append(stats)
-            if self.log:
+            if self.log_figures:
                 pl_module.log("pipeline/idle_fraction", stats["idle_fraction"], on_step=True, prog_bar=False)
                 pl_module.log("pipeline/idle_theory", stats["idle_theory"], on_step=True)
                 pl_module.log("pipeline/peak_held_stage0", float(stats["peak_held"].get(0, 0)), on_step=True)

@@ -28,8 +28,8 @@ REGISTERED: dict[str, tuple[type, str, dict]] = {
                        {"parameters": "cpu"}),
     "offload_nvme": (OffloadStrategy, "DeepSpeed ZeRO-Infinity, optimizer state and parameters on NVMe (/local_nvme)",
                      {"optimizer": "nvme", "parameters": "nvme", "nvme_path": "/local_nvme"}),
-    "offload_fsdp2": (OffloadStrategy, "FSDP2 CPUOffloadPolicy: parameters, gradients, optimizer in host memory",
-                      {"backend": "fsdp2", "optimizer": "cpu", "parameters": "cpu"}),
+    "offload_fsdp2": (FSDP2OffloadStrategy, "FSDP2 CPUOffloadPolicy: parameters, gradients, optimizer in host memory",
+                      {}),
     "tp": (TensorParallelStrategy, "tensor parallelism (DTensor) from a declarative plan, FSDP2 over dp (3-D)", {}),
     "tp_sp": (SequenceParallelStrategy, "tensor + sequence parallelism, FSDP2 over dp", {}),
 }

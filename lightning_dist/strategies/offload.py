@@ -82,22 +82,16 @@ class OffloadStrategy(_OffloadReport, DeepSpeedStrategy):
         nvme_path: folder on a fast local disk for the swap files; checked (exists, writable, room for
             the estimated states) on every rank before the process group starts.
         zero_stage: 1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters).
-        backend: ``"deepspeed"`` or ``"fsdp2"`` (returns a :class:`FSDP2OffloadStrategy`; CPU offload only,
-            of all three states together: ``optimizer="cpu", parameters="cpu"``).
+        backend: ``"deepspeed"``. The FSDP2 backend is the class :class:`FSDP2OffloadStrategy`
+            (``Trainer(strategy="offload_fsdp2")``); asking this class for ``"fsdp2"`` raises and says so.
+            (A constructor that returned the other class confused LightningCLI's signature reading.)
         sub_group_size: elements per optimizer step group; with NVMe only one group's state is in memory
             at a time, so smaller groups lower the peak memory.
         report: print the offload report when training starts and ends.
         **kwargs: other options of Lightning's ``DeepSpeedStrategy`` (``params_buffer_size``, ``timeout``...)
-            or, for ``backend="fsdp2"``, of ``HybridShardStrategy``.
     """
 
     strategy_name = "offload"
-
-    def __new__(cls, *args: Any, backend: str = "deepspeed", **kwargs: Any) -> Any:
-        if backend == "fsdp2" and cls is OffloadStrategy:
-            # one registered name, two implementations: FSDP2 shares nothing with DeepSpeedStrategy
-            return FSDP2OffloadStrategy(backend=backend, **kwargs)
-        return super().__new__(cls)
 
     def __init__(
         self,
@@ -111,6 +105,12 @@ class OffloadStrategy(_OffloadReport, DeepSpeedStrategy):
         report: bool = True,
         **kwargs: Any,
     ) -> None:
+        if backend == "fsdp2":
+            raise ValueError(
+                'OffloadStrategy(backend="fsdp2"): the FSDP2 backend is its own class. Use'
+                ' `FSDP2OffloadStrategy(optimizer="cpu", parameters="cpu")` or `Trainer(strategy="offload_fsdp2")`'
+                " (class_path: lightning_dist.strategies.FSDP2OffloadStrategy)."
+            )
         self.plan = off.OffloadPlan(
             optimizer=optimizer, parameters=parameters, nvme_path=nvme_path, zero_stage=zero_stage, backend=backend
         ).validate()
@@ -277,8 +277,7 @@ class OffloadStrategy(_OffloadReport, DeepSpeedStrategy):
 class FSDP2OffloadStrategy(_OffloadReport, HybridShardStrategy):
     """FSDP2 with ``CPUOffloadPolicy``: parameters, gradients and optimizer state in host memory.
 
-    Use it through ``OffloadStrategy(backend="fsdp2", optimizer="cpu", parameters="cpu")`` or
-    ``Trainer(strategy="offload_fsdp2")``. Memory is pinned only where CUDA exists; on a CPU-only
+    Use it as ``FSDP2OffloadStrategy(optimizer="cpu", parameters="cpu")`` or ``Trainer(strategy="offload_fsdp2")``. Memory is pinned only where CUDA exists; on a CPU-only
     machine the device *is* host memory, so offloading saves nothing there (the code path still runs).
     """
 

@@ -27,12 +27,7 @@ CONFIGS = sorted((ROOT / "examples" / "configs").glob("*.yaml"))
 ENTRY = re.compile(r"python (examples/\w+/train\.py) fit --config")
 
 # config -> (text of the known failure, why): reported as xfail while the cause is open; passes once fixed
-KNOWN_FAILURES = {
-    "offload_nvme": ("got multiple values for keyword argument 'pin_memory'",
-                     "OffloadStrategy through class_path: jsonargparse resolves its **kwargs to the parameters of"
-                     " DeepSpeedStrategy / FSDP2OffloadStrategy (pin_memory, shard_size, ...) and passes their defaults,"
-                     " so DeepSpeedStrategy gets pin_memory twice (strategies/offload.py)"),
-}
+KNOWN_FAILURES: dict[str, tuple[str, str]] = {}  # config stem -> (error text, why); none today
 # configs that train the same model on the same data and data-parallel size: the same loss, whatever the strategy
 SAME_LOSS = [("tp", "pipeline_1f1b", "pipeline_gpipe"), ("pipeline_interleaved", "pipeline_zero_bubble"),
              ("fsdp2", "pp_dp", "offload_cpu")]

@@ -17,7 +17,7 @@ import torch
 from _common import Classifier, emit, full_params, max_rel_diff, reference, trainer
 
 import lightning_dist  # noqa: F401  (registers the strategies)
-from lightning_dist.strategies import OffloadStrategy
+from lightning_dist.strategies import FSDP2OffloadStrategy, OffloadStrategy
 
 STEPS = 3
 parser = argparse.ArgumentParser()
@@ -89,7 +89,7 @@ for combo in filter(None, args.combos.split(",")):
 
 if args.fsdp2:
     ref32, ddp_diff = ref_and_ddp({})
-    strategy = OffloadStrategy(backend="fsdp2", optimizer="cpu", parameters="cpu")
+    strategy = FSDP2OffloadStrategy(optimizer="cpu", parameters="cpu")
     module = Classifier(dtype=torch.float32)
     trainer(strategy, devices=devices, steps=STEPS, precision="32-true").fit(module)
     emit(kind="fsdp2", type=type(strategy).__name__, diff=max_rel_diff(full_params(module), ref32), ddp=ddp_diff,

@@ -114,3 +114,12 @@ def test_single_device_fit_reports_exact_bytes_and_no_collectives(capsys):
     assert trainer.callback_metrics["comm/bytes"].item() == 0
     out = capsys.readouterr().out
     assert "Model-state bytes per rank" in out and "Communication per step" in out
+
+
+def test_log_false_is_respected_although_lightning_sets_callback_log_attributes():
+    ledger, memory = CommunicationLedger(log=False, print_table=False), MemoryReport(log=False, print_table=False)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[ledger, memory])
+    trainer.fit(_Tiny())
+    assert not any(k.startswith(("memory/", "comm/")) for k in trainer.callback_metrics)
+    assert memory.measured["total"] > 0  # measured all the same

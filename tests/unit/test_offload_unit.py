@@ -136,8 +136,9 @@ def test_config_allows_torch_optimizer_with_offload():
 
 
 def test_backend_fsdp2_builds_the_fsdp2_strategy():
-    strategy = OffloadStrategy(backend="fsdp2", optimizer="cpu", parameters="cpu")
-    assert isinstance(strategy, FSDP2OffloadStrategy)
+    with pytest.raises(ValueError, match="FSDP2OffloadStrategy"):
+        OffloadStrategy(backend="fsdp2", optimizer="cpu", parameters="cpu")
+    strategy = FSDP2OffloadStrategy(optimizer="cpu", parameters="cpu")
     assert strategy.offload_policy.pin_memory is CUDA_AVAILABLE
     if not CUDA_AVAILABLE:
         with pytest.raises(ValueError, match="pin_memory=True needs a CUDA device"):
