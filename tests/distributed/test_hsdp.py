@@ -127,6 +127,8 @@ def test_features_meta_init_ac_units_parallelize_fn_bf16_and_dp_logging():
     for r in by_kind["bf16"]:
         assert r["compute"] == ["torch.bfloat16"] and r["params"] == ["torch.float32"], r
         assert 0 < r["loss"] < 10, r
+    for r in by_kind["bf16_true"]:
+        assert r["params"] == ["torch.bfloat16"] and 0 < r["loss"] < 10, r
     for r in by_kind["validate_after_fit"]:
         assert abs(r["val"] - r["expected"]) <= 1e-12 * abs(r["expected"]), r
 
@@ -142,3 +144,7 @@ def test_two_nodes_shard_inside_replicate_across():
         assert all(g // 2 == r["node"] for g in r["shard_group"]), r  # gathers stay inside the node
         assert sorted(g // 2 for g in r["replicate_group"]) == [0, 1], r  # only the replicate dim crosses
         assert r["diff"] <= 1e-12, r
+        crossing = {k for k, v in r["traffic"].items() if v["cross_node"] and v["bytes"] > 0}
+        # the ledger sees cross-node traffic on the replicate dim only; gathers/reduce-scatters stay in the node
+        assert crossing and all(k.endswith("@dp_replicate") for k in crossing), r["traffic"]
+        assert any(k.endswith("@dp_shard") and v["bytes"] > 0 for k, v in r["traffic"].items()), r["traffic"]

@@ -104,3 +104,10 @@ from _common import dataset  # noqa: E402
 x, y = dataset(32, seed=2).tensors
 expected = torch.nn.functional.cross_entropy(net(x), y).item()
 emit(kind="validate_after_fit", val=val, expected=expected)
+
+# 6. bf16-true: parameters and compute in bf16 (Lightning's HalfPrecision converts before sharding)
+module = Classifier(dtype=torch.bfloat16)
+t = trainer(HybridShardStrategy(dp_replicate=2, shard_size=2), devices=WORLD, steps=2, precision="bf16-true")
+t.fit(module)
+emit(kind="bf16_true", params=sorted({str(p.dtype) for p in module.parameters()}),
+     loss=float(t.callback_metrics["train_loss"]))
