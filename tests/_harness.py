@@ -152,3 +152,17 @@ def run_torchrun_nodes(
         if d.returncode != 0:
             raise ScenarioError(_report("node", d))
     return done
+
+
+def survivors(marker: str) -> list:
+    """Live processes whose environment carries ``LD_FAULT_MARKER=marker`` (what a launch left behind)."""
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get("LD_FAULT_MARKER") == marker and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found

@@ -46,6 +46,7 @@ from typing_extensions import override
 import lightning.pytorch as pl
 from lightning_dist import checkpoint as ckpt
 from lightning_dist.mesh import DIM_NAMES, DistMesh, MeshSpec
+from lightning_dist.rendezvous import job_store
 
 log = logging.getLogger(__name__)
 
@@ -160,8 +161,10 @@ class MeshStrategy(ParallelStrategy):
             self.root_device
         )
         device_id = self.root_device if self.root_device.type != "cpu" else None
+        # loopback-only store on one machine; per-attempt keys under torchrun restarts (None: env://)
+        store = job_store(self.cluster_environment, timeout=self._timeout or default_pg_timeout)
         _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout,
-                              device_id=device_id)
+                              device_id=device_id, store=store)
 
     @override
     def barrier(self, name: Optional[str] = None) -> None:

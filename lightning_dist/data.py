@@ -1,0 +1,181 @@
+"""Exact mid-epoch resume: a DataLoader that remembers its position, and per-rank RNG states.
+
+Lightning restores parameters, optimizers, LR schedulers and loop counters, and it sets the sampler's
+epoch; but a plain DataLoader restarts from the beginning of the epoch after a mid-epoch checkpoint
+(Lightning only warns), and the RNG streams (dropout, augmentation) restart from wherever they happen
+to be. Two small pieces close the gap:
+
+* :class:`ResumableDataLoader`: a ``DataLoader`` with ``state_dict``/``load_state_dict``, which
+  Lightning saves with the fit loop and restores before the first batch. It counts the batches handed
+  out in the current pass; after a restore it skips that many batches of the sampler's order **by
+  index** (no sample is loaded for them). Lightning's injected ``DistributedSampler`` keeps the class
+  (Lightning re-instantiates the loader with the same arguments), and Lightning sets the sampler's epoch
+  before the first batch, so the skipped order is that of the interrupted epoch.
+* :class:`ResumeRNG`: saves every rank's torch / Python / NumPy RNG states with the checkpoint (one
+  ``all_gather_object`` per save) and restores each rank's own on resume.
+
+Example::
+
+    def train_dataloader(self):
+        return ResumableDataLoader(dataset, batch_size=8, shuffle=True)
+
+    Trainer(strategy="hsdp", callbacks=[ResumeRNG(), ModelCheckpoint(every_n_train_steps=100)])
+
+Limits: sized map-style datasets; the sampler's order must depend only on its seed and epoch
+(``DistributedSampler``, ``RandomSampler`` with a seeded generator are fine).
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Iterator
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch.utils.data import DataLoader
+from typing_extensions import override
+
+__all__ = ["ResumableDataLoader", "ResumeRNG"]
+
+
+class _SkipFirst:
+    """Batch-index iterable that drops the first `n` entries of `inner`, once (the resumed pass only)."""
+
+    def __init__(self, inner: Any, n: int) -> None:
+        self.inner, self.n = inner, n
+
+    def __iter__(self) -> Iterator:
+        n, self.n = self.n, 0  # a later pass (persistent workers reuse this object) starts at the beginning
+        return itertools.islice(iter(self.inner), n, None)
+
+    def __len__(self) -> int:
+        return len(self.inner) - self.n
+
+
+class _Counting:
+    """Iterator over a DataLoader pass that records how many batches it has handed out."""
+
+    def __init__(self, inner: Iterator, loader: "ResumableDataLoader") -> None:
+        self._inner, self._loader = inner, loader
+
+    def __iter__(self) -> "_Counting":
+        return self
+
+    def __next__(self) -> Any:
+        batch = next(self._inner)
+        self._loader._position += 1
+        return batch
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+class ResumableDataLoader(DataLoader):
+    """A ``DataLoader`` that resumes mid-epoch at the batch after the last one handed out before a save.
+
+    Same arguments as ``DataLoader``. Lightning calls :meth:`state_dict` when it saves a checkpoint and
+    :meth:`load_state_dict` before the first batch of a resumed fit.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._position = 0  # batches handed out in the current pass
+        self._skip = 0  # batches to skip at the start of the next pass (set by `load_state_dict`)
+
+    @property
+    def _index_sampler(self) -> Any:
+        # DataLoader iterators draw batch indices from here; the skip applies to indices, not to loaded data
+        return _SkipFirst(super()._index_sampler, self._skip)
+
+    def __iter__(self) -> _Counting:
+        self._position = self._skip
+        try:
+            inner = super().__iter__()
+        finally:
+            self._skip = 0
+        return _Counting(inner, self)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position in the current pass (batches handed out)."""
+        return {"position": self._position}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Skip ``position`` batches at the start of the next pass (none if the saved pass had ended)."""
+        position = int(state_dict.get("position", 0))
+        self._skip = position if 0 < position < len(self) else 0
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": _plain(random.getstate())}
+    try:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()
+        state["numpy"] = [kind, keys.tolist(), pos, has_gauss, gauss]  # lists: loadable with weights_only=True
+    except ImportError:
+        pass
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _plain(obj: Any) -> Any:
+    return [_plain(x) for x in obj] if isinstance(obj, (tuple, list)) else obj
+
+
+def _tuple(obj: Any) -> Any:
+    return tuple(_tuple(x) for x in obj) if isinstance(obj, list) else obj
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(_tuple(state["python"]))
+    if "numpy" in state:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, gauss = state["numpy"]
+        np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+class ResumeRNG(Callback):
+    """Save every rank's RNG states (torch, Python, NumPy, CUDA) in checkpoints; restore them on resume.
+
+    Each save gathers the states of all ranks (``all_gather_object``: every rank saves, as Lightning
+    does for the pack's strategies); on resume each rank restores its own. The world size must match.
+    """
+
+    def __init__(self) -> None:
+        self._restore: Optional[dict[str, Any]] = None
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        mine = _rng_state()
+        if not (dist.is_available() and dist.is_initialized()):
+            return {"ranks": [mine]}
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        return {"ranks": everyone}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        ranks = state_dict["ranks"]
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        if len(ranks) != (dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1):
+            raise ValueError(f"ResumeRNG: the checkpoint holds RNG states of {len(ranks)} ranks but this job has"
+                             " a different world size; resume with the same number of processes, or drop ResumeRNG.")
+        self._restore = ranks[rank]
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # restored last, right before the first resumed batch, so nothing in set-up consumes the stream
+        if self._restore is not None:
+            _set_rng_state(self._restore)
+            self._restore = None

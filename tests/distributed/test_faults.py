@@ -1,0 +1,129 @@
+"""Faults: a failing or killed rank ends the whole job promptly, leaves no process behind, and the job
+resumes from its last checkpoint (by hand, or by torchrun's ``--max-restarts``).
+
+Every launch carries a unique environment marker; after the launcher exits, no process on the machine
+may still carry it (psutil), which catches children re-parented to init as well as direct children.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+import uuid
+
+import psutil
+import pytest
+
+from _harness import ROOT, SCENARIOS, _env, free_port, results, survivors as _survivors
+
+pytestmark = pytest.mark.distributed
+
+TIMEOUT_S = 30  # the strategy's `timeout` in fault_raise.py
+# the documented bound: the collective timeout, plus Lightning's child-process observer period (5 s),
+# plus process teardown on a loaded CPU machine
+BOUND_S = TIMEOUT_S + 5 + 25
+
+
+def launch(where: str, rank: int, out, *, torchrun: bool = False, extra: tuple[str, ...] = (), devices: int = 2,
+           strategy: str = "hsdp"):
+    """Run fault_raise.py; return (returncode, stdout, stderr, exit time, processes left behind)."""
+    marker = uuid.uuid4().hex
+    script = [str(SCENARIOS / "fault_raise.py"), where, str(rank), str(devices), str(out), strategy]
+    if torchrun:
+        rdzv = (f"--rdzv-endpoint=127.0.0.1:{free_port()}",) if "--rdzv-backend=c10d" in extra else (
+            "--master-addr=127.0.0.1", f"--master-port={free_port()}")
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={devices}", *rdzv,
+               "--monitor-interval=1", *extra, *script]
+    else:
+        cmd = [sys.executable, *script]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env({"LD_FAULT_MARKER": marker}), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        for p in [proc, *_survivors(marker)]:
+            p.kill()
+        pytest.fail(f"{where} on rank {rank} hung: the job did not end in 300 s")
+    ended = time.time()
+    survivors = _survivors(marker)
+    for _ in range(20):  # a SIGKILLed child may take a moment to be reaped
+        if not survivors:
+            break
+        time.sleep(0.25)
+        survivors = _survivors(marker)
+    for p in survivors:
+        p.kill()
+    return proc.returncode, stdout, stderr, ended, survivors
+
+
+def _fault_time(stdout: str, stderr: str = "") -> float:
+    times = [float(t) for t in re.findall(r"^FAULT ([0-9.]+)$", stdout, flags=re.M)]
+    assert times, f"the fault was never injected\n{stdout[-3000:]}\n--- stderr\n{stderr[-5000:]}"
+    return min(times)
+
+
+CASES = [
+    # (where, failing rank, torchrun, strategy): rank 0 is Lightning's main process, rank 1 one of its children
+    ("training_step", 1, False, "hsdp"),
+    ("training_step", 0, False, "hsdp"),
+    ("setup", 1, False, "hsdp"),
+    ("configure_model", 0, False, "hsdp"),
+    ("training_step", 1, True, "hsdp"),
+    ("setup", 0, True, "hsdp"),
+    ("configure_model", 1, True, "hsdp"),
+    # the other MeshStrategy subclasses share the process handling; one case each way for each
+    ("training_step", 1, False, "tp"),
+    ("training_step", 0, True, "tp"),
+    ("training_step", 1, False, "pipeline"),
+    ("training_step", 0, True, "pipeline"),
+    ("training_step", 1, False, "offload"),  # DeepSpeed ZeRO-3 with CPU optimizer (float32)
+    ("training_step", 0, True, "offload"),
+]
+
+
+@pytest.mark.parametrize("where,rank,torchrun,strategy", CASES,
+                         ids=[f"{s}-{w}-rank{r}-{'torchrun' if t else 'lightning'}" for w, r, t, s in CASES])
+def test_raising_rank_ends_the_job(tmp_path, where, rank, torchrun, strategy):
+    rc, stdout, stderr, ended, survivors = launch(where, rank, tmp_path, torchrun=torchrun, strategy=strategy)
+    assert rc != 0, stdout[-2000:]
+    assert "RESULT" not in stdout, "a rank finished training although its peer failed"
+    # the original error is shown, with its message
+    assert f"InjectedFault: injected failure in {where} on rank {rank}" in stderr, stderr[-4000:]
+    elapsed = ended - _fault_time(stdout, stderr)
+    print(f"{strategy} {where} rank {rank} {'torchrun' if torchrun else 'lightning'}: all exited {elapsed:.1f} s after the fault")
+    assert elapsed < BOUND_S, f"the job took {elapsed:.1f} s to end after the fault (bound {BOUND_S} s)"
+    assert not survivors, f"processes left behind: {survivors}"
+
+
+def test_sigkill_mid_step_then_resume_from_last(tmp_path):
+    rc, stdout, stderr, ended, survivors = launch("sigkill", 1, tmp_path)
+    assert rc != 0
+    assert ended - _fault_time(stdout, stderr) < BOUND_S
+    assert not survivors, f"processes left behind: {survivors}"
+    assert (tmp_path / "step4.ckpt" / "meta.pt").exists() and not (tmp_path / "step6.ckpt").exists()
+
+    rc, stdout, stderr, _, survivors = launch("resume", 1, tmp_path)
+    assert rc == 0, stderr[-4000:]
+    rows = results(subprocess.CompletedProcess([], rc, stdout, stderr))
+    assert len(rows) == 2 and not survivors
+    for r in rows:
+        # resumed from step 4 and trained to 8: equal to uninterrupted single-device training
+        assert r["global_step"] == 8 and r["diff"] <= 1e-12, r
+
+
+@pytest.mark.parametrize("rdzv", ["static", "c10d"])
+def test_torchrun_max_restarts_resumes_from_last_checkpoint(tmp_path, rdzv):
+    # every attempt reuses torchrun's agent store: the strategy prefixes its keys with the attempt number
+    # (lightning_dist.rendezvous.attempt_store), or the restarted ranks dial the dead attempt's addresses
+    extra = ("--max-restarts=1",) + (("--rdzv-backend=c10d",) if rdzv == "c10d" else ())
+    rc, stdout, stderr, _, survivors = launch("restart", 1, tmp_path, torchrun=True, extra=extra)
+    assert rc == 0, stderr[-4000:]
+    assert not survivors
+    _fault_time(stdout, stderr)  # the first attempt did die
+    rows = results(subprocess.CompletedProcess([], rc, stdout, stderr))
+    assert len(rows) == 2, stdout[-3000:]
+    for r in rows:
+        assert r["restart"] == "1", r  # the second attempt finished the job
+        assert r["global_step"] == 8 and r["diff"] <= 1e-12, r

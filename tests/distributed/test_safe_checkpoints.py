@@ -1,0 +1,92 @@
+"""Safe checkpoints: SIGKILL during a save keeps the previous checkpoint loadable; loads are weights-only;
+single-node rendezvous listens on the loopback address only."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import psutil
+import pytest
+import torch
+
+from _harness import ROOT, SCENARIOS, _env, results, run_script
+from _harness import survivors as _survivors
+
+pytestmark = pytest.mark.distributed
+
+
+def _kill_while_saving(mode: str, out) -> tuple[float, list]:
+    """Start fault_save.py, SIGKILL rank 0 once it reports it is inside the writer; return (exit time, leftovers)."""
+    marker = uuid.uuid4().hex
+    proc = subprocess.Popen([sys.executable, str(SCENARIOS / "fault_save.py"), mode, str(out)], cwd=ROOT,
+                            env=_env({"LD_FAULT_MARKER": marker}), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    lines = []
+    deadline = time.time() + 300
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("SAVING "):
+            os.kill(int(line.split()[1]), signal.SIGKILL)
+            break
+        if time.time() > deadline:
+            break
+    else:
+        pytest.fail("the scenario ended without reaching the stalled save:\n" + "".join(lines[-60:]))
+    killed = time.time()
+    try:
+        proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the job hung after its rank 0 was killed during a save")
+    ended = time.time() - killed
+    survivors = _survivors(marker)
+    for _ in range(20):
+        if not survivors:
+            break
+        time.sleep(0.25)
+        survivors = _survivors(marker)
+    for p in survivors:
+        p.kill()
+    assert proc.returncode != 0
+    return ended, survivors
+
+
+@pytest.mark.parametrize("mode", ["dir_write", "dir_swap", "file_write"])
+def test_kill_during_save_keeps_previous_checkpoint(tmp_path, mode):
+    sys.path.insert(0, str(SCENARIOS))
+    from _common import Classifier, max_rel_diff, reference
+
+    from lightning_dist import checkpoint as ckpt
+
+    ended, survivors = _kill_while_saving(mode, tmp_path)
+    print(f"{mode}: the job ended {ended:.1f} s after rank 0 was killed mid-save")
+    assert not survivors, f"processes left behind: {survivors}"
+    assert ended < 60
+    last = tmp_path / "last.ckpt"
+    if mode == "dir_swap":  # killed between the renames: the good checkpoint waits at `.old`
+        assert not last.exists() and (tmp_path / "last.ckpt.old").is_dir()
+    found = ckpt.resolve_path(last)
+    # the step-2 checkpoint loads (weights_only) in one process, with step-2 values
+    torch.set_default_dtype(torch.float64)
+    try:
+        module = Classifier(n=64, schedule=True, width=64)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    meta = ckpt.load(found, model=module, weights_only=True)
+    assert meta["global_step"] == 2, (found, meta["global_step"])
+    params = {n: p.detach() for n, p in module.named_parameters()}
+    assert max_rel_diff(params, reference(2, n=64, schedule=True, width=64)) <= 1e-12
+
+
+def test_rendezvous_listens_on_loopback_only(tmp_path):
+    """Lightning's launcher defaults MASTER_ADDR to 127.0.0.1; every listening socket of the job is loopback."""
+    proc = run_script("fault_save.py", "listen", str(tmp_path), env={"MASTER_ADDR": ""}, timeout=300)
+    rows = [r for r in results(proc) if "listening" in r]
+    assert len(rows) == 2, proc.stdout[-3000:]
+    for r in rows:
+        assert r["master_addr"] == "127.0.0.1", r
+        assert r["listening"] and all(addr in ("127.0.0.1", "::1") for addr in r["listening"]), r

@@ -1,0 +1,83 @@
+"""Exact mid-epoch resume under Lightning's injected shuffling DistributedSampler (hsdp 2x2, float64).
+
+usage: python resume_exact.py OUT [STRATEGY]    (Lightning's launcher, 4 processes; STRATEGY: hsdp | tp)
+
+A = 9 steps uninterrupted (6 steps per epoch: step 9 is mid-epoch 1); B = the same with checkpoints
+every 4 steps (4: mid-epoch 0, 8: mid-epoch 1); C = resume from step 4 to 9, D = resume from step 8 to 9;
+both must equal A bitwise. The model applies dropout, so the RNG streams matter; StepLR every 2 steps.
+Controls (must differ from A, showing what each piece fixes): E = plain DataLoader resumed from step 4,
+F = ResumableDataLoader without ResumeRNG resumed from step 4 (E resumes from a plain-loader checkpoint).
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from _common import Classifier, dataset, emit, full_params, trainer
+from lightning.pytorch import seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader
+
+from lightning_dist.data import ResumableDataLoader, ResumeRNG
+from lightning_dist.strategies import HybridShardStrategy
+from lightning_dist.strategies.tp import TensorParallelStrategy
+
+out = Path(sys.argv[1])
+name = sys.argv[2] if len(sys.argv) > 2 else "hsdp"
+STRATEGIES = {  # 4 processes each
+    "hsdp": lambda: HybridShardStrategy(dp_replicate=2, shard_size=2),
+    "tp": lambda: TensorParallelStrategy(tp=2, dp_shard=2, plan={"model.stem": "colwise_gather"}),
+}
+
+
+class Shuffled(Classifier):
+    def __init__(self, *, resumable: bool = True, **kw) -> None:
+        super().__init__(n=96, schedule=True, **kw)
+        self.resumable = resumable
+        self.order = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.order.append(int(y.sum()))
+        x = F.dropout(x, p=0.2, training=True)  # consumes the torch RNG every step
+        loss = F.cross_entropy(self(x), y)
+        return loss
+
+    def train_dataloader(self):
+        cls = ResumableDataLoader if self.resumable else DataLoader
+        # Lightning replaces the shuffle with a DistributedSampler(shuffle=True) over the dp ranks
+        replicas = self.trainer.strategy.distributed_sampler_kwargs["num_replicas"]
+        return cls(dataset(self.n), batch_size=self.global_batch // replicas, shuffle=True)
+
+
+def fit(steps, *, ckpt_path=None, every=None, resumable=True, rng=True, prefix="s"):
+    seed_everything(0)
+    module = Shuffled(resumable=resumable)
+    callbacks = [ResumeRNG()] if rng else []
+    if every:
+        callbacks.append(ModelCheckpoint(dirpath=out, filename=prefix + "{step}", auto_insert_metric_name=False,
+                                         save_top_k=-1, every_n_train_steps=every))
+    t = trainer(STRATEGIES[name](), devices=4, steps=steps,
+                use_distributed_sampler=True, enable_checkpointing=bool(every), callbacks=callbacks)
+    t.fit(module, ckpt_path=ckpt_path)
+    return full_params(module), t, module
+
+
+a, ta, ma = fit(9)
+b, _, _ = fit(9, every=4)
+c, tc, mc = fit(9, ckpt_path=out / "s4.ckpt")
+d, td, _ = fit(9, ckpt_path=out / "s8.ckpt")
+fit(9, every=4, resumable=False, prefix="plain")  # Lightning refuses loader state for a plain loader
+e, _, me = fit(9, ckpt_path=out / "plain4.ckpt", resumable=False)
+f, _, _ = fit(9, ckpt_path=out / "s4.ckpt", rng=False)
+
+
+def same(x):
+    return all(torch.equal(x[k], a[k]) for k in a)
+
+
+emit(kind="resume", strategy=name, checkpointing_changes_nothing=same(b), from4=same(c), from8=same(d), plain_loader=same(e),
+     no_rng=same(f), steps=[tc.global_step, td.global_step], sampler=type(ta.train_dataloader.sampler).__name__,
+     shuffle=bool(getattr(ta.train_dataloader.sampler, "shuffle", False)), order_a=ma.order[4:], order_c=mc.order,
+     order_e=me.order, lr=tc.optimizers[0].param_groups[0]["lr"], lr_a=ta.optimizers[0].param_groups[0]["lr"])

@@ -1,0 +1,252 @@
+"""Bad input across the pack: each case raises a clear error naming the value and the fix.
+
+One row per case of ``docs/bad_input.md`` (the ids match; a test checks the table lists every case).
+All of these are raised in one process, before any process group exists, i.e. on every rank of a job
+before any collective. The cases that only show in a running job (empty data, NaN loss, a callback on
+the wrong strategy) are in ``tests/distributed/test_bad_input_runtime.py``.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from _harness import ROOT, SCENARIOS
+
+sys.path.insert(0, str(SCENARIOS))
+from _common import MLP  # noqa: E402
+
+from lightning_dist import checkpoint as ckpt  # noqa: E402
+from lightning_dist.mesh import MeshSpec  # noqa: E402
+from lightning_dist.strategies import HybridShardStrategy, PipelineStrategy  # noqa: E402
+
+
+def _spec(**kw):
+    return MeshSpec(world_size=4, devices_per_node=4, **kw).resolve()
+
+
+def _tp(**kw):
+    from lightning_dist.strategies.tp import TensorParallelStrategy
+
+    return TensorParallelStrategy(**kw)
+
+
+def _plan(plan, width=16):
+    from lightning_dist.parallelize.tp import resolve_plan
+
+    return resolve_plan(MLP(width=width), plan, tp=2)
+
+
+def _offload(**kw):
+    from lightning_dist.strategies.offload import OffloadStrategy
+
+    return OffloadStrategy(**kw)
+
+
+def _schedule(schedule, pp, micro, stages=1):
+    from lightning_dist.parallelize.pipeline_schedule import schedule_problems
+
+    problems = schedule_problems(schedule, pp, micro, stages)
+    if problems:  # the strategy raises these as one ValueError at set-up, before the first collective
+        raise ValueError("; ".join(problems))
+
+
+def _nvme(path):
+    from lightning_dist.parallelize.offload import check_nvme_path
+
+    return check_nvme_path(path, required_bytes=1)
+
+
+def _pin():
+    from lightning_dist.strategies.offload import FSDP2OffloadStrategy
+
+    return FSDP2OffloadStrategy(pin_memory=True)
+
+
+def _master_weights():
+    from lightning_dist.planner import state_bytes
+
+    return state_bytes(precision="32-true", optimizer="adam", master_weights=True)
+
+
+def _callback_setup(callback, strategy):
+    callback.setup(SimpleNamespace(strategy=strategy), None, "fit")
+
+
+def _bubble_on_hsdp():
+    from lightning_dist.callbacks.pipeline_bubble import PipelineBubble
+
+    _callback_setup(PipelineBubble(), HybridShardStrategy())
+
+
+def _parity_on_deepspeed():
+    from lightning_dist.callbacks.gradient_parity import GradientParityCheck
+
+    _callback_setup(GradientParityCheck(), _offload())
+
+
+def _other_model_checkpoint():
+    saved = {k: v.shape for k, v in MLP(width=16).state_dict().items()}
+    ckpt.check_compatible(saved, MLP(width=24))
+
+
+def _untrusted_pickle(tmp):
+    path = tmp / "evil.pt"
+    torch.save({"state_dict": {}, "payload": SimpleNamespace(a=1)}, path)  # an arbitrary class: not weights
+    ckpt.load(path, model=MLP())
+
+
+def _port_in_use():
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    from lightning_dist.rendezvous import loopback_store
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        env = LightningEnvironment()
+        env._main_port = busy.getsockname()[1]
+        env.set_global_rank(0)
+        env.set_world_size(2)
+        loopback_store(env, timeout=__import__("datetime").timedelta(seconds=5))
+
+
+# id -> (callable taking tmp_path, exception type, substrings the message must contain: the value and the fix)
+CASES = {
+    "mesh-tp-not-dividing-world": (lambda t: _spec(tp=3), ValueError, ["tp = 1 x 3 = 3", "divides 4"]),
+    "mesh-shard-not-dividing": (lambda t: _spec(dp_shard=3), ValueError, ["dp_shard=3", "pick a divisor of 4"]),
+    "mesh-product-not-world": (lambda t: _spec(dp_replicate=2, dp_shard=4), ValueError,
+                               ["= 8 != world_size=4", "e.g. dp_replicate=1, dp_shard=4"]),
+    "mesh-tp-cross-node": (lambda t: MeshSpec(world_size=8, devices_per_node=4, tp=8).resolve(), ValueError,
+                           ["tp=8", "allow_cross_node_tp=True"]),
+    "size-zero": (lambda t: HybridShardStrategy(pp=0), ValueError, ["pp=0", "integer >= 1"]),
+    "size-bool": (lambda t: HybridShardStrategy(dp_replicate=True), ValueError, ["dp_replicate=True", '"auto"']),
+    "zero-stage": (lambda t: HybridShardStrategy(zero_stage=4), ValueError, ["zero_stage=4", "1, 2 or 3"]),
+    "shard-size-word": (lambda t: HybridShardStrategy(shard_size="half"), ValueError, ["shard_size='half'", '"full"']),
+    "shard-size-and-dp-shard": (lambda t: HybridShardStrategy(shard_size=2, dp_shard=2), ValueError,
+                                ["shard_size=2", "dp_shard=2", "not both"]),
+    "parallelize-fn-not-callable": (lambda t: HybridShardStrategy(parallelize_fn=3), ValueError,
+                                    ["parallelize_fn=3", "fn(model, mesh)"]),
+    "tp-size": (lambda t: _tp(tp=0), ValueError, ["tp=0", "integer >= 1"]),
+    "tp-plan-unknown-name": (lambda t: _tp(plan="zigzag"), ValueError, ["plan='zigzag'", "'mlp'"]),
+    "tp-plan-wrong-type": (lambda t: _tp(plan=3), ValueError, ["got int", "mapping of pattern -> style"]),
+    "tp-plan-unknown-style": (lambda t: _plan({"stem": "diagonal"}), ValueError, ["'diagonal'", "colwise"]),
+    "tp-plan-indivisible": (lambda t: _plan({"blocks.*.fc": "colwise"}, width=15), ValueError,
+                            ["out_features=15", "tp=2", "choose a tp that divides 15"]),
+    "tp-plan-matches-nothing": (lambda t: _plan({"nothing.here": "colwise"}), ValueError,
+                                ["'nothing.here'", "Module names look like"]),
+    "pipeline-schedule-unknown": (lambda t: PipelineStrategy(schedule="zigzag"), ValueError,
+                                  ["schedule='zigzag'", "1f1b"]),
+    "pipeline-microbatches-too-few": (lambda t: _schedule("1f1b", 4, 2), ValueError,
+                                      ["n_microbatches >= pp = 4", "n_microbatches=2"]),
+    "pipeline-microbatches-zero": (lambda t: _schedule("gpipe", 2, 0), ValueError,
+                                   ["n_microbatches=0", "integer >= 1"]),
+    "pipeline-zb-stages": (lambda t: _schedule("zero_bubble", 2, 4, 1), ValueError, ["stages_per_rank=2", "got 1"]),
+    "pipeline-consolidated-file": (lambda t: PipelineStrategy(save_distributed_checkpoint=False), ValueError,
+                                   ["save_distributed_checkpoint=True", "dcp_to_torch_save"]),
+    "offload-tier": (lambda t: _offload(optimizer="gpu"), ValueError, ["optimizer='gpu'", '"cpu", "nvme" or None']),
+    "offload-nvme-without-path": (lambda t: _offload(optimizer="nvme"), ValueError, ["nvme_path="]),
+    "offload-nvme-path-missing": (lambda t: _nvme(t / "absent"), ValueError, ["absent", "create the folder"]),
+    "offload-nvme-path-is-file": (lambda t: _nvme(ROOT / "pyproject.toml"), ValueError,
+                                  ["pyproject.toml", "is not a folder"]),
+    "offload-params-stage2": (lambda t: _offload(parameters="cpu", zero_stage=2), ValueError,
+                              ["parameters='cpu'", "zero_stage=2", "pass `zero_stage=3`"]),
+    "precision-pin-memory-on-cpu": (lambda t: _pin(), ValueError, ["pin_memory=True", "pass False"]),
+    "precision-master-weights-fp32": (lambda t: _master_weights(), ValueError,
+                                      ["master_weights=True", "'32-true'", "16-bit precision"]),
+    "callback-bubble-on-hsdp": (lambda t: _bubble_on_hsdp(), TypeError,
+                                ["PipelineBubble", "HybridShardStrategy", "PipelineStrategy("]),
+    "callback-parity-on-deepspeed": (lambda t: _parity_on_deepspeed(), ValueError,
+                                     ["OffloadStrategy", "Use it with ddp, hsdp/fsdp2"]),
+    "checkpoint-other-model": (lambda t: _other_model_checkpoint(), ValueError,
+                               ["'stem.weight'", "[16, 12]", "[24, 12]", "different model"]),
+    "checkpoint-missing": (lambda t: ckpt.resolve_path(t / "nope.ckpt"), FileNotFoundError, ["nope.ckpt"]),
+    "checkpoint-untrusted-pickle": (_untrusted_pickle, RuntimeError, ["weights_only=True", "add_safe_globals"]),
+    "mesh-before-fit": (lambda t: HybridShardStrategy().mesh, RuntimeError, ["setup_environment", "Trainer.fit"]),
+    "rendezvous-port-in-use": (lambda t: _port_in_use(), RuntimeError, ["MASTER_PORT=", "pick a free port"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_input_raises_clear_error(case, tmp_path):
+    fn, exc, needles = CASES[case]
+    with pytest.raises(exc) as info:
+        fn(tmp_path)
+    message = str(info.value)
+    missing = [n for n in needles if n not in message]
+    assert not missing, f"{case}: {missing} not in {message!r}"
+    assert list(tmp_path.iterdir()) in ([], [tmp_path / "evil.pt"]), "a failing check wrote files"
+
+
+def test_table_in_docs_lists_every_case():
+    table = (ROOT / "docs" / "bad_input.md").read_text()
+    runtime = ["empty-dataset", "fewer-samples-than-ranks", "smaller-than-one-batch", "nan-loss-one-rank",
+               "callback-wrong-strategy-in-job", "mesh-in-job"]
+    absent = [c for c in [*CASES, *runtime] if f"`{c}`" not in table]
+    assert not absent, f"docs/bad_input.md lacks {absent}"
+    assert len(CASES) + len(runtime) >= 25
+
+
+def test_guards_train_data_problems_pure():
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_dist.guards import train_data_problems
+
+    data = TensorDataset(torch.zeros(6, 2))
+    assert train_data_problems(DataLoader(data, batch_size=2), dp_size=4) == []
+    assert "6 samples but there are 8" in train_data_problems(DataLoader(data), dp_size=8)[0]
+    assert "batch_size=4" in train_data_problems(DataLoader(data, batch_size=4, drop_last=True), dp_size=2)[0]
+    assert "empty" in train_data_problems(DataLoader(TensorDataset(torch.zeros(0, 2))), dp_size=1)[0]
+
+
+def test_rendezvous_only_for_loopback_lightning_environment():
+    from datetime import timedelta
+
+    from lightning.fabric.plugins.environments import LightningEnvironment, TorchElasticEnvironment
+
+    from lightning_dist.rendezvous import is_loopback, loopback_store
+
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("10.0.0.7") and not is_loopback("node-3")
+    assert loopback_store(TorchElasticEnvironment(), timeout=timedelta(seconds=1)) is None
+    env = LightningEnvironment()
+    import os
+
+    old = os.environ.get("MASTER_ADDR")
+    os.environ["MASTER_ADDR"] = "10.0.0.7"
+    try:
+        assert loopback_store(env, timeout=timedelta(seconds=1)) is None  # a routable address: default env://
+    finally:
+        if old is None:
+            del os.environ["MASTER_ADDR"]
+        else:
+            os.environ["MASTER_ADDR"] = old
+
+
+def test_attempt_store_prefixes_keys_with_the_torchrun_attempt(monkeypatch):
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from lightning.fabric.plugins.environments import TorchElasticEnvironment
+
+    from lightning_dist.rendezvous import attempt_store, job_store
+
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=5), wait_for_workers=False)
+    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(server.port), "WORLD_SIZE": "1", "RANK": "0",
+                       "LOCAL_RANK": "0", "GROUP_RANK": "0", "TORCHELASTIC_RUN_ID": "x",
+                       "TORCHELASTIC_RESTART_COUNT": "1"}.items():
+        monkeypatch.setenv(key, value)
+    env = TorchElasticEnvironment()
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    assert attempt_store(env, timeout=timedelta(seconds=5)) is None  # workers host their own store: default path
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    store = job_store(env, timeout=timedelta(seconds=5))
+    store.set("rank_0", "addr")
+    # the failed attempt's keys stay where they were; this attempt's live under its own prefix
+    assert server.get("lightning_dist/attempt_1/rank_0") == b"addr"
