@@ -245,12 +245,15 @@ class DistMesh:
         return self.get_mesh(*names)
 
     def group(self, name: str) -> "ProcessGroup":
+        """The process group of dim `name` (or ``"dp"``) that holds this rank."""
         return self.get_mesh(name).get_group()
 
     def size(self, name: str) -> int:
+        """Size of dim `name` (or ``"dp"``)."""
         return self.spec.size(name)
 
     def local_rank(self, name: str) -> int:
+        """This rank's coordinate on dim `name` (its rank inside that group)."""
         return self.get_mesh(name).get_local_rank()
 
     @property

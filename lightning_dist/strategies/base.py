@@ -82,7 +82,8 @@ class MeshStrategy(ParallelStrategy):
             strategy's built-in plan (for models the built-in plans do not cover).
         save_distributed_checkpoint: True: sharded DCP directory; False: one consolidated file.
         process_group_backend: ``"gloo"``/``"nccl"``; default from the device (cpu -> gloo, cuda -> nccl).
-        timeout: collective timeout; a failing rank makes the others exit after at most this long.
+        timeout: collective timeout; a failing rank makes the others exit after at most this long (under
+            Lightning's launcher add up to 5 s: it checks its child processes every 5 s).
     """
 
     def __init__(
@@ -315,6 +316,7 @@ class MeshStrategy(ParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Load model and optimizer states into the parallelized model (any mesh); return Lightning's metadata."""
         path = self.broadcast(checkpoint_path)
         assert self.model is not None and self.lightning_module is not None
         return ckpt.load(
@@ -327,11 +329,11 @@ class MeshStrategy(ParallelStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        pass  # already loaded in `load_checkpoint`
+        """No-op: :meth:`load_checkpoint` already loaded the (sharded) weights."""  # already loaded in `load_checkpoint`
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        pass  # already loaded in `load_checkpoint`
+        """No-op: :meth:`load_checkpoint` already loaded the (sharded) optimizer states."""  # already loaded in `load_checkpoint`
 
     def __repr__(self) -> str:
         sizes = ", ".join(f"{n}={self._sizes[n]}" for n in DIM_NAMES)

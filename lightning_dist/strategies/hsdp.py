@@ -89,6 +89,7 @@ class HybridShardStrategy(MeshStrategy):
         return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
 
     def parallelize_config(self) -> ParallelizeConfig:
+        """What ``parallelize_model`` applies for this strategy's options (subclasses add TP plans etc.)."""
         return ParallelizeConfig(
             zero_stage=self.zero_stage,
             units=self.units,
