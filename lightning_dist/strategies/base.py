@@ -166,6 +166,7 @@ class MeshStrategy(ParallelStrategy):
         store = job_store(self.cluster_environment, timeout=self._timeout or default_pg_timeout)
         _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout,
                               device_id=device_id, store=store)
+        _destroy_process_group_at_exit()
 
     @override
     def barrier(self, name: Optional[str] = None) -> None:
@@ -338,6 +339,27 @@ class MeshStrategy(ParallelStrategy):
     def __repr__(self) -> str:
         sizes = ", ".join(f"{n}={self._sizes[n]}" for n in DIM_NAMES)
         return f"{type(self).__name__}({sizes})"
+
+
+_EXIT_HOOK: list[bool] = []
+
+
+def _destroy_process_group_at_exit() -> None:
+    """Tear the process group down while Python still runs, once per process.
+
+    Lightning keeps it alive after fit (a later fit reuses it); left to interpreter shutdown, its C++
+    threads were seen aborting the process ("terminate called without an active exception", exit -6)
+    after all work had finished, failing a healthy job.
+    """
+    import atexit
+
+    def destroy() -> None:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+    if not _EXIT_HOOK:
+        atexit.register(destroy)
+        _EXIT_HOOK.append(True)
 
 
 def _is_parallelized(module: nn.Module) -> bool:
