@@ -69,7 +69,30 @@ def make_shapes(n: int, *, image_size: int = 32, seed: int = 0, noise: float = 0
     return images.unsqueeze(1), labels
 
 
-class ShapesDataModule(LightningDataModule):
+class _SplitDataModule(LightningDataModule):
+    """Loaders over ``self.train_set`` / ``self.val_set`` (built in ``setup``), shared by the data modules below."""
+
+    train_set: Dataset | None
+    val_set: Dataset | None
+    batch_size: int
+    num_workers: int
+
+    @override
+    def train_dataloader(self) -> DataLoader:
+        # drop_last keeps every step's batch full, which pipeline micro-batching relies on
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True,
+                          num_workers=self.num_workers)
+
+    @override
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)
+
+    @override
+    def test_dataloader(self) -> DataLoader:
+        return self.val_dataloader()
+
+
+class ShapesDataModule(_SplitDataModule):
     """Synthetic shape classification (disk / square / triangle), generated in-process.
 
     Args:
@@ -111,18 +134,6 @@ class ShapesDataModule(LightningDataModule):
             self.train_set = TensorDataset(*make_shapes(self.n_train, image_size=self.image_size, seed=self.seed, noise=self.noise))
             self.val_set = TensorDataset(*make_shapes(self.n_val, image_size=self.image_size, seed=self.seed + 1, noise=self.noise))
 
-    @override
-    def train_dataloader(self) -> DataLoader:
-        # drop_last keeps every step's batch full, which pipeline micro-batching relies on
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True, num_workers=self.num_workers)
-
-    @override
-    def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)
-
-    @override
-    def test_dataloader(self) -> DataLoader:
-        return self.val_dataloader()
 
 
 # Character corpus -------------------------------------------------------------------------------------
@@ -191,7 +202,7 @@ def decode(ids: Tensor) -> str:
     return "".join(CHAR_VOCAB[i] for i in ids.tolist())
 
 
-class CharDataModule(LightningDataModule):
+class CharDataModule(_SplitDataModule):
     """Next-character prediction on a generated corpus (:func:`make_corpus`).
 
     The corpus is split into a training part and a validation tail; each sample is a window of
@@ -251,14 +262,3 @@ class CharDataModule(LightningDataModule):
             self.train_set = self._windows(ids[: self.n_chars - n_val])
             self.val_set = self._windows(ids[self.n_chars - n_val :])
 
-    @override
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True, num_workers=self.num_workers)
-
-    @override
-    def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)
-
-    @override
-    def test_dataloader(self) -> DataLoader:
-        return self.val_dataloader()
