@@ -297,6 +297,28 @@ class MeshStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
+    # ---- memory at rest --------------------------------------------------------------------------
+    def reshard(self) -> None:
+        """Free gathered FSDP2 parameters (roots stay gathered after a forward-only pass until a backward)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        if self.model is not None:
+            for module in self.model.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+
+    @override
+    def on_validation_end(self) -> None:
+        self.reshard()  # validation runs forward only: do not keep the roots gathered into training
+
+    @override
+    def on_test_end(self) -> None:
+        self.reshard()
+
+    @override
+    def on_predict_end(self) -> None:
+        self.reshard()
+
     # ---- checkpoints ---------------------------------------------------------------------------
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:

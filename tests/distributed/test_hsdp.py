@@ -131,6 +131,7 @@ def test_features_meta_init_ac_units_parallelize_fn_bf16_and_dp_logging():
         assert r["params"] == ["torch.bfloat16"] and 0 < r["loss"] < 10, r
     for r in by_kind["validate_after_fit"]:
         assert abs(r["val"] - r["expected"]) <= 1e-12 * abs(r["expected"]), r
+        assert r["resharded"], r
 
 
 def test_two_nodes_shard_inside_replicate_across():
