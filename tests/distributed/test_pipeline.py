@@ -82,6 +82,7 @@ def test_pp2_checkpoint_resume_and_single_device_load(pp2):
         assert r["global_step"] == 4
         assert r["diff"] <= TOL  # 2 steps + resume for 2 == 4 uninterrupted single-device steps
         assert len(r["stages"]) == 2  # resumed in another layout (interleaved) than it was saved in (1F1B)
+        assert r["pp1_diff"] <= TOL  # and into pp=1 (FSDP2 over both ranks) with the same parameters
     # the pp=2 checkpoint loads strictly into a plain single-device module with the reference parameters
     assert rows[0]["single_diff"] is not None and rows[0]["single_diff"] <= TOL
 

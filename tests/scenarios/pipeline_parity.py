@@ -14,7 +14,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _common import MLP, Classifier, dataset, emit, trainer
+from _common import MLP, Classifier, dataset, emit, full_params, trainer
 from torch.utils.data import DataLoader, DistributedSampler
 
 import lightning_dist  # noqa: F401  (registers the strategies)
@@ -207,8 +207,15 @@ def checkpoint_resume():
         # the stages' optimizer states merge into torch's own layout for the single-device model
         torch.optim.AdamW(single.parameters()).load_state_dict(full["optimizer_states"][0])
         single_diff = max(((p - ref4[k]).norm() / ref4[k].norm()).item() for k, p in single.named_parameters())
+    # pp=2 -> pp=1: the same sharded directory loads into a non-pipelined FSDP2 run (weights; validate)
+    from lightning_dist.strategies import FullyShardStrategy
+
+    flat = PipeClassifier(n=32)
+    trainer(FullyShardStrategy(), devices=WORLD, steps=4).validate(flat, ckpt_path=path + "4", verbose=False)
+    pp1 = full_params(flat)
+    pp1_diff = max(((pp1[k] - ref4[k]).norm() / ref4[k].norm()).item() for k in ref4)
     emit(kind="resume", diff=diff, global_step=t2.global_step, single_diff=single_diff,
-         stages=t2.strategy.local_stages)
+         stages=t2.strategy.local_stages, pp1_diff=pp1_diff)
 
 
 if __name__ == "__main__":
