@@ -226,9 +226,16 @@ def _torch_load(path: Path, weights_only: bool) -> Any:
         raise
 
 
-def check_compatible(saved_shapes: Mapping[str, Sequence[int]], model: nn.Module, strict: bool = True) -> None:
-    """Raise ValueError naming the first parameter whose name or shape differs between checkpoint and model."""
-    live = {k: tuple(v) for k, v in model_state_shapes(model).items()}
+def check_compatible(
+    saved_shapes: Mapping[str, Sequence[int]], model: nn.Module, strict: bool = True,
+    live_state: Mapping[str, Any] | None = None,
+) -> None:
+    """Raise ValueError naming the first parameter whose name or shape differs between checkpoint and model.
+
+    `live_state`: the model's sharded state dict when the caller already has it (saves collecting it twice).
+    """
+    state = live_state if live_state is not None else model_state(model, full=False)
+    live = {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
     for name, shape in live.items():
         if name not in saved_shapes:
             if strict:
@@ -279,8 +286,8 @@ def load(
             for k, md in reader.read_metadata().state_dict_metadata.items()
             if k.startswith(MODEL_KEY + ".") and hasattr(md, "size")
         }
-        check_compatible(saved, model, strict=strict)
         model_sd = model_state(model, full=False)
+        check_compatible(saved, model, strict=strict, live_state=model_sd)
         dcp.load({MODEL_KEY: model_sd}, checkpoint_id=path)
         set_model_state_dict(model, model_sd, options=StateDictOptions(strict=strict))
         for i, optimizer in enumerate(optimizers):

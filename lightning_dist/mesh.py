@@ -24,8 +24,6 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Union
 
-import torch
-
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh

@@ -42,6 +42,12 @@ def _env(extra: dict | None = None) -> dict:
     return env
 
 
+def scenario_path(script: str | Path) -> Path:
+    """`script` as given when absolute, else a file of tests/scenarios/."""
+    path = Path(script)
+    return path if path.is_absolute() else SCENARIOS / path
+
+
 class ScenarioError(AssertionError):
     pass
 
@@ -84,9 +90,7 @@ def run_script(
     cwd: Path | None = None,
 ) -> subprocess.CompletedProcess:
     """``python script args...``: Lightning's launcher spawns the other ranks itself."""
-    path = Path(script)
-    if not path.is_absolute():
-        path = SCENARIOS / path
+    path = scenario_path(script)
     proc = _run([sys.executable, str(path), *args], timeout, env, cwd)
     if expect_ok and proc.returncode != 0:
         raise ScenarioError(_report(f"{path.name} {' '.join(args)}", proc))
@@ -104,9 +108,7 @@ def run_torchrun(
     cwd: Path | None = None,
 ) -> subprocess.CompletedProcess:
     """``torchrun --nproc-per-node N script args...`` on loopback."""
-    path = Path(script)
-    if not path.is_absolute():
-        path = SCENARIOS / path
+    path = scenario_path(script)
     port = free_port()
     cmd = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
@@ -127,9 +129,7 @@ def run_torchrun_nodes(
     env: dict | None = None,
 ) -> list[subprocess.CompletedProcess]:
     """Simulate `nnodes` machines on this one: one torchrun per node rank, rendezvous on loopback."""
-    path = Path(script)
-    if not path.is_absolute():
-        path = SCENARIOS / path
+    path = scenario_path(script)
     port = free_port()
     procs = []
     for node_rank in range(nnodes):
@@ -166,3 +166,18 @@ def survivors(marker: str) -> list:
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
     return found
+
+
+def reap_survivors(marker: str, *, wait_s: float = 5.0) -> list:
+    """The processes of a finished launch still alive after `wait_s` (a SIGKILLed child may take a moment
+    to be reaped); they are killed before returning, so a failing test leaves nothing behind."""
+    import time
+
+    left = survivors(marker)
+    deadline = time.monotonic() + wait_s
+    while left and time.monotonic() < deadline:
+        time.sleep(0.25)
+        left = survivors(marker)
+    for p in left:
+        p.kill()
+    return left

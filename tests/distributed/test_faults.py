@@ -16,7 +16,7 @@ import uuid
 import psutil
 import pytest
 
-from _harness import ROOT, SCENARIOS, _env, free_port, results, survivors as _survivors
+from _harness import ROOT, SCENARIOS, _env, free_port, results, reap_survivors, survivors as _survivors
 
 pytestmark = pytest.mark.distributed
 
@@ -47,14 +47,7 @@ def launch(where: str, rank: int, out, *, torchrun: bool = False, extra: tuple[s
             p.kill()
         pytest.fail(f"{where} on rank {rank} hung: the job did not end in 300 s")
     ended = time.time()
-    survivors = _survivors(marker)
-    for _ in range(20):  # a SIGKILLed child may take a moment to be reaped
-        if not survivors:
-            break
-        time.sleep(0.25)
-        survivors = _survivors(marker)
-    for p in survivors:
-        p.kill()
+    survivors = reap_survivors(marker)
     return proc.returncode, stdout, stderr, ended, survivors
 
 

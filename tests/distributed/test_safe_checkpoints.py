@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from _harness import ROOT, SCENARIOS, _env, results, run_script
-from _harness import survivors as _survivors
+from _harness import reap_survivors
 
 pytestmark = pytest.mark.distributed
 
@@ -43,14 +43,7 @@ def _kill_while_saving(mode: str, out) -> tuple[float, list]:
     except subprocess.TimeoutExpired:
         pytest.fail("the job hung after its rank 0 was killed during a save")
     ended = time.time() - killed
-    survivors = _survivors(marker)
-    for _ in range(20):
-        if not survivors:
-            break
-        time.sleep(0.25)
-        survivors = _survivors(marker)
-    for p in survivors:
-        p.kill()
+    survivors = reap_survivors(marker)
     assert proc.returncode != 0
     return ended, survivors
 
