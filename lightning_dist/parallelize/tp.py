@@ -474,7 +474,32 @@ def apply_tp(
     return entries
 
 
+def apply_tp_entries(
+    part: nn.Module,
+    tp_mesh: "DeviceMesh",
+    entries: list[TPEntry],
+    owner: nn.Module,
+    *,
+    sequence_dim: int = 1,
+) -> int:
+    """Apply entries resolved on `owner` to the modules of `part` (a piece of `owner`, e.g. a pipeline stage).
+
+    Entries are matched by module identity, so a plan checked once on the whole model (where every pattern
+    must match something) applies to each piece under the piece's own names; entries of modules that live
+    elsewhere are skipped. Returns the number of modules parallelized.
+    """
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    modules = dict(owner.named_modules())
+    by_id = {id(modules[e.fqn]): e for e in entries if e.active}
+    styles = {name: _to_style(by_id[id(m)], sequence_parallel=False, sequence_dim=sequence_dim)
+              for name, m in part.named_modules() if name and id(m) in by_id}
+    if styles:
+        parallelize_module(part, tp_mesh, styles)
+    return len(styles)
+
+
 __all__ = [
-    "BUILTIN_PLANS", "STYLES", "Plan", "TPEntry", "apply_tp", "builtin_plan", "format_plan", "mlp_plan",
+    "BUILTIN_PLANS", "STYLES", "Plan", "TPEntry", "apply_tp", "apply_tp_entries", "builtin_plan", "format_plan", "mlp_plan",
     "resolve_plan", "transformer_plan",
 ]

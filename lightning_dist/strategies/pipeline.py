@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any, Optional, Union
 
 import torch
@@ -38,8 +39,9 @@ from typing_extensions import override
 
 import lightning.pytorch as pl
 from lightning_dist import checkpoint as ckpt
-from lightning_dist.mesh import PP, MeshSpec
+from lightning_dist.mesh import PP, TP, MeshSpec
 from lightning_dist.parallelize import pipeline as plan
+from lightning_dist.parallelize.tp import TPEntry, apply_tp_entries, builtin_plan, format_plan, resolve_plan
 from lightning_dist.parallelize.pipeline_schedule import SCHEDULES, build_schedule, schedule_problems
 from lightning_dist.strategies.base import MeshStrategy
 
@@ -53,6 +55,10 @@ def _flat_options() -> Any:
 
 
 _FLAT = _flat_options()
+
+
+def _names_of(root: nn.Module, target: nn.Module) -> set[str]:
+    return {n for n, m in root.named_modules() if m is target}
 
 
 class PipelineStrategy(MeshStrategy):
@@ -73,6 +79,12 @@ class PipelineStrategy(MeshStrategy):
         reshard_after_forward: FSDP2 option on the data-parallel dims (False keeps parameters gathered
             across the micro-batches of a step).
         record_timeline: record each rank's F/B/W actions per step (see ``PipelineBubble``).
+        tp: tensor-parallel degree inside each stage (the mesh is ``pp x dp x tp``); 1: none.
+        tp_plan: the tensor-parallel plan when ``tp > 1``: ``"auto"``, a built-in plan name or a mapping
+            ``{module-name glob: style}`` (see :mod:`lightning_dist.parallelize.tp`). It is checked on the
+            whole network (every pattern must match somewhere), then each stage applies the entries of the
+            modules it holds. The network's output must be whole on every tensor rank (the loss sees it):
+            give a sharded head ``colwise_gather``. Sequence parallelism is not available inside stages.
         **kwargs: mesh and checkpoint options of :class:`MeshStrategy` (``dp_replicate``, ``dp_shard``...).
     """
 
@@ -90,13 +102,21 @@ class PipelineStrategy(MeshStrategy):
         allow_batchnorm: bool = False,
         reshard_after_forward: bool = False,
         record_timeline: bool = False,
+        tp: int = 1,
+        tp_plan: Union[str, Mapping[str, Any]] = "auto",
         **kwargs: Any,
     ) -> None:
         if kwargs.get("save_distributed_checkpoint") is False:
             raise ValueError("PipelineStrategy writes sharded checkpoints (save_distributed_checkpoint=True): each"
                              " stage saves its own parameters. For one file, convert the directory with torch's"
                              " `torch.distributed.checkpoint.format_utils.dcp_to_torch_save` (weights under 'state_dict').")
-        super().__init__(pp=1 if pp is None else pp, **kwargs)
+        if not isinstance(tp_plan, (str, Mapping)):
+            raise TypeError(f"`tp_plan` must be 'auto', a built-in plan name or a mapping of pattern -> style;"
+                            f" got {type(tp_plan).__name__}.")
+        super().__init__(pp=1 if pp is None else pp, tp=tp, **kwargs)
+        self.tp_plan = dict(tp_plan) if isinstance(tp_plan, Mapping) else tp_plan
+        self.tp_entries: list[TPEntry] = []
+        """The resolved tensor-parallel plan (on the whole LightningModule; filled in ``parallelize``)."""
         if schedule not in SCHEDULES:
             raise ValueError(f"`schedule={schedule!r}` must be one of {sorted(SCHEDULES)}.")
         self._pp_auto = pp is None
@@ -148,9 +168,6 @@ class PipelineStrategy(MeshStrategy):
     @override
     def validate_config(self, spec: MeshSpec) -> None:
         pp, problems = spec.size(PP), []
-        if spec.size("tp") > 1:
-            problems.append(f"tp={spec.size('tp')}: PipelineStrategy does not apply tensor parallelism to its stages"
-                            " yet; use tp=1 (pp x dp).")
         problems += schedule_problems(self.schedule, pp, self.n_microbatches, self.stages_per_rank)
         module = self.lightning_module
         net = getattr(module, self.network, None)
@@ -172,10 +189,24 @@ class PipelineStrategy(MeshStrategy):
         mode = self.split_mode()
         check = plan.plan_split(net, self.num_stages, split="params" if mode == "balanced" else mode)
         self._check_splittable(net, check)
+        if spec.size(TP) > 1:
+            self._resolve_tp(module, net, spec.size(TP))
         if mode == "balanced" and getattr(module, "example_input_array", None) is None:
             raise ValueError(f'split="balanced" profiles each block on a sample micro-batch: set'
                              f" `{type(module).__name__}.example_input_array` to one micro-batch of inputs,"
                              ' or pass split="params".')
+
+    def _resolve_tp(self, module: pl.LightningModule, net: nn.Module, tp: int) -> list[TPEntry]:
+        """The TP plan resolved on the whole LightningModule (same on every rank), with the pipeline's own rule."""
+        plan_ = builtin_plan(module, self.tp_plan, tp=tp)[1] if isinstance(self.tp_plan, str) else self.tp_plan
+        entries = resolve_plan(module, plan_, tp=tp)
+        leaves = [m for m in net.modules() if not any(True for _ in m.children())]
+        last = next((e for e in entries if leaves and e.fqn in _names_of(module, leaves[-1])), None)
+        if last is not None and last.style == "colwise" and "output" not in last.options:
+            raise ValueError(f"tp_plan gives the network's last layer {last.fqn!r} style 'colwise': its output would"
+                             " stay sharded over the tensor ranks, but pipeline_loss needs whole outputs. Use"
+                             " 'colwise_gather' for it (or leave it out of the plan).")
+        return entries
 
     def split_mode(self) -> Any:
         """The split that will be used: ``split`` with ``"auto"`` resolved for the attached module."""
@@ -225,6 +256,12 @@ class PipelineStrategy(MeshStrategy):
         rank_zero_info(self.split.format(self._stage_ranks))
         container = plan.build_stage_module(net, self.split, self._local_stages)
         self._views = [plan.build_stage_module(net, self.split, [s]) for s in self._local_stages]
+        # order: split (above) -> tensor parallelism per stage -> FSDP2 per stage (it shards what TP left)
+        if mesh.size(TP) > 1:
+            self.tp_entries = self._resolve_tp(module, net, mesh.size(TP))
+            rank_zero_info(format_plan(self.tp_entries, tp=mesh.size(TP)))
+            for view in self._views:  # entries matched by module identity: stage modules keep their own names
+                apply_tp_entries(view, mesh.get_mesh(TP), self.tp_entries, module)
         setattr(module, self.network, container)  # the rest of the network is dropped here
         if mesh.dp_size > 1:
             plan.apply_fsdp_to_stages(self._views, mesh.fsdp_mesh(), reshard_after_forward=self.reshard_after_forward)
@@ -360,17 +397,14 @@ class PipelineStrategy(MeshStrategy):
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
 
     def _clip_grad_by_norm(self, optimizer: Any, clip_val: Union[int, float]) -> None:
-        from torch.distributed.tensor import DTensor
-
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
-        if isinstance(total, DTensor):
-            total = total.full_tensor()
-        if self.mesh.size(PP) > 1:
-            total = total.double() ** 2
-            dist.all_reduce(total, group=self.mesh.group(PP))
-            total = total.sqrt()
-        torch.nn.utils.clip_grads_with_norm_(params, clip_val, total)
+        total = global_grad_norm([p.grad for p in params], self.mesh.group(PP) if self.mesh.size(PP) > 1 else None,
+                                 device=self.root_device)
+        # torch's rule (coefficient max_norm / (norm + 1e-6), at most 1), applied per tensor: its foreach kernel
+        # refuses a list mixing DTensor (TP/FSDP) and plain gradients
+        coef = min(1.0, float(clip_val) / (total.item() + 1e-6))
+        for p in params:
+            p.grad.mul_(coef)
 
     # ---- checkpoints: each stage holds only its own keys ----------------------------------------
     @override
@@ -412,4 +446,28 @@ class PipelineStrategy(MeshStrategy):
         super().teardown()
 
 
-__all__ = ["PipelineStrategy"]
+def global_grad_norm(grads: list[Tensor], pp_group: Optional[Any], *, device: torch.device) -> Tensor:
+    """The 2-norm of all gradients of the model, across pipeline stages, FSDP shards and tensor-parallel shards.
+
+    torch's ``get_total_norm`` stacks per-tensor norms, which needs one layout: gradients are grouped by
+    (mesh, placements) (plain tensors, TP-only DTensors, FSDP x TP DTensors), each group's norm is made
+    whole with ``full_tensor()``, and the squares are summed over the pp group (stages hold distinct parameters).
+    """
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[Any, list[Tensor]] = {}
+    for g in grads:
+        key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
+        groups.setdefault(key, []).append(g)
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm(group, norm_type=2.0)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        total = total + norm.to(device=device, dtype=torch.float64) ** 2
+    if pp_group is not None:
+        dist.all_reduce(total, group=pp_group)
+    return total.sqrt()
+
+
+__all__ = ["PipelineStrategy", "global_grad_norm"]

@@ -125,6 +125,25 @@ def test_pp2_x_dp2_parity(pp4, schedule):
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("schedule", ("1f1b", "interleaved_1f1b"))
+def test_pp2_x_tp2_parity(pp4, schedule):
+    """Tensor parallelism inside the stages: one plan checked on the whole network, applied per stage."""
+    rows = _by_tag(pp4)[f"pp2xtp2_{schedule}"]
+    assert all(r["shape"] == [2, 1, 1, 2] for r in rows)  # pp=2 x tp=2
+    _check_parity(rows, world=4, pp=2)
+    for r in rows:
+        held = {k.rsplit(".", 1)[0] for k in r["keys"]}
+        # every planned Linear this rank holds is split over tp (stem, blocks' fc, head), norms are not
+        planned = {m for m in held if m == "model.stem" or m == "model.head" or m.endswith(".fc")}
+        assert {k.rsplit(".", 1)[0] for k in r["tp_sharded"]} == planned and planned, r["tp_sharded"]
+        if schedule == "1f1b":
+            assert r["clipped"] == [True, True, True]  # the global norm spans DTensor and plain gradients
+    if schedule == "1f1b":  # its sharded checkpoint consolidates into the single-device model
+        (single,) = [r for r in pp4 if r["kind"] == "tp_consolidated"]
+        assert single["diff"] <= TOL, single
+
+
+@pytest.mark.distributed
 def test_pp2_bubble_callback_records_the_timeline(pp2):
     rows = {(r["schedule"], r["rank"]): r for r in pp2 if r["kind"] == "bubble"}
     assert len(rows) == 6

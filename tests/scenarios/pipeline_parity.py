@@ -3,7 +3,8 @@
 2 processes (pp=2): every schedule; accumulate_grad_batches=2 + gradient clipping + LR scheduler;
 validation through the pipeline; checkpoint resume and consolidation into a single-device model;
 bad configurations raising on every rank.
-4 processes: every schedule with pp=4, and pp=2 x dp=2 (FSDP2 on dp).
+4 processes: every schedule with pp=4, pp=2 x dp=2 (FSDP2 on dp), and pp=2 x tp=2 (tensor parallelism inside
+each stage, with global-norm clipping over DTensor and plain gradients).
 Each rank compares the parameters it holds with the reference (keys are the single-device names).
 """
 
@@ -24,6 +25,9 @@ from lightning_dist.strategies import PipelineStrategy
 DEPTH = 8
 WORLD = int(os.environ.get("WORLD_SIZE", "2"))
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"]
+# TP inside the stages of the MLP: gathered column-parallel stem and blocks, a row-parallel head fed whole
+# inputs (5 outputs do not split over 2 ranks, 16 inputs do)
+TP_PLAN = {"stem": "colwise_gather", "blocks.*.fc": "colwise_gather", "head": {"style": "rowwise", "input": "replicate"}}
 
 
 class PipeClassifier(Classifier):
@@ -122,7 +126,14 @@ def parity(tag, strategy, steps=3, **kw):
          ref_losses=ref_losses, logged=logged, val=metrics["val_loss"], ref_val=ref_val,
          split=[list(s.blocks) for s in strategy.split.stages], stages=strategy.local_stages,
          shape=list(strategy.mesh.spec.shape), clipped=clipped, predict_diff=predict_diff,
-         schedule=strategy.schedule)
+         schedule=strategy.schedule, tp_sharded=sorted(n for n, p in module.named_parameters() if _on_tp(p)))
+    return module, t, ref
+
+
+def _on_tp(p) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ())
 
 
 def errors():
@@ -218,6 +229,25 @@ def checkpoint_resume():
          stages=t2.strategy.local_stages, pp1_diff=pp1_diff)
 
 
+def tensor_parallel():
+    """pp=2 x tp=2: TP applied per stage from one plan; clipping takes the norm over DTensor and plain grads."""
+    _, t, ref = parity("pp2xtp2_1f1b", PipelineStrategy(pp=2, tp=2, tp_plan=TP_PLAN, schedule="1f1b", n_microbatches=4,
+                                                        split="params"), steps=3, gradient_clip_val=0.05)
+    # the sharded checkpoint (DTensor shards of every stage) consolidates into the single-device model
+    box = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    path = os.path.join(box[0], "pp2tp2.ckpt")
+    t.save_checkpoint(path)
+    if dist.get_rank() == 0:
+        ckpt.consolidate(path, path + ".pt")
+        single = Classifier(depth=DEPTH).double()
+        single.load_state_dict(torch.load(path + ".pt", map_location="cpu", weights_only=True)[ckpt.MODEL_KEY])
+        emit(kind="tp_consolidated", diff=max(((p - ref[k]).norm() / ref[k].norm()).item()
+                                              for k, p in single.named_parameters()))
+    parity("pp2xtp2_interleaved_1f1b", PipelineStrategy(pp=2, tp=2, tp_plan=TP_PLAN, schedule="interleaved_1f1b",
+                                                        n_microbatches=4, split="params"), steps=3)
+
+
 if __name__ == "__main__":
     mode = sys.argv[1] if len(sys.argv) > 1 else "pp2"
     if mode == "pp2":
@@ -229,9 +259,12 @@ if __name__ == "__main__":
         checkpoint_resume()
         bubble()
         errors()
+    elif mode == "tp":
+        tensor_parallel()
     else:
         for schedule in SCHEDULES:
             parity(f"pp4_{schedule}", PipelineStrategy(pp=4, schedule=schedule, n_microbatches=8), steps=3)
         parity("pp2xdp2_1f1b", PipelineStrategy(pp=2, schedule="1f1b", n_microbatches=4), steps=3)
         parity("pp2xdp2_zero_bubble", PipelineStrategy(pp=2, schedule="zero_bubble", n_microbatches=4, split="params"),
                steps=3)
+        tensor_parallel()

@@ -327,3 +327,34 @@ def test_replay_removes_latency_but_keeps_the_schedule_bubble():
                             for i, (s, k, mb, t0, t1) in enumerate(r["events"])], end=r["end"] + 4.0) for r in ideal]
     assert bubble_stats(late, p)["idle_fraction"] > (p - 1) / (m + p - 1) + 0.05
     assert replay_idle(late) == pytest.approx((p - 1) / (m + p - 1))
+
+
+def _validate_tp(module, tp_plan):
+    strategy = PipelineStrategy(pp=2, tp=2, split="params", tp_plan=tp_plan)
+    strategy.connect(module)
+    strategy.validate_config(MeshSpec(world_size=4, devices_per_node=4, pp=2, tp=2).resolve())
+    return strategy
+
+
+def test_tp_plan_inside_stages_is_checked_on_the_whole_network():
+    net = Net(depth=4, width=8)
+    net.head = nn.Linear(8, 4)
+    # a pattern that matches on one stage only (head) is fine: the plan is checked on the whole network
+    _validate_tp(_Module(net=net), {"blocks.*.fc": "colwise_gather", "head": "colwise_gather"})
+    with pytest.raises(ValueError, match=r"'blocks\.\*\.attn' \(colwise\) matches no module"):
+        _validate_tp(_Module(net=net), {"blocks.*.attn": "colwise"})
+    # the loss needs whole outputs: a column-sharded last layer is refused with the fix
+    with pytest.raises(ValueError, match=r"last layer 'model\.head' style 'colwise'.*colwise_gather"):
+        _validate_tp(_Module(net=net), {"head": "colwise"})
+    with pytest.raises(ValueError, match=r"hidden|divisible|not divide"):
+        _validate_tp(_Module(net=Net(depth=4, width=8)), {"head": "colwise_gather"})  # 3 outputs over tp=2
+    with pytest.raises(TypeError, match="tp_plan"):
+        PipelineStrategy(pp=2, tp=2, tp_plan=3)
+
+
+def test_global_grad_norm_of_plain_gradients_matches_torch():
+    from lightning_dist.strategies.pipeline import global_grad_norm
+
+    grads = [torch.randn(3, 4, dtype=torch.float64), torch.randn(5, dtype=torch.float64)]
+    want = torch.nn.utils.get_total_norm(grads)
+    assert global_grad_norm(grads, None, device=torch.device("cpu")).item() == pytest.approx(want.item(), rel=1e-15)
