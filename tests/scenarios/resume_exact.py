@@ -1,6 +1,10 @@
 """Exact mid-epoch resume under Lightning's injected shuffling DistributedSampler (hsdp 2x2, float64).
 
-usage: python resume_exact.py OUT [STRATEGY]    (Lightning's launcher, 4 processes; STRATEGY: hsdp | tp)
+usage: python resume_exact.py OUT [STRATEGY]    (Lightning's launcher; STRATEGY: hsdp | tp | pipeline | offload)
+
+hsdp 2x2, tp2 x dp2 and pipeline pp2 x dp2 run 4 processes in float64; offload (DeepSpeed ZeRO-3 with
+optimizer state and parameters in host memory) runs 2 processes in float32, as DeepSpeed has no float64 on
+CPU: "bitwise" then means bitwise in float32.
 
 A = 9 steps uninterrupted (6 steps per epoch: step 9 is mid-epoch 1); B = the same with checkpoints
 every 4 steps (4: mid-epoch 0, 8: mid-epoch 1); C = resume from step 4 to 9, D = resume from step 8 to 9;
@@ -20,20 +24,25 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from lightning_dist.data import ResumableDataLoader, ResumeRNG
-from lightning_dist.strategies import HybridShardStrategy
+from lightning_dist.strategies import HybridShardStrategy, OffloadStrategy, PipelineStrategy
 from lightning_dist.strategies.tp import TensorParallelStrategy
 
 out = Path(sys.argv[1])
 name = sys.argv[2] if len(sys.argv) > 2 else "hsdp"
-STRATEGIES = {  # 4 processes each
-    "hsdp": lambda: HybridShardStrategy(dp_replicate=2, shard_size=2),
-    "tp": lambda: TensorParallelStrategy(tp=2, dp_shard=2, plan={"model.stem": "colwise_gather"}),
+STRATEGIES = {  # name -> (strategy, processes, precision)
+    "hsdp": (lambda: HybridShardStrategy(dp_replicate=2, shard_size=2), 4, "64-true"),
+    "tp": (lambda: TensorParallelStrategy(tp=2, dp_shard=2, plan={"model.stem": "colwise_gather"}), 4, "64-true"),
+    "pipeline": (lambda: PipelineStrategy(pp=2, dp_shard=2, schedule="1f1b", n_microbatches=2, split="params"), 4,
+                 "64-true"),
+    "offload": (lambda: OffloadStrategy(optimizer="cpu", parameters="cpu", zero_stage=3, report=False), 2, "32-true"),
 }
+make, DEVICES, PRECISION = STRATEGIES[name]
+DTYPE = torch.float64 if PRECISION == "64-true" else torch.float32
 
 
 class Shuffled(Classifier):
     def __init__(self, *, resumable: bool = True, **kw) -> None:
-        super().__init__(n=96, schedule=True, **kw)
+        super().__init__(n=96, schedule=True, dtype=DTYPE, **kw)
         self.resumable = resumable
         self.order = []
 
@@ -44,11 +53,14 @@ class Shuffled(Classifier):
         loss = F.cross_entropy(self(x), y)
         return loss
 
+    def pipeline_loss(self, output, target):  # PipelineStrategy: the loss of one micro-batch
+        return F.cross_entropy(output, target)
+
     def train_dataloader(self):
         cls = ResumableDataLoader if self.resumable else DataLoader
         # Lightning replaces the shuffle with a DistributedSampler(shuffle=True) over the dp ranks
         replicas = self.trainer.strategy.distributed_sampler_kwargs["num_replicas"]
-        return cls(dataset(self.n), batch_size=self.global_batch // replicas, shuffle=True)
+        return cls(dataset(self.n, dtype=DTYPE), batch_size=self.global_batch // replicas, shuffle=True)
 
 
 def fit(steps, *, ckpt_path=None, every=None, resumable=True, rng=True, prefix="s"):
@@ -58,10 +70,21 @@ def fit(steps, *, ckpt_path=None, every=None, resumable=True, rng=True, prefix="
     if every:
         callbacks.append(ModelCheckpoint(dirpath=out, filename=prefix + "{step}", auto_insert_metric_name=False,
                                          save_top_k=-1, every_n_train_steps=every))
-    t = trainer(STRATEGIES[name](), devices=4, steps=steps,
+    t = trainer(make(), devices=DEVICES, precision=PRECISION, steps=steps,
                 use_distributed_sampler=True, enable_checkpointing=bool(every), callbacks=callbacks)
     t.fit(module, ckpt_path=ckpt_path)
-    return full_params(module), t, module
+    return params(module), t, module
+
+
+def params(module) -> dict:
+    """This rank's parameters, whole (FSDP/TP shards joined; ZeRO-3 partitions gathered; a pipeline rank's stage)."""
+    plist = list(module.parameters())
+    if any(hasattr(p, "ds_id") for p in plist):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(plist):
+            return {n: p.detach().clone() for n, p in module.named_parameters()}
+    return full_params(module)
 
 
 a, ta, ma = fit(9)
