@@ -4,8 +4,11 @@ One invocation (it starts torchrun itself)::
 
     python benchmarks/pipeline.py [--steps 8] [--json FILE] [--gantt DIR]
 
-``PipelineStrategy(pp=2)`` trains an MLP (stem, 8 blocks of width 512, head; float32, micro-batches of
-32 rows) for each schedule and micro-batch count; the ``PipelineBubble`` callback records every F/B/I/W
+``PipelineStrategy(pp=2)`` trains an MLP (stem, ``--depth`` blocks of width ``--width``, head; float32,
+micro-batches of ``--micro`` rows; default 16 x 512, 256 rows: each F/B action then computes for tens of
+milliseconds while a message carries 512 KiB, so message latency is small next to compute, as it is for
+real pipelines on GPUs; with 8 blocks and 128 rows gloo's ~1 ms per message on this 2-core machine
+adds 0.04 to 1F1B's idle fraction at m=8) for each schedule and micro-batch count; the ``PipelineBubble`` callback records every F/B/I/W
 action of every rank. Reports, averaged over the steps after warm-up:
 
 * measured idle fraction = mean over ranks of 1 - busy / step span, and its ratio to the GPipe/1F1B theory
@@ -16,6 +19,8 @@ action of every rank. Reports, averaged over the steps after warm-up:
   latency, wake-ups and preemption, which dominate on an oversubscribed machine);
 * the zero-bubble (ZBV, F/I/W split) schedule's idle fraction next to 1F1B's at the same m;
 * the peak number of micro-batches whose activations stage 0 held (1F1B <= p, GPipe = m);
+* the mean wall and CPU milliseconds of each stage's F/B/I/W actions (in the JSON: equal stages, and
+  wall = CPU, show that the excess idle is in the gaps between actions, i.e. messages and wake-ups);
 * step time (median of the training-batch wall times of rank 0) vs Lightning's ``DDPStrategy`` training the
   same model on the same global batch on the same 2 processes (for context: DDP does all the work twice
   as fast per process when compute is free, the pipeline halves memory per process).
@@ -34,7 +39,6 @@ from pathlib import Path
 
 import torch
 
-WIDTH, DEPTH, MICRO = 512, 8, 32
 CONFIGS = [("1f1b", 2), ("1f1b", 4), ("1f1b", 8), ("gpipe", 2), ("gpipe", 4), ("gpipe", 8),
            ("zero_bubble", 4), ("zero_bubble", 8)]
 
@@ -47,6 +51,7 @@ def _launch(argv: list[str]) -> int:
 
 
 def _worker(args: argparse.Namespace) -> None:
+    WIDTH, DEPTH = args.width, args.depth
     import lightning.pytorch as pl
     import torch.nn.functional as F
     from lightning.pytorch.callbacks import Callback
@@ -83,7 +88,7 @@ def _worker(args: argparse.Namespace) -> None:
             super().__init__()
             torch.manual_seed(0)
             self.model, self.batch = Net(), batch
-            self.example_input_array = torch.randn(MICRO, 64)
+            self.example_input_array = torch.randn(args.micro, 64)
 
         def pipeline_loss(self, out, y):
             return F.cross_entropy(out, y)
@@ -126,21 +131,34 @@ def _worker(args: argparse.Namespace) -> None:
                                 gantt_path=Path(args.gantt) / f"{schedule}_m{m}.png" if args.gantt else None)
         timer = StepTimer()
         strategy = PipelineStrategy(pp=2, schedule=schedule, n_microbatches=m, split="params")
-        trainer(strategy, [bubble, timer]).fit(Module(MICRO * m))
+        trainer(strategy, [bubble, timer]).fit(Module(args.micro * m))
         s = bubble.summary()
         rows.append({"schedule": schedule, "m": m, "idle": s["idle_best"], "idle_mean": s["idle_fraction"],
                      "idle_median": s["idle_median"], "theory": s["idle_theory"],
                      "ratio": s["ratio_best"], "ratio_mean": s["ratio"], "idle_replay": s["idle_replay"],
                      "ratio_replay": s["ratio_replay"], "peak_held_stage0": s["peak_held"].get(0, 0),
                      "peak_held": {str(k): v for k, v in s["peak_held"].items()},
-                     "step_s": statistics.median(timer.times[2:])})
+                     "step_s": statistics.median(timer.times[2:]), "costs": _action_costs(bubble.last_records)})
     ddp = []
     for m in (4, 8):
         timer = StepTimer()
-        trainer("ddp", [timer]).fit(Module(MICRO * m))
+        trainer("ddp", [timer]).fit(Module(args.micro * m))
         ddp.append({"m": m, "step_s": statistics.median(timer.times[2:])})
     if int(os.environ.get("RANK", "0")) == 0:
-        Path(args.out).write_text(json.dumps({"pipeline": rows, "ddp": ddp, "loadavg": os.getloadavg()}))
+        Path(args.out).write_text(json.dumps({"pipeline": rows, "ddp": ddp, "loadavg": os.getloadavg(),
+                                              "micro": args.micro, "depth": DEPTH, "width": WIDTH}))
+
+
+def _action_costs(records: list[dict]) -> dict[str, dict[str, float]]:
+    """Mean wall and thread-CPU milliseconds of each (stage, action kind) in the last step: where time goes."""
+    sums: dict[str, list[float]] = {}
+    for r in records:
+        for stage, kind, _mb, start, end, *cpu in r["events"]:
+            acc = sums.setdefault(f"{stage}{kind}", [0.0, 0.0, 0])
+            acc[0] += end - start
+            acc[1] += cpu[0] if cpu else end - start
+            acc[2] += 1
+    return {k: {"wall_ms": 1e3 * w / n, "cpu_ms": 1e3 * c / n} for k, (w, c, n) in sorted(sums.items())}
 
 
 def _report(data: dict, json_path: str | None) -> None:
@@ -148,7 +166,8 @@ def _report(data: dict, json_path: str | None) -> None:
     from rich.table import Table
 
     rows, ddp = data["pipeline"], {d["m"]: d["step_s"] for d in data["ddp"]}
-    table = Table(title=f"Pipeline bubble, p=2 on 2 CPU processes (MLP {DEPTH}x{WIDTH}, micro-batch {MICRO})")
+    table = Table(title=f"Pipeline bubble, p=2 on 2 CPU processes (MLP {data['depth']}x{data['width']},"
+                        f" micro-batch {data['micro']})")
     for col in ("schedule", "m", "theory", "wall idle best", "wall idle median", "wall ratio best",
                 "replay idle", "replay ratio", "peak held s0", "step (ms)", "DDP (ms)"):
         table.add_column(col, justify="right")
@@ -180,6 +199,9 @@ def _report(data: dict, json_path: str | None) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--micro", type=int, default=256, help="rows per micro-batch")
+    parser.add_argument("--depth", type=int, default=16, help="blocks (split over the 2 stages)")
+    parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--json", default=None)
     parser.add_argument("--gantt", default=None, help="folder for one Gantt PNG per configuration")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -192,7 +214,8 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        argv = ["--worker", "--out", out, "--steps", str(args.steps)] + (["--gantt", args.gantt] if args.gantt else [])
+        argv = ["--worker", "--out", out, "--steps", str(args.steps), "--micro", str(args.micro),
+                "--depth", str(args.depth), "--width", str(args.width)] + (["--gantt", args.gantt] if args.gantt else [])
         if _launch(argv) != 0:
             sys.exit("benchmark workers failed")
         _report(json.loads(Path(out).read_text()), args.json)
