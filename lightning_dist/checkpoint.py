@@ -316,6 +316,48 @@ def load(
     return checkpoint
 
 
+def name_keyed_optimizer_state(model: nn.Module, optimizer: Any) -> dict[str, Any]:
+    """Optimizer state keyed by parameter name (flattened): what each pipeline stage saves of its parameters.
+
+    List-indexed ``param_groups`` would collide between stages holding different parameters.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, _unwrap(optimizer), options=StateDictOptions(flatten_optimizer_state_dict=True))
+
+
+def load_stage(
+    path: str | os.PathLike, *, model: nn.Module, optimizers: Sequence[Any] = (), weights_only: bool = True
+) -> dict[str, Any]:
+    """Load the part of a checkpoint that one pipeline rank holds (its stages' parameters and optimizer states).
+
+    Every key of `model` must be in a sharded checkpoint (``strict=False`` only admits the other stages'
+    keys); optimizer states are matched by parameter name (see :func:`name_keyed_optimizer_state`).
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    path = resolve_path(path)
+    if path.is_dir():
+        import torch.distributed.checkpoint as dcp
+
+        saved = {k[len(MODEL_KEY) + 1:] for k in dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+                 if k.startswith(MODEL_KEY + ".")}
+        missing = sorted(set(model_state_shapes(model)) - saved)
+        if missing:
+            raise ValueError(f"The checkpoint {path} has no entry for {missing[:3]}... of this pipeline stage:"
+                             " it was written by a different model.")
+    meta = load(path, model=model, optimizers=(), strict=False, weights_only=weights_only)
+    if path.is_dir():
+        import torch.distributed.checkpoint as dcp
+
+        for i, optimizer in enumerate(optimizers):
+            osd = name_keyed_optimizer_state(model, optimizer)
+            dcp.load({f"optimizer_{i}": osd}, checkpoint_id=path)
+            set_optimizer_state_dict(model, _unwrap(optimizer), optim_state_dict=osd,
+                                     options=StateDictOptions(flatten_optimizer_state_dict=True))
+    return meta
+
+
 def _load_full_optimizer(model: nn.Module, optimizer: Optimizer, osd: Mapping[str, Any]) -> None:
     """Load a full index-keyed optimizer state into a (possibly sharded or ZeRO) optimizer."""
     from torch.distributed.checkpoint.state_dict import (

@@ -315,6 +315,22 @@ def batchnorm_modules(net: nn.Module) -> list[str]:
     return [name for name, m in net.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
 
+def check_splittable(net: nn.Module, split: PipelineSplit, *, allow_batchnorm: bool = False) -> None:
+    """Refuse parameters shared across stages and (unless allowed, then warn) BatchNorm layers, naming them."""
+    shared = shared_across_stages(net, split)
+    if shared:
+        raise ValueError(f"Parameters shared across pipeline stages cannot be split: {shared}. Untie them, or"
+                         " choose split points that keep the modules sharing them on one stage.")
+    bn = batchnorm_modules(net)
+    if bn and not allow_batchnorm:
+        raise ValueError(f"BatchNorm layers {bn} would normalize each micro-batch with its own statistics, unlike"
+                         " single-device training. Use LayerNorm/GroupNorm, or pass allow_batchnorm=True.")
+    if bn:
+        from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+        rank_zero_warn(f"Pipelining BatchNorm layers {bn}: statistics come from micro-batches.")
+
+
 # ---- stage modules -----------------------------------------------------------------------------
 class StageModule(nn.Module):
     """The parts of a network that some pipeline stages run, under their original names.
@@ -405,6 +421,7 @@ def stage_ranks(num_stages: int, pp: int, style: Literal["loop", "v"] = "loop") 
 
 __all__ = [
     "NetworkLayout", "PipelineSplit", "StagePlan", "StageModule", "apply_fsdp_to_stages", "batchnorm_modules",
+    "check_splittable",
     "build_stage_module",
     "network_layout", "partition", "plan_split", "profile_costs", "shared_across_stages", "stage_ranks",
 ]

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
@@ -129,9 +130,33 @@ def build_schedule(
     return sched, stages
 
 
+def global_grad_norm(grads: list[torch.Tensor], pp_group: Optional[Any], *, device: torch.device) -> torch.Tensor:
+    """The 2-norm of all gradients of the model, across pipeline stages, FSDP shards and tensor-parallel shards.
+
+    torch's ``get_total_norm`` stacks per-tensor norms, which needs one layout: gradients are grouped by
+    (mesh, placements) (plain tensors, TP-only DTensors, FSDP x TP DTensors), each group's norm is made
+    whole with ``full_tensor()``, and the squares are summed over the pp group (stages hold distinct parameters).
+    """
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for g in grads:
+        key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
+        groups.setdefault(key, []).append(g)
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm(group, norm_type=2.0)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        total = total + norm.to(device=device, dtype=torch.float64) ** 2
+    if pp_group is not None:
+        dist.all_reduce(total, group=pp_group)
+    return total.sqrt()
+
+
 def bubble_theory(pp: int, n_microbatches: int) -> float:
     """Idle fraction of GPipe/1F1B with equal stages and free communication: (p-1)/(m+p-1)."""
     return (pp - 1) / (n_microbatches + pp - 1)
 
 
-__all__ = ["SCHEDULES", "TimedStage", "bubble_theory", "build_schedule", "schedule_problems", "use_forward_only_order"]
+__all__ = ["SCHEDULES", "TimedStage", "bubble_theory", "build_schedule", "global_grad_norm", "schedule_problems", "use_forward_only_order"]

@@ -474,6 +474,25 @@ def apply_tp(
     return entries
 
 
+def resolve_stage_plan(owner: nn.Module, net: nn.Module, plan: Plan | str, *, tp: int) -> list[TPEntry]:
+    """Resolve `plan` on `owner` for a pipelined `net` (a submodule of it) whose stages apply it piecewise.
+
+    The plan must hold on the whole model (every pattern matches somewhere, sizes divide), and the network's
+    last layer must give whole outputs on every tensor rank: the pipeline's loss sees them.
+    """
+    if isinstance(plan, str):
+        plan = builtin_plan(owner, plan, tp=tp)[1]
+    entries = resolve_plan(owner, plan, tp=tp)
+    leaves = [m for m in net.modules() if not any(True for _ in m.children())]
+    names = {n for n, m in owner.named_modules() if leaves and m is leaves[-1]}
+    last = next((e for e in entries if e.fqn in names), None)
+    if last is not None and last.style == "colwise" and "output" not in last.options:
+        raise ValueError(f"tp_plan gives the network's last layer {last.fqn!r} style 'colwise': its output would"
+                         " stay sharded over the tensor ranks, but pipeline_loss needs whole outputs. Use"
+                         " 'colwise_gather' for it (or leave it out of the plan).")
+    return entries
+
+
 def apply_tp_entries(
     part: nn.Module,
     tp_mesh: "DeviceMesh",
@@ -501,5 +520,5 @@ def apply_tp_entries(
 
 __all__ = [
     "BUILTIN_PLANS", "STYLES", "Plan", "TPEntry", "apply_tp", "apply_tp_entries", "builtin_plan", "format_plan", "mlp_plan",
-    "resolve_plan", "transformer_plan",
+    "resolve_plan", "resolve_stage_plan", "transformer_plan",
 ]

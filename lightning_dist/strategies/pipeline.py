@@ -33,7 +33,7 @@ from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from typing_extensions import override
 
@@ -41,24 +41,11 @@ import lightning.pytorch as pl
 from lightning_dist import checkpoint as ckpt
 from lightning_dist.mesh import PP, TP, MeshSpec
 from lightning_dist.parallelize import pipeline as plan
-from lightning_dist.parallelize.tp import TPEntry, apply_tp_entries, builtin_plan, format_plan, resolve_plan
-from lightning_dist.parallelize.pipeline_schedule import SCHEDULES, build_schedule, schedule_problems
+from lightning_dist.parallelize.tp import TPEntry, apply_tp_entries, format_plan, resolve_stage_plan
+from lightning_dist.parallelize.pipeline_schedule import SCHEDULES, build_schedule, global_grad_norm, schedule_problems
 from lightning_dist.strategies.base import MeshStrategy
 
 log = logging.getLogger(__name__)
-
-
-def _flat_options() -> Any:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(flatten_optimizer_state_dict=True)
-
-
-_FLAT = _flat_options()
-
-
-def _names_of(root: nn.Module, target: nn.Module) -> set[str]:
-    return {n for n, m in root.named_modules() if m is target}
 
 
 class PipelineStrategy(MeshStrategy):
@@ -188,25 +175,13 @@ class PipelineStrategy(MeshStrategy):
         # the balanced split is checked again once measured
         mode = self.split_mode()
         check = plan.plan_split(net, self.num_stages, split="params" if mode == "balanced" else mode)
-        self._check_splittable(net, check)
+        plan.check_splittable(net, check, allow_batchnorm=self.allow_batchnorm)
         if spec.size(TP) > 1:
-            self._resolve_tp(module, net, spec.size(TP))
+            resolve_stage_plan(module, net, self.tp_plan, tp=spec.size(TP))
         if mode == "balanced" and getattr(module, "example_input_array", None) is None:
             raise ValueError(f'split="balanced" profiles each block on a sample micro-batch: set'
                              f" `{type(module).__name__}.example_input_array` to one micro-batch of inputs,"
                              ' or pass split="params".')
-
-    def _resolve_tp(self, module: pl.LightningModule, net: nn.Module, tp: int) -> list[TPEntry]:
-        """The TP plan resolved on the whole LightningModule (same on every rank), with the pipeline's own rule."""
-        plan_ = builtin_plan(module, self.tp_plan, tp=tp)[1] if isinstance(self.tp_plan, str) else self.tp_plan
-        entries = resolve_plan(module, plan_, tp=tp)
-        leaves = [m for m in net.modules() if not any(True for _ in m.children())]
-        last = next((e for e in entries if leaves and e.fqn in _names_of(module, leaves[-1])), None)
-        if last is not None and last.style == "colwise" and "output" not in last.options:
-            raise ValueError(f"tp_plan gives the network's last layer {last.fqn!r} style 'colwise': its output would"
-                             " stay sharded over the tensor ranks, but pipeline_loss needs whole outputs. Use"
-                             " 'colwise_gather' for it (or leave it out of the plan).")
-        return entries
 
     def split_mode(self) -> Any:
         """The split that will be used: ``split`` with ``"auto"`` resolved for the attached module."""
@@ -214,18 +189,6 @@ class PipelineStrategy(MeshStrategy):
             has_sample = getattr(self.lightning_module, "example_input_array", None) is not None
             return "balanced" if has_sample else "params"
         return self.split_option
-
-    def _check_splittable(self, net: nn.Module, split: plan.PipelineSplit) -> None:
-        shared = plan.shared_across_stages(net, split)
-        if shared:
-            raise ValueError(f"Parameters shared across pipeline stages cannot be split: {shared}. Untie them, or"
-                             " choose split points that keep the modules sharing them on one stage.")
-        bn = plan.batchnorm_modules(net)
-        if bn and not self.allow_batchnorm:
-            raise ValueError(f"BatchNorm layers {bn} would normalize each micro-batch with its own statistics, unlike"
-                             " single-device training. Use LayerNorm/GroupNorm, or pass allow_batchnorm=True.")
-        if bn:
-            rank_zero_warn(f"Pipelining BatchNorm layers {bn}: statistics come from micro-batches.")
 
     # ---- model set-up --------------------------------------------------------------------------
     def _is_pipelined(self, net: Any) -> bool:
@@ -249,7 +212,7 @@ class PipelineStrategy(MeshStrategy):
             costs = self.broadcast(costs)
             log.debug("pipeline block costs (ms): stem %s, blocks %s, head %s", *costs)
         self.split = plan.plan_split(net, self.num_stages, split=mode, costs=costs)
-        self._check_splittable(net, self.split)
+        plan.check_splittable(net, self.split, allow_batchnorm=self.allow_batchnorm)
         self._stage_ranks = plan.stage_ranks(self.num_stages, pp, SCHEDULES[self.schedule][2])  # type: ignore[arg-type]
         pp_rank = mesh.local_rank(PP) if pp > 1 else 0
         self._local_stages = [s for s, r in enumerate(self._stage_ranks) if r == pp_rank]
@@ -258,7 +221,7 @@ class PipelineStrategy(MeshStrategy):
         self._views = [plan.build_stage_module(net, self.split, [s]) for s in self._local_stages]
         # order: split (above) -> tensor parallelism per stage -> FSDP2 per stage (it shards what TP left)
         if mesh.size(TP) > 1:
-            self.tp_entries = self._resolve_tp(module, net, mesh.size(TP))
+            self.tp_entries = resolve_stage_plan(module, net, self.tp_plan, tp=mesh.size(TP))
             rank_zero_info(format_plan(self.tp_entries, tp=mesh.size(TP)))
             for view in self._views:  # entries matched by module identity: stage modules keep their own names
                 apply_tp_entries(view, mesh.get_mesh(TP), self.tp_entries, module)
@@ -409,35 +372,16 @@ class PipelineStrategy(MeshStrategy):
     # ---- checkpoints: each stage holds only its own keys ----------------------------------------
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        path = ckpt.resolve_path(self.broadcast(checkpoint_path))
         assert self.model is not None
-        if path.is_dir():  # every key of this rank's stages must be in the checkpoint
-            import torch.distributed.checkpoint as dcp
-
-            saved = {k[len(ckpt.MODEL_KEY) + 1:] for k in dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-                     if k.startswith(ckpt.MODEL_KEY + ".")}
-            missing = sorted(set(ckpt.model_state_shapes(self.model)) - saved)
-            if missing:
-                raise ValueError(f"The checkpoint {path} has no entry for {missing[:3]}... of this pipeline stage:"
-                                 " it was written by a different model.")
-        meta = ckpt.load(path, model=self.model, optimizers=(), strict=False,
-                         weights_only=True if weights_only is None else weights_only)
-        if path.is_dir() and self.lightning_module.trainer.state.fn == "fit":
-            import torch.distributed.checkpoint as dcp
-            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-
-            for i, optimizer in enumerate(self.optimizers):
-                osd = get_optimizer_state_dict(self.model, optimizer, options=_FLAT)
-                dcp.load({f"optimizer_{i}": osd}, checkpoint_id=path)
-                set_optimizer_state_dict(self.model, optimizer, optim_state_dict=osd, options=_FLAT)
-        return meta
+        fitting = self.lightning_module.trainer.state.fn == "fit"
+        return ckpt.load_stage(self.broadcast(checkpoint_path), model=self.model,
+                               optimizers=self.optimizers if fitting else (),
+                               weights_only=True if weights_only is None else weights_only)
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
         # keyed by parameter name: stages hold different parameters, so list-indexed param_groups would collide
-        return get_optimizer_state_dict(self.model, getattr(optimizer, "_optimizer", optimizer), options=_FLAT)
+        return ckpt.name_keyed_optimizer_state(self.model, optimizer)
 
     @override
     def teardown(self) -> None:
@@ -446,28 +390,4 @@ class PipelineStrategy(MeshStrategy):
         super().teardown()
 
 
-def global_grad_norm(grads: list[Tensor], pp_group: Optional[Any], *, device: torch.device) -> Tensor:
-    """The 2-norm of all gradients of the model, across pipeline stages, FSDP shards and tensor-parallel shards.
-
-    torch's ``get_total_norm`` stacks per-tensor norms, which needs one layout: gradients are grouped by
-    (mesh, placements) (plain tensors, TP-only DTensors, FSDP x TP DTensors), each group's norm is made
-    whole with ``full_tensor()``, and the squares are summed over the pp group (stages hold distinct parameters).
-    """
-    from torch.distributed.tensor import DTensor
-
-    groups: dict[Any, list[Tensor]] = {}
-    for g in grads:
-        key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
-        groups.setdefault(key, []).append(g)
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    for group in groups.values():
-        norm = torch.nn.utils.get_total_norm(group, norm_type=2.0)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        total = total + norm.to(device=device, dtype=torch.float64) ** 2
-    if pp_group is not None:
-        dist.all_reduce(total, group=pp_group)
-    return total.sqrt()
-
-
-__all__ = ["PipelineStrategy", "global_grad_norm"]
+__all__ = ["PipelineStrategy"]
