@@ -45,5 +45,14 @@ def deepspeed_available() -> bool:
     return module_available("deepspeed")
 
 
+def deepspeed_nvme_checkpoint_patch_tested() -> bool:
+    """True for the DeepSpeed releases whose ZeRO-3 NVMe checkpoint methods ``offload_checkpoint`` replaces (0.19.x).
+
+    The replacement uses private swapper calls; on other releases it still runs, with a warning.
+    """
+    return compare_version("deepspeed", lambda a, b: a >= b, "0.19.0") and compare_version(
+        "deepspeed", lambda a, b: a < b, "0.20.0")
+
+
 def matplotlib_available() -> bool:
     return module_available("matplotlib")

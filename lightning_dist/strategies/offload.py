@@ -32,16 +32,8 @@ import lightning.pytorch as pl
 from lightning_dist._compat import CUDA_AVAILABLE, fully_shard_api
 from lightning_dist.mesh import MeshSpec
 from lightning_dist.parallelize import offload as off
+from lightning_dist.parallelize.offload_checkpoint import self_contained_nvme_checkpoints
 from lightning_dist.strategies.hsdp import HybridShardStrategy
-
-
-# measured with DeepSpeed 0.19.8 on CPU: an NVMe-offloaded optimizer checkpoint resumes to different weights
-# and zero_to_fp32 finds no fp32 partitions in it; with parameters on NVMe and the optimizer in host memory,
-# loading fails inside DeepSpeed (`_rigid_load_state_dict`)
-NVME_CHECKPOINT_UNSUPPORTED = (
-    "Checkpoints of NVMe-offloaded states are not supported yet (DeepSpeed 0.19 does not restore them"
-    " faithfully): offload to \"cpu\" for runs that save checkpoints, or pass `enable_checkpointing=False`."
-)
 
 
 class _OffloadReport:
@@ -140,9 +132,6 @@ class OffloadStrategy(_OffloadReport, DeepSpeedStrategy):
             if self.lightning_module is not None:
                 self._check_nvme(self.lightning_module)
             off.require_async_io()
-            trainer = getattr(self.lightning_module, "_trainer", None)
-            if trainer is not None and trainer.checkpoint_callbacks:
-                rank_zero_warn(NVME_CHECKPOINT_UNSUPPORTED + " Saving a checkpoint will raise.")
         # Lightning's DeepSpeedStrategy refuses non-CUDA accelerators here: go to DDPStrategy's directly
         DDPStrategy.setup_environment(self)
 
@@ -177,20 +166,19 @@ class OffloadStrategy(_OffloadReport, DeepSpeedStrategy):
             lr_scheduler=lr_scheduler,
             dist_init_required=False,
         )
+        if "nvme" in (self.plan.optimizer, self.plan.parameters):
+            self_contained_nvme_checkpoints(engine)
         return engine, ds_optimizer
 
     # ---- checkpoints ---------------------------------------------------------------------------
     @override
     def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Optional[Any] = None) -> None:
-        """DeepSpeed's sharded checkpoint folder (offloaded states included), written atomically.
+        """DeepSpeed's sharded checkpoint folder (offloaded states included, NVMe too), written atomically.
 
         Every rank writes into ``<filepath>.partial``; rank 0 renames it once all are done, so a failure
         never leaves a half-written checkpoint under ``filepath``. Load it on one device with Lightning's
         ``convert_zero_checkpoint_to_fp32_state_dict``.
         """
-        if "nvme" in (self.plan.optimizer, self.plan.parameters):
-            # refuse before anything is written, on every rank (no collective yet)
-            raise RuntimeError(NVME_CHECKPOINT_UNSUPPORTED)
         final = str(self.broadcast(filepath))
         partial = final + ".partial"
         if self.is_global_zero and os.path.exists(partial):

@@ -1,4 +1,4 @@
-"""OffloadStrategy on 2 CPU processes: parity with single-device AdamW, NVMe resume, FSDP2 offload.
+"""OffloadStrategy on 2 CPU processes: parity with single-device AdamW, resume (NVMe too), FSDP2 offload.
 
 Two launches (torchrun and Lightning's launcher), each training every supported combination in one
 process group, so the group stays within a few minutes (each launch pays the imports once).
@@ -35,6 +35,18 @@ def _check_parity(out: list[dict], combos: list[str]) -> None:
         assert r["diff"] <= 3 * r["ddp"] + 1e-7, r
 
 
+def _check_resume(out: list[dict], combos: list[str]) -> None:
+    resume = [r for r in out if r["kind"] == "resume"]
+    assert sorted(r["combo"] for r in resume) == sorted(2 * combos)  # one row per rank
+    for r in resume:
+        # resumed from the (offloaded, NVMe too) checkpoint in a new run: identical to the straight run
+        assert r["diff"] == 0.0, r
+        assert r["continued"] == 0.0, r  # saving (swapping the states in and out) changed nothing
+        assert r["steps_seen"] == 3 * 8, r  # only the 3 remaining steps ran after the restore
+        if r["rank"] == 0:
+            assert r["single_device"] == 0.0, r  # consolidated for one device (zero_to_fp32)
+
+
 def _check_reports(out: list[dict]) -> None:
     for r in (r for r in out if r["kind"] == "report"):
         stage, opt, par = r["combo"].split(":")
@@ -54,32 +66,26 @@ def _check_reports(out: list[dict]) -> None:
 @needs_aio
 def test_offload_torchrun_all_combinations_and_resume(tmp_path):
     combos = CPU_COMBOS + NVME_COMBOS
-    proc = run_torchrun("offload_parity.py", ",".join(combos), "--resume", "3:cpu:cpu", "--nvme-save",
+    resume = ["3:cpu:cpu", "3:nvme:nvme"]
+    proc = run_torchrun("offload_parity.py", ",".join(combos), "--resume", ",".join(resume),
                         "--nvme-root", str(tmp_path), nproc=2, timeout=900, env=_env())
     out = results(proc)
     _check_parity(out, combos)
     _check_reports(out)
     assert "Offload report, start of fit" in proc.stdout and "Offload report, end of fit" in proc.stdout
-    resume = [r for r in out if r["kind"] == "resume"]
-    assert len(resume) == 2
-    for r in resume:
-        assert r["diff"] == 0.0, r  # resumed from the offloaded checkpoint: identical to the straight run
-        assert r["steps_seen"] == 3 * 8, r  # only the 3 remaining steps ran after the restore
-    assert resume[0]["single_device"] == 0.0  # consolidated for one device (zero_to_fp32)
-    refused = [r for r in out if r["kind"] == "nvme_save"]
-    assert len(refused) == 2
-    for r in refused:  # NVMe-offloaded state: a clear error on every rank, nothing written
-        assert r["error"] and "not supported yet" in r["error"] and r["written"] == [], r
+    _check_resume(out, resume)
 
 
 @needs_aio
 def test_offload_lightning_launcher_and_fsdp2(tmp_path):
     combos = CPU_COMBOS + NVME_COMBOS
-    proc = run_script("offload_parity.py", ",".join(combos), "--devices", "2", "--fsdp2",
+    resume = ["3:nvme:-", "3:cpu:nvme"]  # optimizer state on NVMe; parameters on NVMe, optimizer in host memory
+    proc = run_script("offload_parity.py", ",".join(combos), "--devices", "2", "--fsdp2", "--resume", ",".join(resume),
                       "--nvme-root", str(tmp_path), timeout=900, env=_env())
     out = results(proc)
     _check_parity(out, combos)
     _check_reports(out)
+    _check_resume(out, resume)
     fsdp2 = [r for r in out if r["kind"] == "fsdp2"]
     assert len(fsdp2) == 2
     for r in fsdp2:

@@ -1,12 +1,13 @@
-"""OffloadStrategy against single-device AdamW (float32, 2 processes, 3 steps), plus NVMe resume.
+"""OffloadStrategy against single-device AdamW (float32, 2 processes, 3 steps), plus checkpoint resume.
 
-Usage: ``offload_parity.py COMBOS [--resume DIR] [--fsdp2]`` under torchrun, or with ``--devices 2``
+Usage: ``offload_parity.py COMBOS [--resume COMBOS] [--fsdp2]`` under torchrun, or with ``--devices 2``
 for Lightning's own launcher. COMBOS is a comma list of ``stage:optimizer:parameters`` (``-`` = None),
 e.g. ``3:cpu:-,3:nvme:nvme``; ``nvme`` uses a fresh folder under ``--nvme-root``.
 
 Each rank prints RESULT lines: ``parity`` (max rel diff vs the reference, the DDP diff on the same
-work), ``report`` (the offload report rows), ``resume`` (interrupted+resumed vs uninterrupted, and the
-checkpoint loaded on a single device).
+work), ``report`` (the offload report rows), ``resume`` per ``--resume`` combo (6 steps straight vs
+3 steps + checkpoint + a new run resumed from it to step 6; a run that saves at step 3 and goes on,
+vs the straight one; the step-3 checkpoint consolidated and loaded on a single device).
 """
 
 import argparse
@@ -24,10 +25,9 @@ parser = argparse.ArgumentParser()
 parser.add_argument("combos", nargs="?", default="")
 parser.add_argument("--devices", type=int, default=None, help="Lightning's launcher: number of processes")
 parser.add_argument("--nvme-root", default=None)
-parser.add_argument("--resume", default=None, help="combo to save at step 3 and resume to step 6")
+parser.add_argument("--resume", default="", help="combos to save at step 3 and resume to step 6")
 parser.add_argument("--fsdp2", action="store_true")
 parser.add_argument("--no-ddp", action="store_true")
-parser.add_argument("--nvme-save", action="store_true", help="saving NVMe-offloaded state must refuse cleanly")
 args = parser.parse_args()
 devices = args.devices or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 nvme_root = args.nvme_root or tempfile.gettempdir()
@@ -99,46 +99,41 @@ if args.resume:
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
 
-    combo, total = args.resume, 6
+for combo in filter(None, args.resume.split(",")):
+    total, name = 6, combo.replace(":", "-")
     kw = dict(dtype=torch.float32, n=48, **size_of(combo))  # 3 steps per epoch: checkpoint at an epoch boundary
     straight = Classifier(**kw)
     trainer(make(combo, "straight", report=False), devices=devices, steps=total, precision="32-true").fit(straight)
     want = gathered(straight)
 
-    ckpt_dir = os.path.join(nvme_root, "ckpt")
+    def saving(tag: str, steps: int, module: Classifier) -> str:
+        """Train `steps` steps saving a checkpoint every 3; the step-3 checkpoint's path."""
+        ckpt_dir = os.path.join(nvme_root, f"ckpt-{tag}-{name}")
+        cb = ModelCheckpoint(dirpath=ckpt_dir, filename="step{step}", auto_insert_metric_name=False, save_top_k=-1,
+                             every_n_train_steps=STEPS)
+        trainer(make(combo, tag, report=False), devices=devices, steps=steps, precision="32-true",
+                enable_checkpointing=True, callbacks=[cb]).fit(module)
+        return os.path.join(ckpt_dir, f"step{STEPS}.ckpt")
+
+    # saving swaps offloaded states in and out: it must not change the run that goes on
+    continued = Classifier(**kw)
+    saving("continued", total, continued)
     first = Classifier(**kw)
-    cb = ModelCheckpoint(dirpath=ckpt_dir, filename="half", save_last=False, every_n_train_steps=STEPS)
-    trainer(make(combo, "first", report=False), devices=devices, steps=STEPS, precision="32-true",
-            enable_checkpointing=True, callbacks=[cb]).fit(first)
-    path = os.path.join(ckpt_dir, "half.ckpt")
+    path = saving("first", STEPS, first)
     second = Classifier(**kw, seed=123)  # different init: everything must come from the checkpoint
     trainer(make(combo, "second", report=False), devices=devices, steps=total, precision="32-true").fit(
         second, ckpt_path=path)
-    got = gathered(second)
-    at_half = gathered(first)  # a collective under ZeRO-3: every rank
+    got, at_half, on = gathered(second), gathered(first), gathered(continued)  # collectives: every rank
     single = None
     if torch.distributed.get_rank() == 0:
         # single-device load: consolidate the ZeRO shards into one fp32 state dict
-        out = os.path.join(nvme_root, "consolidated.pt")
+        out = os.path.join(nvme_root, f"consolidated-{name}.pt")
         convert_zero_checkpoint_to_fp32_state_dict(path, out)
         plain = Classifier(**kw, seed=7)
         plain.load_state_dict(torch.load(out, weights_only=False)["state_dict"])
         single = max_rel_diff(dict(plain.named_parameters()), at_half)
     ref_kw = {k: v for k, v in kw.items() if k != "n"}
-    emit(kind="resume", diff=max_rel_diff(got, want), steps_seen=second.seen, single_device=single,
+    emit(kind="resume", combo=combo, diff=max_rel_diff(got, want), continued=max_rel_diff(on, want),
+         steps_seen=second.seen, single_device=single,
          straight_vs_ref=max_rel_diff(want, reference(total, n=48, **ref_kw)),
          half_vs_ref=max_rel_diff(at_half, reference(STEPS, n=48, **ref_kw)))
-
-if args.nvme_save:
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    ckpt_dir = os.path.join(nvme_root, "refused")
-    cb = ModelCheckpoint(dirpath=ckpt_dir, filename="x", every_n_train_steps=2)
-    error = None
-    try:
-        trainer(make("3:nvme:-", "refused", report=False), devices=devices, steps=STEPS, precision="32-true",
-                enable_checkpointing=True, callbacks=[cb]).fit(Classifier(dtype=torch.float32, **WIDE))
-    except RuntimeError as err:
-        error = str(err)
-    written = sorted(os.listdir(ckpt_dir)) if os.path.isdir(ckpt_dir) else []
-    emit(kind="nvme_save", error=error, written=written)
