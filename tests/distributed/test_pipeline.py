@@ -144,6 +144,16 @@ def test_pp2_x_tp2_parity(pp4, schedule):
 
 
 @pytest.mark.distributed
+def test_pp2_x_dp2_x_tp2_parity():
+    """The full 3-D composition on 8 processes: split -> TP per stage -> FSDP2 per stage over the TP shards."""
+    rows = _by_tag(results(run_torchrun("pipeline_parity.py", "3d", nproc=8, timeout=600)))["pp2xdp2xtp2_1f1b"]
+    assert all(r["shape"] == [2, 1, 2, 2] for r in rows)
+    _check_parity(rows, world=8, pp=2)
+    for r in rows:
+        assert r["tp_sharded"] and r["clipped"] == [True, True, True], r
+
+
+@pytest.mark.distributed
 def test_pp2_bubble_callback_records_the_timeline(pp2):
     rows = {(r["schedule"], r["rank"]): r for r in pp2 if r["kind"] == "bubble"}
     assert len(rows) == 6

@@ -4,7 +4,7 @@
 validation through the pipeline; checkpoint resume and consolidation into a single-device model;
 bad configurations raising on every rank.
 4 processes: every schedule with pp=4, pp=2 x dp=2 (FSDP2 on dp), and pp=2 x tp=2 (tensor parallelism inside
-each stage, with global-norm clipping over DTensor and plain gradients).
+each stage, with global-norm clipping over DTensor and plain gradients). 8 processes ("3d"): pp=2 x dp=2 x tp=2.
 Each rank compares the parameters it holds with the reference (keys are the single-device names).
 """
 
@@ -261,6 +261,9 @@ if __name__ == "__main__":
         errors()
     elif mode == "tp":
         tensor_parallel()
+    elif mode == "3d":  # 8 processes: pp=2 x dp_shard=2 x tp=2, FSDP2 over TP-sharded stages
+        parity("pp2xdp2xtp2_1f1b", PipelineStrategy(pp=2, dp_shard=2, tp=2, tp_plan=TP_PLAN, schedule="1f1b",
+                                                    n_microbatches=4, split="params"), steps=3, gradient_clip_val=0.05)
     else:
         for schedule in SCHEDULES:
             parity(f"pp4_{schedule}", PipelineStrategy(pp=4, schedule=schedule, n_microbatches=8), steps=3)
