@@ -113,6 +113,9 @@ def build_schedule(
 ) -> tuple[Any, list[TimedStage]]:
     """This rank's stages (one per module of `views`) and the schedule running them.
 
+    The schedule does not rescale gradients (``scale_grads=False``): `loss_fn` must return each micro-batch's
+    share of the batch loss (its mean loss / `n_microbatches`), which averages the gradients as they
+    accumulate instead of in one more pass over every gradient at the end of the step (on the critical path).
     With ``loss_fn=None`` the schedule is forward-only: GPipe for one stage per rank, otherwise the
     schedule's own stage layout with an F-only program (see :func:`use_forward_only_order`).
     """
@@ -124,7 +127,7 @@ def build_schedule(
     name = SCHEDULES[schedule][0] if train or len(stages) > 1 else "ScheduleGPipe"
     single = name in ("ScheduleGPipe", "Schedule1F1B") and len(stages) == 1
     sched = getattr(pipelining, name)(stages[0] if single else stages, n_microbatches=n_microbatches,
-                                      loss_fn=loss_fn, scale_grads=True)
+                                      loss_fn=loss_fn, scale_grads=False)
     if not train and not single:
         use_forward_only_order(sched, stage_ranks, n_microbatches)
     return sched, stages

@@ -237,7 +237,8 @@ class PipelineStrategy(MeshStrategy):
             self._schedules[key] = build_schedule(
                 self._views, self._local_stages, self._stage_ranks, schedule=self.schedule, n_microbatches=n_micro,
                 device=self.root_device, group=self.mesh.group(PP) if self.mesh.size(PP) > 1 else None,
-                loss_fn=(lambda out, target: module.pipeline_loss(out, target)) if train else None,
+                # each micro-batch's share of the batch mean: the accumulated gradients are the mean's
+                loss_fn=(lambda out, target: module.pipeline_loss(out, target) / n_micro) if train else None,
             )
         return self._schedules[key]
 
@@ -281,7 +282,7 @@ class PipelineStrategy(MeshStrategy):
                                        "peak_held": {st.stage_index: st.peak_held for st in stages}})
         out = self._from_last_stage(out, ("out", train, tuple(x.shape)))
         if train:
-            loss = torch.stack([l.detach() for l in losses]).mean() if losses else None
+            loss = torch.stack([l.detach() for l in losses]).sum() if losses else None  # shares of the mean
             self.last_loss = self._from_last_stage(loss, ("loss",))
         return out
 
