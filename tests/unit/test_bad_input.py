@@ -49,6 +49,23 @@ def _offload(**kw):
     return OffloadStrategy(**kw)
 
 
+def _pipeline_tp(tp_plan):
+    """A pipeline with tp=2 inside its stages whose plan leaves the network's output sharded."""
+    import lightning.pytorch as pl
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = MLP(depth=4, n_out=6)
+
+        def pipeline_loss(self, out, y):
+            return torch.nn.functional.cross_entropy(out, y)
+
+    strategy = PipelineStrategy(pp=2, tp=2, split="params", tp_plan=tp_plan)
+    strategy.connect(Module())
+    strategy.validate_config(MeshSpec(world_size=4, devices_per_node=4, pp=2, tp=2).resolve())
+
+
 def _schedule(schedule, pp, micro, stages=1):
     from lightning_dist.parallelize.pipeline_schedule import schedule_problems
 
@@ -150,6 +167,8 @@ CASES = {
     "pipeline-zb-stages": (lambda t: _schedule("zero_bubble", 2, 4, 1), ValueError, ["stages_per_rank=2", "got 1"]),
     "pipeline-consolidated-file": (lambda t: PipelineStrategy(save_distributed_checkpoint=False), ValueError,
                                    ["save_distributed_checkpoint=True", "dcp_to_torch_save"]),
+    "pipeline-tp-sharded-output": (lambda t: _pipeline_tp({"head": "colwise"}), ValueError,
+                                   ["'model.head'", "'colwise'", "colwise_gather"]),
     "offload-tier": (lambda t: _offload(optimizer="gpu"), ValueError, ["optimizer='gpu'", '"cpu", "nvme" or None']),
     "offload-nvme-without-path": (lambda t: _offload(optimizer="nvme"), ValueError, ["nvme_path="]),
     "offload-nvme-path-missing": (lambda t: _nvme(t / "absent"), ValueError, ["absent", "create the folder"]),
