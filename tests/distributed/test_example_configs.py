@@ -29,7 +29,7 @@ ENTRY = re.compile(r"python (examples/\w+/train\.py) fit --config")
 # config -> (text of the known failure, why): reported as xfail while the cause is open; passes once fixed
 KNOWN_FAILURES: dict[str, tuple[str, str]] = {}  # config stem -> (error text, why); none today
 # configs that train the same model on the same data and data-parallel size: the same loss, whatever the strategy
-SAME_LOSS = [("tp", "pipeline_1f1b", "pipeline_gpipe"), ("pipeline_interleaved", "pipeline_zero_bubble"),
+SAME_LOSS = [("tp", "pipeline_1f1b", "pipeline_gpipe", "pp_tp"), ("pipeline_interleaved", "pipeline_zero_bubble"),
              ("fsdp2", "pp_dp", "offload_cpu")]
 
 
