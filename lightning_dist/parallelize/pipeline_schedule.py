@@ -133,6 +133,77 @@ def build_schedule(
     return sched, stages
 
 
+class PipelineRunner:
+    """This rank's pipeline stages and the schedules that run them: one per (training?, input shape, dtype, m).
+
+    ``step`` runs one schedule over a batch (forward and backward with a loss, forward only without) and
+    returns the last stage's output on every rank of the pp group; ``from_last_stage`` broadcasts any tensor
+    the last stage holds. The gradients stay in ``.grad`` of the stage parameters, averaged over micro-batches.
+    """
+
+    def __init__(self, views: Sequence[nn.Module], local_stages: Sequence[int], stage_ranks: Sequence[int], *,
+                 schedule: str, device: torch.device, group: Optional[Any]) -> None:
+        self.views, self.local_stages, self.stage_ranks = list(views), list(local_stages), list(stage_ranks)
+        self.schedule, self.device, self.group = schedule, device, group
+        self._schedules: dict[tuple, tuple[Any, list[TimedStage]]] = {}
+        self._meta: dict[tuple, Any] = {}
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_ranks)
+
+    def step(self, x: torch.Tensor, *, n_microbatches: int, loss_fn: Optional[Callable] = None, target: Any = None,
+             timeline: Optional[list] = None) -> tuple[torch.Tensor, Optional[torch.Tensor], dict]:
+        """Run the schedule on `x` (used on the first stage's rank); returns (output, loss, record).
+
+        loss: the batch's mean `loss_fn` (the micro-batches' mean) on every rank, None without `loss_fn`.
+        record: wall start/end of the schedule, peak micro-batches held per local stage; `timeline` (a list)
+        receives every F/B/I/W action when given.
+        """
+        train, m = loss_fn is not None, n_microbatches
+        key = (train, tuple(x.shape), x.dtype, m)
+        if key not in self._schedules:
+            # each micro-batch's share of the batch mean: the accumulated gradients are the mean's
+            share = (lambda out, tgt: loss_fn(out, tgt) / m) if train else None
+            self._schedules[key] = build_schedule(self.views, self.local_stages, self.stage_ranks,
+                                                  schedule=self.schedule, n_microbatches=m, device=self.device,
+                                                  group=self.group, loss_fn=share)
+        sched, stages = self._schedules[key]
+        has_last = self.num_stages - 1 in self.local_stages
+        losses: list[torch.Tensor] = []
+        kw = {"target": target, "losses": losses} if train and has_last else {}
+        for st in stages:
+            st.timeline, st.peak_held = timeline, 0
+        start = time.perf_counter()
+        out = sched.step(*((x,) if 0 in self.local_stages else ()), **kw)
+        end = time.perf_counter()
+        record = {"start": start, "end": end, "peak_held": {st.stage_index: st.peak_held for st in stages}}
+        out = self.from_last_stage(out, ("out", train, tuple(x.shape)))
+        loss = None
+        if train:
+            loss = self.from_last_stage(torch.stack([l.detach() for l in losses]).sum() if losses else None, ("loss",))
+        return out, loss, record
+
+    def from_last_stage(self, value: Optional[torch.Tensor], key: tuple) -> torch.Tensor:
+        """Broadcast a tensor held by the last stage's rank to the whole pp group (shapes cached per `key`)."""
+        if self.group is None:
+            assert value is not None
+            return value.detach()
+        src = dist.get_global_rank(self.group, self.stage_ranks[-1])
+        if key not in self._meta:  # shapes are fixed per input shape: one object broadcast, then cached
+            meta = [(tuple(value.shape), value.dtype) if value is not None else None]
+            dist.broadcast_object_list(meta, src=src, group=self.group, device=self.device)
+            self._meta[key] = meta[0]
+        shape, dtype = self._meta[key]
+        buf = value.detach().contiguous() if value is not None else torch.empty(shape, dtype=dtype, device=self.device)
+        dist.broadcast(buf, src=src, group=self.group)
+        return buf
+
+    def clear(self) -> None:
+        self._schedules.clear()
+        self._meta.clear()
+
+
 def global_grad_norm(grads: list[torch.Tensor], pp_group: Optional[Any], *, device: torch.device) -> torch.Tensor:
     """The 2-norm of all gradients of the model, across pipeline stages, FSDP shards and tensor-parallel shards.
 
@@ -162,4 +233,4 @@ def bubble_theory(pp: int, n_microbatches: int) -> float:
     return (pp - 1) / (n_microbatches + pp - 1)
 
 
-__all__ = ["SCHEDULES", "TimedStage", "bubble_theory", "build_schedule", "global_grad_norm", "schedule_problems", "use_forward_only_order"]
+__all__ = ["SCHEDULES", "PipelineRunner", "TimedStage", "bubble_theory", "build_schedule", "global_grad_norm", "schedule_problems", "use_forward_only_order"]

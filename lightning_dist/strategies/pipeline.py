@@ -27,12 +27,10 @@ states keyed by name); a pp=2 checkpoint loads into any pipeline layout or, conv
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Mapping
 from typing import Any, Optional, Union
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from typing_extensions import override
@@ -41,8 +39,8 @@ import lightning.pytorch as pl
 from lightning_dist import checkpoint as ckpt
 from lightning_dist.mesh import PP, TP, MeshSpec
 from lightning_dist.parallelize import pipeline as plan
+from lightning_dist.parallelize.pipeline_schedule import SCHEDULES, PipelineRunner, global_grad_norm, schedule_problems
 from lightning_dist.parallelize.tp import TPEntry, apply_tp_entries, format_plan, resolve_stage_plan
-from lightning_dist.parallelize.pipeline_schedule import SCHEDULES, build_schedule, global_grad_norm, schedule_problems
 from lightning_dist.strategies.base import MeshStrategy
 
 log = logging.getLogger(__name__)
@@ -118,11 +116,8 @@ class PipelineStrategy(MeshStrategy):
         self.timelines: list[dict] = []
         self.split: Optional[plan.PipelineSplit] = None
         self.last_loss: Optional[Tensor] = None
-        self._views: list[plan.StageModule] = []
         self._local_stages: list[int] = []
-        self._stage_ranks: list[int] = []
-        self._schedules: dict[tuple, tuple[Any, list[Any]]] = {}
-        self._out_meta: dict[tuple, tuple] = {}
+        self._runner: Optional[PipelineRunner] = None
         self._target: Any = None
         self._stash: Optional[list[tuple[Tensor, Optional[Tensor]]]] = None
 
@@ -213,34 +208,24 @@ class PipelineStrategy(MeshStrategy):
             log.debug("pipeline block costs (ms): stem %s, blocks %s, head %s", *costs)
         self.split = plan.plan_split(net, self.num_stages, split=mode, costs=costs)
         plan.check_splittable(net, self.split, allow_batchnorm=self.allow_batchnorm)
-        self._stage_ranks = plan.stage_ranks(self.num_stages, pp, SCHEDULES[self.schedule][2])  # type: ignore[arg-type]
+        stage_ranks = plan.stage_ranks(self.num_stages, pp, SCHEDULES[self.schedule][2])  # type: ignore[arg-type]
         pp_rank = mesh.local_rank(PP) if pp > 1 else 0
-        self._local_stages = [s for s, r in enumerate(self._stage_ranks) if r == pp_rank]
-        rank_zero_info(self.split.format(self._stage_ranks))
+        self._local_stages = [s for s, r in enumerate(stage_ranks) if r == pp_rank]
+        rank_zero_info(self.split.format(stage_ranks))
         container = plan.build_stage_module(net, self.split, self._local_stages)
-        self._views = [plan.build_stage_module(net, self.split, [s]) for s in self._local_stages]
+        views = [plan.build_stage_module(net, self.split, [s]) for s in self._local_stages]
         # order: split (above) -> tensor parallelism per stage -> FSDP2 per stage (it shards what TP left)
         if mesh.size(TP) > 1:
             self.tp_entries = resolve_stage_plan(module, net, self.tp_plan, tp=mesh.size(TP))
             rank_zero_info(format_plan(self.tp_entries, tp=mesh.size(TP)))
-            for view in self._views:  # entries matched by module identity: stage modules keep their own names
+            for view in views:  # entries matched by module identity: stage modules keep their own names
                 apply_tp_entries(view, mesh.get_mesh(TP), self.tp_entries, module)
         setattr(module, self.network, container)  # the rest of the network is dropped here
         if mesh.dp_size > 1:
-            plan.apply_fsdp_to_stages(self._views, mesh.fsdp_mesh(), reshard_after_forward=self.reshard_after_forward)
+            plan.apply_fsdp_to_stages(views, mesh.fsdp_mesh(), reshard_after_forward=self.reshard_after_forward)
+        self._runner = PipelineRunner(views, self._local_stages, stage_ranks, schedule=self.schedule,
+                                      device=self.root_device, group=mesh.group(PP) if pp > 1 else None)
         container.runner = self._run
-
-    def _schedule_for(self, x: Tensor, *, train: bool, n_micro: int):
-        key = (train, tuple(x.shape), x.dtype, n_micro)
-        if key not in self._schedules:
-            module = self.lightning_module
-            self._schedules[key] = build_schedule(
-                self._views, self._local_stages, self._stage_ranks, schedule=self.schedule, n_microbatches=n_micro,
-                device=self.root_device, group=self.mesh.group(PP) if self.mesh.size(PP) > 1 else None,
-                # each micro-batch's share of the batch mean: the accumulated gradients are the mean's
-                loss_fn=(lambda out, target: module.pipeline_loss(out, target) / n_micro) if train else None,
-            )
-        return self._schedules[key]
 
     # ---- running the pipeline ------------------------------------------------------------------
     def _run(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
@@ -255,52 +240,25 @@ class PipelineStrategy(MeshStrategy):
                 raise ValueError(f"The batch of {batch} samples does not divide into n_microbatches={m} micro-batches;"
                                  f" use a batch size (per data-parallel rank) that is a multiple of {m}.")
             m = max(d for d in range(1, m + 1) if batch % d == 0)  # forward-only programs take any count
-        sched, stages = self._schedule_for(x, train=train, n_micro=m)
-        has_first, has_last = 0 in self._local_stages, self.num_stages - 1 in self._local_stages
-        args_ = (x,) if has_first else ()
-        losses: list[Tensor] = []
-        kw = {"target": self._target, "losses": losses} if train and has_last else {}
+        assert self._runner is not None
         params = list(self.model.parameters())
         if train:  # the schedule's gradients go aside; `backward` adds them to .grad
             held = [p.grad for p in params]
             for p in params:
                 p.grad = None
-        events: list = []
-        for st in stages:
-            st.timeline, st.peak_held = (events if self.record_timeline and train else None), 0
-        start = time.perf_counter()
-        out = sched.step(*args_, **kw)
-        end = time.perf_counter()
+        events: Optional[list] = [] if self.record_timeline and train else None
+        out, loss, record = self._runner.step(x, n_microbatches=m, loss_fn=module.pipeline_loss if train else None,
+                                              target=self._target, timeline=events)
         if train:
             self._target = None
             self._stash = [(p, p.grad) for p in params]
             for p, g in zip(params, held):
                 p.grad = g
-            if self.record_timeline:
-                self.timelines.append({"rank": self.mesh.local_rank(PP) if self.mesh.size(PP) > 1 else 0,
-                                       "start": start, "end": end, "events": events, "n_microbatches": m,
-                                       "peak_held": {st.stage_index: st.peak_held for st in stages}})
-        out = self._from_last_stage(out, ("out", train, tuple(x.shape)))
-        if train:
-            loss = torch.stack([l.detach() for l in losses]).sum() if losses else None  # shares of the mean
-            self.last_loss = self._from_last_stage(loss, ("loss",))
+            self.last_loss = loss
+            if events is not None:
+                self.timelines.append({**record, "rank": self.mesh.local_rank(PP) if self.mesh.size(PP) > 1 else 0,
+                                       "events": events, "n_microbatches": m})
         return out
-
-    def _from_last_stage(self, value: Optional[Tensor], key: tuple) -> Tensor:
-        """Broadcast a tensor held by the last stage's rank to the whole pp group."""
-        if self.mesh.size(PP) == 1:
-            assert value is not None
-            return value.detach()
-        group = self.mesh.group(PP)
-        src = dist.get_global_rank(group, self._stage_ranks[-1])
-        if key not in self._out_meta:  # shapes are fixed per input shape: one object broadcast, then cached
-            meta = [(tuple(value.shape), value.dtype) if value is not None else None]
-            dist.broadcast_object_list(meta, src=src, group=group, device=self.root_device)
-            self._out_meta[key] = meta[0]  # type: ignore[assignment]
-        shape, dtype = self._out_meta[key]
-        buf = value.detach().contiguous() if value is not None else torch.empty(shape, dtype=dtype, device=self.root_device)
-        dist.broadcast(buf, src=src, group=group)
-        return buf
 
     def _pipeline_target(self, batch: Any) -> Tensor:
         module = self.lightning_module
@@ -386,8 +344,8 @@ class PipelineStrategy(MeshStrategy):
 
     @override
     def teardown(self) -> None:
-        self._schedules.clear()
-        self._out_meta.clear()
+        if self._runner is not None:
+            self._runner.clear()
         super().teardown()
 
 
