@@ -201,7 +201,7 @@ def test_sampler_epoch_restores_the_epoch_on_mid_epoch_resume(tmp_path):
     _trainer(max_epochs=2, callbacks=[SamplerEpoch(), ckpt], enable_checkpointing=True).fit(first)
     assert first.seen[0] != first.seen[1]
     path = tmp_path / "epoch=1-step=6.ckpt"
-    saved = torch.load(path, weights_only=False)
+    saved = torch.load(path, weights_only=True)
     assert [v for k, v in saved["callbacks"].items() if "SamplerEpoch" in k] == [{"epoch": 1}]
 
     resumed = EpochRecorder(loader)
