@@ -7,6 +7,12 @@ no offload, optimizer -> NVMe, optimizer + parameters -> NVMe. Each configuratio
 torchrun job (peak RSS is a per-process high-water mark). Reports per rank: peak RSS over the whole run and
 during training (the high-water mark is reset when training starts), bytes in the swap folder, mean step time (first step excluded), and the ratios to the in-memory run. Goal: with
 optimizer+parameters on NVMe, peak RSS lower by >= 70% of the optimizer-state bytes.
+
+Most of each peak (~2 GiB here) is neither model state nor offload buffers: ~0.7 GiB of imports, and ~0.8-1 GiB
+that glibc's allocator keeps resident after the tensors in it were freed (free chunks of its main heap: after the
+first large free it serves tensors up to 32 MiB from that heap and returns only its top). That part varies by
+~100 MiB from run to run and rank to rank, in every configuration; `MALLOC_MMAP_THRESHOLD_=1048576` removes it
+(large tensors then go back to the system when freed), at a cost in step time, to see the live memory alone.
 """
 
 from __future__ import annotations
@@ -66,6 +72,8 @@ def worker(args: argparse.Namespace) -> None:
             self.times, self.disk = [], 0
 
         def on_train_start(self, *_):
+            # the set-up peak first: the reset below also resets getrusage's ru_maxrss (the same counter)
+            self.setup_peak = _vm_hwm()
             # training-phase peak: reset the kernel's RSS high-water mark after set-up (Linux: clear_refs 5)
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")
@@ -86,8 +94,8 @@ def worker(args: argparse.Namespace) -> None:
     if uses_nvme:
         os.makedirs(nvme, exist_ok=True)
     strategy = OffloadStrategy(
-        **config, zero_stage=3, nvme_path=nvme if uses_nvme else None, sub_group_size=args.sub_group,
-        params_buffer_size=args.width * args.width, report=False,
+        # the NVMe swap buffers of the parameters are the strategy's default: sized to the largest partition
+        **config, zero_stage=3, nvme_path=nvme if uses_nvme else None, sub_group_size=args.sub_group, report=False,
         # Lightning's 200M-element communication buckets would dominate the RSS of a 50M-parameter model
         reduce_bucket_size=args.bucket, allgather_bucket_size=args.bucket,
     )
@@ -100,7 +108,8 @@ def worker(args: argparse.Namespace) -> None:
     model = Model()
     trainer.fit(model)
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    # whole run: the set-up peak (before the reset) or the high-water mark since (ru_maxrss, Linux reports KiB)
+    peak = max(timer.setup_peak, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     row = {
         "config": args.worker, "rank": trainer.global_rank, "params": n_params, "peak_rss_all": peak,
         "peak_rss": timer.train_peak,

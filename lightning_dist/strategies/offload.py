@@ -19,6 +19,8 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+from collections.abc import Generator
+from contextlib import contextmanager
 from typing import Any, Literal, Optional
 
 import torch
@@ -34,6 +36,10 @@ from lightning_dist.mesh import MeshSpec
 from lightning_dist.parallelize import offload as off
 from lightning_dist.parallelize.offload_checkpoint import self_contained_nvme_checkpoints
 from lightning_dist.strategies.hsdp import HybridShardStrategy
+
+# elements per NVMe swap buffer of the parameters while `configure_model` builds the model (sized to the largest
+# partition once it is known); Lightning's 1e8 would page-lock 5 x 400 MB per rank in float32
+NVME_PARAMS_BUFFER_SIZE = 10_000_000
 
 
 class _OffloadReport:
@@ -81,6 +87,18 @@ class OffloadStrategy(_OffloadReport, DeepSpeedStrategy):
             at a time, so smaller groups lower the peak memory.
         report: print the offload report when training starts and ends.
         **kwargs: other options of Lightning's ``DeepSpeedStrategy`` (``params_buffer_size``, ``timeout``...)
+
+    With ``parameters="nvme"`` the DeepSpeed defaults (made for GPU servers with host memory to spare) are
+    replaced by memory-lean ones, unless given (as an argument, or as a key of a ``config``):
+
+    * ``max_in_cpu=0``: DeepSpeed's default keeps up to 1e9 parameter elements per rank in host memory,
+      i.e. every parameter of most models, with only a copy on NVMe;
+    * ``zero_optimization.stage3_max_reuse_distance=0``: parameters are released after each use instead
+      of kept from the forward to the backward pass. Kept ones hold one of the ``params_buffer_count``
+      swap buffers each: with more swapped parameters than buffers, DeepSpeed fails ("Not enough buffers");
+    * ``params_buffer_size``: the largest parameter partition once the model is known (the swap buffers are
+      page-locked, ``params_buffer_count`` of them, resident all the time); while ``configure_model`` builds
+      the model, ``1e7`` elements (Lightning's ``1e8`` locks 2 GB per rank in float32).
     """
 
     strategy_name = "offload"
@@ -106,7 +124,12 @@ class OffloadStrategy(_OffloadReport, DeepSpeedStrategy):
         self.plan = off.OffloadPlan(
             optimizer=optimizer, parameters=parameters, nvme_path=nvme_path, zero_stage=zero_stage, backend=backend
         ).validate()
+        # options the user chose: the NVMe defaults below never override them
+        self._user_config = kwargs.get("config") is not None or DeepSpeedStrategy.DEEPSPEED_ENV_VAR in os.environ
         self._user_buffer_size = "params_buffer_size" in kwargs
+        if parameters == "nvme" and not self._user_config:
+            kwargs.setdefault("params_buffer_size", NVME_PARAMS_BUFFER_SIZE)
+            kwargs.setdefault("max_in_cpu", 0)
         super().__init__(
             stage=zero_stage,
             offload_optimizer=optimizer is not None,
@@ -121,6 +144,8 @@ class OffloadStrategy(_OffloadReport, DeepSpeedStrategy):
         assert isinstance(self.config, dict)
         # a torch optimizer (configure_optimizers) may run on offloaded state: no compiled DeepSpeedCPUAdam
         self.config["zero_force_ds_cpu_optimizer"] = False
+        if parameters == "nvme":
+            self._lean_nvme_params()
         self.report = report
 
     # ---- the three changes that let Lightning's DeepSpeedStrategy run on a CPU-only machine ---------
@@ -150,15 +175,9 @@ class OffloadStrategy(_OffloadReport, DeepSpeedStrategy):
                                    lr_scheduler: Optional[Any] = None) -> tuple[Any, Any]:
         import deepspeed
 
-        if "nvme" in (self.plan.optimizer, self.plan.parameters):
-            self._check_nvme(model)  # models built in `configure_model` are only known now
-            self._size_param_buffers(model)
-            if self.plan.parameters == "nvme":
-                self._partition_for_nvme(model)
-        # Lightning passes `root_device.index`, None for a CPU device; DeepSpeed needs a number
-        device_rank = self.root_device.index if self.root_device.index is not None else self.local_rank
+        self._prepare_nvme(model)
         engine, ds_optimizer, _, _ = deepspeed.initialize(
-            args=argparse.Namespace(device_rank=device_rank),
+            args=argparse.Namespace(device_rank=self._device_rank()),
             config=self.config,
             model=model,
             model_parameters=[p for p in model.parameters() if p.requires_grad],
@@ -169,6 +188,61 @@ class OffloadStrategy(_OffloadReport, DeepSpeedStrategy):
         if "nvme" in (self.plan.optimizer, self.plan.parameters):
             self_contained_nvme_checkpoints(engine)
         return engine, ds_optimizer
+
+    @override
+    def _initialize_deepspeed_inference(self, model: nn.Module) -> None:
+        """``validate`` / ``test`` / ``predict`` without ``fit``: Lightning's, with a device rank DeepSpeed accepts."""
+        import deepspeed
+
+        self._prepare_nvme(model)
+        # Lightning passes `args.device_rank=root_device.index` here too: None for a CPU device, on which
+        # DeepSpeed's engine fails ("'>=' not supported between 'NoneType' and 'int'")
+        initialize = deepspeed.initialize
+
+        def initialize_with_rank(*args: Any, **kwargs: Any) -> Any:
+            if getattr(kwargs.get("args"), "device_rank", 0) is None:
+                kwargs["args"] = argparse.Namespace(**{**vars(kwargs["args"]), "device_rank": self._device_rank()})
+            return initialize(*args, **kwargs)
+
+        deepspeed.initialize = initialize_with_rank
+        try:
+            super()._initialize_deepspeed_inference(model)
+        finally:
+            deepspeed.initialize = initialize
+        zero = getattr(self.model, "optimizer", None)  # ZeRO-3 without an optimizer: DeepSpeedZeRoOffload
+        if zero is not None and not hasattr(zero, "_restore_from_bit16_weights"):
+            # `validate(ckpt_path=...)`: DeepSpeed's `load_checkpoint` without optimizer states loads the fp32 weights
+            # of the ZeRO files into the module (gathered), then asks the optimizer to refresh its 16-bit copies
+            # from them; an evaluation engine has none, and the method is missing (DeepSpeed issue #7272)
+            zero._restore_from_bit16_weights = lambda: None
+
+    def _device_rank(self) -> int:
+        # Lightning passes `root_device.index`, None for a CPU device; DeepSpeed needs a number
+        return self.root_device.index if self.root_device.index is not None else self.local_rank
+
+    def _prepare_nvme(self, model: nn.Module) -> None:
+        """Before DeepSpeed starts: check the swap folder for this model, size the buffers, partition to NVMe."""
+        if "nvme" in (self.plan.optimizer, self.plan.parameters):
+            self._check_nvme(model)  # models built in `configure_model` are only known now
+            self._size_param_buffers(model)
+            if self.plan.parameters == "nvme":
+                self._partition_for_nvme(model)
+
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        with super().model_sharded_context():
+            try:
+                yield
+            except AssertionError as err:
+                # DeepSpeed's swapper asserts when a parameter partition is larger than its NVMe swap buffers
+                if "than buffer size" not in str(err):
+                    raise
+                raise ValueError(
+                    f"A parameter partition does not fit the NVMe swap buffers of the parameters ({err}): pass"
+                    " `params_buffer_size=` at least the largest parameter's number of elements divided by the"
+                    " number of processes (for a model built in `configure_model`)."
+                ) from err
 
     # ---- checkpoints ---------------------------------------------------------------------------
     @override
@@ -203,26 +277,55 @@ class OffloadStrategy(_OffloadReport, DeepSpeedStrategy):
             self.plan.nvme_path, required_bytes=estimate.total(place="disk"), ranks_sharing=self.num_processes
         )
 
+    def _lean_nvme_params(self) -> None:
+        """The memory-lean defaults for parameters on NVMe (see the class docstring) the user did not set."""
+        zero = self.config.setdefault("zero_optimization", {})
+        swap = zero.get("offload_param")
+        if not isinstance(swap, dict) or swap.get("device") != "nvme":
+            return  # a user config without NVMe parameters: nothing of ours applies
+        if self._user_config:
+            self._user_buffer_size = "buffer_size" in swap
+            swap.setdefault("max_in_cpu", 0)
+            swap.setdefault("buffer_size", NVME_PARAMS_BUFFER_SIZE)
+        zero.setdefault("stage3_max_reuse_distance", 0)
+
     def _size_param_buffers(self, model: nn.Module) -> None:
-        """DeepSpeed swaps whole parameters through fixed buffers: size them to the largest one, not 100M elements."""
-        zero = self.config["zero_optimization"]
-        if self._user_buffer_size or "offload_param" not in zero:
+        """Size the NVMe swap buffers of the parameters to the largest partition once the model is known.
+
+        Each buffer holds one parameter partition (``ceil(numel / world size)`` elements), and they are
+        page-locked: resident all the time. A model built before ``fit`` is partitioned later with this size;
+        one built in ``configure_model`` already has its buffers (sized when ``zero.Init`` started), which
+        are reallocated at this size while none is in use.
+        """
+        swap = self.config["zero_optimization"].get("offload_param")
+        if self._user_buffer_size or not isinstance(swap, dict) or swap.get("device") != "nvme":
             return
-        largest = max((getattr(p, "ds_numel", p.numel()) for p in model.parameters()), default=0)
-        zero["offload_param"]["buffer_size"] = max(largest, 1 << 20)
-        zero["offload_param"]["max_in_cpu"] = 0
+        world = self.world_size
+        largest = max((p.ds_tensor.ds_numel if getattr(p, "ds_tensor", None) is not None else -(-p.numel() // world)
+                       for p in model.parameters()), default=1)
+        swap["buffer_size"] = largest
+        swappers = {id(s): s for p in model.parameters() if (s := getattr(p, "nvme_swapper", None)) is not None}
+        for swapper in swappers.values():
+            off.resize_param_swap_buffers(swapper, largest)
 
     def _partition_for_nvme(self, model: nn.Module) -> None:
         """Partition a model built outside ``configure_model`` with the config's dtype before DeepSpeed does.
 
         When DeepSpeed 0.19 partitions a built model itself it passes a dtype that its fallback ignores on an
         accelerator without float16 (the CPU): the NVMe swap buffers come out bfloat16 and float32 training
-        fails ("Float and BFloat16"). ``zero.Init`` without a dtype takes it from the config (float32 here).
+        fails ("Float and BFloat16"). ``zero.Init`` without a dtype takes it from the config (float32, or
+        bfloat16 with ``bf16-mixed``). The parameters are cast to that dtype first, as DeepSpeed's engine casts
+        a model it partitions itself (it casts no model partitioned before it starts): with
+        ``bf16-mixed`` the swap buffers are bfloat16, and float32 parameters gathered from them fail the same way.
         """
         import deepspeed
 
         if all(hasattr(p, "ds_id") for p in model.parameters()):
-            return  # already built under zero.Init (configure_model)
+            return  # already built under zero.Init (configure_model), in the config's dtype
+        dtype = off.training_dtype(self.config)
+        for p in model.parameters():
+            if p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
         deepspeed.zero.Init(module=model, config_dict_or_path=self.config)
 
     # ---- report --------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""OffloadStrategy on 2 CPU processes: parity with single-device AdamW, resume (NVMe too), FSDP2 offload.
+"""OffloadStrategy on 2 CPU processes: parity with single-device AdamW, resume (NVMe too), FSDP2 offload,
+validate/test without fit (and from a checkpoint), bf16-mixed with parameters on NVMe.
 
 Two launches (torchrun and Lightning's launcher), each training every supported combination in one
 process group, so the group stays within a few minutes (each launch pays the imports once).
@@ -47,6 +48,28 @@ def _check_resume(out: list[dict], combos: list[str]) -> None:
             assert r["single_device"] == 0.0, r  # consolidated for one device (zero_to_fp32)
 
 
+def _check_evaluate(out: list[dict], combos: list[str]) -> None:
+    evaluate = [r for r in out if r["kind"] == "evaluate"]
+    assert sorted(r["combo"] for r in evaluate) == sorted(2 * combos)  # one row per rank
+    for r in evaluate:
+        # validate / test without fit (DeepSpeed's evaluation engine on CPU): the single-device loss
+        assert abs(r["val"] - r["ref"]) <= 1e-5 * max(1.0, abs(r["ref"])), r
+        assert abs(r["test"] - r["ref"]) <= 1e-5 * max(1.0, abs(r["ref"])), r
+        # validate from a checkpoint of 3 steps (NVMe-offloaded states too), in a new run: the trained weights
+        assert abs(r["ckpt_val"] - r["ckpt_ref"]) <= 1e-5 * max(1.0, abs(r["ckpt_ref"])), r
+        assert abs(r["ckpt_ref"] - r["ref"]) > 1e-3, r  # training changed the loss: not the initial weights
+
+
+def _check_bf16(out: list[dict], combos: list[str]) -> None:
+    bf16 = [r for r in out if r["kind"] == "bf16"]
+    assert sorted(r["combo"] for r in bf16) == sorted(2 * combos)
+    for r in bf16:
+        assert r["dtype"] == "torch.bfloat16" and r["seen"] == 24, r
+        # parameters on NVMe change nothing: the same bf16 run as without offload, bit for bit
+        assert r["vs_no_offload"] == 0.0, r
+        assert r["vs_fp32_ref"] < 0.1, r  # bf16 rounding, not divergence
+
+
 def _check_reports(out: list[dict]) -> None:
     for r in (r for r in out if r["kind"] == "report"):
         stage, opt, par = r["combo"].split(":")
@@ -67,25 +90,29 @@ def _check_reports(out: list[dict]) -> None:
 def test_offload_torchrun_all_combinations_and_resume(tmp_path):
     combos = CPU_COMBOS + NVME_COMBOS
     resume = ["3:cpu:cpu", "3:nvme:nvme"]
-    proc = run_torchrun("offload_parity.py", ",".join(combos), "--resume", ",".join(resume),
+    bf16 = ["3:-:nvme", "3:nvme:nvme"]  # parameters on NVMe with bf16-mixed
+    proc = run_torchrun("offload_parity.py", ",".join(combos), "--resume", ",".join(resume), "--bf16", ",".join(bf16),
                         "--nvme-root", str(tmp_path), nproc=2, timeout=900, env=_env())
     out = results(proc)
     _check_parity(out, combos)
     _check_reports(out)
     assert "Offload report, start of fit" in proc.stdout and "Offload report, end of fit" in proc.stdout
     _check_resume(out, resume)
+    _check_bf16(out, bf16)
 
 
 @needs_aio
 def test_offload_lightning_launcher_and_fsdp2(tmp_path):
     combos = CPU_COMBOS + NVME_COMBOS
     resume = ["3:nvme:-", "3:cpu:nvme"]  # optimizer state on NVMe; parameters on NVMe, optimizer in host memory
+    evaluate = ["2:cpu:-", "3:nvme:nvme"]  # validate / test without fit, and from a (NVMe-offloaded) checkpoint
     proc = run_script("offload_parity.py", ",".join(combos), "--devices", "2", "--fsdp2", "--resume", ",".join(resume),
-                      "--nvme-root", str(tmp_path), timeout=900, env=_env())
+                      "--evaluate", ",".join(evaluate), "--nvme-root", str(tmp_path), timeout=900, env=_env())
     out = results(proc)
     _check_parity(out, combos)
     _check_reports(out)
     _check_resume(out, resume)
+    _check_evaluate(out, evaluate)
     fsdp2 = [r for r in out if r["kind"] == "fsdp2"]
     assert len(fsdp2) == 2
     for r in fsdp2:

@@ -7,7 +7,10 @@ e.g. ``3:cpu:-,3:nvme:nvme``; ``nvme`` uses a fresh folder under ``--nvme-root``
 Each rank prints RESULT lines: ``parity`` (max rel diff vs the reference, the DDP diff on the same
 work), ``report`` (the offload report rows), ``resume`` per ``--resume`` combo (6 steps straight vs
 3 steps + checkpoint + a new run resumed from it to step 6; a run that saves at step 3 and goes on,
-vs the straight one; the step-3 checkpoint consolidated and loaded on a single device).
+vs the straight one; the step-3 checkpoint consolidated and loaded on a single device), ``evaluate``
+per ``--evaluate`` combo (``validate`` and ``test`` alone, without ``fit``, and ``validate`` from a
+step-3 checkpoint in a new run, against the single-device loss), ``bf16`` per ``--bf16`` combo
+(``bf16-mixed`` training against the same run without offload, and against the float32 reference).
 """
 
 import argparse
@@ -15,7 +18,9 @@ import os
 import tempfile
 
 import torch
-from _common import Classifier, emit, full_params, max_rel_diff, reference, trainer
+import torch.nn.functional as F
+from _common import MLP, Classifier, dataset, emit, full_params, max_rel_diff, reference, trainer
+from torch.utils.data import DataLoader, DistributedSampler
 
 import lightning_dist  # noqa: F401  (registers the strategies)
 from lightning_dist.strategies import FSDP2OffloadStrategy, OffloadStrategy
@@ -28,6 +33,8 @@ parser.add_argument("--nvme-root", default=None)
 parser.add_argument("--resume", default="", help="combos to save at step 3 and resume to step 6")
 parser.add_argument("--fsdp2", action="store_true")
 parser.add_argument("--no-ddp", action="store_true")
+parser.add_argument("--evaluate", default="", help="combos to validate/test without fit, and from a checkpoint")
+parser.add_argument("--bf16", default="", help="combos to train with bf16-mixed")
 args = parser.parse_args()
 devices = args.devices or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 nvme_root = args.nvme_root or tempfile.gettempdir()
@@ -130,10 +137,83 @@ for combo in filter(None, args.resume.split(",")):
         out = os.path.join(nvme_root, f"consolidated-{name}.pt")
         convert_zero_checkpoint_to_fp32_state_dict(path, out)
         plain = Classifier(**kw, seed=7)
-        plain.load_state_dict(torch.load(out, weights_only=False)["state_dict"])
+        plain.load_state_dict(torch.load(out, weights_only=True)["state_dict"])
         single = max_rel_diff(dict(plain.named_parameters()), at_half)
     ref_kw = {k: v for k, v in kw.items() if k != "n"}
     emit(kind="resume", combo=combo, diff=max_rel_diff(got, want), continued=max_rel_diff(on, want),
          steps_seen=second.seen, single_device=single,
          straight_vs_ref=max_rel_diff(want, reference(total, n=48, **ref_kw)),
          half_vs_ref=max_rel_diff(at_half, reference(STEPS, n=48, **ref_kw)))
+
+
+class Evaluated(Classifier):
+    """The classifier with validation and test steps over the training data (mean loss, all ranks)."""
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x), y), sync_dist=True)
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test_loss", F.cross_entropy(self(x), y), sync_dist=True)
+
+    def val_dataloader(self):
+        kw = self.trainer.strategy.distributed_sampler_kwargs
+        sampler = DistributedSampler(dataset(self.n, dtype=self.dtype_), shuffle=False, **kw)
+        return DataLoader(sampler.dataset, batch_size=8, sampler=sampler)  # equal batches: the mean is the global one
+
+    test_dataloader = val_dataloader
+
+
+def single_device_loss(params: dict | None, *, n: int, seed: int = 0, **model_kw) -> float:
+    """Mean loss over the whole data set on one device, at the initial weights or at `params`."""
+    torch.manual_seed(seed)
+    model = MLP(**model_kw)
+    if params is not None:
+        model.load_state_dict({k.removeprefix("model."): v for k, v in params.items()})
+    x, y = dataset(n, dtype=torch.float32)[:]
+    with torch.no_grad():
+        return F.cross_entropy(model(x), y).item()
+
+
+if args.evaluate:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+for combo in filter(None, args.evaluate.split(",")):
+    name, kw = combo.replace(":", "-"), dict(dtype=torch.float32, n=48, **size_of(combo))
+    model_kw = size_of(combo)
+    # validate / test alone: no fit before, the model partitioned by DeepSpeed's evaluation engine
+    fresh = Evaluated(**kw)
+    t = trainer(make(combo, "evaluate", report=False), devices=devices, steps=STEPS, precision="32-true")
+    val = t.validate(fresh, verbose=False)[0]["val_loss"]
+    test = t.test(fresh, verbose=False)[0]["test_loss"]
+    # validate from a step-3 checkpoint (optimizer state / parameters on NVMe for NVMe combos), in a new run
+    ckpt_dir = os.path.join(nvme_root, f"ckpt-evaluate-{name}")
+    cb = ModelCheckpoint(dirpath=ckpt_dir, filename="step{step}", auto_insert_metric_name=False, save_top_k=-1,
+                         every_n_train_steps=STEPS)
+    trainer(make(combo, "evaluate-fit", report=False), devices=devices, steps=STEPS, precision="32-true",
+            enable_checkpointing=True, callbacks=[cb]).fit(Evaluated(**kw))
+    other = Evaluated(**kw, seed=123)  # different init: the weights must come from the checkpoint
+    ckpt_val = trainer(make(combo, "evaluate-ckpt", report=False), devices=devices, steps=STEPS,
+                       precision="32-true").validate(other, ckpt_path=os.path.join(ckpt_dir, f"step{STEPS}.ckpt"),
+                                                     verbose=False)[0]["val_loss"]
+    emit(kind="evaluate", combo=combo, val=val, test=test, ref=single_device_loss(None, n=48, **model_kw),
+         ckpt_val=ckpt_val,
+         ckpt_ref=single_device_loss(reference(STEPS, n=48, dtype=torch.float32, **model_kw), n=48, **model_kw))
+
+bf16_base = {}
+for combo in filter(None, args.bf16.split(",")):
+    # bf16-mixed: bfloat16 parameters in DeepSpeed (swap buffers too), float32 master weights and moments
+    model_kw = size_of(combo)
+    key = tuple(sorted(model_kw.items()))
+    if key not in bf16_base:  # the same run without offload, for this model size
+        base = Classifier(dtype=torch.float32, **model_kw)
+        trainer(OffloadStrategy(optimizer=None, zero_stage=3, report=False), devices=devices, steps=STEPS,
+                precision="bf16-mixed").fit(base)
+        bf16_base[key] = gathered(base)
+    module = Classifier(dtype=torch.float32, **model_kw)
+    trainer(make(combo, "bf16", report=False), devices=devices, steps=STEPS, precision="bf16-mixed").fit(module)
+    got = gathered(module)
+    emit(kind="bf16", combo=combo, dtype=str(next(iter(got.values())).dtype), seen=module.seen,
+         vs_no_offload=max_rel_diff(got, bf16_base[key]),
+         vs_fp32_ref=max_rel_diff(got, reference(STEPS, dtype=torch.float32, **model_kw)))

@@ -180,3 +180,89 @@ def test_report_attribution_and_table():
 def test_tensor_bytes_counts_storage_once():
     t = torch.zeros(10)
     assert off.tensor_bytes([t, t[2:], None, torch.empty(0)]) == 40
+
+
+# ---- memory-lean defaults with parameters on NVMe -------------------------------------------------
+def test_nvme_parameters_lean_defaults(tmp_path):
+    from lightning_dist.strategies.offload import NVME_PARAMS_BUFFER_SIZE
+
+    zero = OffloadStrategy(optimizer="nvme", parameters="nvme", nvme_path=str(tmp_path)).config["zero_optimization"]
+    # parameters really on NVMe (DeepSpeed keeps up to `max_in_cpu` elements in host memory), released after each use
+    assert zero["offload_param"]["max_in_cpu"] == 0
+    assert zero["offload_param"]["buffer_size"] == NVME_PARAMS_BUFFER_SIZE
+    assert zero["stage3_max_reuse_distance"] == 0
+    # what the user sets is kept
+    user = OffloadStrategy(optimizer="nvme", parameters="nvme", nvme_path=str(tmp_path), params_buffer_size=123,
+                           max_in_cpu=7).config["zero_optimization"]
+    assert user["offload_param"]["buffer_size"] == 123 and user["offload_param"]["max_in_cpu"] == 7
+    # parameters in host memory or on the device: DeepSpeed's defaults
+    for kw in ({"parameters": "cpu"}, {"parameters": None}):
+        zero = OffloadStrategy(optimizer="nvme", nvme_path=str(tmp_path), **kw).config["zero_optimization"]
+        assert "stage3_max_reuse_distance" not in zero
+    # a user config: only the keys it lacks
+    config = {"zero_optimization": {"stage": 3, "stage3_max_reuse_distance": 1000,
+                                    "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}}
+    strategy = OffloadStrategy(optimizer="nvme", parameters="nvme", nvme_path=str(tmp_path), config=config)
+    zero = strategy.config["zero_optimization"]
+    assert zero["stage3_max_reuse_distance"] == 1000 and zero["offload_param"]["max_in_cpu"] == 0
+    assert not strategy._user_buffer_size
+
+
+def test_nvme_param_buffers_sized_to_the_largest_partition(tmp_path):
+    strategy = OffloadStrategy(optimizer="nvme", parameters="nvme", nvme_path=str(tmp_path))
+    model = torch.nn.Sequential(torch.nn.Linear(100, 300), torch.nn.Linear(300, 7))
+    strategy._size_param_buffers(model)  # one process: the partition is the whole parameter
+    assert strategy.config["zero_optimization"]["offload_param"]["buffer_size"] == 300 * 100
+    kept = OffloadStrategy(optimizer="nvme", parameters="nvme", nvme_path=str(tmp_path), params_buffer_size=5)
+    kept._size_param_buffers(model)
+    assert kept.config["zero_optimization"]["offload_param"]["buffer_size"] == 5
+
+
+def test_resize_param_swap_buffers_only_while_free():
+    from types import SimpleNamespace
+
+    from lightning_dist.parallelize.offload import resize_param_swap_buffers
+
+    freed = []
+    handle = SimpleNamespace(new_cpu_locked_tensor=lambda n, example: torch.empty(n, dtype=example.dtype),
+                             free_cpu_locked_tensor=freed.append)
+
+    def swapper(**kw):
+        s = SimpleNamespace(buffers=torch.empty(5 * 1024), available_buffer_ids=[0, 1, 2, 3, 4], param_buffer_count=5,
+                            param_id_to_swap_buffer={}, inflight_params=[], elements_per_buffer=1000,
+                            aligned_elements_per_buffer=1024, aio_read_handle=handle,
+                            _io_aligned_numel=lambda n: -(-n // 256) * 256)
+        return SimpleNamespace(**{**vars(s), **kw})
+
+    free = swapper()
+    resize_param_swap_buffers(free, 300)
+    assert free.buffers.numel() == 5 * 512 and free.aligned_elements_per_buffer == 512
+    assert free.elements_per_buffer == 300
+    assert len(freed) == 1
+    busy = swapper(available_buffer_ids=[0, 1])  # three partitions in use: their buffers must not move
+    resize_param_swap_buffers(busy, 300)
+    assert busy.buffers.numel() == 5 * 1024 and len(freed) == 1
+
+
+def test_partition_too_large_for_the_swap_buffers_names_the_option(tmp_path, monkeypatch):
+    from contextlib import contextmanager
+
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    @contextmanager
+    def context(self):
+        yield
+
+    monkeypatch.setattr(DeepSpeedStrategy, "model_sharded_context", context)
+    strategy = OffloadStrategy(optimizer="nvme", parameters="nvme", nvme_path=str(tmp_path))
+    with pytest.raises(ValueError, match="params_buffer_size="):
+        with strategy.model_sharded_context():
+            raise AssertionError("More elements 20000000 than buffer size 10000000")
+
+
+def test_training_dtype_follows_the_precision_config():
+    from lightning_dist.parallelize.offload import training_dtype
+
+    assert training_dtype({}) == torch.float32
+    assert training_dtype({"bf16": {"enabled": True}}) == torch.bfloat16
+    assert training_dtype({"fp16": {"enabled": True}, "bf16": {"enabled": False}}) == torch.float16
