@@ -334,27 +334,24 @@ def load_stage(
     Every key of `model` must be in a sharded checkpoint (``strict=False`` only admits the other stages'
     keys); optimizer states are matched by parameter name (see :func:`name_keyed_optimizer_state`).
     """
+    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     path = resolve_path(path)
-    if path.is_dir():
-        import torch.distributed.checkpoint as dcp
-
-        saved = {k[len(MODEL_KEY) + 1:] for k in dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-                 if k.startswith(MODEL_KEY + ".")}
-        missing = sorted(set(model_state_shapes(model)) - saved)
-        if missing:
-            raise ValueError(f"The checkpoint {path} has no entry for {missing[:3]}... of this pipeline stage:"
-                             " it was written by a different model.")
+    if not path.is_dir():  # a consolidated file: weights only (its optimizer state is in single-device layout)
+        return load(path, model=model, optimizers=(), strict=False, weights_only=weights_only)
+    saved = {k[len(MODEL_KEY) + 1:] for k in dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+             if k.startswith(MODEL_KEY + ".")}
+    missing = sorted(set(model_state_shapes(model)) - saved)
+    if missing:
+        raise ValueError(f"The checkpoint {path} has no entry for {missing[:3]}... of this pipeline stage:"
+                         " it was written by a different model.")
     meta = load(path, model=model, optimizers=(), strict=False, weights_only=weights_only)
-    if path.is_dir():
-        import torch.distributed.checkpoint as dcp
-
-        for i, optimizer in enumerate(optimizers):
-            osd = name_keyed_optimizer_state(model, optimizer)
-            dcp.load({f"optimizer_{i}": osd}, checkpoint_id=path)
-            set_optimizer_state_dict(model, _unwrap(optimizer), optim_state_dict=osd,
-                                     options=StateDictOptions(flatten_optimizer_state_dict=True))
+    for i, optimizer in enumerate(optimizers):
+        osd = name_keyed_optimizer_state(model, optimizer)
+        dcp.load({f"optimizer_{i}": osd}, checkpoint_id=path)
+        set_optimizer_state_dict(model, _unwrap(optimizer), optim_state_dict=osd,
+                                 options=StateDictOptions(flatten_optimizer_state_dict=True))
     return meta
 
 

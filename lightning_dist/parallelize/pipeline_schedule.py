@@ -204,21 +204,28 @@ class PipelineRunner:
         self._meta.clear()
 
 
-def global_grad_norm(grads: list[torch.Tensor], pp_group: Optional[Any], *, device: torch.device) -> torch.Tensor:
-    """The 2-norm of all gradients of the model, across pipeline stages, FSDP shards and tensor-parallel shards.
-
-    torch's ``get_total_norm`` stacks per-tensor norms, which needs one layout: gradients are grouped by
-    (mesh, placements) (plain tensors, TP-only DTensors, FSDP x TP DTensors), each group's norm is made
-    whole with ``full_tensor()``, and the squares are summed over the pp group (stages hold distinct parameters).
-    """
+def grads_by_layout(grads: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Gradients grouped by layout (plain tensors; DTensors per (mesh, placements)): torch's foreach kernels and
+    ``get_total_norm`` take one layout per call, and a pipeline stage with TP and FSDP mixes them."""
     from torch.distributed.tensor import DTensor
 
     groups: dict[Any, list[torch.Tensor]] = {}
     for g in grads:
         key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
         groups.setdefault(key, []).append(g)
+    return list(groups.values())
+
+
+def global_grad_norm(grads: Sequence[torch.Tensor], pp_group: Optional[Any], *, device: torch.device) -> torch.Tensor:
+    """The 2-norm of all gradients of the model, across pipeline stages, FSDP shards and tensor-parallel shards.
+
+    Each layout group's norm is made whole with ``full_tensor()`` (one collective per group, not per
+    parameter), and the squares are summed over the pp group (stages hold distinct parameters).
+    """
+    from torch.distributed.tensor import DTensor
+
     total = torch.zeros((), dtype=torch.float64, device=device)
-    for group in groups.values():
+    for group in grads_by_layout(grads):
         norm = torch.nn.utils.get_total_norm(group, norm_type=2.0)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
@@ -233,4 +240,4 @@ def bubble_theory(pp: int, n_microbatches: int) -> float:
     return (pp - 1) / (n_microbatches + pp - 1)
 
 
-__all__ = ["SCHEDULES", "PipelineRunner", "TimedStage", "bubble_theory", "build_schedule", "global_grad_norm", "schedule_problems", "use_forward_only_order"]
+__all__ = ["SCHEDULES", "PipelineRunner", "TimedStage", "bubble_theory", "build_schedule", "global_grad_norm", "grads_by_layout", "schedule_problems", "use_forward_only_order"]

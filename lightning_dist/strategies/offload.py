@@ -124,12 +124,9 @@ class OffloadStrategy(_OffloadReport, DeepSpeedStrategy):
         self.plan = off.OffloadPlan(
             optimizer=optimizer, parameters=parameters, nvme_path=nvme_path, zero_stage=zero_stage, backend=backend
         ).validate()
-        # options the user chose: the NVMe defaults below never override them
-        self._user_config = kwargs.get("config") is not None or DeepSpeedStrategy.DEEPSPEED_ENV_VAR in os.environ
-        self._user_buffer_size = "params_buffer_size" in kwargs
-        if parameters == "nvme" and not self._user_config:
-            kwargs.setdefault("params_buffer_size", NVME_PARAMS_BUFFER_SIZE)
-            kwargs.setdefault("max_in_cpu", 0)
+        # the parameter-swap options the user chose (a config of their own, or arguments): never overridden
+        user_config = kwargs.get("config") is not None or DeepSpeedStrategy.DEEPSPEED_ENV_VAR in os.environ
+        chosen = {"buffer_size": "params_buffer_size" in kwargs, "max_in_cpu": "max_in_cpu" in kwargs}
         super().__init__(
             stage=zero_stage,
             offload_optimizer=optimizer is not None,
@@ -144,8 +141,9 @@ class OffloadStrategy(_OffloadReport, DeepSpeedStrategy):
         assert isinstance(self.config, dict)
         # a torch optimizer (configure_optimizers) may run on offloaded state: no compiled DeepSpeedCPUAdam
         self.config["zero_force_ds_cpu_optimizer"] = False
+        self._user_buffer_size = chosen["buffer_size"]
         if parameters == "nvme":
-            self._lean_nvme_params()
+            self._lean_nvme_params(None if user_config else chosen)
         self.report = report
 
     # ---- the three changes that let Lightning's DeepSpeedStrategy run on a CPU-only machine ---------
@@ -277,16 +275,22 @@ class OffloadStrategy(_OffloadReport, DeepSpeedStrategy):
             self.plan.nvme_path, required_bytes=estimate.total(place="disk"), ranks_sharing=self.num_processes
         )
 
-    def _lean_nvme_params(self) -> None:
-        """The memory-lean defaults for parameters on NVMe (see the class docstring) the user did not set."""
+    def _lean_nvme_params(self, chosen: Optional[dict[str, bool]]) -> None:
+        """The memory-lean defaults for parameters on NVMe (see the class docstring) the user did not set.
+
+        `chosen`: which ``offload_param`` keys the user gave as arguments; None for a user config, whose own
+        keys count as chosen (Lightning's arguments fill every key with its defaults, so they cannot tell).
+        """
         zero = self.config.setdefault("zero_optimization", {})
         swap = zero.get("offload_param")
         if not isinstance(swap, dict) or swap.get("device") != "nvme":
             return  # a user config without NVMe parameters: nothing of ours applies
-        if self._user_config:
-            self._user_buffer_size = "buffer_size" in swap
-            swap.setdefault("max_in_cpu", 0)
-            swap.setdefault("buffer_size", NVME_PARAMS_BUFFER_SIZE)
+        chosen = {key: key in swap for key in ("buffer_size", "max_in_cpu")} if chosen is None else chosen
+        self._user_buffer_size = chosen["buffer_size"]
+        if not chosen["max_in_cpu"]:
+            swap["max_in_cpu"] = 0
+        if not chosen["buffer_size"]:
+            swap["buffer_size"] = NVME_PARAMS_BUFFER_SIZE
         zero.setdefault("stage3_max_reuse_distance", 0)
 
     def _size_param_buffers(self, model: nn.Module) -> None:

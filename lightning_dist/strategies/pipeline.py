@@ -39,7 +39,13 @@ import lightning.pytorch as pl
 from lightning_dist import checkpoint as ckpt
 from lightning_dist.mesh import PP, TP, MeshSpec
 from lightning_dist.parallelize import pipeline as plan
-from lightning_dist.parallelize.pipeline_schedule import SCHEDULES, PipelineRunner, global_grad_norm, schedule_problems
+from lightning_dist.parallelize.pipeline_schedule import (
+    SCHEDULES,
+    PipelineRunner,
+    global_grad_norm,
+    grads_by_layout,
+    schedule_problems,
+)
 from lightning_dist.parallelize.tp import TPEntry, apply_tp_entries, format_plan, resolve_stage_plan
 from lightning_dist.strategies.base import MeshStrategy
 
@@ -319,14 +325,12 @@ class PipelineStrategy(MeshStrategy):
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
 
     def _clip_grad_by_norm(self, optimizer: Any, clip_val: Union[int, float]) -> None:
-        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        total = global_grad_norm([p.grad for p in params], self.mesh.group(PP) if self.mesh.size(PP) > 1 else None,
-                                 device=self.root_device)
-        # torch's rule (coefficient max_norm / (norm + 1e-6), at most 1), applied per tensor: its foreach kernel
-        # refuses a list mixing DTensor (TP/FSDP) and plain gradients
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        total = global_grad_norm(grads, self.mesh.group(PP) if self.mesh.size(PP) > 1 else None, device=self.root_device)
+        # torch's rule (coefficient max_norm / (norm + 1e-6), at most 1), one foreach call per gradient layout
         coef = min(1.0, float(clip_val) / (total.item() + 1e-6))
-        for p in params:
-            p.grad.mul_(coef)
+        for group in grads_by_layout(grads):
+            torch._foreach_mul_(group, coef)
 
     # ---- checkpoints: each stage holds only its own keys ----------------------------------------
     @override

@@ -127,6 +127,17 @@ def full_params(module: nn.Module) -> dict:
     return out
 
 
+def whole_params(module: nn.Module) -> dict:
+    """Whole parameters of this rank: FSDP/TP shards joined, DeepSpeed ZeRO-3 partitions gathered (collectives)."""
+    params = list(module.parameters())
+    if not any(hasattr(p, "ds_id") for p in params):
+        return full_params(module)
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(params):
+        return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
 def max_rel_diff(a: dict, b: dict) -> float:
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
     return max(((a[k].double() - b[k].double()).norm() / b[k].double().norm()).item() for k in a)

@@ -19,7 +19,7 @@ import tempfile
 
 import torch
 import torch.nn.functional as F
-from _common import MLP, Classifier, dataset, emit, full_params, max_rel_diff, reference, trainer
+from _common import MLP, Classifier, dataset, emit, full_params, max_rel_diff, reference, trainer, whole_params
 from torch.utils.data import DataLoader, DistributedSampler
 
 import lightning_dist  # noqa: F401  (registers the strategies)
@@ -38,17 +38,6 @@ parser.add_argument("--bf16", default="", help="combos to train with bf16-mixed"
 args = parser.parse_args()
 devices = args.devices or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 nvme_root = args.nvme_root or tempfile.gettempdir()
-
-
-def gathered(module) -> dict:
-    """Full float32 parameters of a (possibly ZeRO-3 partitioned) module, on every rank."""
-    import deepspeed
-
-    params = list(module.parameters())
-    if not any(hasattr(p, "ds_id") for p in params):
-        return full_params(module)
-    with deepspeed.zero.GatheredParameters(params):
-        return {n: p.detach().clone() for n, p in module.named_parameters()}
 
 
 def make(combo: str, tag: str, **kw) -> OffloadStrategy:
@@ -89,7 +78,7 @@ for combo in filter(None, args.combos.split(",")):
     strategy = make(combo, "parity")
     module = Classifier(dtype=torch.float32, **size_of(combo))
     trainer(strategy, devices=devices, steps=STEPS, precision="32-true").fit(module)
-    diff = max_rel_diff(gathered(module), ref32)
+    diff = max_rel_diff(whole_params(module), ref32)
     rows = strategy.print_report("after the test")
     emit(kind="parity", combo=combo, diff=diff, ddp=ddp_diff, seen=module.seen)
     emit(kind="report", combo=combo, rows=rows)
@@ -111,7 +100,7 @@ for combo in filter(None, args.resume.split(",")):
     kw = dict(dtype=torch.float32, n=48, **size_of(combo))  # 3 steps per epoch: checkpoint at an epoch boundary
     straight = Classifier(**kw)
     trainer(make(combo, "straight", report=False), devices=devices, steps=total, precision="32-true").fit(straight)
-    want = gathered(straight)
+    want = whole_params(straight)
 
     def saving(tag: str, steps: int, module: Classifier) -> str:
         """Train `steps` steps saving a checkpoint every 3; the step-3 checkpoint's path."""
@@ -130,7 +119,7 @@ for combo in filter(None, args.resume.split(",")):
     second = Classifier(**kw, seed=123)  # different init: everything must come from the checkpoint
     trainer(make(combo, "second", report=False), devices=devices, steps=total, precision="32-true").fit(
         second, ckpt_path=path)
-    got, at_half, on = gathered(second), gathered(first), gathered(continued)  # collectives: every rank
+    got, at_half, on = whole_params(second), whole_params(first), whole_params(continued)  # collectives: every rank
     single = None
     if torch.distributed.get_rank() == 0:
         # single-device load: consolidate the ZeRO shards into one fp32 state dict
@@ -210,10 +199,10 @@ for combo in filter(None, args.bf16.split(",")):
         base = Classifier(dtype=torch.float32, **model_kw)
         trainer(OffloadStrategy(optimizer=None, zero_stage=3, report=False), devices=devices, steps=STEPS,
                 precision="bf16-mixed").fit(base)
-        bf16_base[key] = gathered(base)
+        bf16_base[key] = whole_params(base)
     module = Classifier(dtype=torch.float32, **model_kw)
     trainer(make(combo, "bf16", report=False), devices=devices, steps=STEPS, precision="bf16-mixed").fit(module)
-    got = gathered(module)
+    got = whole_params(module)
     emit(kind="bf16", combo=combo, dtype=str(next(iter(got.values())).dtype), seen=module.seen,
          vs_no_offload=max_rel_diff(got, bf16_base[key]),
          vs_fp32_ref=max_rel_diff(got, reference(STEPS, dtype=torch.float32, **model_kw)))

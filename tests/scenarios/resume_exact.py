@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _common import Classifier, dataset, emit, full_params, trainer
+from _common import Classifier, dataset, emit, trainer, whole_params
 from lightning.pytorch import seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
@@ -73,18 +73,7 @@ def fit(steps, *, ckpt_path=None, every=None, resumable=True, rng=True, prefix="
     t = trainer(make(), devices=DEVICES, precision=PRECISION, steps=steps,
                 use_distributed_sampler=True, enable_checkpointing=bool(every), callbacks=callbacks)
     t.fit(module, ckpt_path=ckpt_path)
-    return params(module), t, module
-
-
-def params(module) -> dict:
-    """This rank's parameters, whole (FSDP/TP shards joined; ZeRO-3 partitions gathered; a pipeline rank's stage)."""
-    plist = list(module.parameters())
-    if any(hasattr(p, "ds_id") for p in plist):
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters(plist):
-            return {n: p.detach().clone() for n, p in module.named_parameters()}
-    return full_params(module)
+    return whole_params(module), t, module
 
 
 a, ta, ma = fit(9)
