@@ -16,7 +16,20 @@ TORCH_GE_2_6 = compare_version("torch", lambda a, b: a >= b, "2.6.0")
 # Schedule classes with `ScheduleInterleavedZeroBubble` / `ScheduleZBVZeroBubble` exist from 2.6 as well.
 TORCH_GE_2_7 = compare_version("torch", lambda a, b: a >= b, "2.7.0")
 
+TORCH_GE_2_13 = compare_version("torch", lambda a, b: a >= b, "2.13.0")
+
 LIGHTNING_GE_2_6 = compare_version("lightning", lambda a, b: a >= b, "2.6.0")
+
+# The torch and Lightning releases this pack is tested on (`make test-compat` at both ends of the torch range).
+TORCH_TESTED = ("2.11", "2.14")
+LIGHTNING_TESTED = ("2.6", "2.6")
+
+# torch < 2.13: a DTensor all-gathered from uneven shards keeps the padded buffer's strides, so a later
+# `view` inside F.linear fails ("view size is not compatible"); regions re-pack such inputs (parallelize/tp.py).
+DTENSOR_UNEVEN_GATHER_STRIDED = not TORCH_GE_2_13
+# torch < 2.13: a multi-stage schedule's first step posts a gloo send/recv between two stages of the SAME rank
+# (ZBV at pp=2), which gloo cannot pair ("Pair is not connected"); our stages leave those ops out.
+PIPELINE_INIT_P2P_TO_SELF = not TORCH_GE_2_13
 
 CUDA_AVAILABLE = torch.cuda.is_available()
 

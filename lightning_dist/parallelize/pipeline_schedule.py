@@ -17,6 +17,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
+from lightning_dist._compat import PIPELINE_INIT_P2P_TO_SELF
+
 # name -> (torch schedule class, default stages per rank, stage -> rank style)
 SCHEDULES: dict[str, tuple[str, int, str]] = {
     "gpipe": ("ScheduleGPipe", 1, "loop"),
@@ -98,6 +100,12 @@ class TimedStage(PipelineStage):
         out = super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
         self._record("W", bwd_chunk_id, start, cpu)
         return out
+
+    if PIPELINE_INIT_P2P_TO_SELF:
+        def _get_init_p2p_neighbors_ops(self):
+            # the warm-up exchange with a neighbour stage on this same rank is a send to self, which gloo
+            # cannot pair; stages of one rank hand tensors over in memory, so the exchange is not needed
+            return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != self.group_rank]
 
 
 def build_schedule(

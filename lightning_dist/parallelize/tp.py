@@ -52,8 +52,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Union
 
+import torch
 from torch import nn
 
+from lightning_dist._compat import DTENSOR_UNEVEN_GATHER_STRIDED
 from lightning_dist.parallelize.units import find_block_lists
 
 if TYPE_CHECKING:
@@ -446,6 +448,53 @@ def _to_style(entry: TPEntry, *, sequence_parallel: bool, sequence_dim: int) -> 
     )
 
 
+def _repack(x: Any) -> Any:
+    """`x` with a densely strided local tensor (a DTensor stays a DTensor with the same global layout)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(x, DTensor):
+        local = x.to_local()
+        if local.is_contiguous():
+            return x
+        return DTensor.from_local(local.contiguous(), x.device_mesh, x.placements, run_check=False,
+                                  shape=x.shape, stride=x.stride())
+    return x.contiguous() if isinstance(x, torch.Tensor) else x
+
+
+class _RepackGrad(torch.autograd.Function):
+    """Identity whose backward re-packs the incoming gradient (see ``_repack_gathered``)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _repack(grad)
+
+
+def _repack_gathered(root: nn.Module, styles: dict[str, str]) -> None:
+    """On torch releases whose uneven all-gathers keep the padded buffer's strides (see ``_compat``), re-pack
+    what the plan gathers: in the forward, each module's inputs and outputs after its style's hooks; in the
+    backward, the gradients each style's redistribution hands back (identity hooks placed before the style's)."""
+    if not DTENSOR_UNEVEN_GATHER_STRIDED:
+        return
+    from lightning.fabric.utilities.apply_func import apply_to_collection
+
+    def grads(tree):
+        return apply_to_collection(tree, torch.Tensor, lambda t: _RepackGrad.apply(t) if t.requires_grad else t)
+
+    def values(tree):
+        return apply_to_collection(tree, torch.Tensor, _repack)
+
+    for fqn in styles:
+        module = root.get_submodule(fqn)
+        module.register_forward_pre_hook(lambda m, args: grads(args), prepend=True)
+        module.register_forward_pre_hook(lambda m, args: values(args))
+        module.register_forward_hook(lambda m, args, out: grads(out), prepend=True)
+        module.register_forward_hook(lambda m, args, out: values(out))
+
+
 def apply_tp(
     model: nn.Module,
     tp_mesh: "DeviceMesh",
@@ -469,6 +518,7 @@ def apply_tp(
     entries = resolve_plan(model, plan, tp=tp, sequence_parallel=sequence_parallel)
     styles = {e.fqn: _to_style(e, sequence_parallel=sequence_parallel, sequence_dim=sequence_dim) for e in entries if e.active}
     parallelize_module(model, tp_mesh, styles)
+    _repack_gathered(model, {e.fqn: e.style for e in entries if e.active})
     log.info("applied tensor parallelism (plan %s, tp=%d, sequence_parallel=%s) to %d modules",
              name, tp, sequence_parallel, len(styles))
     return entries
@@ -515,6 +565,7 @@ def apply_tp_entries(
               for name, m in part.named_modules() if name and id(m) in by_id}
     if styles:
         parallelize_module(part, tp_mesh, styles)
+        _repack_gathered(part, {name: by_id[id(m)].style for name, m in part.named_modules() if name and id(m) in by_id})
     return len(styles)
 
 
