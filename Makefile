@@ -4,40 +4,67 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # torch first, pinned: a bare `torch` would pull a multi-GB CUDA build. Override e.g. TORCH_SPEC="torch==2.14.1".
 TORCH_SPEC ?= torch==2.13.0
+# the ends of the supported torch range (pyproject.toml, README): `make test-compat-all` tests both
+TORCH_OLDEST := torch==2.11.0
+TORCH_NEWEST := torch==2.14.1
 EXTRAS ?= test,plot,deepspeed
+# compile DeepSpeed's async_io op (NVMe offload) at install: 1 for `make test`, 0 for the compat venvs
+AIO_OP ?= 1
 # DeepSpeed compiles its ops on first use (minutes on 2 cores): keep them inside the environment.
 export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
 PYTEST_ARGS ?=
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo "sudo -n")
+# one venv per torch release for the compatibility subset, e.g. .venv-torch-2.11.0
+COMPAT_VENV = .venv-$(subst ==,-,$(TORCH_SPEC))
 
-.PHONY: demo test test-unit test-distributed install clean bench
+.PHONY: demo test test-unit test-distributed test-compat test-compat-all install install-base clean bench
 
-$(VENV)/.installed: pyproject.toml Makefile
-	# libaio: DeepSpeed's async_io op (NVMe offload) links against it
-	test -e /usr/include/libaio.h || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq libaio-dev; } \
-		|| echo "libaio-dev could not be installed: NVMe offload tests will be skipped"
+# What the demo needs: torch and the package's own dependencies (no extras, nothing compiled).
+$(VENV)/.base: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
-	# NVMe offload: compile DeepSpeed's async_io op once into $(TORCH_EXTENSIONS_DIR) (minutes), not in a test
-	-$(PY) -c "from deepspeed.accelerator import get_accelerator as g; g().create_op_builder('AsyncIOBuilder').load()"
+	$(PY) -m pip install -q -e .
 	touch $@
 
+# What the tests add to the same venv: the extras (DeepSpeed, matplotlib, test tools) and the NVMe op.
+$(VENV)/.installed: $(VENV)/.base
+	# libaio: DeepSpeed's async_io op (NVMe offload) links against it
+	test "$(AIO_OP)" = 0 || test -e /usr/include/libaio.h || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq libaio-dev; } \
+		|| echo "libaio-dev could not be installed: NVMe offload tests will be skipped"
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	# NVMe offload: compile DeepSpeed's async_io op once into $(TORCH_EXTENSIONS_DIR) (minutes), not in a test
+	-test "$(AIO_OP)" = 0 || $(PY) -c "from deepspeed.accelerator import get_accelerator as g; g().create_op_builder('AsyncIOBuilder').load()"
+	touch $@
+
+install-base: $(VENV)/.base
 install: $(VENV)/.installed
 
-demo: install
+demo: install-base
 	$(PY) -m lightning_dist.demo
 
 test: install
 	$(PY) -m pytest -q -m "not distributed" $(PYTEST_ARGS)
-	$(PY) -m pytest -q -m "distributed" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "distributed and not compat_only" $(PYTEST_ARGS)
 
 test-unit: install
 	$(PY) -m pytest -q -m "not distributed" $(PYTEST_ARGS)
 
 test-distributed: install
-	$(PY) -m pytest -q -m "distributed" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "distributed and not compat_only" $(PYTEST_ARGS)
+
+# The compatibility subset on another torch, in its own venv: `make test-compat TORCH_SPEC=torch==2.11.0`.
+# Unit tests plus the multi-process tests marked `compat` (parity of every strategy, callbacks, resume, reshard).
+test-compat:
+	$(MAKE) --no-print-directory $(COMPAT_VENV)/.installed VENV=$(COMPAT_VENV) AIO_OP=0 TORCH_SPEC="$(TORCH_SPEC)"
+	$(COMPAT_VENV)/bin/python -c "import torch, lightning; print('compat subset on torch', torch.__version__, 'lightning', lightning.__version__)"
+	TORCH_EXTENSIONS_DIR=$(abspath $(COMPAT_VENV))/torch_extensions $(COMPAT_VENV)/bin/python -m pytest -q -m "not distributed" $(PYTEST_ARGS)
+	TORCH_EXTENSIONS_DIR=$(abspath $(COMPAT_VENV))/torch_extensions $(COMPAT_VENV)/bin/python -m pytest -q -m "compat" $(PYTEST_ARGS)
+
+# both ends of the supported range (what .ci/run runs after `make test`)
+test-compat-all:
+	$(MAKE) --no-print-directory test-compat TORCH_SPEC="$(TORCH_OLDEST)"
+	$(MAKE) --no-print-directory test-compat TORCH_SPEC="$(TORCH_NEWEST)"
 
 # side-by-side benchmarks (ratios printed, never asserted); each writes JSON next to its table
 bench: install
@@ -47,4 +74,4 @@ bench: install
 	$(PY) benchmarks/planner_vs_measured.py --json bench-planner.json
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) .venv-torch-* build *.egg-info

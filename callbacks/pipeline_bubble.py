@@ -26,6 +26,8 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_dist._compat import matplotlib_available
+
 import lightning.pytorch as pl
 
 COLORS = {"F": "#4C72B0", "B": "#55A868", "I": "#DD8452", "W": "#8172B3"}
@@ -151,6 +153,11 @@ class PipelineBubble(Callback):
     """
 
     def __init__(self, *, gantt_path: Optional[Union[str, Path]] = None, log: bool = True, warmup_steps: int = 1) -> None:
+        if gantt_path is not None and not matplotlib_available():
+            # checked here, on every rank, so a missing extra never surfaces after a step's collectives
+            raise ModuleNotFoundError(f"PipelineBubble(gantt_path={str(gantt_path)!r}) draws the chart with matplotlib,"
+                                      " which is not installed: pip install 'lightning-dist[plot]', or pass"
+                                      " gantt_path=None.")
         self.gantt_path = gantt_path
         self.log_figures = log  # not `self.log`: Lightning overwrites that attribute with pl_module.log
         self.warmup_steps = warmup_steps

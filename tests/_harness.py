@@ -15,7 +15,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from lightning_dist._compat import deepspeed_available, matplotlib_available
+
 ROOT = Path(__file__).resolve().parents[1]
+
+# optional dependencies (extras): tests that need one skip with the reason where it is not installed
+needs_deepspeed = pytest.mark.skipif(not deepspeed_available(), reason="DeepSpeed (the `deepspeed` extra) is not installed")
+needs_matplotlib = pytest.mark.skipif(not matplotlib_available(), reason="matplotlib (the `plot` extra) is not installed")
 SCENARIOS = ROOT / "tests" / "scenarios"
 
 

@@ -23,6 +23,8 @@ from typing import Any, Literal, Optional
 
 import torch
 
+from lightning_dist._compat import deepspeed_available
+
 KINDS = ("parameters", "gradients", "optimizer")
 PLACES = ("device", "host", "disk")
 Target = Optional[Literal["cpu", "nvme"]]
@@ -198,6 +200,8 @@ LIBAIO_HINT = (
 @lru_cache(maxsize=1)
 def async_io_available() -> bool:
     """True when DeepSpeed's async_io op can be built or loaded here (libaio present); no compilation."""
+    if not deepspeed_available():
+        return False
     from deepspeed.ops.op_builder.cpu import AsyncIOBuilder
 
     # the builder test-links a call to io_submit against -laio (about a second, once per process)

@@ -52,6 +52,7 @@ def _check_exact(ranks: list[dict], world: int) -> None:
                 assert abs(got["loss"] - ref["loss"]) <= 1e-12 * abs(ref["loss"]), (variant, where, got, ref)
 
 
+@pytest.mark.compat
 def test_exact_evaluation_4_ranks(ddp4):
     _check_exact(ddp4["exact"], 4)
 
@@ -72,6 +73,7 @@ def _check_syncbn(ranks: list[dict]) -> None:
             assert r["running_stats_vs_full_rel"] <= 1e-12, (case, r)
 
 
+@pytest.mark.compat
 def test_sync_batchnorm_4_ranks(ddp4):
     cases = ddp4["syncbn"][0]
     assert any("[3, 5, 2, 6]" in c and "None" in c for c in cases)  # unequal per-rank batches
@@ -83,6 +85,7 @@ def test_sync_batchnorm_3_ranks(ddp3):
     _check_syncbn(ddp3["syncbn"])
 
 
+@pytest.mark.compat
 def test_gradient_parity_check(ddp4):
     for out in ddp4["parity"]:
         assert set(out) >= {
@@ -104,6 +107,7 @@ def test_gradient_parity_check(ddp4):
     assert len({str(out) for out in ddp4["parity"]}) == 1  # one verdict on every rank
 
 
+@pytest.mark.compat
 def test_sampler_epoch(ddp4):
     seen = ddp4["sampler"][0]["seen"]  # per rank: epoch -> indices
     orders = []
@@ -120,6 +124,7 @@ def test_sampler_epoch(ddp4):
         assert "dp rank 3: [('DistributedSampler', 3)]" in out["seed_error"]
 
 
+@pytest.mark.compat
 def test_callbacks_under_hsdp(ddp4):
     """The pack's ``hsdp`` strategy, 2 x 2 (replicate x shard), FSDP2 DTensor parameters."""
     for out in ddp4["hsdp"]:
@@ -132,6 +137,7 @@ def test_callbacks_under_hsdp(ddp4):
         assert out["injected_sampler_shards_data"]
 
 
+@pytest.mark.compat
 def test_exact_evaluation_under_tp(ddp4):
     """The pack's ``tp`` strategy, dp 2 x tp 2: tensor-parallel peers see the same samples and are not
     double-counted (31, not 62); a batch of padding only (the last step of dp rank 1) is skipped."""
@@ -158,6 +164,7 @@ def _check_parity_cases(ranks: list[dict], prefix: str) -> dict:
     return cases
 
 
+@pytest.mark.compat
 def test_gradient_parity_under_tp(ddp4):
     """DTensor gradients sharded over tp=2 (x FSDP dp_shard=2) equal the single-device gradient; the global
     batch is gathered over dp only (2 dp ranks x 4 rows, not x tp); planted bugs are caught."""
@@ -170,6 +177,7 @@ def test_gradient_parity_under_tp(ddp4):
     assert cases["tp2xdp_replicate2_bug_param_changed_on_one_rank"]["params_equal"] is False
 
 
+@pytest.mark.compat
 def test_gradient_parity_under_pipeline(ddp4):
     """pp=2 x dp=2: each rank compares its own stage's gradients with the whole single-device network's,
     joined from every stage (also 2 stages per rank, interleaved); automatic accumulation; planted bugs: a
@@ -183,6 +191,7 @@ def test_gradient_parity_under_pipeline(ddp4):
     assert cases["pp2xdp_replicate2_bug_param_changed_on_one_rank"]["params_equal"] is False
 
 
+@pytest.mark.compat
 def test_exact_evaluation_under_pipeline(ddp4):
     """ExactEvaluation(full_batches=True) through the pipeline, pp=2 x dp=2 and pp=4: 31 samples scored once."""
     for out in ddp4["pipeline"]:

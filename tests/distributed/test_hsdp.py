@@ -12,6 +12,7 @@ from _harness import SCENARIOS, results, run_script, run_torchrun
 pytestmark = pytest.mark.distributed
 
 
+@pytest.mark.compat
 def test_parity_every_mesh_and_stage_float64_and_float32_vs_ddp():
     proc = run_torchrun("hsdp_parity.py", nproc=4, timeout=600)
     rows = results(proc)
@@ -39,6 +40,7 @@ def test_parity_every_mesh_and_stage_float64_and_float32_vs_ddp():
         assert 0 < r["ddp"] < 1e-4 and r["hsdp"] <= 2 * r["ddp"], r
 
 
+@pytest.mark.compat
 def test_checkpoint_resume_reshard_and_single_device(tmp_path):
     from lightning.pytorch import Trainer
 

@@ -14,6 +14,7 @@ from lightning_dist.parallelize.offload import async_io_available
 from tests._harness import results, run_script, run_torchrun
 
 pytestmark = pytest.mark.distributed
+pytest.importorskip("deepspeed", reason="DeepSpeed (the `deepspeed` extra) is not installed")
 
 CPU_COMBOS = ["1:cpu:-", "2:cpu:-", "3:cpu:-", "3:cpu:cpu", "3:-:cpu"]
 NVME_COMBOS = ["3:nvme:-", "3:cpu:nvme", "3:-:nvme", "3:nvme:cpu", "3:nvme:nvme"]
@@ -122,6 +123,21 @@ def test_offload_lightning_launcher_and_fsdp2(tmp_path):
             assert all(row["table"][k]["device"] == 0 for k in row["table"]), row
             assert row["table"]["optimizer"]["host"] > 0
     assert "saves nothing on a CPU-only machine" in proc.stderr + proc.stdout
+
+
+@pytest.mark.compat
+@pytest.mark.compat_only
+def test_offload_host_memory_tiers(tmp_path):
+    """The compatibility subset's offload check (`make test` runs these combinations inside the larger ones
+    above): DeepSpeed ZeRO with optimizer state and parameters in host memory, parity and exact resume."""
+    combos = ["2:cpu:-", "3:cpu:cpu"]
+    resume = ["3:cpu:cpu"]
+    proc = run_torchrun("offload_parity.py", ",".join(combos), "--resume", ",".join(resume),
+                        "--nvme-root", str(tmp_path), nproc=2, timeout=900, env=_env())
+    out = results(proc)
+    _check_parity(out, combos)
+    _check_reports(out)
+    _check_resume(out, resume)
 
 
 def test_offload_bad_nvme_path_fails_before_any_collective(tmp_path):

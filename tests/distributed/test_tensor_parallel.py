@@ -25,6 +25,7 @@ def _check_parity(rows: list[dict], world: int) -> set:
              r["options"].get("activation_checkpointing", False)) for r in parity}
 
 
+@pytest.mark.compat
 def test_tp2_on_2_processes_parity_and_checkpoint():
     rows = results(run_torchrun("tp_parity.py", nproc=2, timeout=600))
     seen = _check_parity(rows, 2)
@@ -39,6 +40,7 @@ def test_tp2_on_2_processes_parity_and_checkpoint():
     assert ckpt[0]["single_diff"] == 0.0, ckpt[0]  # ... and, consolidated, on a single device
 
 
+@pytest.mark.compat
 def test_tp2_with_dp_shard_and_dp_replicate_on_4_processes():
     rows = results(run_torchrun("tp_parity.py", nproc=4, timeout=600))
     seen = _check_parity(rows, 4)

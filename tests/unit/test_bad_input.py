@@ -81,9 +81,14 @@ def _nvme(path):
 
 
 def _pin():
-    from lightning_dist.strategies.offload import FSDP2OffloadStrategy
+    from lightning_dist.strategies import offload
 
-    return FSDP2OffloadStrategy(pin_memory=True)
+    # the refusal is for machines without a CUDA device: build that condition on every machine
+    saved, offload.CUDA_AVAILABLE = offload.CUDA_AVAILABLE, False
+    try:
+        return offload.FSDP2OffloadStrategy(pin_memory=True)
+    finally:
+        offload.CUDA_AVAILABLE = saved
 
 
 def _master_weights():
@@ -105,6 +110,7 @@ def _bubble_on_hsdp():
 def _parity_on_deepspeed():
     from lightning_dist.callbacks.gradient_parity import GradientParityCheck
 
+    pytest.importorskip("deepspeed", reason="DeepSpeed (the `deepspeed` extra) is not installed")
     _callback_setup(GradientParityCheck(), _offload())
 
 

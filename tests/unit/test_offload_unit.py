@@ -4,6 +4,7 @@ import os
 
 import pytest
 import torch
+from _harness import needs_deepspeed
 
 from lightning_dist._compat import CUDA_AVAILABLE
 from lightning_dist.parallelize import offload as off
@@ -124,6 +125,7 @@ def test_libaio_hint_names_the_package():
     assert "apt-get install -y libaio-dev" in off.LIBAIO_HINT
 
 
+@needs_deepspeed
 def test_config_allows_torch_optimizer_with_offload():
     strategy = OffloadStrategy(optimizer="cpu", parameters="cpu", zero_stage=3)
     zero = strategy.config["zero_optimization"]
@@ -150,6 +152,7 @@ def test_fsdp2_pinned_memory_on_gpu():
     assert FSDP2OffloadStrategy(pin_memory=True).offload_policy.pin_memory is True
 
 
+@needs_deepspeed
 def test_registered_names():
     from lightning.pytorch.strategies import StrategyRegistry
 
@@ -183,6 +186,7 @@ def test_tensor_bytes_counts_storage_once():
 
 
 # ---- memory-lean defaults with parameters on NVMe -------------------------------------------------
+@needs_deepspeed
 def test_nvme_parameters_lean_defaults(tmp_path):
     from lightning_dist.strategies.offload import NVME_PARAMS_BUFFER_SIZE
 
@@ -208,6 +212,7 @@ def test_nvme_parameters_lean_defaults(tmp_path):
     assert not strategy._user_buffer_size
 
 
+@needs_deepspeed
 def test_nvme_param_buffers_sized_to_the_largest_partition(tmp_path):
     strategy = OffloadStrategy(optimizer="nvme", parameters="nvme", nvme_path=str(tmp_path))
     model = torch.nn.Sequential(torch.nn.Linear(100, 300), torch.nn.Linear(300, 7))
@@ -244,6 +249,7 @@ def test_resize_param_swap_buffers_only_while_free():
     assert busy.buffers.numel() == 5 * 1024 and len(freed) == 1
 
 
+@needs_deepspeed
 def test_partition_too_large_for_the_swap_buffers_names_the_option(tmp_path, monkeypatch):
     from contextlib import contextmanager
 

@@ -312,8 +312,18 @@ def test_bubble_stats_match_theory_on_an_ideal_schedule(tmp_path):
         stats = bubble_stats(_fake_step(p, m), p)
         assert stats["idle_fraction"] == pytest.approx((p - 1) / (m + p - 1))
         assert stats["ratio"] == pytest.approx(1.0) and stats["peak_held"] == {r: m for r in range(p)}
+    pytest.importorskip("matplotlib", reason="matplotlib (the `plot` extra) is not installed")
     path = save_gantt(_fake_step(2, 4), tmp_path / "gantt.png", title="ideal GPipe")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
+
+
+def test_bubble_chart_without_matplotlib_is_refused_at_construction(monkeypatch, tmp_path):
+    from lightning_dist.callbacks import pipeline_bubble
+
+    monkeypatch.setattr(pipeline_bubble, "matplotlib_available", lambda: False)
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'lightning-dist\[plot\]'"):
+        pipeline_bubble.PipelineBubble(gantt_path=tmp_path / "g.png")
+    assert pipeline_bubble.PipelineBubble(gantt_path=None).gantt_path is None  # no chart: no matplotlib needed
 
 
 def test_replay_removes_latency_but_keeps_the_schedule_bubble():

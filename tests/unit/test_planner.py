@@ -433,6 +433,7 @@ def test_cli_plan_model_json(capsys):
 
 
 def test_cli_plan_config_and_plot(tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="matplotlib (the `plot` extra) is not installed")
     cfg = tmp_path / "cli.yaml"
     cfg.write_text("model:\n  class_path: torch.nn.Linear\n  init_args:\n    in_features: 64\n    out_features: 64\n")
     png = tmp_path / "mem.png"
