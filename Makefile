@@ -22,9 +22,8 @@ COMPAT_VENV = .venv-$(subst ==,-,$(TORCH_SPEC))
 # What the demo needs: torch and the package's own dependencies (no extras, nothing compiled).
 $(VENV)/.base: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e .
+	# one resolver pass: torch (pinned) and the package's own dependencies
+	$(PY) -m pip install -q "$(TORCH_SPEC)" -e .
 	touch $@
 
 # What the tests add to the same venv: the extras (DeepSpeed, matplotlib, test tools) and the NVMe op.
