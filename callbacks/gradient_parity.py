@@ -23,13 +23,13 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 from torchmetrics import Metric
 from typing_extensions import override
 
-from lightning_dist._compat import TORCH_GE_2_6, fully_shard_api
+from lightning_dist._compat import fully_shard_api
 from lightning_dist.callbacks.sync_batchnorm import revert_sync_batchnorm
 from lightning_dist.mesh import DistMesh, data_parallel_info
 from lightning_dist.parallelize.pipeline import StageModule
 
 # the class FSDP2 mixes into the modules it shards (None without FSDP2)
-_FSDPModule = fully_shard_api()[3] if TORCH_GE_2_6 else None
+_FSDPModule = fully_shard_api()[3]
 # the prefix of the keys torch's composable APIs (fully_shard, replicate) keep their state under in a module
 _COMPOSABLE_STATE = "__composable_api_state_key"
 

@@ -4,8 +4,12 @@ Importing the package registers its strategies with Lightning, so ``Trainer(stra
 LightningCLI configs can name them.
 """
 
-from lightning_dist.mesh import DIM_NAMES, DistMesh, MeshSpec
-from lightning_dist.strategies import (
+from lightning_dist._compat import check_versions
+
+check_versions()  # before anything touches FSDP2 / DTensor: a clear message instead of an AttributeError
+
+from lightning_dist.mesh import DIM_NAMES, DistMesh, MeshSpec  # noqa: E402
+from lightning_dist.strategies import (  # noqa: E402
     REGISTERED,
     FullyShardStrategy,
     HybridShardStrategy,

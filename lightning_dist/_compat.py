@@ -11,18 +11,12 @@ from functools import lru_cache
 import torch
 from lightning_utilities.core.imports import compare_version
 
-# FSDP2 (`fully_shard`, `MixedPrecisionPolicy`, `CPUOffloadPolicy`) is public in torch.distributed.fsdp from 2.6.
-TORCH_GE_2_6 = compare_version("torch", lambda a, b: a >= b, "2.6.0")
-# Schedule classes with `ScheduleInterleavedZeroBubble` / `ScheduleZBVZeroBubble` exist from 2.6 as well.
-TORCH_GE_2_7 = compare_version("torch", lambda a, b: a >= b, "2.7.0")
+# The releases this pack is tested on: the compatibility subset runs on both ends of the torch range
+# (`make test-compat-all`), everything on the pinned release in between. pyproject.toml states the same range.
+TORCH_MIN, TORCH_MAX_TESTED = "2.11.0", "2.14"
+LIGHTNING_RANGE = ("2.6.0", "2.7.0")
 
 TORCH_GE_2_13 = compare_version("torch", lambda a, b: a >= b, "2.13.0")
-
-LIGHTNING_GE_2_6 = compare_version("lightning", lambda a, b: a >= b, "2.6.0")
-
-# The torch and Lightning releases this pack is tested on (`make test-compat` at both ends of the torch range).
-TORCH_TESTED = ("2.11", "2.14")
-LIGHTNING_TESTED = ("2.6", "2.6")
 
 # torch < 2.13: a DTensor all-gathered from uneven shards keeps the padded buffer's strides, so a later
 # `view` inside F.linear fails ("view size is not compatible"); regions re-pack such inputs (parallelize/tp.py).
@@ -40,15 +34,32 @@ def module_available(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
-def require_fsdp2() -> None:
-    """Raise ImportError naming the fix when FSDP2 is unavailable."""
-    if not TORCH_GE_2_6:
-        raise ImportError(f"lightning-dist needs torch>=2.6 for FSDP2 (`fully_shard`); found torch {torch.__version__}.")
+def check_versions() -> None:
+    """Refuse a torch or Lightning release below the supported range; warn once above the tested one."""
+    import warnings
+
+    import lightning
+
+    if not compare_version("torch", lambda a, b: a >= b, TORCH_MIN):
+        raise ImportError(f"lightning-dist needs torch>={TORCH_MIN} (FSDP2, DTensor tensor parallelism and pipelining"
+                          f" as tested); found torch {torch.__version__}. Upgrade: pip install 'torch>={TORCH_MIN}'.")
+    lo, hi = LIGHTNING_RANGE
+    if not (compare_version("lightning", lambda a, b: a >= b, lo) and compare_version("lightning", lambda a, b: a < b, hi)):
+        raise ImportError(f"lightning-dist supports lightning>={lo},<{hi}; found lightning {lightning.__version__}."
+                          f" Install a supported release: pip install 'lightning>={lo},<{hi}'.")
+    if compare_version("torch", lambda a, b: a >= b, _next_minor(TORCH_MAX_TESTED)):
+        warnings.warn(f"lightning-dist is tested on torch {TORCH_MIN} to {TORCH_MAX_TESTED}.x; torch {torch.__version__}"
+                      " is newer and untested: run `make test-compat TORCH_SPEC=torch==<version>` before relying on it.",
+                      stacklevel=2)
+
+
+def _next_minor(version: str) -> str:
+    major, minor = version.split(".")[:2]
+    return f"{major}.{int(minor) + 1}.0"
 
 
 def fully_shard_api():
     """Return (fully_shard, MixedPrecisionPolicy, CPUOffloadPolicy, FSDPModule) from their public home."""
-    require_fsdp2()
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
     return fully_shard, MixedPrecisionPolicy, CPUOffloadPolicy, FSDPModule
