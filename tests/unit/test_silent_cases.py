@@ -1,0 +1,107 @@
+"""Issue 20 in one process: the pieces that keep a distributed run equal to one device or make it refuse.
+
+The multi-process halves: tests/distributed/test_hsdp.py and test_tensor_parallel.py (no seed),
+test_pipeline.py::test_pp2_silent_cases_match_one_device_or_refuse_on_every_rank.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_dist.parallelize.pipeline import (
+    _unshared,
+    build_stage_module,
+    check_staged_forward,
+    plan_split,
+    shared_across_stages,
+    staged_forward_problem,
+)
+from lightning_dist.parallelize.sync import broadcast_module_states, materialize_in_sync
+
+
+def _meta_net() -> nn.Module:
+    with torch.device("meta"):
+        return nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3), nn.Linear(3, 2))
+
+
+def test_meta_materialization_is_the_same_whatever_each_rank_seeded():
+    torch.manual_seed(1)
+    a = _meta_net()
+    materialize_in_sync(a, torch.device("cpu"), seed=5)
+    torch.manual_seed(2)  # another rank, another RNG state
+    torch.randn(7)
+    b = _meta_net()
+    materialize_in_sync(b, torch.device("cpu"), seed=5)
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    c = _meta_net()
+    materialize_in_sync(c, torch.device("cpu"), seed=6)
+    assert not torch.equal(a[0].weight, c[0].weight)  # the shared seed, not a constant, decides
+    assert a[0].weight.std() > 0.1  # really initialized (reset_parameters ran), not left as empty memory
+
+
+def test_broadcast_is_a_no_op_without_a_process_group():
+    net = nn.Linear(2, 2)
+    before = net.weight.clone()
+    assert broadcast_module_states(net) == 0 and torch.equal(net.weight, before)
+
+
+class _Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(4, 8)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = x + block(x)  # the residual add the stages would drop
+        return self.head(x)
+
+
+def test_a_forward_doing_work_outside_its_children_is_refused_with_the_reason():
+    with pytest.raises(ValueError) as info:
+        check_staged_forward(_Residual(), torch.randn(4, 4))
+    message = str(info.value)
+    assert "not its children applied in registration order (stem -> blocks -> head)" in message
+    assert "3 x add itself, outside the child modules" in message and "Move that work into a child module" in message
+
+
+def _shared_sequential() -> tuple[nn.Sequential, nn.Linear]:
+    lin = nn.Linear(6, 6)
+    return nn.Sequential(nn.Linear(3, 6), nn.Tanh(), lin, nn.Tanh(), lin, nn.Tanh(), nn.Linear(6, 2)), lin
+
+
+def test_a_module_used_twice_in_one_stage_runs_twice_and_stays_with_the_stage_root():
+    net, lin = _shared_sequential()
+    x = torch.randn(5, 3, dtype=torch.float64)
+    net = net.double()
+    assert staged_forward_problem(net, x) is None  # the staged composition applies the shared Linear twice
+    split = plan_split(net, 2, split=[5])
+    assert shared_across_stages(net, split) == []  # both uses on stage 0: allowed
+    stage0 = build_stage_module(net, split, [0])
+    expected = net[:5](x)
+    assert torch.equal(stage0.run_local(x), expected)
+    # gradients of the shared weight add both uses, as on one device
+    stage0.run_local(x).sum().backward()
+    staged = lin.weight.grad.clone()
+    lin.weight.grad = None
+    net[:5](x).sum().backward()
+    assert torch.equal(staged, lin.weight.grad)
+    # FSDP units: a block used twice (or sharing a parameter) is left to the stage's root unit
+    block, other = nn.Linear(2, 2), nn.Linear(2, 2)
+    holder = nn.Module()
+    holder.blocks = nn.ModuleDict({"0": block, "1": other, "2": block})
+    assert _unshared([block, other, block], holder) == [other]
+    tied = nn.Linear(2, 2)
+    tied.weight = other.weight
+    holder.blocks = nn.ModuleDict({"0": block, "1": other, "2": tied})
+    assert _unshared([block, other, tied], holder) == [block]
+
+
+def test_a_module_shared_across_stages_is_still_refused_naming_it():
+    net, _ = _shared_sequential()
+    split = plan_split(net, 2, split=[3])
+    assert shared_across_stages(net, split) == [("2.weight", "4.weight"), ("2.bias", "4.bias")]
