@@ -200,3 +200,11 @@ def test_pp2_silent_cases_match_one_device_or_refuse_on_every_rank(pp2):
     # 7: the same nn.Linear used twice, both uses on stage 0 (split=[5]): trains as on one device
     for r in rows["shared_linear"]:
         assert r["diff"] <= TOL and r["split"] == [[0, 1, 2, 3, 4], [5, 6]], r
+
+
+@pytest.mark.distributed
+def test_pp2_x_dp2_block_used_twice_in_one_stage(pp4):
+    rows = [r for r in pp4 if r["kind"] == "silent" and r["case"] == "shared_block_dp2"]
+    assert len(rows) == 4, rows
+    for r in rows:  # FSDP2 over the stage keeps the shared block in the stage's root unit: one-device parity
+        assert r["shape"] == [2, 1, 2, 1] and r["diff"] <= TOL, r

@@ -265,6 +265,25 @@ def silent_cases():
          split=[list(s.blocks) for s in t.strategy.split.stages])
 
 
+def shared_blocks_dp():
+    """pp=2 x dp=2 (FSDP2 per stage): a block used twice in the block list stays with the stage's root unit."""
+
+    def build():
+        model = _seeded_mlp()
+        model.blocks[1] = model.blocks[0]  # weight sharing inside stage 0
+        return model
+
+    class SharedBlocks(PipeClassifier):
+        def __init__(self):
+            super().__init__()
+            self.model = build()
+
+    ref = single_device(build(), 3)
+    module, t = fit(PipelineStrategy(pp=2, dp_shard=2, schedule="1f1b", n_microbatches=2, split=[4]), 3,
+                    module=SharedBlocks())
+    emit(kind="silent", case="shared_block_dp2", diff=local_diff(module, ref)[0], shape=list(t.strategy.mesh.spec.shape))
+
+
 def _seeded_mlp():
     torch.manual_seed(0)
     return MLP(depth=DEPTH)
@@ -359,8 +378,8 @@ if __name__ == "__main__":
         bubble()
         errors()
         silent_cases()
-    elif mode == "silent":  # also part of "pp2"; alone for a quick look
-        silent_cases()
+    elif mode == "silent":  # also part of "pp2" and "pp4"; alone for a quick look
+        silent_cases() if WORLD == 2 else shared_blocks_dp()
     elif mode == "tp":
         tensor_parallel()
     elif mode == "3d":  # 8 processes: pp=2 x dp_shard=2 x tp=2, FSDP2 over TP-sharded stages
@@ -372,4 +391,5 @@ if __name__ == "__main__":
         parity("pp2xdp2_1f1b", PipelineStrategy(pp=2, schedule="1f1b", n_microbatches=4), steps=3)
         parity("pp2xdp2_zero_bubble", PipelineStrategy(pp=2, schedule="zero_bubble", n_microbatches=4, split="params"),
                steps=3)
+        shared_blocks_dp()
         tensor_parallel()
