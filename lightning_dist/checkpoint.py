@@ -220,9 +220,13 @@ _ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format: DCP writes each item as one, 
 def _torch_load(path: Path, weights_only: bool) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=weights_only)
-    except Exception as err:  # pickle.UnpicklingError under weights_only: name the way out
-        if weights_only and "weights_only" in str(err):
-            # torch's own message advises weights_only=False (arbitrary code execution): keep only its diagnosis
+    except Exception as err:
+        if _read_magic(path) != _ZIP_MAGIC or "zip archive" in str(err):
+            # torch's own message for a damaged file can advise weights_only=False: name the damage instead
+            raise ValueError(f"{path} is damaged (truncated or overwritten: not a file torch.save wrote). Copy it again"
+                             " from where it was written, or load another checkpoint.") from None
+        if weights_only and "weights_only" in str(err):  # pickle.UnpicklingError under weights_only: name the way out
+            # torch's message advises weights_only=False (arbitrary code execution): keep only its diagnosis
             why = " ".join(line.strip() for line in str(err).splitlines()
                            if "Unsupported global" in line or "GLOBAL" in line) or "a class outside torch's allow-list"
             raise RuntimeError(

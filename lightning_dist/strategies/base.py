@@ -286,6 +286,11 @@ class MeshStrategy(ParallelStrategy):
         """Parallelize the LightningModule in place (subclasses apply their built-in plan)."""
         raise NotImplementedError
 
+    def already_parallelized(self) -> bool:
+        """True when the model was parallelized before (a later ``validate``/``test`` on the same module)."""
+        assert self.model is not None
+        return _is_parallelized(self.model)
+
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         from torch.distributed.fsdp import FullyShardedDataParallel
@@ -304,7 +309,7 @@ class MeshStrategy(ParallelStrategy):
         # replicas and tensor/pipeline peers start from one model whatever each rank seeded: rank 0's eagerly
         # built tensors (broadcast before splitting), and one shared seed for what is still on the meta device
         seed = shared_seed(self.root_device) if _has_meta(self.model) else None
-        if _is_parallelized(self.model):
+        if self.already_parallelized():
             # `trainer.validate()` after `fit()` sets up the same module again: it is already sharded
             pass
         else:

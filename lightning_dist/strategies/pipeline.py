@@ -212,6 +212,11 @@ class PipelineStrategy(MeshStrategy):
         return isinstance(net, plan.StageModule) and net.runner == self._run
 
     @override
+    def already_parallelized(self) -> bool:
+        # stages without FSDP or TP hold plain tensors: the split itself marks a pipelined module
+        return self._is_pipelined(getattr(self.lightning_module, self.network, None)) or super().already_parallelized()
+
+    @override
     def parallelize(self, module: pl.LightningModule) -> None:
         net = getattr(module, self.network)
         if self._is_pipelined(net):

@@ -164,3 +164,16 @@ def test_consolidate_cli_on_a_folder_that_is_not_a_checkpoint(tmp_path, capsys):
     with pytest.raises(SystemExit) as info:
         main(["consolidate", str(tmp_path / "absent"), str(tmp_path / "out.ckpt")])
     assert info.value.code == 2 and "does not exist" in capsys.readouterr().err
+
+
+def test_damaged_single_file_checkpoint_is_named(tmp_path):
+    path = tmp_path / "one.ckpt"
+    ckpt.save({"state_dict": {"w": torch.ones(3)}, "optimizer_states": []}, path, sharded=False)
+    good = path.read_bytes()
+    model = nn.Module()
+    model.w = nn.Parameter(torch.zeros(3))
+    for damaged in (good[:40], bytes(len(good))):  # truncated, zeroed
+        path.write_bytes(damaged)
+        with pytest.raises(ValueError, match="one.ckpt is damaged") as info:
+            ckpt.load(path, model=model)
+        assert "weights_only=False" not in str(info.value)
