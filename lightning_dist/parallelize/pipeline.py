@@ -360,6 +360,18 @@ def staged_forward_problem(net: nn.Module, sample: torch.Tensor, *, rtol: float 
             " network as an nn.Sequential.")
 
 
+def host_copy(net: nn.Module) -> nn.Module:
+    """A copy of `net` with its tensors in host memory (never a second copy in device memory), to check later."""
+    import copy
+
+    memo: dict[int, object] = {}
+    for p in net.parameters():
+        memo[id(p)] = nn.Parameter(p.detach().cpu().clone(), requires_grad=p.requires_grad)
+    for b in net.buffers():
+        memo[id(b)] = b.detach().cpu().clone()
+    return copy.deepcopy(net, memo)
+
+
 def check_staged_forward(net: nn.Module, sample: torch.Tensor) -> None:
     """ValueError (see :func:`staged_forward_problem`) when the stages would not compute ``net(sample)``."""
     problem = staged_forward_problem(net, sample)
@@ -480,6 +492,6 @@ def stage_ranks(num_stages: int, pp: int, style: Literal["loop", "v"] = "loop") 
 __all__ = [
     "NetworkLayout", "PipelineSplit", "StagePlan", "StageModule", "apply_fsdp_to_stages", "batchnorm_modules",
     "check_splittable",
-    "build_stage_module", "check_staged_forward", "staged_forward_problem",
+    "build_stage_module", "check_staged_forward", "host_copy", "staged_forward_problem",
     "network_layout", "partition", "plan_split", "profile_costs", "shared_across_stages", "stage_ranks",
 ]

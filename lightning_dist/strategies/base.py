@@ -309,10 +309,8 @@ class MeshStrategy(ParallelStrategy):
         # replicas and tensor/pipeline peers start from one model whatever each rank seeded: rank 0's eagerly
         # built tensors (broadcast before splitting), and one shared seed for what is still on the meta device
         seed = shared_seed(self.root_device) if _has_meta(self.model) else None
-        if self.already_parallelized():
-            # `trainer.validate()` after `fit()` sets up the same module again: it is already sharded
-            pass
-        else:
+        # `trainer.validate()` after `fit()` sets up the same module again: it is already parallelized
+        if not self.already_parallelized():
             broadcast_module_states(self.model)
             if self._parallelize_fn is not None:
                 self._parallelize_fn(self.lightning_module, self.mesh)

@@ -26,7 +26,6 @@ states keyed by name); a pp=2 checkpoint loads into any pipeline layout or, conv
 
 from __future__ import annotations
 
-import copy
 import logging
 from collections.abc import Mapping
 from typing import Any, Optional, Union
@@ -45,6 +44,7 @@ from lightning_dist.parallelize.pipeline_schedule import (
     PipelineRunner,
     global_grad_norm,
     grads_by_layout,
+    returned_loss_gradients,
     schedule_problems,
 )
 from lightning_dist.parallelize.tp import TPEntry, apply_tp_entries, format_plan, resolve_stage_plan
@@ -227,7 +227,7 @@ class PipelineStrategy(MeshStrategy):
         sample = self._sample(net)
         if sample is None and not any(p.is_meta for p in net.parameters()):
             # no sample micro-batch: the staged forward is compared with this copy on the first batch (in `_run`)
-            self._unsplit = _cpu_copy(net)
+            self._unsplit = plan.host_copy(net)
         if mode == "balanced":
             assert sample is not None
             # profiled on global rank 0 alone (the others would compete for its cores), the same split everywhere
@@ -368,17 +368,10 @@ class PipelineStrategy(MeshStrategy):
         if returned is None or not isinstance(loss, Tensor) or not loss.requires_grad:
             return []
         out, target, m = returned
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        grads = torch.autograd.grad(loss, [out, *params], allow_unused=True)
-        user_out = grads[0] if grads[0] is not None else torch.zeros_like(out)
-        mismatch = torch.zeros((), dtype=torch.float64, device=self.root_device)
-        if isinstance(target, Tensor):
-            with torch.enable_grad():
-                chunks = zip(out.tensor_split(m), target.tensor_split(m))
-                scheduled = sum(self.lightning_module.pipeline_loss(o, t) for o, t in chunks) * (scale / m)
-                (sched_out,) = torch.autograd.grad(scheduled, out)
-            gap = (user_out - sched_out).abs().max() / sched_out.abs().max().clamp_min(torch.finfo(out.dtype).tiny)
-            mismatch.fill_(float(gap > 1e-6))
+        differs, extra = returned_loss_gradients(
+            loss, out, target, n_microbatches=m, scale=scale, pipeline_loss=self.lightning_module.pipeline_loss,
+            params=[p for p in self.model.parameters() if p.requires_grad])
+        mismatch = torch.tensor(float(differs), device=self.root_device)
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(mismatch, op=torch.distributed.ReduceOp.MAX)
         if mismatch.item():
@@ -390,7 +383,7 @@ class PipelineStrategy(MeshStrategy):
                 f" Put every term that depends on the output into `{name}.pipeline_loss(output, target)` (the mean loss"
                 " of one micro-batch); terms on the parameters alone (weight penalties) may stay in training_step."
             )
-        return [(p, g) for p, g in zip(params, grads[1:]) if g is not None]
+        return extra
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -433,16 +426,6 @@ class PipelineStrategy(MeshStrategy):
         if self._runner is not None:
             self._runner.clear()
         super().teardown()
-
-
-def _cpu_copy(net: nn.Module) -> nn.Module:
-    """A copy of `net` with its tensors in host memory (never a second copy in device memory)."""
-    memo: dict[int, Any] = {}
-    for p in net.parameters():
-        memo[id(p)] = nn.Parameter(p.detach().cpu().clone(), requires_grad=p.requires_grad)
-    for b in net.buffers():
-        memo[id(b)] = b.detach().cpu().clone()
-    return copy.deepcopy(net, memo)
 
 
 __all__ = ["PipelineStrategy"]

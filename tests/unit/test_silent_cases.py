@@ -105,3 +105,26 @@ def test_a_module_shared_across_stages_is_still_refused_naming_it():
     net, _ = _shared_sequential()
     split = plan_split(net, 2, split=[3])
     assert shared_across_stages(net, split) == [("2.weight", "4.weight"), ("2.bias", "4.bias")]
+
+
+def test_returned_loss_terms_on_parameters_get_gradients_and_output_terms_are_flagged():
+    import torch.nn.functional as F
+
+    from lightning_dist.parallelize.pipeline_schedule import returned_loss_gradients
+
+    w = nn.Parameter(torch.randn(3, dtype=torch.float64))
+    target = torch.randint(0, 5, (8,))
+    logits = torch.randn(8, 5, dtype=torch.float64)
+
+    def run(make_loss, scale=1.0):
+        out = logits.clone().requires_grad_()
+        return returned_loss_gradients(make_loss(out), out, target, n_microbatches=4, scale=scale,
+                                       pipeline_loss=F.cross_entropy, params=[w])
+
+    differs, extra = run(lambda out: F.cross_entropy(out, target) + 0.1 * w.pow(2).sum())
+    assert not differs and len(extra) == 1 and torch.allclose(extra[0][1], 0.2 * w.detach(), rtol=1e-15, atol=0)
+    # Lightning divides the loss by accumulate_grad_batches: the same scale on both sides
+    assert not run(lambda out: F.cross_entropy(out, target) / 2, scale=0.5)[0]
+    assert run(lambda out: 2 * F.cross_entropy(out, target))[0]  # the schedule back-propagated 1x
+    assert run(lambda out: F.cross_entropy(out, target) + out.pow(2).mean())[0]  # a term on the output
+    assert run(lambda out: w.sum())[0]  # the output's loss left out entirely
