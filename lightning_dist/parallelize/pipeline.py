@@ -6,7 +6,8 @@ A pipelined network has one of two shapes:
 * a module with a **stem** (children registered before the block list), one ``nn.ModuleList`` of
   blocks (found by :func:`~lightning_dist.parallelize.units.find_block_lists`, a direct child) and a
   **head** (children registered after it). Its ``forward`` must equal applying the children in
-  registration order (checked on a sample micro-batch when one is given).
+  registration order (:func:`check_staged_forward` compares them on one micro-batch). A module used
+  twice (weight sharing) runs twice; shared across stages it is refused (:func:`check_splittable`).
 
 :func:`plan_split` returns a :class:`PipelineSplit` (pure data, printable with rich, unit-testable in
 one process): contiguous runs of blocks per stage, the stem on stage 0 and the head on the last stage.

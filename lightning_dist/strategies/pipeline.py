@@ -8,12 +8,16 @@ What the LightningModule must provide (checked on every rank before the first co
 * ``pipeline_loss(output, target) -> Tensor``: the mean loss of one micro-batch, used by the schedule's
   backward (gradients are averaged over micro-batches, as for a mean over the batch);
 * batches ``(inputs, target, ...)``, or a ``pipeline_target(batch)`` hook returning the target;
-* for ``split="balanced"``: ``example_input_array`` set to one micro-batch of inputs.
+* for ``split="balanced"``: ``example_input_array`` set to one micro-batch of inputs;
+* a forward that is its children run in order: checked on ``example_input_array`` before any collective,
+  else on the first micro-batch against a host copy of the unsplit network (one verdict for all ranks).
 
 ``training_step``/``validation_step``/``predict_step`` stay as they are: calling the network runs the
 whole schedule (forward and backward in training, forward only otherwise) and returns the last stage's
 output on every pipeline rank, so the loss computed from it, ``self.log`` and the progress bar see the
-single-device value. That loss is only for logging: the gradients come from the schedule. They are
+single-device value. The gradients come from the schedule (the mean of ``pipeline_loss`` over the
+micro-batches); terms the returned loss adds on the parameters (a weight penalty) get their gradients in
+``backward``, and a loss that uses the output otherwise is refused on every rank. They are
 held aside during ``training_step`` and added to ``.grad`` in the strategy's ``backward``, so Lightning's
 closure (training_step -> zero_grad -> backward), gradient accumulation and manual optimization keep
 their meaning. Gradient-norm clipping uses the global norm across stages (and FSDP shards).
