@@ -128,3 +128,21 @@ def test_returned_loss_terms_on_parameters_get_gradients_and_output_terms_are_fl
     assert run(lambda out: 2 * F.cross_entropy(out, target))[0]  # the schedule back-propagated 1x
     assert run(lambda out: F.cross_entropy(out, target) + out.pow(2).mean())[0]  # a term on the output
     assert run(lambda out: w.sum())[0]  # the output's loss left out entirely
+
+
+def test_every_strategy_takes_timeout_as_seconds_or_timedelta():
+    from datetime import timedelta
+
+    from lightning_dist.strategies import FullyShardStrategy, HybridShardStrategy, PipelineStrategy
+    from lightning_dist.strategies.offload import FSDP2OffloadStrategy, OffloadStrategy
+    from lightning_dist.strategies.tp import TensorParallelStrategy
+
+    for cls in (HybridShardStrategy, FullyShardStrategy, TensorParallelStrategy, PipelineStrategy,
+                FSDP2OffloadStrategy, OffloadStrategy):
+        assert cls(timeout=30)._timeout == timedelta(seconds=30), cls
+        assert cls(timeout=2.5)._timeout == timedelta(seconds=2.5), cls
+        assert cls(timeout=timedelta(minutes=1))._timeout == timedelta(minutes=1), cls
+        with pytest.raises(ValueError, match="positive, finite"):
+            cls(timeout=0)
+        with pytest.raises(TypeError, match="seconds as a number or a datetime.timedelta"):
+            cls(timeout="30")
