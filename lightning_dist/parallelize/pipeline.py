@@ -344,8 +344,13 @@ def staged_forward_problem(net: nn.Module, sample: torch.Tensor, *, rtol: float 
     """
     layout = network_layout(net)
     staged = build_stage_module(net, plan_split(net, 1, split="params"), [0])
-    with torch.no_grad():
-        expected, got = net(sample), staged.run_local(sample)
+    was_training = net.training
+    net.eval()  # dropout & co. would draw different masks in the two runs
+    try:
+        with torch.no_grad():
+            expected, got = net(sample), staged.run_local(sample)
+    finally:
+        net.train(was_training)
     if isinstance(expected, torch.Tensor) and expected.shape == got.shape and torch.allclose(expected, got, rtol=rtol, atol=atol):
         return None
     if isinstance(expected, torch.Tensor) and expected.shape == got.shape:

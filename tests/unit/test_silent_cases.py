@@ -161,3 +161,8 @@ def test_output_term_check_tolerates_bf16_rounding():
     out2 = out.detach().clone().requires_grad_()
     assert returned_loss_gradients(2 * F.cross_entropy(out2, target), out2, target, n_microbatches=4, scale=1.0,
                                    pipeline_loss=F.cross_entropy, params=[])[0]
+
+
+def test_staged_forward_check_is_not_fooled_by_dropout():
+    net = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 2)).train()
+    assert staged_forward_problem(net, torch.randn(16, 4)) is None and net.training
