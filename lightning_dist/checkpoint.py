@@ -214,16 +214,81 @@ def resolve_path(path: str | os.PathLike) -> Path:
     return path
 
 
+_ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format: DCP writes each item as one, and meta.pt is one
+
+
 def _torch_load(path: Path, weights_only: bool) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=weights_only)
-    except Exception as err:  # pickle.UnpicklingError under weights_only: name the way out
-        if weights_only and "weights_only" in str(err):
+    except Exception as err:
+        if _read_magic(path) != _ZIP_MAGIC or "zip archive" in str(err):
+            # torch's own message for a damaged file can advise weights_only=False: name the damage instead
+            raise ValueError(f"{path} is damaged (truncated or overwritten: not a file torch.save wrote). Copy it again"
+                             " from where it was written, or load another checkpoint.") from None
+        if weights_only and "weights_only" in str(err):  # pickle.UnpicklingError under weights_only: name the way out
+            # torch's message advises weights_only=False (arbitrary code execution): keep only its diagnosis
+            why = " ".join(line.strip() for line in str(err).splitlines()
+                           if "Unsupported global" in line or "GLOBAL" in line) or "a class outside torch's allow-list"
             raise RuntimeError(
-                f"{path} holds objects that `torch.load(weights_only=True)` refuses: {err}. If you trust the file,"
+                f"{path} holds objects that `torch.load(weights_only=True)` refuses ({why}). If you trust the file,"
                 " allow those classes with `torch.serialization.add_safe_globals([...])`."
-            ) from err
+            ) from None
         raise
+
+
+def _read_magic(path: Path, offset: int = 0) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read(len(_ZIP_MAGIC))
+
+
+def check_sharded(path: str | os.PathLike, *, need_meta: bool = True) -> None:
+    """Refuse an incomplete or damaged sharded checkpoint directory before anything reads it (ValueError).
+
+    Checks, with file-system reads only (the same answer on every rank, so nothing waits in a collective):
+    the ``.metadata`` index is present and readable, every shard file it names exists and is as long as
+    the items it holds, each item starts like a saved tensor, and ``meta.pt`` (Lightning's loop state) is there.
+    The message names each missing or damaged file.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    path = Path(path)
+    fix = (" Copy the whole checkpoint directory again from where it was written (every file of it), or load"
+           " another checkpoint.")
+    if not (path / ".metadata").is_file():
+        found = sorted(p.name for p in path.iterdir())[:5] if path.is_dir() else []
+        raise ValueError(f"{path} is not a sharded checkpoint of lightning-dist: it has no `.metadata` file (the index"
+                         f" torch.distributed.checkpoint writes last; found {found or 'nothing'}). Pass the checkpoint"
+                         " directory itself (e.g. `epoch=0-step=10.ckpt`)." + fix)
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata()
+    except Exception as err:
+        raise ValueError(f"{path / '.metadata'} is damaged and cannot be read ({type(err).__name__})." + fix) from None
+    extents: dict[str, list[tuple[int, int, str]]] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        plain = not getattr(info, "transform_descriptors", None)  # compressed/transformed items start otherwise
+        extents.setdefault(info.relative_path, []).append((info.offset, info.length, index.fqn if plain else ""))
+    problems = []
+    for name, items in sorted(extents.items()):
+        file = path / name
+        if not file.is_file():
+            problems.append(f"{name} is missing")
+            continue
+        size, end = file.stat().st_size, max(o + n for o, n, _ in items)
+        if size < end:
+            problems.append(f"{name} is truncated ({size:,} bytes; the index names {end:,})")
+            continue
+        bad = next((fqn for o, _, fqn in items if fqn and _read_magic(file, o) != _ZIP_MAGIC), None)
+        if bad is not None:
+            problems.append(f"{name} is damaged (entry {bad!r} is not a saved tensor)")
+    if need_meta:
+        meta = path / META
+        if not meta.is_file():
+            problems.append(f"{META} (Lightning's loop state) is missing")
+        elif _read_magic(meta) != _ZIP_MAGIC:
+            problems.append(f"{META} (Lightning's loop state) is damaged")
+    if problems:
+        raise ValueError(f"The checkpoint {path} is incomplete or damaged: " + "; ".join(problems) + "." + fix)
 
 
 def check_compatible(
@@ -280,6 +345,7 @@ def load(
     if path.is_dir():
         import torch.distributed.checkpoint as dcp
 
+        check_sharded(path)
         reader = dcp.FileSystemReader(path)
         saved = {
             k[len(MODEL_KEY) + 1:]: md.size
@@ -340,6 +406,7 @@ def load_stage(
     path = resolve_path(path)
     if not path.is_dir():  # a consolidated file: weights only (its optimizer state is in single-device layout)
         return load(path, model=model, optimizers=(), strict=False, weights_only=weights_only)
+    check_sharded(path)
     saved = {k[len(MODEL_KEY) + 1:] for k in dcp.FileSystemReader(path).read_metadata().state_dict_metadata
              if k.startswith(MODEL_KEY + ".")}
     missing = sorted(set(model_state_shapes(model)) - saved)
@@ -384,6 +451,7 @@ def consolidate(src: str | os.PathLike, dst: str | os.PathLike, *, progress: Cal
     src, dst = resolve_path(src), Path(dst)
     if not src.is_dir():
         raise ValueError(f"{src} is not a sharded checkpoint directory (it is already a single file).")
+    check_sharded(src)
     say = progress or (lambda msg: None)
     with tempfile.TemporaryDirectory() as tmpdir:
         flat = Path(tmpdir) / "flat.pt"

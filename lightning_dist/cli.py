@@ -222,7 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args._run(args)
-    except (ValueError, TypeError) as err:
+    except (ValueError, TypeError, FileNotFoundError) as err:
         parser.exit(2, f"lightning-dist {args._name}: error: {err}\n")
     return 2  # unreachable: parser.exit raises SystemExit
 

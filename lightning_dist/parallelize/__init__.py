@@ -12,6 +12,10 @@ Order (each step changes the model in place and logs one line):
 
 Pipeline splitting happens before all of this, on the whole model (see ``pipeline.py``): each stage's
 module then goes through the same three steps.
+
+Before any of it, ``MeshStrategy.setup`` makes every rank hold one model (``sync.py``): rank 0's eager
+tensors are broadcast to all ranks, and what is still on the meta device is materialized afterwards under
+one shared seed. It runs there, not here, so that a user's ``parallelize_fn`` gets the same guarantee.
 """
 
 from __future__ import annotations

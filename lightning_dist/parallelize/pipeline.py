@@ -6,7 +6,8 @@ A pipelined network has one of two shapes:
 * a module with a **stem** (children registered before the block list), one ``nn.ModuleList`` of
   blocks (found by :func:`~lightning_dist.parallelize.units.find_block_lists`, a direct child) and a
   **head** (children registered after it). Its ``forward`` must equal applying the children in
-  registration order (checked on a sample micro-batch when one is given).
+  registration order (:func:`check_staged_forward` compares them on one micro-batch). A module used
+  twice (weight sharing) runs twice; shared across stages it is refused (:func:`check_splittable`).
 
 :func:`plan_split` returns a :class:`PipelineSplit` (pure data, printable with rich, unit-testable in
 one process): contiguous runs of blocks per stage, the stem on stage 0 and the head on the last stage.
@@ -189,8 +190,7 @@ def profile_costs(
 ) -> tuple[float, list[float], float]:
     """Measured forward+backward milliseconds of (stem, each block, head) on one sample micro-batch (best of `repeats`).
 
-    Also checks that running the parts in order reproduces ``net(sample)``, the assumption stage
-    modules rely on; ValueError when it does not.
+    The parts are assumed to compose to ``net`` (check that first with :func:`check_staged_forward`).
     """
     parts = [getattr(net, n) for n in layout.stem] + [_block(net, layout, i) for i in range(len(layout.blocks))] + [
         getattr(net, n) for n in layout.head
@@ -210,15 +210,6 @@ def profile_costs(
         with torch.no_grad():
             x = part(x)
     net.zero_grad(set_to_none=True)
-    with torch.no_grad():
-        expected = net(sample)
-    if expected.shape != x.shape or not torch.allclose(expected, x, rtol=1e-5, atol=1e-6):
-        raise ValueError(
-            f"{type(net).__name__}.forward is not its children applied in registration order"
-            f" ({' -> '.join([*layout.stem, layout.block_list or 'blocks', *layout.head])}), so it cannot be split"
-            " into stages as is. Register the layers in execution order, move extra computation into a child module,"
-            " or express the network as an nn.Sequential."
-        )
     n_stem, n_head = len(layout.stem), len(layout.head)
     return sum(times[:n_stem]), times[n_stem:len(times) - n_head], sum(times[len(times) - n_head:])
 
@@ -257,6 +248,7 @@ def plan_split(
                     'split="balanced" profiles each block on a sample micro-batch: set `example_input_array` on the'
                     ' LightningModule to one micro-batch of inputs, or use split="params".'
                 )
+            check_staged_forward(net, sample)
             costs = profile_costs(net, layout, sample)
         first, block_costs, last = costs
         method, unit = "balanced", "ms"
@@ -331,6 +323,68 @@ def check_splittable(net: nn.Module, split: PipelineSplit, *, allow_batchnorm: b
         rank_zero_warn(f"Pipelining BatchNorm layers {bn}: statistics come from micro-batches.")
 
 
+def _work_outside_children(net: nn.Module) -> list[str]:
+    """Operations `net.forward` applies itself, outside its child modules (from torch.fx; [] when not traceable)."""
+    from collections import Counter
+
+    try:
+        graph = torch.fx.symbolic_trace(net).graph
+    except Exception:  # data-dependent control flow etc.: the numeric comparison still decides
+        return []
+    ops = Counter(str(getattr(n.target, "__name__", n.target)) for n in graph.nodes if n.op in ("call_function", "call_method"))
+    return [f"{count} x {op}" if count > 1 else op for op, count in ops.items()]
+
+
+def staged_forward_problem(net: nn.Module, sample: torch.Tensor, *, rtol: float = 1e-5, atol: float = 1e-6) -> str | None:
+    """Why the pipeline stages would not compute ``net(sample)``, or None when they do.
+
+    The stages run only the network's children (stem, blocks, head) one after the other (what
+    :class:`StageModule` runs); a ``forward`` that adds residuals around blocks, calls a child twice or
+    in another order, or transforms tensors between children computes something else.
+    """
+    layout = network_layout(net)
+    staged = build_stage_module(net, plan_split(net, 1, split="params"), [0])
+    was_training = net.training
+    net.eval()  # dropout & co. would draw different masks in the two runs
+    try:
+        with torch.no_grad():
+            expected, got = net(sample), staged.run_local(sample)
+    finally:
+        net.train(was_training)
+    if isinstance(expected, torch.Tensor) and expected.shape == got.shape and torch.allclose(expected, got, rtol=rtol, atol=atol):
+        return None
+    if isinstance(expected, torch.Tensor) and expected.shape == got.shape:
+        what = f"max abs difference {(expected - got).abs().max().item():.4g} on one micro-batch"
+    else:
+        what = f"output {tuple(getattr(expected, 'shape', ()))} vs the stages' {tuple(got.shape)}"
+    ops = _work_outside_children(net)
+    outside = f" It applies {', '.join(ops)} itself, outside the child modules (e.g. residual adds around blocks)." if ops else ""
+    order = " -> ".join([*layout.stem, layout.block_list or "children", *layout.head])
+    return (f"{type(net).__name__}.forward is not its children applied in registration order ({order}): the pipeline"
+            f" stages would compute a different network ({what}).{outside} Move that work into a child module (e.g. a"
+            " block whose own forward adds its residual), register the layers in execution order, or express the"
+            " network as an nn.Sequential.")
+
+
+def host_copy(net: nn.Module) -> nn.Module:
+    """A copy of `net` with its tensors in host memory (never a second copy in device memory), to check later."""
+    import copy
+
+    memo: dict[int, object] = {}
+    for p in net.parameters():
+        memo[id(p)] = nn.Parameter(p.detach().cpu().clone(), requires_grad=p.requires_grad)
+    for b in net.buffers():
+        memo[id(b)] = b.detach().cpu().clone()
+    return copy.deepcopy(net, memo)
+
+
+def check_staged_forward(net: nn.Module, sample: torch.Tensor) -> None:
+    """ValueError (see :func:`staged_forward_problem`) when the stages would not compute ``net(sample)``."""
+    problem = staged_forward_problem(net, sample)
+    if problem:
+        raise ValueError(problem)
+
+
 # ---- stage modules -----------------------------------------------------------------------------
 class StageModule(nn.Module):
     """The parts of a network that some pipeline stages run, under their original names.
@@ -356,7 +410,8 @@ class StageModule(nn.Module):
 
     def run_local(self, x):
         """Apply this module's parts in order (what a PipelineStage runs)."""
-        for child in self.children():
+        # `_modules`, not `children()`: children() yields a module used twice (weight sharing) only once
+        for child in self._modules.values():
             if isinstance(child, nn.ModuleDict):
                 for block in child.values():
                     x = block(x)
@@ -399,11 +454,32 @@ def apply_fsdp_to_stages(stages: Sequence[StageModule], mesh: Any, *, reshard_af
 
     fully_shard = fully_shard_api()[0]
     for stage in stages:
-        for child in stage.children():
-            if isinstance(child, nn.ModuleDict):  # the kept blocks
-                for block in child.values():
-                    fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        blocks = [b for child in stage._modules.values() if isinstance(child, nn.ModuleDict) for b in child.values()]
+        for block in _unshared(blocks, stage):
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
         fully_shard(stage, mesh=mesh, reshard_after_forward=reshard_after_forward)
+
+
+def _unshared(blocks: Sequence[nn.Module], stage: nn.Module) -> list[nn.Module]:
+    """The blocks to shard as their own FSDP units: those run once per forward and sharing no parameter.
+
+    A block used twice (or holding a parameter another part of the stage also uses) stays with the stage's
+    root unit, which keeps it gathered for the whole forward and backward of the stage.
+    """
+    uses: dict[int, int] = {}
+    for _, p in stage.named_parameters(remove_duplicate=False):
+        uses[id(p)] = uses.get(id(p), 0) + 1
+    out, seen = [], set()
+    for block in blocks:
+        if id(block) in seen:
+            continue
+        seen.add(id(block))
+        own = {id(p): 0 for p in block.parameters()}
+        for _, p in block.named_parameters(remove_duplicate=False):
+            own[id(p)] += 1
+        if sum(b is block for b in blocks) == 1 and all(uses[k] == n for k, n in own.items()):
+            out.append(block)
+    return out
 
 
 def stage_ranks(num_stages: int, pp: int, style: Literal["loop", "v"] = "loop") -> list[int]:
@@ -422,6 +498,6 @@ def stage_ranks(num_stages: int, pp: int, style: Literal["loop", "v"] = "loop") 
 __all__ = [
     "NetworkLayout", "PipelineSplit", "StagePlan", "StageModule", "apply_fsdp_to_stages", "batchnorm_modules",
     "check_splittable",
-    "build_stage_module",
+    "build_stage_module", "check_staged_forward", "host_copy", "staged_forward_problem",
     "network_layout", "partition", "plan_split", "profile_costs", "shared_across_stages", "stage_ranks",
 ]

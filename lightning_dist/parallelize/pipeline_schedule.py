@@ -212,6 +212,33 @@ class PipelineRunner:
         self._meta.clear()
 
 
+def returned_loss_gradients(
+    loss: torch.Tensor, out: torch.Tensor, target: Any, *, n_microbatches: int, scale: float,
+    pipeline_loss: Callable, params: Sequence[torch.Tensor],
+) -> tuple[bool, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """What a returned loss adds to the schedule's gradients: (uses the output otherwise, [(param, grad)]).
+
+    The schedule back-propagated ``scale`` x the mean of ``pipeline_loss`` over the micro-batches (split as
+    torch splits targets, ``tensor_split`` on dim 0) through the stages. `out` is the network's output as a
+    leaf that `loss` was computed from. The first value is True when ``d loss / d out`` differs from that
+    mean's (relative 1e-6, or 16 ulps of the output's dtype: a scaled loss, a term on the output), which only
+    another backward through every stage could honour; the list holds the gradients of the other terms
+    (weight penalties) on `params`.
+    """
+    grads = torch.autograd.grad(loss, [out, *params], allow_unused=True)
+    user_out = grads[0] if grads[0] is not None else torch.zeros_like(out)
+    differs = False
+    if isinstance(target, torch.Tensor):  # torch's schedules take tensor targets only
+        with torch.enable_grad():
+            chunks = zip(out.tensor_split(n_microbatches), target.tensor_split(n_microbatches))
+            scheduled = sum(pipeline_loss(o, t) for o, t in chunks) * (scale / n_microbatches)
+            (sched_out,) = torch.autograd.grad(scheduled, out)
+        gap = (user_out - sched_out).double().abs().max() / sched_out.double().abs().max().clamp_min(1e-300)
+        # rounding of the two summation orders: ~1e-16 in float64, a few ulps in bf16; a real difference is O(1)
+        differs = bool(gap > max(1e-6, 16 * torch.finfo(out.dtype).eps))
+    return differs, [(p, g) for p, g in zip(params, grads[1:]) if g is not None]
+
+
 def grads_by_layout(grads: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
     """Gradients grouped by layout (plain tensors; DTensors per (mesh, placements)): torch's foreach kernels and
     ``get_total_norm`` take one layout per call, and a pipeline stage with TP and FSDP mixes them."""
@@ -248,4 +275,4 @@ def bubble_theory(pp: int, n_microbatches: int) -> float:
     return (pp - 1) / (n_microbatches + pp - 1)
 
 
-__all__ = ["SCHEDULES", "PipelineRunner", "TimedStage", "bubble_theory", "build_schedule", "global_grad_norm", "grads_by_layout", "schedule_problems", "use_forward_only_order"]
+__all__ = ["SCHEDULES", "PipelineRunner", "TimedStage", "bubble_theory", "build_schedule", "global_grad_norm", "grads_by_layout", "returned_loss_gradients", "schedule_problems", "use_forward_only_order"]

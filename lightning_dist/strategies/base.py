@@ -31,7 +31,6 @@ from lightning.fabric.utilities.distributed import (
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.distributed import group as _group
-from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH, ReduceOp
@@ -39,13 +38,14 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
 import lightning.pytorch as pl
 from lightning_dist import checkpoint as ckpt
 from lightning_dist.mesh import DIM_NAMES, DistMesh, MeshSpec
+from lightning_dist.parallelize.sync import broadcast_module_states, materialize_in_sync, shared_seed
 from lightning_dist.rendezvous import job_store
 
 log = logging.getLogger(__name__)
@@ -71,6 +71,24 @@ def _check_size(name: str, value: Any, allow_auto: bool) -> list[str]:
     return []
 
 
+def as_timeout(value: Any, owner: str) -> Optional[timedelta]:
+    """`timeout` as a ``timedelta``: seconds as a number, a ``timedelta``, or None (torch's default).
+
+    torch's process-group and store constructors take only ``timedelta`` (a number fails deep inside them with
+    "incompatible constructor arguments"); raised on every rank before any process group exists.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, timedelta)):
+        raise TypeError(f"{owner}(timeout={value!r}): the collective timeout must be seconds as a number or a"
+                        f" datetime.timedelta, not {type(value).__name__}. E.g. timeout=1800 or timedelta(minutes=30).")
+    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
+    if not 0 < seconds < float("inf"):
+        raise ValueError(f"{owner}(timeout={value!r}): the collective timeout must be a positive, finite number of"
+                         " seconds (e.g. timeout=1800), or None for torch's default.")
+    return value if isinstance(value, timedelta) else timedelta(seconds=seconds)
+
+
 class MeshStrategy(ParallelStrategy):
     """Lightning strategy over the pack's named device mesh.
 
@@ -82,7 +100,7 @@ class MeshStrategy(ParallelStrategy):
             strategy's built-in plan (for models the built-in plans do not cover).
         save_distributed_checkpoint: True: sharded DCP directory; False: one consolidated file.
         process_group_backend: ``"gloo"``/``"nccl"``; default from the device (cpu -> gloo, cuda -> nccl).
-        timeout: collective timeout; a failing rank makes the others exit after at most this long (under
+        timeout: collective timeout, seconds (a number) or a ``datetime.timedelta``; a failing rank makes the others exit after at most this long (under
             Lightning's launcher add up to 5 s: it checks its child processes every 5 s).
     """
 
@@ -97,8 +115,9 @@ class MeshStrategy(ParallelStrategy):
         parallelize_fn: Optional[ParallelizeFn] = None,
         save_distributed_checkpoint: bool = True,
         process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
+        timeout: Union[float, timedelta, None] = default_pg_timeout,
     ) -> None:
+        timeout = as_timeout(timeout, type(self).__name__)
         super().__init__()
         problems = _check_size("pp", pp, False) + _check_size("tp", tp, False)
         problems += _check_size("dp_replicate", dp_replicate, True) + _check_size("dp_shard", dp_shard, True)
@@ -267,6 +286,11 @@ class MeshStrategy(ParallelStrategy):
         """Parallelize the LightningModule in place (subclasses apply their built-in plan)."""
         raise NotImplementedError
 
+    def already_parallelized(self) -> bool:
+        """True when the model was parallelized before (a later ``validate``/``test`` on the same module)."""
+        assert self.model is not None
+        return _is_parallelized(self.model)
+
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         from torch.distributed.fsdp import FullyShardedDataParallel
@@ -282,14 +306,21 @@ class MeshStrategy(ParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         if not _has_meta(self.model):
             self.model.to(self.root_device)
-        if _is_parallelized(self.model):
-            # `trainer.validate()` after `fit()` sets up the same module again: it is already sharded
-            pass
-        elif self._parallelize_fn is not None:
-            self._parallelize_fn(self.lightning_module, self.mesh)
-        else:
-            self.parallelize(self.lightning_module)
-        _materialize_distributed_module(self.model, self.root_device)
+        # replicas and tensor/pipeline peers start from one model whatever each rank seeded: rank 0's eagerly
+        # built tensors (broadcast before splitting), and one shared seed for what is still on the meta device
+        seed = shared_seed(self.root_device) if _has_meta(self.model) else None
+        # `trainer.validate()` after `fit()` sets up the same module again: it is already parallelized
+        if not self.already_parallelized():
+            broadcast_module_states(self.model)
+            if self._parallelize_fn is not None:
+                self._parallelize_fn(self.lightning_module, self.mesh)
+            else:
+                self.parallelize(self.lightning_module)
+        if seed is not None and _has_meta(self.model):
+            missing = materialize_in_sync(self.model, self.root_device, seed=seed)
+            if missing:
+                rank_zero_warn(f"Parameter initialization incomplete: modules {sorted(set(missing))} have parameters or"
+                               " buffers left uninitialized because they do not define `reset_parameters()`.")
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)

@@ -36,6 +36,7 @@ from lightning_dist.mesh import MeshSpec
 from lightning_dist.parallelize import offload as off
 from lightning_dist.parallelize.offload_checkpoint import self_contained_nvme_checkpoints
 from lightning_dist.strategies.hsdp import HybridShardStrategy
+from lightning_dist.strategies.base import as_timeout
 
 # elements per NVMe swap buffer of the parameters while `configure_model` builds the model (sized to the largest
 # partition once it is known); Lightning's 1e8 would page-lock 5 x 400 MB per rank in float32
@@ -124,6 +125,8 @@ class OffloadStrategy(_OffloadReport, DeepSpeedStrategy):
         self.plan = off.OffloadPlan(
             optimizer=optimizer, parameters=parameters, nvme_path=nvme_path, zero_stage=zero_stage, backend=backend
         ).validate()
+        if "timeout" in kwargs:  # seconds or a timedelta, as for every strategy of the pack
+            kwargs["timeout"] = as_timeout(kwargs["timeout"], type(self).__name__)
         # the parameter-swap options the user chose (a config of their own, or arguments): never overridden
         user_config = kwargs.get("config") is not None or DeepSpeedStrategy.DEEPSPEED_ENV_VAR in os.environ
         chosen = {"buffer_size": "params_buffer_size" in kwargs, "max_in_cpu": "max_in_cpu" in kwargs}

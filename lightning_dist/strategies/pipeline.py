@@ -8,12 +8,16 @@ What the LightningModule must provide (checked on every rank before the first co
 * ``pipeline_loss(output, target) -> Tensor``: the mean loss of one micro-batch, used by the schedule's
   backward (gradients are averaged over micro-batches, as for a mean over the batch);
 * batches ``(inputs, target, ...)``, or a ``pipeline_target(batch)`` hook returning the target;
-* for ``split="balanced"``: ``example_input_array`` set to one micro-batch of inputs.
+* for ``split="balanced"``: ``example_input_array`` set to one micro-batch of inputs;
+* a forward that is its children run in order: checked on ``example_input_array`` before any collective,
+  else on the first micro-batch against a host copy of the unsplit network (one verdict for all ranks).
 
 ``training_step``/``validation_step``/``predict_step`` stay as they are: calling the network runs the
 whole schedule (forward and backward in training, forward only otherwise) and returns the last stage's
 output on every pipeline rank, so the loss computed from it, ``self.log`` and the progress bar see the
-single-device value. That loss is only for logging: the gradients come from the schedule. They are
+single-device value. The gradients come from the schedule (the mean of ``pipeline_loss`` over the
+micro-batches); terms the returned loss adds on the parameters (a weight penalty) get their gradients in
+``backward``, and a loss that uses the output otherwise is refused on every rank. They are
 held aside during ``training_step`` and added to ``.grad`` in the strategy's ``backward``, so Lightning's
 closure (training_step -> zero_grad -> backward), gradient accumulation and manual optimization keep
 their meaning. Gradient-norm clipping uses the global norm across stages (and FSDP shards).
@@ -44,6 +48,7 @@ from lightning_dist.parallelize.pipeline_schedule import (
     PipelineRunner,
     global_grad_norm,
     grads_by_layout,
+    returned_loss_gradients,
     schedule_problems,
 )
 from lightning_dist.parallelize.tp import TPEntry, apply_tp_entries, format_plan, resolve_stage_plan
@@ -126,6 +131,8 @@ class PipelineStrategy(MeshStrategy):
         self._runner: Optional[PipelineRunner] = None
         self._target: Any = None
         self._stash: Optional[list[tuple[Tensor, Optional[Tensor]]]] = None
+        self._returned: Optional[tuple[Tensor, Any, int]] = None  # (output leaf, target, micro-batches) of the step
+        self._unsplit: Optional[nn.Module] = None  # CPU copy of the network until the first batch checked the stages
 
     # ---- configuration -------------------------------------------------------------------------
     @property
@@ -183,6 +190,19 @@ class PipelineStrategy(MeshStrategy):
             raise ValueError(f'split="balanced" profiles each block on a sample micro-batch: set'
                              f" `{type(module).__name__}.example_input_array` to one micro-batch of inputs,"
                              ' or pass split="params".')
+        sample = self._sample(net)
+        if sample is not None:  # the stages must compute the model's own forward (else: the first batch, in `_run`)
+            plan.check_staged_forward(net, sample)
+
+    def _sample(self, net: nn.Module) -> Optional[Tensor]:
+        """``example_input_array`` on the network's device and floating dtype; None without one (or on meta)."""
+        example = getattr(self.lightning_module, "example_input_array", None)
+        first = next(iter(net.parameters()), None)
+        if example is None or first is None or first.is_meta:
+            return None
+        sample = torch.as_tensor(example).to(first.device)
+        dtype = next((p.dtype for p in net.parameters() if p.is_floating_point()), None)
+        return sample.to(dtype) if dtype is not None and sample.is_floating_point() else sample
 
     def split_mode(self) -> Any:
         """The split that will be used: ``split`` with ``"auto"`` resolved for the attached module."""
@@ -196,6 +216,11 @@ class PipelineStrategy(MeshStrategy):
         return isinstance(net, plan.StageModule) and net.runner == self._run
 
     @override
+    def already_parallelized(self) -> bool:
+        # stages without FSDP or TP hold plain tensors: the split itself marks a pipelined module
+        return self._is_pipelined(getattr(self.lightning_module, self.network, None)) or super().already_parallelized()
+
+    @override
     def parallelize(self, module: pl.LightningModule) -> None:
         net = getattr(module, self.network)
         if self._is_pipelined(net):
@@ -203,11 +228,12 @@ class PipelineStrategy(MeshStrategy):
         mesh, pp = self.mesh, self.mesh.size(PP)
         costs = None
         mode = self.split_mode()
+        sample = self._sample(net)
+        if sample is None and not any(p.is_meta for p in net.parameters()):
+            # no sample micro-batch: the staged forward is compared with this copy on the first batch (in `_run`)
+            self._unsplit = plan.host_copy(net)
         if mode == "balanced":
-            sample = torch.as_tensor(module.example_input_array).to(self.root_device)
-            dtype = next((p.dtype for p in net.parameters() if p.is_floating_point()), None)
-            if dtype is not None and sample.is_floating_point():
-                sample = sample.to(dtype)
+            assert sample is not None
             # profiled on global rank 0 alone (the others would compete for its cores), the same split everywhere
             costs = plan.profile_costs(net, plan.network_layout(net), sample) if self.global_rank == 0 else None
             costs = self.broadcast(costs)
@@ -247,6 +273,8 @@ class PipelineStrategy(MeshStrategy):
                                  f" use a batch size (per data-parallel rank) that is a multiple of {m}.")
             m = max(d for d in range(1, m + 1) if batch % d == 0)  # forward-only programs take any count
         assert self._runner is not None
+        if self._unsplit is not None:
+            self._check_first_batch(x[: batch // m])
         params = list(self.model.parameters())
         if train:  # the schedule's gradients go aside; `backward` adds them to .grad
             held = [p.grad for p in params]
@@ -256,6 +284,10 @@ class PipelineStrategy(MeshStrategy):
         out, loss, record = self._runner.step(x, n_microbatches=m, loss_fn=module.pipeline_loss if train else None,
                                               target=self._target, timeline=events)
         if train:
+            if out.is_floating_point():
+                # a leaf: `backward` finds what training_step's loss did with the output (see `_extra_gradients`)
+                out = out.detach().requires_grad_()
+                self._returned = (out, self._target, m)
             self._target = None
             self._stash = [(p, p.grad) for p in params]
             for p, g in zip(params, held):
@@ -265,6 +297,20 @@ class PipelineStrategy(MeshStrategy):
                 self.timelines.append({**record, "rank": self.mesh.local_rank(PP) if self.mesh.size(PP) > 1 else 0,
                                        "events": events, "n_microbatches": m})
         return out
+
+    def _check_first_batch(self, sample: Tensor) -> None:
+        """The staged forward against the unsplit copy on the first micro-batch; refused on every rank if any differs."""
+        assert self._unsplit is not None
+        unsplit, self._unsplit = self._unsplit, None
+        dtype = next((p.dtype for p in unsplit.parameters() if p.is_floating_point()), None)
+        sample = sample.detach().cpu()
+        problem = plan.staged_forward_problem(unsplit, sample.to(dtype) if dtype and sample.is_floating_point() else sample)
+        flag = torch.tensor(float(problem is not None), device=self.root_device)
+        if torch.distributed.is_initialized():  # data-parallel ranks see different batches: one verdict for all
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        if flag.item():
+            raise ValueError(problem or "The pipeline stages compute a different network than the model's forward on"
+                             " another rank's first micro-batch: its forward does work outside the child modules.")
 
     def _pipeline_target(self, batch: Any) -> Tensor:
         module = self.lightning_module
@@ -300,15 +346,48 @@ class PipelineStrategy(MeshStrategy):
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
         # Lightning divides the loss by accumulate_grad_batches before backward; scale the schedule's grads alike
         scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches
+        extra = self._extra_gradients(closure_loss, scale)
         for p, g in self._stash:
             if g is None:
                 continue
             g = g * scale if scale != 1.0 else g
             p.grad = g if p.grad is None else p.grad + g
+        for p, g in extra:
+            p.grad = g if p.grad is None else p.grad + g
         self._stash = None
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
         self.post_backward(closure_loss)
         return closure_loss
+
+    def _extra_gradients(self, loss: Tensor, scale: float) -> list[tuple[Tensor, Tensor]]:
+        """Gradients of the terms of training_step's loss that the schedule did not back-propagate.
+
+        The schedule back-propagated the mean of ``pipeline_loss`` over the micro-batches. The returned loss
+        may add terms on the parameters (a weight penalty): their gradients, on the parameters this rank
+        holds, are returned here to be added. A loss that uses the network's output otherwise than that
+        mean (a scaled loss, a term on the output) would need another backward through every stage: refused,
+        on every rank (one flag all-reduced), before any gradient is applied.
+        """
+        returned, self._returned = self._returned, None
+        if returned is None or not isinstance(loss, Tensor) or not loss.requires_grad:
+            return []
+        out, target, m = returned
+        differs, extra = returned_loss_gradients(
+            loss, out, target, n_microbatches=m, scale=scale, pipeline_loss=self.lightning_module.pipeline_loss,
+            params=[p for p in self.model.parameters() if p.requires_grad])
+        mismatch = torch.tensor(float(differs), device=self.root_device)
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(mismatch, op=torch.distributed.ReduceOp.MAX)
+        if mismatch.item():
+            name = type(self.lightning_module).__name__
+            raise ValueError(
+                f"{name}.training_step returned a loss that uses the network's output differently from the mean of"
+                f" `pipeline_loss` over the micro-batches, which is all the pipeline schedule back-propagates through the"
+                " stages (e.g. a scaled loss, or an extra term on the output): that part of its gradient would be lost."
+                f" Put every term that depends on the output into `{name}.pipeline_loss(output, target)` (the mean loss"
+                " of one micro-batch); terms on the parameters alone (weight penalties) may stay in training_step."
+            )
+        return extra
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.distributed
 
 
 @pytest.mark.compat
-def test_parity_every_mesh_and_stage_float64_and_float32_vs_ddp():
+def test_parity_every_mesh_and_stage_float64_and_float32_vs_ddp_and_without_seed():
     proc = run_torchrun("hsdp_parity.py", nproc=4, timeout=600)
     rows = results(proc)
     parity = [r for r in rows if r["kind"] == "parity64"]
@@ -28,6 +28,12 @@ def test_parity_every_mesh_and_stage_float64_and_float32_vs_ddp():
         assert r["sampler"] == {"num_replicas": 4, "rank": r["rank"]}, r
         assert r["seen"] == 3 * 16 // 4, r  # 3 steps of a 16-sample global batch, 4 per rank
     assert seen == {(rep, shard, s) for rep, shard in [(4, 1), (2, 2), (1, 4)] for s in (1, 2, 3)}
+    noseed = [r for r in rows if r["kind"] == "noseed"]
+    assert len(noseed) == 4 * 2, noseed
+    for r in noseed:
+        # every rank trained rank 0's initial model, whatever it built itself
+        assert r["diff"] <= 1e-12, r
+        assert r["rank"] == 0 or r["own_seed_diff"] > 1e-3, r
     injected = [r for r in rows if r["kind"] == "injection"]
     assert len(injected) == 4 and all(
         r["sampler"] == "DistributedSampler" and r["replicas"] == 4 and r["batches"] == 6 for r in injected
@@ -121,6 +127,8 @@ def test_features_meta_init_ac_units_parallelize_fn_bf16_and_dp_logging():
     for r in by_kind["option"]:
         assert r["diff"] <= 1e-12, r  # checkpointed / class-named units change nothing numerically
         assert r["logged"] == 16.0, r  # a sum over dp counts each sample once
+    # meta-device init without a common seed: the replicas (ranks 0/2, 1/3) materialized the same model
+    assert len({tuple(r["digest"]) for r in by_kind["meta"]}) == 1, by_kind["meta"]
     for r in by_kind["meta"]:
         assert r["mesh"] == [["pp", "dp_replicate", "dp_shard", "tp"], [1, 2, 2, 1]], r
         assert r["is_dtensor"] and r["placements"] == ["R", "S(0)"] and r["local_rows"] == 8 and r["finite"], r

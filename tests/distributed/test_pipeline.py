@@ -179,3 +179,37 @@ def test_pp2_bubble_callback_records_the_timeline(pp2):
     # activations held by stage 0: 1F1B at most p = 2, GPipe all m = 4
     assert rows[("1f1b", 0)]["peak_held"]["0"] == 2 and rows[("1f1b", 0)]["logged"]["pipeline/peak_held_stage0"] == 2
     assert rows[("gpipe", 0)]["peak_held"]["0"] == 4
+
+
+@pytest.mark.distributed
+def test_pp2_silent_cases_match_one_device_or_refuse_on_every_rank(pp2):
+    """Issue 20 cases 1, 5, 7: each trains as one device would, or every rank refuses with the reason."""
+    rows: dict[str, list[dict]] = {}
+    for r in pp2:
+        if r["kind"] == "silent":
+            rows.setdefault(r["case"], []).append(r)
+    assert all(len(v) == 2 for v in rows.values()) and len(rows) == 5, {k: len(v) for k, v in rows.items()}
+    # 1: residual adds in the network's own forward, with and without example_input_array: refused, naming the adds
+    for case in ("residual_first_batch", "residual_example"):
+        for r in rows[case]:
+            assert r["type"] == "ValueError", r
+            assert "not its children applied in registration order" in r["message"], r
+            assert "4 x add itself, outside the child modules" in r["message"], r
+    # 5: an L2 term on the parameters in training_step gets its gradient (it would differ by ~5e-2 without)
+    for r in rows["l2_penalty"]:
+        assert r["diff"] <= TOL and r["without_l2"] > 1e-3, r
+    # ... while a loss that scales the output term cannot be back-propagated by the schedule: refused
+    for r in rows["scaled_output_loss"]:
+        assert r["type"] == "ValueError" and "uses the network's output differently" in r["message"], r
+        assert "pipeline_loss(output, target)" in r["message"], r
+    # 7: the same nn.Linear used twice, both uses on stage 0 (split=[5]): trains as on one device
+    for r in rows["shared_linear"]:
+        assert r["diff"] <= TOL and r["split"] == [[0, 1, 2, 3, 4], [5, 6]], r
+
+
+@pytest.mark.distributed
+def test_pp2_x_dp2_block_used_twice_in_one_stage(pp4):
+    rows = [r for r in pp4 if r["kind"] == "silent" and r["case"] == "shared_block_dp2"]
+    assert len(rows) == 4, rows
+    for r in rows:  # FSDP2 over the stage keeps the shared block in the stage's root unit: one-device parity
+        assert r["shape"] == [2, 1, 2, 1] and r["diff"] <= TOL, r

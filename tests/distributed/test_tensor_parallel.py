@@ -41,8 +41,12 @@ def test_tp2_on_2_processes_parity_and_checkpoint():
 
 
 @pytest.mark.compat
-def test_tp2_with_dp_shard_and_dp_replicate_on_4_processes():
+def test_tp2_with_dp_shard_and_dp_replicate_on_4_processes_and_without_seed():
     rows = results(run_torchrun("tp_parity.py", nproc=4, timeout=600))
+    noseed = [r for r in rows if r["kind"] == "noseed"]
+    assert len(noseed) == 4 and all(r["diff"] <= TOL for r in noseed), noseed  # rank 0's model, on every rank
+    meta = [r for r in rows if r["kind"] == "noseed_meta"]
+    assert len(meta) == 4 and len({tuple(r["digest"]) for r in meta}) == 1, meta  # one model on the meta device too
     seen = _check_parity(rows, 4)
     expected = {("gpt", True, 2, 1, True)}  # + activation checkpointing and ZeRO-2
     for dp_shard, dp_rep in ((2, 1), (1, 2)):

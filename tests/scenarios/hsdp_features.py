@@ -2,7 +2,7 @@
 activation checkpointing, unit class names, a user `parallelize_fn`, bf16-mixed, and `sync_dist` over dp."""
 
 import torch
-from _common import MLP, Block, Classifier, emit, full_params, max_rel_diff, reference, trainer
+from _common import MLP, Block, Classifier, emit, full_params, max_rel_diff, rank, reference, trainer
 from torch.distributed.tensor import DTensor
 
 from lightning_dist.strategies import HybridShardStrategy
@@ -42,10 +42,11 @@ class MetaInit(Classifier):
 
 
 module = MetaInit()
+torch.manual_seed(100 + rank())  # no common seed: replicas must still materialize the same shards
 t = trainer(HybridShardStrategy(dp_replicate=2, shard_size=2), devices=WORLD, steps=2)
 t.fit(module)
 w = module.model.blocks[0].fc.weight
-emit(kind="meta", mesh=module.seen_mesh, is_dtensor=isinstance(w, DTensor),
+emit(kind="meta", digest=[p.full_tensor().sum().item() for p in module.parameters()], mesh=module.seen_mesh, is_dtensor=isinstance(w, DTensor),
      placements=[str(p) for p in w.placements] if isinstance(w, DTensor) else None,
      local_rows=w.to_local().shape[0], finite=all(torch.isfinite(p.full_tensor()).all().item()
                                                    for p in module.parameters()))

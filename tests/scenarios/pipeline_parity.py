@@ -2,7 +2,8 @@
 
 2 processes (pp=2): every schedule; accumulate_grad_batches=2 + gradient clipping + LR scheduler;
 validation through the pipeline; checkpoint resume and consolidation into a single-device model;
-bad configurations raising on every rank.
+bad configurations raising on every rank; issue 20's silent cases (a forward with residual adds outside
+its children, an L2 term in training_step, a loss scaling the output term, a Linear used twice in one stage).
 4 processes: every schedule with pp=4, pp=2 x dp=2 (FSDP2 on dp), and pp=2 x tp=2 (tensor parallelism inside
 each stage, with global-norm clipping over DTensor and plain gradients). 8 processes ("3d"): pp=2 x dp=2 x tp=2.
 Each rank compares the parameters it holds with the reference (keys are the single-device names).
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from _common import MLP, Classifier, dataset, emit, full_params, trainer
+from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 import lightning_dist  # noqa: F401  (registers the strategies)
@@ -171,6 +173,122 @@ def errors():
         emit(kind="error", case="manual_optimization", type=type(err).__name__, message=str(err))
 
 
+class Residual(nn.Module):
+    """Residual adds around each block of its ModuleList, in its own forward (not inside a child module)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(12, 16)
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = x + torch.tanh(block(x))
+        return self.head(x)
+
+
+def shared_sequential() -> nn.Sequential:
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 16)  # used twice: weight sharing inside one stage
+    return nn.Sequential(nn.Linear(12, 16), nn.Tanh(), lin, nn.Tanh(), lin, nn.Tanh(), nn.Linear(16, 5))
+
+
+L2 = 1e-2
+
+
+def single_device(model, steps, *, l2=0.0, global_batch=16):
+    """AdamW on one device on the global batch; loss CE (+ l2 * sum of squared parameters)."""
+    model = model.double()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    data = dataset(96)
+    for k in range(steps):
+        x, y = data[k * global_batch:(k + 1) * global_batch]
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        if l2:
+            loss = loss + l2 * sum(p.pow(2).sum() for p in model.parameters())
+        loss.backward()
+        opt.step()
+    return {f"model.{k}": p.detach().clone() for k, p in model.named_parameters()}
+
+
+def silent_cases():
+    """Issue 20's silent pipeline cases: each trains as one device would, or refuses on every rank."""
+
+    class ResidualNoSample(PipeClassifier):  # case 1: no example_input_array -> checked on the first batch
+        def __init__(self, sample: bool = False):
+            super().__init__()
+            self.model = Residual()
+            if not sample:
+                self.example_input_array = None
+
+    for case, module in (("residual_first_batch", lambda: ResidualNoSample()),
+                         ("residual_example", lambda: ResidualNoSample(sample=True))):
+        try:
+            fit(PipelineStrategy(pp=2, split="params"), 1, module=module())
+            emit(kind="silent", case=case, message=None)
+        except ValueError as err:
+            emit(kind="silent", case=case, type=type(err).__name__, message=str(err))
+
+    class Penalized(PipeClassifier):  # case 5: an L2 term on the parameters in training_step
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.cross_entropy(self(x), y) + L2 * sum(p.pow(2).sum() for p in self.parameters())
+
+    torch.manual_seed(0)
+    ref = single_device(MLP(depth=DEPTH), 3, l2=L2)
+    module, _ = fit(PipelineStrategy(pp=2, schedule="1f1b", n_microbatches=4, split="params"), 3, module=Penalized())
+    emit(kind="silent", case="l2_penalty", diff=local_diff(module, ref)[0],
+         without_l2=local_diff(module, single_device(_seeded_mlp(), 3))[0])
+
+    class Scaled(PipeClassifier):  # a term on the output the schedule cannot back-propagate: refused
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return 2 * F.cross_entropy(self(x), y)
+
+    try:
+        fit(PipelineStrategy(pp=2, split="params"), 1, module=Scaled())
+        emit(kind="silent", case="scaled_output_loss", message=None)
+    except ValueError as err:
+        emit(kind="silent", case="scaled_output_loss", type=type(err).__name__, message=str(err))
+
+    class Shared(PipeClassifier):  # case 7: one nn.Linear used twice, both uses on stage 0
+        def __init__(self):
+            super().__init__()
+            self.model = shared_sequential()
+
+    ref = single_device(shared_sequential(), 3)
+    module, t = fit(PipelineStrategy(pp=2, schedule="1f1b", n_microbatches=4, split=[5]), 3, module=Shared())
+    emit(kind="silent", case="shared_linear", diff=local_diff(module, ref)[0],
+         split=[list(s.blocks) for s in t.strategy.split.stages])
+
+
+def shared_blocks_dp():
+    """pp=2 x dp=2 (FSDP2 per stage): a block used twice in the block list stays with the stage's root unit."""
+
+    def build():
+        model = _seeded_mlp()
+        model.blocks[1] = model.blocks[0]  # weight sharing inside stage 0
+        return model
+
+    class SharedBlocks(PipeClassifier):
+        def __init__(self):
+            super().__init__()
+            self.model = build()
+
+    ref = single_device(build(), 3)
+    module, t = fit(PipelineStrategy(pp=2, dp_shard=2, schedule="1f1b", n_microbatches=2, split=[4]), 3,
+                    module=SharedBlocks())
+    emit(kind="silent", case="shared_block_dp2", diff=local_diff(module, ref)[0], shape=list(t.strategy.mesh.spec.shape))
+
+
+def _seeded_mlp():
+    torch.manual_seed(0)
+    return MLP(depth=DEPTH)
+
+
 def bubble():
     """PipelineBubble: the recorded action timeline (counts per kind), held micro-batches, logged metrics, PNG."""
     from lightning_dist._compat import matplotlib_available
@@ -260,6 +378,9 @@ if __name__ == "__main__":
         checkpoint_resume()
         bubble()
         errors()
+        silent_cases()
+    elif mode == "silent":  # also part of "pp2" and "pp4"; alone for a quick look
+        silent_cases() if WORLD == 2 else shared_blocks_dp()
     elif mode == "tp":
         tensor_parallel()
     elif mode == "3d":  # 8 processes: pp=2 x dp_shard=2 x tp=2, FSDP2 over TP-sharded stages
@@ -271,4 +392,5 @@ if __name__ == "__main__":
         parity("pp2xdp2_1f1b", PipelineStrategy(pp=2, schedule="1f1b", n_microbatches=4), steps=3)
         parity("pp2xdp2_zero_bubble", PipelineStrategy(pp=2, schedule="zero_bubble", n_microbatches=4, split="params"),
                steps=3)
+        shared_blocks_dp()
         tensor_parallel()

@@ -4,6 +4,7 @@
 GPT checkpoint (sharded DCP dir) reloads on tp=1 (dp_shard=2) and, consolidated, on one device.
 4 processes: tp=2 x dp_shard=2 and tp=2 x dp_replicate=2 for the same models, and the GPT with
 sequence parallelism, activation checkpointing and ZeRO-2 together.
+Without a common seed (eager or meta-device init) every rank must start from one model.
 Every run also logs the number of samples with reduce_fx="sum": it must equal the global batch.
 """
 
@@ -41,8 +42,8 @@ def emit(**payload) -> None:
         sys.stdout.flush()
 
 
-def build(kind: str) -> nn.Module:
-    torch.manual_seed(0)  # identical initial weights on every rank and in the reference
+def build(kind: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)  # identical initial weights on every rank and in the reference (unless told otherwise)
     if kind in ("gpt", "vit"):
         if kind == "gpt":
             model = GPT(vocab_size=32, block_size=SEQ, n_layer=2, n_head=4, n_embd=16, mlp_ratio=2)
@@ -71,10 +72,15 @@ def loss_fn(out, y):
 
 
 class Task(pl.LightningModule):
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, seed: int = 0, meta: bool = False) -> None:
         super().__init__()
-        self.kind = kind
-        self.model = build(kind)
+        self.kind, self.meta = kind, meta
+        self.model = None if meta else build(kind, seed)
+
+    def configure_model(self):
+        if self.model is None:  # under the strategy's init context: the meta device
+            self.model = build(self.kind)
+            torch.manual_seed(2000 + dist.get_rank())  # no common RNG state when the weights are materialized
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -92,8 +98,8 @@ class Task(pl.LightningModule):
         return DataLoader(sampler.dataset, batch_size=GLOBAL_BATCH // kw["num_replicas"], sampler=sampler)
 
 
-def reference(kind: str) -> dict:
-    model = build(kind).double()
+def reference(kind: str, seed: int = 0) -> dict:
+    model = build(kind, seed).double()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     ds = data(kind)
     for k in range(STEPS):
@@ -159,3 +165,16 @@ if world == 2 and "gpt" in kinds:
         single_diff = max_rel_diff({n: p.detach() for n, p in single.named_parameters()}, saved)
     emit(kind="checkpoint", tp1_diff=tp1_diff, single_diff=single_diff, tp1_mesh=list(t1.strategy.mesh.spec.shape),
          global_step=t1.global_step)
+
+if world == 4 and "gpt" in kinds:
+    # no common seed: each rank builds its own GPT (seed 1000 + rank); tp peers and dp replicas must all start from
+    # rank 0's model (sharded matrices from one model, replicated norms and row-parallel biases equal)
+    task = Task("gpt", seed=1000 + dist.get_rank())
+    t = trainer(TensorParallelStrategy(tp=2, dp_replicate=2, dp_shard=1), devices=4, steps=STEPS)
+    t.fit(task)
+    emit(kind="noseed", diff=max_rel_diff(full_params(task), reference("gpt", seed=1000)))
+    # the same on the meta device, each rank with its own RNG state: every rank must hold one model
+    task = Task("gpt", meta=True)
+    trainer(TensorParallelStrategy(tp=2, dp_replicate=2, dp_shard=1), devices=4, steps=1).fit(task)
+    # full_tensor() takes each rank's own copy of a replicated dim: differing peers would give differing digests
+    emit(kind="noseed_meta", digest=[p.sum().item() for p in full_params(task).values()])

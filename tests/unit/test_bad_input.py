@@ -193,6 +193,10 @@ CASES = {
                                ["'stem.weight'", "[16, 12]", "[24, 12]", "different model"]),
     "checkpoint-missing": (lambda t: ckpt.resolve_path(t / "nope.ckpt"), FileNotFoundError, ["nope.ckpt"]),
     "checkpoint-untrusted-pickle": (_untrusted_pickle, RuntimeError, ["weights_only=True", "add_safe_globals"]),
+    "timeout-wrong-type": (lambda t: HybridShardStrategy(timeout="30"), TypeError,
+                           ["timeout='30'", "seconds as a number or a datetime.timedelta", "timeout=1800"]),
+    "timeout-negative": (lambda t: PipelineStrategy(timeout=-5), ValueError,
+                         ["timeout=-5", "positive, finite number of seconds"]),
     "mesh-before-fit": (lambda t: HybridShardStrategy().mesh, RuntimeError, ["setup_environment", "Trainer.fit"]),
     "rendezvous-port-in-use": (lambda t: _port_in_use(), RuntimeError, ["MASTER_PORT=", "pick a free port"]),
 }
@@ -206,6 +210,7 @@ def test_bad_input_raises_clear_error(case, tmp_path):
     message = str(info.value)
     missing = [n for n in needles if n not in message]
     assert not missing, f"{case}: {missing} not in {message!r}"
+    assert "weights_only=False" not in message  # never steer users to arbitrary code execution
     assert list(tmp_path.iterdir()) in ([], [tmp_path / "evil.pt"]), "a failing check wrote files"
 
 

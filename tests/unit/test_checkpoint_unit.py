@@ -108,3 +108,72 @@ def test_flattened_optimizer_layout_converts_to_torch_index_layout():
     for p in model.parameters():
         assert torch.equal(fresh.state[p]["exp_avg"], opt.state[p]["exp_avg"])
     assert [g["weight_decay"] for g in fresh.param_groups] == [0.01, 0.0]
+
+
+# ---- completeness of a sharded checkpoint (issue 20): each damage named, before anything is read ----
+def _sharded(path):
+    ckpt.save({"state_dict": {"w": torch.arange(6.0), "b": torch.ones(2)}, "optimizer_states": [], "epoch": 1},
+              path, sharded=True)
+    return path
+
+
+def _zero(file):
+    file.write_bytes(bytes(file.stat().st_size))
+
+
+DAMAGE = {
+    "shard-missing": (lambda d: (d / "__0_0.distcp").unlink(), ["__0_0.distcp is missing"]),
+    "shard-truncated": (lambda d: (d / "__0_0.distcp").write_bytes((d / "__0_0.distcp").read_bytes()[:100]),
+                        ["__0_0.distcp is truncated (100 bytes"]),
+    "shard-zeroed": (lambda d: _zero(d / "__0_0.distcp"), ["__0_0.distcp is damaged", "is not a saved tensor"]),
+    "meta-missing": (lambda d: (d / "meta.pt").unlink(), ["meta.pt (Lightning's loop state) is missing"]),
+    "meta-zeroed": (lambda d: _zero(d / "meta.pt"), ["meta.pt (Lightning's loop state) is damaged"]),
+    "index-missing": (lambda d: (d / ".metadata").unlink(), ["no `.metadata` file", "meta.pt"]),
+    "index-zeroed": (lambda d: _zero(d / ".metadata"), [".metadata is damaged"]),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_damaged_sharded_checkpoint_is_refused_naming_the_file(tmp_path, damage):
+    folder = _sharded(tmp_path / "ck")
+    ckpt.check_sharded(folder)  # intact: passes
+    hurt, needles = DAMAGE[damage]
+    hurt(folder)
+    model = nn.Module()
+    model.w, model.b = nn.Parameter(torch.zeros(6)), nn.Parameter(torch.zeros(2))
+    for call in (lambda: ckpt.load(folder, model=model), lambda: ckpt.consolidate(folder, tmp_path / "one.ckpt"),
+                 lambda: ckpt.load_stage(folder, model=model)):
+        with pytest.raises(ValueError) as info:
+            call()
+        message = str(info.value)
+        assert all(n in message for n in needles), (needles, message)
+        assert str(folder) in message and "Copy the whole checkpoint directory again" in message
+        assert "weights_only=False" not in message
+    assert not (tmp_path / "one.ckpt").exists()
+
+
+def test_consolidate_cli_on_a_folder_that_is_not_a_checkpoint(tmp_path, capsys):
+    from lightning_dist.cli import main
+
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(SystemExit) as info:
+        main(["consolidate", str(tmp_path), str(tmp_path / "out.ckpt")])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "is not a sharded checkpoint" in err and "no `.metadata` file" in err and "notes.txt" in err
+    with pytest.raises(SystemExit) as info:
+        main(["consolidate", str(tmp_path / "absent"), str(tmp_path / "out.ckpt")])
+    assert info.value.code == 2 and "does not exist" in capsys.readouterr().err
+
+
+def test_damaged_single_file_checkpoint_is_named(tmp_path):
+    path = tmp_path / "one.ckpt"
+    ckpt.save({"state_dict": {"w": torch.ones(3)}, "optimizer_states": []}, path, sharded=False)
+    good = path.read_bytes()
+    model = nn.Module()
+    model.w = nn.Parameter(torch.zeros(3))
+    for damaged in (good[:40], bytes(len(good))):  # truncated, zeroed
+        path.write_bytes(damaged)
+        with pytest.raises(ValueError, match="one.ckpt is damaged") as info:
+            ckpt.load(path, model=model)
+        assert "weights_only=False" not in str(info.value)
