@@ -77,10 +77,11 @@ def run_layout(strategy: Any) -> RunLayout | None:
     if mesh is not None:
         stage = getattr(strategy, "zero_stage", 3)
         dp, shard, rep = mesh.dp_size, mesh.size(DP_SHARD), mesh.size(DP_REPLICATE)
+        offload = getattr(strategy, "offload_policy", None) is not None  # FSDP2 even without sharding
         if dp == 1:
             return RunLayout(mode="single", zero_stage=0, shard_size=1, shard_rank=0, replicate_size=1, dp_size=1)
         # same rule as parallelize_model: nothing to shard -> DDP's all-reduce (ZeRO-1 adds a sharded optimizer)
-        if stage == 1 or (shard == 1 and mesh.size(TP) == 1):
+        if not offload and (stage == 1 or (shard == 1 and mesh.size(TP) == 1)):
             if stage == 1:
                 return RunLayout(mode="replicate", zero_stage=1, shard_size=dp, shard_rank=mesh.dp_rank,
                                  replicate_size=1, dp_size=dp)

@@ -8,7 +8,7 @@ Order (each step changes the model in place and logs one line):
    FSDP (FSDP must see the checkpointed blocks as its units);
 3. data parallelism over ``dp_replicate`` x ``dp_shard``: FSDP2 ``fully_shard`` bottom-up (ZeRO-2/3,
    HSDP), or DDP-style all-reduce replication for ZeRO-1 and shard groups of size 1 — last, because it
-   shards whatever TP left.
+   shards whatever TP left. With an FSDP2 offload policy, FSDP2 always (a data-parallel size of 1 too).
 
 Pipeline splitting happens before all of this, on the whole model (see ``pipeline.py``): each stage's
 module then goes through the same three steps.
@@ -68,11 +68,14 @@ def parallelize_model(model: nn.Module, mesh: DistMesh, config: ParallelizeConfi
     # with nothing to shard (ZeRO-1, or shard groups of one rank) the fastest correct choice is DDP's
     # bucketed all-reduce; FSDP2 over a (N, 1) mesh would issue one small all-reduce per unit (~3x slower
     # here). DTensor (TP) parameters need FSDP2, which composes with them.
-    replicate_only = config.zero_stage == 1 or (mesh.size(DP_SHARD) == 1 and mesh.size(TP) == 1)
+    # CPU offload is an FSDP2 policy: it needs fully_shard even with one data-parallel rank (one GPU is the
+    # most common reason to offload at all), so an offload policy never takes the replicate/no-op paths
+    offload = config.offload_policy is not None
+    replicate_only = not offload and (config.zero_stage == 1 or (mesh.size(DP_SHARD) == 1 and mesh.size(TP) == 1))
     if replicate_only:
         if dp_size > 1:
             apply_replicate(model, mesh.dp_mesh)
-    elif dp_size > 1:
+    elif dp_size > 1 or offload:
         apply_fsdp(
             model,
             mesh.fsdp_mesh(),

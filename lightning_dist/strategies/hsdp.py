@@ -52,6 +52,9 @@ class HybridShardStrategy(MeshStrategy):
         problems = []
         if zero_stage not in (1, 2, 3):
             problems.append(f"`zero_stage={zero_stage!r}` must be 1, 2 or 3.")
+        elif zero_stage == 1 and offload_policy is not None:
+            problems.append("`offload_policy` offloads FSDP2-sharded parameters; zero_stage=1 replicates them"
+                            " (nothing would be offloaded): pass zero_stage=2 or 3.")
         if shard_size == "full":
             kwargs.setdefault("dp_replicate", 1)
             shard = "auto"
