@@ -78,3 +78,45 @@ def test_offload_fsdp2_applies_the_policy_with_one_process():
         assert isinstance(p, DTensor) and p.to_local().device.type == "cpu"
     states = [t for s in trainer.optimizers[0].state.values() for t in s.values() if t.dim() > 0]
     assert states and all(t.to_local().device.type == "cpu" for t in states)
+
+
+# ---- 4. SyncBatchNorm: torch's kernels on CUDA -----------------------------------------------------
+def test_sync_batchnorm_dispatch_decision():
+    from lightning_dist.callbacks.sync_batchnorm import uses_torch_kernels
+
+    # decided from the input's device alone (constructing a device object needs no GPU)
+    assert uses_torch_kernels(torch.device("cuda")) and uses_torch_kernels(torch.device("cuda", 3))
+    assert uses_torch_kernels("cuda:0")
+    assert not uses_torch_kernels(torch.device("cpu")) and not uses_torch_kernels("meta")
+
+
+@needs_cuda
+def test_sync_batchnorm_torch_kernels_match_the_handwritten_path_on_cuda(tmp_path):
+    import torch.distributed as dist
+
+    from lightning_dist._compat import torch_sync_batchnorm_function
+    from lightning_dist.callbacks.sync_batchnorm import _SyncBatchNormFn
+
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("nccl", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1,
+                                device_id=torch.device("cuda", 0))
+    try:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randn(8, 4, 5, 5, device="cuda", dtype=torch.float64, generator=g) * 3 + 1
+        w = torch.rand(4, device="cuda", dtype=torch.float64, generator=g)
+        b = torch.rand(4, device="cuda", dtype=torch.float64, generator=g)
+        dy = torch.randn_like(x)
+        outs = []
+        for fn in (torch_sync_batchnorm_function(), _SyncBatchNormFn):
+            xi, wi, bi = (t.clone().requires_grad_() for t in (x, w, b))
+            rm, rv = torch.zeros(4, device="cuda", dtype=torch.float64), torch.ones(4, device="cuda",
+                                                                                     dtype=torch.float64)
+            y = fn.apply(xi, wi, bi, rm, rv, 1e-5, 0.1, dist.group.WORLD, 1)
+            y.backward(dy)
+            outs.append((y.detach(), xi.grad, wi.grad, bi.grad, rm, rv))
+        for a, c in zip(*outs):
+            assert ((a - c).abs().max() / c.abs().max()).item() <= 1e-12
+    finally:
+        if started:
+            dist.destroy_process_group()
