@@ -280,6 +280,72 @@ def _fmt(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
+# ---- DeepSpeed's compiled CPU Adam ------------------------------------------------------------------
+# per-parameter-group keys of torch's Adam/AdamW that DeepSpeedCPUAdam has no use for (its own flags are per optimizer)
+_TORCH_ADAM_ONLY_KEYS = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused",
+                         "decoupled_weight_decay")
+
+
+def cpu_adam_options(optimizer: Any) -> tuple[Optional[dict], str]:
+    """(DeepSpeedCPUAdam keyword arguments, why) for a torch optimizer; (None, why not) when it cannot replace it.
+
+    Only torch's own ``Adam`` and ``AdamW`` (exact classes: a subclass may change the step), without the options
+    DeepSpeedCPUAdam does not implement (``amsgrad``, ``maximize``). ``adamw_mode`` is AdamW's decoupled weight
+    decay (``Adam(decoupled_weight_decay=True)`` too); plain Adam adds ``weight_decay * param`` to the gradient
+    (L2), as DeepSpeedCPUAdam does with ``adamw_mode=False``. lr, betas, eps and weight_decay stay per group.
+    """
+    cls = type(optimizer)
+    if cls not in (torch.optim.Adam, torch.optim.AdamW):
+        return None, f"{cls.__name__} is not torch.optim.Adam/AdamW"
+    for flag in ("amsgrad", "maximize"):
+        if any(group.get(flag) for group in optimizer.param_groups):
+            return None, f"{cls.__name__}({flag}=True) is not implemented by DeepSpeedCPUAdam"
+    if any(optimizer.state.values()):
+        return None, f"{cls.__name__} has already stepped (its state would be lost)"
+    decoupled = cls is torch.optim.AdamW or bool(optimizer.defaults.get("decoupled_weight_decay", False))
+    d = optimizer.defaults
+    return {"lr": float(d["lr"]), "betas": tuple(d["betas"]), "eps": d["eps"], "weight_decay": d["weight_decay"],
+            "adamw_mode": decoupled, "bias_correction": True}, "Adam/AdamW"
+
+
+def to_cpu_adam(optimizer: torch.optim.Optimizer, lr_scheduler: Any = None) -> Optional[torch.optim.Optimizer]:
+    """DeepSpeedCPUAdam over the same parameter groups and hyper-parameters, or None (see :func:`cpu_adam_options`).
+
+    The compiled op is built on first use (about a minute) and cached under ``TORCH_EXTENSIONS_DIR``. An LR
+    scheduler of `optimizer` is repointed to the new optimizer (its ``initial_lr`` keys travel with the groups).
+    """
+    options, _ = cpu_adam_options(optimizer)
+    if options is None:
+        return None
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    groups = [{k: v for k, v in group.items() if k not in _TORCH_ADAM_ONLY_KEYS} for group in optimizer.param_groups]
+    for group in groups:
+        if isinstance(group.get("lr"), torch.Tensor):
+            group["lr"] = float(group["lr"])  # a tensor lr (torch's capturable/fused option) is a float for the op
+    adam = DeepSpeedCPUAdam(groups, **options)
+    if lr_scheduler is not None and getattr(lr_scheduler, "optimizer", None) is optimizer:
+        lr_scheduler.optimizer = adam
+        _mark_steps_for_scheduler(adam)
+    return adam
+
+
+def _mark_steps_for_scheduler(optimizer: torch.optim.Optimizer) -> None:
+    """Mark ``optimizer.step`` the way an LR scheduler's constructor does, for a scheduler repointed to it.
+
+    Without the mark torch's scheduler warns at its first step that ``optimizer.step()`` "has been overridden
+    after learning rate scheduler initialization" (it only checks these two attributes).
+    """
+    step = optimizer.step
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        optimizer._opt_called = True  # type: ignore[attr-defined]
+        return step(*args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = wrapper  # type: ignore[method-assign]
+
+
 def resize_param_swap_buffers(swapper: Any, numel: int) -> None:
     """Reallocate the page-locked buffers of DeepSpeed's parameter swapper for partitions of ``numel`` elements.
 

@@ -4,9 +4,11 @@ Two backends:
 
 * ``"deepspeed"`` (default): ZeRO-Offload / ZeRO-Infinity through Lightning's ``DeepSpeedStrategy``,
   with three small changes so it also runs on a CPU-only machine (DeepSpeed's CPU accelerator + gloo),
-  and a torch optimizer allowed with offload (``zero_force_ds_cpu_optimizer: false``), so DeepSpeed's
-  compiled CPU Adam is not needed. NVMe needs DeepSpeed's ``async_io`` op, built on first use against
-  libaio (``libaio-dev``).
+  and a torch optimizer allowed with offload (``zero_force_ds_cpu_optimizer: false``). On a CUDA machine
+  the user's torch ``Adam``/``AdamW`` is replaced by DeepSpeed's compiled ``DeepSpeedCPUAdam`` (SIMD,
+  multithreaded; 2-3.5x faster steps than torch's AdamW on host tensors) with the same hyper-parameters;
+  other optimizers, and CPU-only machines, keep the torch optimizer. NVMe needs DeepSpeed's ``async_io``
+  op, built on first use against libaio (``libaio-dev``).
 * ``"fsdp2"``: :class:`~lightning_dist.strategies.hsdp.HybridShardStrategy` with FSDP2's
   ``CPUOffloadPolicy`` (parameters, gradients and optimizer state together, host memory only).
 
@@ -26,7 +28,7 @@ from typing import Any, Literal, Optional
 import torch
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
@@ -86,7 +88,18 @@ class OffloadStrategy(_OffloadReport, DeepSpeedStrategy):
         sub_group_size: elements per optimizer step group; with NVMe only one group's state is in memory
             at a time, so smaller groups lower the peak memory.
         report: print the offload report when training starts and ends.
+        cpu_adam: on a CUDA machine with the optimizer state offloaded, run the step with DeepSpeed's compiled
+            ``DeepSpeedCPUAdam`` when ``configure_optimizers`` returns torch's ``Adam``/``AdamW`` (lr, betas,
+            eps, weight_decay per group and AdamW vs Adam carried over; an LR scheduler follows). The op is
+            compiled on first use (about a minute) and cached under ``TORCH_EXTENSIONS_DIR``. False: keep the
+            torch optimizer.
         **kwargs: other options of Lightning's ``DeepSpeedStrategy`` (``params_buffer_size``, ``timeout``...)
+
+    DeepSpeed options set for the offloaded step: ``overlap_comm=True`` and ``contiguous_gradients=True``
+    (Lightning's defaults, kept: the gradient reduction and the device-to-host copies of the gradient
+    partitions overlap the backward pass instead of following it), ``pin_memory=True`` on CUDA (page-locked
+    host buffers, so those copies and the parameter uploads after the CPU step are asynchronous DMA; pinning
+    needs an accelerator, hence off on CPU-only machines).
 
     With ``parameters="nvme"`` the DeepSpeed defaults (made for GPU servers with host memory to spare) are
     replaced by memory-lean ones, unless given (as an argument, or as a key of a ``config``):
@@ -113,6 +126,7 @@ class OffloadStrategy(_OffloadReport, DeepSpeedStrategy):
         backend: Literal["deepspeed", "fsdp2"] = "deepspeed",
         sub_group_size: int = 100_000_000,
         report: bool = True,
+        cpu_adam: bool = True,
         **kwargs: Any,
     ) -> None:
         if backend == "fsdp2":
@@ -134,13 +148,15 @@ class OffloadStrategy(_OffloadReport, DeepSpeedStrategy):
             offload_optimizer_device=optimizer or "cpu",
             offload_params_device=parameters or "cpu",
             nvme_path=nvme_path or "",
-            pin_memory=CUDA_AVAILABLE,  # pinning needs an accelerator
+            pin_memory=CUDA_AVAILABLE,  # page-locked host buffers: async copies; pinning needs an accelerator
             sub_group_size=sub_group_size,
             **kwargs,
         )
         assert isinstance(self.config, dict)
-        # a torch optimizer (configure_optimizers) may run on offloaded state: no compiled DeepSpeedCPUAdam
+        # a torch optimizer (configure_optimizers) may run on offloaded state: DeepSpeedCPUAdam where it can
+        # (`cpu_adam`, CUDA), the torch optimizer elsewhere
         self.config["zero_force_ds_cpu_optimizer"] = False
+        self.cpu_adam = cpu_adam
         self._user_buffer_size = chosen["buffer_size"]
         if parameters == "nvme":
             self._lean_nvme_params(None if user_config else chosen)
@@ -174,6 +190,7 @@ class OffloadStrategy(_OffloadReport, DeepSpeedStrategy):
         import deepspeed
 
         self._prepare_nvme(model)
+        optimizer = self._cpu_step_optimizer(optimizer, lr_scheduler)
         engine, ds_optimizer, _, _ = deepspeed.initialize(
             args=argparse.Namespace(device_rank=self._device_rank()),
             config=self.config,
@@ -213,6 +230,19 @@ class OffloadStrategy(_OffloadReport, DeepSpeedStrategy):
             # of the ZeRO files into the module (gathered), then asks the optimizer to refresh its 16-bit copies
             # from them; an evaluation engine has none, and the method is missing (DeepSpeed issue #7272)
             zero._restore_from_bit16_weights = lambda: None
+
+    def _cpu_step_optimizer(self, optimizer: Optional[torch.optim.Optimizer], lr_scheduler: Any) -> Any:
+        """The optimizer for the offloaded step: DeepSpeedCPUAdam for torch's Adam/AdamW on CUDA, else `optimizer`."""
+        if not self.cpu_adam or optimizer is None or self.plan.optimizer is None or self.root_device.type != "cuda":
+            return optimizer
+        adam = off.to_cpu_adam(optimizer, lr_scheduler)
+        if adam is None:
+            rank_zero_info(f"offload: the CPU step keeps {type(optimizer).__name__} ({off.cpu_adam_options(optimizer)[1]})"
+                           "; torch.optim.Adam/AdamW would run as DeepSpeedCPUAdam, several times faster.")
+            return optimizer
+        rank_zero_info(f"offload: the CPU step runs {type(optimizer).__name__} as DeepSpeedCPUAdam"
+                       f" (adamw_mode={adam.adam_w_mode}).")
+        return adam
 
     def _device_rank(self) -> int:
         # Lightning passes `root_device.index`, None for a CPU device; DeepSpeed needs a number

@@ -120,3 +120,79 @@ def test_sync_batchnorm_torch_kernels_match_the_handwritten_path_on_cuda(tmp_pat
     finally:
         if started:
             dist.destroy_process_group()
+
+
+# ---- 3. DeepSpeedCPUAdam for the offloaded step ----------------------------------------------------
+def test_cpu_adam_decision_and_hyper_parameters():
+    from lightning_dist.parallelize import offload as off
+
+    params = [nn.Parameter(torch.zeros(3))]
+    opts, _ = off.cpu_adam_options(torch.optim.AdamW(params, lr=0.01, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.1))
+    assert opts == {"lr": 0.01, "betas": (0.8, 0.9), "eps": 1e-6, "weight_decay": 0.1, "adamw_mode": True,
+                    "bias_correction": True}
+    assert off.cpu_adam_options(torch.optim.Adam(params, weight_decay=0.1))[0]["adamw_mode"] is False  # L2
+    for other, why in ((torch.optim.SGD(params, lr=0.1), "not torch.optim.Adam/AdamW"),
+                       (torch.optim.AdamW(params, amsgrad=True), "amsgrad"),
+                       (torch.optim.Adam(params, maximize=True), "maximize")):
+        opts, reason = off.cpu_adam_options(other)
+        assert opts is None and why in reason
+
+
+def test_cpu_adam_only_on_cuda_with_offloaded_optimizer():
+    pytest.importorskip("deepspeed")
+    from lightning_dist.strategies import OffloadStrategy
+
+    adamw = torch.optim.AdamW([nn.Parameter(torch.zeros(3))])
+    # on a CPU-only machine (root device cpu) the torch optimizer stays
+    strategy = OffloadStrategy()
+    strategy.parallel_devices = [torch.device("cpu")]
+    assert strategy._cpu_step_optimizer(adamw, None) is adamw
+    assert OffloadStrategy(cpu_adam=False).cpu_adam is False
+
+
+def _cpu_adam_or_skip():
+    pytest.importorskip("deepspeed")
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        DeepSpeedCPUAdam([nn.Parameter(torch.zeros(1))])  # builds the op once (cached under TORCH_EXTENSIONS_DIR)
+    except Exception as err:  # no compiler, no ninja, unsupported CPU: the parity check cannot run here
+        pytest.skip(f"DeepSpeed's cpu_adam op could not be built here: {type(err).__name__}: {err}")
+
+
+@pytest.mark.parametrize("cls", [torch.optim.AdamW, torch.optim.Adam])
+def test_cpu_adam_step_matches_torch(cls):
+    _cpu_adam_or_skip()
+    from lightning_dist.parallelize import offload as off
+
+    g = torch.Generator().manual_seed(0)
+    shapes = [(64, 33), (33,), (7, 5)]
+    init = [torch.randn(s, generator=g) for s in shapes]
+    grads = [[torch.randn(s, generator=g) for s in shapes] for _ in range(3)]
+
+    def make():
+        ps = [nn.Parameter(t.clone()) for t in init]
+        # two groups with their own lr / weight decay: per-group hyper-parameters must carry over
+        groups = [{"params": ps[:2], "weight_decay": 0.1}, {"params": ps[2:], "lr": 3e-3, "weight_decay": 0.0}]
+        return ps, cls(groups, lr=1e-2, betas=(0.85, 0.98), eps=1e-7)
+
+    ref_params, ref = make()
+    ds_params, torch_opt = make()
+    scheduler = torch.optim.lr_scheduler.StepLR(torch_opt, step_size=1, gamma=0.5)
+    ds = off.to_cpu_adam(torch_opt, scheduler)
+    ref_scheduler = torch.optim.lr_scheduler.StepLR(ref, step_size=1, gamma=0.5)
+    assert type(ds).__name__ == "DeepSpeedCPUAdam" and ds.adam_w_mode == (cls is torch.optim.AdamW)
+    assert scheduler.optimizer is ds
+    for step_grads in grads:  # three steps, the LR halved after each
+        for params, opt, sched in ((ref_params, ref, ref_scheduler), (ds_params, ds, scheduler)):
+            for p, gr in zip(params, step_grads):
+                p.grad = gr.clone()
+            opt.step()
+            sched.step()
+    # float32 op (SIMD, other operation order): agreement to float32 round-off
+    diff = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(ds_params, ref_params))
+    print(f"cpu_adam vs torch {cls.__name__}: max rel diff {diff:.2e}")
+    assert diff <= 1e-6, diff
+    assert [gr["lr"] for gr in ds.param_groups] == [gr["lr"] for gr in ref.param_groups]
+    moved = max(((a - b).abs().max()).item() for a, b in zip(ref_params, init))
+    assert moved > 1e-3  # the steps did change the parameters
