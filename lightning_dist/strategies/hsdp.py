@@ -14,6 +14,7 @@ import lightning.pytorch as pl
 from lightning_dist._compat import fully_shard_api
 from lightning_dist.mesh import MeshSpec
 from lightning_dist.parallelize import ParallelizeConfig, parallelize_model
+from lightning_dist.parallelize.compile import check_compile_option
 from lightning_dist.strategies.base import MeshStrategy
 
 _MP_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
@@ -34,6 +35,9 @@ class HybridShardStrategy(MeshStrategy):
         units: FSDP units: ``"auto"`` (each block of the model's block list) or module class names.
         activation_checkpointing: True to recompute each block in backward, or block class names.
         offload_policy: an FSDP2 ``CPUOffloadPolicy`` (see ``OffloadStrategy`` for the managed version).
+        compile: True to ``torch.compile`` each block (after activation checkpointing, before FSDP2, as
+            torchtitan does), or block class names to compile; not with ``parallelize_fn`` (call
+            ``lightning_dist.parallelize.apply_compile`` in it instead).
         **kwargs: the mesh and checkpoint options of :class:`MeshStrategy` (``dp_replicate``, ``timeout``...).
     """
 
@@ -47,9 +51,14 @@ class HybridShardStrategy(MeshStrategy):
         units: Union[str, Sequence[str]] = "auto",
         activation_checkpointing: Union[bool, Sequence[str]] = False,
         offload_policy: Optional[Any] = None,
+        compile: Union[bool, Sequence[str]] = False,
         **kwargs: Any,
     ) -> None:
-        problems = []
+        problems = check_compile_option(compile)
+        if compile is not False and kwargs.get("parallelize_fn") is not None:
+            problems.append("`compile` is applied by the built-in plan, which `parallelize_fn` replaces: call"
+                            " `lightning_dist.parallelize.apply_compile(module)` inside your parallelize_fn"
+                            " (after activation checkpointing, before fully_shard) instead.")
         if zero_stage not in (1, 2, 3):
             problems.append(f"`zero_stage={zero_stage!r}` must be 1, 2 or 3.")
         elif zero_stage == 1 and offload_policy is not None:
@@ -74,6 +83,7 @@ class HybridShardStrategy(MeshStrategy):
         self.units = units
         self.activation_checkpointing = activation_checkpointing
         self.offload_policy = offload_policy
+        self.compile = compile
 
     @override
     def validate_config(self, spec: MeshSpec) -> None:
@@ -99,6 +109,7 @@ class HybridShardStrategy(MeshStrategy):
             activation_checkpointing=self.activation_checkpointing,
             mp_policy=self.mp_policy(),
             offload_policy=self.offload_policy,
+            compile=self.compile,
         )
 
     @override

@@ -93,6 +93,7 @@ class OffloadStrategy(_OffloadReport, DeepSpeedStrategy):
             eps, weight_decay per group and AdamW vs Adam carried over; an LR scheduler follows). The op is
             compiled on first use (about a minute) and cached under ``TORCH_EXTENSIONS_DIR``. False: keep the
             torch optimizer.
+        compile: refused with a ValueError unless False (see :class:`FSDP2OffloadStrategy` ``compile=True``).
         **kwargs: other options of Lightning's ``DeepSpeedStrategy`` (``params_buffer_size``, ``timeout``...)
 
     DeepSpeed options set for the offloaded step: ``overlap_comm=True`` and ``contiguous_gradients=True``
@@ -127,8 +128,16 @@ class OffloadStrategy(_OffloadReport, DeepSpeedStrategy):
         sub_group_size: int = 100_000_000,
         report: bool = True,
         cpu_adam: bool = True,
+        compile: Any = False,
         **kwargs: Any,
     ) -> None:
+        if compile is not False:
+            raise ValueError(
+                f"OffloadStrategy(compile={compile!r}): per-block torch.compile is not supported with the DeepSpeed"
+                " backend (ZeRO-3 gathers and releases parameters in hooks inside each module's call, which the"
+                ' compiled blocks would trace). Use `Trainer(strategy=FSDP2OffloadStrategy(compile=True))`'
+                ' ("offload_fsdp2"), or compile=False.'
+            )
         if backend == "fsdp2":
             raise ValueError(
                 'OffloadStrategy(backend="fsdp2"): the FSDP2 backend is its own class. Use'

@@ -196,3 +196,42 @@ def test_cpu_adam_step_matches_torch(cls):
     assert [gr["lr"] for gr in ds.param_groups] == [gr["lr"] for gr in ref.param_groups]
     moved = max(((a - b).abs().max()).item() for a, b in zip(ref_params, init))
     assert moved > 1e-3  # the steps did change the parameters
+
+
+# ---- 5. torch.compile: options and refusals -------------------------------------------------------
+def test_apply_compile_keeps_classes_and_keys():
+    from lightning_dist.parallelize import apply_compile
+
+    net = _Net()
+    keys = list(net.state_dict())
+    assert apply_compile(net) == 2  # the two blocks of the block list, nothing else
+    assert [b._compiled_call_impl is not None for b in net.blocks] == [True, True]
+    assert net.stem._compiled_call_impl is None
+    assert list(net.state_dict()) == keys and type(net.blocks[0]) is nn.Sequential
+    assert apply_compile(_Net(), units=["Linear"]) == 4  # by class name
+    with pytest.raises(ValueError, match="match no module"):
+        apply_compile(_Net(), units=["GPTBlock"])
+
+
+@pytest.mark.parametrize("cls, kwargs, message", [
+    ("HybridShardStrategy", {"compile": 3}, "compile=3"),
+    ("HybridShardStrategy", {"compile": True, "parallelize_fn": lambda module, mesh: None}, "apply_compile"),
+    ("PipelineStrategy", {"schedule": "zero_bubble", "compile": True}, "zero-bubble"),
+    ("OffloadStrategy", {"compile": True}, "offload_fsdp2"),
+])
+def test_compile_refusals_name_the_fix(cls, kwargs, message):
+    import lightning_dist.strategies as strategies
+
+    with pytest.raises(ValueError, match=message):
+        getattr(strategies, cls)(**kwargs)
+
+
+def test_compile_reaches_every_built_in_plan():
+    from lightning_dist.strategies import (FSDP2OffloadStrategy, FullyShardStrategy, HybridShardStrategy,
+                                           PipelineStrategy, TensorParallelStrategy)
+
+    for cls in (HybridShardStrategy, FullyShardStrategy, TensorParallelStrategy, FSDP2OffloadStrategy):
+        strategy = cls(compile=["GPTBlock"])
+        assert strategy.compile == ["GPTBlock"]
+    assert HybridShardStrategy(compile=True).parallelize_config().compile is True
+    assert PipelineStrategy(compile=True).compile is True
