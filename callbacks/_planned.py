@@ -186,6 +186,21 @@ def planned_memory(trainer: Any, module: nn.Module) -> planner.MemoryBreakdown |
                                      zero_stage=layout.zero_stage)
 
 
+def planned_places(strategy: Any) -> dict[str, str]:
+    """Where the strategy puts each model state (``params``/``grads``/``optimizer`` -> ``"device"``, ``"host"``
+    or ``"disk"``): an offload strategy's plan, host memory for an FSDP2 ``CPUOffloadPolicy``, else the device."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    from lightning_dist.parallelize.offload import OffloadPlan
+
+    plan = getattr(strategy, "plan", None)  # (TensorParallelStrategy.plan is its TP plan: checked by type)
+    if isinstance(plan, OffloadPlan):
+        return {"params": plan.place("parameters"), "grads": plan.place("gradients"),
+                "optimizer": plan.place("optimizer")}
+    where = "host" if isinstance(getattr(strategy, "offload_policy", None), CPUOffloadPolicy) else "device"
+    return dict.fromkeys(("params", "grads", "optimizer"), where)
+
+
 def planned_traffic(trainer: Any, module: nn.Module, *, activation: dict | None = None) -> list[planner.Collective] | None:
     """The planner's collectives per step for this run (data-parallel, plus tensor-parallel activations when
     `activation` = ``{"batch", "seq", "hidden", "bytes", "blocks", "row_parallel_per_block"}`` is known)."""

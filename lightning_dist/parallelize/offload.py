@@ -7,7 +7,8 @@ Pure pieces, testable in one process:
   in host memory and on disk, for a parameter count, a world size and a ZeRO stage;
 * :func:`check_nvme_path`: the swap folder exists, is writable and has room for the estimate; it
   refuses with the numbers before anything is written (a probe file is created and removed);
-* :func:`offload_report`: the per-rank account of a running job, and :func:`render_report` (rich).
+* :func:`offload_report`: the per-rank account of a running job, measured (where each tensor lives, swap
+  files, CUDA allocator) next to the plan with a mismatch line per state, and :func:`render_report` (rich).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import torch
+
+from lightning_dist.measure import placement_mismatches
 
 KINDS = ("parameters", "gradients", "optimizer")
 PLACES = ("device", "host", "disk")
@@ -236,39 +239,65 @@ def folder_bytes(path: Optional[str | os.PathLike]) -> int:
 def offload_report(
     *,
     plan: OffloadPlan,
-    resident: Mapping[str, int],
+    resident: Mapping[str, Mapping[str, int]],
     disk: Mapping[str, int],
     rank: int,
+    device_type: str,
+    cuda: Optional[Mapping[str, int]] = None,
 ) -> dict[str, Any]:
-    """One rank's report row: ``resident[kind]`` bytes in memory and ``disk[kind]`` bytes in swap files.
+    """One rank's report row, measured: ``resident[kind]`` = bytes by where the tensors live
+    (``{"device": .., "host": ..}``, from ``tensor.device``, see :func:`lightning_dist.measure.bytes_by_place`),
+    ``disk[kind]`` = bytes of its swap files, ``cuda`` = the CUDA allocator's allocated / peak bytes.
 
-    On a machine where the device is the CPU, device and host memory are the same RAM: resident bytes are
-    attributed to ``"host"`` for offloaded kinds and to ``"device"`` otherwise.
+    The row holds the measured table next to the plan's place of each kind, and a ``mismatches`` line for
+    each kind whose bytes mostly live elsewhere than planned. With a CPU device, device and host memory are
+    the same RAM: the bytes are shown where the plan put them, ``measured_places`` is False and nothing is
+    checked.
     """
+    measured = device_type != "cpu"
     table = {}
     for kind in KINDS:
         where = plan.place(kind)
-        mem_place = "host" if where in ("host", "disk") else "device"
         row = dict.fromkeys(PLACES, 0)
-        row[mem_place] += int(resident.get(kind, 0))
+        mem = resident.get(kind, {})
+        if measured:
+            row["device"] += int(mem.get("device", 0))
+            row["host"] += int(mem.get("host", 0))
+        else:
+            row["host" if where in ("host", "disk") else "device"] += sum(int(v) for v in mem.values())
         row["disk"] += int(disk.get(kind, 0))
         table[kind] = row
-    return {"rank": rank, "table": table}
+    planned = {kind: plan.place(kind) for kind in KINDS}
+    mismatches = placement_mismatches(table, planned, device_type=device_type)
+    return {"rank": rank, "table": table, "planned": planned, "measured_places": measured,
+            "mismatches": mismatches, "cuda": dict(cuda) if cuda else None}
 
 
 def render_report(rows: Sequence[Mapping[str, Any]], *, title: str) -> Any:
-    """A rich Table of the per-rank reports from :func:`offload_report`."""
+    """A rich Table of the per-rank reports from :func:`offload_report`: measured bytes next to the plan."""
     from rich.table import Table
 
-    table = Table(title=title)
+    caption = []
+    if rows and not all(row.get("measured_places", True) for row in rows):
+        caption.append("CPU device: device and host memory are the same RAM, bytes shown where planned")
+    for row in rows:
+        if row.get("cuda"):
+            caption.append(f"rank {row['rank']}: CUDA allocated {_fmt(row['cuda']['allocated'])},"
+                           f" peak {_fmt(row['cuda']['peak'])}")
+    table = Table(title=title, caption="; ".join(caption) or None)
     table.add_column("rank", justify="right")
     table.add_column("state")
+    table.add_column("planned")
     for place in PLACES:
         table.add_column(place, justify="right")
+    table.add_column("check")
     for row in rows:
+        bad = {line.split(":", 1)[0] for line in row.get("mismatches", ())}
         for kind in KINDS:
             cells = row["table"][kind]
-            table.add_row(str(row["rank"]), kind, *(_fmt(cells[p]) for p in PLACES))
+            check = "MISMATCH" if kind in bad else ("ok" if row.get("measured_places", True) else "-")
+            table.add_row(str(row["rank"]), kind, row.get("planned", {}).get(kind, "?"),
+                          *(_fmt(cells[p]) for p in PLACES), check)
     return table
 
 

@@ -13,7 +13,8 @@ Two backends:
   ``CPUOffloadPolicy`` (parameters, gradients and optimizer state together, host memory only).
 
 Both print an offload report (rank-0 rich table: bytes of each state on the device, in host memory and
-on disk, per rank) when training starts and ends.
+on disk, per rank, measured from where the tensors live, next to the plan; a state that is not where the
+plan puts it is a warning naming it) when training starts and ends.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from typing_extensions import override
 
 import lightning.pytorch as pl
 from lightning_dist._compat import CUDA_AVAILABLE, fully_shard_api
+from lightning_dist.measure import bytes_by_place, cuda_memory
 from lightning_dist.mesh import MeshSpec
 from lightning_dist.parallelize import offload as off
 from lightning_dist.parallelize.offload_checkpoint import self_contained_nvme_checkpoints
@@ -68,6 +70,10 @@ class _OffloadReport:
         torch.distributed.all_gather_object(rows, self.offload_report())
         if self.is_global_zero:
             _print_table(off.render_report(rows, title=f"Offload report, {title} ({_describe(self.plan)})"))
+            wrong = [f"rank {row['rank']}: {line}" for row in rows for line in row["mismatches"]]
+            if wrong:
+                rank_zero_warn(f"Offload report ({title}): states not where the plan puts them:\n  - "
+                               + "\n  - ".join(wrong))
         return rows
 
 
@@ -385,12 +391,15 @@ class OffloadStrategy(_OffloadReport, DeepSpeedStrategy):
         grads.append(getattr(zero_opt, "grad_partitions_flat_buffer", None))  # ZeRO-3's gradient partitions
         for group in getattr(zero_opt, "averaged_gradients", {}).values():  # ZeRO-1/2's reduced gradients
             grads.extend(group or [])
+        # where DeepSpeed's partitions really live (tensor.device): ZeRO-3 parameter partitions (`ds_tensor`),
+        # fp32 master partitions, gradient partitions, optimizer moments
         resident = {
-            "parameters": off.tensor_bytes([*params, *(getattr(p, "ds_tensor", None) for p in params)]),
-            "gradients": off.tensor_bytes(grads),
-            "optimizer": off.tensor_bytes([*masters, *states]),
+            "parameters": bytes_by_place([*params, *(getattr(p, "ds_tensor", None) for p in params)]),
+            "gradients": bytes_by_place(grads),
+            "optimizer": bytes_by_place([*masters, *states]),
         }
-        return off.offload_report(plan=self.plan, resident=resident, disk=self._disk_bytes(), rank=self.global_rank)
+        return off.offload_report(plan=self.plan, resident=resident, disk=self._disk_bytes(), rank=self.global_rank,
+                                  device_type=self.root_device.type, cuda=cuda_memory(self.root_device))
 
     def _disk_bytes(self) -> dict[str, int]:
         out = dict.fromkeys(off.KINDS, 0)
@@ -448,17 +457,14 @@ class FSDP2OffloadStrategy(_OffloadReport, HybridShardStrategy):
 
     def offload_report(self) -> dict[str, Any]:
         """This rank's bytes of each state (the local shards of the DTensors)."""
-        params = [_local(p) for p in self.lightning_module.parameters()]
-        grads = [_local(p.grad) for p in self.lightning_module.parameters() if p.grad is not None]
-        states = [_local(t) for opt in self.optimizers for s in opt.state.values() for t in s.values()
+        params = list(self.lightning_module.parameters())
+        states = [t for opt in self.optimizers for s in opt.state.values() for t in s.values()
                   if isinstance(t, torch.Tensor)]
-        resident = {"parameters": off.tensor_bytes(params), "gradients": off.tensor_bytes(grads),
-                    "optimizer": off.tensor_bytes(states)}
-        return off.offload_report(plan=self.plan, resident=resident, disk={}, rank=self.global_rank)
-
-
-def _local(t: Any) -> Any:
-    return t.to_local() if hasattr(t, "to_local") else t
+        # measured: where each local shard lives (tensor.device), not where the plan says
+        resident = {"parameters": bytes_by_place(params), "gradients": bytes_by_place(p.grad for p in params),
+                    "optimizer": bytes_by_place(states)}
+        return off.offload_report(plan=self.plan, resident=resident, disk={}, rank=self.global_rank,
+                                  device_type=self.root_device.type, cuda=cuda_memory(self.root_device))
 
 
 def _use_cpu_accelerator() -> None:

@@ -235,3 +235,55 @@ def test_compile_reaches_every_built_in_plan():
         assert strategy.compile == ["GPTBlock"]
     assert HybridShardStrategy(compile=True).parallelize_config().compile is True
     assert PipelineStrategy(compile=True).compile is True
+
+
+# ---- 2. measured reports ---------------------------------------------------------------------------
+def test_bytes_by_place_reads_tensor_devices():
+    from lightning_dist.measure import bytes_by_place
+
+    t = torch.zeros(10)
+    assert bytes_by_place([t, t[2:], None, torch.empty(0), torch.empty(4, device="meta")]) == {"device": 0,
+                                                                                               "host": 40}
+
+
+def test_offload_report_says_device_for_a_state_planned_offloaded():
+    from rich.console import Console
+
+    from lightning_dist.parallelize import offload as off
+
+    plan = off.OffloadPlan(optimizer="cpu", parameters="cpu", zero_stage=3)
+    # what the issue measured on one GPU: offload_fsdp2 left every state on the device
+    resident = {"parameters": {"device": 4000, "host": 0}, "gradients": {"device": 4000, "host": 0},
+                "optimizer": {"device": 8000, "host": 0}}
+    row = off.offload_report(plan=plan, resident=resident, disk={}, rank=0, device_type="cuda",
+                             cuda={"allocated": 2 ** 30, "peak": 3 * 2 ** 30})
+    assert row["planned"] == {"parameters": "host", "gradients": "host", "optimizer": "host"}
+    assert row["table"]["parameters"] == {"device": 4000, "host": 0, "disk": 0}  # measured, not planned
+    assert [m.split(":")[0] for m in row["mismatches"]] == ["parameters", "gradients", "optimizer"]
+    assert "not offloaded" in row["mismatches"][0]
+    console = Console(record=True, width=140)
+    console.print(off.render_report([row], title="t"))
+    text = console.export_text()
+    assert "MISMATCH" in text and "peak 3.0 GiB" in text
+    # where the plan holds, no mismatch; a state planned on the device found in host memory is one too
+    ok = {"parameters": {"device": 0, "host": 4000}, "gradients": {"host": 4000}, "optimizer": {"host": 8000}}
+    assert off.offload_report(plan=plan, resident=ok, disk={}, rank=0, device_type="cuda")["mismatches"] == []
+    zero2 = off.OffloadPlan(optimizer="cpu", zero_stage=2)
+    bad = off.offload_report(plan=zero2, resident=ok, disk={}, rank=0, device_type="cuda")["mismatches"]
+    assert [m.split(":")[0] for m in bad] == ["parameters"] and "planned on the device" in bad[0]
+
+
+@pytest.mark.filterwarnings("ignore:FSDP2 CPU offload saves nothing")
+def test_memory_report_shows_measured_places_next_to_planned():
+    from lightning_dist.callbacks import MemoryReport
+    from lightning_dist.callbacks.memory import format_memory
+    from lightning_dist.strategies import FSDP2OffloadStrategy
+
+    report = MemoryReport(log=False, print_table=False)
+    _fit(FSDP2OffloadStrategy(report=False), _Module(), callbacks=[report])
+    row = report.rows[0]
+    assert row["planned_places"] == {"params": "host", "grads": "host", "optimizer": "host"}
+    # a CPU device: everything is in host memory, which is where the plan put it; nothing to warn about
+    assert row["places"]["params"]["host"] > 0 and row["places"]["params"]["device"] == 0
+    assert row["mismatches"] == []
+    assert "host B" in format_memory(report.rows)
