@@ -287,3 +287,38 @@ def test_memory_report_shows_measured_places_next_to_planned():
     assert row["places"]["params"]["host"] > 0 and row["places"]["params"]["device"] == 0
     assert row["mismatches"] == []
     assert "host B" in format_memory(report.rows)
+
+
+# ---- 6. benchmarks/gpu.py ----------------------------------------------------------------------------
+def _load_gpu_benchmark():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu.py"
+    spec = importlib.util.spec_from_file_location("gpu_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(CUDA_AVAILABLE, reason="checks the message of a machine without CUDA")
+def test_gpu_benchmark_exits_with_a_clear_message_without_cuda(capsys):
+    gpu = _load_gpu_benchmark()
+    with pytest.raises(SystemExit) as exc:
+        gpu.main(["--json", "unused.json"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "CUDA GPU" in err and "torch.cuda.is_available() is False" in err and "benchmarks/offload.py" in err
+
+
+def test_gpu_benchmark_mfu_arithmetic():
+    gpu = _load_gpu_benchmark()
+    # the GPT: 163M parameters, 12 layers, width 768, sequence 1024 -> ~1.09 GFLOP per token;
+    # 295,602 tokens/s on an H200 (989.4 TFLOP/s bf16) is the MFU 0.326
+    fpt = gpu.flops_per_token(163_000_000, layers=12, width=768, seq=1024)
+    assert fpt == 6 * 163_000_000 + 12 * 12 * 768 * 1024
+    assert abs(295_602 * fpt / gpu.peak_flops("NVIDIA H200", None) - 0.326) < 0.002
+    assert gpu.peak_flops("Some GPU", None) is None and gpu.peak_flops("Some GPU", 100) == 1e14
+    goals = gpu.goals({"offload_zero2": {"step_ms": 160.0}, "anchor_deepspeed_zero_offload": {"step_ms": 159.4}})
+    assert goals["offload_zero2 step / DeepSpeed ZeRO-Offload step <= 1.05"]["met"] is True
+    assert goals["hsdp_compile step / compiled plain loop step <= 1.00"] == {"ratio": None, "met": None}
