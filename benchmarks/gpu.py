@@ -385,6 +385,9 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             rows[name] = _run_one(args, name, passthrough)
             print(json.dumps(rows[name]), flush=True)
+            if args.json:  # after every run: a job stopped half-way still leaves what it measured
+                with open(args.json, "w") as f:
+                    json.dump({"rows": rows, "goals": goals(rows)}, f, indent=2)
         for title, group in (("The pack on one GPU", [n for n in names if not n.startswith("anchor_")]),
                              ("Anchors: the same model without the pack", [n for n in names if n.startswith("anchor_")])):
             table = Table(title=f"{title} ({args.layers} layers, width {args.width}, seq {args.seq}, batch {args.batch})")

@@ -322,3 +322,46 @@ def test_gpu_benchmark_mfu_arithmetic():
     goals = gpu.goals({"offload_zero2": {"step_ms": 160.0}, "anchor_deepspeed_zero_offload": {"step_ms": 159.4}})
     assert goals["offload_zero2 step / DeepSpeed ZeRO-Offload step <= 1.05"]["met"] is True
     assert goals["hsdp_compile step / compiled plain loop step <= 1.00"] == {"ratio": None, "met": None}
+
+
+# ---- on a GPU: offload really leaves the device, and the reports say so ---------------------------
+@needs_cuda
+def test_offload_fsdp2_on_one_gpu_moves_every_state_to_pinned_host_memory():
+    from lightning_dist.callbacks import MemoryReport
+    from lightning_dist.parallelize.fsdp import offload_policies
+    from lightning_dist.strategies import FSDP2OffloadStrategy
+
+    module, report = _Module(), MemoryReport(log=False, print_table=False)
+    strategy = FSDP2OffloadStrategy()
+    trainer = pl.Trainer(strategy=strategy, accelerator="cuda", devices=1, max_steps=2, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         precision="bf16-mixed", callbacks=[report])
+    trainer.fit(module)
+    assert all(p.pin_memory for p in offload_policies(module).values())
+    row = strategy.offload_report()
+    assert row["measured_places"] and row["mismatches"] == [], row
+    for kind in ("parameters", "optimizer"):
+        assert row["table"][kind]["host"] > 0 and row["table"][kind]["device"] == 0, row
+    assert report.rows[0]["mismatches"] == [] and report.rows[0]["cuda"] is not None
+
+
+@needs_cuda
+def test_memory_report_warns_when_a_planned_offload_stays_on_the_gpu():
+    from lightning_dist.callbacks import MemoryReport
+    from lightning_dist.strategies import HybridShardStrategy
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    class Claims(HybridShardStrategy):
+        """Says it offloads (the plan) but applies no policy: what offload_fsdp2 did on one GPU before."""
+
+        def parallelize_config(self):
+            import dataclasses
+
+            return dataclasses.replace(super().parallelize_config(), offload_policy=None)
+
+    report = MemoryReport(log=False, print_table=False)
+    trainer = pl.Trainer(strategy=Claims(offload_policy=CPUOffloadPolicy(pin_memory=True)), accelerator="cuda",
+                         devices=1, max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, precision="bf16-mixed", callbacks=[report])
+    with pytest.warns(UserWarning, match="params: planned in host memory"):
+        trainer.fit(_Module())
