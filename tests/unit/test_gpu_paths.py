@@ -213,19 +213,6 @@ def test_apply_compile_keeps_classes_and_keys():
         apply_compile(_Net(), units=["GPTBlock"])
 
 
-@pytest.mark.parametrize("cls, kwargs, message", [
-    ("HybridShardStrategy", {"compile": 3}, "compile=3"),
-    ("HybridShardStrategy", {"compile": True, "parallelize_fn": lambda module, mesh: None}, "apply_compile"),
-    ("PipelineStrategy", {"schedule": "zero_bubble", "compile": True}, "zero-bubble"),
-    ("OffloadStrategy", {"compile": True}, "offload_fsdp2"),
-])
-def test_compile_refusals_name_the_fix(cls, kwargs, message):
-    import lightning_dist.strategies as strategies
-
-    with pytest.raises(ValueError, match=message):
-        getattr(strategies, cls)(**kwargs)
-
-
 def test_compile_reaches_every_built_in_plan():
     from lightning_dist.strategies import (FSDP2OffloadStrategy, FullyShardStrategy, HybridShardStrategy,
                                            PipelineStrategy, TensorParallelStrategy)
