@@ -352,3 +352,21 @@ def test_memory_report_warns_when_a_planned_offload_stays_on_the_gpu():
                          enable_model_summary=False, precision="bf16-mixed", callbacks=[report])
     with pytest.warns(UserWarning, match="params: planned in host memory"):
         trainer.fit(_Module())
+
+
+@needs_cuda
+def test_deepspeed_offload_on_one_gpu_runs_cpu_adam_and_reports_host_memory():
+    pytest.importorskip("deepspeed")
+    from lightning_dist.strategies import OffloadStrategy
+
+    strategy = OffloadStrategy(zero_stage=2)
+    trainer = pl.Trainer(strategy=strategy, accelerator="cuda", devices=1, max_steps=2, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         precision="bf16-mixed")
+    trainer.fit(_Module())
+    inner = strategy.deepspeed_engine.optimizer.optimizer
+    assert type(inner).__name__ == "DeepSpeedCPUAdam" and inner.adam_w_mode  # the user's AdamW, compiled
+    row = strategy.offload_report()
+    assert row["measured_places"] and row["mismatches"] == [], row
+    assert row["table"]["optimizer"]["host"] > 0 and row["table"]["optimizer"]["device"] == 0, row
+    assert row["table"]["parameters"]["device"] > 0, row
