@@ -150,8 +150,14 @@ def test_cpu_adam_only_on_cuda_with_offloaded_optimizer():
     assert OffloadStrategy(cpu_adam=False).cpu_adam is False
 
 
-def _cpu_adam_or_skip():
+def _cpu_adam_or_skip(monkeypatch):
+    import os
+    import sys
+
     pytest.importorskip("deepspeed")
+    # the Makefile's cache inside the environment (built once, about a minute on 2 cores), also for a bare pytest
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR",
+                       os.environ.get("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions")))
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
@@ -161,8 +167,8 @@ def _cpu_adam_or_skip():
 
 
 @pytest.mark.parametrize("cls", [torch.optim.AdamW, torch.optim.Adam])
-def test_cpu_adam_step_matches_torch(cls):
-    _cpu_adam_or_skip()
+def test_cpu_adam_step_matches_torch(cls, monkeypatch):
+    _cpu_adam_or_skip(monkeypatch)
     from lightning_dist.parallelize import offload as off
 
     g = torch.Generator().manual_seed(0)
