@@ -11,7 +11,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 import lightning.pytorch as pl
-from lightning_dist._compat import fully_shard_api
+from lightning_dist._compat import CUDA_AVAILABLE, fully_shard_api
 from lightning_dist.mesh import MeshSpec
 from lightning_dist.parallelize import ParallelizeConfig, parallelize_model
 from lightning_dist.parallelize.compile import check_compile_option
@@ -87,6 +87,10 @@ class HybridShardStrategy(MeshStrategy):
 
     @override
     def validate_config(self, spec: MeshSpec) -> None:
+        if getattr(self.offload_policy, "pin_memory", False) and not CUDA_AVAILABLE:
+            # FSDP2 would fail deep inside fully_shard ("Cannot access accelerator device")
+            raise ValueError("offload_policy=CPUOffloadPolicy(pin_memory=True) needs a CUDA device (pinning host"
+                             " memory needs an accelerator): pass CPUOffloadPolicy(pin_memory=False) on CPU.")
         if self.zero_stage == 1 and spec.size("dp_shard") > 1 and spec.size("dp_replicate") > 1:
             rank_zero_warn(
                 "zero_stage=1 replicates parameters over all data-parallel ranks; the dp_replicate x dp_shard"

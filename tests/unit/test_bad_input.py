@@ -86,8 +86,25 @@ def _offload_policy_zero1():
     return HybridShardStrategy(zero_stage=1, offload_policy=CPUOffloadPolicy())
 
 
+def _pinned_policy_on_cpu():
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    if torch.cuda.is_available():
+        _pin_needs_cuda_skip()
+    strategy = HybridShardStrategy(offload_policy=CPUOffloadPolicy())  # pin_memory=True is its default
+    strategy.parallel_devices = [torch.device("cpu")]
+    strategy.validate_config(strategy.mesh_spec())
+
+
+def _pin_needs_cuda_skip():
+    pytest.skip("pinning works on this machine (CUDA present)")
+
+
 def _pin():
     from lightning_dist.strategies.offload import FSDP2OffloadStrategy
+
+    if torch.cuda.is_available():
+        _pin_needs_cuda_skip()
 
     return FSDP2OffloadStrategy(pin_memory=True)
 
@@ -189,6 +206,8 @@ CASES = {
     "compile-zero-bubble": (lambda t: PipelineStrategy(schedule="zero_bubble", compile=True), ValueError,
                             ["schedule='zero_bubble'", "'1f1b'"]),
     "compile-deepspeed-offload": (lambda t: _offload(compile=True), ValueError, ["compile=True", "offload_fsdp2"]),
+    "offload-policy-pinned-on-cpu": (lambda t: _pinned_policy_on_cpu(), ValueError,
+                                     ["pin_memory=True", "CPUOffloadPolicy(pin_memory=False)"]),
     "precision-pin-memory-on-cpu": (lambda t: _pin(), ValueError, ["pin_memory=True", "pass False"]),
     "precision-master-weights-fp32": (lambda t: _master_weights(), ValueError,
                                       ["master_weights=True", "'32-true'", "16-bit precision"]),
