@@ -15,6 +15,9 @@ memory and CUDA state are per process), timed per step with a CUDA synchronize, 
   FSDP2 ``fully_shard`` per block + ``CPUOffloadPolicy(pin_memory=True)`` by hand, and the plain torch loop
   with ``torch.compile(model)``.
 
+Also ``syncbn``: forward+backward ms of synchronized BatchNorm on the issue's 64x256x56x56 bf16 input, torch's
+SyncBatchNorm function (what ``DataParallelBatchNorm`` now runs on CUDA) next to the hand-written CPU/gloo path.
+
 Printed per run: step ms, tokens/s, MFU and peak GiB (``torch.cuda.max_memory_allocated``). MFU counts
 ``6 N + 12 L d T`` FLOPs per token (N parameters, L layers, width d, sequence T) over the chip's dense bf16
 peak (known chips by name, else ``--peak-tflops``). Goals from the issue are checked in the JSON
@@ -42,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACK_RUNS = ["torch", "lightning_auto", "hsdp", "fsdp2", "tp", "pipeline_1f1b", "hsdp_compile", "fsdp2_compile",
              "tp_compile", "offload", "offload_zero2", "offload_fsdp2", "offload_fsdp2_compile"]
 ANCHOR_RUNS = ["anchor_deepspeed_zero_offload", "anchor_fsdp2_offload_by_hand", "anchor_torch_compile"]
+EXTRA_RUNS = ["syncbn"]  # the synchronized BatchNorm of the issue: the pack's path on CUDA vs torch's function
 # dense bf16 peak FLOP/s by device-name fragment (NVIDIA data sheets, SXM parts)
 PEAK_BF16 = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10G": 70e12}
 NO_CUDA = ("benchmarks/gpu.py measures the pack on a CUDA GPU, and torch.cuda.is_available() is False here"
@@ -52,7 +56,7 @@ NO_CUDA = ("benchmarks/gpu.py measures the pack on a CUDA GPU, and torch.cuda.is
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     p.add_argument("--json", help="write every result to this file")
-    p.add_argument("--runs", default=",".join(PACK_RUNS + ANCHOR_RUNS), help="comma-separated run names")
+    p.add_argument("--runs", default=",".join(PACK_RUNS + ANCHOR_RUNS + EXTRA_RUNS), help="comma-separated run names")
     p.add_argument("--smoke", action="store_true", help="every registered strategy, a few steps of a tiny GPT")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=10)
@@ -287,6 +291,45 @@ def worker(args: argparse.Namespace) -> dict:
             "torch": torch.__version__}
 
 
+def syncbn(args: argparse.Namespace) -> dict:
+    """Forward+backward ms of synchronized BatchNorm on the issue's 64x256x56x56 input (bf16), one rank.
+
+    Both paths of ``DataParallelBatchNorm``: on CUDA inputs it now calls torch's SyncBatchNorm function
+    (``uses_torch_kernels``, unit-tested), on CPU/gloo the hand-written function (what CUDA ran before, 2.05x
+    torch in the issue). Each runs through the same one-rank NCCL group, so its collectives run (over one
+    rank); with one GPU the module itself would take plain BatchNorm (nothing to sync with).
+    """
+    import torch
+    import torch.distributed as dist
+
+    from lightning_dist._compat import torch_sync_batchnorm_function
+    from lightning_dist.callbacks.sync_batchnorm import DataParallelBatchNorm, _SyncBatchNormFn, uses_torch_kernels
+
+    device = _device(args)
+    _single_process_group(device)
+    shape = (8, 16, 8, 8) if args.dry_run_cpu else (64, 256, 56, 56)
+    x = torch.randn(shape, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32,
+                    requires_grad=True)
+    dy = torch.randn_like(x)
+    bn = DataParallelBatchNorm(shape[1], process_group=dist.group.WORLD, device=device)
+    fns = {"hand-written (CPU/gloo path)": _SyncBatchNormFn}
+    if uses_torch_kernels(x.device):
+        fns["torch SyncBatchNorm function (CUDA path)"] = torch_sync_batchnorm_function()
+    out = {}
+    for name, fn in fns.items():
+        times = []
+        for _ in range(args.warmup + args.steps):
+            x.grad = None
+            _sync(device)
+            start = time.perf_counter()
+            y = fn.apply(x, bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.eps, 0.1, dist.group.WORLD, 1)
+            y.backward(dy)
+            _sync(device)
+            times.append(time.perf_counter() - start)
+        out[name] = statistics.median(times[args.warmup:]) * 1e3
+    return {"run": "syncbn", "shape": list(shape), "ms": out, "dispatch_on_this_device": uses_torch_kernels(x.device)}
+
+
 def smoke(args: argparse.Namespace) -> dict:
     """Every registered strategy name, 3 steps of a tiny GPT on one CUDA device: ok or the error."""
     import torch
@@ -356,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     require_cuda(args)
     if args.worker:
-        result = smoke(args) if args.worker == "smoke" else worker(args)
+        result = {"smoke": smoke, "syncbn": syncbn}.get(args.worker, worker)(args)
         with open(args.out, "w") as f:
             json.dump(result, f)
         return 0
@@ -388,7 +431,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.json:  # after every run: a job stopped half-way still leaves what it measured
                 with open(args.json, "w") as f:
                     json.dump({"rows": rows, "goals": goals(rows)}, f, indent=2)
-        for title, group in (("The pack on one GPU", [n for n in names if not n.startswith("anchor_")]),
+        for title, group in (("The pack on one GPU", [n for n in names if not n.startswith("anchor_")
+                                                      and n not in EXTRA_RUNS]),
                              ("Anchors: the same model without the pack", [n for n in names if n.startswith("anchor_")])):
             table = Table(title=f"{title} ({args.layers} layers, width {args.width}, seq {args.seq}, batch {args.batch})")
             for col in ("run", "step ms", "tokens/s", "MFU", "peak GiB"):
@@ -401,6 +445,10 @@ def main(argv: list[str] | None = None) -> int:
                     table.add_row(name, f"{r['step_ms']:.1f}", f"{r['tokens_per_s']:,.0f}",
                                   "-" if r["mfu"] is None else f"{r['mfu']:.3f}", f"{r['peak_gib']:.2f}")
             Console().print(table)
+        if "syncbn" in rows:
+            r = rows["syncbn"]
+            print("synchronized BatchNorm, forward+backward ms:",
+                  r.get("error", "").strip().splitlines()[-1:] or json.dumps(r["ms"]))
         payload = {"rows": rows, "goals": goals(rows)}
         for goal, v in payload["goals"].items():
             figure = "-" if v["ratio"] is None else f"{v['ratio']:.3f}"
