@@ -77,10 +77,11 @@ def run_layout(strategy: Any) -> RunLayout | None:
     if mesh is not None:
         stage = getattr(strategy, "zero_stage", 3)
         dp, shard, rep = mesh.dp_size, mesh.size(DP_SHARD), mesh.size(DP_REPLICATE)
+        offload = getattr(strategy, "offload_policy", None) is not None  # FSDP2 even without sharding
         if dp == 1:
             return RunLayout(mode="single", zero_stage=0, shard_size=1, shard_rank=0, replicate_size=1, dp_size=1)
         # same rule as parallelize_model: nothing to shard -> DDP's all-reduce (ZeRO-1 adds a sharded optimizer)
-        if stage == 1 or (shard == 1 and mesh.size(TP) == 1):
+        if not offload and (stage == 1 or (shard == 1 and mesh.size(TP) == 1)):
             if stage == 1:
                 return RunLayout(mode="replicate", zero_stage=1, shard_size=dp, shard_rank=mesh.dp_rank,
                                  replicate_size=1, dp_size=dp)
@@ -183,6 +184,21 @@ def planned_memory(trainer: Any, module: nn.Module) -> planner.MemoryBreakdown |
     shapes = [tp_local_shape(p) for p in module.parameters()]
     return planner.fsdp2_state_bytes(shapes, shard_size=layout.shard_size, rank=layout.shard_rank, state=state,
                                      zero_stage=layout.zero_stage)
+
+
+def planned_places(strategy: Any) -> dict[str, str]:
+    """Where the strategy puts each model state (``params``/``grads``/``optimizer`` -> ``"device"``, ``"host"``
+    or ``"disk"``): an offload strategy's plan, host memory for an FSDP2 ``CPUOffloadPolicy``, else the device."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    from lightning_dist.parallelize.offload import OffloadPlan
+
+    plan = getattr(strategy, "plan", None)  # (TensorParallelStrategy.plan is its TP plan: checked by type)
+    if isinstance(plan, OffloadPlan):
+        return {"params": plan.place("parameters"), "grads": plan.place("gradients"),
+                "optimizer": plan.place("optimizer")}
+    where = "host" if isinstance(getattr(strategy, "offload_policy", None), CPUOffloadPolicy) else "device"
+    return dict.fromkeys(("params", "grads", "optimizer"), where)
 
 
 def planned_traffic(trainer: Any, module: nn.Module, *, activation: dict | None = None) -> list[planner.Collective] | None:

@@ -13,8 +13,10 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
 from lightning_dist.callbacks import _planned
-from lightning_dist.measure import model_state_bytes
+from lightning_dist.measure import cuda_memory, model_state_bytes, model_state_places, placement_mismatches
 
 _PARTS = ("params", "grads", "optimizer", "total")
 
@@ -40,6 +42,13 @@ class MemoryReport(Callback):
     model-state figure). Logs ``memory/model_state_bytes``, ``memory/planned_bytes`` and ``memory/peak_bytes``
     per step and prints a rank-0 table at the end of fit.
 
+    Placement is measured too: the bytes of each state by where its tensors live (``tensor.device``: the
+    device or host memory), next to where the strategy plans them (an offload plan or FSDP2's
+    ``CPUOffloadPolicy``: host memory; otherwise the device), and on CUDA the allocator's allocated and peak
+    bytes. A state that mostly lives elsewhere than planned is a warning naming it (not on a CPU device,
+    where device and host memory are the same RAM). With DeepSpeed the strategy's offload report is the
+    complete account (it reads DeepSpeed's own partitions and swap files).
+
     Args:
         log: log the figures through ``pl_module.log``.
         print_table: print the rank-0 table at the end of fit.
@@ -56,16 +65,19 @@ class MemoryReport(Callback):
         """(bytes, what) peak memory of this rank."""
         self.rows: list[dict[str, Any]] = []
         """Every rank's row, gathered at the end of fit (on every rank)."""
+        self.places: dict[str, dict[str, int]] | None = None
+        """This rank's bytes of each state by where they live (``{"params": {"device": .., "host": ..}, ...}``)."""
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.measured = self.planned = self.peak = None
+        self.measured = self.planned = self.peak = self.places = None
         self.rows = []
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self.measured = model_state_bytes(pl_module, trainer.optimizers)
+        self.places = model_state_places(pl_module, trainer.optimizers)
         self.peak = peak_memory_bytes(trainer.strategy.root_device)
         if self.planned is None:
             planned = _planned.planned_memory(trainer, pl_module)
@@ -85,12 +97,19 @@ class MemoryReport(Callback):
                "peak_bytes": self.peak[0], "peak_what": self.peak[1],
                "ratio": (self.measured["total"] / self.planned["total"]) if self.planned and self.planned["total"]
                else None}
+        device = trainer.strategy.root_device
+        planned_places = _planned.planned_places(trainer.strategy)
+        row.update(places=self.places, planned_places=planned_places, cuda=cuda_memory(device),
+                   mismatches=placement_mismatches(self.places or {}, planned_places, device_type=device.type))
         if initialized:
             rows: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(rows, row)
         else:
             rows = [row]
         self.rows = rows
+        wrong = [f"rank {r['rank']}: {line}" for r in rows for line in r["mismatches"]]
+        if wrong:
+            rank_zero_warn("MemoryReport: model states not where the strategy plans them:\n  - " + "\n  - ".join(wrong))
         if self.print_table and row["rank"] == 0:
             print(format_memory(rows, title=f"Model-state bytes per rank ({type(trainer.strategy).__name__})"),
                   flush=True)
@@ -103,12 +122,19 @@ def format_memory(rows: list[dict[str, Any]], *, title: str = "Model-state bytes
 
     table = Table(title=title)
     for col in ("rank", "params B", "grads B", "optimizer B", "total B", "planned B", "measured/planned",
-                "peak B"):
+                "host B (planned places)", "peak B"):
         table.add_column(col, justify="right")
     for r in rows:
         m, p = r["measured"], r["planned"]
+        places, planned_places = r.get("places") or {}, r.get("planned_places") or {}
+        host = sum(v.get("host", 0) for v in places.values())
+        where = "/".join(f"{k}:{planned_places[k]}" for k in ("params", "grads", "optimizer") if k in planned_places)
+        peak = f"{r['peak_bytes']:,} ({r['peak_what']})"
+        if r.get("cuda"):
+            peak += f"; allocated {r['cuda']['allocated']:,}"
         table.add_row(str(r["rank"]), *(f"{m[k]:,}" for k in _PARTS), "-" if p is None else f"{p['total']:,.0f}",
-                      "-" if r["ratio"] is None else f"{r['ratio']:.3f}", f"{r['peak_bytes']:,} ({r['peak_what']})")
+                      "-" if r["ratio"] is None else f"{r['ratio']:.3f}",
+                      f"{host:,} ({where})" + (" MISMATCH" if r.get("mismatches") else ""), peak)
     buf = io.StringIO()
     Console(file=buf, width=140, force_terminal=False).print(table)
     return buf.getvalue()

@@ -65,6 +65,17 @@ def fully_shard_api():
     return fully_shard, MixedPrecisionPolicy, CPUOffloadPolicy, FSDPModule
 
 
+def torch_sync_batchnorm_function():
+    """torch's synchronized BatchNorm autograd function (CUDA kernels), the one ``nn.SyncBatchNorm`` applies.
+
+    It has no public home: ``torch.nn.modules._functions.SyncBatchNorm`` since torch 1.x, unchanged signature
+    ``apply(input, weight, bias, running_mean, running_var, eps, momentum, process_group, world_size)``.
+    """
+    from torch.nn.modules._functions import SyncBatchNorm
+
+    return SyncBatchNorm
+
+
 def deepspeed_available() -> bool:
     return module_available("deepspeed")
 

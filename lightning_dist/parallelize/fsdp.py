@@ -76,3 +76,20 @@ def apply_replicate(model: nn.Module, mesh: "DeviceMesh") -> int:
         replicate(module, process_group=mesh.get_group())
     log.info("applied replicate (all-reduce) to %d roots over %d ranks", len(tops), mesh.size())
     return len(tops)
+
+
+def offload_policies(model: nn.Module) -> dict[str, Any]:
+    """Module name -> the offload policy FSDP2 applied to each ``fully_shard`` module of `model`.
+
+    FSDP2 has no public getter for it; this reads its parameter group's ``offload_policy`` (a module
+    without one, on another torch, maps to None). Used by the offload report and the tests to tell that
+    ``CPUOffloadPolicy`` is really in force, not only configured.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    out: dict[str, Any] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, FSDPModule):
+            group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
+            out[name] = getattr(group, "offload_policy", None)
+    return out

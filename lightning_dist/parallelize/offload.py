@@ -7,7 +7,8 @@ Pure pieces, testable in one process:
   in host memory and on disk, for a parameter count, a world size and a ZeRO stage;
 * :func:`check_nvme_path`: the swap folder exists, is writable and has room for the estimate; it
   refuses with the numbers before anything is written (a probe file is created and removed);
-* :func:`offload_report`: the per-rank account of a running job, and :func:`render_report` (rich).
+* :func:`offload_report`: the per-rank account of a running job, measured (where each tensor lives, swap
+  files, CUDA allocator) next to the plan with a mismatch line per state, and :func:`render_report` (rich).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any, Literal, Optional
 import torch
 
 from lightning_dist._compat import deepspeed_available
+from lightning_dist.measure import placement_mismatches
 
 KINDS = ("parameters", "gradients", "optimizer")
 PLACES = ("device", "host", "disk")
@@ -240,39 +242,65 @@ def folder_bytes(path: Optional[str | os.PathLike]) -> int:
 def offload_report(
     *,
     plan: OffloadPlan,
-    resident: Mapping[str, int],
+    resident: Mapping[str, Mapping[str, int]],
     disk: Mapping[str, int],
     rank: int,
+    device_type: str,
+    cuda: Optional[Mapping[str, int]] = None,
 ) -> dict[str, Any]:
-    """One rank's report row: ``resident[kind]`` bytes in memory and ``disk[kind]`` bytes in swap files.
+    """One rank's report row, measured: ``resident[kind]`` = bytes by where the tensors live
+    (``{"device": .., "host": ..}``, from ``tensor.device``, see :func:`lightning_dist.measure.bytes_by_place`),
+    ``disk[kind]`` = bytes of its swap files, ``cuda`` = the CUDA allocator's allocated / peak bytes.
 
-    On a machine where the device is the CPU, device and host memory are the same RAM: resident bytes are
-    attributed to ``"host"`` for offloaded kinds and to ``"device"`` otherwise.
+    The row holds the measured table next to the plan's place of each kind, and a ``mismatches`` line for
+    each kind whose bytes mostly live elsewhere than planned. With a CPU device, device and host memory are
+    the same RAM: the bytes are shown where the plan put them, ``measured_places`` is False and nothing is
+    checked.
     """
+    measured = device_type != "cpu"
     table = {}
     for kind in KINDS:
         where = plan.place(kind)
-        mem_place = "host" if where in ("host", "disk") else "device"
         row = dict.fromkeys(PLACES, 0)
-        row[mem_place] += int(resident.get(kind, 0))
+        mem = resident.get(kind, {})
+        if measured:
+            row["device"] += int(mem.get("device", 0))
+            row["host"] += int(mem.get("host", 0))
+        else:
+            row["host" if where in ("host", "disk") else "device"] += sum(int(v) for v in mem.values())
         row["disk"] += int(disk.get(kind, 0))
         table[kind] = row
-    return {"rank": rank, "table": table}
+    planned = {kind: plan.place(kind) for kind in KINDS}
+    mismatches = placement_mismatches(table, planned, device_type=device_type)
+    return {"rank": rank, "table": table, "planned": planned, "measured_places": measured,
+            "mismatches": mismatches, "cuda": dict(cuda) if cuda else None}
 
 
 def render_report(rows: Sequence[Mapping[str, Any]], *, title: str) -> Any:
-    """A rich Table of the per-rank reports from :func:`offload_report`."""
+    """A rich Table of the per-rank reports from :func:`offload_report`: measured bytes next to the plan."""
     from rich.table import Table
 
-    table = Table(title=title)
+    caption = []
+    if rows and not all(row.get("measured_places", True) for row in rows):
+        caption.append("CPU device: device and host memory are the same RAM, bytes shown where planned")
+    for row in rows:
+        if row.get("cuda"):
+            caption.append(f"rank {row['rank']}: CUDA allocated {_fmt(row['cuda']['allocated'])},"
+                           f" peak {_fmt(row['cuda']['peak'])}")
+    table = Table(title=title, caption="; ".join(caption) or None)
     table.add_column("rank", justify="right")
     table.add_column("state")
+    table.add_column("planned")
     for place in PLACES:
         table.add_column(place, justify="right")
+    table.add_column("check")
     for row in rows:
+        bad = {line.split(":", 1)[0] for line in row.get("mismatches", ())}
         for kind in KINDS:
             cells = row["table"][kind]
-            table.add_row(str(row["rank"]), kind, *(_fmt(cells[p]) for p in PLACES))
+            check = "MISMATCH" if kind in bad else ("ok" if row.get("measured_places", True) else "-")
+            table.add_row(str(row["rank"]), kind, row.get("planned", {}).get(kind, "?"),
+                          *(_fmt(cells[p]) for p in PLACES), check)
     return table
 
 
@@ -282,6 +310,72 @@ def _fmt(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} GiB"
+
+
+# ---- DeepSpeed's compiled CPU Adam ------------------------------------------------------------------
+# per-parameter-group keys of torch's Adam/AdamW that DeepSpeedCPUAdam has no use for (its own flags are per optimizer)
+_TORCH_ADAM_ONLY_KEYS = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused",
+                         "decoupled_weight_decay")
+
+
+def cpu_adam_options(optimizer: Any) -> tuple[Optional[dict], str]:
+    """(DeepSpeedCPUAdam keyword arguments, why) for a torch optimizer; (None, why not) when it cannot replace it.
+
+    Only torch's own ``Adam`` and ``AdamW`` (exact classes: a subclass may change the step), without the options
+    DeepSpeedCPUAdam does not implement (``amsgrad``, ``maximize``). ``adamw_mode`` is AdamW's decoupled weight
+    decay (``Adam(decoupled_weight_decay=True)`` too); plain Adam adds ``weight_decay * param`` to the gradient
+    (L2), as DeepSpeedCPUAdam does with ``adamw_mode=False``. lr, betas, eps and weight_decay stay per group.
+    """
+    cls = type(optimizer)
+    if cls not in (torch.optim.Adam, torch.optim.AdamW):
+        return None, f"{cls.__name__} is not torch.optim.Adam/AdamW"
+    for flag in ("amsgrad", "maximize"):
+        if any(group.get(flag) for group in optimizer.param_groups):
+            return None, f"{cls.__name__}({flag}=True) is not implemented by DeepSpeedCPUAdam"
+    if any(optimizer.state.values()):
+        return None, f"{cls.__name__} has already stepped (its state would be lost)"
+    decoupled = cls is torch.optim.AdamW or bool(optimizer.defaults.get("decoupled_weight_decay", False))
+    d = optimizer.defaults
+    return {"lr": float(d["lr"]), "betas": tuple(d["betas"]), "eps": d["eps"], "weight_decay": d["weight_decay"],
+            "adamw_mode": decoupled, "bias_correction": True}, "Adam/AdamW"
+
+
+def to_cpu_adam(optimizer: torch.optim.Optimizer, lr_scheduler: Any = None) -> Optional[torch.optim.Optimizer]:
+    """DeepSpeedCPUAdam over the same parameter groups and hyper-parameters, or None (see :func:`cpu_adam_options`).
+
+    The compiled op is built on first use (about a minute) and cached under ``TORCH_EXTENSIONS_DIR``. An LR
+    scheduler of `optimizer` is repointed to the new optimizer (its ``initial_lr`` keys travel with the groups).
+    """
+    options, _ = cpu_adam_options(optimizer)
+    if options is None:
+        return None
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    groups = [{k: v for k, v in group.items() if k not in _TORCH_ADAM_ONLY_KEYS} for group in optimizer.param_groups]
+    for group in groups:
+        if isinstance(group.get("lr"), torch.Tensor):
+            group["lr"] = float(group["lr"])  # a tensor lr (torch's capturable/fused option) is a float for the op
+    adam = DeepSpeedCPUAdam(groups, **options)
+    if lr_scheduler is not None and getattr(lr_scheduler, "optimizer", None) is optimizer:
+        lr_scheduler.optimizer = adam
+        _mark_steps_for_scheduler(adam)
+    return adam
+
+
+def _mark_steps_for_scheduler(optimizer: torch.optim.Optimizer) -> None:
+    """Mark ``optimizer.step`` the way an LR scheduler's constructor does, for a scheduler repointed to it.
+
+    Without the mark torch's scheduler warns at its first step that ``optimizer.step()`` "has been overridden
+    after learning rate scheduler initialization" (it only checks these two attributes).
+    """
+    step = optimizer.step
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        optimizer._opt_called = True  # type: ignore[attr-defined]
+        return step(*args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = wrapper  # type: ignore[method-assign]
 
 
 def resize_param_swap_buffers(swapper: Any, numel: int) -> None:

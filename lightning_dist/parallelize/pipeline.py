@@ -444,6 +444,14 @@ def build_stage_module(net: nn.Module, split: PipelineSplit, stage_indices: Sequ
     return StageModule(parts, lay.block_list, blocks)
 
 
+def stage_blocks(stage: StageModule) -> list[nn.Module]:
+    """The blocks a stage module holds: its block list's entries, or (a split ``nn.Sequential``) its children."""
+    lists = [child for child in stage.children() if isinstance(child, nn.ModuleDict)]
+    if lists:
+        return [block for blocks in lists for block in blocks.values()]
+    return list(stage.children())
+
+
 def apply_fsdp_to_stages(stages: Sequence[StageModule], mesh: Any, *, reshard_after_forward: bool = False) -> None:
     """FSDP2 on the data-parallel mesh for each stage module: its blocks first, then the stage module as root.
 
@@ -497,6 +505,7 @@ def stage_ranks(num_stages: int, pp: int, style: Literal["loop", "v"] = "loop") 
 
 __all__ = [
     "NetworkLayout", "PipelineSplit", "StagePlan", "StageModule", "apply_fsdp_to_stages", "batchnorm_modules",
+    "stage_blocks",
     "check_splittable",
     "build_stage_module", "check_staged_forward", "host_copy", "staged_forward_problem",
     "network_layout", "partition", "plan_split", "profile_costs", "shared_across_stages", "stage_ranks",

@@ -11,9 +11,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 import lightning.pytorch as pl
-from lightning_dist._compat import fully_shard_api
+from lightning_dist._compat import CUDA_AVAILABLE, fully_shard_api
 from lightning_dist.mesh import MeshSpec
 from lightning_dist.parallelize import ParallelizeConfig, parallelize_model
+from lightning_dist.parallelize.compile import check_compile_option
 from lightning_dist.strategies.base import MeshStrategy
 
 _MP_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
@@ -34,6 +35,9 @@ class HybridShardStrategy(MeshStrategy):
         units: FSDP units: ``"auto"`` (each block of the model's block list) or module class names.
         activation_checkpointing: True to recompute each block in backward, or block class names.
         offload_policy: an FSDP2 ``CPUOffloadPolicy`` (see ``OffloadStrategy`` for the managed version).
+        compile: True to ``torch.compile`` each block (after activation checkpointing, before FSDP2, as
+            torchtitan does), or block class names to compile; not with ``parallelize_fn`` (call
+            ``lightning_dist.parallelize.apply_compile`` in it instead).
         **kwargs: the mesh and checkpoint options of :class:`MeshStrategy` (``dp_replicate``, ``timeout``...).
     """
 
@@ -47,11 +51,19 @@ class HybridShardStrategy(MeshStrategy):
         units: Union[str, Sequence[str]] = "auto",
         activation_checkpointing: Union[bool, Sequence[str]] = False,
         offload_policy: Optional[Any] = None,
+        compile: Union[bool, Sequence[str]] = False,
         **kwargs: Any,
     ) -> None:
-        problems = []
+        problems = check_compile_option(compile)
+        if compile is not False and kwargs.get("parallelize_fn") is not None:
+            problems.append("`compile` is applied by the built-in plan, which `parallelize_fn` replaces: call"
+                            " `lightning_dist.parallelize.apply_compile(module)` inside your parallelize_fn"
+                            " (after activation checkpointing, before fully_shard) instead.")
         if zero_stage not in (1, 2, 3):
             problems.append(f"`zero_stage={zero_stage!r}` must be 1, 2 or 3.")
+        elif zero_stage == 1 and offload_policy is not None:
+            problems.append("`offload_policy` offloads FSDP2-sharded parameters; zero_stage=1 replicates them"
+                            " (nothing would be offloaded): pass zero_stage=2 or 3.")
         if shard_size == "full":
             kwargs.setdefault("dp_replicate", 1)
             shard = "auto"
@@ -71,9 +83,14 @@ class HybridShardStrategy(MeshStrategy):
         self.units = units
         self.activation_checkpointing = activation_checkpointing
         self.offload_policy = offload_policy
+        self.compile = compile
 
     @override
     def validate_config(self, spec: MeshSpec) -> None:
+        if getattr(self.offload_policy, "pin_memory", False) and not CUDA_AVAILABLE:
+            # FSDP2 would fail deep inside fully_shard ("Cannot access accelerator device")
+            raise ValueError("offload_policy=CPUOffloadPolicy(pin_memory=True) needs a CUDA device (pinning host"
+                             " memory needs an accelerator): pass CPUOffloadPolicy(pin_memory=False) on CPU.")
         if self.zero_stage == 1 and spec.size("dp_shard") > 1 and spec.size("dp_replicate") > 1:
             rank_zero_warn(
                 "zero_stage=1 replicates parameters over all data-parallel ranks; the dp_replicate x dp_shard"
@@ -96,6 +113,7 @@ class HybridShardStrategy(MeshStrategy):
             activation_checkpointing=self.activation_checkpointing,
             mp_policy=self.mp_policy(),
             offload_policy=self.offload_policy,
+            compile=self.compile,
         )
 
     @override

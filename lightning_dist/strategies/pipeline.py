@@ -31,7 +31,7 @@ states keyed by name); a pp=2 checkpoint loads into any pipeline layout or, conv
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Optional, Union
 
 import torch
@@ -43,6 +43,7 @@ import lightning.pytorch as pl
 from lightning_dist import checkpoint as ckpt
 from lightning_dist.mesh import PP, TP, MeshSpec
 from lightning_dist.parallelize import pipeline as plan
+from lightning_dist.parallelize.compile import apply_compile, check_compile_option, compile_units
 from lightning_dist.parallelize.pipeline_schedule import (
     SCHEDULES,
     PipelineRunner,
@@ -81,6 +82,10 @@ class PipelineStrategy(MeshStrategy):
             whole network (every pattern must match somewhere), then each stage applies the entries of the
             modules it holds. The network's output must be whole on every tensor rank (the loss sees it):
             give a sharded head ``colwise_gather``. Sequence parallelism is not available inside stages.
+        compile: True to ``torch.compile`` each block of each stage (after tensor parallelism, before FSDP2),
+            or block class names to compile. Not with the zero-bubble schedules: their split backward (input
+            gradients first, weight gradients later) needs each block's autograd graph, which a compiled
+            block replaces with one node.
         **kwargs: mesh and checkpoint options of :class:`MeshStrategy` (``dp_replicate``, ``dp_shard``...).
     """
 
@@ -100,8 +105,17 @@ class PipelineStrategy(MeshStrategy):
         record_timeline: bool = False,
         tp: int = 1,
         tp_plan: Union[str, Mapping[str, Any]] = "auto",
+        compile: Union[bool, Sequence[str]] = False,
         **kwargs: Any,
     ) -> None:
+        problems = check_compile_option(compile)
+        if compile is not False and "zero_bubble" in schedule:
+            problems.append(f"`compile` with schedule={schedule!r} is not supported: the zero-bubble split backward"
+                            " needs each block's autograd graph; use schedule='1f1b' or 'interleaved_1f1b'.")
+        if compile is not False and kwargs.get("parallelize_fn") is not None:
+            problems.append("`compile` is applied by the built-in pipeline plan, which `parallelize_fn` replaces.")
+        if problems:
+            raise ValueError(f"Invalid {type(self).__name__} configuration:\n  - " + "\n  - ".join(problems))
         if kwargs.get("save_distributed_checkpoint") is False:
             raise ValueError("PipelineStrategy writes sharded checkpoints (save_distributed_checkpoint=True): each"
                              " stage saves its own parameters. For one file, convert the directory with torch's"
@@ -111,6 +125,7 @@ class PipelineStrategy(MeshStrategy):
                             f" got {type(tp_plan).__name__}.")
         super().__init__(pp=1 if pp is None else pp, tp=tp, **kwargs)
         self.tp_plan = dict(tp_plan) if isinstance(tp_plan, Mapping) else tp_plan
+        self.compile = compile
         self.tp_entries: list[TPEntry] = []
         """The resolved tensor-parallel plan (on the whole LightningModule; filled in ``parallelize``)."""
         if schedule not in SCHEDULES:
@@ -246,13 +261,17 @@ class PipelineStrategy(MeshStrategy):
         rank_zero_info(self.split.format(stage_ranks))
         container = plan.build_stage_module(net, self.split, self._local_stages)
         views = [plan.build_stage_module(net, self.split, [s]) for s in self._local_stages]
-        # order: split (above) -> tensor parallelism per stage -> FSDP2 per stage (it shards what TP left)
+        # order: split (above) -> tensor parallelism per stage -> compile per block -> FSDP2 per stage
         if mesh.size(TP) > 1:
             self.tp_entries = resolve_stage_plan(module, net, self.tp_plan, tp=mesh.size(TP))
             rank_zero_info(format_plan(self.tp_entries, tp=mesh.size(TP)))
             for view in views:  # entries matched by module identity: stage modules keep their own names
                 apply_tp_entries(view, mesh.get_mesh(TP), self.tp_entries, module)
         setattr(module, self.network, container)  # the rest of the network is dropped here
+        units = compile_units(self.compile)
+        if units is not None:  # each stage's blocks, after TP and before FSDP2 (as parallelize_model orders them)
+            for view in views:
+                apply_compile(view, units=plan.stage_blocks(view) if units == "auto" else units)
         if mesh.dp_size > 1:
             plan.apply_fsdp_to_stages(views, mesh.fsdp_mesh(), reshard_after_forward=self.reshard_after_forward)
         self._runner = PipelineRunner(views, self._local_stages, stage_ranks, schedule=self.schedule,

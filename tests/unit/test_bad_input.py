@@ -80,6 +80,26 @@ def _nvme(path):
     return check_nvme_path(path, required_bytes=1)
 
 
+def _offload_policy_zero1():
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    return HybridShardStrategy(zero_stage=1, offload_policy=CPUOffloadPolicy())
+
+
+def _pinned_policy_on_cpu():
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    if torch.cuda.is_available():
+        _pin_needs_cuda_skip()
+    strategy = HybridShardStrategy(offload_policy=CPUOffloadPolicy())  # pin_memory=True is its default
+    strategy.parallel_devices = [torch.device("cpu")]
+    strategy.validate_config(strategy.mesh_spec())
+
+
+def _pin_needs_cuda_skip():
+    pytest.skip("pinning works on this machine (CUDA present)")
+
+
 def _pin():
     from lightning_dist.strategies import offload
 
@@ -182,6 +202,15 @@ CASES = {
                                   ["pyproject.toml", "is not a folder"]),
     "offload-params-stage2": (lambda t: _offload(parameters="cpu", zero_stage=2), ValueError,
                               ["parameters='cpu'", "zero_stage=2", "pass `zero_stage=3`"]),
+    "offload-policy-zero1": (lambda t: _offload_policy_zero1(), ValueError, ["zero_stage=1", "zero_stage=2 or 3"]),
+    "compile-option-type": (lambda t: HybridShardStrategy(compile=3), ValueError, ["compile=3", "block class names"]),
+    "compile-with-parallelize-fn": (lambda t: HybridShardStrategy(compile=True, parallelize_fn=lambda m, mesh: None),
+                                    ValueError, ["parallelize_fn", "apply_compile"]),
+    "compile-zero-bubble": (lambda t: PipelineStrategy(schedule="zero_bubble", compile=True), ValueError,
+                            ["schedule='zero_bubble'", "'1f1b'"]),
+    "compile-deepspeed-offload": (lambda t: _offload(compile=True), ValueError, ["compile=True", "offload_fsdp2"]),
+    "offload-policy-pinned-on-cpu": (lambda t: _pinned_policy_on_cpu(), ValueError,
+                                     ["pin_memory=True", "CPUOffloadPolicy(pin_memory=False)"]),
     "precision-pin-memory-on-cpu": (lambda t: _pin(), ValueError, ["pin_memory=True", "pass False"]),
     "precision-master-weights-fp32": (lambda t: _master_weights(), ValueError,
                                       ["master_weights=True", "'32-true'", "16-bit precision"]),

@@ -167,11 +167,14 @@ def test_registered_names():
 
 def test_report_attribution_and_table():
     plan = off.OffloadPlan(optimizer="nvme", parameters="cpu", nvme_path="/x", zero_stage=3)
-    row = off.offload_report(plan=plan, resident={"parameters": 10, "gradients": 20, "optimizer": 30},
-                             disk={"optimizer": 400}, rank=1)
+    # a CPU device: device and host are the same RAM, the bytes are shown where the plan put them
+    row = off.offload_report(plan=plan, resident={"parameters": {"host": 10}, "gradients": {"host": 20},
+                                                  "optimizer": {"host": 30}},
+                             disk={"optimizer": 400}, rank=1, device_type="cpu")
     assert row["table"]["parameters"] == {"device": 0, "host": 10, "disk": 0}
     assert row["table"]["gradients"] == {"device": 0, "host": 20, "disk": 0}
     assert row["table"]["optimizer"] == {"device": 0, "host": 30, "disk": 400}
+    assert row["measured_places"] is False and row["mismatches"] == []
     from rich.console import Console
 
     console = Console(record=True, width=100)
