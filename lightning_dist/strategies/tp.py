@@ -27,7 +27,7 @@ class TensorParallelStrategy(HybridShardStrategy):
     Args:
         tp: tensor-parallel degree; ``"auto"``: the devices of one node.
         plan: ``"auto"`` (the built-in plan that matches the model), a built-in plan name
-            (``"gpt"``, ``"vit"``, ``"transformer"``, ``"mlp"``) or a mapping ``{module-name glob: style}``
+            (``"hf"``: the HuggingFace model's own, ``"transformer"``: from the structure, ``"mlp"``) or a mapping ``{module-name glob: style}``
             (see :mod:`lightning_dist.parallelize.tp`). Patterns are matched against the LightningModule's
             module names or any dotted suffix of them.
         sequence_parallel: run norms/dropout between the parallel regions on sequence shards
