@@ -219,9 +219,11 @@ def _parse_layout(text: Any) -> tuple[str, int] | None:
 
 
 def _roots(model: nn.Module) -> list[str]:
-    """Where patterns are anchored: the model itself and each of its direct children (the network a
-    LightningModule keeps as ``self.model``), so plans need not know that attribute name."""
-    return [""] + [name for name, _ in model.named_children()]
+    """Where patterns are anchored: the model itself and, for a LightningModule, each of its direct children
+    (the network it keeps as ``self.model``), so plans need not know that attribute name."""
+    from lightning.pytorch import LightningModule
+
+    return [""] + ([name for name, _ in model.named_children()] if isinstance(model, LightningModule) else [])
 
 
 def _matches(fqn: str, pattern: str, roots: list[str]) -> bool:
@@ -383,14 +385,14 @@ def resolve_plan(model: nn.Module, plan: Plan | str, *, tp: int, sequence_parall
             near = [n for n, m in modules.items() if n and STYLES[style].accepts(m)][:6]
             problems.append(
                 f"plan pattern {pattern!r} ({style}) matches no module of {type(model).__name__}; a plan entry"
-                " must not be a silent no-op. Patterns match from the root (the model or its direct children), "
+                " must not be a silent no-op. Patterns match from the root (the model, or a LightningModule's direct children), "
                 + (f"and it only names deeper paths {deeper}: write the full path." if deeper else f"and module names look like {near}.")
             )
             continue
         if len(hits) > 1 and not any(c in pattern for c in "*?["):
             problems.append(
                 f"plan pattern {pattern!r} ({style}) has no wildcard but matches {len(hits)} paths {hits[:4]}"
-                " (from the model and from one of its children); write the full path of the one you mean."
+                " (from the LightningModule and from one of its children); write the full path of the one you mean."
             )
             continue
         for fqn in hits:

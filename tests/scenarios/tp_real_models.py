@@ -1,0 +1,168 @@
+"""Tensor parallelism with plan="auto" on models nobody on this project wrote (torchrun, 2 or 4 processes).
+
+Tiny random HuggingFace Llama, Qwen2 (grouped-query attention), GPT-2 (Conv1D, tied head), GPT-NeoX, a
+plain user GPT (q, k, v, o Linear; nn.Sequential MLP; head count read from an attribute) and the pack's
+GPT(tie_weights=True): float64, 3 AdamW steps, max relative parameter difference vs single-device training
+on the global batch computed in this process. 2 processes: tp=2; 4 processes: tp=2 x dp_shard=2.
+Each run has GradientParityCheck at step 0 (tied models: no false alarm). One RESULT row per model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from _common import full_params, max_rel_diff, trainer
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import lightning_dist  # noqa: F401  (registers the strategies)
+from lightning_dist.callbacks import GradientParityCheck
+from lightning_dist.models import GPT
+from lightning_dist.strategies import TensorParallelStrategy
+
+STEPS, GLOBAL_BATCH, N, SEQ, VOCAB = 3, 8, 24, 8, 64
+
+
+class UserAttention(nn.Module):
+    def __init__(self, dim: int, n_head: int) -> None:
+        super().__init__()
+        self.n_head = n_head  # read in forward: the plan must make it the local count
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in (self.q(x), self.k(x), self.v(x)))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class UserBlock(nn.Module):
+    def __init__(self, dim: int, n_head: int) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = UserAttention(dim, n_head)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class UserGPT(nn.Module):
+    def __init__(self, dim: int = 32, n_head: int = 4, depth: int = 2) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, dim)
+        self.layers = nn.ModuleList(UserBlock(dim, n_head) for _ in range(depth))
+        self.ln_f = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, VOCAB, bias=False)
+
+    def forward(self, idx):
+        x = self.wte(idx)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.ln_f(x))
+
+
+def build(kind: str) -> nn.Module:
+    model = _build(kind)
+    for name, p in model.named_parameters():
+        # a key bias has zero gradient in exact arithmetic (softmax is shift-invariant): AdamW would turn its
+        # rounding noise (~1e-17) into lr-sized steps, on the reference and TP runs alike
+        if name.endswith(("k_proj.bias", "attn.k.bias", ".k.bias")):
+            p.requires_grad_(False)
+    return model
+
+
+def _build(kind: str) -> nn.Module:
+    torch.manual_seed(0)  # identical initial weights on every rank and in the reference
+    if kind == "user_gpt":
+        return UserGPT()
+    if kind == "pack_gpt_tied":
+        return GPT(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=4, n_embd=16, mlp_ratio=2, tie_weights=True)
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=16)
+    if kind == "llama":
+        cfg = tf.LlamaConfig(**common, num_key_value_heads=4)
+        return tf.LlamaForCausalLM(cfg)
+    if kind == "qwen2_gqa":
+        return tf.Qwen2ForCausalLM(tf.Qwen2Config(**common, num_key_value_heads=2))
+    if kind == "gpt_neox":
+        return tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(**common, attention_bias=False))  # fused qkv bias: see build()
+    assert kind == "gpt2_tied", kind
+    cfg = tf.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=16, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return tf.GPT2LMHeadModel(cfg)
+
+
+def logits(model: nn.Module, x):
+    out = model(x)
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def data() -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    return TensorDataset(torch.randint(0, VOCAB, (N, SEQ), generator=g), torch.randint(0, VOCAB, (N, SEQ), generator=g))
+
+
+class Task(pl.LightningModule):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.model = build(kind)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(logits(self.model, x).flatten(0, 1), y.flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
+
+    def train_dataloader(self):
+        kw = self.trainer.strategy.distributed_sampler_kwargs
+        sampler = DistributedSampler(data(), shuffle=False, **kw)
+        return DataLoader(sampler.dataset, batch_size=GLOBAL_BATCH // kw["num_replicas"], sampler=sampler)
+
+
+def reference(kind: str) -> dict:
+    model = build(kind).double()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    ds = data()
+    for k in range(STEPS):
+        x, y = ds[k * GLOBAL_BATCH:(k + 1) * GLOBAL_BATCH]
+        opt.zero_grad()
+        F.cross_entropy(logits(model, x).flatten(0, 1), y.flatten()).backward()
+        opt.step()
+    return {f"model.{n}": p.detach().clone() for n, p in model.named_parameters()}
+
+
+def emit(**payload) -> None:
+    payload["rank"] = dist.get_rank()
+    rows = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, payload)
+    if dist.get_rank() == 0:
+        sys.stdout.write("".join("RESULT " + json.dumps(r) + "\n" for r in rows))
+        sys.stdout.flush()
+
+
+world = int(os.environ["WORLD_SIZE"])
+mesh = {"tp": 2} if world == 2 else {"tp": 2, "dp_shard": 2, "dp_replicate": 1}
+kinds = sys.argv[1].split(",") if len(sys.argv) > 1 else [
+    "llama", "qwen2_gqa", "gpt2_tied", "gpt_neox", "user_gpt", "pack_gpt_tied"]
+for kind in kinds:
+    ref = reference(kind)
+    task = Task(kind)
+    check = GradientParityCheck(steps=(0,))
+    t = trainer(TensorParallelStrategy(plan="auto", **mesh), devices=world, steps=STEPS, callbacks=[check])
+    t.fit(task)
+    entries = t.strategy.tp_entries
+    tied = [names for names in __import__("lightning_dist.parallelize.shared", fromlist=["x"]).shared_parameters(task)]
+    emit(model=kind, diff=max_rel_diff(full_params(task), ref), grad_parity=check.results[0]["rel_diff"],
+         n_split=sum(e.style in ("colwise", "rowwise", "colwise_gather") for e in entries),
+         styles=sorted({e.style for e in entries}), tied=tied, mesh=list(t.strategy.mesh.spec.shape))
