@@ -2,7 +2,9 @@
 
 Two launches in all (one per mesh), every model in each: float64 parity with single-device training on
 the global batch after 3 AdamW steps, GradientParityCheck at step 0 (no false alarm on tied models), and
-tied weights still one parameter after sharding.
+tied weights still one parameter after sharding. The 2-process launch also trains each model with FSDP2
+(ZeRO-2) and checks with the CommunicationLedger that its units are the model's blocks: one all-gather per
+block plus one for the root per step, not one for the whole model.
 """
 
 import pytest
@@ -16,6 +18,7 @@ MODELS = {"llama", "qwen2_gqa", "gpt2_tied", "gpt_neox", "user_gpt", "pack_gpt_t
 
 
 def _check(rows: list[dict], world: int, mesh: list[int]) -> None:
+    rows = [r for r in rows if r["kind"] == "tp"]
     assert len(rows) == world * len(MODELS) and {r["model"] for r in rows} == MODELS
     for r in rows:
         assert r["diff"] <= TOL, r
@@ -30,7 +33,14 @@ def _check(rows: list[dict], world: int, mesh: list[int]) -> None:
 
 def test_auto_plan_on_real_models_tp2():
     pytest.importorskip("transformers")
-    _check(results(run_torchrun("tp_real_models.py", nproc=2, timeout=600)), 2, [1, 1, 1, 2])
+    rows = results(run_torchrun("tp_real_models.py", nproc=2, timeout=600))
+    _check(rows, 2, [1, 1, 1, 2])
+    units = [r for r in rows if r["kind"] == "fsdp_units"]
+    assert {r["model"] for r in units} == MODELS - {"pack_gpt_tied"} and len(units) == 2 * 5
+    for r in units:
+        assert r["diff"] <= TOL, r
+        assert len(r["units"]) == 2 and all(u.rsplit(".", 1)[0].endswith(("layers", ".h")) for u in r["units"]), r
+        assert r["all_gathers"] == [len(r["units"]) + 1.0], r  # each block once (ZeRO-2), the root once
 
 
 def test_auto_plan_on_real_models_tp2_dp_shard2():

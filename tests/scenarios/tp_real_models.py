@@ -22,9 +22,11 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_dist  # noqa: F401  (registers the strategies)
-from lightning_dist.callbacks import GradientParityCheck
+from lightning_dist.callbacks import CommunicationLedger, GradientParityCheck
 from lightning_dist.models import GPT
-from lightning_dist.strategies import TensorParallelStrategy
+from lightning_dist.parallelize.shared import shared_parameters
+from lightning_dist.parallelize.units import select_units
+from lightning_dist.strategies import FullyShardStrategy, TensorParallelStrategy
 
 STEPS, GLOBAL_BATCH, N, SEQ, VOCAB = 3, 8, 24, 8, 64
 
@@ -162,7 +164,19 @@ for kind in kinds:
     t = trainer(TensorParallelStrategy(plan="auto", **mesh), devices=world, steps=STEPS, callbacks=[check])
     t.fit(task)
     entries = t.strategy.tp_entries
-    tied = [names for names in __import__("lightning_dist.parallelize.shared", fromlist=["x"]).shared_parameters(task)]
-    emit(model=kind, diff=max_rel_diff(full_params(task), ref), grad_parity=check.results[0]["rel_diff"],
+    tied = shared_parameters(task)
+    emit(kind="tp", model=kind, diff=max_rel_diff(full_params(task), ref), grad_parity=check.results[0]["rel_diff"],
          n_split=sum(e.style in ("colwise", "rowwise", "colwise_gather") for e in entries),
          styles=sorted({e.style for e in entries}), tied=tied, mesh=list(t.strategy.mesh.spec.shape))
+
+if world == 2:
+    # FSDP2 units of real models are their blocks: with ZeRO-2 one all-gather per block (and one per root) per step
+    for kind in [k for k in kinds if k != "pack_gpt_tied"]:
+        ref = reference(kind)
+        task = Task(kind)
+        ledger = CommunicationLedger(planned=None, log=False, print_table=False)
+        t = trainer(FullyShardStrategy(zero_stage=2), devices=world, steps=STEPS, callbacks=[ledger])
+        t.fit(task)
+        gathers = [row["count"] for row in ledger.summary if row["op"] == "all_gather"]
+        emit(kind="fsdp_units", model=kind, diff=max_rel_diff(full_params(task), ref), all_gathers=gathers,
+             units=[n for n, _ in select_units(build(kind))], tied=shared_parameters(task))
