@@ -207,3 +207,43 @@ def test_auto_refuses_and_suggests_a_plan():
     msg = str(err.value)
     assert "No built-in tensor-parallel plan matches Odd" in msg
     assert "A plan to start from" in msg and "  pair.up: colwise\n  pair.down: rowwise" in msg
+
+
+# ---- HuggingFace weights in one process -----------------------------------------------------------
+def test_hf_weights_load_into_an_empty_model_and_refuse_mismatches(tmp_path):
+    from safetensors.torch import load_file
+
+    from lightning_dist.hf import init_empty_weights, load_hf_weights, restore_buffers, save_buffers, save_hf_pretrained
+
+    cfg = tf.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    tf.LlamaForCausalLM(cfg).save_pretrained(str(tmp_path / "src"))
+    with init_empty_weights():
+        model = Wrapped(tf.LlamaForCausalLM(cfg))
+    assert all(p.is_meta for p in model.parameters()) and not any(b.is_meta for b in model.buffers())
+    buffers = save_buffers(model)
+    model.to_empty(device="cpu")  # what the strategy's materialization does
+    with pytest.raises(ValueError, match=r"missing \[\], unexpected \['extra'\]"):
+        import shutil
+
+        from safetensors.torch import save_file
+
+        shutil.copytree(tmp_path / "src", tmp_path / "extra")
+        save_file({"extra": torch.zeros(1)}, str(tmp_path / "extra" / "more.safetensors"))
+        load_hf_weights(model, tmp_path / "extra")
+    restore_buffers(model, buffers)
+    assert sorted(load_hf_weights(model, tmp_path / "src")) == sorted(load_file(str(tmp_path / "src" / "model.safetensors")))
+    src = load_file(str(tmp_path / "src" / "model.safetensors"))
+    assert all(torch.equal(model.model.get_parameter(k), v) for k, v in src.items())
+    save_hf_pretrained(model, tmp_path / "out")
+    back = tf.LlamaForCausalLM.from_pretrained(str(tmp_path / "out"))
+    assert all(torch.equal(back.get_parameter(k), v) for k, v in src.items())
+    with pytest.raises(FileExistsError):
+        save_hf_pretrained(model, tmp_path / "out")
+    with pytest.raises(FileNotFoundError, match="not a folder of .safetensors"):
+        load_hf_weights(model, tmp_path / "nothing")
+    with torch.device("meta"):
+        fully_meta = Wrapped(tf.LlamaForCausalLM(cfg))
+    with pytest.raises(ValueError, match=r"still on the meta device and are not stored in the folder; build the model under .lightning_dist.hf.init_empty_weights"):
+        load_hf_weights(fully_meta, tmp_path / "src")
