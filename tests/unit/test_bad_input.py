@@ -43,6 +43,43 @@ def _plan(plan, width=16):
     return resolve_plan(MLP(width=width), plan, tp=2)
 
 
+def _tied_head_only():
+    from lightning_dist.models import GPT
+    from lightning_dist.parallelize.tp import resolve_plan
+
+    with torch.device("meta"):
+        model = GPT(n_layer=1, n_head=2, n_embd=16, tie_weights=True)
+    return resolve_plan(model, {"lm_head": "colwise_gather"}, tp=2)
+
+
+def _two_paths():
+    import lightning.pytorch as pl
+
+    from lightning_dist.parallelize.tp import resolve_plan
+
+    module = pl.LightningModule()
+    module.model, module.head = MLP(), nn.Linear(5, 4)  # `head` from the LightningModule and from `model`
+    return resolve_plan(module, {"head": "colwise_gather"}, tp=2)
+
+
+def _auto_no_plan():
+    from lightning_dist.parallelize.tp import builtin_plan
+
+    net = nn.Module()
+    net.conv, net.up, net.down = nn.Conv1d(4, 4, 1), nn.Linear(4, 8), nn.Linear(8, 4)
+    return builtin_plan(net, "auto", tp=2)
+
+
+def _tied_across_units():
+    from lightning_dist.parallelize.fsdp import apply_fsdp
+
+    model = MLP(depth=2)
+    model.blocks[1].fc.weight = model.blocks[0].fc.weight  # shared by two FSDP units (the blocks)
+    wrapper = nn.Module()
+    wrapper.model = model
+    return apply_fsdp(wrapper, None)
+
+
 def _offload(**kw):
     from lightning_dist.strategies.offload import OffloadStrategy
 
@@ -158,6 +195,17 @@ CASES = {
                             ["out_features=15", "tp=2", "choose a tp that divides 15"]),
     "tp-plan-matches-nothing": (lambda t: _plan({"nothing.here": "colwise"}), ValueError,
                                 ["'nothing.here'", "match from the root", "module names look like"]),
+    "tp-plan-breaks-tie": (lambda t: _tied_head_only(), ValueError,
+                           ["['tok_emb.weight', 'lm_head.weight']", "train apart", "vocab-parallel", "'rowwise'"]),
+    "tp-plan-rowwise-input-not-split": (lambda t: _plan({"blocks.*.fc": "rowwise"}), ValueError,
+                                        ["blocks.0.fc (Linear, rowwise) expects an input split", "'colwise'"]),
+    "tp-plan-output-left-split": (lambda t: _plan({"head": "colwise"}), ValueError,
+                                  ["head (Linear, colwise) leaves its output split", "colwise_gather"]),
+    "tp-plan-pattern-two-paths": (lambda t: _two_paths(), ValueError, ["'head'", "matches 2 paths", "write the full path"]),
+    "tp-auto-no-plan": (lambda t: _auto_no_plan(), ValueError,
+                        ["No built-in tensor-parallel plan matches", "A plan to start from", "rowwise"]),
+    "fsdp-tied-across-units": (lambda t: _tied_across_units(), ValueError,
+                               ["lie in different sharding units", "Choose `units`", "untie them"]),
     "pipeline-schedule-unknown": (lambda t: PipelineStrategy(schedule="zigzag"), ValueError,
                                   ["schedule='zigzag'", "1f1b"]),
     "pipeline-microbatches-too-few": (lambda t: _schedule("1f1b", 4, 2), ValueError,
