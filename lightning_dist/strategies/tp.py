@@ -77,6 +77,8 @@ class TensorParallelStrategy(HybridShardStrategy):
         self.sequence_dim = sequence_dim
         self.tp_entries: list[TPEntry] = []
         """The resolved plan (filled in when the model is parallelized)."""
+        self.tp_probe_diff: Optional[float] = None
+        """Relative output difference split vs unsplit on ``example_input_array`` (None: no sample to run)."""
 
     @property
     def is_distributed(self) -> bool:
@@ -119,11 +121,18 @@ class TensorParallelStrategy(HybridShardStrategy):
 
     @override
     def parallelize(self, module: pl.LightningModule) -> None:
+        from lightning_dist.parallelize.tp_probe import check_probe, probe_output
+
         tp = self.mesh.size(TP)
+        probe = None
         if tp > 1:
             self.tp_entries = resolve_plan(module, self._plan_for(module, tp), tp=tp, sequence_parallel=self.sequence_parallel)
             rank_zero_info(format_plan(self.tp_entries, tp=tp))
+            # the unsplit model's output on example_input_array, to compare with the split one's
+            probe = probe_output(module, self.root_device)
         super().parallelize(module)
+        if probe is not None:
+            self.tp_probe_diff = check_probe(module, *probe, describe=f"tensor-parallel plan (tp={tp})")
 
     def __repr__(self) -> str:
         return f"{super().__repr__()[:-1]}, plan={self.plan if isinstance(self.plan, str) else 'custom'}, sequence_parallel={self.sequence_parallel})"

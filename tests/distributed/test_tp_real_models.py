@@ -2,7 +2,9 @@
 
 Two launches in all (one per mesh), every model in each: float64 parity with single-device training on
 the global batch after 3 AdamW steps, GradientParityCheck at step 0 (no false alarm on tied models), and
-tied weights still one parameter after sharding. The 2-process launch also trains each model with FSDP2
+tied weights still one parameter after sharding, and the split model's output on example_input_array equal
+to the unsplit one's (checked by the strategy; a litgpt-style attention reading its head count from a shared
+config is refused by that check). The 2-process launch also trains each model with FSDP2
 (ZeRO-2) and checks with the CommunicationLedger that its units are the model's blocks: one all-gather per
 block plus one for the root per step, not one for the whole model.
 """
@@ -23,6 +25,7 @@ def _check(rows: list[dict], world: int, mesh: list[int]) -> None:
     for r in rows:
         assert r["diff"] <= TOL, r
         assert r["grad_parity"] <= 1e-12, r
+        assert r["probe_diff"] is not None and r["probe_diff"] <= 1e-12, r  # split vs unsplit on example_input_array
         assert r["mesh"] == mesh, r
         assert r["n_split"] >= 6, r  # the plan really split layers (attention and/or MLP, head)
     tied = {r["model"]: r["tied"] for r in rows if r["rank"] == 0}
@@ -41,6 +44,10 @@ def test_auto_plan_on_real_models_tp2():
         assert r["diff"] <= TOL, r
         assert len(r["units"]) == 2 and all(u.rsplit(".", 1)[0].endswith(("layers", ".h")) for u in r["units"]), r
         assert r["all_gathers"] == [len(r["units"]) + 1.0], r  # each block once (ZeRO-2), the root once
+    # heads read from a shared config (litgpt style) would train a different model: refused by the output probe
+    refusals = [r for r in rows if r["kind"] == "refusal"]
+    assert len(refusals) == 2 and all(r["error"] and "differs from the unsplit model's" in r["error"]
+                                      and "head count from a shared config" in r["error"] for r in refusals), refusals
 
 
 def test_auto_plan_on_real_models_tp2_dp_shard2():

@@ -32,23 +32,25 @@ STEPS, GLOBAL_BATCH, N, SEQ, VOCAB = 3, 8, 24, 8, 64
 
 
 class UserAttention(nn.Module):
-    def __init__(self, dim: int, n_head: int) -> None:
+    def __init__(self, dim: int, n_head: int, config=None) -> None:
         super().__init__()
         self.n_head = n_head  # read in forward: the plan must make it the local count
+        self.config = config  # litgpt style: heads read from a config object shared by every layer
         self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
 
     def forward(self, x):
         B, T, _ = x.shape
-        q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in (self.q(x), self.k(x), self.v(x)))
+        heads = self.config.n_head if self.config is not None else self.n_head
+        q, k, v = (t.view(B, T, heads, -1).transpose(1, 2) for t in (self.q(x), self.k(x), self.v(x)))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o(y.transpose(1, 2).reshape(B, T, -1))
 
 
 class UserBlock(nn.Module):
-    def __init__(self, dim: int, n_head: int) -> None:
+    def __init__(self, dim: int, n_head: int, config=None) -> None:
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.attn = UserAttention(dim, n_head)
+        self.attn = UserAttention(dim, n_head, config)
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
 
     def forward(self, x):
@@ -57,10 +59,10 @@ class UserBlock(nn.Module):
 
 
 class UserGPT(nn.Module):
-    def __init__(self, dim: int = 32, n_head: int = 4, depth: int = 2) -> None:
+    def __init__(self, dim: int = 32, n_head: int = 4, depth: int = 2, config=None) -> None:
         super().__init__()
         self.wte = nn.Embedding(VOCAB, dim)
-        self.layers = nn.ModuleList(UserBlock(dim, n_head) for _ in range(depth))
+        self.layers = nn.ModuleList(UserBlock(dim, n_head, config) for _ in range(depth))
         self.ln_f = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, VOCAB, bias=False)
 
@@ -85,6 +87,10 @@ def _build(kind: str) -> nn.Module:
     torch.manual_seed(0)  # identical initial weights on every rank and in the reference
     if kind == "user_gpt":
         return UserGPT()
+    if kind == "config_heads_gpt":
+        from types import SimpleNamespace
+
+        return UserGPT(config=SimpleNamespace(n_head=4))
     if kind == "pack_gpt_tied":
         return GPT(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=4, n_embd=16, mlp_ratio=2, tie_weights=True)
     import transformers as tf
@@ -118,6 +124,10 @@ class Task(pl.LightningModule):
     def __init__(self, kind: str) -> None:
         super().__init__()
         self.model = build(kind)
+        self.example_input_array = data().tensors[0][:2]  # the TP strategy checks split vs unsplit output on it
+
+    def forward(self, x):
+        return logits(self.model, x)
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -166,6 +176,7 @@ for kind in kinds:
     entries = t.strategy.tp_entries
     tied = shared_parameters(task)
     emit(kind="tp", model=kind, diff=max_rel_diff(full_params(task), ref), grad_parity=check.results[0]["rel_diff"],
+         probe_diff=t.strategy.tp_probe_diff,
          n_split=sum(e.style in ("colwise", "rowwise", "colwise_gather") for e in entries),
          styles=sorted({e.style for e in entries}), tied=tied, mesh=list(t.strategy.mesh.spec.shape))
 
@@ -180,3 +191,12 @@ if world == 2:
         gathers = [row["count"] for row in ledger.summary if row["op"] == "all_gather"]
         emit(kind="fsdp_units", model=kind, diff=max_rel_diff(full_params(task), ref), all_gathers=gathers,
              units=[n for n, _ in select_units(build(kind))], tied=shared_parameters(task))
+
+if world == 2:
+    # heads read from a shared config object: the split attention would run 4 heads of width 4 instead of 2 of
+    # width 8, silently; the output probe on example_input_array refuses it on every rank
+    try:
+        trainer(TensorParallelStrategy(plan="auto", **mesh), devices=world, steps=STEPS).fit(Task("config_heads_gpt"))
+        emit(kind="refusal", model="config_heads_gpt", error=None)
+    except ValueError as err:
+        emit(kind="refusal", model="config_heads_gpt", error=str(err))

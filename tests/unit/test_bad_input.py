@@ -254,7 +254,7 @@ def test_bad_input_raises_clear_error(case, tmp_path):
 def test_table_in_docs_lists_every_case():
     table = (ROOT / "docs" / "bad_input.md").read_text()
     runtime = ["empty-dataset", "fewer-samples-than-ranks", "smaller-than-one-batch", "nan-loss-one-rank",
-               "callback-wrong-strategy-in-job", "mesh-in-job"]
+               "callback-wrong-strategy-in-job", "mesh-in-job", "tp-output-differs"]
     absent = [c for c in [*CASES, *runtime] if f"`{c}`" not in table]
     assert not absent, f"docs/bad_input.md lacks {absent}"
     assert len(CASES) + len(runtime) >= 25

@@ -1,0 +1,100 @@
+"""A tensor-parallel plan checked by running it: the split model's output on one sample equals the unsplit one's.
+
+The structural checks of :func:`~lightning_dist.parallelize.tp.resolve_plan` cannot see inside a forward:
+an attention that takes its head count from a shared ``config`` object, a fused q/k/v projection laid out
+``[q | k | v]`` rather than head by head, a reshape to a global width. Each of those trains a different
+model without an error. So when the LightningModule has an ``example_input_array`` (and real weights), the
+strategy runs it through the model before and after tensor parallelism, in eval mode (no dropout), and
+refuses a difference beyond rounding, on every rank at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+# relative output difference allowed for a correct split: rounding of another reduction order, with margin
+_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+
+
+def _first_tensor(out: Any) -> Optional[Tensor]:
+    if isinstance(out, Tensor):
+        return out
+    logits = getattr(out, "logits", None)  # HuggingFace ModelOutput
+    if isinstance(logits, Tensor):
+        return logits
+    if isinstance(out, Mapping):
+        return next((v for v in out.values() if isinstance(v, Tensor)), None)
+    if isinstance(out, (list, tuple)):
+        return next((t for t in map(_first_tensor, out) if t is not None), None)
+    return None
+
+
+def _cast(sample: Any, device: torch.device, dtype: torch.dtype) -> Any:
+    if isinstance(sample, Tensor):
+        return sample.to(device, dtype) if sample.is_floating_point() else sample.to(device)
+    if isinstance(sample, Mapping):
+        return {k: _cast(v, device, dtype) for k, v in sample.items()}
+    if isinstance(sample, (list, tuple)):
+        return type(sample)(_cast(v, device, dtype) for v in sample)
+    return sample
+
+
+def probe_output(module: nn.Module, device: torch.device) -> Optional[tuple[Any, Tensor]]:
+    """(sample, output) of ``module(example_input_array)`` in eval mode, or None when it cannot run yet
+    (no sample, weights on the meta device, no tensor in the output)."""
+    sample = getattr(module, "example_input_array", None)
+    params = list(module.parameters())
+    if sample is None or not params or any(p.is_meta for p in params):
+        return None
+    sample = _cast(sample, device, params[0].dtype)
+    out = _first_tensor(_run(module, sample))
+    return None if out is None else (sample, out.detach().clone())
+
+
+def _run(module: nn.Module, sample: Any) -> Any:
+    training = module.training
+    module.eval()
+    try:
+        with torch.no_grad():
+            if isinstance(sample, Mapping):
+                return module(**sample)
+            return module(*sample) if isinstance(sample, tuple) else module(sample)
+    finally:
+        module.train(training)
+
+
+def check_probe(module: nn.Module, sample: Any, expected: Tensor, *, describe: str) -> float:
+    """Run `sample` through the parallelized `module` and refuse an output that differs from `expected`.
+
+    Collective (the forward and one all-reduce): call on every rank. Returns the relative difference.
+    """
+    got = _first_tensor(_run(module, sample))
+    full = getattr(got, "full_tensor", None)
+    got = full() if callable(full) else got
+    if got is None or got.shape != expected.shape:
+        rel = float("inf")
+    else:
+        rel = ((got.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-30)).item()
+    if dist.is_available() and dist.is_initialized():
+        t = torch.tensor([rel], dtype=torch.float64, device=expected.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # one verdict on every rank
+        rel = float(t.item())
+    tol = _TOLERANCE.get(expected.dtype, 1e-4)
+    if not rel <= tol:
+        shape = None if got is None else tuple(got.shape)
+        raise ValueError(
+            f"{describe}: on `example_input_array` the split model's output differs from the unsplit model's"
+            f" (relative difference {rel:.3e} > {tol:.0e}; output shape {shape} vs {tuple(expected.shape)}). A split"
+            " layer's forward uses a global size: an attention reading its head count from a shared config, a fused"
+            " q/k/v projection that is not head-major ([q | k | v] blocks), a reshape to the full width. Leave that"
+            " module out of the plan, or make its forward read sizes from the tensors (view(B, T, -1, head_dim))."
+        )
+    return rel
+
+
+__all__ = ["check_probe", "probe_output"]
