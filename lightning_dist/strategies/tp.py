@@ -133,6 +133,7 @@ class TensorParallelStrategy(HybridShardStrategy):
         super().parallelize(module)
         if probe is not None:
             self.tp_probe_diff = check_probe(module, *probe, describe=f"tensor-parallel plan (tp={tp})")
+            self.reshard()  # a forward without backward leaves FSDP2 roots gathered: the optimizer must see shards
 
     def __repr__(self) -> str:
         return f"{super().__repr__()[:-1]}, plan={self.plan if isinstance(self.plan, str) else 'custom'}, sequence_parallel={self.sequence_parallel})"
