@@ -141,11 +141,18 @@ def _local_attr_problems(model: nn.Module, entries: list[TPEntry], tp: int) -> l
     return problems
 
 
-def set_local_attrs(model: nn.Module, entries: list[TPEntry], tp: int) -> list[str]:
-    """Divide the head-count attributes of each split region by `tp`; returns ``module.attr`` names changed."""
+def set_local_attrs(model: nn.Module, entries: list[TPEntry], tp: int, *, within: nn.Module | None = None) -> list[str]:
+    """Divide the head-count attributes of each split region by `tp`; returns ``module.attr`` names changed.
+
+    `within`: only regions that are modules of this piece of `model` (a pipeline stage). Idempotent: a
+    region whose global values are already kept is left alone.
+    """
+    inside = None if within is None else {id(m) for m in within.modules()}
     changed = []
     for parent in _split_regions(entries):
         module = model.get_submodule(parent)
+        if (inside is not None and id(module) not in inside) or GLOBAL_ATTRS_KEY in module.__dict__:
+            continue
         saved = {}
         for attr in LOCAL_ATTRS:
             value = getattr(module, attr, None)
@@ -586,6 +593,7 @@ def apply_tp_entries(
         ties = shared_parameters(part)
         parallelize_module(part, tp_mesh, styles)
         retie(part, ties)
+        set_local_attrs(owner, entries, tp_mesh.size(), within=part)
     return len(styles)
 
 
