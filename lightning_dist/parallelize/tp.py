@@ -430,7 +430,8 @@ def resolve_plan(model: nn.Module, plan: Plan | str, *, tp: int, sequence_parall
     if sequence_parallel and not any(e.style in ("sp_enter", "sp_region") for e in entries) and not problems:
         problems.append(
             "sequence_parallel=True but the plan has no 'sp_enter'/'sp_region' entry marking where activations are"
-            " split over the sequence; use a transformer plan or add those entries (or set sequence_parallel=False)."
+            " split over the sequence; plan='auto' adds them only for blocks whose forward takes the hidden states"
+            " alone (not masks or caches): add those entries by hand, or set sequence_parallel=False."
         )
     if problems:
         raise ValueError(f"Invalid tensor-parallel plan for tp={tp}:\n  - " + "\n  - ".join(problems))

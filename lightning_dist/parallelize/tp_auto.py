@@ -113,6 +113,19 @@ def _block_plan(block: nn.Module) -> tuple[dict[str, str], list[str]]:
     return plan, notes
 
 
+def _single_input(block: nn.Module) -> bool:
+    """True when the block's forward takes one argument (the hidden states): sp_enter/sp_exit can wrap it."""
+    import inspect
+
+    if type(block).forward is nn.Module.forward:
+        return True  # no forward of its own (a container): nothing says otherwise
+    try:
+        params = list(inspect.signature(block.forward).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    return len(params) == 1 and params[0].kind in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD)
+
+
 def _output_head(model: nn.Module, lists: list[tuple[str, nn.ModuleList]]) -> str | None:
     """The last Linear-like layer outside the block lists (the output head), or None."""
     inside = tuple(f"{n}." for n, _ in lists)
@@ -142,6 +155,8 @@ def transformer_plan(model: nn.Module, *, tp: int = 1) -> dict[str, str]:
                 raise ValueError(f"{list_name}.{i} differs in structure from {list_name}.0; write the plan by hand.")
         for key, style in first.items():
             plan[f"{list_name}.*.{key}"] = style
+        if not _single_input(blocks[0]):
+            continue  # sequence-parallel entries wrap the block's one input; HF blocks take masks, caches...
         for child, mod in blocks[0].named_children():
             if tpm._is_norm(mod):
                 plan[f"{list_name}.*.{child}"] = "sequence_parallel"

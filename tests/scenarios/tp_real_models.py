@@ -171,7 +171,8 @@ for kind in kinds:
     ref = reference(kind)
     task = Task(kind)
     check = GradientParityCheck(steps=(0,))
-    t = trainer(TensorParallelStrategy(plan="auto", **mesh), devices=world, steps=STEPS, callbacks=[check])
+    sp = len(sys.argv) > 2 and sys.argv[2] == "sp"  # by hand: sequence parallelism on every model
+    t = trainer(TensorParallelStrategy(plan="auto", sequence_parallel=sp, **mesh), devices=world, steps=STEPS, callbacks=[check])
     t.fit(task)
     entries = t.strategy.tp_entries
     tied = shared_parameters(task)

@@ -192,6 +192,9 @@ def test_auto_reads_the_structure_of_gpt2_and_splits_conv1d():
     text = format_plan(resolve_plan(model, "auto", tp=2), tp=2)
     row = next(line for line in text.splitlines() if "transformer.h.0.mlp.c_fc" in line)
     assert "Conv1D" in row and "weight 32x128, bias 128" in row and "weight 32x64, bias 64" in row
+    # its blocks take masks and caches besides the hidden states: no sequence-parallel entries, a clear refusal
+    with pytest.raises(ValueError, match="adds them only for blocks whose forward takes the hidden states alone"):
+        resolve_plan(model, "auto", tp=2, sequence_parallel=True)
 
 
 def test_auto_refuses_and_suggests_a_plan():
