@@ -41,6 +41,18 @@ _HEAD_ATTRS = ("n_heads", "num_heads", "n_head", "num_attention_heads")
 # torchtitan sets n_heads // tp); kept as they were in GLOBAL_ATTRS_KEY for single-device copies
 LOCAL_ATTRS = (*_HEAD_ATTRS, "num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_head", "all_head_size")
 GLOBAL_ATTRS_KEY = "_tp_global_attrs"
+# the same counts read from a `config` object (litgpt: self.config.n_head, n_query_groups): the split module
+# gets its own shallow copy of the config with the local counts (the config is shared by every layer)
+CONFIG_ATTRS = ("n_head", "n_heads", "num_heads", "num_attention_heads", "num_key_value_heads", "n_query_groups",
+                "num_kv_heads", "n_kv_heads")
+
+
+def _config_counts(module: nn.Module) -> tuple[object | None, dict[str, int]]:
+    cfg = module.__dict__.get("config")
+    if cfg is None or isinstance(cfg, nn.Module):
+        return None, {}
+    counts = {a: getattr(cfg, a, None) for a in CONFIG_ATTRS}
+    return cfg, {a: v for a, v in counts.items() if isinstance(v, int) and not isinstance(v, bool)}
 
 
 def _split_regions(entries: list[TPEntry]) -> list[str]:
@@ -62,6 +74,12 @@ def _local_attr_problems(model: nn.Module, entries: list[TPEntry], tp: int) -> l
                 problems.append(
                     f"{parent or type(model).__name__} has {attr}={value}, which the plan must set to the local count"
                     f" {attr} // tp on each rank, but {value} is not divisible by tp={tp}; choose a tp that divides it."
+                )
+        for attr, value in _config_counts(module)[1].items():
+            if value % tp:
+                problems.append(
+                    f"{parent or type(model).__name__} reads config.{attr}={value}, which the plan must set to the local"
+                    f" count on each rank, but {value} is not divisible by tp={tp}; choose a tp that divides it."
                 )
     return problems
 
@@ -85,6 +103,16 @@ def set_local_attrs(model: nn.Module, entries: list[TPEntry], tp: int, *, within
                 saved[attr] = value
                 setattr(module, attr, value // tp)
                 changed.append(f"{parent}.{attr}")
+        cfg, counts = _config_counts(module)
+        if counts:
+            import copy
+
+            local = copy.copy(cfg)  # this module's own config: the shared one keeps the global counts
+            for attr, value in counts.items():
+                setattr(local, attr, value // tp)
+            saved["config"] = cfg
+            module.config = local
+            changed += [f"{parent}.config.{a}" for a in counts]
         if saved:
             module.__dict__[GLOBAL_ATTRS_KEY] = saved
     return changed

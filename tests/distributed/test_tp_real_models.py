@@ -3,8 +3,8 @@
 Two launches in all (one per mesh), every model in each: float64 parity with single-device training on
 the global batch after 3 AdamW steps, GradientParityCheck at step 0 (no false alarm on tied models), and
 tied weights still one parameter after sharding, and the split model's output on example_input_array equal
-to the unsplit one's (checked by the strategy; a litgpt-style attention reading its head count from a shared
-config is refused by that check). The 2-process launch also trains each model with FSDP2
+to the unsplit one's (checked by the strategy; a fused qkv laid out [q | k | v] is refused by that check).
+An attention reading its head count from a config shared by the layers (litgpt style) gets a local copy. The 2-process launch also trains each model with FSDP2
 (ZeRO-2) and checks with the CommunicationLedger that its units are the model's blocks: one all-gather per
 block plus one for the root per step, not one for the whole model.
 """
@@ -16,7 +16,7 @@ from tests._harness import results, run_torchrun
 pytestmark = pytest.mark.distributed
 
 TOL = 1e-12
-MODELS = {"llama", "qwen2_gqa", "gpt2_tied", "gpt_neox", "user_gpt", "pack_gpt_tied"}
+MODELS = {"llama", "qwen2_gqa", "gpt2_tied", "gpt_neox", "user_gpt", "config_heads_gpt", "pack_gpt_tied"}
 
 
 def _check(rows: list[dict], world: int, mesh: list[int]) -> None:
@@ -39,15 +39,16 @@ def test_auto_plan_on_real_models_tp2():
     rows = results(run_torchrun("tp_real_models.py", nproc=2, timeout=600))
     _check(rows, 2, [1, 1, 1, 2])
     units = [r for r in rows if r["kind"] == "fsdp_units"]
-    assert {r["model"] for r in units} == MODELS - {"pack_gpt_tied"} and len(units) == 2 * 5
+    assert {r["model"] for r in units} == MODELS - {"pack_gpt_tied", "config_heads_gpt"} and len(units) == 2 * 5
     for r in units:
         assert r["diff"] <= TOL, r
         assert len(r["units"]) == 2 and all(u.rsplit(".", 1)[0].endswith(("layers", ".h")) for u in r["units"]), r
         assert r["all_gathers"] == [len(r["units"]) + 1.0], r  # each block once (ZeRO-2), the root once
-    # heads read from a shared config (litgpt style) would train a different model: refused by the output probe
+    # a fused qkv laid out [q | k | v] would train a different model: refused by the output probe
     refusals = [r for r in rows if r["kind"] == "refusal"]
-    assert len(refusals) == 2 and all(r["error"] and "differs from the unsplit model's" in r["error"]
-                                      and "head count from a shared config" in r["error"] for r in refusals), refusals
+    assert len(refusals) == 2 and all(r["model"] == "blocked_qkv_gpt" and r["error"]
+                                      and "differs from the unsplit model's" in r["error"]
+                                      and "not head-major" in r["error"] for r in refusals), refusals
 
 
 def test_auto_plan_on_real_models_tp2_dp_shard2():

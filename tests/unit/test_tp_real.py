@@ -144,6 +144,28 @@ def test_head_count_attribute_must_divide_by_tp():
         resolve_plan(meta(Attn), {"q": "colwise", "k": "colwise", "v": "colwise", "o": "rowwise"}, tp=2)
 
 
+def test_head_counts_in_a_shared_config_get_a_local_copy():
+    from types import SimpleNamespace
+
+    from lightning_dist.parallelize.tp import GLOBAL_ATTRS_KEY, set_local_attrs
+
+    class Attn(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.config = config  # litgpt style: shared by every layer
+            self.q, self.k, self.v, self.o = (nn.Linear(12, 12) for _ in range(4))
+
+    plan = {"*.q": "colwise", "*.k": "colwise", "*.v": "colwise", "*.o": "rowwise"}
+    with pytest.raises(ValueError, match=r"reads config.n_head=3, which the plan must set to the local count"):
+        resolve_plan(meta(lambda: nn.ModuleList([Attn(SimpleNamespace(n_head=3))])), plan, tp=2)
+    shared = SimpleNamespace(n_head=4, n_query_groups=2, head_size=3)
+    net = meta(lambda: nn.ModuleList([Attn(shared), Attn(shared)]))
+    set_local_attrs(net, resolve_plan(net, plan, tp=2), 2)
+    assert (net[0].config.n_head, net[0].config.n_query_groups, net[0].config.head_size) == (2, 1, 3)
+    assert net[0].config is not shared and shared.n_head == 4  # the shared config keeps the global counts
+    assert net[1].__dict__[GLOBAL_ATTRS_KEY]["config"] is shared  # what single-device copies restore
+
+
 def test_patterns_match_from_the_root():
     class Net(nn.Module):
         def __init__(self):
