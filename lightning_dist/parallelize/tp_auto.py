@@ -10,7 +10,8 @@
    (``q/k/v`` + ``o|proj|out_proj|dense``, ``q_proj/k_proj/v_proj`` + ``o_proj``, ``query/key/value`` +
    ``dense``, a head-major fused ``qkv`` or ``query_key_value`` + its projection) and/or an MLP region
    (``fc1/fc2``, ``gate_proj/up_proj/down_proj``, ``c_fc/c_proj``, ``fc_1/fc_2/proj``,
-   ``dense_h_to_4h/dense_4h_to_h``, ``w1/w3/w2``, or an ``nn.Sequential`` Linear-activation-Linear): the
+   ``dense_h_to_4h/dense_4h_to_h``, ``w1/w3/w2``, ``linear1/linear2`` (``nn.TransformerEncoderLayer``), or an
+   ``nn.Sequential`` Linear-activation-Linear): the
    input projections column-wise, the output projection row-wise, whole heads per rank (grouped-query
    attention: the key/value heads must divide by ``tp``). The output layer after the blocks is
    ``colwise_gather`` when its size divides by ``tp``;
@@ -55,6 +56,7 @@ MLP_LAYOUTS: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
     (("dense_h_to_4h",), ("dense_4h_to_h",)),
     (("w1", "w3"), ("w2",)),
     (("fc_in",), ("fc_out",)),
+    (("linear1",), ("linear2",)),  # nn.TransformerEncoderLayer / DecoderLayer
 )
 FUSED_QKV = ("qkv", "query_key_value", "Wqkv")
 """Fused projections split as-is: their output must be head-major (each head's q, k, v together)."""
@@ -95,16 +97,18 @@ def _block_plan(block: nn.Module) -> tuple[dict[str, str], list[str]]:
     plan: dict[str, str] = {}
     notes: list[str] = []
     for name, mod in block.named_modules():
-        if not name or any(name.startswith(p + ".") for p in plan):
+        if any(name.startswith(p + ".") for p in plan if p):
             continue
+        pre = f"{name}." if name else ""
         got = _region(mod, ATTENTION_LAYOUTS) or _region(mod, MLP_LAYOUTS)
-        if got is not None and not any(k.startswith(name + ".") for k in plan):
+        if got is not None and not any(k.startswith(pre) for k in plan if name):
             cols, row = got
             for c in cols:
-                plan[f"{name}.{c}"] = "colwise"
-            plan[f"{name}.{row}"] = "rowwise"
-            plan[name] = "region_input"
-        elif _sequential_mlp(mod):
+                plan[f"{pre}{c}"] = "colwise"
+            plan[f"{pre}{row}"] = "rowwise"
+            if name:  # a region at the block itself (nn.TransformerEncoderLayer's linear1/linear2) shares its input
+                plan[name] = "region_input"  # with attention: no region_input there
+        elif name and _sequential_mlp(mod):
             plan[f"{name}.0"] = "colwise"
             plan[f"{name}.{len(mod) - 1}"] = "rowwise"
             plan[name] = "region_input"

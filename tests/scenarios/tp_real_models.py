@@ -2,7 +2,8 @@
 
 Tiny random HuggingFace Llama, Qwen2 (grouped-query attention), GPT-2 (Conv1D, tied head), GPT-NeoX, a
 plain user GPT (q, k, v, o Linear; nn.Sequential MLP; head count read from an attribute), the same with the
-head count read from a config object shared by the layers (litgpt style) and the pack's GPT(tie_weights=True): float64, 3 AdamW steps, max relative parameter difference vs single-device training
+head count read from a config object shared by the layers (litgpt style), the pack's GPT(tie_weights=True)
+and Lightning's demos.Transformer (nn.Transformer: only its MLPs split; MultiheadAttention stays whole): float64, 3 AdamW steps, max relative parameter difference vs single-device training
 on the global batch computed in this process. 2 processes: tp=2; 4 processes: tp=2 x dp_shard=2.
 Each run has GradientParityCheck at step 0 (tied models: no false alarm). One RESULT row per model.
 """
@@ -22,6 +23,8 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_dist  # noqa: F401  (registers the strategies)
+from lightning.pytorch.demos import Transformer as DemoTransformer
+
 from lightning_dist.callbacks import CommunicationLedger, GradientParityCheck
 from lightning_dist.models import GPT
 from lightning_dist.parallelize.shared import shared_parameters
@@ -98,6 +101,11 @@ def _build(kind: str) -> nn.Module:
         return UserGPT(config=SimpleNamespace(n_head=4))
     if kind == "blocked_qkv_gpt":
         return UserGPT(fused=True)
+    if kind == "lightning_demo":  # Lightning's demos.Transformer (nn.Transformer inside)
+        model = DemoTransformer(vocab_size=VOCAB, ninp=32, nhead=4, nhid=64, nlayers=2, dropout=0.0)
+        for mha in (m for m in model.modules() if isinstance(m, nn.MultiheadAttention)):
+            mha.in_proj_bias.requires_grad_(False)  # it holds the key bias (see build()); DDP alone: 1.5e-10
+        return model
     if kind == "pack_gpt_tied":
         return GPT(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=4, n_embd=16, mlp_ratio=2, tie_weights=True)
     import transformers as tf
@@ -118,6 +126,8 @@ def _build(kind: str) -> nn.Module:
 
 
 def logits(model: nn.Module, x):
+    if isinstance(model, DemoTransformer):  # demos.Transformer(inputs, target): log-probs [B * T, V]
+        return model(x, x).view(*x.shape, -1)
     out = model(x)
     return out if isinstance(out, torch.Tensor) else out.logits
 
@@ -173,7 +183,7 @@ def emit(**payload) -> None:
 world = int(os.environ["WORLD_SIZE"])
 mesh = {"tp": 2} if world == 2 else {"tp": 2, "dp_shard": 2, "dp_replicate": 1}
 kinds = sys.argv[1].split(",") if len(sys.argv) > 1 else [
-    "llama", "qwen2_gqa", "gpt2_tied", "gpt_neox", "user_gpt", "config_heads_gpt", "pack_gpt_tied"]
+    "llama", "qwen2_gqa", "gpt2_tied", "gpt_neox", "user_gpt", "config_heads_gpt", "pack_gpt_tied", "lightning_demo"]
 for kind in kinds:
     ref = reference(kind)
     task = Task(kind)

@@ -219,6 +219,19 @@ def test_auto_reads_the_structure_of_gpt2_and_splits_conv1d():
         resolve_plan(model, "auto", tp=2, sequence_parallel=True)
 
 
+def test_auto_on_lightnings_demo_transformer_splits_its_mlps():
+    from lightning.pytorch.demos import Transformer
+
+    model = meta(lambda: Transformer(vocab_size=64, ninp=32, nhead=4, nhid=64, nlayers=2))
+    name, plan = builtin_plan(Wrapped(model), "auto", tp=2)
+    assert name == "transformer"
+    assert plan["model.transformer.encoder.layers.*.linear1"] == "colwise"
+    assert plan["model.transformer.decoder.layers.*.linear2"] == "rowwise"
+    assert plan["model.decoder"] == "colwise_gather"  # the output head; never also transformer.decoder
+    styles = {e.fqn: e.style for e in resolve_plan(Wrapped(model), plan, tp=2)}
+    assert "model.transformer.decoder" not in styles and styles["model.decoder"] == "colwise_gather"
+
+
 def test_auto_refuses_and_suggests_a_plan():
     class Odd(nn.Module):
         def __init__(self):
