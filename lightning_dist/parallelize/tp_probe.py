@@ -3,9 +3,11 @@
 The structural checks of :func:`~lightning_dist.parallelize.tp.resolve_plan` cannot see inside a forward:
 an attention that takes its head count from a shared ``config`` object, a fused q/k/v projection laid out
 ``[q | k | v]`` rather than head by head, a reshape to a global width. Each of those trains a different
-model without an error. So when the LightningModule has an ``example_input_array`` (and real weights), the
-strategy runs it through the model before and after tensor parallelism, in eval mode (no dropout), and
-refuses a difference beyond rounding, on every rank at once.
+model without an error. So the strategy runs one sample through the model before and after tensor
+parallelism, in eval mode (no dropout), and refuses a difference beyond rounding, on every rank at once.
+The sample is the LightningModule's ``example_input_array``; without one, a made-up batch for the network
+it holds (its one child with parameters) when the network starts with an ``nn.Embedding`` (two rows of 4
+token ids) or an ``nn.Linear`` (two random rows), if the network runs on it; otherwise no check.
 """
 
 from __future__ import annotations
@@ -44,16 +46,38 @@ def _cast(sample: Any, device: torch.device, dtype: torch.dtype) -> Any:
     return sample
 
 
-def probe_output(module: nn.Module, device: torch.device) -> Optional[tuple[Any, Tensor]]:
-    """(sample, output) of ``module(example_input_array)`` in eval mode, or None when it cannot run yet
-    (no sample, weights on the meta device, no tensor in the output)."""
-    sample = getattr(module, "example_input_array", None)
+def _made_up(module: nn.Module) -> Optional[tuple[nn.Module, Any]]:
+    """(network, sample) for a module without ``example_input_array``, or None when no sample can be guessed."""
+    children = [c for c in module.children() if any(True for _ in c.parameters())]
+    net = children[0] if len(children) == 1 else module
+    first = next((m for m in net.modules() if any(True for _ in m.parameters(recurse=False))), None)
+    g = torch.Generator().manual_seed(0)  # the same sample on every rank
+    if isinstance(first, nn.Embedding):
+        return net, torch.randint(0, first.num_embeddings, (2, 4), generator=g)
+    if isinstance(first, nn.Linear):
+        return net, torch.randn(2, first.in_features, generator=g)
+    return None
+
+
+def probe_output(module: nn.Module, device: torch.device) -> Optional[tuple[nn.Module, Any, Tensor]]:
+    """(what ran, sample, output) of one sample through `module` in eval mode, or None when nothing can run
+    (no sample, weights on the meta device, a made-up sample the network does not take, no tensor out)."""
     params = list(module.parameters())
-    if sample is None or not params or any(p.is_meta for p in params):
+    if not params or any(p.is_meta for p in params):
         return None
+    sample = getattr(module, "example_input_array", None)
+    net = module
+    if sample is None:
+        guess = _made_up(module)
+        if guess is None:
+            return None
+        net, sample = guess
     sample = _cast(sample, device, params[0].dtype)
-    out = _first_tensor(_run(module, sample))
-    return None if out is None else (sample, out.detach().clone())
+    try:
+        out = _first_tensor(_run(net, sample))
+    except Exception:  # a sample the forward does not take (other inputs or sizes, no forward): no check
+        return None
+    return None if out is None else (net, sample, out.detach().clone())
 
 
 def _run(module: nn.Module, sample: Any) -> Any:
@@ -69,7 +93,8 @@ def _run(module: nn.Module, sample: Any) -> Any:
 
 
 def check_probe(module: nn.Module, sample: Any, expected: Tensor, *, describe: str) -> float:
-    """Run `sample` through the parallelized `module` and refuse an output that differs from `expected`.
+    """Run `sample` through the parallelized `module` (what ran before: the LightningModule or its network)
+    and refuse an output that differs from `expected`.
 
     Collective (the forward and one all-reduce): call on every rank. Returns the relative difference.
     """
@@ -88,7 +113,8 @@ def check_probe(module: nn.Module, sample: Any, expected: Tensor, *, describe: s
     if not rel <= tol:
         shape = None if got is None else tuple(got.shape)
         raise ValueError(
-            f"{describe}: on `example_input_array` the split model's output differs from the unsplit model's"
+            f"{describe}: on one sample (`example_input_array`, or a made-up batch of inputs) the split model's output"
+            " differs from the unsplit model's"
             f" (relative difference {rel:.3e} > {tol:.0e}; output shape {shape} vs {tuple(expected.shape)}). A split"
             " layer's forward uses a global size: an attention reading its head count from a shared config, a fused"
             " q/k/v projection that is not head-major ([q | k | v] blocks), a reshape to the full width. Leave that"

@@ -78,7 +78,7 @@ class TensorParallelStrategy(HybridShardStrategy):
         self.tp_entries: list[TPEntry] = []
         """The resolved plan (filled in when the model is parallelized)."""
         self.tp_probe_diff: Optional[float] = None
-        """Relative output difference split vs unsplit on ``example_input_array`` (None: no sample to run)."""
+        """Relative output difference split vs unsplit on one sample (None: no sample could run)."""
 
     @property
     def is_distributed(self) -> bool:
@@ -128,11 +128,11 @@ class TensorParallelStrategy(HybridShardStrategy):
         if tp > 1:
             self.tp_entries = resolve_plan(module, self._plan_for(module, tp), tp=tp, sequence_parallel=self.sequence_parallel)
             rank_zero_info(format_plan(self.tp_entries, tp=tp))
-            # the unsplit model's output on example_input_array, to compare with the split one's
+            # the unsplit model's output on one sample, to compare with the split one's (parallelize/tp_probe.py)
             probe = probe_output(module, self.root_device)
         super().parallelize(module)
         if probe is not None:
-            self.tp_probe_diff = check_probe(module, *probe, describe=f"tensor-parallel plan (tp={tp})")
+            self.tp_probe_diff = check_probe(*probe, describe=f"tensor-parallel plan (tp={tp})")
             self.reshard()  # a forward without backward leaves FSDP2 roots gathered: the optimizer must see shards
 
     def __repr__(self) -> str:
