@@ -135,7 +135,9 @@ class GradientParityCheck(Callback):
     under gradient accumulation), gathered over the ``dp`` group; rows that a ``DistributedSampler`` added
     as padding are removed, as a single-device run would never see them. An unsharded copy of the model
     (synced BatchNorm turned into plain BatchNorm) computes the gradient of the mean loss of the
-    micro-batches of that global batch; the distributed gradient is gathered from the shards. The relative
+    micro-batches of that global batch; the distributed gradient is gathered from the shards. Parameters tied
+    in the model as the user built it (recorded at ``setup``, before any parallelization) are tied in the
+    copy: a correctly tied model passes, and a tie that the parallelization broke shows as a mismatch. The relative
     difference ``||g_dist - g_ref|| / ||g_ref||`` is logged as ``grad_parity/rel_diff`` and kept in
     :attr:`results`; above the tolerance the callback raises :class:`GradientParityError` (or warns).
     It also checks that the parameters are identical on every data-parallel rank and that the ranks did
