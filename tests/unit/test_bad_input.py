@@ -80,6 +80,41 @@ def _tied_across_units():
     return apply_fsdp(wrapper, None)
 
 
+class _HFLike(nn.Module):
+    """What lightning_dist.hf recognizes as a HuggingFace model: `config` and `save_pretrained`."""
+
+    def __init__(self, meta_buffer: bool = False) -> None:
+        super().__init__()
+        self.config, self.fc = {}, nn.Linear(2, 2)
+        self.register_buffer("freq", torch.zeros(2, device="meta" if meta_buffer else "cpu"), persistent=False)
+
+    def save_pretrained(self, path, **kw):
+        raise AssertionError("not reached")
+
+
+def _hf_load(kind: str):
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    from lightning_dist.hf import load_hf_weights
+
+    with tempfile.TemporaryDirectory() as name:  # not tmp_path: the check itself must write nothing there
+        folder = Path(name)
+        if kind != "nothing":
+            save_file({"fc.weight": torch.zeros(2, 2), "extra": torch.zeros(1)}, str(folder / "model.safetensors"))
+        return load_hf_weights(_HFLike(meta_buffer=kind == "meta"), folder / "sub" if kind == "nothing" else folder)
+
+
+def _hf_export_exists():
+    import tempfile
+
+    from lightning_dist.hf import save_hf_pretrained
+
+    with tempfile.TemporaryDirectory() as name:
+        return save_hf_pretrained(_HFLike(), name)
+
+
 def _offload(**kw):
     from lightning_dist.strategies.offload import OffloadStrategy
 
@@ -206,6 +241,11 @@ CASES = {
                         ["No built-in tensor-parallel plan matches", "A plan to start from", "rowwise"]),
     "fsdp-tied-across-units": (lambda t: _tied_across_units(), ValueError,
                                ["lie in different sharding units", "Choose `units`", "untie them"]),
+    "hf-weights-not-a-folder": (lambda t: _hf_load("nothing"), FileNotFoundError, ["not a folder of .safetensors"]),
+    "hf-weights-mismatch": (lambda t: _hf_load("other"), ValueError,
+                            ["missing ['fc.bias']", "unexpected ['extra']", "strict=False"]),
+    "hf-weights-meta-buffers": (lambda t: _hf_load("meta"), ValueError, ["on the meta device", "init_empty_weights()"]),
+    "hf-export-exists": (lambda t: _hf_export_exists(), FileExistsError, ["exists", "new folder"]),
     "pipeline-schedule-unknown": (lambda t: PipelineStrategy(schedule="zigzag"), ValueError,
                                   ["schedule='zigzag'", "1f1b"]),
     "pipeline-microbatches-too-few": (lambda t: _schedule("1f1b", 4, 2), ValueError,
