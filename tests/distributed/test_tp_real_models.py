@@ -55,4 +55,9 @@ def test_auto_plan_on_real_models_tp2():
 
 def test_auto_plan_on_real_models_tp2_dp_shard2():
     pytest.importorskip("transformers")
-    _check(results(run_torchrun("tp_real_models.py", nproc=4, timeout=900)), 4, [1, 1, 2, 2])
+    rows = results(run_torchrun("tp_real_models.py", nproc=4, timeout=900))
+    _check(rows, 4, [1, 1, 2, 2])
+    # a HuggingFace folder loaded into tp x dp_shard shards (2-D DTensors) and exported back, bit for bit
+    hf = [r for r in rows if r["kind"] == "hf_weights"]
+    assert len(hf) == 4 and all(r["loaded_diff"] == 0.0 and r["mesh"] == [1, 1, 2, 2] for r in hf), hf
+    assert hf[0]["export_diff"] == 0.0, hf

@@ -219,3 +219,51 @@ if world == 2:
         emit(kind="refusal", model="blocked_qkv_gpt", error=None)
     except ValueError as err:
         emit(kind="refusal", model="blocked_qkv_gpt", error=str(err))
+
+if world == 4:
+    # a HuggingFace folder loaded straight into tp=2 x dp_shard=2 shards (2-D DTensors), and exported back
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    import transformers as tf
+    from lightning.pytorch import Callback
+    from safetensors.torch import load_file
+
+    from lightning_dist.callbacks import HFPretrained
+    from lightning_dist.hf import init_empty_weights
+
+    box = [Path(tempfile.mkdtemp()) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, 0)
+    root = box[0]
+    if dist.get_rank() == 0:
+        build("llama").save_pretrained(str(root / "src"))
+    dist.barrier()
+
+    class Loaded(Task):
+        def __init__(self) -> None:
+            pl.LightningModule.__init__(self)
+            with init_empty_weights():
+                self.model = tf.AutoModelForCausalLM.from_config(tf.AutoConfig.from_pretrained(str(root / "src")))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    class Snapshot(Callback):
+        def on_fit_start(self, trainer, pl_module):
+            self.params = full_params(pl_module)
+
+    snap = Snapshot()
+    t = trainer(TensorParallelStrategy(plan="auto", **mesh), devices=world, steps=1, precision="32-true",
+                callbacks=[HFPretrained(root / "src", export_to=root / "out"), snap])
+    t.fit(Loaded())
+    src = load_file(str(root / "src" / "model.safetensors"))
+    loaded = max((snap.params[f"model.{k}"] - v).abs().max().item() for k, v in src.items())
+    exported = None
+    if dist.get_rank() == 0:
+        back = tf.AutoModelForCausalLM.from_pretrained(str(root / "out")).state_dict()
+        exported = max((back[k] - v).abs().max().item() for k, v in src.items())
+    emit(kind="hf_weights", model="llama", loaded_diff=loaded, export_diff=exported, mesh=list(t.strategy.mesh.spec.shape))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(root, ignore_errors=True)
