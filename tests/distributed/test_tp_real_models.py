@@ -7,7 +7,8 @@ tied weights still one parameter after sharding, and the split model's output on
 to the unsplit one's (checked by the strategy; a fused qkv laid out [q | k | v] is refused by that check).
 An attention reading its head count from a config shared by the layers (litgpt style) gets a local copy. The 2-process launch also trains each model with FSDP2
 (ZeRO-2) and checks with the CommunicationLedger that its units are the model's blocks: one all-gather per
-block plus one for the root per step, not one for the whole model.
+block plus one for the root per step, not one for the whole model. Both launches end with HuggingFace
+safetensors folders loaded into sharded models (tp, fsdp2, tp x dp_shard) and exported back, exactly.
 """
 
 import pytest
@@ -36,10 +37,22 @@ def _check(rows: list[dict], world: int, mesh: list[int]) -> None:
     assert tied["pack_gpt_tied"] == [["model.tok_emb.weight", "model.lm_head.weight"]]
 
 
+def _check_hf(rows: list[dict], cases: set, world: int) -> None:
+    """HuggingFace folders loaded into sharded models and exported back (HFPretrained), bit for bit."""
+    hf = [r for r in rows if r["kind"] == "hf_weights"]
+    assert {(r["model"], r["strategy"]) for r in hf} == cases and len(hf) == world * len(cases), hf
+    for r in hf:
+        assert r["loaded_diff"] == 0.0, r  # every parameter equals the folder's
+        assert r["local_numel"] < r["total_numel"], r  # each rank holds (and read) a part only
+        if r["rank"] == 0:
+            assert r["export_diff"] == 0.0 and r["export_tied"], r  # from_pretrained of the export: the source
+
+
 def test_auto_plan_on_real_models_tp2():
     pytest.importorskip("transformers")
     rows = results(run_torchrun("tp_real_models.py", nproc=2, timeout=600))
     _check(rows, 2, [1, 1, 1, 2])
+    _check_hf(rows, {(m, s) for m in ("gpt2_tied", "llama") for s in ("tp2", "fsdp2")}, 2)
     units = [r for r in rows if r["kind"] == "fsdp_units"]
     assert {r["model"] for r in units} == MODELS - {"pack_gpt_tied", "config_heads_gpt"} and len(units) == 2 * 6
     for r in units:
@@ -57,7 +70,4 @@ def test_auto_plan_on_real_models_tp2_dp_shard2():
     pytest.importorskip("transformers")
     rows = results(run_torchrun("tp_real_models.py", nproc=4, timeout=900))
     _check(rows, 4, [1, 1, 2, 2])
-    # a HuggingFace folder loaded into tp x dp_shard shards (2-D DTensors) and exported back, bit for bit
-    hf = [r for r in rows if r["kind"] == "hf_weights"]
-    assert len(hf) == 4 and all(r["loaded_diff"] == 0.0 and r["mesh"] == [1, 1, 2, 2] for r in hf), hf
-    assert hf[0]["export_diff"] == 0.0, hf
+    _check_hf(rows, {("llama", "tp2_dp_shard2")}, 4)

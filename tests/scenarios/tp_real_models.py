@@ -4,7 +4,8 @@ Tiny random HuggingFace Llama, Qwen2 (grouped-query attention), GPT-2 (Conv1D, t
 plain user GPT (q, k, v, o Linear; nn.Sequential MLP; head count read from an attribute), the same with the
 head count read from a config object shared by the layers (litgpt style), the pack's GPT(tie_weights=True)
 and Lightning's demos.Transformer (nn.Transformer: only its MLPs split; MultiheadAttention stays whole): float64, 3 AdamW steps, max relative parameter difference vs single-device training
-on the global batch computed in this process. 2 processes: tp=2; 4 processes: tp=2 x dp_shard=2.
+on the global batch computed in this process. 2 processes: tp=2; 4 processes: tp=2 x dp_shard=2. The same
+launches check FSDP2 units (2 processes) and HuggingFace weights in and out of sharded models (see the end).
 Each run has GradientParityCheck at step 0 (tied models: no false alarm). One RESULT row per model.
 """
 
@@ -220,50 +221,73 @@ if world == 2:
     except ValueError as err:
         emit(kind="refusal", model="blocked_qkv_gpt", error=str(err))
 
-if world == 4:
-    # a HuggingFace folder loaded straight into tp=2 x dp_shard=2 shards (2-D DTensors), and exported back
-    import shutil
-    import tempfile
-    from pathlib import Path
+# HuggingFace folders (save_pretrained of tiny random models) loaded straight into the shards of a model built
+# with its parameters on meta, and exported back: 2 processes: GPT-2 (tied) and Llama under tp=2 and fsdp2;
+# 4 processes: Llama under tp=2 x dp_shard=2 (2-D DTensors). Loaded and exported weights equal the source.
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
 
+from lightning.pytorch import Callback  # noqa: E402
+
+from lightning_dist.callbacks import HFPretrained  # noqa: E402
+from lightning_dist.hf import init_empty_weights  # noqa: E402
+
+
+class Loaded(Task):
+    def __init__(self, folder: Path) -> None:
+        import transformers as tf
+
+        pl.LightningModule.__init__(self)
+        with init_empty_weights():  # parameters on meta, buffers (rotary frequencies) real
+            self.model = tf.AutoModelForCausalLM.from_config(tf.AutoConfig.from_pretrained(str(folder)))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)  # one step that changes nothing: export == source
+
+
+class Snapshot(Callback):
+    """Whole parameters right after HFPretrained loaded them (callbacks run in their order)."""
+
+    def on_fit_start(self, trainer, pl_module):
+        self.params = full_params(pl_module)
+        self.local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in pl_module.parameters())
+
+
+def hf_round_trip(root: Path, kind: str, label: str, strategy) -> None:
     import transformers as tf
-    from lightning.pytorch import Callback
     from safetensors.torch import load_file
 
-    from lightning_dist.callbacks import HFPretrained
-    from lightning_dist.hf import init_empty_weights
-
-    box = [Path(tempfile.mkdtemp()) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, 0)
-    root = box[0]
-    if dist.get_rank() == 0:
-        build("llama").save_pretrained(str(root / "src"))
-    dist.barrier()
-
-    class Loaded(Task):
-        def __init__(self) -> None:
-            pl.LightningModule.__init__(self)
-            with init_empty_weights():
-                self.model = tf.AutoModelForCausalLM.from_config(tf.AutoConfig.from_pretrained(str(root / "src")))
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.0)
-
-    class Snapshot(Callback):
-        def on_fit_start(self, trainer, pl_module):
-            self.params = full_params(pl_module)
-
+    src_dir, out = root / f"src_{kind}", root / f"out_{kind}_{label}"
     snap = Snapshot()
-    t = trainer(TensorParallelStrategy(plan="auto", **mesh), devices=world, steps=1, precision="32-true",
-                callbacks=[HFPretrained(root / "src", export_to=root / "out"), snap])
-    t.fit(Loaded())
-    src = load_file(str(root / "src" / "model.safetensors"))
-    loaded = max((snap.params[f"model.{k}"] - v).abs().max().item() for k, v in src.items())
-    exported = None
+    t = trainer(strategy, devices=world, steps=1, precision="32-true", callbacks=[HFPretrained(src_dir, export_to=out), snap])
+    t.fit(Loaded(src_dir))
+    src = load_file(str(src_dir / "model.safetensors"))  # a tied head is stored once, as the embedding
+    row = {"model": kind, "strategy": label, "mesh": list(t.strategy.mesh.spec.shape), "local_numel": snap.local,
+           "total_numel": sum(v.numel() for v in snap.params.values()),
+           "loaded_diff": max((snap.params[f"model.{k}"] - v).abs().max().item() for k, v in src.items())}
     if dist.get_rank() == 0:
-        back = tf.AutoModelForCausalLM.from_pretrained(str(root / "out")).state_dict()
-        exported = max((back[k] - v).abs().max().item() for k, v in src.items())
-    emit(kind="hf_weights", model="llama", loaded_diff=loaded, export_diff=exported, mesh=list(t.strategy.mesh.spec.shape))
-    dist.barrier()
-    if dist.get_rank() == 0:
-        shutil.rmtree(root, ignore_errors=True)
+        back = tf.AutoModelForCausalLM.from_pretrained(str(out))
+        sd = back.state_dict()
+        row["export_diff"] = max((sd[k] - v).abs().max().item() for k, v in src.items())
+        row["export_tied"] = kind != "gpt2_tied" or back.lm_head.weight is back.transformer.wte.weight
+    emit(kind="hf_weights", **row)
+
+
+box = [Path(tempfile.mkdtemp()) if dist.get_rank() == 0 else None]
+dist.broadcast_object_list(box, 0)
+hf_root = box[0]
+hf_kinds = ["gpt2_tied", "llama"] if world == 2 else ["llama"]
+if dist.get_rank() == 0:
+    for kind in hf_kinds:
+        build(kind).save_pretrained(str(hf_root / f"src_{kind}"))
+dist.barrier()
+for kind in hf_kinds:
+    if world == 2:
+        hf_round_trip(hf_root, kind, "tp2", TensorParallelStrategy(plan="auto", **mesh))
+        hf_round_trip(hf_root, kind, "fsdp2", FullyShardStrategy())
+    else:
+        hf_round_trip(hf_root, kind, "tp2_dp_shard2", TensorParallelStrategy(plan="auto", **mesh))
+dist.barrier()
+if dist.get_rank() == 0:
+    shutil.rmtree(hf_root, ignore_errors=True)
