@@ -207,7 +207,7 @@ def run(label: str, steps: int) -> dict:
 
     ours = label != "lightning"
     if ours:
-        strategy = TensorParallelStrategy(tp=2, dp_shard=2, dp_replicate=1, plan="gpt", sequence_parallel=label == "tp_sp")
+        strategy = TensorParallelStrategy(tp=2, dp_shard=2, dp_replicate=1, plan="transformer", sequence_parallel=label == "tp_sp")
 
         def tp_group(trainer):
             return tuple(dist.get_process_group_ranks(trainer.strategy.mesh.group("tp")))

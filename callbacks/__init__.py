@@ -6,11 +6,13 @@
 * :class:`GradientParityCheck`: the distributed gradient equals the single-device one, checked in the run.
 * :class:`CommunicationLedger`, :class:`MemoryReport`: measured traffic and model-state bytes next to the planner's.
 * :class:`PipelineBubble`: measured pipeline idle fraction against (p-1)/(m+p-1), and a Gantt chart.
+* :class:`HFPretrained`: start from a HuggingFace safetensors folder under any strategy, export back to one.
 * :class:`ThroughputSummary`: global samples/s through Lightning's loggers and a rank-0 summary table of the fit.
 """
 
 from lightning_dist.callbacks.exact_eval import ExactBatchSampler, ExactEvaluation, ExactMetric, exact_eval_mask
 from lightning_dist.callbacks.gradient_parity import GradientParityCheck, GradientParityError, default_tolerance
+from lightning_dist.callbacks.hf_weights import HFPretrained
 from lightning_dist.callbacks.ledger import CollectiveRecorder, CommunicationLedger
 from lightning_dist.callbacks.memory import MemoryReport
 from lightning_dist.callbacks.pipeline_bubble import PipelineBubble, bubble_stats, replay_idle, save_gantt
@@ -29,6 +31,7 @@ from lightning_dist.callbacks.sync_batchnorm import (
 )
 
 __all__ = [
+    "HFPretrained",
     "CollectiveRecorder",
     "CommunicationLedger",
     "MemoryReport",

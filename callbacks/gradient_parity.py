@@ -27,6 +27,8 @@ from lightning_dist._compat import fully_shard_api
 from lightning_dist.callbacks.sync_batchnorm import revert_sync_batchnorm
 from lightning_dist.mesh import DistMesh, data_parallel_info
 from lightning_dist.parallelize.pipeline import StageModule
+from lightning_dist.parallelize.shared import retie, shared_parameters
+from lightning_dist.parallelize.tp import GLOBAL_ATTRS_KEY
 
 # the class FSDP2 mixes into the modules it shards (None without FSDP2)
 _FSDPModule = fully_shard_api()[3]
@@ -133,7 +135,9 @@ class GradientParityCheck(Callback):
     under gradient accumulation), gathered over the ``dp`` group; rows that a ``DistributedSampler`` added
     as padding are removed, as a single-device run would never see them. An unsharded copy of the model
     (synced BatchNorm turned into plain BatchNorm) computes the gradient of the mean loss of the
-    micro-batches of that global batch; the distributed gradient is gathered from the shards. The relative
+    micro-batches of that global batch; the distributed gradient is gathered from the shards. Parameters tied
+    in the model as the user built it (recorded at ``setup``, before any parallelization) are tied in the
+    copy: a correctly tied model passes, and a tie that the parallelization broke shows as a mismatch. The relative
     difference ``||g_dist - g_ref|| / ||g_ref||`` is logged as ``grad_parity/rel_diff`` and kept in
     :attr:`results`; above the tolerance the callback raises :class:`GradientParityError` (or warns).
     It also checks that the parameters are identical on every data-parallel rank and that the ranks did
@@ -190,11 +194,16 @@ class GradientParityCheck(Callback):
         self.results: list[dict[str, Any]] = []
         """One entry per checked step: step, rel_diff, tolerance, ok, worst parameter, params_equal."""
         self._micro: list[tuple[Any, Optional[Tensor], int]] = []
+        self._ties: Optional[list[tuple[str, ...]]] = None
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        # the tied parameters of the model as the user built it (before any parallelization, which runs
+        # after this hook): the reference keeps them tied, so a tie the strategy broke shows as a mismatch
+        if isinstance(pl_module, nn.Module) and any(True for _ in pl_module.parameters()):
+            self._ties = shared_parameters(pl_module)
         from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
 
         if isinstance(trainer.strategy, (DeepSpeedStrategy, FSDPStrategy)):
@@ -323,12 +332,16 @@ class GradientParityCheck(Callback):
         self, trainer: Trainer, pl_module: LightningModule, full_params: dict[str, Tensor], batches: list
     ) -> dict[str, Optional[Tensor]]:
         by_id = {id(p): full_params[n] for n, p in pl_module.named_parameters() if n in full_params}
-        ref = _unsharded_clone(pl_module, by_id)
+        ref = _unsharded_clone(pl_module, by_id, {})
         device = next(iter(full_params.values())).device if full_params else pl_module.device
         strategy = trainer.strategy
         if _is_pipeline(strategy):  # this rank holds its stages only: join every stage's copy into the network
             name = strategy.network
             setattr(ref, name, _whole_pipeline_network(strategy, getattr(ref, name)).to(device))
+        # tied as the user built the model (setup), else as the parallelized model still is
+        ties = self._ties if self._ties is not None else shared_parameters(pl_module)
+        present = dict(ref.named_parameters(remove_duplicate=False))
+        retie(ref, [names for names in ties if all(n in present for n in names)])
         ref = revert_sync_batchnorm(ref)
         ref.train()
         ref.zero_grad(set_to_none=True)
@@ -343,7 +356,9 @@ class GradientParityCheck(Callback):
                 if not isinstance(loss, Tensor):
                     raise TypeError(f"GradientParityCheck needs a loss tensor, the step returned {type(loss).__name__}.")
                 (loss / len(batches)).backward()  # the mean over micro-batches, like Lightning's accumulation
-        params = dict(ref.named_parameters())
+        # every name of a tied parameter gives the one (summed) gradient: a strategy that broke the tie holds
+        # two parameters whose gradients are each a part of it, and fails the comparison
+        params = dict(ref.named_parameters(remove_duplicate=False))
         return {n: None if params[n].grad is None else params[n].grad.detach() for n in full_params}
 
     @staticmethod
@@ -365,13 +380,15 @@ class GradientParityCheck(Callback):
         return diff_sq, ref_sq, worst, worst_rel
 
 
-def _unsharded_clone(module: nn.Module, full_by_id: dict[int, Tensor]) -> nn.Module:
+def _unsharded_clone(module: nn.Module, full_by_id: dict[int, Tensor], memo: dict[int, nn.Parameter]) -> nn.Module:
     """A plain single-device copy of `module` for the reference computation.
 
     Hand-written because ``copy.deepcopy`` cannot copy what distributed wrappers attach (process
     groups, FSDP2 state and hooks): every module is copied shallowly with fresh parameter/buffer/child
     dicts and no hooks, FSDP2's generated classes are turned back into the user's classes, parameters
-    are replaced by their gathered whole values (``full_by_id``), buffers by clones, and torchmetrics
+    are replaced by their gathered whole values (``full_by_id``; one copy per tensor in `memo`, so parameters
+    shared between modules stay shared), head counts a tensor-parallel plan made local are restored,
+    buffers are replaced by clones, and torchmetrics
     metrics are deep-copied without their process group so updates never touch the real states.
     """
     if isinstance(module, Metric):
@@ -387,14 +404,15 @@ def _unsharded_clone(module: nn.Module, full_by_id: dict[int, Tensor]) -> nn.Mod
         if key.startswith(_COMPOSABLE_STATE) or key.startswith("_fsdp") or key == "_is_fsdp_managed_module":
             continue  # FSDP2/composable state (process groups, streams): neither needed nor picklable
         new.__dict__[key] = type(value)() if "hooks" in key and isinstance(value, dict) else value  # no hooks
-    new._parameters = {
-        name: None if p is None else nn.Parameter(
-            (full_by_id[id(p)] if id(p) in full_by_id else _full(p.detach())).clone(), requires_grad=p.requires_grad
-        )
-        for name, p in module._parameters.items()
-    }
+    new.__dict__.update(new.__dict__.pop(GLOBAL_ATTRS_KEY, {}))  # e.g. num_heads as before tensor parallelism
+    new._parameters = {}
+    for name, p in module._parameters.items():
+        if p is not None and id(p) not in memo:
+            whole = full_by_id[id(p)] if id(p) in full_by_id else _full(p.detach())
+            memo[id(p)] = nn.Parameter(whole.clone(), requires_grad=p.requires_grad)
+        new._parameters[name] = None if p is None else memo[id(p)]
     new._buffers = {name: None if b is None else _full(b).clone() for name, b in module._buffers.items()}
-    new._modules = {name: None if c is None else _unsharded_clone(c, full_by_id) for name, c in module._modules.items()}
+    new._modules = {name: None if c is None else _unsharded_clone(c, full_by_id, memo) for name, c in module._modules.items()}
     if isinstance(new, StageModule):
         new.runner = None  # the copy runs its own layers, never the strategy's pipeline schedule
     if isinstance(new, LightningModule):

@@ -91,3 +91,7 @@ def deepspeed_nvme_checkpoint_patch_tested() -> bool:
 
 def matplotlib_available() -> bool:
     return module_available("matplotlib")
+
+
+# DCP reads a HuggingFace safetensors folder slice by slice (`HuggingFaceStorageReader`) from torch 2.8 on.
+HAS_DCP_HF_READER = compare_version("torch", lambda a, b: a >= b, "2.8.0") and module_available("safetensors")

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from lightning_dist._compat import fully_shard_api
+from lightning_dist.parallelize.shared import check_shared_units, shared_parameters
 from lightning_dist.parallelize.units import select_units
 
 if TYPE_CHECKING:
@@ -30,6 +31,14 @@ def roots(model: nn.Module) -> list[nn.Module]:
             " move them into a submodule (e.g. `self.model = nn.Module(...)`) so that it can be sharded."
         )
     return [child for child in model.children() if any(True for _ in child.parameters())]
+
+
+def _refuse_split_ties(model: nn.Module, units: list[str]) -> None:
+    """Tied parameters must lie in one unit (a block, or one root: each direct child of `model` is one)."""
+    roots_ = [n for n, c in model.named_children() if any(True for _ in c.parameters())]
+    problems = check_shared_units(shared_parameters(model), [*units, *roots_])
+    if problems:
+        raise ValueError("Cannot shard the model:\n  - " + "\n  - ".join(problems))
 
 
 def apply_fsdp(
@@ -54,6 +63,7 @@ def apply_fsdp(
     if offload_policy is not None:
         kwargs["offload_policy"] = offload_policy
     picked = select_units(model, units)
+    _refuse_split_ties(model, [n for n, _ in picked])
     # bottom-up: inner units first so each root only holds what no unit claimed
     for _, module in reversed(picked):
         fully_shard(module, **kwargs)
@@ -71,6 +81,7 @@ def apply_replicate(model: nn.Module, mesh: "DeviceMesh") -> int:
     """Plain data parallelism (gradients all-reduced) over a 1-D mesh, keeping module classes and keys (ZeRO-1)."""
     from torch.distributed._composable import replicate
 
+    _refuse_split_ties(model, [])
     tops = roots(model)
     for module in tops:
         replicate(module, process_group=mesh.get_group())

@@ -5,8 +5,10 @@ qualified module names to a style name, or to ``{"style": ..., "input": layout, 
 
     {"blocks.*.attn.q": "colwise", "blocks.*.attn.proj": "rowwise", "blocks.*.norm1": "sequence_parallel"}
 
-A pattern matches a module whose full name, or any dotted suffix of it, matches the glob
-(``blocks.*.attn.q`` matches ``model.blocks.3.attn.q``). Styles:
+A pattern matches from the root: the module's full name, or for a LightningModule its name under one of
+the LightningModule's children (``blocks.*.attn.q`` matches ``model.blocks.3.attn.q``; ``decoder`` never
+also matches ``model.transformer.decoder``). Styles (``colwise``/``rowwise`` take ``nn.Linear``,
+``nn.Embedding`` and HuggingFace's ``Conv1D``; ``rowwise`` on an embedding is vocab-parallel):
 
 =====================  ========================================================================================
 ``colwise``            Linear/Embedding sharded on its output features; replicated input, sharded local output
@@ -32,14 +34,16 @@ the cost of one all-gather of the logits per step. We chose this over torch's ``
 saves that gather but needs the user's ``training_step`` to run inside a context manager and supports
 only ``cross_entropy``.
 
-Built-in plans (``plan="auto"`` picks the first that matches): ``gpt`` and ``vit`` (the pack's example
-models: transformer blocks plus the output head), ``transformer`` (any block list whose blocks have
-``attn.{q,k,v}`` or a head-major fused ``attn.qkv``, ``attn.proj`` and ``mlp.{fc1,fc2}``: heads split
-over ``tp``, projections column-wise, ``proj``/``fc2`` row-wise, norms sequence-parallel) and ``mlp``
-(a network of Linear layers only: alternating column-/row-wise pairs).
+Built-in plans (``plan="auto"`` picks the first that matches; see :mod:`.tp_auto`): ``hf`` (a HuggingFace
+model's own plan), ``transformer`` (attention and MLP regions found from each block's structure) and
+``mlp`` (a network of Linear layers only).
 
-:func:`resolve_plan` validates a plan against a model in one process (meta-device models work) and
-:func:`format_plan` prints it as a table; :func:`apply_tp` does both and then parallelizes.
+:func:`resolve_plan` validates a plan against a model in one process (meta-device models work; the
+checks are in :mod:`.tp_checks`): sizes and heads divisible by ``tp``, every split output taken back and
+every row-wise input produced inside its region, tied parameters split alike (:mod:`.shared`).
+:func:`format_plan` prints it as a table; :func:`apply_tp` does both, parallelizes, re-ties tied
+parameters and makes head-count attributes local. :mod:`.tp_probe` then checks the split model's output
+on ``example_input_array`` against the unsplit one's.
 """
 
 from __future__ import annotations
@@ -56,7 +60,18 @@ import torch
 from torch import nn
 
 from lightning_dist._compat import DTENSOR_UNEVEN_GATHER_STRIDED
-from lightning_dist.parallelize.units import find_block_lists
+from lightning_dist.parallelize.shared import check_shared_tp, retie, shared_parameters
+from lightning_dist.parallelize.tp_checks import (  # noqa: F401  (GLOBAL_ATTRS_KEY, is_conv1d: public here too)
+    GLOBAL_ATTRS_KEY,
+    _divisibility,
+    _is_norm,
+    _kind,
+    _linear_like,
+    _local_attr_problems,
+    _region_problems,
+    is_conv1d,
+    set_local_attrs,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -66,31 +81,32 @@ log = logging.getLogger(__name__)
 PlanValue = Union[str, Mapping[str, Any]]
 Plan = Mapping[str, PlanValue]
 
-_NORMS: tuple[type, ...] = (nn.LayerNorm, nn.Dropout, *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()))
-_SHARDABLE = (nn.Linear, nn.Embedding)
-
-
 @dataclass(frozen=True)
 class _Style:
     description: str
-    types: tuple[type, ...]  # module types the style accepts (nn.Module: any)
+    accepts: Callable[[nn.Module], bool]  # module kinds the style supports
+    kinds: str  # those kinds, for error messages
     sp_only: bool = False  # a no-op unless sequence_parallel=True
     layouts: bool = False  # the dict form may override input/output layouts
 
 
+def _any(module: nn.Module) -> bool:
+    return True
+
+
+_SHARDABLE = "['Linear', 'Conv1D', 'Embedding']"
 STYLES: dict[str, _Style] = {
-    "colwise": _Style("column-wise sharded (output features)", _SHARDABLE, layouts=True),
-    "rowwise": _Style("row-wise sharded (input features)", _SHARDABLE, layouts=True),
-    "colwise_gather": _Style("column-wise, output gathered to full", (nn.Linear,)),
-    "sequence_parallel": _Style("runs on sequence shards", _NORMS, sp_only=True),
-    "sp_enter": _Style("input split into sequence shards", (nn.Module,), sp_only=True),
-    "region_input": _Style("input replicated (gathered with SP)", (nn.Module,)),
-    "sp_exit": _Style("output gathered from sequence shards", (nn.Module,), sp_only=True),
-    "sp_region": _Style("input split, output gathered", (nn.Module,), sp_only=True),
+    "colwise": _Style("column-wise sharded (output features)", lambda m: _linear_like(m) or isinstance(m, nn.Embedding),
+                      _SHARDABLE, layouts=True),
+    "rowwise": _Style("row-wise sharded (input features; vocab-parallel for an Embedding)",
+                      lambda m: _linear_like(m) or isinstance(m, nn.Embedding), _SHARDABLE, layouts=True),
+    "colwise_gather": _Style("column-wise, output gathered to full", _linear_like, "['Linear', 'Conv1D']"),
+    "sequence_parallel": _Style("runs on sequence shards", _is_norm, "norms and dropout", sp_only=True),
+    "sp_enter": _Style("input split into sequence shards", _any, "any module", sp_only=True),
+    "region_input": _Style("input replicated (gathered with SP)", _any, "any module"),
+    "sp_exit": _Style("output gathered from sequence shards", _any, "any module", sp_only=True),
+    "sp_region": _Style("input split, output gathered", _any, "any module", sp_only=True),
 }
-_HEAD_ATTRS = ("n_heads", "num_heads", "n_head", "num_attention_heads")
-
-
 @dataclass(frozen=True)
 class TPEntry:
     """One module of a resolved plan."""
@@ -109,6 +125,8 @@ class TPEntry:
     """Layout overrides from the dict form (``input``, ``output``)."""
     active: bool = True
     """False for sequence-parallel entries when sequence parallelism is off."""
+    kind: str = "other"
+    """``linear``, ``conv1d`` (HF, transposed weight), ``embedding`` or ``other``: picks the torch style."""
 
 
 # ---- plan data ---------------------------------------------------------------------------------
@@ -149,20 +167,33 @@ def _parse_layout(text: Any) -> tuple[str, int] | None:
     return ("shard", int(m.group(1))) if m else None
 
 
-def _matches(fqn: str, pattern: str) -> bool:
-    # the full name or any dotted suffix, so plans need not know the LightningModule's attribute name
-    return fnmatch.fnmatchcase(fqn, pattern) or fnmatch.fnmatchcase(fqn, "*." + pattern)
+def _roots(model: nn.Module) -> list[str]:
+    """Where patterns are anchored: the model itself and, for a LightningModule, each of its direct children
+    (the network it keeps as ``self.model``), so plans need not know that attribute name."""
+    from lightning.pytorch import LightningModule
+
+    return [""] + ([name for name, _ in model.named_children()] if isinstance(model, LightningModule) else [])
+
+
+def _matches(fqn: str, pattern: str, roots: list[str]) -> bool:
+    # from a root only: `decoder` names `model.decoder`, never also `model.transformer.decoder`
+    return any(fnmatch.fnmatchcase(fqn, f"{root}.{pattern}" if root else pattern) for root in roots)
+
+
+def shard_dims(module: nn.Module, style: str) -> dict[str, int]:
+    """Which dim of each of `module`'s own parameters `style` splits over ``tp`` (torch's Colwise/RowwiseParallel)."""
+    if is_conv1d(module):  # HF Conv1D keeps its weight transposed: [in_features, out_features]
+        return {"weight": 1, "bias": 0} if style in ("colwise", "colwise_gather") else {"weight": 0} if style == "rowwise" else {}
+    linear = isinstance(module, nn.Linear)
+    if style in ("colwise", "colwise_gather"):
+        return {"weight": 0, "bias": 0} if linear else {"weight": 1}
+    if style == "rowwise":
+        return {"weight": 1} if linear else {"weight": 0}
+    return {}
 
 
 def _local_shapes(module: nn.Module, style: str, tp: int) -> tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...]:
-    # which dim of each parameter a style shards (torch's ColwiseParallel/RowwiseParallel conventions)
-    linear = isinstance(module, nn.Linear)
-    if style in ("colwise", "colwise_gather"):
-        dims = {"weight": 0, "bias": 0} if linear else {"weight": 1}
-    elif style == "rowwise":
-        dims = {"weight": 1} if linear else {"weight": 0}
-    else:
-        dims = {}
+    dims = shard_dims(module, style)
     out = []
     for name, p in module.named_parameters(recurse=False):
         shape, local = tuple(p.shape), list(p.shape)
@@ -170,28 +201,6 @@ def _local_shapes(module: nn.Module, style: str, tp: int) -> tuple[tuple[str, tu
             local[dims[name]] //= tp
         out.append((name, shape, tuple(local)))
     return tuple(out)
-
-
-def _divisibility(fqn: str, module: nn.Module, style: str, tp: int, parent: nn.Module | None) -> list[str]:
-    problems = []
-    if style in ("colwise", "colwise_gather", "rowwise"):
-        if isinstance(module, nn.Linear):
-            size, what = (module.in_features, "in_features") if style == "rowwise" else (module.out_features, "out_features")
-        else:
-            size, what = (module.num_embeddings, "num_embeddings") if style == "rowwise" else (module.embedding_dim, "embedding_dim")
-        if size % tp:
-            problems.append(
-                f"{fqn} ({type(module).__name__}, {style}): {what}={size} is not divisible by tp={tp};"
-                f" choose a tp that divides {size} or leave this module out of the plan."
-            )
-    if style == "colwise" and parent is not None:
-        heads = next((getattr(parent, a) for a in _HEAD_ATTRS if isinstance(getattr(parent, a, None), int)), None)
-        if heads is not None and heads % tp:
-            problems.append(
-                f"{fqn}: the attention module has {heads} heads, not divisible by tp={tp}; heads are split over"
-                f" tensor ranks, so choose a tp that divides {heads}."
-            )
-    return problems
 
 
 def resolve_plan(model: nn.Module, plan: Plan | str, *, tp: int, sequence_parallel: bool = False) -> list[TPEntry]:
@@ -218,15 +227,24 @@ def resolve_plan(model: nn.Module, plan: Plan | str, *, tp: int, sequence_parall
         if got is not None:
             parsed[pattern] = got
     modules = dict(model.named_modules())
+    roots = _roots(model)
     claimed: dict[str, str] = {}
     entries: list[TPEntry] = []
     for pattern, (style, options) in parsed.items():
-        hits = [fqn for fqn in modules if fqn and _matches(fqn, pattern)]
+        hits = [fqn for fqn in modules if fqn and _matches(fqn, pattern, roots)]
         if not hits:
-            near = [n for n, m in modules.items() if n and isinstance(m, STYLES[style].types)][:6]
+            deeper = [n for n in modules if n and fnmatch.fnmatchcase(n, "*." + pattern)][:4]
+            near = [n for n, m in modules.items() if n and STYLES[style].accepts(m)][:6]
             problems.append(
                 f"plan pattern {pattern!r} ({style}) matches no module of {type(model).__name__}; a plan entry"
-                f" must not be a silent no-op. Module names look like {near}."
+                " must not be a silent no-op. Patterns match from the root (the model, or a LightningModule's direct children), "
+                + (f"and it only names deeper paths {deeper}: write the full path." if deeper else f"and module names look like {near}.")
+            )
+            continue
+        if len(hits) > 1 and not any(c in pattern for c in "*?["):
+            problems.append(
+                f"plan pattern {pattern!r} ({style}) has no wildcard but matches {len(hits)} paths {hits[:4]}"
+                " (from the LightningModule and from one of its children); write the full path of the one you mean."
             )
             continue
         for fqn in hits:
@@ -238,9 +256,8 @@ def resolve_plan(model: nn.Module, plan: Plan | str, *, tp: int, sequence_parall
                 )
                 continue
             claimed[fqn] = f"{pattern!r} -> {style!r}"
-            if not isinstance(module, STYLES[style].types):
-                names = [t.__name__ for t in STYLES[style].types]
-                problems.append(f"module {fqn!r} is a {type(module).__name__}; style {style!r} supports only {names}.")
+            if not STYLES[style].accepts(module):
+                problems.append(f"module {fqn!r} is a {type(module).__name__}; style {style!r} supports only {STYLES[style].kinds}.")
                 continue
             parent = modules.get(fqn.rpartition(".")[0])
             problems += _divisibility(fqn, module, style, tp, parent)
@@ -248,13 +265,18 @@ def resolve_plan(model: nn.Module, plan: Plan | str, *, tp: int, sequence_parall
                 TPEntry(
                     fqn=fqn, style=style, pattern=pattern, module_type=type(module).__name__,
                     shapes=_local_shapes(module, style, tp), options=options,
-                    active=sequence_parallel or not STYLES[style].sp_only,
+                    active=sequence_parallel or not STYLES[style].sp_only, kind=_kind(module),
                 )
             )
+    problems += _region_problems(entries, modules)
+    problems += _local_attr_problems(model, entries, tp)
+    sharded = {e.fqn: shard_dims(modules[e.fqn], e.style) for e in entries if e.active}
+    problems += check_shared_tp(shared_parameters(model), sharded)
     if sequence_parallel and not any(e.style in ("sp_enter", "sp_region") for e in entries) and not problems:
         problems.append(
             "sequence_parallel=True but the plan has no 'sp_enter'/'sp_region' entry marking where activations are"
-            " split over the sequence; use a transformer plan or add those entries (or set sequence_parallel=False)."
+            " split over the sequence; plan='auto' adds them only for blocks whose forward takes the hidden states"
+            " alone (not masks or caches): add those entries by hand, or set sequence_parallel=False."
         )
     if problems:
         raise ValueError(f"Invalid tensor-parallel plan for tp={tp}:\n  - " + "\n  - ".join(problems))
@@ -280,124 +302,6 @@ def format_plan(entries: list[TPEntry], *, tp: int, title: str | None = None) ->
     return buf.getvalue()
 
 
-# ---- built-in plans ----------------------------------------------------------------------------
-def _linear(module: nn.Module | None, name: str) -> bool:
-    return isinstance(getattr(module, name, None), nn.Linear)
-
-
-def _block_problem(prefix: str, block: nn.Module) -> str | None:
-    attn, mlp = getattr(block, "attn", None), getattr(block, "mlp", None)
-    if attn is None or not (all(_linear(attn, n) for n in "qkv") or _linear(attn, "qkv")):
-        return f"{prefix} has no `attn` with Linear `q`, `k`, `v` (or a fused `qkv`)"
-    if not _linear(attn, "proj"):
-        return f"{prefix}.attn has no Linear `proj`"
-    if mlp is None or not (_linear(mlp, "fc1") and _linear(mlp, "fc2")):
-        return f"{prefix} has no `mlp` with Linear `fc1` and `fc2`"
-    return None
-
-
-def transformer_plan(model: nn.Module, *, tp: int = 1, head: str | None = None) -> dict[str, str]:
-    """Plan for every block list of transformer blocks (``attn.{q,k,v}|qkv``, ``attn.proj``, ``mlp.{fc1,fc2}``).
-
-    Heads are split over ``tp``: q/k/v (or the fused qkv, whose output must be head-major so that
-    contiguous shards hold whole heads) and fc1 column-wise, proj and fc2 row-wise; the block's direct
-    norm/dropout children run sequence-parallel. `head`: name of an output Linear next to the block
-    list, made ``colwise_gather`` when its output size is divisible by `tp` (else left replicated).
-    Raises ValueError naming the first block that does not match.
-    """
-    lists = find_block_lists(model)
-    if not lists:
-        raise ValueError(f"{type(model).__name__} has no block list (an nn.ModuleList named blocks/layers/h...).")
-    plan: dict[str, str] = {}
-    for list_name, blocks in lists:
-        for i, block in enumerate(blocks):
-            problem = _block_problem(f"{list_name}.{i}", block)
-            if problem:
-                raise ValueError(problem)
-        first = blocks[0]
-        qkv = ("q", "k", "v") if all(_linear(first.attn, n) for n in "qkv") else ("qkv",)
-        for name in qkv:
-            plan[f"{list_name}.*.attn.{name}"] = "colwise"
-        plan[f"{list_name}.*.attn.proj"] = "rowwise"
-        plan[f"{list_name}.*.mlp.fc1"] = "colwise"
-        plan[f"{list_name}.*.mlp.fc2"] = "rowwise"
-        plan[f"{list_name}.*.attn"] = "region_input"
-        plan[f"{list_name}.*.mlp"] = "region_input"
-        for child, mod in first.named_children():
-            if isinstance(mod, _NORMS):
-                plan[f"{list_name}.*.{child}"] = "sequence_parallel"
-        if len(blocks) == 1:
-            plan[f"{list_name}.0"] = "sp_region"
-        else:
-            plan[f"{list_name}.0"] = "sp_enter"
-            plan[f"{list_name}.{len(blocks) - 1}"] = "sp_exit"
-        parent_name = list_name.rpartition(".")[0]
-        parent = model.get_submodule(parent_name) if parent_name else model
-        if head is not None and _linear(parent, head) and getattr(parent, head).out_features % tp == 0:
-            plan[f"{parent_name}.{head}" if parent_name else head] = "colwise_gather"
-    return plan
-
-
-def mlp_plan(model: nn.Module, *, tp: int = 1) -> dict[str, str]:
-    """Plan for a network whose parameters all live in Linear layers: pairs (colwise, rowwise) in order.
-
-    An odd last Linear stays replicated. Assumes the Linears run in registration order with only
-    element-wise functions between the two layers of a pair. Raises ValueError when other modules hold
-    parameters.
-    """
-    others = [
-        f"{n} ({type(m).__name__})" for n, m in model.named_modules()
-        if any(True for _ in m.parameters(recurse=False)) and not isinstance(m, nn.Linear)
-    ]
-    if others:
-        raise ValueError(f"not a plain MLP: modules other than Linear hold parameters: {', '.join(others[:4])}")
-    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    if len(linears) < 2:
-        raise ValueError(f"not a plain MLP: it has {len(linears)} Linear layer(s); a pair needs 2")
-    plan = {}
-    for i in range(0, len(linears) - 1, 2):
-        plan[linears[i]] = "colwise"
-        plan[linears[i + 1]] = "rowwise"
-    return plan
-
-
-def _typed_plan(block_cls: str, head: str) -> Callable[..., dict[str, str]]:
-    def build(model: nn.Module, *, tp: int = 1) -> dict[str, str]:
-        blocks = [type(b).__name__ for _, bl in find_block_lists(model) for b in bl]
-        if not blocks or any(b != block_cls for b in blocks):
-            raise ValueError(f"its blocks are {sorted(set(blocks)) or 'absent'}, not {block_cls}")
-        return transformer_plan(model, tp=tp, head=head)
-
-    build.__doc__ = f"The pack's {block_cls} model: :func:`transformer_plan` plus ``{head}`` as ``colwise_gather``."
-    return build
-
-
-BUILTIN_PLANS: dict[str, Callable[..., dict[str, str]]] = {
-    "gpt": _typed_plan("GPTBlock", "lm_head"),
-    "vit": _typed_plan("ViTBlock", "head"),
-    "transformer": transformer_plan,
-    "mlp": mlp_plan,
-}
-"""Built-in plan builders ``fn(model, *, tp) -> plan``, in the order ``plan="auto"`` tries them."""
-
-
-def builtin_plan(model: nn.Module, name: str, *, tp: int = 1) -> tuple[str, dict[str, str]]:
-    """(name, plan) of the built-in plan `name` for `model`; ``"auto"`` picks the first that matches."""
-    if name != "auto" and name not in BUILTIN_PLANS:
-        raise ValueError(f"Unknown tensor-parallel plan {name!r}; pass 'auto', one of {sorted(BUILTIN_PLANS)} or a mapping.")
-    failures = []
-    for candidate in BUILTIN_PLANS if name == "auto" else (name,):
-        try:
-            return candidate, BUILTIN_PLANS[candidate](model, tp=tp)
-        except ValueError as err:
-            failures.append(f"{candidate}: {err}")
-    raise ValueError(
-        f"No built-in tensor-parallel plan {'matches' if name == 'auto' else 'named ' + repr(name) + ' fits'}"
-        f" {type(model).__name__}:\n  - " + "\n  - ".join(failures)
-        + "\nPass plan={pattern: style, ...} naming its layers (see lightning_dist.parallelize.tp)."
-    )
-
-
 # ---- applying ----------------------------------------------------------------------------------
 def _placement(layout: str | None, default: Any) -> Any:
     from torch.distributed.tensor import Replicate, Shard
@@ -421,6 +325,19 @@ def _to_style(entry: TPEntry, *, sequence_parallel: bool, sequence_dim: int) -> 
 
     seq, rep = Shard(sequence_dim), Replicate()
     opts = entry.options
+    if entry.kind == "conv1d" and entry.style in ("colwise", "colwise_gather", "rowwise"):
+        from lightning_dist.parallelize.tp_styles import Conv1DParallel
+
+        if entry.style == "colwise_gather":
+            return Conv1DParallel("colwise", output_layout=rep)
+        kind = entry.style
+        default_out = Shard(-1) if kind == "colwise" else (seq if sequence_parallel else rep)
+        return Conv1DParallel(kind, input_layout=_placement(opts.get("input"), None),
+                              output_layout=_placement(opts.get("output"), default_out),
+                              use_local_output=kind == "colwise" or not sequence_parallel)
+    if entry.kind == "embedding" and entry.style == "rowwise":
+        # vocab-parallel embedding (Megatron): token ids replicated in, the partial lookups summed to whole rows
+        return RowwiseParallel(input_layouts=_placement(opts.get("input"), rep), output_layouts=_placement(opts.get("output"), rep))
     if entry.style == "colwise":
         return ColwiseParallel(input_layouts=_placement(opts.get("input"), rep), output_layouts=_placement(opts.get("output"), Shard(-1)))
     if entry.style == "colwise_gather":
@@ -517,8 +434,11 @@ def apply_tp(
         name, plan = builtin_plan(model, "auto" if plan is None else plan, tp=tp)
     entries = resolve_plan(model, plan, tp=tp, sequence_parallel=sequence_parallel)
     styles = {e.fqn: _to_style(e, sequence_parallel=sequence_parallel, sequence_dim=sequence_dim) for e in entries if e.active}
+    ties = shared_parameters(model)  # found before sharding: parallelize_module gives each owner a new parameter
     parallelize_module(model, tp_mesh, styles)
     _repack_gathered(model, {e.fqn: e.style for e in entries if e.active})
+    retie(model, ties)  # resolve_plan checked that every owner is sharded alike: one DTensor serves all
+    set_local_attrs(model, entries, tp)  # forwards that read a head count attribute see their local heads
     log.info("applied tensor parallelism (plan %s, tp=%d, sequence_parallel=%s) to %d modules",
              name, tp, sequence_parallel, len(styles))
     return entries
@@ -564,10 +484,16 @@ def apply_tp_entries(
     styles = {name: _to_style(by_id[id(m)], sequence_parallel=False, sequence_dim=sequence_dim)
               for name, m in part.named_modules() if name and id(m) in by_id}
     if styles:
+        ties = shared_parameters(part)
         parallelize_module(part, tp_mesh, styles)
         _repack_gathered(part, {name: by_id[id(m)].style for name, m in part.named_modules() if name and id(m) in by_id})
+        retie(part, ties)
+        set_local_attrs(owner, entries, tp_mesh.size(), within=part)
     return len(styles)
 
+
+# the built-in plans live in tp_auto (they use the helpers above); re-exported here as the public home
+from lightning_dist.parallelize.tp_auto import BUILTIN_PLANS, builtin_plan, mlp_plan, transformer_plan  # noqa: E402
 
 __all__ = [
     "BUILTIN_PLANS", "STYLES", "Plan", "TPEntry", "apply_tp", "apply_tp_entries", "builtin_plan", "format_plan", "mlp_plan",

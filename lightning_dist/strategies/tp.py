@@ -27,7 +27,7 @@ class TensorParallelStrategy(HybridShardStrategy):
     Args:
         tp: tensor-parallel degree; ``"auto"``: the devices of one node.
         plan: ``"auto"`` (the built-in plan that matches the model), a built-in plan name
-            (``"gpt"``, ``"vit"``, ``"transformer"``, ``"mlp"``) or a mapping ``{module-name glob: style}``
+            (``"hf"``: the HuggingFace model's own, ``"transformer"``: from the structure, ``"mlp"``) or a mapping ``{module-name glob: style}``
             (see :mod:`lightning_dist.parallelize.tp`). Patterns are matched against the LightningModule's
             module names or any dotted suffix of them.
         sequence_parallel: run norms/dropout between the parallel regions on sequence shards
@@ -77,6 +77,8 @@ class TensorParallelStrategy(HybridShardStrategy):
         self.sequence_dim = sequence_dim
         self.tp_entries: list[TPEntry] = []
         """The resolved plan (filled in when the model is parallelized)."""
+        self.tp_probe_diff: Optional[float] = None
+        """Relative output difference split vs unsplit on one sample (None: no sample could run)."""
 
     @property
     def is_distributed(self) -> bool:
@@ -119,11 +121,19 @@ class TensorParallelStrategy(HybridShardStrategy):
 
     @override
     def parallelize(self, module: pl.LightningModule) -> None:
+        from lightning_dist.parallelize.tp_probe import check_probe, probe_output
+
         tp = self.mesh.size(TP)
+        probe = None
         if tp > 1:
             self.tp_entries = resolve_plan(module, self._plan_for(module, tp), tp=tp, sequence_parallel=self.sequence_parallel)
             rank_zero_info(format_plan(self.tp_entries, tp=tp))
+            # the unsplit model's output on one sample, to compare with the split one's (parallelize/tp_probe.py)
+            probe = probe_output(module, self.root_device)
         super().parallelize(module)
+        if probe is not None:
+            self.tp_probe_diff = check_probe(*probe, describe=f"tensor-parallel plan (tp={tp})")
+            self.reshard()  # a forward without backward leaves FSDP2 roots gathered: the optimizer must see shards
 
     def __repr__(self) -> str:
         return f"{super().__repr__()[:-1]}, plan={self.plan if isinstance(self.plan, str) else 'custom'}, sequence_parallel={self.sequence_parallel})"

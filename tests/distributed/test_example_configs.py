@@ -10,6 +10,7 @@ Lightning's own launcher.
 from __future__ import annotations
 
 import csv
+import importlib.util
 import os
 import re
 import sys
@@ -23,7 +24,8 @@ from lightning_dist.parallelize.offload import async_io_available
 
 pytestmark = pytest.mark.distributed
 
-CONFIGS = sorted((ROOT / "examples" / "configs").glob("*.yaml"))
+# examples/hf/ (any HuggingFace causal LM) needs transformers: skipped with the reason when it is missing
+CONFIGS = sorted((ROOT / "examples" / "configs").glob("*.yaml")) + sorted((ROOT / "examples" / "hf").glob("*.yaml"))
 ENTRY = re.compile(r"python (examples/\w+/train\.py) fit --config")
 
 # config -> (text of the known failure, why): reported as xfail while the cause is open; passes once fixed
@@ -51,6 +53,8 @@ def _launch_key(config: Path) -> tuple[int, bool]:
 
 
 def _skip_reason(config: Path) -> str | None:
+    if config.parent.name == "hf" and importlib.util.find_spec("transformers") is None:
+        return "transformers is not installed (pip install -e '.[test]')"
     if "nvme" in config.stem and not async_io_available():
         return "libaio missing (apt-get install -y libaio-dev): DeepSpeed cannot build its async_io op"
     return None

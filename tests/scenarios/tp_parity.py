@@ -125,7 +125,7 @@ def check(kind: str, refs: dict, **options) -> None:
     task, t = fit(kind, **options)
     diff = max_rel_diff(full_params(task), refs[kind])
     emit(kind="parity", model=kind, options=options, diff=diff, samples=float(t.callback_metrics["samples"]),
-         mesh=list(t.strategy.mesh.spec.shape), n_tp_entries=len(t.strategy.tp_entries))
+         mesh=list(t.strategy.mesh.spec.shape), n_tp_entries=len(t.strategy.tp_entries), probe_diff=t.strategy.tp_probe_diff)
 
 
 world = dist_world()

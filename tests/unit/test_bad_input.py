@@ -43,6 +43,78 @@ def _plan(plan, width=16):
     return resolve_plan(MLP(width=width), plan, tp=2)
 
 
+def _tied_head_only():
+    from lightning_dist.models import GPT
+    from lightning_dist.parallelize.tp import resolve_plan
+
+    with torch.device("meta"):
+        model = GPT(n_layer=1, n_head=2, n_embd=16, tie_weights=True)
+    return resolve_plan(model, {"lm_head": "colwise_gather"}, tp=2)
+
+
+def _two_paths():
+    import lightning.pytorch as pl
+
+    from lightning_dist.parallelize.tp import resolve_plan
+
+    module = pl.LightningModule()
+    module.model, module.head = MLP(), nn.Linear(5, 4)  # `head` from the LightningModule and from `model`
+    return resolve_plan(module, {"head": "colwise_gather"}, tp=2)
+
+
+def _auto_no_plan():
+    from lightning_dist.parallelize.tp import builtin_plan
+
+    net = nn.Module()
+    net.conv, net.up, net.down = nn.Conv1d(4, 4, 1), nn.Linear(4, 8), nn.Linear(8, 4)
+    return builtin_plan(net, "auto", tp=2)
+
+
+def _tied_across_units():
+    from lightning_dist.parallelize.fsdp import apply_fsdp
+
+    model = MLP(depth=2)
+    model.blocks[1].fc.weight = model.blocks[0].fc.weight  # shared by two FSDP units (the blocks)
+    wrapper = nn.Module()
+    wrapper.model = model
+    return apply_fsdp(wrapper, None)
+
+
+class _HFLike(nn.Module):
+    """What lightning_dist.hf recognizes as a HuggingFace model: `config` and `save_pretrained`."""
+
+    def __init__(self, meta_buffer: bool = False) -> None:
+        super().__init__()
+        self.config, self.fc = {}, nn.Linear(2, 2)
+        self.register_buffer("freq", torch.zeros(2, device="meta" if meta_buffer else "cpu"), persistent=False)
+
+    def save_pretrained(self, path, **kw):
+        raise AssertionError("not reached")
+
+
+def _hf_load(kind: str):
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    from lightning_dist.hf import load_hf_weights
+
+    with tempfile.TemporaryDirectory() as name:  # not tmp_path: the check itself must write nothing there
+        folder = Path(name)
+        if kind != "nothing":
+            save_file({"fc.weight": torch.zeros(2, 2), "extra": torch.zeros(1)}, str(folder / "model.safetensors"))
+        return load_hf_weights(_HFLike(meta_buffer=kind == "meta"), folder / "sub" if kind == "nothing" else folder)
+
+
+def _hf_export_exists():
+    import tempfile
+
+    from lightning_dist.hf import save_hf_pretrained
+
+    with tempfile.TemporaryDirectory() as name:
+        return save_hf_pretrained(_HFLike(), name)
+
+
 def _offload(**kw):
     from lightning_dist.strategies.offload import OffloadStrategy
 
@@ -183,7 +255,23 @@ CASES = {
     "tp-plan-indivisible": (lambda t: _plan({"blocks.*.fc": "colwise"}, width=15), ValueError,
                             ["out_features=15", "tp=2", "choose a tp that divides 15"]),
     "tp-plan-matches-nothing": (lambda t: _plan({"nothing.here": "colwise"}), ValueError,
-                                ["'nothing.here'", "Module names look like"]),
+                                ["'nothing.here'", "match from the root", "module names look like"]),
+    "tp-plan-breaks-tie": (lambda t: _tied_head_only(), ValueError,
+                           ["['tok_emb.weight', 'lm_head.weight']", "train apart", "vocab-parallel", "'rowwise'"]),
+    "tp-plan-rowwise-input-not-split": (lambda t: _plan({"blocks.*.fc": "rowwise"}), ValueError,
+                                        ["blocks.0.fc (Linear, rowwise) expects an input split", "'colwise'"]),
+    "tp-plan-output-left-split": (lambda t: _plan({"head": "colwise"}), ValueError,
+                                  ["head (Linear, colwise) leaves its output split", "colwise_gather"]),
+    "tp-plan-pattern-two-paths": (lambda t: _two_paths(), ValueError, ["'head'", "matches 2 paths", "write the full path"]),
+    "tp-auto-no-plan": (lambda t: _auto_no_plan(), ValueError,
+                        ["No built-in tensor-parallel plan matches", "A plan to start from", "rowwise"]),
+    "fsdp-tied-across-units": (lambda t: _tied_across_units(), ValueError,
+                               ["lie in different sharding units", "Choose `units`", "untie them"]),
+    "hf-weights-not-a-folder": (lambda t: _hf_load("nothing"), FileNotFoundError, ["not a folder of .safetensors"]),
+    "hf-weights-mismatch": (lambda t: _hf_load("other"), ValueError,
+                            ["missing ['fc.bias']", "unexpected ['extra']", "strict=False"]),
+    "hf-weights-meta-buffers": (lambda t: _hf_load("meta"), ValueError, ["on the meta device", "init_empty_weights()"]),
+    "hf-export-exists": (lambda t: _hf_export_exists(), FileExistsError, ["exists", "new folder"]),
     "pipeline-schedule-unknown": (lambda t: PipelineStrategy(schedule="zigzag"), ValueError,
                                   ["schedule='zigzag'", "1f1b"]),
     "pipeline-microbatches-too-few": (lambda t: _schedule("1f1b", 4, 2), ValueError,
@@ -194,7 +282,7 @@ CASES = {
     "pipeline-consolidated-file": (lambda t: PipelineStrategy(save_distributed_checkpoint=False), ValueError,
                                    ["save_distributed_checkpoint=True", "dcp_to_torch_save"]),
     "pipeline-tp-sharded-output": (lambda t: _pipeline_tp({"head": "colwise"}), ValueError,
-                                   ["'model.head'", "'colwise'", "colwise_gather"]),
+                                   ["model.head (Linear, colwise)", "leaves its output split", "colwise_gather"]),
     "offload-tier": (lambda t: _offload(optimizer="gpu"), ValueError, ["optimizer='gpu'", '"cpu", "nvme" or None']),
     "offload-nvme-without-path": (lambda t: _offload(optimizer="nvme"), ValueError, ["nvme_path="]),
     "offload-nvme-path-missing": (lambda t: _nvme(t / "absent"), ValueError, ["absent", "create the folder"]),
@@ -246,7 +334,7 @@ def test_bad_input_raises_clear_error(case, tmp_path):
 def test_table_in_docs_lists_every_case():
     table = (ROOT / "docs" / "bad_input.md").read_text()
     runtime = ["empty-dataset", "fewer-samples-than-ranks", "smaller-than-one-batch", "nan-loss-one-rank",
-               "callback-wrong-strategy-in-job", "mesh-in-job"]
+               "callback-wrong-strategy-in-job", "mesh-in-job", "tp-output-differs"]
     absent = [c for c in [*CASES, *runtime] if f"`{c}`" not in table]
     assert not absent, f"docs/bad_input.md lacks {absent}"
     assert len(CASES) + len(runtime) >= 25

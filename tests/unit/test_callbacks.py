@@ -446,7 +446,7 @@ def test_unsharded_clone_of_fsdp2_modules(one_rank_group):
     fully_shard, mesh = fully_shard_api()[0], init_device_mesh("cpu", (1,))
     for layer in (model[0], model[2], model):
         fully_shard(layer, mesh=mesh)
-    clone = pickle.loads(pickle.dumps(_unsharded_clone(model, {})))
+    clone = pickle.loads(pickle.dumps(_unsharded_clone(model, {}, {})))
     assert type(clone) is nn.Sequential and [type(m) for m in clone] == [nn.Linear, nn.Tanh, nn.Linear]
     assert all(type(p) is nn.Parameter for p in clone.parameters())
     torch.testing.assert_close(clone(x), expected)

@@ -354,7 +354,7 @@ def test_tp_plan_inside_stages_is_checked_on_the_whole_network():
     with pytest.raises(ValueError, match=r"'blocks\.\*\.attn' \(colwise\) matches no module"):
         _validate_tp(_Module(net=net), {"blocks.*.attn": "colwise"})
     # the loss needs whole outputs: a column-sharded last layer is refused with the fix
-    with pytest.raises(ValueError, match=r"last layer 'model\.head' style 'colwise'.*colwise_gather"):
+    with pytest.raises(ValueError, match=r"model\.head \(Linear, colwise\) leaves its output split.*colwise_gather"):
         _validate_tp(_Module(net=net), {"head": "colwise"})
     with pytest.raises(ValueError, match=r"hidden|divisible|not divide"):
         _validate_tp(_Module(net=Net(depth=4, width=8)), {"head": "colwise_gather"})  # 3 outputs over tp=2

@@ -64,11 +64,11 @@ def gpt(**kw) -> nn.Module:
 
 # ---- built-in plans and matching -----------------------------------------------------------------
 def test_auto_picks_the_matching_builtin_plan():
-    assert builtin_plan(gpt(), "auto", tp=2)[0] == "gpt"
-    assert builtin_plan(meta(lambda: ViT(dim=32, n_heads=4)), "auto", tp=2)[0] == "vit"
+    assert builtin_plan(gpt(), "auto", tp=2)[0] == "transformer"
+    assert builtin_plan(meta(lambda: ViT(dim=32, n_heads=4)), "auto", tp=2)[0] == "transformer"
     assert builtin_plan(meta(FusedNet), "auto", tp=2)[0] == "transformer"
     assert builtin_plan(meta(plain_mlp), "auto", tp=2)[0] == "mlp"
-    assert list(BUILTIN_PLANS) == ["gpt", "vit", "transformer", "mlp"]
+    assert list(BUILTIN_PLANS) == ["hf", "transformer", "mlp"]
 
 
 def test_auto_fails_naming_what_it_could_not_match():
@@ -76,8 +76,8 @@ def test_auto_fails_naming_what_it_could_not_match():
         builtin_plan(meta(ShapesCNN), "auto", tp=2)
     msg = str(err.value)
     assert "No built-in tensor-parallel plan matches ShapesCNN" in msg
-    assert "blocks.0 has no `attn`" in msg  # transformer: what the block lacks
-    assert "gpt: its blocks are ['ConvBlock'], not GPTBlock" in msg
+    assert "transformer: blocks.0 has no attention region" in msg  # what the block lacks
+    assert "hf: no HuggingFace module with a `_tp_plan`" in msg
     assert "mlp: not a plain MLP: modules other than Linear hold parameters: stem.0 (Conv2d)" in msg
     with pytest.raises(ValueError, match="Unknown tensor-parallel plan 'nope'"):
         builtin_plan(gpt(), "nope")
@@ -103,7 +103,7 @@ def test_gpt_plan_splits_heads_and_gathers_the_output_head():
 
 
 def test_output_head_left_replicated_when_not_divisible():
-    styles = {e.fqn: e.style for e in resolve_plan(gpt(vocab_size=33), "gpt", tp=2)}
+    styles = {e.fqn: e.style for e in resolve_plan(gpt(vocab_size=33), "transformer", tp=2)}
     assert "lm_head" not in styles and styles["blocks.0.attn.q"] == "colwise"
 
 
@@ -116,18 +116,19 @@ def test_fused_qkv_and_mlp_plans():
     assert styles == {"0": "colwise", "2": "rowwise"}  # an odd last Linear stays replicated
 
 
-def test_patterns_match_full_names_or_dotted_suffixes_and_plans_load_from_yaml():
+def test_patterns_match_from_the_root_or_its_children_and_plans_load_from_yaml():
     plan = yaml.safe_load(
         """
         blocks.*.attn.q: colwise
         model.blocks.*.attn.proj: {style: rowwise, output: replicate}
         "*.mlp.fc1": colwise
         blocks.1.mlp.fc2: rowwise
+        blocks.0.mlp.fc2: rowwise
         """
     )
     entries = resolve_plan(Wrapped(gpt()), plan, tp=2)
     assert [e.fqn for e in entries] == [
-        "model.blocks.0.attn.q", "model.blocks.0.attn.proj", "model.blocks.0.mlp.fc1",
+        "model.blocks.0.attn.q", "model.blocks.0.attn.proj", "model.blocks.0.mlp.fc1", "model.blocks.0.mlp.fc2",
         "model.blocks.1.attn.q", "model.blocks.1.attn.proj", "model.blocks.1.mlp.fc1", "model.blocks.1.mlp.fc2",
     ]
     assert entries[1].options == {"output": "replicate"} and entries[1].pattern == "model.blocks.*.attn.proj"
@@ -173,11 +174,11 @@ def test_module_given_two_styles():
 
 
 def test_unsupported_module_types_for_a_style():
-    with pytest.raises(ValueError, match=r"module 'blocks.0.norm1' is a LayerNorm; style 'colwise' supports only \['Linear', 'Embedding'\]"):
+    with pytest.raises(ValueError, match=r"module 'blocks.0.norm1' is a LayerNorm; style 'colwise' supports only \['Linear', 'Conv1D', 'Embedding'\]"):
         resolve_plan(gpt(), {"blocks.0.norm1": "colwise"}, tp=2)
     with pytest.raises(ValueError, match=r"'blocks.0.attn.q' is a Linear; style 'sequence_parallel' supports only"):
         resolve_plan(gpt(), {"blocks.0.attn.q": "sequence_parallel"}, tp=2)
-    with pytest.raises(ValueError, match=r"'tok_emb' is a Embedding; style 'colwise_gather' supports only \['Linear'\]"):
+    with pytest.raises(ValueError, match=r"'tok_emb' is a Embedding; style 'colwise_gather' supports only \['Linear', 'Conv1D'\]"):
         resolve_plan(gpt(), {"tok_emb": "colwise_gather"}, tp=2)
 
 

@@ -1,0 +1,289 @@
+"""Built-in tensor-parallel plans, and ``plan="auto"``: the model's own plan, else its structure, else refuse.
+
+``plan="auto"`` tries, in order:
+
+1. ``hf``: the plan a HuggingFace model carries (``model._tp_plan``, built by transformers from
+   ``config.base_model_tp_plan`` plus the head's entry), its styles mapped to ours
+   (``colwise``, ``rowwise``, ``colwise_gather_output`` -> ``colwise_gather``, ``embedding_rowwise`` ->
+   ``rowwise`` on the embedding: vocab-parallel); a style we lack is refused by name;
+2. ``transformer``: the structure. Each block of the model's block list holds an attention region
+   (``q/k/v`` + ``o|proj|out_proj|dense``, ``q_proj/k_proj/v_proj`` + ``o_proj``, ``query/key/value`` +
+   ``dense``, a head-major fused ``qkv`` or ``query_key_value`` + its projection) and/or an MLP region
+   (``fc1/fc2``, ``gate_proj/up_proj/down_proj``, ``c_fc/c_proj``, ``fc_1/fc_2/proj``,
+   ``dense_h_to_4h/dense_4h_to_h``, ``w1/w3/w2``, ``linear1/linear2`` (``nn.TransformerEncoderLayer``), or an
+   ``nn.Sequential`` Linear-activation-Linear): the
+   input projections column-wise, the output projection row-wise, whole heads per rank (grouped-query
+   attention: the key/value heads must divide by ``tp``). The output layer after the blocks is
+   ``colwise_gather`` when its size divides by ``tp``;
+3. ``mlp``: a network of Linear layers only, in column-/row-wise pairs.
+
+Whatever plan results, an output head tied to an input embedding gets the embedding vocab-parallel
+(``rowwise``) so the two stay one parameter (see ``parallelize.shared``). When nothing matches, the
+error prints the plan the structure suggests, for the user to paste and edit.
+
+GPT-2's ``c_attn`` keeps q, k and v in three blocks (``[q | k | v]``), so a contiguous split would not
+hold whole heads: ``auto`` leaves that attention replicated (its MLP, embedding and head are split).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from torch import nn
+
+from lightning_dist.parallelize.shared import shared_parameters
+from lightning_dist.parallelize.units import find_block_lists
+
+# HuggingFace style name -> ours; styles HF has and we lack are refused by name
+HF_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "colwise_gather_output": "colwise_gather",
+             "embedding_rowwise": "rowwise", "rowwise_replicate": "rowwise"}
+
+# (column-wise names, row-wise names) of an attention region; fused names must be head-major
+ATTENTION_LAYOUTS: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
+    (("q_proj", "k_proj", "v_proj"), ("o_proj", "out_proj", "dense")),
+    (("q", "k", "v"), ("o", "proj", "out_proj", "dense", "c_proj")),
+    (("query", "key", "value"), ("dense", "out", "o", "out_proj")),
+    (("query_key_value",), ("dense", "proj", "o_proj", "out_proj")),
+    (("qkv",), ("proj", "o", "out_proj", "o_proj", "dense")),
+    (("Wqkv",), ("out_proj", "Wo")),
+)
+MLP_LAYOUTS: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
+    (("fc1",), ("fc2",)),
+    (("gate_proj", "up_proj"), ("down_proj",)),
+    (("up_proj",), ("down_proj",)),
+    (("c_fc",), ("c_proj",)),
+    (("fc_1", "fc_2"), ("proj",)),
+    (("dense_h_to_4h",), ("dense_4h_to_h",)),
+    (("w1", "w3"), ("w2",)),
+    (("fc_in",), ("fc_out",)),
+    (("linear1",), ("linear2",)),  # nn.TransformerEncoderLayer / DecoderLayer
+)
+FUSED_QKV = ("qkv", "query_key_value", "Wqkv")
+"""Fused projections split as-is: their output must be head-major (each head's q, k, v together)."""
+BLOCKED_QKV = ("c_attn",)
+"""Fused projections laid out ``[q | k | v]``: not split (a contiguous shard would not hold whole heads)."""
+
+
+def _tp():
+    from lightning_dist.parallelize import tp
+
+    return tp
+
+
+def _lin(module: nn.Module | None, name: str) -> bool:
+    return _tp()._linear_like(getattr(module, name, None)) if module is not None and hasattr(module, name) else False
+
+
+def _region(module: nn.Module, layouts) -> tuple[tuple[str, ...], str] | None:
+    for cols, rows in layouts:
+        if all(_lin(module, c) for c in cols):
+            row = next((r for r in rows if _lin(module, r)), None)
+            if row is not None:
+                return cols, row
+    return None
+
+
+def _sequential_mlp(module: nn.Module) -> bool:
+    # Linear, parameter-free element-wise modules, Linear
+    if not isinstance(module, nn.Sequential) or len(module) < 3:
+        return False
+    kids = list(module)
+    return (isinstance(kids[0], nn.Linear) and isinstance(kids[-1], nn.Linear)
+            and not any(any(True for _ in k.parameters()) for k in kids[1:-1]))
+
+
+def _block_plan(block: nn.Module) -> tuple[dict[str, str], list[str]]:
+    """Plan entries (relative to the block) for its attention and MLP regions, and notes on what stays whole."""
+    plan: dict[str, str] = {}
+    notes: list[str] = []
+    for name, mod in block.named_modules():
+        if any(name.startswith(p + ".") for p in plan if p):
+            continue
+        pre = f"{name}." if name else ""
+        got = _region(mod, ATTENTION_LAYOUTS) or _region(mod, MLP_LAYOUTS)
+        if got is not None and not any(k.startswith(pre) for k in plan if name):
+            cols, row = got
+            for c in cols:
+                plan[f"{pre}{c}"] = "colwise"
+            plan[f"{pre}{row}"] = "rowwise"
+            if name:  # a region at the block itself (nn.TransformerEncoderLayer's linear1/linear2) shares its input
+                plan[name] = "region_input"  # with attention: no region_input there
+        elif name and _sequential_mlp(mod):
+            plan[f"{name}.0"] = "colwise"
+            plan[f"{name}.{len(mod) - 1}"] = "rowwise"
+            plan[name] = "region_input"
+        elif any(_lin(mod, b) for b in BLOCKED_QKV):
+            notes.append(f"{name}: fused [q|k|v] projection left replicated (not head-major)")
+    return plan, notes
+
+
+def _single_input(block: nn.Module) -> bool:
+    """True when the block's forward takes one argument (the hidden states): sp_enter/sp_exit can wrap it."""
+    import inspect
+
+    if type(block).forward is nn.Module.forward:
+        return True  # no forward of its own (a container): nothing says otherwise
+    try:
+        params = list(inspect.signature(block.forward).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    return len(params) == 1 and params[0].kind in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD)
+
+
+def _output_head(model: nn.Module, lists: list[tuple[str, nn.ModuleList]]) -> str | None:
+    """The last Linear-like layer outside the block lists (the output head), or None."""
+    inside = tuple(f"{n}." for n, _ in lists)
+    heads = [n for n, m in model.named_modules() if n and _tp()._linear_like(m) and not n.startswith(inside)]
+    return heads[-1] if heads else None
+
+
+def transformer_plan(model: nn.Module, *, tp: int = 1) -> dict[str, str]:
+    """Plan from the structure: each block's attention/MLP regions split (see the module docstring),
+    norms sequence-parallel, the output head gathered. Raises ValueError naming a block without regions."""
+    tpm = _tp()
+    lists = find_block_lists(model)
+    if not lists:
+        raise ValueError(f"{type(model).__name__} has no block list (an nn.ModuleList named blocks/layers/h...).")
+    plan: dict[str, str] = {}
+    for list_name, blocks in lists:
+        first, notes = _block_plan(blocks[0])
+        if not any(v == "rowwise" for v in first.values()):
+            children = [f"{n} ({type(m).__name__})" for n, m in blocks[0].named_children()]
+            raise ValueError(
+                f"{list_name}.0 has no attention region (q/k/v, q_proj/k_proj/v_proj, query/key/value, qkv,"
+                f" query_key_value + an output projection) and no MLP region (fc1/fc2, gate/up/down_proj, c_fc/c_proj,"
+                f" ...); its children are {children}" + (f"; {'; '.join(notes)}" if notes else "")
+            )
+        for i, block in enumerate(blocks):
+            if _block_plan(block)[0] != first:
+                raise ValueError(f"{list_name}.{i} differs in structure from {list_name}.0; write the plan by hand.")
+        for key, style in first.items():
+            plan[f"{list_name}.*.{key}"] = style
+        if not _single_input(blocks[0]):
+            continue  # sequence-parallel entries wrap the block's one input; HF blocks take masks, caches...
+        for child, mod in blocks[0].named_children():
+            if tpm._is_norm(mod):
+                plan[f"{list_name}.*.{child}"] = "sequence_parallel"
+        if len(blocks) == 1:
+            plan[f"{list_name}.0"] = "sp_region"
+        else:
+            plan[f"{list_name}.0"] = "sp_enter"
+            plan[f"{list_name}.{len(blocks) - 1}"] = "sp_exit"
+    head = _output_head(model, lists)
+    if head is not None:
+        module = model.get_submodule(head)
+        out = module.nf if tpm.is_conv1d(module) else module.out_features
+        if out % tp == 0:
+            plan[head] = "colwise_gather"
+    return plan
+
+
+def mlp_plan(model: nn.Module, *, tp: int = 1) -> dict[str, str]:
+    """Plan for a network whose parameters all live in Linear layers: pairs (colwise, rowwise) in order.
+
+    An odd last Linear stays replicated. Assumes the Linears run in registration order with only
+    element-wise functions between the two layers of a pair. Raises ValueError when other modules hold
+    parameters.
+    """
+    others = [
+        f"{n} ({type(m).__name__})" for n, m in model.named_modules()
+        if any(True for _ in m.parameters(recurse=False)) and not isinstance(m, nn.Linear)
+    ]
+    if others:
+        raise ValueError(f"not a plain MLP: modules other than Linear hold parameters: {', '.join(others[:4])}")
+    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    if len(linears) < 2:
+        raise ValueError(f"not a plain MLP: it has {len(linears)} Linear layer(s); a pair needs 2")
+    plan = {}
+    for i in range(0, len(linears) - 1, 2):
+        plan[linears[i]] = "colwise"
+        plan[linears[i + 1]] = "rowwise"
+    return plan
+
+
+def hf_plan(model: nn.Module, *, tp: int = 1) -> dict[str, str]:
+    """The tensor-parallel plan a HuggingFace model carries (``_tp_plan``), mapped to the pack's styles."""
+    found = [(n, m) for n, m in model.named_modules() if isinstance(getattr(m, "_tp_plan", None), Mapping)
+             and getattr(m, "_tp_plan") and hasattr(m, "config")]
+    if not found:
+        raise ValueError("no HuggingFace module with a `_tp_plan` (config.base_model_tp_plan)")
+    prefix, owner = found[0]  # the outermost: its plan includes its base model's
+    plan: dict[str, str] = {}
+    lacking = []
+    for pattern, style in owner._tp_plan.items():
+        ours = HF_STYLES.get(style)
+        if ours is None:
+            lacking.append(f"{pattern!r}: {style!r}")
+            continue
+        plan[f"{prefix}.{pattern}" if prefix else pattern] = ours
+    if lacking:
+        raise ValueError(
+            f"{type(owner).__name__}'s own plan uses style(s) the pack does not implement: {', '.join(lacking)}"
+            f" (the pack has {sorted(HF_STYLES)}); pass plan='transformer' or your own mapping"
+        )
+    return plan
+
+
+BUILTIN_PLANS: dict[str, Callable[..., dict[str, str]]] = {
+    "hf": hf_plan,
+    "transformer": transformer_plan,
+    "mlp": mlp_plan,
+}
+"""Built-in plan builders ``fn(model, *, tp) -> plan``, in the order ``plan="auto"`` tries them."""
+
+
+def tie_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """`plan` plus a vocab-parallel (``rowwise``) entry for each nn.Embedding tied to a column-split head.
+
+    A head split on its output features splits its weight on dim 0, the vocabulary; the embedding sharing
+    that weight must be split on the same dim to remain one parameter (Megatron's tied embedding).
+    """
+    tpm = _tp()
+    roots = tpm._roots(model)
+    modules = dict(model.named_modules())
+    plan = dict(plan)
+    for names in shared_parameters(model):
+        owners = [n.rpartition(".")[0] for n in names]
+        styles = {o: next((s for p, s in plan.items() if tpm._matches(o, p, roots)), None) for o in owners}
+        if not any(s in ("colwise", "colwise_gather") for s in styles.values()):
+            continue
+        for o, s in styles.items():
+            if s is None and isinstance(modules[o], nn.Embedding):
+                plan[o] = "rowwise"
+    return plan
+
+
+def builtin_plan(model: nn.Module, name: str, *, tp: int = 1) -> tuple[str, dict[str, str]]:
+    """(name, plan) of the built-in plan `name` for `model`; ``"auto"`` picks the first that matches."""
+    if name != "auto" and name not in BUILTIN_PLANS:
+        raise ValueError(f"Unknown tensor-parallel plan {name!r}; pass 'auto', one of {sorted(BUILTIN_PLANS)} or a mapping.")
+    failures = []
+    for candidate in BUILTIN_PLANS if name == "auto" else (name,):
+        try:
+            return candidate, tie_plan(model, BUILTIN_PLANS[candidate](model, tp=tp))
+        except ValueError as err:
+            failures.append(f"{candidate}: {err}")
+    raise ValueError(
+        f"No built-in tensor-parallel plan {'matches' if name == 'auto' else 'named ' + repr(name) + ' fits'}"
+        f" {type(model).__name__}:\n  - " + "\n  - ".join(failures)
+        + "\nPass plan={pattern: style, ...} naming its layers (see lightning_dist.parallelize.tp)."
+        + suggest_plan(model)
+    )
+
+
+def suggest_plan(model: nn.Module) -> str:
+    """A starting plan to paste and edit (YAML), from the Linear layers each module holds, or ''."""
+    lines = []
+    for name, mod in model.named_modules():
+        kids = [n for n, k in mod.named_children() if _tp()._linear_like(k)]
+        if len(kids) >= 2:
+            *cols, row = kids
+            lines += [f"  {name + '.' if name else ''}{c}: colwise" for c in cols]
+            lines.append(f"  {name + '.' if name else ''}{row}: rowwise")
+    if not lines:
+        return ""
+    return ("\nA plan to start from (each module's last Linear row-wise, the others column-wise; check it against"
+            " your forward):\nplan:\n" + "\n".join(lines[:24]) + ("\n  ..." if len(lines) > 24 else ""))
+
+
+__all__ = ["BUILTIN_PLANS", "HF_STYLES", "builtin_plan", "hf_plan", "mlp_plan", "suggest_plan", "tie_plan", "transformer_plan"]

@@ -1,0 +1,215 @@
+"""Checks of a tensor-parallel plan against the model, in one process: sizes, heads, regions, head attributes.
+
+Used by :func:`lightning_dist.parallelize.tp.resolve_plan` (collects every problem, then raises once) and by
+``apply_tp`` (head-count attributes made local). Module kinds (Linear, HF ``Conv1D``, norms) are recognized
+here so that plans and checks agree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+if TYPE_CHECKING:
+    from lightning_dist.parallelize.tp import TPEntry
+
+_NORMS: tuple[type, ...] = (nn.LayerNorm, nn.Dropout, *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()))
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """HuggingFace's ``Conv1D`` (GPT-2 family): a Linear whose weight is stored transposed, ``[nx, nf]``.
+
+    Recognized by shape rather than imported, so the pack does not import ``transformers``.
+    """
+    return type(module).__name__ == "Conv1D" and isinstance(getattr(module, "nf", None), int) and isinstance(
+        getattr(module, "nx", None), int)
+
+
+def _is_norm(module: nn.Module) -> bool:
+    # HF models bring their own RMSNorm classes (LlamaRMSNorm...): a norm is anything named *Norm with a weight
+    return isinstance(module, _NORMS) or (type(module).__name__.endswith("Norm") and not any(True for _ in module.children()))
+
+
+def _linear_like(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or is_conv1d(module)
+
+
+_HEAD_ATTRS = ("n_heads", "num_heads", "n_head", "num_attention_heads")
+# head counts an attention module may read in its forward: set to the local count on a split region (as
+# torchtitan sets n_heads // tp); kept as they were in GLOBAL_ATTRS_KEY for single-device copies
+LOCAL_ATTRS = (*_HEAD_ATTRS, "num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_head", "all_head_size")
+GLOBAL_ATTRS_KEY = "_tp_global_attrs"
+# the same counts read from a `config` object (litgpt: self.config.n_head, n_query_groups): the split module
+# gets its own shallow copy of the config with the local counts (the config is shared by every layer)
+CONFIG_ATTRS = ("n_head", "n_heads", "num_heads", "num_attention_heads", "num_key_value_heads", "n_query_groups",
+                "num_kv_heads", "n_kv_heads")
+
+
+def _config_counts(module: nn.Module) -> tuple[object | None, dict[str, int]]:
+    cfg = module.__dict__.get("config")
+    if cfg is None or isinstance(cfg, nn.Module):
+        return None, {}
+    counts = {a: getattr(cfg, a, None) for a in CONFIG_ATTRS}
+    return cfg, {a: v for a, v in counts.items() if isinstance(v, int) and not isinstance(v, bool)}
+
+
+def _split_regions(entries: list[TPEntry]) -> list[str]:
+    """Parents of column-wise layers consumed by a row-wise sibling: the attention/MLP modules that are split."""
+    parents: dict[str, set[str]] = {}
+    for e in entries:
+        if e.active and e.style in ("colwise", "rowwise"):
+            parents.setdefault(e.fqn.rpartition(".")[0], set()).add(e.style)
+    return [p for p, styles in parents.items() if styles == {"colwise", "rowwise"}]
+
+
+def _local_attr_problems(model: nn.Module, entries: list[TPEntry], tp: int) -> list[str]:
+    problems = []
+    for parent in _split_regions(entries):
+        module = model.get_submodule(parent)
+        for attr in LOCAL_ATTRS:
+            value = getattr(module, attr, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value % tp:
+                problems.append(
+                    f"{parent or type(model).__name__} has {attr}={value}, which the plan must set to the local count"
+                    f" {attr} // tp on each rank, but {value} is not divisible by tp={tp}; choose a tp that divides it."
+                )
+        for attr, value in _config_counts(module)[1].items():
+            if value % tp:
+                problems.append(
+                    f"{parent or type(model).__name__} reads config.{attr}={value}, which the plan must set to the local"
+                    f" count on each rank, but {value} is not divisible by tp={tp}; choose a tp that divides it."
+                )
+    return problems
+
+
+def set_local_attrs(model: nn.Module, entries: list[TPEntry], tp: int, *, within: nn.Module | None = None) -> list[str]:
+    """Divide the head-count attributes of each split region by `tp`; returns ``module.attr`` names changed.
+
+    `within`: only regions that are modules of this piece of `model` (a pipeline stage). Idempotent: a
+    region whose global values are already kept is left alone.
+    """
+    inside = None if within is None else {id(m) for m in within.modules()}
+    changed = []
+    for parent in _split_regions(entries):
+        module = model.get_submodule(parent)
+        if (inside is not None and id(module) not in inside) or GLOBAL_ATTRS_KEY in module.__dict__:
+            continue
+        saved = {}
+        for attr in LOCAL_ATTRS:
+            value = getattr(module, attr, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                saved[attr] = value
+                setattr(module, attr, value // tp)
+                changed.append(f"{parent}.{attr}")
+        cfg, counts = _config_counts(module)
+        if counts:
+            import copy
+
+            local = copy.copy(cfg)  # this module's own config: the shared one keeps the global counts
+            for attr, value in counts.items():
+                setattr(local, attr, value // tp)
+            saved["config"] = cfg
+            module.config = local
+            changed += [f"{parent}.config.{a}" for a in counts]
+        if saved:
+            module.__dict__[GLOBAL_ATTRS_KEY] = saved
+    return changed
+
+
+def _divisibility(fqn: str, module: nn.Module, style: str, tp: int, parent: nn.Module | None) -> list[str]:
+    problems = []
+    if style in ("colwise", "colwise_gather", "rowwise"):
+        if isinstance(module, nn.Linear):
+            size, what = (module.in_features, "in_features") if style == "rowwise" else (module.out_features, "out_features")
+        elif is_conv1d(module):
+            size, what = (module.nx, "nx (in features)") if style == "rowwise" else (module.nf, "nf (out features)")
+        else:
+            size, what = (module.num_embeddings, "num_embeddings") if style == "rowwise" else (module.embedding_dim, "embedding_dim")
+        if size % tp:
+            problems.append(
+                f"{fqn} ({type(module).__name__}, {style}): {what}={size} is not divisible by tp={tp};"
+                f" choose a tp that divides {size} or leave this module out of the plan."
+            )
+    if style == "colwise" and parent is not None and not problems:
+        problems += _head_problems(fqn, module, tp, parent)
+    return problems
+
+
+def _head_dim(attn: nn.Module) -> int | None:
+    """Per-head width of an attention module: its ``head_dim``/``head_size``, or from its ``config``."""
+    for attr in ("head_dim", "head_size"):
+        if isinstance(getattr(attn, attr, None), int):
+            return getattr(attn, attr)
+    cfg = getattr(attn, "config", None)
+    if isinstance(getattr(cfg, "head_dim", None), int):
+        return cfg.head_dim
+    heads = next((getattr(attn, a) for a in _HEAD_ATTRS if isinstance(getattr(attn, a, None), int)), None)
+    if heads is None:
+        heads = next((getattr(cfg, a) for a in _HEAD_ATTRS if isinstance(getattr(cfg, a, None), int)), None)
+    width = getattr(cfg, "hidden_size", None) if cfg is not None else None
+    return width // heads if isinstance(width, int) and heads else None
+
+
+def _head_problems(fqn: str, module: nn.Module, tp: int, parent: nn.Module) -> list[str]:
+    # a column-wise projection of an attention module must give each rank whole heads (query or key/value heads)
+    head_dim = _head_dim(parent)
+    out = module.nf if is_conv1d(module) else getattr(module, "out_features", None)
+    name = fqn.rpartition(".")[2]
+    if not head_dim or not isinstance(out, int) or out % head_dim:
+        # no head width known: the module's own head count attribute, if any
+        heads = next((getattr(parent, a) for a in _HEAD_ATTRS if isinstance(getattr(parent, a, None), int)), None)
+        if heads is None:
+            return []
+    else:
+        heads = out // head_dim
+        if name in ("qkv", "query_key_value", "Wqkv") and heads % 3 == 0:
+            heads //= 3  # head-major fused q, k, v
+    if heads % tp == 0:
+        return []
+    kind = "key/value heads" if name in (
+        "k", "v", "k_proj", "v_proj", "key", "value") else "heads"
+    return [f"{fqn}: the attention module has {heads} {kind}, not divisible by tp={tp}; heads are split over tensor"
+            f" ranks, so choose a tp that divides {heads}."]
+
+
+def _kind(module: nn.Module) -> str:
+    if is_conv1d(module):
+        return "conv1d"
+    return "linear" if isinstance(module, nn.Linear) else "embedding" if isinstance(module, nn.Embedding) else "other"
+
+
+def _region_problems(entries: list[TPEntry], modules: Mapping[str, nn.Module]) -> list[str]:
+    """A plan checked against the model's structure: each split activation is consumed where it is split.
+
+    A column-wise layer leaves its output split over the tp ranks: a row-wise layer of the same parent
+    module (the attention or MLP region) must take it back, else the next layer or the loss sees a
+    fraction of the features (``Target 25 is out of bounds``). A row-wise layer expects a split input: a
+    column-wise layer of the same parent must produce it, else it is handed the whole activation as if it
+    were one shard (``mat1 and mat2 shapes cannot be multiplied``). A dict entry with an explicit
+    ``input``/``output`` layout states the layout itself and is not second-guessed.
+    """
+    by_parent: dict[str, list[TPEntry]] = {}
+    for e in entries:
+        if e.active:
+            by_parent.setdefault(e.fqn.rpartition(".")[0], []).append(e)
+    problems = []
+    for parent, group in by_parent.items():
+        cols = [e for e in group if e.style == "colwise" and "output" not in e.options]
+        rows = [e for e in group if e.style == "rowwise" and _linear_like(modules[e.fqn]) and "input" not in e.options]
+        where = repr(parent) if parent else "the model root"
+        for e in cols if not rows else ():
+            problems.append(
+                f"{e.fqn} ({e.module_type}, colwise) leaves its output split over the tp ranks, and no row-wise layer"
+                f" of {where} takes it back: the layers after it (or the loss) would see 1/tp of its features. Give an"
+                " output layer 'colwise_gather', add the row-wise layer that consumes it, or state the layout:"
+                " {style: colwise, output: replicate}."
+            )
+        for e in rows if not cols else ():
+            problems.append(
+                f"{e.fqn} ({e.module_type}, rowwise) expects an input split over the tp ranks, but no column-wise layer"
+                f" of {where} produces one. Give the layer(s) feeding it 'colwise', or state the layout:"
+                " {style: rowwise, input: replicate}."
+            )
+    return problems

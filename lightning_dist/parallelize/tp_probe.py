@@ -1,0 +1,126 @@
+"""A tensor-parallel plan checked by running it: the split model's output on one sample equals the unsplit one's.
+
+The structural checks of :func:`~lightning_dist.parallelize.tp.resolve_plan` cannot see inside a forward:
+an attention that takes its head count from a shared ``config`` object, a fused q/k/v projection laid out
+``[q | k | v]`` rather than head by head, a reshape to a global width. Each of those trains a different
+model without an error. So the strategy runs one sample through the model before and after tensor
+parallelism, in eval mode (no dropout), and refuses a difference beyond rounding, on every rank at once.
+The sample is the LightningModule's ``example_input_array``; without one, a made-up batch for the network
+it holds (its one child with parameters) when the network starts with an ``nn.Embedding`` (two rows of 4
+token ids) or an ``nn.Linear`` (two random rows), if the network runs on it; otherwise no check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+# relative output difference allowed for a correct split: rounding of another reduction order, with margin
+_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+
+
+def _first_tensor(out: Any) -> Optional[Tensor]:
+    if isinstance(out, Tensor):
+        return out
+    logits = getattr(out, "logits", None)  # HuggingFace ModelOutput
+    if isinstance(logits, Tensor):
+        return logits
+    if isinstance(out, Mapping):
+        return next((v for v in out.values() if isinstance(v, Tensor)), None)
+    if isinstance(out, (list, tuple)):
+        return next((t for t in map(_first_tensor, out) if t is not None), None)
+    return None
+
+
+def _cast(sample: Any, device: torch.device, dtype: torch.dtype) -> Any:
+    if isinstance(sample, Tensor):
+        return sample.to(device, dtype) if sample.is_floating_point() else sample.to(device)
+    if isinstance(sample, Mapping):
+        return {k: _cast(v, device, dtype) for k, v in sample.items()}
+    if isinstance(sample, (list, tuple)):
+        return type(sample)(_cast(v, device, dtype) for v in sample)
+    return sample
+
+
+def _made_up(module: nn.Module) -> Optional[tuple[nn.Module, Any]]:
+    """(network, sample) for a module without ``example_input_array``, or None when no sample can be guessed."""
+    children = [c for c in module.children() if any(True for _ in c.parameters())]
+    net = children[0] if len(children) == 1 else module
+    first = next((m for m in net.modules() if any(True for _ in m.parameters(recurse=False))), None)
+    g = torch.Generator().manual_seed(0)  # the same sample on every rank
+    if isinstance(first, nn.Embedding):
+        return net, torch.randint(0, first.num_embeddings, (2, 4), generator=g)
+    if isinstance(first, nn.Linear):
+        return net, torch.randn(2, first.in_features, generator=g)
+    return None
+
+
+def probe_output(module: nn.Module, device: torch.device) -> Optional[tuple[nn.Module, Any, Tensor]]:
+    """(what ran, sample, output) of one sample through `module` in eval mode, or None when nothing can run
+    (no sample, weights on the meta device, a made-up sample the network does not take, no tensor out)."""
+    params = list(module.parameters())
+    if not params or any(p.is_meta for p in params):
+        return None
+    sample = getattr(module, "example_input_array", None)
+    net = module
+    if sample is None:
+        guess = _made_up(module)
+        if guess is None:
+            return None
+        net, sample = guess
+    sample = _cast(sample, device, params[0].dtype)
+    try:
+        out = _first_tensor(_run(net, sample))
+    except Exception:  # a sample the forward does not take (other inputs or sizes, no forward): no check
+        return None
+    return None if out is None else (net, sample, out.detach().clone())
+
+
+def _run(module: nn.Module, sample: Any) -> Any:
+    training = module.training
+    module.eval()
+    try:
+        with torch.no_grad():
+            if isinstance(sample, Mapping):
+                return module(**sample)
+            return module(*sample) if isinstance(sample, tuple) else module(sample)
+    finally:
+        module.train(training)
+
+
+def check_probe(module: nn.Module, sample: Any, expected: Tensor, *, describe: str) -> float:
+    """Run `sample` through the parallelized `module` (what ran before: the LightningModule or its network)
+    and refuse an output that differs from `expected`.
+
+    Collective (the forward and one all-reduce): call on every rank. Returns the relative difference.
+    """
+    got = _first_tensor(_run(module, sample))
+    full = getattr(got, "full_tensor", None)
+    got = full() if callable(full) else got
+    if got is None or got.shape != expected.shape:
+        rel = float("inf")
+    else:
+        rel = ((got.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-30)).item()
+    if dist.is_available() and dist.is_initialized():
+        t = torch.tensor([rel], dtype=torch.float64, device=expected.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # one verdict on every rank
+        rel = float(t.item())
+    tol = _TOLERANCE.get(expected.dtype, 1e-4)
+    if not rel <= tol:
+        shape = None if got is None else tuple(got.shape)
+        raise ValueError(
+            f"{describe}: on one sample (`example_input_array`, or a made-up batch of inputs) the split model's output"
+            " differs from the unsplit model's"
+            f" (relative difference {rel:.3e} > {tol:.0e}; output shape {shape} vs {tuple(expected.shape)}). A split"
+            " layer's forward uses a global size: an attention reading its head count from a shared config, a fused"
+            " q/k/v projection that is not head-major ([q | k | v] blocks), a reshape to the full width. Leave that"
+            " module out of the plan, or make its forward read sizes from the tensors (view(B, T, -1, head_dim))."
+        )
+    return rel
+
+
+__all__ = ["check_probe", "probe_output"]
