@@ -5,9 +5,11 @@
 #
 # Writes everything under $OUT (the device tool's folder that comes back), else ./gpu_out:
 #   deps  - the GPU machines have torch, Lightning and torchmetrics but no jsonargparse, DeepSpeed, tensorboardX or
-#           pydantic, and no network: install them from wheels in $WHEELS (default shared/wheels; fill it on a
-#           machine with network: `pip download -d shared/wheels jsonargparse tensorboardX pydantic deepspeed
-#           hjson ninja py-cpuinfo msgpack`); DeepSpeed is an sdist, built with DS_BUILD_OPS=0 and
+#           pydantic, and no network: install them from wheels in $WHEELS (default .whl, a folder of the checkout
+#           that `.git/info/exclude` ignores and the device tool's `carry` names; fill it here with
+#           `pip download --no-deps -d .whl --python-version 3.12 --only-binary=:all: --platform manylinux_2_17_x86_64
+#           jsonargparse tensorboardX pydantic pydantic-core hjson ninja py-cpuinfo msgpack ...` plus
+#           `pip download --no-deps --no-binary=:all: -d .whl deepspeed`); DeepSpeed is an sdist, built with DS_BUILD_OPS=0 and
 #           --no-build-isolation (its ops, cpu_adam included, compile on first use into TORCH_EXTENSIONS_DIR);
 #   unit  - the unit tests, GPU-only ones included (SyncBN torch-kernel parity, measured reports);  ~1-2 min
 #   smoke - every registered strategy, 3 steps of a tiny GPT on CUDA (benchmarks/gpu.py --smoke);    ~3-5 min
@@ -19,7 +21,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 PY=${PY:-python}
-WHEELS=${WHEELS:-shared/wheels}
+WHEELS=${WHEELS:-.whl}
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.torch_extensions}
 export PYTHONUNBUFFERED=1
 parts=("$@")
