@@ -1017,3 +1017,62 @@ def recommend(layouts: Sequence[Layout]) -> Layout | None:
     if not fitting:
         return None
     return min(fitting, key=lambda l: (KIND_ORDER.index(l.kind), l.wire_bytes, l.memory.total))
+
+
+# ---- activations ----------------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class BlockShape:
+    """Sizes of a pre-norm transformer block (the pack's GPT family) for :func:`activation_bytes`."""
+
+    hidden: int
+    """Model width ``C``."""
+    heads: int
+    """Attention heads ``h``."""
+    mlp_hidden: int
+    """MLP inner width ``H``."""
+    vocab: int | None = None
+    """Vocabulary size ``V`` of the output head (None: no head term)."""
+
+
+def activation_bytes(
+    block: BlockShape, *, tokens: int, blocks: int, tp: int = 1, bytes_per_element: float = 2,
+    residual_bytes: float | None = None, micro_batches_held: int = 1, stem: bool = True, head: bool = True,
+    head_gathered: bool = False, checkpointed: bool = False,
+) -> float:
+    """Peak activation bytes of one training step on one device (saved for backward + the backward's start).
+
+    ``N = tokens`` per micro-batch on this device (batch x sequence), ``a`` = ``bytes_per_element`` (compute
+    dtype), ``f`` = ``residual_bytes`` (the residual stream's dtype; default ``a``), ``t`` = ``tp``.
+    Per pre-norm block (``norm1 -> q, k, v -> attention -> proj``, ``norm2 -> fc1 -> GELU -> fc2``), the
+    tensors autograd keeps for backward, per token::
+
+        norm inputs             2 f C              (norm1, norm2; + 2 x 8 B of mean / rstd)
+        norm outputs            2 a C              (the q/k/v input and the fc1 input: replicated over tp)
+        q, k, v, attention out  4 a C / t          (the attention kernel's saved inputs and output)
+        proj input              a C / t
+        GELU and fc2 inputs     2 a H / t
+        log-sum-exp             4 h / t
+
+    ``checkpointed``: a block keeps only its input ``f C`` and one block's full set is live again while it is
+    recomputed. The stem (``stem``) adds the embedding output ``a C`` (and the int64 token ids);
+    the head (``head``) the final norm's input and output ``(f + a) C``, the local logits ``a V / t``, the
+    gathered logits ``a V`` when the head is ``colwise_gather`` across ``tp`` (``head_gathered``), and the
+    cross-entropy's saved log-probabilities (``4 V``, float32) and the logits' gradient when backward
+    starts (``4 V``). A pipeline stage holds ``micro_batches_held`` micro-batches at its peak (1F1B: ``p - s``).
+    """
+    for name, value in (("tokens", tokens), ("tp", tp), ("micro_batches_held", micro_batches_held)):
+        _check_size(name, value)
+    _check_count("blocks", blocks)
+    a = bytes_per_element
+    f = a if residual_bytes is None else residual_bytes
+    C, H, h, t = block.hidden, block.mlp_hidden, block.heads, tp
+    full = 2 * f * C + 16 + 2 * a * C + 4 * a * C / t + a * C / t + 2 * a * H / t + 4 * h / t
+    per_block = f * C if checkpointed else full
+    saved = blocks * per_block + (full if checkpointed and blocks else 0)
+    if stem:
+        saved += a * C + 8
+    per_token = micro_batches_held * saved
+    if head and block.vocab:
+        V = block.vocab
+        per_token += (f + a) * C + 16 + a * V / t + (a * V if head_gathered else 0) + 4 * V + 4 * V
+    return per_token * tokens

@@ -235,11 +235,15 @@ class MeshStrategy(ParallelStrategy):
         self.validate_config(spec)
         ParallelStrategy.setup_environment(self)
         self._setup_distributed()
-        self._mesh = DistMesh.build(spec, self.root_device.type)
-        self._device_mesh = self._mesh.device_mesh
-        assert self.lightning_module is not None
-        attach_mesh(self.lightning_module, self._mesh)
+        self.use_mesh(DistMesh.build(spec, self.root_device.type))
         rank_zero_info(spec.format_plan())
+
+    def use_mesh(self, mesh: DistMesh) -> None:
+        """Adopt a built mesh (``setup_environment``; the dry run builds one on a fake process group)."""
+        self._mesh = mesh
+        self._device_mesh = mesh.device_mesh
+        assert self.lightning_module is not None
+        attach_mesh(self.lightning_module, mesh)
 
     def validate_config(self, spec: MeshSpec) -> None:
         """Subclasses check option combinations against the resolved mesh here (raise ValueError)."""
@@ -282,13 +286,7 @@ class MeshStrategy(ParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         if not _has_meta(self.model):
             self.model.to(self.root_device)
-        if _is_parallelized(self.model):
-            # `trainer.validate()` after `fit()` sets up the same module again: it is already sharded
-            pass
-        elif self._parallelize_fn is not None:
-            self._parallelize_fn(self.lightning_module, self.mesh)
-        else:
-            self.parallelize(self.lightning_module)
+        self.apply_parallelism()
         _materialize_distributed_module(self.model, self.root_device)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -296,6 +294,16 @@ class MeshStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def apply_parallelism(self) -> None:
+        """The user's ``parallelize_fn`` or the built-in :meth:`parallelize`, once (``setup``; the dry run)."""
+        if _is_parallelized(self.model):
+            # `trainer.validate()` after `fit()` sets up the same module again: it is already sharded
+            return
+        if self._parallelize_fn is not None:
+            self._parallelize_fn(self.lightning_module, self.mesh)
+        else:
+            self.parallelize(self.lightning_module)
 
     # ---- memory at rest --------------------------------------------------------------------------
     def reshard(self) -> None:
