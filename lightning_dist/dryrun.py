@@ -527,10 +527,11 @@ def plan_rank(strategy: Any, module: Any, cfg: Any, config: DryRunConfig, spec: 
     if hidden is not None and cfg is not None:
         held = (m if strategy.schedule == "gpipe" else min(stages - stage, m)) if pipelined else 1
         activation = planner.activation_bytes(
-            planner.BlockShape(hidden=hidden, heads=cfg.n_head, mlp_hidden=cfg.mlp_ratio * hidden, vocab=vocab),
+            planner.BlockShape(hidden=hidden, heads=cfg.n_head, mlp_hidden=cfg.mlp_ratio * hidden, vocab=vocab,
+                               kv_heads=getattr(cfg, "n_kv_head", None)),
             tokens=config.batch_size // m * seq, blocks=blocks, tp=T, bytes_per_element=act_bytes,
             residual_bytes=resid_bytes, micro_batches_held=held,
-            stem=stage == 0, head=has_head, head_gathered=head_gathered,
+            stem=stage == 0, head=has_head, head_gathered=head_gathered, autocast=pipelined,
             checkpointed=bool(getattr(strategy, "activation_checkpointing", False)))
     merged: dict[tuple[str, str], float] = {}
     for c in traffic:
