@@ -588,9 +588,9 @@ class DryRunReport:
             act, act_p = r["peak_activation_bytes"], r["planned"]["peak_activation_bytes"]
             fits = self.fits(r)
             table.add_row(str(r["rank"]), " ".join(f"{k}{v}" for k, v in r["coords"].items() if k != DP),
-                          *(_fmt(m[k]) for k in ("params", "grads", "optimizer")),
-                          f"{m['total'] / p['total']:.3f}" if p["total"] else "-", _fmt(act),
-                          f"{act / act_p:.2f}" if act_p else "-", _fmt(m["total"] + act),
+                          *(format_bytes(m[k]) for k in ("params", "grads", "optimizer")),
+                          f"{m['total'] / p['total']:.3f}" if p["total"] else "-", format_bytes(act),
+                          f"{act / act_p:.2f}" if act_p else "-", format_bytes(m["total"] + act),
                           "-" if fits is None else ("yes" if fits else "NO"), f"{r['seconds']:.0f} s")
         console.print(table)
         comm = Table(title="Collective payload bytes per step (measured / planned)")
@@ -599,7 +599,7 @@ class DryRunReport:
         for r in self.ranks:
             calls = {(c["op"], c["dim"]): c["calls"] for c in r["collectives"]}
             for (op, dim), (meas, plan) in self.collective_ratios(r).items():
-                comm.add_row(str(r["rank"]), op, dim, str(calls.get((op, dim), 0)), _fmt(meas), _fmt(plan),
+                comm.add_row(str(r["rank"]), op, dim, str(calls.get((op, dim), 0)), format_bytes(meas), format_bytes(plan),
                              f"{meas / plan:.3f}" if plan else "-")
         console.print(comm)
         return buf.getvalue()
@@ -608,7 +608,8 @@ class DryRunReport:
         return {"config": json.loads(self.config.to_json()), "ranks": self.ranks}
 
 
-def _fmt(n: float) -> str:
+def format_bytes(n: float) -> str:
+    """Decimal units: 1 kB = 1e3 B, 1 GB = 1e9 B."""
     for scale, unit in ((1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
         if abs(n) >= scale:
             return f"{n / scale:.3g} {unit}"

@@ -183,10 +183,13 @@ def _divisibility(fqn: str, module: nn.Module, style: str, tp: int, parent: nn.M
                 f" choose a tp that divides {size} or leave this module out of the plan."
             )
     if style == "colwise" and parent is not None:
-        heads = next((getattr(parent, a) for a in _HEAD_ATTRS if isinstance(getattr(parent, a, None), int)), None)
+        # key/value projections of grouped-query attention split their own (fewer) heads
+        kv = fqn.rsplit(".", 1)[-1] in ("k", "v") and isinstance(getattr(parent, "n_kv_heads", None), int)
+        attrs, what = (("n_kv_heads",), "key/value heads") if kv else (_HEAD_ATTRS, "heads")
+        heads = next((getattr(parent, a) for a in attrs if isinstance(getattr(parent, a, None), int)), None)
         if heads is not None and heads % tp:
             problems.append(
-                f"{fqn}: the attention module has {heads} heads, not divisible by tp={tp}; heads are split over"
+                f"{fqn}: the attention module has {heads} {what}, not divisible by tp={tp}; heads are split over"
                 f" tensor ranks, so choose a tp that divides {heads}."
             )
     return problems

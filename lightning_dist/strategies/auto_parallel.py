@@ -203,7 +203,9 @@ def format_choice(ranked: Sequence[planner.Layout], *, device_memory: float) -> 
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"auto_parallel: least parallelism that fits {device_memory / 1e9:.4g} GB per device")
+    from lightning_dist.dryrun import format_bytes
+
+    table = Table(title=f"auto_parallel: least parallelism that fits {format_bytes(device_memory)} per device")
     for col in ("", "layout", "strategy", "mesh pp x dp_rep x dp_shard x tp", "device bytes", "host bytes",
                 "traffic/step"):
         table.add_column(col, justify="left" if col in ("", "layout", "strategy") else "right", no_wrap=True)
@@ -211,7 +213,7 @@ def format_choice(ranked: Sequence[planner.Layout], *, device_memory: float) -> 
         cls, _ = strategy_for(layout)
         m = layout.memory
         table.add_row(label, layout.name, cls.__name__, " x ".join(str(v) for v in layout.mesh.values()),
-                      f"{m.total:,.0f}", f"{m.host + m.nvme:,.0f}", f"{layout.wire_bytes:,.0f}")
+                      format_bytes(m.total), format_bytes(m.host + m.nvme), format_bytes(layout.wire_bytes))
     buf = io.StringIO()
     Console(file=buf, width=130, force_terminal=False).print(table)
     return buf.getvalue()

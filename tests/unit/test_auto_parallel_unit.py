@@ -143,3 +143,13 @@ def test_dry_run_cli_config_from_lightningcli_yaml(tmp_path):
     assert config.strategy == "lightning_dist.strategies.PipelineStrategy"
     assert config.strategy_args == {"pp": 4, "tp": 8}
     assert config.precision == "bf16-mixed" and config.device_memory == 80e9 and config.ranks == (0, 1023)
+
+
+def test_tp_plan_refuses_key_value_heads_that_do_not_split():
+    from lightning_dist.parallelize.tp import resolve_plan
+
+    with torch.device("meta"):
+        module = CharGPT(vocab_size=32, block_size=8, n_layer=1, n_head=16, n_kv_head=4, n_embd=128)
+    with pytest.raises(ValueError, match="has 4 key/value heads, not divisible by tp=8"):
+        resolve_plan(module, "gpt", tp=8)
+    assert resolve_plan(module, "gpt", tp=4)
