@@ -213,17 +213,36 @@ def _strategy(config: DryRunConfig) -> Any:
     """The strategy object, built as ``Trainer(strategy=...)`` builds it (registry name or class path)."""
     from lightning.pytorch.strategies import StrategyRegistry
 
+    cls = _strategy_class(config)
+    if config.strategy in StrategyRegistry:
+        return cls(**{**StrategyRegistry[config.strategy]["init_params"], **dict(config.strategy_args)})
+    return cls(**dict(config.strategy_args))
+
+
+def _strategy_class(config: DryRunConfig) -> type:
+    from lightning.pytorch.strategies import StrategyRegistry
+
     from lightning_dist import planner
     from lightning_dist.strategies import register_strategies
 
     register_strategies()
     if config.strategy in StrategyRegistry:
-        entry = StrategyRegistry[config.strategy]
-        return entry["strategy"](**{**entry["init_params"], **dict(config.strategy_args)})
+        return StrategyRegistry[config.strategy]["strategy"]
     if "." in config.strategy:
-        return planner.import_class(config.strategy)(**dict(config.strategy_args))
+        return planner.import_class(config.strategy)
     raise ValueError(f"Unknown strategy {config.strategy!r}: use a registered name ({sorted(StrategyRegistry)})"
                      " or a class path.")
+
+
+def _check_replayable(cls: type) -> None:
+    from lightning_dist.strategies.auto_parallel import AutoParallelStrategy
+    from lightning_dist.strategies.base import MeshStrategy
+
+    if not isinstance(cls, type) or not issubclass(cls, MeshStrategy) or issubclass(cls, AutoParallelStrategy):
+        name = getattr(cls, "__name__", repr(cls))
+        raise ValueError(f"The dry run replays the pack's mesh strategies; {name} is not one (the DeepSpeed offload"
+                         " engine communicates on its own; auto_parallel picks one: dry-run that one). Plan it with"
+                         " `lightning-dist plan`.")
 
 
 def _batch_maker(module: Any, config: DryRunConfig) -> Any:
@@ -283,7 +302,6 @@ def simulate_rank(config: DryRunConfig, rank: int) -> dict[str, Any]:
     from lightning_dist import measure, planner
     from lightning_dist._compat import init_fake_process_group
     from lightning_dist.mesh import DistMesh
-    from lightning_dist.strategies.base import MeshStrategy
     from lightning_dist.strategies.pipeline import PipelineStrategy
 
     start = time.perf_counter()
@@ -293,10 +311,8 @@ def simulate_rank(config: DryRunConfig, rank: int) -> dict[str, Any]:
     # the cluster environment Lightning reads (processes started externally, as under torchrun / SLURM)
     os.environ.update({"LOCAL_RANK": str(rank % per_node), "NODE_RANK": str(rank // per_node),
                        "WORLD_SIZE": str(config.world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"})
+    _check_replayable(_strategy_class(config))
     strategy = _strategy(config)
-    if not isinstance(strategy, MeshStrategy):
-        raise ValueError(f"The dry run replays the pack's mesh strategies; {type(strategy).__name__} is not one"
-                         " (the DeepSpeed offload engine communicates on its own). Plan it with `lightning-dist plan`.")
     torch.manual_seed(0)
     module = planner.build_meta_model(config.model, dict(config.init_args))
     if not isinstance(module, pl.LightningModule):
@@ -626,6 +642,7 @@ def dry_run(config: DryRunConfig, *, timeout: float = 600.0, python: str = sys.e
     import tempfile
 
     check_cluster(config.world_size, config.devices_per_node)
+    _check_replayable(_strategy_class(config))
     strategy_sizes = {k: v for k, v in dict(config.strategy_args).items() if k in DIM_NAMES}
     if all(isinstance(v, int) for v in strategy_sizes.values()) and strategy_sizes:
         MeshSpec(world_size=config.world_size, devices_per_node=min(config.devices_per_node, config.world_size),

@@ -92,3 +92,6 @@ def test_dry_run_refuses_heads_and_stages_with_the_strategy_message():
     with pytest.raises(ValueError, match="Cannot split GPT into 5 pipeline stages: it has only 4 blocks"):
         dry_run(_config(world_size=1280, strategy_args={**MESH, "pp": 5}, ranks=(0,)), timeout=300)
     assert isinstance(module.model, nn.Module)
+    # DeepSpeed's engine communicates on its own: the dry run says so and points to the planner
+    with pytest.raises(ValueError, match="Plan it with `lightning-dist plan`"):
+        dry_run(_config(world_size=16, strategy="offload", strategy_args={}, ranks=(0,)), timeout=300)

@@ -13,7 +13,6 @@ import json
 import os
 import sys
 
-import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from _common import full_params, max_rel_diff, trainer
@@ -89,3 +88,10 @@ for target, global_batch, prefer in runs:
     diff = max_rel_diff(got, {k: v for k, v in refs[global_batch].items() if k in got})
     emit(kind="auto", target=target, choice=t.strategy.choice.name, ran_as=type(t.strategy).__name__, diff=diff,
          mesh=list(t.strategy.mesh.spec.shape), offload_policy=type(getattr(t.strategy, "offload_policy", None)).__name__)
+
+# nothing fits: 1 byte per device and a global batch of 6 (rules out full sharding with everything offloaded)
+try:
+    trainer(AutoParallelStrategy(device_memory=1, global_batch=6), devices=world, steps=STEPS).fit(Task(6))
+    emit(kind="nothing-fits", error=None)
+except ValueError as err:
+    emit(kind="nothing-fits", error=str(err))

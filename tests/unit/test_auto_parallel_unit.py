@@ -153,3 +153,14 @@ def test_tp_plan_refuses_key_value_heads_that_do_not_split():
     with pytest.raises(ValueError, match="has 4 key/value heads, not divisible by tp=8"):
         resolve_plan(module, "gpt", tp=8)
     assert resolve_plan(module, "gpt", tp=4)
+
+
+def test_auto_parallel_needs_device_memory_on_cpu(monkeypatch):
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    strategy = AutoParallelStrategy()
+    strategy.parallel_devices = [torch.device("cpu")]
+    strategy.cluster_environment = LightningEnvironment()
+    with pytest.raises(ValueError, match="auto_parallel needs device_memory=... \\(e.g. '80GB'\\) on a non-CUDA device"):
+        strategy.setup_environment()
