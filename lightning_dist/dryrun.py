@@ -15,11 +15,12 @@ which holds the trailing FSDP2 / tensor shards) it starts one subprocess that
    ``MemTracker`` (:mod:`torch.distributed._tools.mem_tracker`) and a collective recorder
    (:class:`CollectiveRecorder`), which maps each collective's process group back to its mesh dim.
 
-Pipeline stages are stepped as their schedule's busiest moment: stage ``s`` of ``p`` (1F1B, ``m``
-micro-batches) holds ``min(p - s, m)`` micro-batches of activations at its peak, so the stage runs that
-many forwards, then their backwards, and sends / receives the boundary activations and their gradients of
-all ``m`` micro-batches on the fake ``pp`` group (torch's pipeline schedules infer stage shapes by
-exchanging them with their peers, which a fake group cannot do).
+Pipeline stages run their schedule's order themselves (torch's pipeline schedules infer stage shapes by
+exchanging them with their peers, which a fake group cannot answer): stage ``s`` of ``p`` under 1F1B with
+``m`` micro-batches runs ``min(p - s, m)`` warm-up forwards, then one backward and one forward at a time,
+then the remaining backwards (GPipe: all forwards first), receiving and sending each micro-batch's
+boundary activation and gradient on the fake ``pp`` group, with FSDP2 reducing gradients on the last
+micro-batch as torch's ``PipelineStage`` does.
 
 The report puts each measurement next to the planner's prediction (:mod:`lightning_dist.planner`) for
 the same rank: model-state bytes (params / grads / optimizer), peak activation bytes
@@ -302,6 +303,7 @@ def simulate_rank(config: DryRunConfig, rank: int) -> dict[str, Any]:
     from lightning_dist import measure, planner
     from lightning_dist._compat import init_fake_process_group
     from lightning_dist.mesh import DistMesh
+    from lightning_dist.parallelize.units import find_block_lists
     from lightning_dist.strategies.pipeline import PipelineStrategy
 
     start = time.perf_counter()
@@ -333,7 +335,6 @@ def simulate_rank(config: DryRunConfig, rank: int) -> dict[str, Any]:
         mesh = DistMesh.build(spec, "cpu")
         strategy.use_mesh(mesh)
         pipelined = isinstance(strategy, PipelineStrategy)
-        dp = spec.size(DP)
         micro = strategy.n_microbatches if pipelined else 1
         if config.batch_size % micro:
             raise ValueError(f"batch_size={config.batch_size} does not divide into n_microbatches={micro}.")
@@ -343,8 +344,6 @@ def simulate_rank(config: DryRunConfig, rank: int) -> dict[str, Any]:
         boundaries = _stage_inputs(strategy, module, meta_batch) if pipelined else None
         # the strategy's real set-up order: dtype, parallelize (TP, pipeline split, AC, FSDP2) on meta, materialize
         strategy.model = strategy.precision_plugin.convert_module(strategy.model)
-        from lightning_dist.parallelize.units import find_block_lists
-
         shapes = {name: tuple(p.shape) for name, p in module.named_parameters()}
         in_blocks = {f"{list_name}.{n}" for list_name, blocks in find_block_lists(module)
                      for n, _ in blocks.named_parameters()}
@@ -388,26 +387,25 @@ def simulate_rank(config: DryRunConfig, rank: int) -> dict[str, Any]:
         dist.destroy_process_group()
 
 
-class _Call:
-    """Calls `module` from inside a new parent module (see ``_pipeline_step``)."""
+def _fresh_parent(module: Any) -> Any:
+    """`module` inside a new parent module: MemTracker takes one top-level call per module and step, and
+    a pipeline stage runs once per micro-batch."""
+    from torch import nn
 
-    def __new__(cls, module: Any) -> Any:
-        from torch import nn
+    class Call(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = module
 
-        class Call(nn.Module):
-            def __init__(self) -> None:
-                super().__init__()
-                self.inner = module
+        def forward(self, x: Any) -> Any:
+            return self.inner(x)
 
-            def forward(self, x: Any) -> Any:
-                return self.inner(x)
-
-        return Call()
+    return Call()
 
 
 def _pipeline_step(strategy: Any, module: Any, make_batch: Any, config: DryRunConfig, spec: MeshSpec, rank: int,
                    boundaries: list[Any], micro: int) -> None:
-    """The busiest moment of this rank's 1F1B stage (see the module doc), with the boundary traffic."""
+    """This rank's stage through one step of its schedule (see the module doc), with the boundary traffic."""
     import torch
     import torch.distributed as dist
 
@@ -416,7 +414,7 @@ def _pipeline_step(strategy: Any, module: Any, make_batch: Any, config: DryRunCo
                          " schedules are planned by `lightning-dist plan`.")
     split, (stage,) = strategy.split, strategy.local_stages
     p, last = split.num_stages, split.num_stages - 1
-    view = strategy._runner.views[0]
+    view = strategy._runner.views[0]  # the FSDP2-wrapped stage module the strategy's schedule would run
     group = strategy.mesh.group(PP)
     peers = spec.group_ranks(rank, PP)
     held = micro if strategy.schedule == "gpipe" else min(p - stage, micro)
@@ -434,7 +432,7 @@ def _pipeline_step(strategy: Any, module: Any, make_batch: Any, config: DryRunCo
             dist.recv(x, src=prev, group=group)
             x.requires_grad_()
         with strategy.precision_plugin.train_step_context():
-            y = _Call(view)(x)  # a fresh parent per micro-batch: MemTracker takes one top-level call per module
+            y = _fresh_parent(view)(x)
             if stage == last:
                 return module.pipeline_loss(y, make_batch(n)[1]) / micro
         dist.send(y.detach(), dst=nxt, group=group)

@@ -95,3 +95,17 @@ def test_dry_run_refuses_heads_and_stages_with_the_strategy_message():
     # DeepSpeed's engine communicates on its own: the dry run says so and points to the planner
     with pytest.raises(ValueError, match="Plan it with `lightning-dist plan`"):
         dry_run(_config(world_size=16, strategy="offload", strategy_args={}, ranks=(0,)), timeout=300)
+
+
+def test_dry_run_tensor_parallel_and_hybrid_sharding():
+    # the non-pipelined path: FSDP2 mixed precision over dp_replicate=2 x dp_shard=2 around tp=4 (16 ranks)
+    report = dry_run(_config(world_size=16, strategy="tp", strategy_args={"tp": 4, "dp_replicate": 2, "dp_shard": 2},
+                             ranks=(15,)), timeout=300)
+    (r,) = report.ranks
+    assert r["coords"] == {"pp": 0, "dp_replicate": 1, "dp_shard": 1, "tp": 3, "dp": 3}
+    assert abs(r["states"]["total"] / r["planned"]["states"]["total"] - 1) <= 0.01
+    comm = report.collective_ratios(r)
+    assert {dim for _, dim in comm} == {"dp_shard", "dp_replicate", "tp"}
+    for key, (measured, planned) in comm.items():
+        assert abs(measured / planned - 1) <= 0.02, (key, measured, planned)
+    assert abs(r["peak_activation_bytes"] / r["planned"]["peak_activation_bytes"] - 1) <= 0.15
