@@ -358,20 +358,33 @@ def simulate_rank(config: DryRunConfig, rank: int) -> dict[str, Any]:
             tracker = MemTracker()
             tracker.track_external(strategy.model, *optimizers)
             recorder = CollectiveRecorder(spec, rank)
-            with tracker, recorder:
-                if pipelined:
-                    _pipeline_step(strategy, module, make_batch, config, spec, rank, boundaries, micro)
-                else:
-                    batch = make_batch(config.batch_size)
-                    with strategy.precision_plugin.train_step_context():
-                        loss = module.training_step(batch, 0)
-                    loss.backward()
+            peaks: list[dict] = []
+
+            def stop_tracking() -> None:  # the tracker is the innermost mode: it can leave before the recorder
+                if not peaks:
+                    peaks.append(tracker.get_tracker_snapshot("peak"))
+                    tracker.__exit__(None, None, None)
+
+            with recorder:
+                tracker.__enter__()
+                try:
+                    if pipelined:
+                        _pipeline_step(strategy, module, make_batch, config, spec, rank, boundaries, micro,
+                                       stop_tracking)
+                    else:
+                        batch = make_batch(config.batch_size)
+                        with strategy.precision_plugin.train_step_context():
+                            loss = module.training_step(batch, 0)
+                        loss.backward()
+                    stop_tracking()
+                finally:
+                    stop_tracking()
                 for opt in optimizers:
                     opt.step()
                 states = measure.model_state_bytes(strategy.model, optimizers)
                 for opt in optimizers:
                     opt.zero_grad(set_to_none=True)
-            peak = tracker.get_tracker_snapshot("peak")
+            peak = peaks[0]
         dev = next(iter(peak.values())) if peak else {}
         cat = {str(getattr(k, "value", k)): v for k, v in dev.items()}
         return {
@@ -404,8 +417,13 @@ def _fresh_parent(module: Any) -> Any:
 
 
 def _pipeline_step(strategy: Any, module: Any, make_batch: Any, config: DryRunConfig, spec: MeshSpec, rank: int,
-                   boundaries: list[Any], micro: int) -> None:
-    """This rank's stage through one step of its schedule (see the module doc), with the boundary traffic."""
+                   boundaries: list[Any], micro: int, stop_tracking: Any) -> None:
+    """This rank's stage through one step of its schedule (see the module doc), with the boundary traffic.
+
+    Memory is tracked up to the first steady-state forward: the peak is reached at the first backward, with
+    the warm-up micro-batches held; later micro-batches repeat the same shapes with no more held (torch's
+    MemTracker costs time per live tensor and op, so the rest of the step runs without it).
+    """
     import torch
     import torch.distributed as dist
 
@@ -432,13 +450,16 @@ def _pipeline_step(strategy: Any, module: Any, make_batch: Any, config: DryRunCo
             dist.recv(x, src=prev, group=group)
             x.requires_grad_()
         with strategy.precision_plugin.train_step_context():
-            y = _fresh_parent(view)(x)
+            parent = _fresh_parent(view)
+            parents.append(parent)  # alive until backward: the tracker's backward hooks look it up
+            y = parent(x)
             if stage == last:
                 return module.pipeline_loss(y, make_batch(n)[1]) / micro
         dist.send(y.detach(), dst=nxt, group=group)
         return y
 
     done = 0
+    parents: list[Any] = []
 
     def backward(y: Any) -> None:
         nonlocal done
@@ -461,6 +482,9 @@ def _pipeline_step(strategy: Any, module: Any, make_batch: Any, config: DryRunCo
     for _ in range(micro - held):
         backward(live.pop(0))
         live.append(forward())
+        stop_tracking()
+    backward(live.pop(0))
+    stop_tracking()
     while live:
         backward(live.pop(0))
 
