@@ -311,7 +311,7 @@ def simulate_rank(config: DryRunConfig, rank: int) -> dict[str, Any]:
     nodes = max(1, config.world_size // config.devices_per_node)
     per_node = min(config.devices_per_node, config.world_size)
     # the cluster environment Lightning reads (processes started externally, as under torchrun / SLURM)
-    os.environ.update({"LOCAL_RANK": str(rank % per_node), "NODE_RANK": str(rank // per_node),
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank % per_node), "NODE_RANK": str(rank // per_node),
                        "WORLD_SIZE": str(config.world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"})
     _check_replayable(_strategy_class(config))
     strategy = _strategy(config)
@@ -669,24 +669,19 @@ def dry_run(config: DryRunConfig, *, timeout: float = 600.0, python: str = sys.e
     if all(isinstance(v, int) for v in strategy_sizes.values()) and strategy_sizes:
         MeshSpec(world_size=config.world_size, devices_per_node=min(config.devices_per_node, config.world_size),
                  **{"dp_replicate": "auto", "dp_shard": "auto", **strategy_sizes})
-    ranks = list(config.ranks) if config.ranks is not None else None
+    ranks = list(config.ranks) if config.ranks is not None else _representative_for(config)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_JOB_ENV)}
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        todo = ranks if ranks is not None else [None]
-        while todo:
-            rank = todo.pop(0)
+        for rank in ranks:
             out = os.path.join(tmp, f"rank{rank}.json")
-            cmd = [python, "-m", "lightning_dist.dryrun", "--config", config.to_json(), "--out", out]
-            cmd += ["--rank", str(rank)] if rank is not None else ["--representative"]
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+            cmd = [python, "-m", "lightning_dist.dryrun", "--config", config.to_json(), "--out", out, "--rank", str(rank)]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
             data = json.load(open(out)) if os.path.exists(out) else None
             if data is None or "error" in data:
                 kind, message = (data["error"] if data else ("RuntimeError", proc.stderr[-4000:]))
                 exc = {"ValueError": ValueError, "TypeError": TypeError}.get(kind, RuntimeError)
                 raise exc(message)
-            if "representative" in data:  # the first process only resolved the mesh
-                todo = list(data["representative"])
-                continue
             results.append(data)
     return DryRunReport(config=config, ranks=results)
 
@@ -700,18 +695,14 @@ def _main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--rank", type=int)
-    parser.add_argument("--representative", action="store_true")
+    parser.add_argument("--rank", type=int, required=True)
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning").setLevel(logging.ERROR)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     config = DryRunConfig.from_json(args.config)
     try:
-        if args.representative:
-            result = {"representative": _representative_for(config)}
-        else:
-            result = simulate_rank(config, args.rank)
+        result = simulate_rank(config, args.rank)
     except (ValueError, TypeError, ImportError, RuntimeError) as err:
         result = {"error": [type(err).__name__, str(err)]}
     tmp = args.out + ".tmp"
@@ -722,17 +713,24 @@ def _main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _representative_for(config: DryRunConfig) -> list[int]:
-    """The strategy's resolved mesh (its own ``mesh_spec``, with its ``"auto"`` rules) -> representative ranks."""
-    import lightning.pytorch as pl
+    """The strategy's resolved mesh (its own ``mesh_spec``, with its ``"auto"`` rules) -> representative ranks.
+
+    Pure arithmetic on a strategy given the devices the Trainer would give it: runs in the driver's process.
+    """
+    import torch
 
     check_cluster(config.world_size, config.devices_per_node)
     per_node = min(config.devices_per_node, config.world_size)
-    os.environ.update({"LOCAL_RANK": "0", "NODE_RANK": "0", "WORLD_SIZE": str(config.world_size)})
     strategy = _strategy(config)
-    pl.Trainer(accelerator="cpu", devices=per_node, num_nodes=max(1, config.world_size // per_node),
-               strategy=strategy, precision=config.precision, logger=False, enable_checkpointing=False,
-               enable_progress_bar=False, enable_model_summary=False)
+    strategy.parallel_devices = [torch.device("cpu")] * per_node
+    strategy.num_nodes = max(1, config.world_size // per_node)
     return representative_ranks(strategy.mesh_spec())
+
+
+# launcher and scheduler variables of the calling job (a torchrun / SLURM rank running auto_parallel's
+# verification): the simulated rank sets its own, and must not be taken for a rank of that job
+_JOB_ENV = ("TORCHELASTIC_", "SLURM_", "GROUP_", "ROLE_", "LOCAL_WORLD_SIZE", "RANK", "LOCAL_RANK", "WORLD_SIZE",
+            "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "OMPI_", "PMI_")
 
 
 if __name__ == "__main__":

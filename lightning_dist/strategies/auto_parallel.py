@@ -59,8 +59,8 @@ class AutoParallelStrategy(MeshStrategy):
             memory of the CUDA device (``strategy="auto_parallel"``); required on CPU.
         prefer: layout kinds to try first, in order (``"ddp"``, ``"hsdp"``, ``"fsdp"``, ``"tp"``, ``"pp"``,
             ``"offload"``); otherwise least parallelism first.
-        verify: also run the dry run (fake process group, fake tensors) for the top candidates and skip one
-            whose measured model states + peak activations do not fit. Needs the LightningModule's init
+        verify: also dry-run (fake process group, fake tensors) the candidates in order until one fits (at
+            most 4 dry runs, on rank 0) and skip those whose measured model states + peak activations do not. Needs the LightningModule's init
             arguments in ``hparams`` (``save_hyperparameters()``) and a batch it can build (see ``dryrun``).
         global_batch: samples per optimizer step over all ranks; layouts whose data-parallel size does not
             divide it are skipped (each data-parallel rank needs the same whole number of samples).
@@ -127,26 +127,31 @@ class AutoParallelStrategy(MeshStrategy):
                                             device_memory=self.device_memory)
         return planner.rank_layouts(layouts, global_batch=self.global_batch, prefer=self.prefer)
 
-    def _verified(self, ranked: list[planner.Layout]) -> list[planner.Layout]:
-        """Drop top candidates whose dry run does not fit (rank 0 only; one process per simulated rank)."""
+    def _verified(self, ranked: list[planner.Layout], *, max_runs: int = 4) -> list[planner.Layout]:
+        """Dry-run the candidates in order until one fits (at most `max_runs` dry runs; rank 0 only); drop
+        those that do not. Offload layouts keep nothing on the device and are not dry-run."""
         from lightning_dist.dryrun import DryRunConfig, dry_run
 
         module = self.lightning_module
         cls = type(module)
-        kept = []
-        for i, layout in enumerate(ranked):
-            if i >= 2 or layout.kind == "offload":  # the dry run checks the top two; offload keeps nothing on device
+        kept, runs, found = [], 0, False
+        for layout in ranked:
+            if found or layout.kind == "offload" or runs >= max_runs:
                 kept.append(layout)
                 continue
             strategy_cls, kwargs = strategy_for(layout)
+            runs += 1
             report = dry_run(DryRunConfig(
-                model=f"{cls.__module__}.{cls.__qualname__}", init_args=dict(module.hparams),
+                # hparams without LightningCLI's private entries (`_instantiator`, `_class_path`)
+                model=f"{cls.__module__}.{cls.__qualname__}",
+                init_args={k: v for k, v in module.hparams.items() if not k.startswith("_")},
                 strategy=f"{strategy_cls.__module__}.{strategy_cls.__qualname__}", strategy_args=kwargs,
                 world_size=self.num_nodes * self.num_processes, devices_per_node=self.num_processes,
                 precision=str(self.precision_plugin.precision), batch_size=self.batch_size, seq_len=self.seq_len,
                 device_memory=self.device_memory))
             if all(report.fits(r) for r in report.ranks):
                 kept.append(layout)
+                found = True
             else:
                 rank_zero_info(f"auto_parallel: {layout.name} does not fit in the dry run:\n{report.format()}")
         return kept
