@@ -95,3 +95,21 @@ def matplotlib_available() -> bool:
 
 # DCP reads a HuggingFace safetensors folder slice by slice (`HuggingFaceStorageReader`) from torch 2.8 on.
 HAS_DCP_HF_READER = compare_version("torch", lambda a, b: a >= b, "2.8.0") and module_available("safetensors")
+
+
+# torch's fake process-group backend ("fake": every collective returns at once, nothing is sent) is built
+# into init_process_group from torch 2.11 on (Backend.FAKE); its store lives in a private testing module.
+HAS_FAKE_PROCESS_GROUP = hasattr(torch.distributed, "Backend") and hasattr(torch.distributed.Backend, "FAKE")
+
+
+def init_fake_process_group(*, rank: int, world_size: int) -> None:
+    """Start torch's fake process group as ``rank`` of ``world_size`` (the dry run; no communication)."""
+    import torch.distributed as dist
+
+    if not HAS_FAKE_PROCESS_GROUP:
+        raise ImportError(f"The dry run needs torch's fake process-group backend (torch>=2.11); found {torch.__version__}.")
+    # importing the module registers the backend and its store; init_process_group("fake") does the same
+    # import itself when no store is given, so this is the one place the private path is named
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)

@@ -5,6 +5,8 @@ them in one place, so a new subcommand is an ``_add_<name>`` / ``run_<name>`` pa
 
 * ``lightning-dist plan``: per-device memory and per-step traffic of every candidate layout, and the
   least parallelism that fits (:mod:`lightning_dist.planner`).
+* ``lightning-dist dry-run``: one training step of each representative rank of a W-rank job, on a fake
+  process group and fake tensors, measured next to the plan (:mod:`lightning_dist.dryrun`).
 """
 
 from __future__ import annotations
@@ -177,6 +179,93 @@ def _plot_plan(layouts, best, *, path: str, device_memory: float | None, title: 
     fig.savefig(path, dpi=100)
 
 
+# ---- dry-run ----------------------------------------------------------------------------------------------
+def _add_dry_run(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from lightning_dist.planner import PRECISIONS
+
+    p = sub.add_parser(
+        "dry-run",
+        help="simulate one training step of each representative rank of a W-rank job on this CPU",
+        description="Dry run at scale: each representative rank (first rank of every pipeline stage, and the last"
+        " rank) runs in its own process on torch's fake process group: the strategy's own validation, the pack's"
+        " mesh, the strategy's parallelize path on the meta device, then one training step on fake tensors with"
+        " memory tracked and collectives recorded. Prints measured vs planned bytes. 1 GB = 1e9 B.",
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", metavar="CLASS_PATH", help="dotted path of the LightningModule class")
+    src.add_argument("--config", metavar="YAML", help="LightningCLI config: model, trainer.strategy, trainer.precision")
+    p.add_argument("--init-args", metavar="JSON", default=None, help="keyword arguments of --model as a JSON object")
+    p.add_argument("--strategy", default=None, help="registered strategy name (default hsdp) or class path")
+    p.add_argument("--strategy-args", metavar="JSON", default=None, help='strategy arguments, e.g. \'{"pp": 4, "tp": 8}\'')
+    p.add_argument("--world-size", type=int, required=True, help="number of ranks of the simulated job")
+    p.add_argument("--devices-per-node", type=int, required=True, help="devices per node")
+    p.add_argument("--precision", default=None, choices=sorted(PRECISIONS), metavar="PRECISION",
+                   help="Lightning precision flag (default: the config's, else bf16-mixed)")
+    p.add_argument("--batch-size", type=int, default=8, help="samples per data-parallel rank per step (default 8)")
+    p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the model's block_size)")
+    p.add_argument("--device-memory", default=None, help="memory per device, e.g. 80GB (1e9 B), 24GiB (2**30 B)")
+    p.add_argument("--ranks", default=None, help="comma-separated ranks instead of the representative ones")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON instead of the tables")
+    return p
+
+
+def dry_run_config(args: argparse.Namespace):
+    """A :class:`~lightning_dist.dryrun.DryRunConfig` from the command line (and a LightningCLI YAML)."""
+    from lightning_dist import planner
+    from lightning_dist.dryrun import DryRunConfig
+
+    strategy, strategy_args, precision = "hsdp", {}, "bf16-mixed"
+    if args.config is not None:
+        import yaml
+
+        if args.init_args is not None:
+            raise ValueError("--init-args goes with --model; with --config the init args come from the YAML.")
+        class_path, init_args = planner.model_spec_from_config(args.config)
+        with open(args.config) as f:
+            trainer = (yaml.safe_load(f) or {}).get("trainer") or {}
+        spec = trainer.get("strategy", strategy)
+        if isinstance(spec, dict):
+            strategy, strategy_args = str(spec["class_path"]), dict(spec.get("init_args") or {})
+        else:
+            strategy = str(spec)
+        precision = str(trainer.get("precision", precision))
+    else:
+        class_path = args.model
+        init_args = json.loads(args.init_args) if args.init_args else {}
+        if not isinstance(init_args, dict):
+            raise ValueError(f"--init-args must be a JSON object; got {args.init_args!r}.")
+    if args.strategy is not None:
+        strategy = args.strategy
+    if args.strategy_args is not None:
+        strategy_args = json.loads(args.strategy_args)
+        if not isinstance(strategy_args, dict):
+            raise ValueError(f"--strategy-args must be a JSON object; got {args.strategy_args!r}.")
+    return DryRunConfig(
+        model=class_path, init_args=init_args, strategy=strategy, strategy_args=strategy_args,
+        world_size=args.world_size, devices_per_node=args.devices_per_node, precision=args.precision or precision,
+        batch_size=args.batch_size, seq_len=args.seq_len,
+        device_memory=planner.parse_bytes(args.device_memory) if args.device_memory is not None else None,
+        ranks=tuple(int(r) for r in args.ranks.split(",")) if args.ranks else None,
+    )
+
+
+def run_dry_run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from lightning_dist.dryrun import dry_run
+
+    config = dry_run_config(args)
+    console = Console(stderr=True)
+    with console.status(f"simulating ranks of {config.world_size} (one process per rank)"):
+        report = dry_run(config)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        print(report.format(width=140))
+    fits = [report.fits(r) for r in report.ranks]
+    return 1 if any(f is False for f in fits) else 0
+
+
 # ---- consolidate ------------------------------------------------------------------------------------------
 def _add_consolidate(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser(
@@ -204,6 +293,7 @@ def run_consolidate(args: argparse.Namespace) -> int:
 # name -> (adds the subparser, runs it). Add new subcommands here.
 SUBCOMMANDS: dict[str, tuple[Callable[[Any], argparse.ArgumentParser], Callable[[argparse.Namespace], int]]] = {
     "plan": (_add_plan, run_plan),
+    "dry-run": (_add_dry_run, run_dry_run),
     "consolidate": (_add_consolidate, run_consolidate),
 }
 

@@ -38,14 +38,19 @@ class GPTConfig:
     """MLP hidden width = ``mlp_ratio * n_embd``."""
     bias: bool = True
     """Biases in linears."""
+    n_kv_head: int | None = None
+    """Key/value heads (grouped-query attention, as Llama 3); None: ``n_head``. Must divide ``n_head``."""
     tie_weights: bool = False
     """Share ``lm_head.weight`` with ``tok_emb.weight`` (off: tied weights cannot be split across pipeline stages)."""
 
     def __post_init__(self) -> None:
-        sizes = {k: v for k, v in asdict(self).items() if k not in ("bias", "tie_weights")}
+        sizes = {k: v for k, v in asdict(self).items() if k not in ("bias", "tie_weights", "n_kv_head")}
         problems = [f"{k}={v!r} must be an integer >= 1" for k, v in sizes.items() if not isinstance(v, int) or v < 1]
         if not problems and self.n_embd % self.n_head:
             problems.append(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+        if not problems and self.n_kv_head is not None and (
+                not isinstance(self.n_kv_head, int) or self.n_kv_head < 1 or self.n_head % self.n_kv_head):
+            problems.append(f"n_kv_head={self.n_kv_head!r} must be an integer >= 1 dividing n_head={self.n_head}")
         if problems:
             raise ValueError("Invalid GPTConfig: " + "; ".join(problems) + ".")
 
@@ -98,17 +103,19 @@ class GPT(nn.Module):
         mlp_ratio: int = 4,
         bias: bool = True,
         tie_weights: bool = False,
+        n_kv_head: int | None = None,
     ) -> None:
         super().__init__()
         self.config = cfg = GPTConfig(
             vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
-            mlp_ratio=mlp_ratio, bias=bias, tie_weights=tie_weights,
+            mlp_ratio=mlp_ratio, bias=bias, tie_weights=tie_weights, n_kv_head=n_kv_head,
         )
         with deferred_init(self):
             self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
             self.pos_emb = PositionEmbedding(block_size=cfg.block_size, dim=cfg.n_embd)
             self.blocks = nn.ModuleList(
-                GPTBlock(dim=cfg.n_embd, n_heads=cfg.n_head, mlp_ratio=cfg.mlp_ratio, bias=cfg.bias) for _ in range(cfg.n_layer)
+                GPTBlock(dim=cfg.n_embd, n_heads=cfg.n_head, mlp_ratio=cfg.mlp_ratio, bias=cfg.bias,
+                         n_kv_heads=cfg.n_kv_head) for _ in range(cfg.n_layer)
             )
             self.norm = nn.LayerNorm(cfg.n_embd)
             self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
@@ -146,7 +153,7 @@ class CharGPT(LightningModule):
     ``val_loss`` (progress bar) with ``sync_dist=True``.
 
     Args:
-        vocab_size, block_size, n_layer, n_head, n_embd, mlp_ratio, bias, tie_weights: :class:`GPT` sizes.
+        vocab_size, block_size, n_layer, n_head, n_embd, mlp_ratio, bias, tie_weights, n_kv_head: :class:`GPT` sizes.
         lr: AdamW learning rate.
         weight_decay: AdamW weight decay.
     """
@@ -162,6 +169,7 @@ class CharGPT(LightningModule):
         mlp_ratio: int = 4,
         bias: bool = True,
         tie_weights: bool = False,
+        n_kv_head: int | None = None,
         lr: float = 3e-3,
         weight_decay: float = 0.0,
     ) -> None:
@@ -169,7 +177,7 @@ class CharGPT(LightningModule):
         self.save_hyperparameters()
         self.model = GPT(
             vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
-            mlp_ratio=mlp_ratio, bias=bias, tie_weights=tie_weights,
+            mlp_ratio=mlp_ratio, bias=bias, tie_weights=tie_weights, n_kv_head=n_kv_head,
         )
         self.lr, self.weight_decay = lr, weight_decay
 

@@ -32,23 +32,32 @@ class Attention(nn.Module):
         n_heads: Number of heads before any sharding; ``dim`` must be divisible by it.
         causal: Mask future positions (decoder).
         bias: Whether the linears have a bias.
+        n_kv_heads: key/value heads (grouped-query attention, as Llama 3); None: ``n_heads``. Must divide
+            ``n_heads``; each key/value head serves ``n_heads / n_kv_heads`` query heads.
     """
 
-    def __init__(self, *, dim: int, n_heads: int, causal: bool = False, bias: bool = True) -> None:
+    def __init__(self, *, dim: int, n_heads: int, causal: bool = False, bias: bool = True,
+                 n_kv_heads: int | None = None) -> None:
         super().__init__()
         self.head_dim = _check_heads(dim, n_heads)
-        self.n_heads = n_heads
+        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+        if n_kv_heads < 1 or n_heads % n_kv_heads:
+            raise ValueError(f"n_kv_heads={n_kv_heads} must divide n_heads={n_heads} (grouped-query attention).")
+        self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
         self.causal = causal
         self.q = nn.Linear(dim, dim, bias=bias)
-        self.k = nn.Linear(dim, dim, bias=bias)
-        self.v = nn.Linear(dim, dim, bias=bias)
+        self.k = nn.Linear(dim, n_kv_heads * self.head_dim, bias=bias)
+        self.v = nn.Linear(dim, n_kv_heads * self.head_dim, bias=bias)
         self.proj = nn.Linear(dim, dim, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
         q, k, v = self.q(x), self.k(x), self.v(x)
         # local heads from the (possibly tensor-parallel sharded) width, not from self.n_heads
-        n_local = q.shape[-1] // self.head_dim
-        q, k, v = (t.unflatten(-1, (n_local, self.head_dim)).transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
+        n_local, n_local_kv = q.shape[-1] // self.head_dim, k.shape[-1] // self.head_dim
+        q, k, v = (t.unflatten(-1, (t.shape[-1] // self.head_dim, self.head_dim)).transpose(1, 2)
+                   for t in (q, k, v))  # [B, H, T, D]
+        if n_local_kv != n_local:  # grouped-query attention: each key/value head serves a group of query heads
+            k, v = (t.repeat_interleave(n_local // n_local_kv, dim=1) for t in (k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
         return self.proj(y.transpose(1, 2).flatten(2))
 
@@ -71,10 +80,11 @@ class TransformerBlock(nn.Module):
 
     causal: bool = False
 
-    def __init__(self, *, dim: int, n_heads: int, mlp_ratio: int = 4, bias: bool = True) -> None:
+    def __init__(self, *, dim: int, n_heads: int, mlp_ratio: int = 4, bias: bool = True,
+                 n_kv_heads: int | None = None) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(dim)
-        self.attn = Attention(dim=dim, n_heads=n_heads, causal=self.causal, bias=bias)
+        self.attn = Attention(dim=dim, n_heads=n_heads, causal=self.causal, bias=bias, n_kv_heads=n_kv_heads)
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = MLP(dim=dim, hidden=mlp_ratio * dim, bias=bias)
 

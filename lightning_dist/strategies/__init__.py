@@ -2,6 +2,7 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_dist.strategies.auto_parallel import AutoParallelStrategy
 from lightning_dist.strategies.base import MeshStrategy, attach_mesh
 from lightning_dist.strategies.hsdp import FullyShardStrategy, HybridShardStrategy
 from lightning_dist.strategies.pipeline import PipelineStrategy
@@ -32,6 +33,8 @@ REGISTERED: dict[str, tuple[type, str, dict]] = {
                       {}),
     "tp": (TensorParallelStrategy, "tensor parallelism (DTensor) from a declarative plan, FSDP2 over dp (3-D)", {}),
     "tp_sp": (SequenceParallelStrategy, "tensor + sequence parallelism, FSDP2 over dp", {}),
+    "auto_parallel": (AutoParallelStrategy, "the least parallelism that fits the device memory (planner; dry run"
+                      " with verify=True), then runs as hsdp / fsdp2 / tp / pipeline / offload_fsdp2", {}),
 }
 
 
@@ -44,6 +47,7 @@ def register_strategies(registry=StrategyRegistry) -> None:
 
 __all__ = [
     "MeshStrategy",
+    "AutoParallelStrategy",
     "HybridShardStrategy",
     "FullyShardStrategy",
     "TensorParallelStrategy",

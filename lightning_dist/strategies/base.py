@@ -254,11 +254,15 @@ class MeshStrategy(ParallelStrategy):
         self.validate_config(spec)
         ParallelStrategy.setup_environment(self)
         self._setup_distributed()
-        self._mesh = DistMesh.build(spec, self.root_device.type)
-        self._device_mesh = self._mesh.device_mesh
-        assert self.lightning_module is not None
-        attach_mesh(self.lightning_module, self._mesh)
+        self.use_mesh(DistMesh.build(spec, self.root_device.type))
         rank_zero_info(spec.format_plan())
+
+    def use_mesh(self, mesh: DistMesh) -> None:
+        """Adopt a built mesh (``setup_environment``; the dry run builds one on a fake process group)."""
+        self._mesh = mesh
+        self._device_mesh = mesh.device_mesh
+        assert self.lightning_module is not None
+        attach_mesh(self.lightning_module, mesh)
 
     def validate_config(self, spec: MeshSpec) -> None:
         """Subclasses check option combinations against the resolved mesh here (raise ValueError)."""
@@ -312,10 +316,7 @@ class MeshStrategy(ParallelStrategy):
         # `trainer.validate()` after `fit()` sets up the same module again: it is already parallelized
         if not self.already_parallelized():
             broadcast_module_states(self.model)
-            if self._parallelize_fn is not None:
-                self._parallelize_fn(self.lightning_module, self.mesh)
-            else:
-                self.parallelize(self.lightning_module)
+        self.apply_parallelism()
         if seed is not None and _has_meta(self.model):
             missing = materialize_in_sync(self.model, self.root_device, seed=seed)
             if missing:
@@ -327,6 +328,16 @@ class MeshStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def apply_parallelism(self) -> None:
+        """The user's ``parallelize_fn`` or the built-in :meth:`parallelize`, once (``setup``; the dry run)."""
+        if _is_parallelized(self.model):
+            # `trainer.validate()` after `fit()` sets up the same module again: it is already sharded
+            return
+        if self._parallelize_fn is not None:
+            self._parallelize_fn(self.lightning_module, self.mesh)
+        else:
+            self.parallelize(self.lightning_module)
 
     # ---- memory at rest --------------------------------------------------------------------------
     def reshard(self) -> None:

@@ -1,0 +1,735 @@
+"""Dry run at scale: one training step of rank r of W on one CPU, with a fake process group and fake tensors.
+
+``lightning-dist dry-run`` (and :func:`dry_run`) answers "will it fit?" before a cluster is booked. For each
+*representative rank* (the ranks whose shards or stages differ: one per pipeline stage, plus the last rank,
+which holds the trailing FSDP2 / tensor shards) it starts one subprocess that
+
+1. starts torch's fake process-group backend as rank ``r`` of ``W`` (no communication: every collective
+   returns at once, so one CPU process can stand in for any rank of any world size);
+2. builds the Trainer's strategy with ``devices_per_node`` devices on ``W / devices_per_node`` nodes, and
+   runs its own validation (same errors, same messages as on the cluster), the pack's real mesh
+   (:class:`~lightning_dist.mesh.DistMesh`) and the strategy's real parallelize path (TP plan, pipeline
+   split, activation checkpointing, FSDP2 / replicate) on the meta device;
+3. materializes the parallelized model under torch's ``FakeTensorMode`` (tensors with shapes and dtypes,
+   no storage) and runs one training step (forward, backward, optimizer step) under torch's
+   ``MemTracker`` (:mod:`torch.distributed._tools.mem_tracker`) and a collective recorder
+   (:class:`CollectiveRecorder`), which maps each collective's process group back to its mesh dim.
+
+Pipeline stages run their schedule's order themselves (torch's pipeline schedules infer stage shapes by
+exchanging them with their peers, which a fake group cannot answer): stage ``s`` of ``p`` under 1F1B with
+``m`` micro-batches runs ``min(p - s, m)`` warm-up forwards, then one backward and one forward at a time,
+then the remaining backwards (GPipe: all forwards first), receiving and sending each micro-batch's
+boundary activation and gradient on the fake ``pp`` group, with FSDP2 reducing gradients on the last
+micro-batch as torch's ``PipelineStage`` does.
+
+The report puts each measurement next to the planner's prediction (:mod:`lightning_dist.planner`) for
+the same rank: model-state bytes (params / grads / optimizer), peak activation bytes
+(:func:`~lightning_dist.planner.activation_bytes`), collective payload bytes per (op, mesh dim), and
+whether params + grads + optimizer + peak activations fit ``device_memory``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from lightning_dist.mesh import DIM_NAMES, DP, DP_REPLICATE, DP_SHARD, PP, TP, MeshSpec
+
+# strategies whose setup the dry run can replay (the DeepSpeed offload engine starts its own communication)
+_UNSUPPORTED = ("OffloadStrategy",)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DryRunConfig:
+    """What to simulate: a model, a strategy and a cluster."""
+
+    model: str
+    """Class path of the LightningModule, e.g. ``lightning_dist.models.gpt.CharGPT``."""
+    init_args: Mapping[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the model class (nested ``class_path`` / ``init_args`` allowed)."""
+    strategy: str = "hsdp"
+    """A registered strategy name (``hsdp``, ``tp``, ``pipeline``...) or a class path."""
+    strategy_args: Mapping[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the strategy (``pp=4, tp=8``...)."""
+    world_size: int
+    """Number of ranks (devices) of the simulated job."""
+    devices_per_node: int
+    """Devices per node; the world size must be a multiple of it."""
+    precision: str = "bf16-mixed"
+    """Lightning precision flag."""
+    batch_size: int = 8
+    """Samples per data-parallel rank per step (all pipeline micro-batches together)."""
+    seq_len: Optional[int] = None
+    """Sequence length of token models (default: the model's ``block_size``)."""
+    device_memory: Optional[float] = None
+    """Bytes per device to check the fit against (None: no verdict)."""
+    optimizer: str = "adamw"
+    """Optimizer the planner assumes (the model's ``configure_optimizers`` is what runs)."""
+    ranks: Optional[tuple[int, ...]] = None
+    """Ranks to simulate (default: :func:`representative_ranks`)."""
+
+    def to_json(self) -> str:
+        return json.dumps({**dataclasses.asdict(self), "init_args": dict(self.init_args),
+                           "strategy_args": dict(self.strategy_args)})
+
+    @classmethod
+    def from_json(cls, text: str) -> "DryRunConfig":
+        data = json.loads(text)
+        if data.get("ranks") is not None:
+            data["ranks"] = tuple(data["ranks"])
+        return cls(**data)
+
+
+def check_cluster(world_size: int, devices_per_node: int) -> None:
+    """ValueError unless the nodes are full (the planner's rule, same message)."""
+    for name, value in (("world_size", world_size), ("devices_per_node", devices_per_node)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"`{name}={value!r}` must be an integer >= 1.")
+    if world_size > devices_per_node and world_size % devices_per_node:
+        raise ValueError(f"world_size={world_size} is not divisible by devices_per_node={devices_per_node}:"
+                         " nodes must be full; pick a world size that is a multiple of the devices per node.")
+
+
+def representative_ranks(spec: MeshSpec) -> list[int]:
+    """The ranks whose shards or stages differ: rank 0 of each pipeline stage (its first dp / tp shard)
+    and the last rank (last pipeline stage, last ``dp_shard`` and ``tp`` shard: FSDP2's trailing chunks
+    are the ones that can be short or empty)."""
+    spec = spec if spec.resolved else spec.resolve()
+    per_stage = spec.world_size // spec.size(PP)
+    ranks = [s * per_stage for s in range(spec.size(PP))]
+    if spec.world_size - 1 not in ranks:
+        ranks.append(spec.world_size - 1)
+    return ranks
+
+
+# ---- collectives -------------------------------------------------------------------------------------------
+class CollectiveRecorder:
+    """A ``TorchDispatchMode`` that records each collective's op, mesh dim and payload bytes.
+
+    torch's ``CommDebugMode`` counts calls per op but not bytes nor groups, so the few lines here read
+    both from the op's arguments. Payloads follow :class:`~lightning_dist.planner.Collective`: all-gather
+    the gathered output, reduce-scatter the full input, all-reduce / broadcast the tensor, send the tensor.
+    """
+
+    def __init__(self, spec: MeshSpec, rank: int) -> None:
+        import torch
+
+        self.rank = rank
+        # a group's ranks -> the mesh dim whose group holds them (dims of size 1 have no collectives)
+        self.dims: dict[frozenset, str] = {}
+        for name in (TP, DP_SHARD, DP_REPLICATE, PP, DP):
+            self.dims.setdefault(frozenset(spec.group_ranks(rank, name)), name)
+        self.records: dict[tuple[str, str], dict[str, float]] = {}
+        c10d, fn = torch.ops.c10d, torch.ops._c10d_functional
+        # op -> (planner op name, how to get (payload tensor, is the payload the tensor times the group size))
+        self._ops = {
+            c10d._allgather_base_.default: ("all_gather", 0), c10d.allgather_.default: ("all_gather", 0),
+            c10d._reduce_scatter_base_.default: ("reduce_scatter", 1), c10d.reduce_scatter_.default: ("reduce_scatter", 1),
+            c10d.allreduce_.default: ("all_reduce", 0), c10d.broadcast_.default: ("broadcast", 0),
+            c10d.send.default: ("send_recv", 0),
+            fn.all_reduce.default: ("all_reduce", 0), fn.all_reduce_.default: ("all_reduce", 0),
+            fn.all_gather_into_tensor.default: ("all_gather", 0), fn.reduce_scatter_tensor.default: ("reduce_scatter", 0),
+            fn.broadcast.default: ("broadcast", 0),
+        }
+        self._functional = {fn.all_reduce.default, fn.all_reduce_.default, fn.all_gather_into_tensor.default,
+                            fn.reduce_scatter_tensor.default, fn.broadcast.default}
+        self._mode = None
+
+    def _group_ranks(self, func: Any, args: tuple) -> frozenset:
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        if func in self._functional:
+            name = [a for a in args if isinstance(a, str)][-1]  # the group name comes last
+            return frozenset(dist.get_process_group_ranks(_resolve_process_group(name)))
+        from torch._C._distributed_c10d import ProcessGroup
+
+        boxed = next(a for a in args if isinstance(a, torch.ScriptObject))  # c10d ops take the group boxed
+        return frozenset(dist.get_process_group_ranks(ProcessGroup.unbox(boxed)))
+
+    def _record(self, func: Any, args: tuple, out: Any) -> None:
+        import torch
+
+        op, _ = self._ops[func]
+        ranks = self._group_ranks(func, args)
+        dim = self.dims.get(ranks, f"group{sorted(ranks)[:4]}")
+        tensors = [t for a in args for t in (a if isinstance(a, (list, tuple)) else [a]) if isinstance(t, torch.Tensor)]
+        nested = [t for a in args if isinstance(a, (list, tuple)) for x in a
+                  for t in (x if isinstance(x, (list, tuple)) else [x]) if isinstance(t, torch.Tensor)]
+        size = len(ranks)
+        if func in self._functional:
+            inp = tensors[0]
+            payload = inp.numel() * inp.element_size() * (size if op == "all_gather" else 1)
+        elif op == "all_gather":  # (output, input): the gathered output
+            first = args[0]
+            outs = first if isinstance(first, (list, tuple)) else [first]
+            flat = [t for x in outs for t in (x if isinstance(x, (list, tuple)) else [x])]
+            payload = sum(t.numel() * t.element_size() for t in flat)
+        elif op == "reduce_scatter":  # (output, input): the full input
+            second = args[1]
+            ins = second if isinstance(second, (list, tuple)) else [second]
+            flat = [t for x in ins for t in (x if isinstance(x, (list, tuple)) else [x])]
+            payload = sum(t.numel() * t.element_size() for t in flat)
+        else:
+            payload = sum(t.numel() * t.element_size() for t in (nested or tensors))
+        entry = self.records.setdefault((op, dim), {"payload_bytes": 0.0, "calls": 0, "group_size": size})
+        entry["payload_bytes"] += payload
+        entry["calls"] += 1
+
+    def __enter__(self) -> "CollectiveRecorder":
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        recorder = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if func in recorder._ops:
+                    recorder._record(func, args, out)
+                return out
+
+        self._mode = _Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        assert self._mode is not None
+        self._mode.__exit__(*exc)
+
+    def rows(self) -> list[dict[str, Any]]:
+        return [{"op": op, "dim": dim, **v} for (op, dim), v in sorted(self.records.items())]
+
+
+# ---- one rank (runs in its own process) --------------------------------------------------------------------
+def _strategy(config: DryRunConfig) -> Any:
+    """The strategy object, built as ``Trainer(strategy=...)`` builds it (registry name or class path)."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    cls = _strategy_class(config)
+    if config.strategy in StrategyRegistry:
+        return cls(**{**StrategyRegistry[config.strategy]["init_params"], **dict(config.strategy_args)})
+    return cls(**dict(config.strategy_args))
+
+
+def _strategy_class(config: DryRunConfig) -> type:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from lightning_dist import planner
+    from lightning_dist.strategies import register_strategies
+
+    register_strategies()
+    if config.strategy in StrategyRegistry:
+        return StrategyRegistry[config.strategy]["strategy"]
+    if "." in config.strategy:
+        return planner.import_class(config.strategy)
+    raise ValueError(f"Unknown strategy {config.strategy!r}: use a registered name ({sorted(StrategyRegistry)})"
+                     " or a class path.")
+
+
+def _check_replayable(cls: type) -> None:
+    from lightning_dist.strategies.auto_parallel import AutoParallelStrategy
+    from lightning_dist.strategies.base import MeshStrategy
+
+    if not isinstance(cls, type) or not issubclass(cls, MeshStrategy) or issubclass(cls, AutoParallelStrategy):
+        name = getattr(cls, "__name__", repr(cls))
+        raise ValueError(f"The dry run replays the pack's mesh strategies; {name} is not one (the DeepSpeed offload"
+                         " engine communicates on its own; auto_parallel picks one: dry-run that one). Plan it with"
+                         " `lightning-dist plan`.")
+
+
+def _batch_maker(module: Any, config: DryRunConfig) -> Any:
+    """``fn(n) -> batch`` of ``n`` samples (fake tensors under FakeTensorMode): token ids and targets for
+    the pack's GPT family, or the module's own ``dry_run_batch(n, seq_len)``. Made before the model is split."""
+    import torch
+
+    hook = getattr(module, "dry_run_batch", None)
+    if callable(hook):
+        return lambda n: hook(n, config.seq_len)
+    cfg = _model_config(module)
+    if cfg is None:
+        raise TypeError(f"{type(module).__name__}: the dry run builds token batches for models with"
+                        " `self.model.config.vocab_size` (the pack's GPT family); define"
+                        " `dry_run_batch(batch_size, seq_len) -> batch` on the LightningModule for other models.")
+    seq = config.seq_len or cfg.block_size
+    return lambda n: (torch.randint(0, cfg.vocab_size, (n, seq)), torch.randint(0, cfg.vocab_size, (n, seq)))
+
+
+def _model_config(module: Any) -> Any:
+    cfg = getattr(getattr(module, "model", None), "config", None)
+    return cfg if hasattr(cfg, "vocab_size") else None
+
+
+def _stage_inputs(strategy: Any, module: Any, batch: tuple[Any, Any]) -> list[Any]:
+    """Input (shape, dtype) of each pipeline block of the unsplit network, from one meta forward."""
+    import torch
+
+    from lightning_dist.parallelize import pipeline as plan
+
+    net = getattr(module, strategy.network)
+    layout = plan.network_layout(net)
+    container = net if layout.block_list is None else getattr(net, layout.block_list)
+    shapes: list[Any] = [None] * len(layout.blocks)
+    hooks = [container._modules[key].register_forward_pre_hook(
+        lambda mod, args, i=i: shapes.__setitem__(i, (tuple(args[0].shape), args[0].dtype)))
+        for i, key in enumerate(layout.blocks)]
+    try:
+        with torch.no_grad():
+            net(batch[0].to("meta"))
+    finally:
+        for h in hooks:
+            h.remove()
+    return shapes
+
+
+def simulate_rank(config: DryRunConfig, rank: int) -> dict[str, Any]:
+    """One training step of ``rank`` on the fake process group (call in a fresh process; see the module doc)."""
+    import torch
+    import torch.distributed as dist
+    from lightning.fabric.utilities.init import _materialize_distributed_module
+    from lightning.pytorch.trainer.states import TrainerFn
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    import lightning.pytorch as pl
+    from lightning_dist import measure, planner
+    from lightning_dist._compat import init_fake_process_group
+    from lightning_dist.mesh import DistMesh
+    from lightning_dist.parallelize.units import find_block_lists
+    from lightning_dist.strategies.pipeline import PipelineStrategy
+
+    start = time.perf_counter()
+    check_cluster(config.world_size, config.devices_per_node)
+    nodes = max(1, config.world_size // config.devices_per_node)
+    per_node = min(config.devices_per_node, config.world_size)
+    # the cluster environment Lightning reads (processes started externally, as under torchrun / SLURM)
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank % per_node), "NODE_RANK": str(rank // per_node),
+                       "WORLD_SIZE": str(config.world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"})
+    _check_replayable(_strategy_class(config))
+    strategy = _strategy(config)
+    torch.manual_seed(0)
+    module = planner.build_meta_model(config.model, dict(config.init_args))
+    if not isinstance(module, pl.LightningModule):
+        raise TypeError(f"{config.model!r} is not a LightningModule; the dry run runs its training_step.")
+    trainer = pl.Trainer(accelerator="cpu", devices=per_node, num_nodes=nodes, strategy=strategy,
+                         precision=config.precision, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, max_steps=1)
+    trainer.state.fn = TrainerFn.FITTING
+    strategy.connect(module)
+    module.trainer = trainer
+    # no fit loop runs, so there is no result collection to log into: `self.log` calls are dropped
+    module.log = module.log_dict = lambda *args, **kwargs: None
+    # the strategy's own validation, before any process group (the same errors as on the cluster)
+    spec = strategy.mesh_spec()
+    strategy.validate_config(spec)
+    init_fake_process_group(rank=rank, world_size=config.world_size)
+    try:
+        mesh = DistMesh.build(spec, "cpu")
+        strategy.use_mesh(mesh)
+        pipelined = isinstance(strategy, PipelineStrategy)
+        micro = strategy.n_microbatches if pipelined else 1
+        if config.batch_size % micro:
+            raise ValueError(f"batch_size={config.batch_size} does not divide into n_microbatches={micro}.")
+        make_batch, cfg = _batch_maker(module, config), _model_config(module)
+        with torch.device("meta"):
+            meta_batch = make_batch(config.batch_size // micro)
+        boundaries = _stage_inputs(strategy, module, meta_batch) if pipelined else None
+        # the strategy's real set-up order: dtype, parallelize (TP, pipeline split, AC, FSDP2) on meta, materialize
+        strategy.model = strategy.precision_plugin.convert_module(strategy.model)
+        shapes = {name: tuple(p.shape) for name, p in module.named_parameters()}
+        in_blocks = {f"{list_name}.{n}" for list_name, blocks in find_block_lists(module)
+                     for n, _ in blocks.named_parameters()}
+        strategy.apply_parallelism()
+        built = time.perf_counter()
+        planned = plan_rank(strategy, module, cfg, config, spec, shapes, in_blocks, boundaries)
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        with fake:
+            _materialize_distributed_module(strategy.model, torch.device("cpu"))
+            strategy.setup_optimizers(trainer)
+            optimizers = [getattr(o, "_optimizer", o) for o in strategy.optimizers]
+            tracker = MemTracker()
+            tracker.track_external(strategy.model, *optimizers)
+            recorder = CollectiveRecorder(spec, rank)
+            peaks: list[dict] = []
+
+            def stop_tracking() -> None:  # the tracker is the innermost mode: it can leave before the recorder
+                if not peaks:
+                    peaks.append(tracker.get_tracker_snapshot("peak"))
+                    tracker.__exit__(None, None, None)
+
+            with recorder:
+                tracker.__enter__()
+                try:
+                    if pipelined:
+                        _pipeline_step(strategy, module, make_batch, config, spec, rank, boundaries, micro,
+                                       stop_tracking)
+                    else:
+                        batch = make_batch(config.batch_size)
+                        with strategy.precision_plugin.train_step_context():
+                            loss = module.training_step(batch, 0)
+                        loss.backward()
+                    stop_tracking()
+                finally:
+                    stop_tracking()
+                for opt in optimizers:
+                    opt.step()
+                states = measure.model_state_bytes(strategy.model, optimizers)
+                for opt in optimizers:
+                    opt.zero_grad(set_to_none=True)
+            peak = peaks[0]
+        dev = next(iter(peak.values())) if peak else {}
+        cat = {str(getattr(k, "value", k)): v for k, v in dev.items()}
+        return {
+            "rank": rank, "coords": spec.coords(rank), "mesh": dict(zip(DIM_NAMES, spec.shape)),
+            "states": states, "peak_total_bytes": cat.get("Total", 0),
+            # activations saved for backward and the temporaries live with them at the step's peak
+            "peak_activation_bytes": cat.get("Activation", 0) + cat.get("Temp", 0),
+            "peak_breakdown": cat, "collectives": recorder.rows(), "planned": planned,
+            "seconds": time.perf_counter() - start, "build_seconds": built - start,
+            "stages": list(strategy.local_stages) if pipelined else None,
+        }
+    finally:
+        dist.destroy_process_group()
+
+
+def _fresh_parent(module: Any) -> Any:
+    """`module` inside a new parent module: MemTracker takes one top-level call per module and step, and
+    a pipeline stage runs once per micro-batch."""
+    from torch import nn
+
+    class Call(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = module
+
+        def forward(self, x: Any) -> Any:
+            return self.inner(x)
+
+    return Call()
+
+
+def _pipeline_step(strategy: Any, module: Any, make_batch: Any, config: DryRunConfig, spec: MeshSpec, rank: int,
+                   boundaries: list[Any], micro: int, stop_tracking: Any) -> None:
+    """This rank's stage through one step of its schedule (see the module doc), with the boundary traffic.
+
+    Memory is tracked over the whole step: stopping after the first one or two backwards (torch's MemTracker
+    costs time per live tensor and op, most of a rank's time) measured 0.5-2 GB less on the Llama-3-8B
+    shape, so something grows over the step's micro-batches and the peak is not at the warm-up's end.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if strategy.stages_per_rank != 1:
+        raise ValueError("The dry run steps one stage per rank (1F1B / GPipe); interleaved and zero-bubble"
+                         " schedules are planned by `lightning-dist plan`.")
+    split, (stage,) = strategy.split, strategy.local_stages
+    p, last = split.num_stages, split.num_stages - 1
+    view = strategy._runner.views[0]  # the FSDP2-wrapped stage module the strategy's schedule would run
+    group = strategy.mesh.group(PP)
+    peers = spec.group_ranks(rank, PP)
+    held = micro if strategy.schedule == "gpipe" else min(p - stage, micro)
+    first_block = split.stages[stage].blocks[0]
+    n = config.batch_size // micro
+    prev, nxt = (peers[stage - 1] if stage > 0 else None), (peers[stage + 1] if stage < last else None)
+    in_shape, in_dtype = boundaries[first_block]
+    from torch.distributed.fsdp import FSDPModule
+
+    def forward() -> Any:
+        if stage == 0:
+            x = make_batch(n)[0]
+        else:  # the previous stage's activation arrives
+            x = torch.empty((n, *in_shape[1:]), dtype=in_dtype)
+            dist.recv(x, src=prev, group=group)
+            x.requires_grad_()
+        with strategy.precision_plugin.train_step_context():
+            parent = _fresh_parent(view)
+            parents.append(parent)  # alive until backward: the tracker's backward hooks look it up
+            y = parent(x)
+            if stage == last:
+                return module.pipeline_loss(y, make_batch(n)[1]) / micro
+        dist.send(y.detach(), dst=nxt, group=group)
+        return y
+
+    done = 0
+    parents: list[Any] = []
+
+    def backward(y: Any) -> None:
+        nonlocal done
+        done += 1
+        if isinstance(view, FSDPModule):  # as torch's PipelineStage: reduce and reshard with the last micro-batch
+            view.set_is_last_backward(done == micro)
+            view.set_reshard_after_backward(done == micro)
+            view.set_requires_gradient_sync(done == micro)
+        if stage == last:
+            y.backward()
+        else:
+            grad = torch.empty_like(y)
+            dist.recv(grad, src=nxt, group=group)  # the next stage's input gradient
+            y.backward(grad)
+        if stage > 0:
+            dist.send(torch.empty((n, *in_shape[1:]), dtype=in_dtype), dst=prev, group=group)
+
+    # 1F1B (GPipe: all forwards first): warm-up forwards, then one backward and one forward, then the rest
+    live = [forward() for _ in range(held)]
+    for _ in range(micro - held):
+        backward(live.pop(0))
+        live.append(forward())
+    while live:
+        backward(live.pop(0))
+    stop_tracking()
+
+
+def plan_rank(strategy: Any, module: Any, cfg: Any, config: DryRunConfig, spec: MeshSpec,
+              shapes: Mapping[str, tuple[int, ...]], in_blocks: set[str], boundaries: Optional[list]) -> dict[str, Any]:
+    """The planner's prediction for this rank, from the model's shapes and the plan the strategy chose.
+
+    Parameters this rank holds ``P``: those of its pipeline stage, at their tensor-parallel local shape
+    (from the resolved TP plan). Then :func:`~lightning_dist.planner.model_state_bytes` /
+    :func:`~lightning_dist.planner.data_parallel_traffic` over ``dp_shard`` x ``dp_replicate``,
+    :func:`~lightning_dist.planner.tp_activation_traffic` (+ the gathered head), the stage-boundary sends
+    and :func:`~lightning_dist.planner.activation_bytes`.
+    """
+    import math
+
+    from lightning_dist import planner
+    from lightning_dist.parallelize.units import find_block_lists
+    from lightning_dist.strategies.pipeline import PipelineStrategy
+
+    state = planner.state_bytes(precision=config.precision, optimizer=config.optimizer)
+    act_bytes = planner.PRECISIONS[config.precision][1]
+    pipelined = isinstance(strategy, PipelineStrategy)
+    # HSDP / TP cast parameters for compute with FSDP2's MixedPrecisionPolicy: everything runs in the compute
+    # dtype. Pipeline stages run under Lightning's autocast: parameters gathered in their stored dtype, the
+    # residual stream (and so the backward's activation gradients) in float32.
+    resid_bytes = planner.PRECISIONS[config.precision][0] if pipelined else act_bytes
+    if pipelined:
+        state = dataclasses.replace(state, gather=state.param)
+    local_shape = {f"{e.fqn}.{name}": local for e in getattr(strategy, "tp_entries", []) if e.active
+                   for name, _, local in e.shapes}
+    names = [n for n, _ in module.named_parameters() if n in shapes] or list(shapes)
+    numel = {n: math.prod(local_shape.get(n, shapes[n])) for n in names}
+    P = sum(numel.values())
+    root = sum(v for n, v in numel.items() if n not in in_blocks)
+    R, S, T = spec.size(DP_REPLICATE), spec.size(DP_SHARD), spec.size(TP)
+    zero = (3 if strategy.reshard_after_forward else 2) if pipelined else strategy.zero_stage
+    replicate_only = not pipelined and (zero == 1 or (S == 1 and T == 1))
+    dp = R * S
+    if replicate_only:
+        memory = planner.model_state_bytes(P, state=state, zero_stage=zero if zero == 1 else 0, shard_size=dp)
+        traffic = planner.data_parallel_traffic(P, state=state, zero_stage=zero if zero == 1 else 0,
+                                                shard_size=S, replicate_size=R) if dp > 1 else []
+    else:  # FSDP2 keeps only the dim-0 shards at rest for stages 2 and 3
+        memory = planner.model_state_bytes(P, state=state, zero_stage=3 if dp > 1 else 0, shard_size=S)
+        traffic = planner.data_parallel_traffic(P, state=state, zero_stage=zero, shard_size=S, replicate_size=R,
+                                                root_params=root) if dp > 1 else []
+    seq = config.seq_len or getattr(cfg, "block_size", 1)
+    hidden, vocab = getattr(cfg, "n_embd", None), getattr(cfg, "vocab_size", None)
+    stage = strategy.local_stages[0] if pipelined else 0
+    stages = strategy.split.num_stages if pipelined else 1
+    m = strategy.n_microbatches if pipelined else 1
+    blocks = len(strategy.split.stages[stage].blocks) if pipelined else sum(
+        len(b) for _, b in find_block_lists(module))
+    has_head = (stage == stages - 1)
+    head_gathered = any(e.style == "colwise_gather" and e.active for e in getattr(strategy, "tp_entries", [])
+                        if not pipelined or e.fqn.endswith("lm_head"))
+    if T > 1 and hidden is not None:
+        # half the all-reduces are forward outputs (compute dtype), half backward input gradients (residual dtype)
+        traffic += planner.tp_activation_traffic(batch=config.batch_size, seq=seq, hidden=hidden, blocks=blocks, tp=T,
+                                                 bytes_per_element=(act_bytes + resid_bytes) / 2,
+                                                 sequence_parallel=getattr(strategy, "sequence_parallel", False))
+        if has_head and head_gathered and vocab is not None:  # the colwise_gather head: logits gathered, input grad reduced
+            tokens = config.batch_size * seq
+            traffic.append(planner.Collective(op="all_gather", dim=TP, group_size=T,
+                                              payload_bytes=tokens * vocab * act_bytes, what="logits"))
+            traffic.append(planner.Collective(op="all_reduce", dim=TP, group_size=T,
+                                              payload_bytes=tokens * hidden * resid_bytes, what="head input gradient"))
+    if pipelined and stages > 1 and boundaries is not None:
+        shape, dtype = boundaries[strategy.split.stages[min(stage + 1, stages - 1)].blocks[0]]
+        import torch
+
+        a = config.batch_size // m * math.prod(shape[1:]) * torch.empty((), dtype=dtype).element_size()
+        sends = (stage > 0) + (stage < stages - 1)
+        traffic.append(planner.Collective(op="send_recv", dim=PP, group_size=stages, payload_bytes=sends * m * a,
+                                          what="activations + their gradients"))
+    activation = None
+    if hidden is not None and cfg is not None:
+        held = (m if strategy.schedule == "gpipe" else min(stages - stage, m)) if pipelined else 1
+        activation = planner.activation_bytes(
+            planner.BlockShape(hidden=hidden, heads=cfg.n_head, mlp_hidden=cfg.mlp_ratio * hidden, vocab=vocab,
+                               kv_heads=getattr(cfg, "n_kv_head", None)),
+            tokens=config.batch_size // m * seq, blocks=blocks, tp=T, bytes_per_element=act_bytes,
+            residual_bytes=resid_bytes, micro_batches_held=held,
+            stem=stage == 0, head=has_head, head_gathered=head_gathered, autocast=pipelined,
+            checkpointed=bool(getattr(strategy, "activation_checkpointing", False)))
+    merged: dict[tuple[str, str], float] = {}
+    for c in traffic:
+        if c.group_size > 1:
+            merged[(c.op, c.dim)] = merged.get((c.op, c.dim), 0.0) + c.payload_bytes
+    return {"states": {**memory.to_dict()}, "collectives": [{"op": o, "dim": d, "payload_bytes": v}
+                                                            for (o, d), v in sorted(merged.items())],
+            "peak_activation_bytes": activation, "params_local": P}
+
+
+# ---- the driver: one process per representative rank -------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class DryRunReport:
+    """Measured and planned figures of each simulated rank."""
+
+    config: DryRunConfig
+    ranks: list[dict[str, Any]]
+    """One :func:`simulate_rank` result per rank (``planned`` holds the planner's figures)."""
+
+    def fits(self, rank: dict[str, Any]) -> Optional[bool]:
+        if self.config.device_memory is None:
+            return None
+        return rank["states"]["total"] + rank["peak_activation_bytes"] <= self.config.device_memory
+
+    def collective_ratios(self, rank: dict[str, Any]) -> dict[tuple[str, str], tuple[float, float]]:
+        """(op, dim) -> (measured, planned) payload bytes of one rank (groups of one rank left out)."""
+        out: dict[tuple[str, str], list[float]] = {}
+        for c in rank["collectives"]:
+            if c.get("group_size", 2) > 1:
+                out.setdefault((c["op"], c["dim"]), [0.0, 0.0])[0] += c["payload_bytes"]
+        for c in rank["planned"]["collectives"]:
+            out.setdefault((c["op"], c["dim"]), [0.0, 0.0])[1] += c["payload_bytes"]
+        return {k: (v[0], v[1]) for k, v in sorted(out.items())}
+
+    def format(self, width: int = 140) -> str:
+        """Rich tables: per rank memory (measured / planned) and collectives per (op, dim)."""
+        from rich.console import Console
+        from rich.table import Table
+
+        cfg = self.config
+        buf = io.StringIO()
+        console = Console(file=buf, width=width, force_terminal=False)
+        mesh = " x ".join(f"{k}={v}" for k, v in self.ranks[0]["mesh"].items()) if self.ranks else ""
+        mem = f", device memory {cfg.device_memory / 1e9:.4g} GB" if cfg.device_memory else ""
+        table = Table(title=f"Dry run: {cfg.model.rsplit('.', 1)[-1]} on {cfg.world_size} ranks ({mesh},"
+                            f" {cfg.devices_per_node}/node), strategy {cfg.strategy}, {cfg.precision}{mem}",
+                      caption="bytes per rank, measured on fake tensors / planned (lightning_dist.planner);"
+                              " activations: peak saved activations + backward temporaries. 1 GB = 1e9 B.")
+        for col in ("rank", "coords", "params", "grads", "optim", "states m/p", "peak act", "act m/p", "total",
+                    "fits", "time"):
+            table.add_column(col, justify="left" if col == "coords" else "right", no_wrap=True)
+        for r in self.ranks:
+            m, p = r["states"], r["planned"]["states"]
+            act, act_p = r["peak_activation_bytes"], r["planned"]["peak_activation_bytes"]
+            fits = self.fits(r)
+            table.add_row(str(r["rank"]), " ".join(f"{k}{v}" for k, v in r["coords"].items() if k != DP),
+                          *(format_bytes(m[k]) for k in ("params", "grads", "optimizer")),
+                          f"{m['total'] / p['total']:.3f}" if p["total"] else "-", format_bytes(act),
+                          f"{act / act_p:.2f}" if act_p else "-", format_bytes(m["total"] + act),
+                          "-" if fits is None else ("yes" if fits else "NO"), f"{r['seconds']:.0f} s")
+        console.print(table)
+        comm = Table(title="Collective payload bytes per step (measured / planned)")
+        for col in ("rank", "op", "dim", "calls", "measured", "planned", "m/p"):
+            comm.add_column(col, justify="left" if col in ("op", "dim") else "right", no_wrap=True)
+        for r in self.ranks:
+            calls = {(c["op"], c["dim"]): c["calls"] for c in r["collectives"]}
+            for (op, dim), (meas, plan) in self.collective_ratios(r).items():
+                comm.add_row(str(r["rank"]), op, dim, str(calls.get((op, dim), 0)), format_bytes(meas), format_bytes(plan),
+                             f"{meas / plan:.3f}" if plan else "-")
+        console.print(comm)
+        return buf.getvalue()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"config": json.loads(self.config.to_json()), "ranks": self.ranks}
+
+
+def format_bytes(n: float) -> str:
+    """Decimal units: 1 kB = 1e3 B, 1 GB = 1e9 B."""
+    for scale, unit in ((1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def dry_run(config: DryRunConfig, *, timeout: float = 600.0, python: str = sys.executable) -> DryRunReport:
+    """Simulate each representative rank in its own process (one after the other) and collect the figures.
+
+    Checks the cluster and the mesh arithmetic here first (same errors as the strategy), so a bad layout
+    fails before any process starts; a rank's error (e.g. the tensor-parallel plan's head check) is raised
+    here as the same exception type with the rank's message.
+    """
+    import tempfile
+
+    check_cluster(config.world_size, config.devices_per_node)
+    _check_replayable(_strategy_class(config))
+    strategy_sizes = {k: v for k, v in dict(config.strategy_args).items() if k in DIM_NAMES}
+    if all(isinstance(v, int) for v in strategy_sizes.values()) and strategy_sizes:
+        MeshSpec(world_size=config.world_size, devices_per_node=min(config.devices_per_node, config.world_size),
+                 **{"dp_replicate": "auto", "dp_shard": "auto", **strategy_sizes})
+    ranks = list(config.ranks) if config.ranks is not None else _representative_for(config)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_JOB_ENV)}
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for rank in ranks:
+            out = os.path.join(tmp, f"rank{rank}.json")
+            cmd = [python, "-m", "lightning_dist.dryrun", "--config", config.to_json(), "--out", out, "--rank", str(rank)]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+            data = json.load(open(out)) if os.path.exists(out) else None
+            if data is None or "error" in data:
+                kind, message = (data["error"] if data else ("RuntimeError", proc.stderr[-4000:]))
+                exc = {"ValueError": ValueError, "TypeError": TypeError}.get(kind, RuntimeError)
+                raise exc(message)
+            results.append(data)
+    return DryRunReport(config=config, ranks=results)
+
+
+def _main(argv: Optional[Sequence[str]] = None) -> int:
+    """Worker entry point (``python -m lightning_dist.dryrun``): one rank, result as JSON in ``--out``."""
+    import argparse
+    import logging
+    import warnings
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--rank", type=int, required=True)
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    logging.getLogger("lightning").setLevel(logging.ERROR)
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    config = DryRunConfig.from_json(args.config)
+    try:
+        result = simulate_rank(config, args.rank)
+    except (ValueError, TypeError, ImportError, RuntimeError) as err:
+        result = {"error": [type(err).__name__, str(err)]}
+    tmp = args.out + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f)
+    os.replace(tmp, args.out)
+    return 0
+
+
+def _representative_for(config: DryRunConfig) -> list[int]:
+    """The strategy's resolved mesh (its own ``mesh_spec``, with its ``"auto"`` rules) -> representative ranks.
+
+    Pure arithmetic on a strategy given the devices the Trainer would give it: runs in the driver's process.
+    """
+    import torch
+
+    check_cluster(config.world_size, config.devices_per_node)
+    per_node = min(config.devices_per_node, config.world_size)
+    strategy = _strategy(config)
+    strategy.parallel_devices = [torch.device("cpu")] * per_node
+    strategy.num_nodes = max(1, config.world_size // per_node)
+    return representative_ranks(strategy.mesh_spec())
+
+
+# launcher and scheduler variables of the calling job (a torchrun / SLURM rank running auto_parallel's
+# verification): the simulated rank sets its own, and must not be taken for a rank of that job
+_JOB_ENV = ("TORCHELASTIC_", "SLURM_", "GROUP_", "ROLE_", "LOCAL_WORLD_SIZE", "RANK", "LOCAL_RANK", "WORLD_SIZE",
+            "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "OMPI_", "PMI_")
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

@@ -1,0 +1,227 @@
+"""AutoParallelStrategy: the least parallelism that fits the device memory, chosen at setup (``strategy="auto_parallel"``).
+
+At ``setup_environment`` (every rank, once the world process group exists, before the mesh) rank 0 asks
+the planner for every candidate layout of this model on this many devices, keeps those the pack's
+strategies run and that fit ``device_memory`` (:func:`lightning_dist.planner.rank_layouts`), optionally
+checks the top candidates with the dry run (``verify=True``, :mod:`lightning_dist.dryrun`), prints the
+choice and the runner-up with their figures, and broadcasts the choice. Every rank then *becomes* that
+strategy (:class:`HybridShardStrategy` for DDP-style replication and hybrid sharding,
+:class:`FullyShardStrategy`, :class:`TensorParallelStrategy`, :class:`PipelineStrategy`, and
+:class:`HybridShardStrategy` with FSDP2's ``CPUOffloadPolicy`` for offload) and continues its set-up, so training runs exactly as that strategy would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional, Union
+
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
+
+from lightning_dist import planner
+from lightning_dist.mesh import DP_REPLICATE, DP_SHARD, PP, TP
+from lightning_dist.strategies.base import MeshStrategy
+
+# what Lightning's connector and launcher set on a strategy: kept when the strategy becomes its choice
+_LIGHTNING_STATE = ("_accelerator", "_checkpoint_io", "_forward_redirection", "_launcher", "_layer_sync",
+                    "_lightning_module", "_lightning_optimizers", "_model", "_optimizers", "_parallel_devices",
+                    "_precision_plugin", "cluster_environment", "lr_scheduler_configs", "num_nodes")
+
+
+def strategy_for(layout: planner.Layout) -> tuple[type, dict[str, Any]]:
+    """(strategy class, keyword arguments) that run `layout` (a kind of :data:`planner.AUTO_KINDS`)."""
+    from lightning_dist.strategies.hsdp import FullyShardStrategy, HybridShardStrategy
+    from lightning_dist.strategies.pipeline import PipelineStrategy
+    from lightning_dist.strategies.tp import TensorParallelStrategy
+
+    m = layout.mesh
+    if layout.kind in ("ddp", "hsdp"):
+        return HybridShardStrategy, {"shard_size": m[DP_SHARD], "dp_replicate": m[DP_REPLICATE]}
+    if layout.kind == "fsdp":
+        return FullyShardStrategy, {}
+    if layout.kind == "tp":
+        return TensorParallelStrategy, {"tp": m[TP], "dp_replicate": m[DP_REPLICATE], "dp_shard": m[DP_SHARD]}
+    if layout.kind == "pp":
+        return PipelineStrategy, {"pp": m[PP], "dp_replicate": m[DP_REPLICATE], "dp_shard": m[DP_SHARD]}
+    if layout.kind == "offload":  # FSDP2OffloadStrategy's policy; its report mixin cannot be swapped into
+        from lightning_dist._compat import CUDA_AVAILABLE, fully_shard_api
+
+        return HybridShardStrategy, {"shard_size": "full", "offload_policy": fully_shard_api()[2](pin_memory=CUDA_AVAILABLE)}
+    raise ValueError(f"auto_parallel does not run layouts of kind {layout.kind!r}; kinds: {planner.AUTO_KINDS}.")
+
+
+class AutoParallelStrategy(MeshStrategy):
+    """Pick the least parallelism that fits ``device_memory``, then run as that strategy.
+
+    Args:
+        device_memory: bytes per device (a number, or text such as ``"80GB"`` / ``"24GiB"``); None: the total
+            memory of the CUDA device (``strategy="auto_parallel"``); required on CPU.
+        prefer: layout kinds to try first, in order (``"ddp"``, ``"hsdp"``, ``"fsdp"``, ``"tp"``, ``"pp"``,
+            ``"offload"``); otherwise least parallelism first.
+        verify: also dry-run (fake process group, fake tensors) the candidates in order until one fits (at
+            most 4 dry runs, on rank 0) and skip those whose measured model states + peak activations do not. Needs the LightningModule's init
+            arguments in ``hparams`` (``save_hyperparameters()``) and a batch it can build (see ``dryrun``).
+        global_batch: samples per optimizer step over all ranks; layouts whose data-parallel size does not
+            divide it are skipped (each data-parallel rank needs the same whole number of samples).
+        optimizer: optimizer the planner sizes the state for (``"adamw"``, ``"adam"``, ``"sgd"``, ``"sgd-momentum"``).
+        batch_size, seq_len: per data-parallel rank, for ``verify``'s dry run (default 8 samples, block size).
+        options: extra keyword arguments per chosen strategy class name, e.g.
+            ``{"PipelineStrategy": {"n_microbatches": 4}, "TensorParallelStrategy": {"plan": "auto"}}``.
+        **kwargs: :class:`MeshStrategy` options every choice takes (``timeout``, ``process_group_backend``...).
+    """
+
+    strategy_name = "auto_parallel"
+
+    def __init__(
+        self,
+        *,
+        device_memory: Union[int, float, str, None] = None,
+        prefer: Union[str, Sequence[str]] = (),
+        verify: bool = False,
+        global_batch: Optional[int] = None,
+        optimizer: str = "adamw",
+        batch_size: int = 8,
+        seq_len: Optional[int] = None,
+        options: Optional[Mapping[str, Mapping[str, Any]]] = None,
+        **kwargs: Any,
+    ) -> None:
+        problems = []
+        memory: Optional[int] = None
+        if device_memory is not None:
+            try:
+                memory = planner.parse_bytes(device_memory)
+            except ValueError as err:
+                problems.append(str(err))
+        prefer = (prefer,) if isinstance(prefer, str) else tuple(prefer)
+        bad = [p for p in prefer if p not in planner.AUTO_KINDS]
+        if bad:
+            problems.append(f"`prefer={list(prefer)!r}`: {bad} are not layout kinds; use some of {planner.AUTO_KINDS}.")
+        if not isinstance(verify, bool):
+            problems.append(f"`verify={verify!r}` must be True or False.")
+        if global_batch is not None and (isinstance(global_batch, bool) or not isinstance(global_batch, int)
+                                         or global_batch < 1):
+            problems.append(f"`global_batch={global_batch!r}` must be an integer >= 1.")
+        if optimizer not in planner.OPTIMIZER_SLOTS:
+            problems.append(f"`optimizer={optimizer!r}` must be one of {sorted(planner.OPTIMIZER_SLOTS)}.")
+        if problems:
+            raise ValueError(f"Invalid {type(self).__name__} configuration:\n  - " + "\n  - ".join(problems))
+        super().__init__(**kwargs)
+        self.device_memory, self.prefer, self.verify = memory, prefer, verify
+        self.global_batch, self.optimizer, self.batch_size, self.seq_len = global_batch, optimizer, batch_size, seq_len
+        self.options = {k: dict(v) for k, v in (options or {}).items()}
+        self._common = dict(kwargs)
+        self.choice: Optional[planner.Layout] = None
+        """The chosen layout (set in ``setup_environment``)."""
+
+    # ---- choosing ------------------------------------------------------------------------------
+    def candidates(self) -> list[planner.Layout]:
+        """The planner's fitting, runnable layouts for the attached model, best first (pure arithmetic)."""
+        assert self.lightning_module is not None
+        precision = str(getattr(self.precision_plugin, "precision", "32-true"))
+        state = planner.state_bytes(precision=precision if precision in planner.PRECISIONS else "32-true",
+                                    optimizer=self.optimizer)
+        world = self.num_nodes * self.num_processes
+        layouts = planner.candidate_layouts(planner.count_params(self.lightning_module), world_size=world,
+                                            devices_per_node=self.num_processes, state=state,
+                                            device_memory=self.device_memory)
+        return planner.rank_layouts(layouts, global_batch=self.global_batch, prefer=self.prefer)
+
+    def _verified(self, ranked: list[planner.Layout], *, max_runs: int = 4) -> list[planner.Layout]:
+        """Dry-run the candidates in order until one fits (at most `max_runs` dry runs; rank 0 only); drop
+        those that do not. Offload layouts keep nothing on the device and are not dry-run."""
+        from lightning_dist.dryrun import DryRunConfig, dry_run
+
+        module = self.lightning_module
+        cls = type(module)
+        kept, runs, found = [], 0, False
+        for layout in ranked:
+            if found or layout.kind == "offload" or runs >= max_runs:
+                kept.append(layout)
+                continue
+            strategy_cls, kwargs = strategy_for(layout)
+            runs += 1
+            report = dry_run(DryRunConfig(
+                # hparams without LightningCLI's private entries (`_instantiator`, `_class_path`)
+                model=f"{cls.__module__}.{cls.__qualname__}",
+                init_args={k: v for k, v in module.hparams.items() if not k.startswith("_")},
+                strategy=f"{strategy_cls.__module__}.{strategy_cls.__qualname__}", strategy_args=kwargs,
+                world_size=self.num_nodes * self.num_processes, devices_per_node=self.num_processes,
+                precision=str(self.precision_plugin.precision), batch_size=self.batch_size, seq_len=self.seq_len,
+                device_memory=self.device_memory))
+            if all(report.fits(r) for r in report.ranks):
+                kept.append(layout)
+                found = True
+            else:
+                rank_zero_info(f"auto_parallel: {layout.name} does not fit in the dry run:\n{report.format()}")
+        return kept
+
+    @override
+    def setup_environment(self) -> None:
+        # the world process group first (to agree on one choice), then become the chosen strategy
+        if self.device_memory is None:
+            if self.root_device.type != "cuda":
+                raise ValueError("auto_parallel needs device_memory=... (e.g. '80GB') on a non-CUDA device: it picks"
+                                 " the least parallelism that fits that memory.")
+            import torch
+
+            self.device_memory = torch.cuda.get_device_properties(self.root_device).total_memory
+        ParallelStrategy.setup_environment(self)
+        self._setup_distributed()
+        ranked: list[planner.Layout] = []
+        if self.global_rank == 0:
+            ranked = self.candidates()
+            if self.verify:
+                ranked = self._verified(ranked)
+        names = self.broadcast([layout.name for layout in ranked[:2]])
+        if not names:
+            raise ValueError(self._nothing_fits())
+        ranked = ranked or [layout for name in names for layout in self.candidates() if layout.name == name]
+        self.choice = ranked[0]
+        rank_zero_info(format_choice(ranked[:2], device_memory=self.device_memory))
+        self._become(*strategy_for(self.choice))
+        type(self).setup_environment(self)
+
+    def _nothing_fits(self) -> str:
+        return (f"auto_parallel: no layout fits device_memory={self.device_memory or 0:,} bytes"
+                f"{f' with global_batch={self.global_batch}' if self.global_batch else ''} on"
+                f" {self.num_nodes * self.num_processes} devices, not even with everything offloaded to host memory."
+                " Use more devices, a smaller model, or `lightning-dist plan` to see what each layout needs.")
+
+    def _become(self, cls: type, kwargs: dict[str, Any]) -> None:
+        """Turn this object into ``cls(**kwargs)``, keeping what Lightning set (devices, precision, model...)."""
+        kept = {k: v for k, v in vars(self).items() if k in _LIGHTNING_STATE}
+        choice = self.choice
+        self.__class__ = cls
+        cls.__init__(self, **{**self._common, **kwargs, **self.options.get(cls.__name__, {})})
+        vars(self).update(kept)
+        self.choice = choice  # type: ignore[attr-defined]
+
+    def __repr__(self) -> str:
+        return f"AutoParallelStrategy(device_memory={self.device_memory}, prefer={list(self.prefer)}, verify={self.verify})"
+
+
+def format_choice(ranked: Sequence[planner.Layout], *, device_memory: float) -> str:
+    """The choice and the runner-up with their memory and traffic (a rich table, as text)."""
+    import io
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from lightning_dist.dryrun import format_bytes
+
+    table = Table(title=f"auto_parallel: least parallelism that fits {format_bytes(device_memory)} per device")
+    for col in ("", "layout", "strategy", "mesh pp x dp_rep x dp_shard x tp", "device bytes", "host bytes",
+                "traffic/step"):
+        table.add_column(col, justify="left" if col in ("", "layout", "strategy") else "right", no_wrap=True)
+    for label, layout in zip(("choice", "runner-up"), ranked):
+        cls, _ = strategy_for(layout)
+        m = layout.memory
+        table.add_row(label, layout.name, cls.__name__, " x ".join(str(v) for v in layout.mesh.values()),
+                      format_bytes(m.total), format_bytes(m.host + m.nvme), format_bytes(layout.wire_bytes))
+    buf = io.StringIO()
+    Console(file=buf, width=130, force_terminal=False).print(table)
+    return buf.getvalue()
+
+
+__all__ = ["AutoParallelStrategy", "format_choice", "strategy_for"]

@@ -1,0 +1,36 @@
+"""strategy="auto_parallel": each forced choice runs as that strategy with float64 parity (one 4-process launch).
+
+Scenario: tests/scenarios/auto_parallel_parity.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+from _harness import results, run_torchrun
+
+pytestmark = pytest.mark.distributed
+
+EXPECTED = {  # target layout -> (strategy it runs as, mesh pp x dp_replicate x dp_shard x tp)
+    "hsdp-2": ("HybridShardStrategy", [1, 2, 2, 1]),
+    "fsdp": ("FullyShardStrategy", [1, 1, 4, 1]),
+    "tp2-fsdp2": ("TensorParallelStrategy", [1, 1, 2, 2]),
+    "pp2-ddp2": ("PipelineStrategy", [2, 2, 1, 1]),
+    "fsdp-offload": ("HybridShardStrategy", [1, 1, 4, 1]),  # with FSDP2's CPUOffloadPolicy
+}
+
+
+def test_auto_parallel_choices_keep_parity():
+    everything = results(run_torchrun("auto_parallel_parity.py", nproc=4, timeout=500))
+    rows = [r for r in everything if r["kind"] == "auto"]
+    refused = [r for r in everything if r["kind"] == "nothing-fits"]
+    assert len(refused) == 4 and all("no layout fits device_memory=1 bytes with global_batch=6 on 4 devices"
+                                     in (r["error"] or "") for r in refused), refused
+    assert {r["target"] for r in rows} == set(EXPECTED)
+    for r in rows:
+        ran_as, mesh = EXPECTED[r["target"]]
+        assert r["choice"] == r["target"], r
+        assert r["ran_as"] == ran_as and r["mesh"] == mesh, r
+        assert r["diff"] <= 1e-12, r
+        if r["target"] == "fsdp-offload":
+            assert r["offload_policy"] == "CPUOffloadPolicy", r
+    assert len(rows) == 4 * len(EXPECTED)

@@ -1,0 +1,111 @@
+"""The dry run at 1024 ranks (pp=4 x dp_replicate=4 x dp_shard=8 x tp=8, bf16-mixed, 8 devices per node).
+
+Each simulated rank is one process on torch's fake process group (no communication, fake tensors), so
+these tests need no peers; they are marked `distributed` because they start subprocesses. The model is a
+small GPT of the pack (a few seconds per rank); ``benchmarks/dry_run.py`` runs the Llama-3-8B shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from lightning_dist.dryrun import DryRunConfig, dry_run
+
+pytestmark = pytest.mark.distributed
+
+SMALL = {"n_layer": 4, "n_head": 16, "n_kv_head": 8, "n_embd": 128, "vocab_size": 256, "block_size": 64, "bias": False}
+MESH = {"pp": 4, "dp_replicate": 4, "dp_shard": 8, "tp": 8, "split": "params"}
+
+
+def _config(**overrides) -> DryRunConfig:
+    kwargs = dict(model="lightning_dist.models.gpt.CharGPT", init_args=SMALL, strategy="pipeline", strategy_args=MESH,
+                  world_size=1024, devices_per_node=8, precision="bf16-mixed", batch_size=8, device_memory=80e9)
+    kwargs.update(overrides)
+    return DryRunConfig(**kwargs)
+
+
+def test_dry_run_1024_ranks_matches_the_plan():
+    # the first rank of stage 0 (stem) and the last rank (head, last dp_shard / tp shard)
+    report = dry_run(_config(ranks=(0, 1023)), timeout=300)
+    assert [r["rank"] for r in report.ranks] == [0, 1023]
+    first, last = report.ranks
+    assert first["coords"] == {"pp": 0, "dp_replicate": 0, "dp_shard": 0, "tp": 0, "dp": 0}
+    assert last["coords"] == {"pp": 3, "dp_replicate": 3, "dp_shard": 7, "tp": 7, "dp": 31}
+    assert first["stages"] == [0] and last["stages"] == [3]
+    for r in report.ranks:
+        assert r["mesh"] == {"pp": 4, "dp_replicate": 4, "dp_shard": 8, "tp": 8}
+        for part in ("params", "grads", "optimizer", "total"):
+            assert r["states"][part] > 0
+            assert abs(r["states"][part] / r["planned"]["states"][part] - 1) <= 0.01, (r["rank"], part)
+        comm = report.collective_ratios(r)
+        dims = {dim for _, dim in comm}
+        assert {"dp_shard", "dp_replicate", "tp", "pp"} <= dims, comm
+        for key, (measured, planned) in comm.items():
+            assert planned > 0 and abs(measured / planned - 1) <= 0.02, (r["rank"], key, measured, planned)
+        assert r["peak_activation_bytes"] > 0 and r["planned"]["peak_activation_bytes"] > 0
+        assert report.fits(r) is True
+    # stage 0 holds 4 micro-batches in flight under 1F1B, the last stage 1: more activations on rank 0's blocks
+    assert first["planned"]["peak_activation_bytes"] != last["planned"]["peak_activation_bytes"]
+    text = report.format()
+    assert "1024 ranks" in text and "dp_replicate" in text
+    # an 80 GB device fits; one of half the rank's measured bytes does not
+    need = last["states"]["total"] + last["peak_activation_bytes"]
+    tight = dataclasses.replace(report, config=dataclasses.replace(report.config, device_memory=need / 2))
+    assert tight.fits(last) is False
+
+
+def test_dry_run_refuses_like_the_cluster():
+    # world size not a multiple of the devices per node: refused before any process starts
+    with pytest.raises(ValueError, match="world_size=1020 is not divisible by devices_per_node=8"):
+        dry_run(_config(world_size=1020))
+    # pp=5 with tp=8 does not divide 1024 ranks: the mesh's own error
+    with pytest.raises(ValueError, match=r"pp x tp = 5 x 8 = 40 does not divide world_size=1024"):
+        dry_run(_config(strategy_args={**MESH, "pp": 5}))
+    # tp=6: 4 x 6 does not divide 1024 ranks
+    with pytest.raises(ValueError, match=r"pp x tp = 4 x 6 = 24 does not divide world_size=1024"):
+        dry_run(_config(strategy_args={**MESH, "tp": 6}))
+
+
+def test_dry_run_refuses_heads_and_stages_with_the_strategy_message():
+    from torch import nn
+
+    from lightning_dist.models.gpt import CharGPT
+    from lightning_dist.parallelize.tp import resolve_stage_plan
+
+    # tp=6 on a mesh that allows it (12 devices per node): 16 heads do not split over 6 tensor ranks;
+    # the message is the strategy's own, word for word
+    with pytest.raises(ValueError) as got:
+        dry_run(_config(world_size=1152, devices_per_node=12, strategy_args={**MESH, "tp": 6, "dp_shard": 12,
+                                                                            "dp_replicate": 4}, ranks=(0,)),
+                timeout=300)
+    import torch
+
+    with torch.device("meta"):
+        module = CharGPT(**SMALL)
+    with pytest.raises(ValueError) as direct:
+        resolve_stage_plan(module, module.model, "auto", tp=6)
+    assert str(direct.value) in str(got.value)
+    assert "not divisible by tp=6" in str(got.value)
+    # pp=5 over 4 blocks: the pipeline split's error
+    with pytest.raises(ValueError, match="Cannot split GPT into 5 pipeline stages: it has only 4 blocks"):
+        dry_run(_config(world_size=1280, strategy_args={**MESH, "pp": 5}, ranks=(0,)), timeout=300)
+    assert isinstance(module.model, nn.Module)
+    # DeepSpeed's engine communicates on its own: the dry run says so and points to the planner
+    with pytest.raises(ValueError, match="Plan it with `lightning-dist plan`"):
+        dry_run(_config(world_size=16, strategy="offload", strategy_args={}, ranks=(0,)), timeout=300)
+
+
+def test_dry_run_tensor_parallel_and_hybrid_sharding():
+    # the non-pipelined path: FSDP2 mixed precision over dp_replicate=2 x dp_shard=2 around tp=4 (16 ranks)
+    report = dry_run(_config(world_size=16, strategy="tp", strategy_args={"tp": 4, "dp_replicate": 2, "dp_shard": 2},
+                             ranks=(15,)), timeout=300)
+    (r,) = report.ranks
+    assert r["coords"] == {"pp": 0, "dp_replicate": 1, "dp_shard": 1, "tp": 3, "dp": 3}
+    assert abs(r["states"]["total"] / r["planned"]["states"]["total"] - 1) <= 0.01
+    comm = report.collective_ratios(r)
+    assert {dim for _, dim in comm} == {"dp_shard", "dp_replicate", "tp"}
+    for key, (measured, planned) in comm.items():
+        assert abs(measured / planned - 1) <= 0.02, (key, measured, planned)
+    assert abs(r["peak_activation_bytes"] / r["planned"]["peak_activation_bytes"] - 1) <= 0.15

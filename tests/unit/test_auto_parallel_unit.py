@@ -1,0 +1,166 @@
+"""The auto_parallel chooser (planner.rank_layouts), its strategy mapping, and the dry run's pure parts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_dist import planner
+from lightning_dist.dryrun import DryRunConfig, check_cluster, representative_ranks
+from lightning_dist.mesh import MeshSpec
+from lightning_dist.models.gpt import CharGPT
+from lightning_dist.strategies import AutoParallelStrategy
+from lightning_dist.strategies.auto_parallel import format_choice, strategy_for
+
+STATE = planner.state_bytes(precision="64-true")  # 8 + 8 + 16 bytes per parameter
+
+
+@pytest.fixture(scope="module")
+def counts() -> planner.ParamCounts:
+    with torch.device("meta"):
+        module = CharGPT(vocab_size=32, block_size=8, n_layer=2, n_head=4, n_embd=16, bias=False)
+    return planner.count_params(module)
+
+
+def _layouts(counts, memory, *, world=4, per_node=4):
+    return planner.candidate_layouts(counts, world_size=world, devices_per_node=per_node, state=STATE,
+                                     device_memory=memory)
+
+
+def _memory(counts, name, **kw):
+    return next(l for l in _layouts(counts, None, **kw) if l.name == name).memory.total
+
+
+@pytest.mark.parametrize(("target", "global_batch", "prefer", "per_node", "cls", "mesh"), [
+    ("ddp", None, (), 4, "HybridShardStrategy", (1, 4, 1, 1)),
+    ("hsdp-2", None, (), 4, "HybridShardStrategy", (1, 2, 2, 1)),
+    ("fsdp", None, (), 4, "FullyShardStrategy", (1, 1, 4, 1)),
+    ("tp2-fsdp2", 6, (), 4, "TensorParallelStrategy", (1, 1, 2, 2)),
+    ("pp2-ddp2", 6, (), 1, "PipelineStrategy", (2, 2, 1, 1)),  # one device per node: no tensor parallelism
+    ("pp2-ddp2", 6, ("pp",), 4, "PipelineStrategy", (2, 2, 1, 1)),
+    ("fsdp-offload", None, (), 4, "HybridShardStrategy", (1, 1, 4, 1)),
+])
+def test_budget_forces_each_choice(counts, target, global_batch, prefer, per_node, cls, mesh):
+    budget = max(1.0, _memory(counts, target, per_node=per_node) * 1.01)
+    ranked = planner.rank_layouts(_layouts(counts, budget, per_node=per_node), global_batch=global_batch,
+                                  prefer=prefer)
+    assert ranked[0].name == target, [l.name for l in ranked]
+    strategy_cls, kwargs = strategy_for(ranked[0])
+    assert strategy_cls.__name__ == cls
+    if target == "fsdp-offload":
+        assert type(kwargs["offload_policy"]).__name__ == "CPUOffloadPolicy"
+    # every less parallel layout the order prefers is too big (or cannot split the global batch)
+    assert all(l.memory.total <= budget for l in ranked)
+    assert tuple(ranked[0].mesh.values()) == mesh
+    if len(ranked) > 1:
+        assert "runner-up" in format_choice(ranked[:2], device_memory=budget)
+
+
+def test_nothing_fits_and_bad_options(counts):
+    layouts = [l for l in _layouts(counts, 1.0) if l.name != "fsdp-offload"]
+    assert planner.rank_layouts(layouts) == []
+    with pytest.raises(ValueError, match="are not layout kinds"):
+        planner.rank_layouts(layouts, prefer="zero3")
+    with pytest.raises(ValueError, match=r"Invalid AutoParallelStrategy configuration:\n  - Cannot parse memory size"):
+        AutoParallelStrategy(device_memory="lots")
+    with pytest.raises(ValueError, match="are not layout kinds"):
+        AutoParallelStrategy(device_memory="1GB", prefer="zero3")
+    assert AutoParallelStrategy(device_memory="2GB").device_memory == 2 * 10**9
+
+
+def test_registered_by_name():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    import lightning_dist  # noqa: F401
+
+    assert StrategyRegistry["auto_parallel"]["strategy"] is AutoParallelStrategy
+
+
+def test_representative_ranks_and_cluster_checks():
+    spec = MeshSpec(world_size=1024, devices_per_node=8, pp=4, dp_replicate=4, dp_shard=8, tp=8)
+    assert representative_ranks(spec) == [0, 256, 512, 768, 1023]
+    assert representative_ranks(MeshSpec(world_size=1, devices_per_node=1)) == [0]
+    with pytest.raises(ValueError, match="world_size=1020 is not divisible by devices_per_node=8"):
+        check_cluster(1020, 8)
+    config = DryRunConfig(model="m.M", world_size=16, devices_per_node=8, ranks=(0, 15), init_args={"a": 1})
+    assert DryRunConfig.from_json(config.to_json()) == config
+
+
+def test_activation_estimate_per_block():
+    block = planner.BlockShape(hidden=64, heads=4, mlp_hidden=256)
+    one = planner.activation_bytes(block, tokens=10, blocks=1, stem=False, head=False)
+    # 2 f C + 16 + 2 a C + 4 a C / t + a C / t + 2 a H / t + 4 h / t, with a = f = 2, t = 1
+    assert one == 10 * (2 * 2 * 64 + 16 + 2 * 2 * 64 + 5 * 2 * 64 + 2 * 2 * 256 + 16)
+    assert planner.activation_bytes(block, tokens=10, blocks=3, stem=False, head=False) == 3 * one
+    # two micro-batches in flight hold twice as much; tp shrinks the sharded parts; checkpointing keeps inputs
+    assert planner.activation_bytes(block, tokens=10, blocks=1, stem=False, head=False, micro_batches_held=2) == 2 * one
+    assert planner.activation_bytes(block, tokens=10, blocks=1, stem=False, head=False, tp=4) < one
+    ckpt = planner.activation_bytes(block, tokens=10, blocks=4, stem=False, head=False, checkpointed=True)
+    assert ckpt == 10 * 4 * 2 * 64 + one
+    # autocast keeps four input copies and the block's weights in the compute dtype per micro-batch
+    auto = planner.activation_bytes(block, tokens=10, blocks=1, stem=False, head=False, autocast=True)
+    assert auto == one + 10 * 2 * 2 * 64 + 2 * block.params
+    with_head = planner.activation_bytes(planner.BlockShape(hidden=64, heads=4, mlp_hidden=256, vocab=100),
+                                         tokens=10, blocks=1, stem=False, head=True)
+    assert with_head == one + 10 * ((2 + 2) * 64 + 16 + 3 * 2 * 100 + 2 * 100)
+
+
+def test_grouped_query_attention():
+    from lightning_dist.models.gpt import GPT
+
+    torch.manual_seed(0)
+    model = GPT(vocab_size=16, block_size=8, n_layer=1, n_head=4, n_kv_head=2, n_embd=16)
+    attn = model.blocks[0].attn
+    assert attn.k.weight.shape == (8, 16) and attn.v.weight.shape == (8, 16) and attn.q.weight.shape == (16, 16)
+    x = torch.randn(2, 8, 16)
+    # each key/value head serves two query heads: the same as full attention with the k/v heads repeated
+    full = type(attn)(dim=16, n_heads=4, causal=True)
+    with torch.no_grad():
+        for name in ("q", "proj"):
+            getattr(full, name).load_state_dict(getattr(attn, name).state_dict())
+        for name in ("k", "v"):
+            src = getattr(attn, name)
+            getattr(full, name).weight.copy_(src.weight.view(2, 4, 16).repeat_interleave(2, 0).reshape(16, 16))
+            getattr(full, name).bias.copy_(src.bias.view(2, 4).repeat_interleave(2, 0).reshape(16))
+    torch.testing.assert_close(attn(x), full(x))
+    assert model(torch.randint(0, 16, (2, 8))).shape == (2, 8, 16)
+    with pytest.raises(ValueError, match="n_kv_head=3 must be an integer >= 1 dividing n_head=4"):
+        GPT(n_head=4, n_kv_head=3, n_embd=16)
+
+
+def test_dry_run_cli_config_from_lightningcli_yaml(tmp_path):
+    from lightning_dist.cli import build_parser, dry_run_config
+
+    path = tmp_path / "cfg.yaml"
+    path.write_text(
+        "model:\n  class_path: lightning_dist.models.gpt.CharGPT\n  init_args:\n    n_layer: 4\n"
+        "trainer:\n  precision: bf16-mixed\n  strategy:\n    class_path: lightning_dist.strategies.PipelineStrategy\n"
+        "    init_args:\n      pp: 4\n      tp: 8\n")
+    args = build_parser().parse_args(["dry-run", "--config", str(path), "--world-size", "1024",
+                                      "--devices-per-node", "8", "--device-memory", "80GB", "--ranks", "0,1023"])
+    config = dry_run_config(args)
+    assert config.model == "lightning_dist.models.gpt.CharGPT" and config.init_args == {"n_layer": 4}
+    assert config.strategy == "lightning_dist.strategies.PipelineStrategy"
+    assert config.strategy_args == {"pp": 4, "tp": 8}
+    assert config.precision == "bf16-mixed" and config.device_memory == 80e9 and config.ranks == (0, 1023)
+
+
+def test_tp_plan_refuses_key_value_heads_that_do_not_split():
+    from lightning_dist.parallelize.tp import resolve_plan
+
+    with torch.device("meta"):
+        module = CharGPT(vocab_size=32, block_size=8, n_layer=1, n_head=16, n_kv_head=4, n_embd=128)
+    with pytest.raises(ValueError, match="has 4 key/value heads, not divisible by tp=8"):
+        resolve_plan(module, "auto", tp=8)
+    assert resolve_plan(module, "auto", tp=4)
+
+
+def test_auto_parallel_needs_device_memory_on_cpu(monkeypatch):
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    strategy = AutoParallelStrategy()
+    strategy.parallel_devices = [torch.device("cpu")]
+    strategy.cluster_environment = LightningEnvironment()
+    with pytest.raises(ValueError, match="auto_parallel needs device_memory=... \\(e.g. '80GB'\\) on a non-CUDA device"):
+        strategy.setup_environment()
