@@ -170,6 +170,23 @@ def _exact_loader(dl: Any, *, num_replicas: int, rank: int, full_batches: bool =
     )
 
 
+def _float_mean(reduce: Any) -> Any:
+    """`strategy.reduce` that averages integer tensors in float64.
+
+    ``self.log(..., sync_dist=True)`` divides the synced sum of ``value * batch_size`` by the mean of the
+    integer batch-size counts, and Lightning's ``_sync_ddp`` writes that mean back into the integer tensor
+    (``copy_``), truncating it: harmless while padding makes every rank's count equal, but trimmed counts
+    (31 samples on 4 ranks: mean 7.75 -> 7) would inflate the logged mean by 31/28.
+    """
+
+    def run(tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
+        if isinstance(tensor, Tensor) and not tensor.is_floating_point() and str(reduce_op).lower() in ("mean", "avg"):
+            tensor = tensor.to(torch.float64)  # counts: exact in float64; a new tensor, the caller's stays intact
+        return reduce(tensor, group, reduce_op)
+
+    return run
+
+
 class ExactEvaluation(Callback):
     """Score every validation/test/predict sample exactly once under any data-parallel layout.
 
@@ -266,6 +283,7 @@ class ExactEvaluation(Callback):
             # an empty batch (trim mode): the strategy's step is not run, the hooks around it are
             for name in ("validation_step", "test_step", "predict_step"):
                 setattr(strategy, name, self._skipping(getattr(strategy, name)))
+            strategy.reduce = _float_mean(strategy.reduce)  # type: ignore[method-assign]
             self._strategy = strategy
 
     def _skipping(self, step: Any) -> Any:
@@ -277,7 +295,7 @@ class ExactEvaluation(Callback):
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self._strategy is not None:
-            for name in ("process_dataloader", "validation_step", "test_step", "predict_step"):
+            for name in ("process_dataloader", "validation_step", "test_step", "predict_step", "reduce"):
                 delattr(self._strategy, name)  # the instance attributes: the class methods are back
             self._strategy = None
 

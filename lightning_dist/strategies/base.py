@@ -36,7 +36,6 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH, ReduceOp
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
@@ -46,6 +45,7 @@ from typing_extensions import override
 import lightning.pytorch as pl
 from lightning_dist import checkpoint as ckpt
 from lightning_dist.mesh import DIM_NAMES, DistMesh, MeshSpec
+from lightning_dist.launcher import JobLauncher, die_with_launcher
 from lightning_dist.rendezvous import job_store
 
 log = logging.getLogger(__name__)
@@ -150,9 +150,11 @@ class MeshStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            # Lightning's launcher, but no rank outlives the job and any rank's failure fails it
+            self._launcher = JobLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def _setup_distributed(self) -> None:
+        die_with_launcher()  # a child rank goes down with the launching process, however that ends
         reset_seed()
         assert self.cluster_environment is not None
         self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
