@@ -79,6 +79,7 @@ class _Children:
 
     procs: list[subprocess.Popen] = []
     observer: Optional[_Observer] = None
+    ended = False  # rank 0 failed and ended them itself
 
 
 class JobLauncher(_SubprocessScriptLauncher):
@@ -106,6 +107,7 @@ class JobLauncher(_SubprocessScriptLauncher):
 def _end_children() -> None:
     if _Children.observer is not None:
         _Children.observer.stopped.set()  # the children killed below must not look like a failure to it
+    _Children.ended = True
     _kill_and_wait(_Children.procs, _GRACE_S)
 
 
@@ -116,7 +118,7 @@ def _exit_with_children() -> None:
     if _Children.observer is not None:
         _Children.observer.stopped.set()
     failed = [p for p in _Children.procs if p.returncode != 0]
-    if failed:
+    if failed and not _Children.ended:
         sys.stderr.write(f"lightning_dist: rank process(es) {[p.pid for p in failed]} failed (exit codes"
                          f" {[p.returncode for p in failed]}); the job exits 1.\n")
         sys.stdout.flush()

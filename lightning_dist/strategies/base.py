@@ -282,6 +282,7 @@ class MeshStrategy(ParallelStrategy):
             )
         # dtype first (cheap on meta or full tensors), then device, then parallelize, then materialize
         self.model = self.precision_plugin.convert_module(self.model)
+        self._sync_batchnorm(trainer)
         if not _has_meta(self.model):
             self.model.to(self.root_device)
         if _is_parallelized(self.model):
@@ -298,6 +299,20 @@ class MeshStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _sync_batchnorm(self, trainer: pl.Trainer) -> None:
+        """``Trainer(sync_batchnorm=True)``: BatchNorm pooled over the data-parallel ranks (the pack's
+        ``DataParallelBatchNorm``, as ``MeshSyncBatchNorm`` does; torch's SyncBatchNorm needs accelerators and
+        would sync over tensor/pipeline peers too). Otherwise warn when BatchNorm trains unsynced over dp."""
+        from lightning_dist.callbacks.sync_batchnorm import convert_sync_batchnorm, warn_unsynced_batchnorm
+
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        if self._layer_sync is not None:
+            group = self.mesh.dp_group if self.mesh.dp_size > 1 else None
+            self.model = convert_sync_batchnorm(self.model, process_group=group)
+        elif not _is_parallelized(self.model):
+            warn_unsynced_batchnorm(self.model, dp_size=self.mesh.dp_size)
 
     # ---- memory at rest --------------------------------------------------------------------------
     def reshard(self) -> None:

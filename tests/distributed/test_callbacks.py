@@ -27,7 +27,7 @@ def _by_part(proc, world: int) -> dict[str, list[dict]]:
 @pytest.fixture(scope="module")
 def ddp4() -> dict[str, list[dict]]:
     proc = run_script(SCENARIO, "--devices", "4", "--parts",
-                      "exact,dropin,dropin_mesh,syncbn,parity,sampler,hsdp,tp,pipeline",
+                      "exact,dropin,dropin_mesh,syncflag,syncbn,parity,sampler,hsdp,tp,pipeline",
                       timeout=900)
     return _by_part(proc, 4)
 
@@ -110,6 +110,23 @@ def test_exact_evaluation_drop_in_under_hsdp_and_tp(ddp4):
         # hsdp, 4 dp ranks, batches of 1 on 10 samples: an empty step would leave FSDP peers in a collective
         assert "batch_size >= 2" in out["hsdp"]["refused"] and "mode='mask'" in out["hsdp"]["refused"]
         assert out["tp"]["refused"] is None  # tp 2 x dp 2: 10 samples divide, no empty batch
+
+
+def test_sync_batchnorm_flag_and_unsynced_warning_under_hsdp(ddp4):
+    """Trainer(sync_batchnorm=True) under hsdp (2 x 2) converts BatchNorm to the pack's data-parallel layer:
+    running statistics equal on every rank and equal to one device on the global batch, like
+    MeshSyncBatchNorm; without either, rank 0 warns once, naming the callback."""
+    for rank, out in enumerate(ddp4["syncflag"]):
+        for case in ("sync_batchnorm_flag", "mesh_sync_callback"):
+            r = out[case]
+            assert r["layer"] == "DataParallelBatchNorm" and r["equal_across_ranks"], (case, r)
+            assert r["rel_vs_one_device"] <= 1e-12, (case, r)
+            assert not r["warned"], (case, r)
+        unsynced = out["unsynced"]
+        assert not unsynced["equal_across_ranks"] and unsynced["rel_vs_one_device"] > 1e-3  # the control
+        assert len(unsynced["warned"]) == (1 if rank == 0 else 0), unsynced["warned"]
+        if rank == 0:
+            assert "MeshSyncBatchNorm()" in unsynced["warned"][0] and "'net.1'" in unsynced["warned"][0]
 
 
 def _check_syncbn(ranks: list[dict]) -> None:

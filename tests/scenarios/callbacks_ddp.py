@@ -569,6 +569,42 @@ def part_hsdp(devices: int) -> dict:
     return out
 
 
+# ---- Trainer(sync_batchnorm=True) under the pack's strategies; the warning without any sync -------------
+class _FirstBatch(pl.Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.x = batch[0].tolist()
+
+
+def part_syncflag(devices: int) -> dict:
+    from lightning_dist.strategies import HybridShardStrategy
+
+    out: dict = {}
+    for name, kwargs, callbacks in (("sync_batchnorm_flag", dict(sync_batchnorm=True), []),
+                                    ("mesh_sync_callback", dict(), [MeshSyncBatchNorm()]),
+                                    ("unsynced", dict(), [])):
+        model = ParityModel()
+        ref = copy.deepcopy(model.net).double()  # the Trainer runs in float64 (64-true)
+        seen = _FirstBatch()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer(devices, strategy=HybridShardStrategy(shard_size=2), max_steps=1, limit_val_batches=0,
+                    callbacks=[*callbacks, seen], **kwargs).fit(model)
+        bn = model.net[1]
+        stats = torch.cat([bn.running_mean, bn.running_var]).detach()
+        everyone = _gather(stats.tolist())
+        # one device on the global batch of the step: every dp rank's rows
+        ref.train()
+        ref(torch.cat([torch.tensor(rows, dtype=torch.float64) for rows in _gather(seen.x)]))
+        ref_stats = torch.cat([ref[1].running_mean, ref[1].running_var])
+        out[name] = {
+            "layer": type(bn).__name__,
+            "equal_across_ranks": all(e == everyone[0] for e in everyone),
+            "rel_vs_one_device": float((stats - ref_stats).norm() / ref_stats.norm()),
+            "warned": [str(w.message) for w in caught if "MeshSyncBatchNorm" in str(w.message)],
+        }
+    return out
+
+
 # ---- the pack's tp strategy (dp 2 x tp 2): tensor-parallel peers hold the same samples -------------
 class TPEvalModel(EvalModel):
     def __init__(self, loaders: dict):
@@ -705,7 +741,7 @@ def part_pipeline(devices: int) -> dict:
     return out
 
 
-PARTS = {"exact": part_exact, "dropin": part_dropin, "dropin_mesh": part_dropin_mesh, "syncbn": part_syncbn, "parity": part_parity, "sampler": part_sampler, "hsdp": part_hsdp,
+PARTS = {"exact": part_exact, "dropin": part_dropin, "dropin_mesh": part_dropin_mesh, "syncflag": part_syncflag, "syncbn": part_syncbn, "parity": part_parity, "sampler": part_sampler, "hsdp": part_hsdp,
          "tp": part_tp, "pipeline": part_pipeline}
 
 

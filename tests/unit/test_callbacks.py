@@ -354,6 +354,17 @@ def test_exact_evaluation_counts_samples_in_one_process():
         assert torch.isclose(torch.tensor(out[0]["val_loss"]), (model.net(ds.tensors[0]) ** 2).mean())
 
 
+def test_unsynced_batchnorm_warning():
+    from lightning_dist.callbacks.sync_batchnorm import unsynced_batchnorm, warn_unsynced_batchnorm
+
+    model = nn.Sequential(nn.Linear(2, 4), nn.BatchNorm1d(4), nn.BatchNorm1d(4, track_running_stats=False))
+    assert unsynced_batchnorm(model) == ["1"]
+    with pytest.warns(UserWarning, match=r"\['1'\].*over 4 ranks.*MeshSyncBatchNorm\(\)"):
+        assert warn_unsynced_batchnorm(model, dp_size=4)
+    assert not warn_unsynced_batchnorm(model, dp_size=1)  # one replica: nothing differs
+    assert unsynced_batchnorm(convert_sync_batchnorm(model, process_group=None)) == []
+
+
 # ---- SyncBatchNorm ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def one_rank_group():
