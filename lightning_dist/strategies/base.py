@@ -264,6 +264,15 @@ class MeshStrategy(ParallelStrategy):
             return _sync_ddp_if_available(tensor, group if group is not None else self.mesh.dp_group, reduce_op)
         return tensor
 
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        from lightning_dist.guards import check_data_runs_out_together
+
+        # iterable data that ends on some dp ranks only: refuse on every rank before the step's collectives
+        assert self.lightning_module is not None
+        check_data_runs_out_together(self.lightning_module.trainer, batch_idx, group=self.mesh.dp_group,
+                                     dp_size=self.mesh.dp_size)
+
     # ---- model set-up --------------------------------------------------------------------------
     def parallelize(self, module: pl.LightningModule) -> None:
         """Parallelize the LightningModule in place (subclasses apply their built-in plan)."""

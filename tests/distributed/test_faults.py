@@ -95,6 +95,25 @@ def test_raising_rank_ends_the_job(tmp_path, where, rank, torchrun, strategy, de
     assert not survivors, f"processes outlived the launcher: {survivors}"
 
 
+@pytest.mark.parametrize("rank,torchrun", [(1, False), (0, True)], ids=["lightning-rank1", "torchrun-rank0"])
+def test_rank_out_of_data_early_fails_the_job(tmp_path, rank, torchrun):
+    """An IterableDataset that yields fewer batches on one rank: every rank stops with the reason at the
+    batch where its data ends (before the step's collectives), the job exits non-zero, nothing remains."""
+    rc, stdout, stderr, ended, survivors = launch("short_data", rank, tmp_path, torchrun=torchrun)
+    assert rc != 0 and "RESULT" not in stdout, stdout[-2000:]
+    assert f"training data of data-parallel rank(s) [{rank}] ends after batch 0" in stderr, stderr[-4000:]
+    assert not survivors, f"processes outlived the launcher: {survivors}"
+
+
+def test_child_failing_after_rank0_finished_fails_the_job(tmp_path):
+    """Rank 0 (the launcher) finishes, a child rank exits 3 afterwards: the job exits non-zero (Lightning's
+    launcher alone exits 0 here), after every rank has ended."""
+    rc, stdout, stderr, ended, survivors = launch("exit_after_fit", 1, tmp_path)
+    assert rc == 1, (rc, stderr[-3000:])
+    assert "failed (exit codes [3])" in stderr and '"rank": 0' in stdout
+    assert not survivors, f"processes outlived the launcher: {survivors}"
+
+
 def test_sigkill_mid_step_then_resume_from_last(tmp_path):
     rc, stdout, stderr, ended, survivors = launch("sigkill", 1, tmp_path)
     assert rc != 0
