@@ -20,7 +20,7 @@ from _harness import ROOT, SCENARIOS, _env, free_port, results, reap_survivors, 
 
 pytestmark = pytest.mark.distributed
 
-TIMEOUT_S = 30  # the strategy's `timeout` in fault_raise.py
+TIMEOUT_S = 90  # the strategy's `timeout` in fault_raise.py
 # the documented bound: the collective timeout, plus Lightning's child-process observer period (5 s),
 # plus process teardown on a loaded CPU machine
 BOUND_S = TIMEOUT_S + 5 + 25

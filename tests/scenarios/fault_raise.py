@@ -33,7 +33,7 @@ name = sys.argv[5] if len(sys.argv) > 5 else "hsdp"
 # strategies whose built-in plans do not fit the scenario's MLP get a small plan of their own
 OPTIONS = {"tp": {"tp": 2, "plan": {"model.stem": "colwise_gather"}}, "pipeline": {"split": "params", "pp": 2}}  # pp 2 (x dp 2 on 4 ranks)
 PRECISION = {"offload": "32-true"}  # DeepSpeed refuses float64
-TIMEOUT = timedelta(seconds=30)  # the bound on how long survivors wait in a collective for a dead peer
+TIMEOUT = timedelta(seconds=90)  # the bound on how long survivors wait in a collective for a dead peer
 KW = dict(n=64, schedule=True)  # 4 steps of 16 per epoch: steps 5..8 are the second epoch
 
 
