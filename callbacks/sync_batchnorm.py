@@ -26,6 +26,7 @@ __all__ = [
     "MeshSyncBatchNorm",
     "convert_sync_batchnorm",
     "revert_sync_batchnorm",
+    "sync_or_warn_batchnorm",
     "unsynced_batchnorm",
     "warn_unsynced_batchnorm",
 ]
@@ -258,6 +259,17 @@ def warn_unsynced_batchnorm(module: nn.Module, *, dp_size: int) -> bool:
         category=UserWarning,
     )
     return True
+
+
+def sync_or_warn_batchnorm(module: nn.Module, *, sync: bool, group: Any, dp_size: int) -> nn.Module:
+    """What the pack's strategies do with BatchNorm before training: ``Trainer(sync_batchnorm=True)``
+    (`sync`) converts every layer to :class:`DataParallelBatchNorm` over the data-parallel `group` (torch's
+    SyncBatchNorm needs accelerators and would pool over tensor/pipeline peers too); otherwise
+    :func:`warn_unsynced_batchnorm`. Returns the (possibly new) root module."""
+    if sync:
+        return convert_sync_batchnorm(module, process_group=group if dp_size > 1 else None)
+    warn_unsynced_batchnorm(module, dp_size=dp_size)
+    return module
 
 
 def _partition_group(group: Any, dp_size: int, group_size: int) -> Any:

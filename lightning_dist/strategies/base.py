@@ -310,18 +310,12 @@ class MeshStrategy(ParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
 
     def _sync_batchnorm(self, trainer: pl.Trainer) -> None:
-        """``Trainer(sync_batchnorm=True)``: BatchNorm pooled over the data-parallel ranks (the pack's
-        ``DataParallelBatchNorm``, as ``MeshSyncBatchNorm`` does; torch's SyncBatchNorm needs accelerators and
-        would sync over tensor/pipeline peers too). Otherwise warn when BatchNorm trains unsynced over dp."""
-        from lightning_dist.callbacks.sync_batchnorm import convert_sync_batchnorm, warn_unsynced_batchnorm
+        """``Trainer(sync_batchnorm=True)``: BatchNorm pooled over the dp ranks; else warn if it trains unsynced."""
+        from lightning_dist.callbacks.sync_batchnorm import sync_or_warn_batchnorm
 
-        if trainer.state.fn != TrainerFn.FITTING:
-            return
-        if self._layer_sync is not None:
-            group = self.mesh.dp_group if self.mesh.dp_size > 1 else None
-            self.model = convert_sync_batchnorm(self.model, process_group=group)
-        elif not _is_parallelized(self.model):
-            warn_unsynced_batchnorm(self.model, dp_size=self.mesh.dp_size)
+        if trainer.state.fn == TrainerFn.FITTING and not _is_parallelized(self.model):
+            self.model = sync_or_warn_batchnorm(self.model, sync=self._layer_sync is not None,
+                                                group=self.mesh.dp_group, dp_size=self.mesh.dp_size)
 
     # ---- memory at rest --------------------------------------------------------------------------
     def reshard(self) -> None:
