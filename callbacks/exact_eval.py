@@ -123,7 +123,7 @@ class _EmptyBatchCollate:
 
 
 def _exact_loader(dl: Any, *, num_replicas: int, rank: int, full_batches: bool = False, trim: bool = False,
-                  may_skip: bool = True) -> DataLoader:
+                  may_skip: bool = True, same_sizes: bool = False) -> DataLoader:
     """`dl` rebuilt with an :class:`ExactBatchSampler` (same dataset, collate function and workers)."""
     if type(dl) is not DataLoader:
         raise TypeError(
@@ -159,6 +159,14 @@ def _exact_loader(dl: Any, *, num_replicas: int, rank: int, full_batches: bool =
             f" batch_size={batch_size} leave some rank an empty last batch, and this strategy's forward runs"
             " collectives, so no rank may skip a step. Use batch_size >= 2, a dataset size divisible by"
             f" {num_replicas}, or ExactEvaluation(mode='mask') with ExactMetric."
+        )
+    if trim and same_sizes and len({tuple(sampler.trimmed_sizes(r)) for r in range(num_replicas)}) > 1:
+        raise ValueError(
+            f"ExactEvaluation: {len(dataset)} evaluation samples in batches of {batch_size} on {num_replicas}"
+            " data-parallel pipelines give the pipelines batches of different sizes, so they would run"
+            " different numbers of micro-batches and their data-parallel collectives would wait on each other."
+            " Use ExactEvaluation(mode='mask', full_batches=True) with ExactMetric, or a dataset size divisible"
+            f" by {num_replicas} x batch_size."
         )
     collate = _EmptyBatchCollate(dl.collate_fn, dataset) if trim else dl.collate_fn
     return DataLoader(
@@ -207,7 +215,8 @@ class ExactEvaluation(Callback):
 
     ``mode="mask"``: the padding stays (every batch the same size; with ``full_batches=True`` the last one
     too), for models that need fixed batch shapes, e.g. a pipeline that splits every batch into whole
-    micro-batches. The user then updates metrics through the mask: wrap them in :class:`ExactMetric` or
+    micro-batches. Under ``PipelineStrategy`` with several data-parallel pipelines, trim mode refuses
+    layouts whose pipelines would get batches of different sizes (different micro-batch counts). The user then updates metrics through the mask: wrap them in :class:`ExactMetric` or
     slice with :func:`exact_eval_mask`; a plain ``self.log(..., sync_dist=True)`` averages padded rows too.
 
     Example (an existing project, unchanged but for the callback)::
@@ -270,13 +279,17 @@ class ExactEvaluation(Callback):
             # Lightning's DDP runs no collective in an eval forward, so a rank may skip an empty batch
             may_skip = isinstance(strategy, (DDPStrategy, SingleDeviceStrategy)) and not isinstance(
                 strategy, DeepSpeedStrategy)
+            # a pipeline splits a batch into as many micro-batches as its size allows: dp replicas must agree
+            from lightning_dist.strategies.pipeline import PipelineStrategy  # here: the strategies import callbacks
+
+            same_sizes = isinstance(strategy, PipelineStrategy)
 
             def process_dataloader(dataloader: object) -> object:
                 dataloader = original(dataloader)
                 if trainer.state.stage in _EVAL_STAGES:
                     _, size, rank = self._dp
                     dataloader = _exact_loader(dataloader, num_replicas=size, rank=rank, full_batches=self.full_batches,
-                                               trim=self.mode == "trim", may_skip=may_skip)
+                                               trim=self.mode == "trim", may_skip=may_skip, same_sizes=same_sizes)
                 return dataloader
 
             strategy.process_dataloader = process_dataloader  # type: ignore[method-assign]

@@ -103,10 +103,13 @@ def test_exact_evaluation_drop_in_3_ranks(ddp3):
     _check_dropin_ddp(ddp3["dropin"], 3)
 
 
-def test_exact_evaluation_drop_in_under_hsdp_and_tp(ddp4):
+def test_exact_evaluation_drop_in_under_hsdp_tp_and_pipeline(ddp4):
     for out in ddp4["dropin_mesh"]:
         for name in ("hsdp", "tp"):
             _check_dropin(out[name], ("validate",))
+        # pp 2 x dp 2: pipelines given batches of different sizes would run different micro-batch counts
+        assert "different numbers of micro-batches" in out["pipeline"]["refused"]
+        assert "mode='mask', full_batches=True" in out["pipeline"]["refused"]
         # hsdp, 4 dp ranks, batches of 1 on 10 samples: an empty step would leave FSDP peers in a collective
         assert "batch_size >= 2" in out["hsdp"]["refused"] and "mode='mask'" in out["hsdp"]["refused"]
         assert out["tp"]["refused"] is None  # tp 2 x dp 2: 10 samples divide, no empty batch

@@ -296,11 +296,11 @@ def _dropin_run(t: pl.Trainer, model: DropInModel, fn: str, which=(0, 1, 2)) -> 
     return by_loader
 
 
-def part_dropin(devices: int, strategy_factory=None) -> dict:
+def part_dropin(devices: int, strategy_factory=None, model_cls=None, pipeline: bool = False) -> dict:
     """ExactEvaluation() alone on an unchanged project: validation in fit, validate (tuple batches), test
     (dict batches), predict, several loaders, limit_val_batches; Lightning's DDP unless `strategy_factory`."""
     strategy = strategy_factory or (lambda: "ddp")
-    model = DropInModel()
+    model = (model_cls or DropInModel)()
     ref = dropin_reference(copy.deepcopy(model.net).double())
     out: dict = {"ref": ref}
     kw = dict(num_sanity_val_steps=0, callbacks=[ExactEvaluation()])
@@ -315,9 +315,12 @@ def part_dropin(devices: int, strategy_factory=None) -> dict:
         out["limit2"] = _dropin_run(trainer(devices, limit_val_batches=2, **kw), model, "validate", (0,))
     else:
         # the pack's sharded strategies: batches of 1 would leave an empty batch (refused), so loaders 0, 1
-        out["validate"] = _dropin_run(trainer(devices, strategy=strategy(), **kw), model, "validate", (0, 1))
+        if not pipeline:
+            out["validate"] = _dropin_run(trainer(devices, strategy=strategy(), **kw), model, "validate", (0, 1))
         try:
-            trainer(devices, strategy=strategy(), **kw).validate(model, model.loaders((2,)), verbose=False)
+            # pipelines: 31 rows in batches of 3 on 2 dp pipelines give them different batch sizes (refused)
+            trainer(devices, strategy=strategy(), **kw).validate(model, model.loaders((0,) if pipeline else (2,)),
+                                                                 verbose=False)
             out["refused"] = None
         except ValueError as err:
             out["refused"] = str(err)
@@ -327,8 +330,16 @@ def part_dropin(devices: int, strategy_factory=None) -> dict:
 def part_dropin_mesh(devices: int) -> dict:
     from lightning_dist.strategies import HybridShardStrategy, TensorParallelStrategy
 
+    from lightning_dist.strategies import PipelineStrategy
+
+    class PipeDropIn(DropInModel):
+        def pipeline_loss(self, output, target):  # what PipelineStrategy trains with; evaluation is forward-only
+            return F.cross_entropy(output, target)
+
     return {"hsdp": part_dropin(devices, lambda: HybridShardStrategy(shard_size=2)),
-            "tp": part_dropin(devices, lambda: TensorParallelStrategy(tp=2))}
+            "tp": part_dropin(devices, lambda: TensorParallelStrategy(tp=2)),
+                    "pipeline": part_dropin(devices, lambda: PipelineStrategy(pp=2, n_microbatches=2, split="params",
+                                                                   network="net"), model_cls=PipeDropIn, pipeline=True)}
 
 
 # ---- SyncBatchNorm, directly on the process group ----------------------------------------------

@@ -136,13 +136,13 @@ def _port_in_use():
 
 
 # id -> (callable taking tmp_path, exception type, substrings the message must contain: the value and the fix)
-def _exact_eval_loader(n: int, world: int, batch_size: int, *, may_skip: bool = True):
+def _exact_eval_loader(n: int, world: int, batch_size: int, *, may_skip: bool = True, same_sizes: bool = False):
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_dist.callbacks.exact_eval import _exact_loader
 
     return _exact_loader(DataLoader(TensorDataset(torch.arange(n)), batch_size=batch_size), num_replicas=world,
-                         rank=0, trim=True, may_skip=may_skip)
+                         rank=0, trim=True, may_skip=may_skip, same_sizes=same_sizes)
 
 
 CASES = {
@@ -198,6 +198,9 @@ CASES = {
                                      ["full_batches=True", "mode='mask'"]),
     "exact-eval-empty-batch-sharded": (lambda t: _exact_eval_loader(10, 4, 1, may_skip=False), ValueError,
                                        ["10 evaluation samples on 4", "batch_size=1", "batch_size >= 2", "mode='mask'"]),
+    "exact-eval-pipeline-uneven": (lambda t: _exact_eval_loader(31, 2, 3, same_sizes=True), ValueError,
+                                   ["31 evaluation samples in batches of 3 on 2", "micro-batches",
+                                    "mode='mask', full_batches=True"]),
     "exact-eval-fewer-samples-than-ranks": (lambda t: _exact_eval_loader(3, 4, 2), ValueError,
                                             ["3 samples for 4 data-parallel ranks", "mode='mask'"]),
     "checkpoint-other-model": (lambda t: _other_model_checkpoint(), ValueError,
