@@ -1,7 +1,8 @@
 """Lightning callbacks that fix silent distributed-training pitfalls (installed as ``lightning_dist.callbacks``).
 
 * :class:`SamplerEpoch`: every sampler, batch sampler, wrapper and iterable dataset gets the epoch.
-* :class:`ExactEvaluation` + :class:`ExactMetric`: validation/test score every sample exactly once.
+* :class:`ExactEvaluation`: validation/test/predict score every sample exactly once, in unchanged user code
+  (:class:`ExactMetric` for its mask mode).
 * :class:`MeshSyncBatchNorm`: BatchNorm statistics pooled over the data-parallel group (CPU and GPU).
 * :class:`GradientParityCheck`: the distributed gradient equals the single-device one, checked in the run.
 * :class:`CommunicationLedger`, :class:`MemoryReport`: measured traffic and model-state bytes next to the planner's.

@@ -1,11 +1,13 @@
-"""Exact distributed validation and test: every sample scored once, every rank in lock-step.
+"""Exact distributed validation, test and predict: every sample scored once, every rank in lock-step.
 
 ``DistributedSampler`` pads the dataset with repeated samples so that every rank gets the same number
-(10 samples on 3 ranks are scored as 12). Dropping the padding instead would leave ranks with different
-step counts, and a sharded model (FSDP, tensor or pipeline parallel) then hangs in a collective.
-:class:`ExactEvaluation` keeps the padding (every rank runs the same steps and collectives) but knows
-which rows are padding and exposes a per-batch mask; :class:`ExactMetric` applies it to any
-torchmetrics metric.
+(10 samples on 3 ranks are scored as 12). Dropping the padding from the sampler instead would leave ranks
+with different step counts, and a sharded model (FSDP, tensor or pipeline parallel) then hangs in a
+collective. :class:`ExactEvaluation` gives every rank the same number of steps and, by default
+(``mode="trim"``), removes the repeated rows from the batches themselves, so the user's unchanged
+``validation_step`` (torchmetrics metrics, ``len(batch)`` counts, ``self.log(..., sync_dist=True)``)
+sees each sample once. ``mode="mask"`` keeps the padded rows (fixed batch shapes, e.g. for pipelines)
+and exposes a per-batch mask that :class:`ExactMetric` applies to any torchmetrics metric.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
 from lightning.pytorch.trainer.states import RunningStage
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset, Sampler
@@ -28,30 +32,65 @@ from lightning_dist.mesh import data_parallel_info
 
 __all__ = ["ExactEvaluation", "ExactMetric", "ExactBatchSampler", "exact_eval_mask"]
 
-_EVAL_STAGES = (RunningStage.VALIDATING, RunningStage.TESTING, RunningStage.SANITY_CHECKING)
+_EVAL_STAGES = (RunningStage.VALIDATING, RunningStage.TESTING, RunningStage.SANITY_CHECKING, RunningStage.PREDICTING)
+_MODES = ("trim", "mask")
 
 
 class ExactBatchSampler(Sampler[list[int]]):
-    """Batches of this data-parallel rank's share of ``range(num_samples)``, padded like
-    ``DistributedSampler`` (global position ``p = rank + j * num_replicas``; positions ``>= num_samples``
-    repeat an earlier sample) so every rank yields the same number of batches of the same sizes;
-    :meth:`mask` tells which rows of a batch are real. Never drops samples. With ``full_batches`` the last
-    batch is padded to ``batch_size`` as well (for pipelines that split every batch into micro-batches).
+    """Batches of this data-parallel rank's share of ``range(num_samples)`` (global position
+    ``p = rank + j * num_replicas``, the order of ``DistributedSampler(shuffle=False)``); every rank yields
+    the same number of batches. Never drops samples.
+
+    ``trim=False`` (mask mode): the share is padded like ``DistributedSampler`` (positions ``>= num_samples``
+    repeat an earlier sample) so every rank's batches have the same sizes; :meth:`mask` tells which rows
+    are real. With ``full_batches`` the last batch is padded to ``batch_size`` as well (pipelines that
+    split every batch into micro-batches).
+
+    ``trim=True``: only real samples; a rank with fewer real samples spreads them over the same number of
+    batches (sizes <= ``batch_size``, the first ones full), so a batch is empty only where a rank has fewer
+    samples than steps (``batch_size=1`` with a dataset not divisible by the ranks, or fewer samples than
+    ranks): see :meth:`empty_anywhere`.
     """
 
-    def __init__(self, *, num_samples: int, num_replicas: int, rank: int, batch_size: int, full_batches: bool = False) -> None:
+    def __init__(self, *, num_samples: int, num_replicas: int, rank: int, batch_size: int, full_batches: bool = False,
+                 trim: bool = False) -> None:
         if batch_size < 1:
             raise ValueError(f"`batch_size={batch_size}` must be >= 1.")
         if not 0 <= rank < num_replicas:
             raise ValueError(f"`rank={rank}` must be in [0, num_replicas={num_replicas}).")
         if num_samples < 1:
             raise ValueError(f"ExactBatchSampler needs a non-empty dataset, got num_samples={num_samples}.")
+        if trim and full_batches:
+            raise ValueError("`full_batches=True` pads batches: it needs `trim=False` (ExactEvaluation(mode='mask')).")
         self.num_samples, self.num_replicas, self.rank, self.batch_size = num_samples, num_replicas, rank, batch_size
-        self.full_batches = full_batches
+        self.full_batches, self.trim = full_batches, trim
         self.per_rank = math.ceil(num_samples / num_replicas)
         """Samples per rank, padding included (the same on every rank)."""
+        self.sizes = self.trimmed_sizes(rank) if trim else None
+        """Trim mode: the number of real rows of each batch of this rank."""
+
+    def real_count(self, rank: int) -> int:
+        """Real (not repeated) samples of data-parallel rank `rank`."""
+        return max(0, math.ceil((self.num_samples - rank) / self.num_replicas))
+
+    def trimmed_sizes(self, rank: int) -> list[int]:
+        """Batch sizes of `rank` in trim mode: its real samples over ``len(self)`` batches of <= batch_size,
+        the first ones full, none empty while the rank has at least one sample per batch."""
+        steps, left, sizes = len(self), self.real_count(rank), []
+        for b in range(steps):
+            size = min(self.batch_size, left - (steps - 1 - b)) if left >= steps - b else min(1, left)
+            sizes.append(size)
+            left -= size
+        return sizes
+
+    def empty_anywhere(self) -> bool:
+        """True when some rank gets an empty batch in trim mode (the same answer on every rank)."""
+        return any(0 in self.trimmed_sizes(r) for r in range(self.num_replicas))
 
     def _positions(self, batch_idx: int) -> range:
+        if self.sizes is not None:
+            start = sum(self.sizes[:batch_idx])
+            return range(start, start + self.sizes[batch_idx])
         start = batch_idx * self.batch_size
         stop = start + self.batch_size if self.full_batches else min(start + self.batch_size, self.per_rank)
         return range(start, stop)
@@ -67,10 +106,24 @@ class ExactBatchSampler(Sampler[list[int]]):
         """Bool tensor over the rows of batch `batch_idx`: True for real samples, False for padding."""
         return torch.tensor([
             j < self.per_rank and self.rank + j * self.num_replicas < self.num_samples for j in self._positions(batch_idx)
-        ])
+        ], dtype=torch.bool)
 
 
-def _exact_loader(dl: Any, *, num_replicas: int, rank: int, full_batches: bool = False) -> DataLoader:
+class _EmptyBatchCollate:
+    """The loader's collate function, which also builds an empty batch (no index): the collated first sample
+    of the dataset with every tensor cut to 0 rows, so the batch keeps its structure, dtypes and shapes."""
+
+    def __init__(self, collate_fn: Any, dataset: Any) -> None:
+        self.collate_fn, self.dataset = collate_fn, dataset
+
+    def __call__(self, samples: list) -> Any:
+        if samples:
+            return self.collate_fn(samples)
+        return apply_to_collection(self.collate_fn([self.dataset[0]]), Tensor, lambda t: t[:0])
+
+
+def _exact_loader(dl: Any, *, num_replicas: int, rank: int, full_batches: bool = False, trim: bool = False,
+                  may_skip: bool = True, same_sizes: bool = False) -> DataLoader:
     """`dl` rebuilt with an :class:`ExactBatchSampler` (same dataset, collate function and workers)."""
     if type(dl) is not DataLoader:
         raise TypeError(
@@ -90,10 +143,34 @@ def _exact_loader(dl: Any, *, num_replicas: int, rank: int, full_batches: bool =
             f" {type(dl.batch_sampler).__name__}); build it with `DataLoader(dataset, batch_size=...)`."
         )
     sampler = ExactBatchSampler(
-        num_samples=len(dataset), num_replicas=num_replicas, rank=rank, batch_size=batch_size, full_batches=full_batches
+        num_samples=len(dataset), num_replicas=num_replicas, rank=rank, batch_size=batch_size,
+        full_batches=full_batches, trim=trim,
     )
+    if trim and len(dataset) < num_replicas:
+        # a rank without any sample would log no key, and the epoch-end sync of `self.log` would hang
+        raise ValueError(
+            f"ExactEvaluation: the evaluation dataset has {len(dataset)} samples for {num_replicas} data-parallel"
+            " ranks, so some rank has none to evaluate. Evaluate on at most"
+            f" {len(dataset)} data-parallel ranks, or use ExactEvaluation(mode='mask') with ExactMetric."
+        )
+    if trim and not may_skip and sampler.empty_anywhere():
+        raise ValueError(
+            f"ExactEvaluation: {len(dataset)} evaluation samples on {num_replicas} data-parallel ranks with"
+            f" batch_size={batch_size} leave some rank an empty last batch, and this strategy's forward runs"
+            " collectives, so no rank may skip a step. Use batch_size >= 2, a dataset size divisible by"
+            f" {num_replicas}, or ExactEvaluation(mode='mask') with ExactMetric."
+        )
+    if trim and same_sizes and len({tuple(sampler.trimmed_sizes(r)) for r in range(num_replicas)}) > 1:
+        raise ValueError(
+            f"ExactEvaluation: {len(dataset)} evaluation samples in batches of {batch_size} on {num_replicas}"
+            " data-parallel pipelines give the pipelines batches of different sizes, so they would run"
+            " different numbers of micro-batches and their data-parallel collectives would wait on each other."
+            " Use ExactEvaluation(mode='mask', full_batches=True) with ExactMetric, or a dataset size divisible"
+            f" by {num_replicas} x batch_size."
+        )
+    collate = _EmptyBatchCollate(dl.collate_fn, dataset) if trim else dl.collate_fn
     return DataLoader(
-        dataset, batch_sampler=sampler, num_workers=dl.num_workers, collate_fn=dl.collate_fn,
+        dataset, batch_sampler=sampler, num_workers=dl.num_workers, collate_fn=collate,
         pin_memory=dl.pin_memory, timeout=dl.timeout, worker_init_fn=dl.worker_init_fn,
         multiprocessing_context=dl.multiprocessing_context, generator=dl.generator,
         prefetch_factor=dl.prefetch_factor if dl.num_workers > 0 else None,
@@ -101,41 +178,61 @@ def _exact_loader(dl: Any, *, num_replicas: int, rank: int, full_batches: bool =
     )
 
 
+def _float_mean(reduce: Any) -> Any:
+    """`strategy.reduce` that averages integer tensors in float64.
+
+    ``self.log(..., sync_dist=True)`` divides the synced sum of ``value * batch_size`` by the mean of the
+    integer batch-size counts, and Lightning's ``_sync_ddp`` writes that mean back into the integer tensor
+    (``copy_``), truncating it: harmless while padding makes every rank's count equal, but trimmed counts
+    (31 samples on 4 ranks: mean 7.75 -> 7) would inflate the logged mean by 31/28.
+    """
+
+    def run(tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
+        if isinstance(tensor, Tensor) and not tensor.is_floating_point() and str(reduce_op).lower() in ("mean", "avg"):
+            tensor = tensor.to(torch.float64)  # counts: exact in float64; a new tensor, the caller's stays intact
+        return reduce(tensor, group, reduce_op)
+
+    return run
+
+
 class ExactEvaluation(Callback):
-    """Score every validation/test sample exactly once under any data-parallel layout.
+    """Score every validation/test/predict sample exactly once under any data-parallel layout.
 
-    The callback rebuilds each validation/test DataLoader with an :class:`ExactBatchSampler` over the
-    data-parallel group (``dp`` of the pack's meshes, Lightning's ``data_parallel`` dim, or the DDP world;
-    tensor/pipeline ranks of one replica get the same samples). Every rank runs the same number of steps
-    of the same sizes; the rows that repeat a sample are marked in a per-batch mask. It also points every
-    torchmetrics metric of the model at the data-parallel group, and logs ``{prefix}_samples``, the number
-    of samples evaluated (the dataset length).
+    The callback rebuilds each validation/test/predict DataLoader with an :class:`ExactBatchSampler` over
+    the data-parallel group (``dp`` of the pack's meshes, Lightning's ``data_parallel`` dim, or the DDP
+    world; tensor/pipeline ranks of one replica get the same samples). Every rank runs the same number of
+    steps. It also points every torchmetrics metric of the model at the data-parallel group, and logs
+    ``{prefix}_samples``, the number of samples evaluated (the dataset length).
 
-    User contract: update metrics only through the mask. Wrap metrics in :class:`ExactMetric` (the mask
-    is applied for you), or slice with :func:`exact_eval_mask` yourself. A plain
-    ``self.log("val_loss", loss, sync_dist=True)`` still averages the padded rows; log a wrapped
-    ``MeanMetric`` of per-sample losses instead.
+    ``mode="trim"`` (default, for unchanged projects): the repeated rows never reach the user's step; a
+    rank's batches may be shorter than ``batch_size`` (the real samples are spread over the same number of
+    steps). Metrics, ``len(batch)`` counts and ``self.log(..., sync_dist=True)`` epoch means (Lightning
+    weights them by the real batch sizes) equal one device. Only where a rank has fewer samples than steps
+    (``batch_size=1`` and a dataset not divisible by the ranks) is a batch empty: that rank skips the
+    user's step under Lightning's DDP (its eval forward runs no collective); strategies whose forward runs
+    collectives (FSDP, tensor/pipeline parallel, DeepSpeed) refuse that layout up front. A step skipped on
+    one rank must not ``self.log(..., on_step=True, sync_dist=True)`` (that syncs per step).
 
-    Example::
+    ``mode="mask"``: the padding stays (every batch the same size; with ``full_batches=True`` the last one
+    too), for models that need fixed batch shapes, e.g. a pipeline that splits every batch into whole
+    micro-batches. Under ``PipelineStrategy`` with several data-parallel pipelines, trim mode refuses
+    layouts whose pipelines would get batches of different sizes (different micro-batch counts). The user then updates metrics through the mask: wrap them in :class:`ExactMetric` or
+    slice with :func:`exact_eval_mask`; a plain ``self.log(..., sync_dist=True)`` averages padded rows too.
 
-        from torchmetrics import MeanMetric
-        from torchmetrics.classification import MulticlassAccuracy
-        from lightning_dist.callbacks import ExactEvaluation, ExactMetric
+    Example (an existing project, unchanged but for the callback)::
 
         class Model(LightningModule):
             def __init__(self):
                 super().__init__()
                 self.net = torch.nn.Linear(8, 3)
-                self.val_acc = ExactMetric(MulticlassAccuracy(num_classes=3, average="micro"))
-                self.val_loss = ExactMetric(MeanMetric())
+                self.val_acc = MulticlassAccuracy(num_classes=3, average="micro")
 
             def validation_step(self, batch, batch_idx):
                 x, y = batch
                 logits = self.net(x)
-                self.val_acc.update(logits, y)  # padded rows are dropped here
-                self.val_loss.update(F.cross_entropy(logits, y, reduction="none"))
+                self.val_acc.update(logits, y)
                 self.log("val_acc", self.val_acc)
-                self.log("val_loss", self.val_loss)
+                self.log("val_loss", F.cross_entropy(logits, y), sync_dist=True)
 
         Trainer(strategy="ddp", devices=4, callbacks=[ExactEvaluation()])
 
@@ -144,18 +241,25 @@ class ExactEvaluation(Callback):
     dataset order. Training loaders are not touched.
     """
 
-    def __init__(self, *, log_count: bool = True, full_batches: bool = False) -> None:
+    def __init__(self, *, mode: str = "trim", log_count: bool = True, full_batches: bool = False) -> None:
+        if mode not in _MODES:
+            raise ValueError(f"ExactEvaluation(mode={mode!r}): choose 'trim' (default) or 'mask'.")
+        if full_batches and mode != "mask":
+            raise ValueError("ExactEvaluation(full_batches=True) pads batches: use it with mode='mask'.")
+        self.mode = mode
+        """``"trim"``: padded rows removed from the batches; ``"mask"``: kept and marked by :attr:`mask`."""
         self.log_count = log_count
         """Log ``val_samples`` / ``test_samples``: samples scored, summed over the data-parallel group."""
         self.full_batches = full_batches
-        """Pad the last batch to the full batch size too (pipelines that split every batch into micro-batches)."""
+        """Mask mode: pad the last batch to the full batch size too (pipelines that split every batch)."""
         self.mask: Optional[Tensor] = None
-        """The mask of the batch being evaluated (None outside evaluation batches)."""
+        """The mask of the batch being evaluated (None outside evaluation batches); all True in trim mode."""
         self.last_count: Optional[int] = None
         """Samples scored in the last evaluation epoch, over the whole data-parallel group."""
         self._count: Optional[Tensor] = None
         self._dp: tuple = (None, 1, 0)
         self._strategy: Any = None
+        self._skip = False  # the current batch is empty (trim mode): the user's step is not called
 
     # ---- loader replacement ------------------------------------------------------------------
     @override
@@ -172,21 +276,40 @@ class ExactEvaluation(Callback):
             # `Strategy.process_dataloader` is Lightning's designated point to change a loader after the
             # sampler injection and before iteration; wrap it on this strategy instance only
             original = strategy.process_dataloader
+            # Lightning's DDP runs no collective in an eval forward, so a rank may skip an empty batch
+            may_skip = isinstance(strategy, (DDPStrategy, SingleDeviceStrategy)) and not isinstance(
+                strategy, DeepSpeedStrategy)
+            # a pipeline splits a batch into as many micro-batches as its size allows: dp replicas must agree
+            from lightning_dist.strategies.pipeline import PipelineStrategy  # here: the strategies import callbacks
+
+            same_sizes = isinstance(strategy, PipelineStrategy)
 
             def process_dataloader(dataloader: object) -> object:
                 dataloader = original(dataloader)
                 if trainer.state.stage in _EVAL_STAGES:
                     _, size, rank = self._dp
-                    dataloader = _exact_loader(dataloader, num_replicas=size, rank=rank, full_batches=self.full_batches)
+                    dataloader = _exact_loader(dataloader, num_replicas=size, rank=rank, full_batches=self.full_batches,
+                                               trim=self.mode == "trim", may_skip=may_skip, same_sizes=same_sizes)
                 return dataloader
 
             strategy.process_dataloader = process_dataloader  # type: ignore[method-assign]
+            # an empty batch (trim mode): the strategy's step is not run, the hooks around it are
+            for name in ("validation_step", "test_step", "predict_step"):
+                setattr(strategy, name, self._skipping(getattr(strategy, name)))
+            strategy.reduce = _float_mean(strategy.reduce)  # type: ignore[method-assign]
             self._strategy = strategy
+
+    def _skipping(self, step: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            return None if self._skip else step(*args, **kwargs)
+
+        return run
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self._strategy is not None:
-            del self._strategy.process_dataloader  # the instance attribute: the class method is back
+            for name in ("process_dataloader", "validation_step", "test_step", "predict_step", "reduce"):
+                delattr(self._strategy, name)  # the instance attributes: the class methods are back
             self._strategy = None
 
     # ---- per-batch mask and count ------------------------------------------------------------
@@ -199,19 +322,20 @@ class ExactEvaluation(Callback):
                 " `setup`, or replaced afterwards?)."
             )
         self.mask = sampler.mask(batch_idx).to(pl_module.device)
+        self._skip = self.mask.numel() == 0
         if self._count is None:
             self._count = torch.zeros((), dtype=torch.long, device=pl_module.device)
         self._count += self.mask.sum()
 
-    def _epoch_end(self, pl_module: LightningModule, prefix: str) -> None:
+    def _epoch_end(self, pl_module: LightningModule, prefix: Optional[str]) -> None:
         count = self._count if self._count is not None else torch.zeros((), dtype=torch.long, device=pl_module.device)
         group, size, _ = self._dp
         if size > 1:
             dist.all_reduce(count, group=group)  # dp group only: every dp rank holds different samples
-        if self.log_count:
+        if self.log_count and prefix is not None:
             pl_module.log(f"{prefix}_samples", count.to(torch.float64).item(), sync_dist=False, reduce_fx="sum")
         self.last_count = int(count)
-        self._count, self.mask = None, None
+        self._count, self.mask, self._skip = None, None, False
 
     @override
     def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -219,6 +343,10 @@ class ExactEvaluation(Callback):
 
     @override
     def on_test_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._count = None
+
+    @override
+    def on_predict_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._count = None
 
     @override
@@ -234,12 +362,22 @@ class ExactEvaluation(Callback):
         self._batch_start(trainer.test_dataloaders, pl_module, batch_idx, dataloader_idx)
 
     @override
+    def on_predict_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self._batch_start(trainer.predict_dataloaders, pl_module, batch_idx, dataloader_idx)
+
+    @override
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._epoch_end(pl_module, "val")
 
     @override
     def on_test_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._epoch_end(pl_module, "test")
+
+    @override
+    def on_predict_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._epoch_end(pl_module, None)  # predict cannot log: the count is in `last_count`
 
 
 def exact_eval_mask(pl_module: LightningModule) -> Tensor:

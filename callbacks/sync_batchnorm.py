@@ -27,6 +27,9 @@ __all__ = [
     "MeshSyncBatchNorm",
     "convert_sync_batchnorm",
     "revert_sync_batchnorm",
+    "sync_or_warn_batchnorm",
+    "unsynced_batchnorm",
+    "warn_unsynced_batchnorm",
 ]
 
 # the plain class to restore, by number of input dims the original accepted
@@ -244,6 +247,42 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
         return _copy_state(m, new)
 
     return _swap_modules(module, make)
+
+
+def unsynced_batchnorm(module: nn.Module) -> list[str]:
+    """Names of the BatchNorm layers of `module` that keep per-rank statistics (not synced over a group)."""
+    return [n for n, m in module.named_modules() if isinstance(m, _BatchNorm) and m.track_running_stats
+            and not isinstance(m, (DataParallelBatchNorm, nn.SyncBatchNorm))]
+
+
+def warn_unsynced_batchnorm(module: nn.Module, *, dp_size: int) -> bool:
+    """Warn once (rank 0) when `module` trains BatchNorm layers with per-replica statistics over `dp_size`
+    data-parallel ranks; returns whether it warned."""
+    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+    names = unsynced_batchnorm(module)
+    if dp_size <= 1 or not names:
+        return False
+    rank_zero_warn(
+        f"BatchNorm layers {names[:5]}{' ...' if len(names) > 5 else ''} train with data parallelism over"
+        f" {dp_size} ranks without synced statistics: each replica normalizes with its own part of the batch,"
+        " so the replicas' running statistics will differ and the model differs from one device's. Add"
+        " `lightning_dist.callbacks.MeshSyncBatchNorm()` to the Trainer's callbacks (or pass"
+        " `Trainer(sync_batchnorm=True)`); freeze them (eval mode) if that is intended.",
+        category=UserWarning,
+    )
+    return True
+
+
+def sync_or_warn_batchnorm(module: nn.Module, *, sync: bool, group: Any, dp_size: int) -> nn.Module:
+    """What the pack's strategies do with BatchNorm before training: ``Trainer(sync_batchnorm=True)``
+    (`sync`) converts every layer to :class:`DataParallelBatchNorm` over the data-parallel `group` (torch's
+    SyncBatchNorm needs accelerators and would pool over tensor/pipeline peers too); otherwise
+    :func:`warn_unsynced_batchnorm`. Returns the (possibly new) root module."""
+    if sync:
+        return convert_sync_batchnorm(module, process_group=group if dp_size > 1 else None)
+    warn_unsynced_batchnorm(module, dp_size=dp_size)
+    return module
 
 
 def _partition_group(group: Any, dp_size: int, group_size: int) -> Any:

@@ -25,7 +25,7 @@ from typing_extensions import override
 
 from lightning_dist.mesh import data_parallel_info
 
-__all__ = ["FiniteLossGuard", "TrainDataGuard", "train_data_problems"]
+__all__ = ["FiniteLossGuard", "TrainDataGuard", "check_data_runs_out_together", "train_data_problems"]
 
 
 def _loaders(obj: Any) -> list:
@@ -112,3 +112,34 @@ class FiniteLossGuard(Callback):
                 f" {trainer.global_step}. Check the inputs of that batch for NaN/Inf, lower the learning rate, or"
                 " clip gradients (Trainer(gradient_clip_val=...))."
             )
+
+
+def check_data_runs_out_together(trainer: Trainer, batch_idx: int, *, group: Any, dp_size: int) -> None:
+    """Raise ``RuntimeError`` on every data-parallel rank when some ranks' training data ends at this batch
+    and others' does not (an ``IterableDataset`` that yields fewer items on some ranks): the ranks would
+    then run different collectives and hang, or a rank would end its epoch alone. One 2-element all-reduce
+    per step, only for training data without a length (a sized dataset is split evenly by the sampler).
+    Call from ``on_train_batch_start``, before the step's collectives.
+    """
+    loaders = _loaders(trainer.train_dataloader)
+    if dp_size <= 1 or not loaders or all(isinstance(getattr(dl, "dataset", None), Sized) for dl in loaders):
+        return
+    epoch_loop = trainer.fit_loop.epoch_loop
+    last = bool(epoch_loop.batch_progress.is_last_batch)
+    # the fit ends after this step anyway: an uneven tail there changes nothing
+    if 0 < trainer.max_steps <= trainer.global_step + 1 or batch_idx + 1 >= trainer.num_training_batches:
+        return
+    device = trainer.strategy.root_device
+    flags = torch.zeros(dp_size, dtype=torch.int32, device=device)
+    flags[dist.get_rank(group)] = int(last)
+    dist.all_reduce(flags, group=group)
+    ended = [r for r, f in enumerate(flags.tolist()) if f]
+    if ended and len(ended) < dp_size:
+        raise RuntimeError(
+            f"The training data of data-parallel rank(s) {ended} ends after batch {batch_idx} of epoch"
+            f" {trainer.current_epoch} while the other {dp_size - len(ended)} rank(s) have more: every"
+            " data-parallel rank must get the same number of batches. Make the IterableDataset yield the same"
+            " number of items on every rank (e.g. cut each shard to the shortest, or pad it), or use a"
+            " map-style dataset, which the DistributedSampler splits evenly."
+        )
+

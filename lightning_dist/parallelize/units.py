@@ -13,7 +13,8 @@ BLOCK_LIST_NAMES = ("blocks", "layers", "h", "block", "encoder_layers", "decoder
 def find_block_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
     """Every ``nn.ModuleList`` registered under a conventional block-list name, with its qualified name.
 
-    Falls back to every ModuleList whose children all have the same class when no conventional name exists.
+    Falls back to every ModuleList whose children all have the same class and hold parameters when no
+    conventional name exists (a list of torchmetrics metrics, one per eval loader, is not a block list).
     """
     found = [
         (name, mod)
@@ -26,6 +27,7 @@ def find_block_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
         (name, mod)
         for name, mod in model.named_modules()
         if isinstance(mod, nn.ModuleList) and len(mod) > 1 and len({type(c) for c in mod}) == 1
+        and next(mod.parameters(), None) is not None
     ]
 
 

@@ -35,7 +35,6 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH, ReduceOp
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
@@ -46,6 +45,7 @@ import lightning.pytorch as pl
 from lightning_dist import checkpoint as ckpt
 from lightning_dist.mesh import DIM_NAMES, DistMesh, MeshSpec
 from lightning_dist.parallelize.sync import broadcast_module_states, materialize_in_sync, shared_seed
+from lightning_dist.launcher import JobLauncher, die_with_launcher
 from lightning_dist.rendezvous import job_store
 
 log = logging.getLogger(__name__)
@@ -100,8 +100,9 @@ class MeshStrategy(ParallelStrategy):
             strategy's built-in plan (for models the built-in plans do not cover).
         save_distributed_checkpoint: True: sharded DCP directory; False: one consolidated file.
         process_group_backend: ``"gloo"``/``"nccl"``; default from the device (cpu -> gloo, cuda -> nccl).
-        timeout: collective timeout, seconds (a number) or a ``datetime.timedelta``; a failing rank makes the others exit after at most this long (under
-            Lightning's launcher add up to 5 s: it checks its child processes every 5 s).
+        timeout: collective timeout, seconds (a number) or a ``datetime.timedelta``; a failing rank makes the
+            others exit after at most this long (under the pack's launcher add up to 3 s: it polls its children
+            every 0.5 s, then gives them 2 s to end).
     """
 
     def __init__(
@@ -169,9 +170,11 @@ class MeshStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            # Lightning's launcher, but no rank outlives the job and any rank's failure fails it
+            self._launcher = JobLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def _setup_distributed(self) -> None:
+        die_with_launcher()  # a child rank goes down with the launching process, however that ends
         reset_seed()
         assert self.cluster_environment is not None
         self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
@@ -285,6 +288,15 @@ class MeshStrategy(ParallelStrategy):
             return _sync_ddp_if_available(tensor, group if group is not None else self.mesh.dp_group, reduce_op)
         return tensor
 
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        from lightning_dist.guards import check_data_runs_out_together
+
+        # iterable data that ends on some dp ranks only: refuse on every rank before the step's collectives
+        assert self.lightning_module is not None
+        check_data_runs_out_together(self.lightning_module.trainer, batch_idx, group=self.mesh.dp_group,
+                                     dp_size=self.mesh.dp_size)
+
     # ---- model set-up --------------------------------------------------------------------------
     def parallelize(self, module: pl.LightningModule) -> None:
         """Parallelize the LightningModule in place (subclasses apply their built-in plan)."""
@@ -308,6 +320,7 @@ class MeshStrategy(ParallelStrategy):
             )
         # dtype first (cheap on meta or full tensors), then device, then parallelize, then materialize
         self.model = self.precision_plugin.convert_module(self.model)
+        self._sync_batchnorm(trainer)
         if not _has_meta(self.model):
             self.model.to(self.root_device)
         # replicas and tensor/pipeline peers start from one model whatever each rank seeded: rank 0's eagerly
@@ -338,6 +351,14 @@ class MeshStrategy(ParallelStrategy):
             self._parallelize_fn(self.lightning_module, self.mesh)
         else:
             self.parallelize(self.lightning_module)
+
+    def _sync_batchnorm(self, trainer: pl.Trainer) -> None:
+        """``Trainer(sync_batchnorm=True)``: BatchNorm pooled over the dp ranks; else warn if it trains unsynced."""
+        from lightning_dist.callbacks.sync_batchnorm import sync_or_warn_batchnorm
+
+        if trainer.state.fn == TrainerFn.FITTING and not _is_parallelized(self.model):
+            self.model = sync_or_warn_batchnorm(self.model, sync=self._layer_sync is not None,
+                                                group=self.mesh.dp_group, dp_size=self.mesh.dp_size)
 
     # ---- memory at rest --------------------------------------------------------------------------
     def reshard(self) -> None:

@@ -29,6 +29,8 @@ from typing import Any, Literal, Optional
 import torch
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
@@ -36,6 +38,7 @@ from typing_extensions import override
 import lightning.pytorch as pl
 from lightning_dist._compat import CUDA_AVAILABLE, fully_shard_api
 from lightning_dist.measure import bytes_by_place, cuda_memory
+from lightning_dist.launcher import JobLauncher, die_with_launcher
 from lightning_dist.mesh import MeshSpec
 from lightning_dist.parallelize import offload as off
 from lightning_dist.parallelize.offload_checkpoint import self_contained_nvme_checkpoints
@@ -193,7 +196,24 @@ class OffloadStrategy(_OffloadReport, DeepSpeedStrategy):
         DDPStrategy.setup_environment(self)
 
     @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if type(self._launcher) is _SubprocessScriptLauncher:  # the pack's: no rank outlives the job
+            self._launcher = JobLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        from lightning_dist.callbacks.sync_batchnorm import sync_or_warn_batchnorm
+
+        if trainer.state.fn == TrainerFn.FITTING:  # DeepSpeed's data parallelism spans the world
+            group = torch.distributed.group.WORLD if self.world_size > 1 else None
+            sync_or_warn_batchnorm(self.lightning_module, sync=self._layer_sync is not None, group=group,
+                                   dp_size=self.world_size)
+        super().setup(trainer)
+
+    @override
     def setup_distributed(self) -> None:
+        die_with_launcher()  # a child rank goes down with the launching process
         # Lightning validates CUDA device indices here; a CPU device has none
         if self.root_device.type != "cpu":
             return super().setup_distributed()

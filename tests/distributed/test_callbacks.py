@@ -26,14 +26,15 @@ def _by_part(proc, world: int) -> dict[str, list[dict]]:
 
 @pytest.fixture(scope="module")
 def ddp4() -> dict[str, list[dict]]:
-    proc = run_script(SCENARIO, "--devices", "4", "--parts", "exact,syncbn,parity,sampler,hsdp,tp,pipeline",
+    proc = run_script(SCENARIO, "--devices", "4", "--parts",
+                      "exact,dropin,dropin_mesh,syncflag,syncbn,parity,sampler,hsdp,tp,pipeline",
                       timeout=900)
     return _by_part(proc, 4)
 
 
 @pytest.fixture(scope="module")
 def ddp3() -> dict[str, list[dict]]:
-    proc = run_script(SCENARIO, "--devices", "3", "--parts", "exact,syncbn", timeout=600)
+    proc = run_script(SCENARIO, "--devices", "3", "--parts", "exact,dropin,syncbn", timeout=600)
     return _by_part(proc, 3)
 
 
@@ -59,6 +60,77 @@ def test_exact_evaluation_4_ranks(ddp4):
 
 def test_exact_evaluation_3_ranks(ddp3):
     _check_exact(ddp3["exact"], 3)
+
+
+def _ulps(a: float, b: float) -> int:
+    """Distance in units of the last place between two float64 values."""
+    import struct
+
+    return abs(struct.unpack("<q", struct.pack("<d", a))[0] - struct.unpack("<q", struct.pack("<d", b))[0])
+
+
+def _check_dropin(out: dict, runs: tuple[str, ...]) -> None:
+    """An unchanged project with ExactEvaluation() alone: counts equal the datasets, the accuracy equals one
+    device bit for bit, the mean loss (MeanMetric, and self.log(sync_dist=True) weighted by the real batch
+    sizes) within 1 ulp (2 for Lightning's logged mean, which divides both synced sums by the world size)."""
+    ref = out["ref"]
+    for run in runs:
+        for k, got in out[run].items():
+            r = ref[int(k)]
+            n = int(r["rows"])
+            assert got["ids"] == list(range(n)), (run, k)  # every sample once, over the data-parallel ranks
+            assert got["rows"] == r["rows"], (run, k, got["rows"])  # SumMetric of len(y)
+            assert got["acc"] == r["acc"], (run, k, got, r)
+            assert _ulps(got["loss_mean"], r["loss_mean"]) <= 1, (run, k, got, r)
+            assert _ulps(got["logged_loss"], r["logged_loss"]) <= 2, (run, k, got, r)
+
+
+def _check_dropin_ddp(ranks: list[dict], world: int) -> None:
+    for out in ranks:
+        _check_dropin(out, ("fit", "validate", "test_dict"))
+        assert out["predict_ids"] == list(range(31))
+        limited = out["limit2"]["0"]  # 2 batches of 3 per rank: each sample at most once, counted right
+        assert limited["ids"] == sorted(set(limited["ids"])) and limited["rows"] == len(limited["ids"]) == 6 * world
+    # batches of 1 on 10 samples: the ranks with fewer samples skip their empty last step (sizes: steps run)
+    sizes = [out["validate"]["2"]["sizes"] for out in ranks]
+    assert sum(sum(s) for s in sizes) == 10 and min(len(s) for s in sizes) < max(len(s) for s in sizes)
+
+
+def test_exact_evaluation_drop_in_4_ranks(ddp4):
+    _check_dropin_ddp(ddp4["dropin"], 4)
+
+
+def test_exact_evaluation_drop_in_3_ranks(ddp3):
+    _check_dropin_ddp(ddp3["dropin"], 3)
+
+
+def test_exact_evaluation_drop_in_under_hsdp_tp_and_pipeline(ddp4):
+    for out in ddp4["dropin_mesh"]:
+        for name in ("hsdp", "tp"):
+            _check_dropin(out[name], ("validate",))
+        # pp 2 x dp 2: pipelines given batches of different sizes would run different micro-batch counts
+        assert "different numbers of micro-batches" in out["pipeline"]["refused"]
+        assert "mode='mask', full_batches=True" in out["pipeline"]["refused"]
+        # hsdp, 4 dp ranks, batches of 1 on 10 samples: an empty step would leave FSDP peers in a collective
+        assert "batch_size >= 2" in out["hsdp"]["refused"] and "mode='mask'" in out["hsdp"]["refused"]
+        assert out["tp"]["refused"] is None  # tp 2 x dp 2: 10 samples divide, no empty batch
+
+
+def test_sync_batchnorm_flag_and_unsynced_warning_under_hsdp(ddp4):
+    """Trainer(sync_batchnorm=True) under hsdp (2 x 2) converts BatchNorm to the pack's data-parallel layer:
+    running statistics equal on every rank and equal to one device on the global batch, like
+    MeshSyncBatchNorm; without either, rank 0 warns once, naming the callback."""
+    for rank, out in enumerate(ddp4["syncflag"]):
+        for case in ("sync_batchnorm_flag", "mesh_sync_callback"):
+            r = out[case]
+            assert r["layer"] == "DataParallelBatchNorm" and r["equal_across_ranks"], (case, r)
+            assert r["rel_vs_one_device"] <= 1e-12, (case, r)
+            assert not r["warned"], (case, r)
+        unsynced = out["unsynced"]
+        assert not unsynced["equal_across_ranks"] and unsynced["rel_vs_one_device"] > 1e-3  # the control
+        assert len(unsynced["warned"]) == (1 if rank == 0 else 0), unsynced["warned"]
+        if rank == 0:
+            assert "MeshSyncBatchNorm()" in unsynced["warned"][0] and "'net.1'" in unsynced["warned"][0]
 
 
 def _check_syncbn(ranks: list[dict]) -> None:

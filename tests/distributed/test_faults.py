@@ -20,7 +20,7 @@ from _harness import ROOT, SCENARIOS, _env, free_port, results, reap_survivors, 
 
 pytestmark = pytest.mark.distributed
 
-TIMEOUT_S = 30  # the strategy's `timeout` in fault_raise.py
+TIMEOUT_S = 90  # the strategy's `timeout` in fault_raise.py
 # the documented bound: the collective timeout, plus Lightning's child-process observer period (5 s),
 # plus process teardown on a loaded CPU machine
 BOUND_S = TIMEOUT_S + 5 + 25
@@ -47,7 +47,7 @@ def launch(where: str, rank: int, out, *, torchrun: bool = False, extra: tuple[s
             p.kill()
         pytest.fail(f"{where} on rank {rank} hung: the job did not end in 300 s")
     ended = time.time()
-    survivors = reap_survivors(marker)
+    survivors = reap_survivors(marker, wait_s=0.0)  # none may outlive the launcher's exit
     return proc.returncode, stdout, stderr, ended, survivors
 
 
@@ -58,28 +58,33 @@ def _fault_time(stdout: str, stderr: str = "") -> float:
 
 
 CASES = [
-    # (where, failing rank, torchrun, strategy): rank 0 is Lightning's main process, rank 1 one of its children
-    ("training_step", 1, False, "hsdp"),
-    ("training_step", 0, False, "hsdp"),
-    ("setup", 1, False, "hsdp"),
-    ("configure_model", 0, False, "hsdp"),
-    ("training_step", 1, True, "hsdp"),
-    ("setup", 0, True, "hsdp"),
-    ("configure_model", 1, True, "hsdp"),
-    # the other MeshStrategy subclasses share the process handling; one case each way for each
-    ("training_step", 1, False, "tp"),
-    ("training_step", 0, True, "tp"),
-    ("training_step", 1, False, "pipeline"),
-    ("training_step", 0, True, "pipeline"),
-    ("training_step", 1, False, "offload"),  # DeepSpeed ZeRO-3 with CPU optimizer (float32)
-    ("training_step", 0, True, "offload"),
+    # (where, failing rank, torchrun, strategy, devices): under Lightning's launcher rank 0 is the launching
+    # process, ranks 1.. its children. 4 ranks: the launcher must end children that wait for a dead rank 0,
+    # and a failed child (rank 2) must take rank 0 and the other children with it before the job exits.
+    ("training_step", 0, False, "hsdp", 4),
+    ("training_step", 2, False, "hsdp", 4),
+    ("setup", 1, False, "hsdp", 2),
+    ("configure_model", 0, False, "hsdp", 2),
+    ("training_step", 1, True, "hsdp", 2),
+    ("setup", 0, True, "hsdp", 2),
+    ("configure_model", 1, True, "hsdp", 2),
+    # the other MeshStrategy subclasses share the process handling
+    ("training_step", 0, False, "tp", 4),
+    ("training_step", 2, False, "tp", 4),
+    ("training_step", 0, True, "tp", 2),
+    ("training_step", 0, False, "pipeline", 4),
+    ("training_step", 2, False, "pipeline", 4),
+    ("training_step", 0, True, "pipeline", 2),
+    ("training_step", 1, False, "offload", 2),  # DeepSpeed ZeRO-3 with CPU optimizer (float32)
+    ("training_step", 0, True, "offload", 2),
 ]
 
 
-@pytest.mark.parametrize("where,rank,torchrun,strategy", CASES,
-                         ids=[f"{s}-{w}-rank{r}-{'torchrun' if t else 'lightning'}" for w, r, t, s in CASES])
-def test_raising_rank_ends_the_job(tmp_path, where, rank, torchrun, strategy):
-    rc, stdout, stderr, ended, survivors = launch(where, rank, tmp_path, torchrun=torchrun, strategy=strategy)
+@pytest.mark.parametrize("where,rank,torchrun,strategy,devices", CASES,
+                         ids=[f"{s}-{w}-rank{r}-{'torchrun' if t else 'lightning'}-{d}" for w, r, t, s, d in CASES])
+def test_raising_rank_ends_the_job(tmp_path, where, rank, torchrun, strategy, devices):
+    rc, stdout, stderr, ended, survivors = launch(where, rank, tmp_path, torchrun=torchrun, strategy=strategy,
+                                                  devices=devices)
     assert rc != 0, stdout[-2000:]
     assert "RESULT" not in stdout, "a rank finished training although its peer failed"
     # the original error is shown, with its message
@@ -87,7 +92,26 @@ def test_raising_rank_ends_the_job(tmp_path, where, rank, torchrun, strategy):
     elapsed = ended - _fault_time(stdout, stderr)
     print(f"{strategy} {where} rank {rank} {'torchrun' if torchrun else 'lightning'}: all exited {elapsed:.1f} s after the fault")
     assert elapsed < BOUND_S, f"the job took {elapsed:.1f} s to end after the fault (bound {BOUND_S} s)"
-    assert not survivors, f"processes left behind: {survivors}"
+    assert not survivors, f"processes outlived the launcher: {survivors}"
+
+
+@pytest.mark.parametrize("rank,torchrun", [(1, False), (0, True)], ids=["lightning-rank1", "torchrun-rank0"])
+def test_rank_out_of_data_early_fails_the_job(tmp_path, rank, torchrun):
+    """An IterableDataset that yields fewer batches on one rank: every rank stops with the reason at the
+    batch where its data ends (before the step's collectives), the job exits non-zero, nothing remains."""
+    rc, stdout, stderr, ended, survivors = launch("short_data", rank, tmp_path, torchrun=torchrun)
+    assert rc != 0 and "RESULT" not in stdout, stdout[-2000:]
+    assert f"training data of data-parallel rank(s) [{rank}] ends after batch 0" in stderr, stderr[-4000:]
+    assert not survivors, f"processes outlived the launcher: {survivors}"
+
+
+def test_child_failing_after_rank0_finished_fails_the_job(tmp_path):
+    """Rank 0 (the launcher) finishes, a child rank exits 3 afterwards: the job exits non-zero (Lightning's
+    launcher alone exits 0 here), after every rank has ended."""
+    rc, stdout, stderr, ended, survivors = launch("exit_after_fit", 1, tmp_path)
+    assert rc == 1, (rc, stderr[-3000:])
+    assert "failed (exit codes [3])" in stderr and '"rank": 0' in stdout
+    assert not survivors, f"processes outlived the launcher: {survivors}"
 
 
 def test_sigkill_mid_step_then_resume_from_last(tmp_path):

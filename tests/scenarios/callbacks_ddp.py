@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, TensorDataset
-from torchmetrics import MeanMetric
+from torchmetrics import MeanMetric, SumMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_dist.callbacks import (
@@ -36,6 +36,7 @@ from lightning_dist.callbacks import (
     convert_sync_batchnorm,
 )
 from lightning_dist.callbacks.sync_batchnorm import _partition_group
+from lightning_dist.mesh import data_parallel_info
 
 warnings.filterwarnings("ignore")
 
@@ -137,7 +138,7 @@ def part_exact(devices: int) -> dict:
     for drop_last in (False, True):
         loaders = {k: DataLoader(ds, batch_size=3, drop_last=drop_last) for k in ("train", "val", "test")}
         model = EvalModel(loaders)
-        cb = ExactEvaluation()
+        cb = ExactEvaluation(mode="mask")  # padding kept and masked (ExactMetric); the naive count shows it
         t = trainer(devices, max_epochs=1, limit_train_batches=2, num_sanity_val_steps=0, callbacks=[cb])
         t.fit(model)
         fit_val = {**model.final, "samples": float(t.callback_metrics["val_samples"])}
@@ -154,6 +155,191 @@ def part_exact(devices: int) -> dict:
             "naive_rows": int(naive), "last_count": cb.last_count,
         }
     return out
+
+
+# ---- drop-in exact evaluation: an existing project, unchanged but for the callback ----------------
+class DictSet(torch.utils.data.Dataset):
+    """The same samples as a dict per row (dict batches)."""
+
+    def __init__(self, ds: TensorDataset):
+        self.ds = ds
+
+    def __len__(self):
+        return len(self.ds)
+
+    def __getitem__(self, i):
+        x, y, idx = self.ds[i]
+        return {"x": x, "y": y, "idx": idx}
+
+
+def dropin_sets() -> list[TensorDataset]:
+    """(31 samples, batches of 3), (10 samples, batches of 4), (10 samples, batches of 1: empty last batches)."""
+    out = []
+    for n in (31, 10, 10):
+        x, y = eval_data(n).tensors
+        out.append(TensorDataset(x, y, torch.arange(n)))
+    return out
+
+
+DROPIN_BATCH = (3, 4, 1)
+
+
+class DropInModel(pl.LightningModule):
+    """What a user has before adding the callback: plain torchmetrics, a row count, a logged mean loss."""
+
+    def __init__(self, dict_batches: bool = False):
+        super().__init__()
+        torch.manual_seed(1)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+        self.dict_batches = dict_batches
+        self.acc = nn.ModuleList(MulticlassAccuracy(num_classes=3, average="micro") for _ in DROPIN_BATCH)
+        self.rows = nn.ModuleList(SumMetric() for _ in DROPIN_BATCH)
+        self.loss_mean = nn.ModuleList(MeanMetric() for _ in DROPIN_BATCH)
+        self.ids: dict[int, list[int]] = {}  # what each step saw (to check: each sample once, over all ranks)
+        self.sizes: dict[int, list[int]] = {}
+
+    def on_validation_epoch_start(self):
+        for m in self.loss_mean:
+            m.set_dtype(torch.float64)  # `.to(device)` resets a metric's dtype; float64 for the comparison
+        self.ids, self.sizes = {}, {}
+
+    on_test_epoch_start = on_validation_epoch_start
+
+    def _eval(self, batch, batch_idx, dataloader_idx, stage):
+        x, y, idx = (batch["x"], batch["y"], batch["idx"]) if isinstance(batch, dict) else batch
+        logits = self.net(x)
+        loss = F.cross_entropy(logits, y)
+        self.acc[dataloader_idx].update(logits, y)
+        self.rows[dataloader_idx].update(len(y))
+        self.loss_mean[dataloader_idx].update(F.cross_entropy(logits, y, reduction="none"))
+        self.ids.setdefault(dataloader_idx, []).extend(idx.tolist())
+        self.sizes.setdefault(dataloader_idx, []).append(len(y))
+        self.log(f"{stage}_loss", loss, sync_dist=True)
+
+    def validation_step(self, batch, batch_idx, dataloader_idx=0):
+        self._eval(batch, batch_idx, dataloader_idx, "val")
+
+    def test_step(self, batch, batch_idx, dataloader_idx=0):
+        self._eval(batch, batch_idx, dataloader_idx, "test")
+
+    def predict_step(self, batch, batch_idx, dataloader_idx=0):
+        return batch[2]
+
+    def _epoch_end(self):
+        self.final = {k: {"acc": float(self.acc[k].compute()), "rows": float(self.rows[k].compute()),
+                          "loss_mean": float(self.loss_mean[k].compute())} for k in self.ids}
+        for metrics in (self.acc, self.rows, self.loss_mean):
+            for m in metrics:
+                m.reset()
+
+    def on_validation_epoch_end(self):
+        self._epoch_end()
+
+    on_test_epoch_end = on_validation_epoch_end
+
+    def training_step(self, batch, batch_idx):
+        x, y, _ = batch
+        return F.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)  # the reference keeps the weights
+
+    def loaders(self, which=(0, 1, 2)):
+        sets = dropin_sets()
+        return [DataLoader(DictSet(sets[k]) if self.dict_batches else sets[k], batch_size=DROPIN_BATCH[k])
+                for k in which]
+
+    def train_dataloader(self):
+        return DataLoader(dropin_sets()[0], batch_size=4)
+
+
+def dropin_reference(net: nn.Module) -> list[dict]:
+    """One device: the same metrics on each whole dataset, and Lightning's batch-weighted mean of the loss
+    over the one-device batches."""
+    out = []
+    for ds, bs in zip(dropin_sets(), DROPIN_BATCH):
+        x, y, _ = ds.tensors
+        with torch.no_grad():
+            logits = net(x)
+            acc = MulticlassAccuracy(num_classes=3, average="micro", sync_on_compute=False)(logits, y)
+            mean = MeanMetric(sync_on_compute=False).set_dtype(torch.float64)
+            mean.update(F.cross_entropy(logits, y, reduction="none"))
+            logged = sum(F.cross_entropy(logits[i:i + bs], y[i:i + bs]) * len(y[i:i + bs])
+                         for i in range(0, len(y), bs)) / len(y)
+        out.append({"acc": float(acc), "rows": float(len(y)), "loss_mean": float(mean.compute()),
+                    "logged_loss": float(logged)})
+    return out
+
+
+def _gather(obj, group=None):
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, obj, group=group)  # over dp: tensor-parallel peers hold the same rows
+    return everyone
+
+
+def _dropin_run(t: pl.Trainer, model: DropInModel, fn: str, which=(0, 1, 2)) -> dict:
+    loaders = model.loaders(which)
+    if fn == "fit":
+        t.fit(model, train_dataloaders=model.train_dataloader(), val_dataloaders=loaders)
+        logged = {k: v for k, v in t.callback_metrics.items() if k.startswith("val_loss")}
+    else:
+        logged = getattr(t, fn)(model, loaders, verbose=False)
+        logged = {k: v for d in logged for k, v in d.items() if "_loss" in k}
+    stage = "test" if fn == "test" else "val"
+    group = data_parallel_info(t.strategy)[0]
+    by_loader = {}
+    for pos, k in enumerate(which):
+        key = f"{stage}_loss/dataloader_idx_{pos}" if len(which) > 1 else f"{stage}_loss"
+        by_loader[k] = {**model.final[pos], "logged_loss": float(logged[key]),
+                        "ids": sorted(i for ids in _gather(model.ids.get(pos, []), group) for i in ids),
+                        "sizes": model.sizes.get(pos, [])}
+    return by_loader
+
+
+def part_dropin(devices: int, strategy_factory=None, model_cls=None, pipeline: bool = False) -> dict:
+    """ExactEvaluation() alone on an unchanged project: validation in fit, validate (tuple batches), test
+    (dict batches), predict, several loaders, limit_val_batches; Lightning's DDP unless `strategy_factory`."""
+    strategy = strategy_factory or (lambda: "ddp")
+    model = (model_cls or DropInModel)()
+    ref = dropin_reference(copy.deepcopy(model.net).double())
+    out: dict = {"ref": ref}
+    kw = dict(num_sanity_val_steps=0, callbacks=[ExactEvaluation()])
+    if strategy_factory is None:
+        out["fit"] = _dropin_run(trainer(devices, max_epochs=1, limit_train_batches=1, **kw), model, "fit")
+        out["validate"] = _dropin_run(trainer(devices, **kw), model, "validate")
+        dict_model = DropInModel(dict_batches=True)
+        out["test_dict"] = _dropin_run(trainer(devices, **kw), dict_model, "test")
+        preds = trainer(devices, callbacks=[ExactEvaluation()]).predict(model, model.loaders((0,)))
+        out["predict_ids"] = sorted(i for ids in _gather([int(i) for p in preds for i in p]) for i in ids)
+        # limit_val_batches: 2 batches per rank, no sample twice
+        out["limit2"] = _dropin_run(trainer(devices, limit_val_batches=2, **kw), model, "validate", (0,))
+    else:
+        # the pack's sharded strategies: batches of 1 would leave an empty batch (refused), so loaders 0, 1
+        if not pipeline:
+            out["validate"] = _dropin_run(trainer(devices, strategy=strategy(), **kw), model, "validate", (0, 1))
+        try:
+            # pipelines: 31 rows in batches of 3 on 2 dp pipelines give them different batch sizes (refused)
+            trainer(devices, strategy=strategy(), **kw).validate(model, model.loaders((0,) if pipeline else (2,)),
+                                                                 verbose=False)
+            out["refused"] = None
+        except ValueError as err:
+            out["refused"] = str(err)
+    return out
+
+
+def part_dropin_mesh(devices: int) -> dict:
+    from lightning_dist.strategies import HybridShardStrategy, TensorParallelStrategy
+
+    from lightning_dist.strategies import PipelineStrategy
+
+    class PipeDropIn(DropInModel):
+        def pipeline_loss(self, output, target):  # what PipelineStrategy trains with; evaluation is forward-only
+            return F.cross_entropy(output, target)
+
+    return {"hsdp": part_dropin(devices, lambda: HybridShardStrategy(shard_size=2)),
+            "tp": part_dropin(devices, lambda: TensorParallelStrategy(tp=2)),
+                    "pipeline": part_dropin(devices, lambda: PipelineStrategy(pp=2, n_microbatches=2, split="params",
+                                                                   network="net"), model_cls=PipeDropIn, pipeline=True)}
 
 
 # ---- SyncBatchNorm, directly on the process group ----------------------------------------------
@@ -394,6 +580,42 @@ def part_hsdp(devices: int) -> dict:
     return out
 
 
+# ---- Trainer(sync_batchnorm=True) under the pack's strategies; the warning without any sync -------------
+class _FirstBatch(pl.Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.x = batch[0].tolist()
+
+
+def part_syncflag(devices: int) -> dict:
+    from lightning_dist.strategies import HybridShardStrategy
+
+    out: dict = {}
+    for name, kwargs, callbacks in (("sync_batchnorm_flag", dict(sync_batchnorm=True), []),
+                                    ("mesh_sync_callback", dict(), [MeshSyncBatchNorm()]),
+                                    ("unsynced", dict(), [])):
+        model = ParityModel()
+        ref = copy.deepcopy(model.net).double()  # the Trainer runs in float64 (64-true)
+        seen = _FirstBatch()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer(devices, strategy=HybridShardStrategy(shard_size=2), max_steps=1, limit_val_batches=0,
+                    callbacks=[*callbacks, seen], **kwargs).fit(model)
+        bn = model.net[1]
+        stats = torch.cat([bn.running_mean, bn.running_var]).detach()
+        everyone = _gather(stats.tolist())
+        # one device on the global batch of the step: every dp rank's rows
+        ref.train()
+        ref(torch.cat([torch.tensor(rows, dtype=torch.float64) for rows in _gather(seen.x)]))
+        ref_stats = torch.cat([ref[1].running_mean, ref[1].running_var])
+        out[name] = {
+            "layer": type(bn).__name__,
+            "equal_across_ranks": all(e == everyone[0] for e in everyone),
+            "rel_vs_one_device": float((stats - ref_stats).norm() / ref_stats.norm()),
+            "warned": [str(w.message) for w in caught if "MeshSyncBatchNorm" in str(w.message)],
+        }
+    return out
+
+
 # ---- the pack's tp strategy (dp 2 x tp 2): tensor-parallel peers hold the same samples -------------
 class TPEvalModel(EvalModel):
     def __init__(self, loaders: dict):
@@ -507,7 +729,7 @@ def part_pipeline(devices: int) -> dict:
     out = {}
     for name, strategy, hidden in (("exact", pipe(), 1), ("exact_pp4", PipelineStrategy(
             pp=4, n_microbatches=4, split="params", network="net"), 3)):
-        model, cb = PipeEvalModel(loaders, hidden), ExactEvaluation(full_batches=True)
+        model, cb = PipeEvalModel(loaders, hidden), ExactEvaluation(mode="mask", full_batches=True)
         plain = copy.deepcopy(model.net).double()  # lr 0: the weights the pipeline evaluates with
         t = trainer(devices, strategy=strategy, max_epochs=1, limit_train_batches=1, num_sanity_val_steps=0,
                     callbacks=[cb])
@@ -530,7 +752,7 @@ def part_pipeline(devices: int) -> dict:
     return out
 
 
-PARTS = {"exact": part_exact, "syncbn": part_syncbn, "parity": part_parity, "sampler": part_sampler, "hsdp": part_hsdp,
+PARTS = {"exact": part_exact, "dropin": part_dropin, "dropin_mesh": part_dropin_mesh, "syncflag": part_syncflag, "syncbn": part_syncbn, "parity": part_parity, "sampler": part_sampler, "hsdp": part_hsdp,
          "tp": part_tp, "pipeline": part_pipeline}
 
 

@@ -23,6 +23,7 @@ sys.path.insert(0, str(SCENARIOS))
 from _common import MLP  # noqa: E402
 
 from lightning_dist import checkpoint as ckpt  # noqa: E402
+from lightning_dist.callbacks import ExactEvaluation  # noqa: E402
 from lightning_dist.mesh import MeshSpec  # noqa: E402
 from lightning_dist.strategies import HybridShardStrategy, PipelineStrategy  # noqa: E402
 
@@ -233,6 +234,15 @@ def _port_in_use():
 
 
 # id -> (callable taking tmp_path, exception type, substrings the message must contain: the value and the fix)
+def _exact_eval_loader(n: int, world: int, batch_size: int, *, may_skip: bool = True, same_sizes: bool = False):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_dist.callbacks.exact_eval import _exact_loader
+
+    return _exact_loader(DataLoader(TensorDataset(torch.arange(n)), batch_size=batch_size), num_replicas=world,
+                         rank=0, trim=True, may_skip=may_skip, same_sizes=same_sizes)
+
+
 CASES = {
     "mesh-tp-not-dividing-world": (lambda t: _spec(tp=3), ValueError, ["tp = 1 x 3 = 3", "divides 4"]),
     "mesh-shard-not-dividing": (lambda t: _spec(dp_shard=3), ValueError, ["dp_shard=3", "pick a divisor of 4"]),
@@ -306,6 +316,16 @@ CASES = {
                                 ["PipelineBubble", "HybridShardStrategy", "PipelineStrategy("]),
     "callback-parity-on-deepspeed": (lambda t: _parity_on_deepspeed(), ValueError,
                                      ["OffloadStrategy", "Use it with ddp, hsdp/fsdp2"]),
+    "exact-eval-mode-unknown": (lambda t: ExactEvaluation(mode="drop"), ValueError, ["mode='drop'", "'trim'", "'mask'"]),
+    "exact-eval-full-batches-trim": (lambda t: ExactEvaluation(full_batches=True), ValueError,
+                                     ["full_batches=True", "mode='mask'"]),
+    "exact-eval-empty-batch-sharded": (lambda t: _exact_eval_loader(10, 4, 1, may_skip=False), ValueError,
+                                       ["10 evaluation samples on 4", "batch_size=1", "batch_size >= 2", "mode='mask'"]),
+    "exact-eval-pipeline-uneven": (lambda t: _exact_eval_loader(31, 2, 3, same_sizes=True), ValueError,
+                                   ["31 evaluation samples in batches of 3 on 2", "micro-batches",
+                                    "mode='mask', full_batches=True"]),
+    "exact-eval-fewer-samples-than-ranks": (lambda t: _exact_eval_loader(3, 4, 2), ValueError,
+                                            ["3 samples for 4 data-parallel ranks", "mode='mask'"]),
     "checkpoint-other-model": (lambda t: _other_model_checkpoint(), ValueError,
                                ["'stem.weight'", "[16, 12]", "[24, 12]", "different model"]),
     "checkpoint-missing": (lambda t: ckpt.resolve_path(t / "nope.ckpt"), FileNotFoundError, ["nope.ckpt"]),
@@ -334,7 +354,8 @@ def test_bad_input_raises_clear_error(case, tmp_path):
 def test_table_in_docs_lists_every_case():
     table = (ROOT / "docs" / "bad_input.md").read_text()
     runtime = ["empty-dataset", "fewer-samples-than-ranks", "smaller-than-one-batch", "nan-loss-one-rank",
-               "callback-wrong-strategy-in-job", "mesh-in-job", "tp-output-differs"]
+               "callback-wrong-strategy-in-job", "mesh-in-job", "tp-output-differs",
+               "iterable-data-ends-early"]
     absent = [c for c in [*CASES, *runtime] if f"`{c}`" not in table]
     assert not absent, f"docs/bad_input.md lacks {absent}"
     assert len(CASES) + len(runtime) >= 25

@@ -239,6 +239,75 @@ def test_exact_batch_sampler_scores_each_sample_once(world, batch_size, full_bat
         assert {len(b) for s in samplers for b in s} == {batch_size}
 
 
+@pytest.mark.parametrize("n", [2, 10, 31])
+@pytest.mark.parametrize("world", [1, 3, 4, 5])
+@pytest.mark.parametrize("batch_size", [1, 2, 3, 4, 8])
+def test_trimmed_batches_hold_each_sample_once_in_lockstep(n, world, batch_size):
+    samplers = [ExactBatchSampler(num_samples=n, num_replicas=world, rank=r, batch_size=batch_size, trim=True)
+                for r in range(world)]
+    assert len({len(s) for s in samplers}) == 1  # every rank runs the same number of steps
+    seen, empty = [], False
+    for s in samplers:
+        batches = list(s)
+        assert len(batches) == len(s) and all(len(b) <= batch_size for b in batches)
+        assert [len(b) for b in batches] == s.sizes and all(bool(s.mask(i).all()) for i in range(len(s)))
+        empty |= any(len(b) == 0 for b in batches)
+        sizes = [len(b) for b in batches]
+        assert sizes == sorted(sizes, reverse=True)  # full batches first; an empty one only at the end
+        seen += [i for b in batches for i in b]
+    assert sorted(seen) == list(range(n))  # no repeated sample, none dropped
+    assert empty == samplers[0].empty_anywhere()
+    # a batch is empty only where a rank has fewer samples than steps: batch_size 1, or fewer samples than ranks
+    assert empty == (n < world or (batch_size == 1 and n % world != 0))
+
+
+def test_trim_mode_options_and_empty_batch_collate():
+    with pytest.raises(ValueError, match="mode='mask'"):
+        ExactEvaluation(full_batches=True)
+    with pytest.raises(ValueError, match="'trim'"):
+        ExactEvaluation(mode="drop")
+    ds = TensorDataset(torch.arange(10, dtype=torch.float64).view(5, 2), torch.arange(5))
+    # 5 samples, 3 ranks, batch size 1: rank 2 holds 1 sample for 2 steps
+    dl = _exact_loader(DataLoader(ds, batch_size=1), num_replicas=3, rank=2, trim=True)
+    (x0, y0), (x1, y1) = list(dl)
+    assert y0.tolist() == [2] and x1.shape == (0, 2) and x1.dtype == torch.float64 and y1.shape == (0,)
+    with pytest.raises(ValueError, match="collectives"):  # a sharded strategy cannot skip that step
+        _exact_loader(DataLoader(ds, batch_size=1), num_replicas=3, rank=0, trim=True, may_skip=False)
+    with pytest.raises(ValueError, match="5 samples for 6 data-parallel"):
+        _exact_loader(DataLoader(ds, batch_size=2), num_replicas=6, rank=0, trim=True)
+
+
+class PlainEvalModel(pl.LightningModule):
+    """An existing project: plain torchmetrics, len(batch) and self.log, nothing about the callback."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(2, 1)
+        self.rows = SumMetric()
+        self.sizes: list[int] = []
+
+    def validation_step(self, batch, batch_idx):
+        (x,) = batch
+        self.rows.update(len(x))
+        self.sizes.append(len(x))
+        self.log("val_loss", (self.net(x) ** 2).mean(), sync_dist=True)
+
+    def predict_step(self, batch, batch_idx):
+        return batch[0]
+
+
+def test_trim_mode_in_one_process_validate_and_predict():
+    cb = ExactEvaluation()
+    model = PlainEvalModel()
+    ds = TensorDataset(torch.randn(11, 2))
+    out = _trainer(callbacks=[cb]).validate(model, DataLoader(ds, batch_size=4, drop_last=True), verbose=False)
+    assert out[0]["val_samples"] == 11.0 and model.sizes == [4, 4, 3] and float(model.rows.compute()) == 11
+    with torch.no_grad():
+        assert torch.isclose(torch.tensor(out[0]["val_loss"]), (model.net(ds.tensors[0]) ** 2).mean())
+    preds = _trainer(callbacks=[cb]).predict(model, DataLoader(ds, batch_size=4, drop_last=True))
+    assert torch.equal(torch.cat(preds), ds.tensors[0]) and cb.last_count == 11
+
+
 def test_exact_loader_keeps_every_sample_and_refuses_iterables():
     ds = TensorDataset(torch.arange(10))
     rebuilt = _exact_loader(DataLoader(ds, batch_size=3, drop_last=True), num_replicas=1, rank=0)
@@ -283,6 +352,17 @@ def test_exact_evaluation_counts_samples_in_one_process():
     assert [m.tolist() for m in model.masks] == [[True] * 4, [True] * 4, [True] * 3]  # drop_last undone
     with torch.no_grad():
         assert torch.isclose(torch.tensor(out[0]["val_loss"]), (model.net(ds.tensors[0]) ** 2).mean())
+
+
+def test_unsynced_batchnorm_warning():
+    from lightning_dist.callbacks.sync_batchnorm import unsynced_batchnorm, warn_unsynced_batchnorm
+
+    model = nn.Sequential(nn.Linear(2, 4), nn.BatchNorm1d(4), nn.BatchNorm1d(4, track_running_stats=False))
+    assert unsynced_batchnorm(model) == ["1"]
+    with pytest.warns(UserWarning, match=r"\['1'\].*over 4 ranks.*MeshSyncBatchNorm\(\)"):
+        assert warn_unsynced_batchnorm(model, dp_size=4)
+    assert not warn_unsynced_batchnorm(model, dp_size=1)  # one replica: nothing differs
+    assert unsynced_batchnorm(convert_sync_batchnorm(model, process_group=None)) == []
 
 
 # ---- SyncBatchNorm ------------------------------------------------------------------------------
