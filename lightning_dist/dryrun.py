@@ -235,6 +235,12 @@ def _strategy_class(config: DryRunConfig) -> type:
                      " or a class path.")
 
 
+def _uses_ddp_replicate(model: Any) -> bool:
+    from torch.distributed._composable.contract import _get_registry
+
+    return any("replicate" in (_get_registry(m) or {}) for m in model.modules())
+
+
 def _check_replayable(cls: type) -> None:
     from lightning_dist.strategies.auto_parallel import AutoParallelStrategy
     from lightning_dist.strategies.base import MeshStrategy
@@ -348,6 +354,13 @@ def simulate_rank(config: DryRunConfig, rank: int) -> dict[str, Any]:
         in_blocks = {f"{list_name}.{n}" for list_name, blocks in find_block_lists(module)
                      for n, _ in blocks.named_parameters()}
         strategy.apply_parallelism()
+        if _uses_ddp_replicate(strategy.model):
+            # torch's DDP reducer (composable `replicate`) compares real parameter storages across processes at
+            # its first forward, which fake tensors on a fake process group do not have
+            raise ValueError(f"The dry run cannot replay DDP-style replication ({type(strategy).__name__} with a shard"
+                             " group of 1 or zero_stage=1): torch's reducer checks real tensors across ranks. Every rank"
+                             " holds the whole model there, so `lightning-dist plan` gives its model-state bytes exactly;"
+                             " dry-run a sharded layout (shard_size > 1, zero_stage 2/3) to simulate the step.")
         built = time.perf_counter()
         planned = plan_rank(strategy, module, cfg, config, spec, shapes, in_blocks, boundaries)
         fake = FakeTensorMode(allow_non_fake_inputs=True)

@@ -136,8 +136,12 @@ class AutoParallelStrategy(MeshStrategy):
         cls = type(module)
         kept, runs, found = [], 0, False
         for layout in ranked:
-            if found or layout.kind == "offload" or runs >= max_runs:
+            # offload keeps nothing on the device; replicated layouts hold the whole model per rank (the planner's
+            # figure is exact) and the dry run cannot replay torch's DDP reducer: neither is dry-run
+            replicated = layout.kind in ("ddp", "hsdp") and layout.mesh[DP_SHARD] == 1
+            if found or layout.kind == "offload" or replicated or runs >= max_runs:
                 kept.append(layout)
+                found = found or replicated
                 continue
             strategy_cls, kwargs = strategy_for(layout)
             runs += 1

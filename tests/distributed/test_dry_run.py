@@ -109,3 +109,35 @@ def test_dry_run_tensor_parallel_and_hybrid_sharding():
     for key, (measured, planned) in comm.items():
         assert abs(measured / planned - 1) <= 0.02, (key, measured, planned)
     assert abs(r["peak_activation_bytes"] / r["planned"]["peak_activation_bytes"] - 1) <= 0.15
+
+
+def test_auto_parallel_verify_keeps_only_layouts_the_dry_run_fits():
+    import torch
+
+    from lightning_dist.models.gpt import CharGPT
+    from lightning_dist.strategies import AutoParallelStrategy
+
+    def strategy(memory: float, **kwargs) -> AutoParallelStrategy:
+        s = AutoParallelStrategy(device_memory=memory, verify=True, **kwargs)
+        s.parallel_devices, s.num_nodes = [torch.device("cpu")] * 2, 1
+        s.connect(CharGPT(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=32))
+        return s
+
+    # 300 kB: the planner's sharded layouts hold the model states, but one step's activations (8 x 32 tokens per
+    # rank) do not fit: the dry run drops each of them and the offload layout is what remains
+    tight = strategy(300e3)
+    ranked = tight.candidates()
+    assert [layout.kind for layout in ranked][:3] == ["fsdp", "tp", "pp"], [layout.name for layout in ranked]
+    kept = tight._verified(ranked)
+    assert [layout.kind for layout in kept] == ["offload"], [layout.name for layout in kept]
+    # 100 MB: the first (preferred) choice fits in the dry run too and stays the choice
+    roomy = strategy(100e6, prefer=("fsdp",))
+    ranked = roomy.candidates()
+    assert ranked[0].kind == "fsdp"
+    assert roomy._verified(ranked)[0].name == ranked[0].name
+    # a replicated layout is not dry-run (torch's DDP reducer needs real tensors): said plainly if asked
+    with pytest.raises(ValueError, match="cannot replay DDP-style replication"):
+        dry_run(DryRunConfig(model="lightning_dist.models.gpt.CharGPT",
+                             init_args={"vocab_size": 64, "block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 32},
+                             strategy="hsdp", strategy_args={"shard_size": 1, "dp_replicate": 2}, world_size=2,
+                             devices_per_node=2, precision="32-true", batch_size=8, device_memory=100e6), timeout=300)
