@@ -252,14 +252,13 @@ def test_gradient_parity_under_tp(ddp4):
 @pytest.mark.compat
 def test_gradient_parity_under_pipeline(ddp4):
     """pp=2 x dp=2: each rank compares its own stage's gradients with the whole single-device network's,
-    joined from every stage (also 2 stages per rank, interleaved); automatic accumulation; planted bugs: a
-    pipeline_loss that sums instead of averaging, a replica changed on one rank."""
+    joined from every stage (also 2 stages per rank, interleaved); automatic accumulation; planted bug: a
+    replica changed on one rank. (A pipeline_loss that sums where training_step averages no longer trains: the
+    strategy refuses it, see test_pipeline.py.)"""
     cases = _check_parity_cases(ddp4["pipeline"], "pp2x")
-    assert len(cases) == 5 and cases["pp2xdp_shard2_correct_interleaved"]["ok"]
+    assert len(cases) == 4 and cases["pp2xdp_shard2_correct_interleaved"]["ok"]
     assert cases["pp2xdp_shard2_correct"]["global_batch"] == 8
     assert cases["pp2xdp_shard2_correct_accumulate_2"]["global_batch"] == 16
-    # sum instead of mean over a micro-batch of 2 rows x 2 outputs: gradient x 4
-    assert abs(cases["pp2xdp_shard2_bug_sum_pipeline_loss"]["rel_diff"] - 3.0) < 1e-9
     assert cases["pp2xdp_replicate2_bug_param_changed_on_one_rank"]["params_equal"] is False
 
 
