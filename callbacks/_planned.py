@@ -225,5 +225,6 @@ def planned_traffic(trainer: Any, module: nn.Module, *, activation: dict | None 
             batch=activation["batch"], seq=activation["seq"], hidden=activation["hidden"],
             blocks=activation["blocks"], tp=mesh.size(TP), bytes_per_element=activation["bytes"],
             row_parallel_per_block=activation["row_parallel_per_block"],
-            sequence_parallel=bool(getattr(trainer.strategy, "sequence_parallel", False)))
+            sequence_parallel=bool(getattr(trainer.strategy, "sequence_parallel", False)),
+            gathered=activation.get("gathered", ()))
     return out

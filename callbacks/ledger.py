@@ -154,6 +154,8 @@ class CommunicationLedger(Callback):
         self._step_at_start = 0
         self._activation: dict | None = None
         self._hook: Any = None
+        self._gathered: dict[str, tuple[int, int]] = {}
+        self._gather_hooks: dict[str, Any] = {}
 
     # ---- recording -----------------------------------------------------------------------------
     @override
@@ -183,6 +185,17 @@ class CommunicationLedger(Callback):
             self._hook.remove()
 
         self._hook = first.register_forward_pre_hook(hook)
+        # layers whose split output is gathered back (`colwise_gather`, e.g. an output head): their forward
+        # all-gather of the output and backward all-reduce of the input gradient, measured on their tensors
+        modules = dict(pl_module.named_modules())
+        self._gathered = {}
+        for e in entries:
+            if e.active and e.style == "colwise_gather" and e.fqn in modules:
+                def gather_hook(module, args, out, fqn=e.fqn):
+                    if isinstance(args[0], torch.Tensor) and isinstance(out, torch.Tensor):
+                        self._gathered[fqn] = (args[0].numel() * args[0].element_size(), out.numel() * out.element_size())
+                        self._gather_hooks.pop(fqn).remove()
+                self._gather_hooks[e.fqn] = modules[e.fqn].register_forward_hook(gather_hook)
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
@@ -241,7 +254,8 @@ class CommunicationLedger(Callback):
         if self.planned_arg is None:
             return None
         if self.planned_arg == "auto":
-            collectives = _planned.planned_traffic(trainer, pl_module, activation=self._activation)
+            activation = None if self._activation is None else {**self._activation, "gathered": list(self._gathered.values())}
+            collectives = _planned.planned_traffic(trainer, pl_module, activation=activation)
             if collectives is None:
                 return None
         else:

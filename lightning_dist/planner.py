@@ -591,25 +591,35 @@ def fsdp2_traffic(
 def tp_activation_traffic(
     *, batch: int, seq: int, hidden: int, blocks: int, tp: int, bytes_per_element: float,
     row_parallel_per_block: int = 2, sequence_parallel: bool = False,
+    gathered: Sequence[tuple[float, float]] = (),
 ) -> list[Collective]:
     """Tensor-parallel activation collectives per step (Megatron-style blocks, see the module docstring).
 
     ``A = batch * seq * hidden * bytes_per_element`` (``batch``: samples per data-parallel rank per step).
     Without sequence parallelism: all-reduce payload ``2 * row_parallel_per_block * blocks * A`` (forward
     output of each row-parallel linear + backward input-gradient of each column-parallel one). With it:
-    an all-gather and a reduce-scatter, each of that payload.
+    an all-gather and a reduce-scatter, each of that payload. ``gathered``: ``(input bytes, output bytes)``
+    of each ``colwise_gather`` layer (an output head): its output all-gathered in the forward, its input
+    gradient all-reduced in the backward.
     """
     for name, value in (("batch", batch), ("seq", seq), ("hidden", hidden), ("blocks", blocks), ("tp", tp),
                         ("row_parallel_per_block", row_parallel_per_block)):
         _check_size(name, value)
     _check_count("bytes_per_element", bytes_per_element)
     payload = 2 * row_parallel_per_block * blocks * batch * seq * hidden * bytes_per_element
+    head_in, head_out = sum(float(i) for i, _ in gathered), sum(float(o) for _, o in gathered)
     if not sequence_parallel:
-        return [Collective(op="all_reduce", dim=TP, group_size=tp, payload_bytes=payload, what="activations")]
-    return [
-        Collective(op="all_gather", dim=TP, group_size=tp, payload_bytes=payload, what="activations"),
+        out = [Collective(op="all_reduce", dim=TP, group_size=tp, payload_bytes=payload + head_in, what="activations")]
+        if head_out:
+            out.append(Collective(op="all_gather", dim=TP, group_size=tp, payload_bytes=head_out, what="head output"))
+        return out
+    out = [
+        Collective(op="all_gather", dim=TP, group_size=tp, payload_bytes=payload + head_out, what="activations"),
         Collective(op="reduce_scatter", dim=TP, group_size=tp, payload_bytes=payload, what="activations"),
     ]
+    if head_in:
+        out.append(Collective(op="all_reduce", dim=TP, group_size=tp, payload_bytes=head_in, what="head input grad"))
+    return out
 
 
 def _check_schedule(schedule: str, virtual_stages: int) -> None:

@@ -109,7 +109,8 @@ def test_checkpoint_resume_reshard_and_single_device(tmp_path):
 )
 def test_bad_mesh_fails_on_every_rank_without_hang(name, kwargs, message):
     start = time.monotonic()
-    proc = run_script("bad_config.py", "4", name, json.dumps(kwargs), expect_ok=False, timeout=240)
+    # torchrun: every rank runs to its own end (Lightning's launcher would end its children once rank 0 fails)
+    proc = run_torchrun("bad_config.py", "4", name, json.dumps(kwargs), nproc=4, expect_ok=False, timeout=240)
     elapsed = time.monotonic() - start
     assert proc.returncode != 0
     # every one of the 4 ranks raised the same ValueError itself (nobody waited in a collective)

@@ -528,3 +528,15 @@ def test_planner_matches_deepspeed_estimators(capsys):
             rows = [r for r in z3_rows if ("offload_optimizer=none" not in r[2]) == offload_opt
                     and ("offload_param=none" not in r[2]) == offload_params]
             assert len(rows) == 2 and all(r[1] == pytest.approx(expected_ds / 2**30, abs=0.005) for r in rows)
+
+
+def test_tp_traffic_counts_a_gathered_head():
+    from lightning_dist import planner
+
+    kw = dict(batch=2, seq=4, hidden=8, blocks=1, tp=2, bytes_per_element=8)
+    base = {c.op: c.payload_bytes for c in planner.tp_activation_traffic(**kw)}
+    head = {c.op: c.payload_bytes for c in planner.tp_activation_traffic(**kw, gathered=[(256, 64)])}
+    # the head's input gradient joins the all-reduce, its gathered output is an all-gather of its own
+    assert head == {"all_reduce": base["all_reduce"] + 256, "all_gather": 64}
+    sp = {c.op: c.payload_bytes for c in planner.tp_activation_traffic(**kw, sequence_parallel=True, gathered=[(256, 64)])}
+    assert sp["all_reduce"] == 256 and sp["all_gather"] == sp["reduce_scatter"] + 64
