@@ -27,6 +27,7 @@ from contextlib import contextmanager
 from typing import Any, Literal, Optional
 
 import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
@@ -139,6 +140,7 @@ class OffloadStrategy(_OffloadReport, DeepSpeedStrategy):
         report: bool = True,
         cpu_adam: bool = True,
         compile: Any = False,
+        timeout: Any = default_pg_timeout,
         **kwargs: Any,
     ) -> None:
         if compile is not False:
@@ -157,8 +159,6 @@ class OffloadStrategy(_OffloadReport, DeepSpeedStrategy):
         self.plan = off.OffloadPlan(
             optimizer=optimizer, parameters=parameters, nvme_path=nvme_path, zero_stage=zero_stage, backend=backend
         ).validate()
-        if "timeout" in kwargs:  # seconds or a timedelta, as for every strategy of the pack
-            kwargs["timeout"] = as_timeout(kwargs["timeout"], type(self).__name__)
         # the parameter-swap options the user chose (a config of their own, or arguments): never overridden
         user_config = kwargs.get("config") is not None or DeepSpeedStrategy.DEEPSPEED_ENV_VAR in os.environ
         chosen = {"buffer_size": "params_buffer_size" in kwargs, "max_in_cpu": "max_in_cpu" in kwargs}
@@ -171,6 +171,9 @@ class OffloadStrategy(_OffloadReport, DeepSpeedStrategy):
             nvme_path=nvme_path or "",
             pin_memory=CUDA_AVAILABLE,  # page-locked host buffers: async copies; pinning needs an accelerator
             sub_group_size=sub_group_size,
+            # seconds or a timedelta, as for every strategy of the pack (an explicit argument: LightningCLI reads
+            # the **kwargs passed on to DeepSpeedStrategy from this call's source)
+            timeout=as_timeout(timeout, type(self).__name__),
             **kwargs,
         )
         assert isinstance(self.config, dict)
