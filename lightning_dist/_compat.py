@@ -24,6 +24,9 @@ DTENSOR_UNEVEN_GATHER_STRIDED = not TORCH_GE_2_13
 # torch < 2.13: a multi-stage schedule's first step posts a gloo send/recv between two stages of the SAME rank
 # (ZBV at pp=2), which gloo cannot pair ("Pair is not connected"); our stages leave those ops out.
 PIPELINE_INIT_P2P_TO_SELF = not TORCH_GE_2_13
+# torch < 2.13: with data parallelism around it, sequence parallelism deadlocks in a backward all-gather of the
+# sequence shards under gloo (seen: tp2 x dp_shard2, ViT with 17 tokens); TensorParallelStrategy refuses the mix.
+TP_SEQUENCE_PARALLEL_WITH_DP_HANGS = not TORCH_GE_2_13
 
 CUDA_AVAILABLE = torch.cuda.is_available()
 

@@ -10,6 +10,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 import lightning.pytorch as pl
+from lightning_dist._compat import TP_SEQUENCE_PARALLEL_WITH_DP_HANGS
 from lightning_dist.mesh import TP, MeshSpec
 from lightning_dist.parallelize import ParallelizeConfig
 from lightning_dist.parallelize.tp import BUILTIN_PLANS, TPEntry, builtin_plan, format_plan, resolve_plan
@@ -99,6 +100,14 @@ class TensorParallelStrategy(HybridShardStrategy):
             raise ValueError(
                 f"zero_stage=1 (all-reduce replication) does not compose with tp={tp}: torch's `replicate` does not"
                 " take tensor-parallel DTensor parameters. Use zero_stage=2 or 3."
+            )
+        if self.sequence_parallel and tp > 1 and dp > 1 and TP_SEQUENCE_PARALLEL_WITH_DP_HANGS:
+            import torch
+
+            raise ValueError(
+                f"sequence_parallel=True with data parallelism (dp={dp}) around tp={tp} deadlocks on torch"
+                f" {torch.__version__} (a backward all-gather of sequence shards, fixed in torch 2.13). Upgrade to"
+                " torch>=2.13, or pass sequence_parallel=False (tensor parallelism with data parallelism works here)."
             )
         module = self.lightning_module
         # check the plan now when the model already exists (else in `parallelize`): same on every rank

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+
+from lightning_dist._compat import TP_SEQUENCE_PARALLEL_WITH_DP_HANGS
 import torch.distributed as dist
 import torch.nn.functional as F
 from _common import full_params, max_rel_diff, trainer
@@ -132,11 +134,27 @@ world = dist_world()
 kinds = sys.argv[1].split(",") if len(sys.argv) > 1 else ["gpt", "vit", "mlp"]
 refs = {k: reference(k) for k in kinds}
 meshes = [{"tp": 2}] if world == 2 else [{"tp": 2, "dp_shard": 2, "dp_replicate": 1}, {"tp": 2, "dp_replicate": 2, "dp_shard": 1}]
+
+
+def refused(kind: str, **options) -> bool:
+    """On torch < 2.13 sequence parallelism with data parallelism is refused (it deadlocks there): record it."""
+    if not (TP_SEQUENCE_PARALLEL_WITH_DP_HANGS and options.get("sequence_parallel") and world == 4):
+        return False
+    try:
+        fit(kind, **options)
+    except ValueError as err:
+        emit(kind="refused", model=kind, options=options, message=str(err))
+        return True
+    raise AssertionError(f"{kind} {options}: sequence parallelism with dp was not refused on this torch")
+
+
 for mesh in meshes:
     for kind in kinds:
         for sp in ((False,) if kind == "mlp" else (False, True)):
-            check(kind, refs, sequence_parallel=sp, **mesh)
-if world == 4 and "gpt" in kinds:
+            if not refused(kind, sequence_parallel=sp, **mesh):
+                check(kind, refs, sequence_parallel=sp, **mesh)
+if world == 4 and "gpt" in kinds and not refused("gpt", sequence_parallel=True, activation_checkpointing=True,
+                                                 zero_stage=2, **meshes[0]):
     # the full order TP -> activation checkpointing -> FSDP (ZeRO-2) on one mesh
     check("gpt", refs, sequence_parallel=True, activation_checkpointing=True, zero_stage=2, **meshes[0])
 
