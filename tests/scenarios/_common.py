@@ -23,6 +23,15 @@ def emit(**payload) -> None:
     os.write(1, ("RESULT " + json.dumps(payload) + "\n").encode())
 
 
+def emit_gathered(**payload) -> None:
+    """Gather every rank's RESULT on rank 0 and print them there (one stdout, no interleaved lines)."""
+    payload["rank"] = torch.distributed.get_rank()
+    rows = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(rows, payload)
+    if torch.distributed.get_rank() == 0:
+        os.write(1, "".join("RESULT " + json.dumps(r) + "\n" for r in rows).encode())
+
+
 class Block(nn.Module):
     def __init__(self, width: int) -> None:
         super().__init__()

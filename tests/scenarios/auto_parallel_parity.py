@@ -9,13 +9,11 @@ it ran as and the max relative parameter difference from single-device training 
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 
 import torch
 import torch.distributed as dist
-from _common import full_params, max_rel_diff, trainer
+from _common import emit_gathered as emit, full_params, max_rel_diff, trainer
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_dist  # noqa: F401  (registers the strategies)
@@ -27,13 +25,6 @@ STEPS, SEQ, N = 2, 8, 48
 SIZES = dict(vocab_size=32, block_size=SEQ, n_layer=2, n_head=4, n_embd=16, bias=False)
 
 
-def emit(**payload) -> None:
-    payload["rank"] = dist.get_rank()
-    rows = [None] * dist.get_world_size()
-    dist.all_gather_object(rows, payload)
-    if dist.get_rank() == 0:
-        sys.stdout.write("".join("RESULT " + json.dumps(r) + "\n" for r in rows))
-        sys.stdout.flush()
 
 
 def data() -> TensorDataset:

@@ -10,7 +10,6 @@ Every run also logs the number of samples with reduce_fx="sum": it must equal th
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import tempfile
@@ -22,7 +21,7 @@ import torch
 from lightning_dist._compat import TP_SEQUENCE_PARALLEL_WITH_DP_HANGS
 import torch.distributed as dist
 import torch.nn.functional as F
-from _common import full_params, max_rel_diff, trainer
+from _common import emit_gathered as emit, full_params, max_rel_diff, trainer
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -34,14 +33,6 @@ STEPS, GLOBAL_BATCH, N = 3, 8, 48
 SEQ = 8  # GPT tokens; the ViT has 16/8 -> 4 patches + class token = 5 tokens (uneven over tp=2)
 
 
-def emit(**payload) -> None:
-    """Gather every rank's RESULT on rank 0 and print them there (one stdout, no interleaved lines)."""
-    payload["rank"] = dist.get_rank()
-    rows = [None] * dist.get_world_size()
-    dist.all_gather_object(rows, payload)
-    if dist.get_rank() == 0:
-        sys.stdout.write("".join("RESULT " + json.dumps(r) + "\n" for r in rows))
-        sys.stdout.flush()
 
 
 def build(kind: str, seed: int = 0) -> nn.Module:

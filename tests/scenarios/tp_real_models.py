@@ -11,7 +11,6 @@ Each run has GradientParityCheck at step 0 (tied models: no false alarm). One RE
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -19,7 +18,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _common import full_params, max_rel_diff, trainer
+from _common import emit_gathered as emit, full_params, max_rel_diff, trainer
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -173,13 +172,6 @@ def reference(kind: str) -> dict:
     return {f"model.{n}": p.detach().clone() for n, p in model.named_parameters()}
 
 
-def emit(**payload) -> None:
-    payload["rank"] = dist.get_rank()
-    rows = [None] * dist.get_world_size()
-    dist.all_gather_object(rows, payload)
-    if dist.get_rank() == 0:
-        sys.stdout.write("".join("RESULT " + json.dumps(r) + "\n" for r in rows))
-        sys.stdout.flush()
 
 
 world = int(os.environ["WORLD_SIZE"])
