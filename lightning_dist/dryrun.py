@@ -223,14 +223,14 @@ def _strategy(config: DryRunConfig) -> Any:
 def _strategy_class(config: DryRunConfig) -> type:
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from lightning_dist import planner
+    from lightning_dist import inputs
     from lightning_dist.strategies import register_strategies
 
     register_strategies()
     if config.strategy in StrategyRegistry:
         return StrategyRegistry[config.strategy]["strategy"]
     if "." in config.strategy:
-        return planner.import_class(config.strategy)
+        return inputs.import_class(config.strategy)
     raise ValueError(f"Unknown strategy {config.strategy!r}: use a registered name ({sorted(StrategyRegistry)})"
                      " or a class path.")
 
@@ -306,7 +306,7 @@ def simulate_rank(config: DryRunConfig, rank: int) -> dict[str, Any]:
     from torch.distributed._tools.mem_tracker import MemTracker
 
     import lightning.pytorch as pl
-    from lightning_dist import measure, planner
+    from lightning_dist import inputs, measure
     from lightning_dist._compat import init_fake_process_group
     from lightning_dist.mesh import DistMesh
     from lightning_dist.parallelize.units import find_block_lists
@@ -322,7 +322,7 @@ def simulate_rank(config: DryRunConfig, rank: int) -> dict[str, Any]:
     _check_replayable(_strategy_class(config))
     strategy = _strategy(config)
     torch.manual_seed(0)
-    module = planner.build_meta_model(config.model, dict(config.init_args))
+    module = inputs.build_meta_model(config.model, dict(config.init_args))
     if not isinstance(module, pl.LightningModule):
         raise TypeError(f"{config.model!r} is not a LightningModule; the dry run runs its training_step.")
     trainer = pl.Trainer(accelerator="cpu", devices=per_node, num_nodes=nodes, strategy=strategy,

@@ -19,7 +19,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_dist import planner
+from lightning_dist import inputs, planner
 from lightning_dist.mesh import DP_REPLICATE, DP_SHARD, PP, TP
 from lightning_dist.strategies.base import MeshStrategy
 
@@ -90,7 +90,7 @@ class AutoParallelStrategy(MeshStrategy):
         memory: Optional[int] = None
         if device_memory is not None:
             try:
-                memory = planner.parse_bytes(device_memory)
+                memory = inputs.parse_bytes(device_memory)
             except ValueError as err:
                 problems.append(str(err))
         prefer = (prefer,) if isinstance(prefer, str) else tuple(prefer)
