@@ -25,6 +25,7 @@ from typing import Any, Literal, Optional
 import torch
 
 from lightning_dist._compat import deepspeed_available
+from lightning_dist._integrations.deepspeed import repoint_lr_scheduler
 from lightning_dist.measure import placement_mismatches
 
 KINDS = ("parameters", "gradients", "optimizer")
@@ -357,25 +358,8 @@ def to_cpu_adam(optimizer: torch.optim.Optimizer, lr_scheduler: Any = None) -> O
             group["lr"] = float(group["lr"])  # a tensor lr (torch's capturable/fused option) is a float for the op
     adam = DeepSpeedCPUAdam(groups, **options)
     if lr_scheduler is not None and getattr(lr_scheduler, "optimizer", None) is optimizer:
-        lr_scheduler.optimizer = adam
-        _mark_steps_for_scheduler(adam)
+        repoint_lr_scheduler(lr_scheduler, adam)
     return adam
-
-
-def _mark_steps_for_scheduler(optimizer: torch.optim.Optimizer) -> None:
-    """Mark ``optimizer.step`` the way an LR scheduler's constructor does, for a scheduler repointed to it.
-
-    Without the mark torch's scheduler warns at its first step that ``optimizer.step()`` "has been overridden
-    after learning rate scheduler initialization" (it only checks these two attributes).
-    """
-    step = optimizer.step
-
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        optimizer._opt_called = True  # type: ignore[attr-defined]
-        return step(*args, **kwargs)
-
-    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    optimizer.step = wrapper  # type: ignore[method-assign]
 
 
 def resize_param_swap_buffers(swapper: Any, numel: int) -> None:

@@ -43,6 +43,7 @@ from typing_extensions import override
 
 import lightning.pytorch as pl
 from lightning_dist import checkpoint as ckpt
+from lightning_dist._integrations.lightning import set_module_device_mesh
 from lightning_dist.mesh import DIM_NAMES, DistMesh, MeshSpec
 from lightning_dist.parallelize.sync import broadcast_module_states, materialize_in_sync, shared_seed
 from lightning_dist.launcher import JobLauncher, die_with_launcher
@@ -59,7 +60,7 @@ def attach_mesh(module: pl.LightningModule, mesh: DistMesh) -> None:
     This is the one place the pack writes into the user's LightningModule; Lightning's own
     ``LightningModule.device_mesh`` property reads it.
     """
-    module._device_mesh = mesh.device_mesh
+    set_module_device_mesh(module, mesh.device_mesh)
 
 
 def _check_size(name: str, value: Any, allow_auto: bool) -> list[str]:

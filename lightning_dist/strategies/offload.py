@@ -30,7 +30,6 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
@@ -38,11 +37,12 @@ from typing_extensions import override
 
 import lightning.pytorch as pl
 from lightning_dist._compat import CUDA_AVAILABLE, fully_shard_api
+from lightning_dist._integrations import deepspeed as ds_patches
+from lightning_dist._integrations import lightning as lightning_patches
 from lightning_dist.measure import bytes_by_place, cuda_memory
 from lightning_dist.launcher import JobLauncher, die_with_launcher
 from lightning_dist.mesh import MeshSpec
 from lightning_dist.parallelize import offload as off
-from lightning_dist.parallelize.offload_checkpoint import self_contained_nvme_checkpoints
 from lightning_dist.strategies.hsdp import HybridShardStrategy
 from lightning_dist.strategies.base import as_timeout
 
@@ -201,8 +201,9 @@ class OffloadStrategy(_OffloadReport, DeepSpeedStrategy):
     @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
-        if type(self._launcher) is _SubprocessScriptLauncher:  # the pack's: no rank outlives the job
-            self._launcher = JobLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        # the pack's launcher: no rank outlives the job
+        lightning_patches.replace_default_launcher(
+            self, lambda: JobLauncher(self.cluster_environment, self.num_processes, self.num_nodes))
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -220,7 +221,7 @@ class OffloadStrategy(_OffloadReport, DeepSpeedStrategy):
         # Lightning validates CUDA device indices here; a CPU device has none
         if self.root_device.type != "cpu":
             return super().setup_distributed()
-        _use_cpu_accelerator()
+        ds_patches.use_cpu_accelerator()
         reset_seed()
         self.set_world_ranks()
         self._init_deepspeed_distributed()
@@ -242,35 +243,18 @@ class OffloadStrategy(_OffloadReport, DeepSpeedStrategy):
             dist_init_required=False,
         )
         if "nvme" in (self.plan.optimizer, self.plan.parameters):
-            self_contained_nvme_checkpoints(engine)
+            ds_patches.self_contained_nvme_checkpoints(engine)
         return engine, ds_optimizer
 
     @override
     def _initialize_deepspeed_inference(self, model: nn.Module) -> None:
         """``validate`` / ``test`` / ``predict`` without ``fit``: Lightning's, with a device rank DeepSpeed accepts."""
-        import deepspeed
-
         self._prepare_nvme(model)
-        # Lightning passes `args.device_rank=root_device.index` here too: None for a CPU device, on which
-        # DeepSpeed's engine fails ("'>=' not supported between 'NoneType' and 'int'")
-        initialize = deepspeed.initialize
-
-        def initialize_with_rank(*args: Any, **kwargs: Any) -> Any:
-            if getattr(kwargs.get("args"), "device_rank", 0) is None:
-                kwargs["args"] = argparse.Namespace(**{**vars(kwargs["args"]), "device_rank": self._device_rank()})
-            return initialize(*args, **kwargs)
-
-        deepspeed.initialize = initialize_with_rank
-        try:
+        # Lightning passes `args.device_rank=root_device.index` here too: None for a CPU device
+        with ds_patches.initialize_with_device_rank(self._device_rank()):
             super()._initialize_deepspeed_inference(model)
-        finally:
-            deepspeed.initialize = initialize
-        zero = getattr(self.model, "optimizer", None)  # ZeRO-3 without an optimizer: DeepSpeedZeRoOffload
-        if zero is not None and not hasattr(zero, "_restore_from_bit16_weights"):
-            # `validate(ckpt_path=...)`: DeepSpeed's `load_checkpoint` without optimizer states loads the fp32 weights
-            # of the ZeRO files into the module (gathered), then asks the optimizer to refresh its 16-bit copies
-            # from them; an evaluation engine has none, and the method is missing (DeepSpeed issue #7272)
-            zero._restore_from_bit16_weights = lambda: None
+        # ZeRO-3 without an optimizer (DeepSpeedZeRoOffload): `validate(ckpt_path=...)` asks it for a method it lacks
+        ds_patches.tolerate_missing_bit16_restore(getattr(self.model, "optimizer", None))
 
     def _cpu_step_optimizer(self, optimizer: Optional[torch.optim.Optimizer], lr_scheduler: Any) -> Any:
         """The optimizer for the offloaded step: DeepSpeedCPUAdam for torch's Adam/AdamW on CUDA, else `optimizer`."""
@@ -381,7 +365,7 @@ class OffloadStrategy(_OffloadReport, DeepSpeedStrategy):
         swap["buffer_size"] = largest
         swappers = {id(s): s for p in model.parameters() if (s := getattr(p, "nvme_swapper", None)) is not None}
         for swapper in swappers.values():
-            off.resize_param_swap_buffers(swapper, largest)
+            ds_patches.resize_param_swap_buffers(swapper, largest)
 
     def _partition_for_nvme(self, model: nn.Module) -> None:
         """Partition a model built outside ``configure_model`` with the config's dtype before DeepSpeed does.
@@ -491,16 +475,6 @@ class FSDP2OffloadStrategy(_OffloadReport, HybridShardStrategy):
                     "optimizer": bytes_by_place(states)}
         return off.offload_report(plan=self.plan, resident=resident, disk={}, rank=self.global_rank,
                                   device_type=self.root_device.type, cuda=cuda_memory(self.root_device))
-
-
-def _use_cpu_accelerator() -> None:
-    """Make DeepSpeed use its CPU accelerator (it may have picked CUDA on a machine that has one)."""
-    from deepspeed.accelerator import get_accelerator, set_accelerator
-
-    if get_accelerator().device_name() != "cpu":
-        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
-
-        set_accelerator(CPU_Accelerator())
 
 
 def _param_bytes(strategy: pl.strategies.Strategy) -> int:

@@ -229,7 +229,7 @@ def test_nvme_param_buffers_sized_to_the_largest_partition(tmp_path):
 def test_resize_param_swap_buffers_only_while_free():
     from types import SimpleNamespace
 
-    from lightning_dist.parallelize.offload import resize_param_swap_buffers
+    from lightning_dist._integrations.deepspeed import resize_param_swap_buffers
 
     freed = []
     handle = SimpleNamespace(new_cpu_locked_tensor=lambda n, example: torch.empty(n, dtype=example.dtype),

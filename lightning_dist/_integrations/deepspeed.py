@@ -1,23 +1,139 @@
-"""Complete, loadable DeepSpeed ZeRO-3 checkpoints when optimizer state or parameters are offloaded to NVMe.
+"""DeepSpeed: each change to (or reach into) its private parts, as one small named function.
 
-DeepSpeed 0.19 saves placeholders for NVMe-resident states and restores them by swap-file name; see
-:func:`self_contained_nvme_checkpoints` for what goes wrong and how the optimizer's two checkpoint methods
-are replaced, using DeepSpeed's own swap calls (hand-written because DeepSpeed has no such path).
+* :func:`self_contained_nvme_checkpoints`: ZeRO-3 checkpoint methods that save and restore NVMe-offloaded states;
+* :func:`initialize_with_device_rank`: ``deepspeed.initialize`` given a device rank for one call (CPU devices);
+* :func:`tolerate_missing_bit16_restore`: an evaluation engine's missing ``_restore_from_bit16_weights``;
+* :func:`resize_param_swap_buffers`: the parameter swapper's page-locked buffers sized to the real partitions;
+* :func:`repoint_lr_scheduler`: an LR scheduler moved onto ``DeepSpeedCPUAdam`` without torch's warning;
+* :func:`use_cpu_accelerator`: DeepSpeed's CPU accelerator on a machine that also has CUDA.
+
+Each refuses a DeepSpeed release outside :data:`lightning_dist._compat.DEEPSPEED_RANGE`
+(:func:`~lightning_dist._compat.require_tested_deepspeed`); tests: ``tests/unit/test_integrations.py``.
 """
 
 from __future__ import annotations
 
+import argparse
+from collections.abc import Generator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
-from lightning_dist._compat import deepspeed_nvme_checkpoint_patch_tested
+from lightning_dist._compat import require_tested_deepspeed
 
-__all__ = ["self_contained_nvme_checkpoints"]
+__all__ = [
+    "initialize_with_device_rank",
+    "repoint_lr_scheduler",
+    "resize_param_swap_buffers",
+    "self_contained_nvme_checkpoints",
+    "tolerate_missing_bit16_restore",
+    "use_cpu_accelerator",
+]
 
 
+# ---- deepspeed.initialize ------------------------------------------------------------------------------
+@contextmanager
+def initialize_with_device_rank(device_rank: int) -> Generator[None, None, None]:
+    """Within the block, ``deepspeed.initialize`` gets ``args.device_rank=device_rank`` where it is None.
+
+    Reason: Lightning's ``_initialize_deepspeed_inference`` passes ``root_device.index``, None for a CPU device,
+    and DeepSpeed's engine fails on it ("'>=' not supported between 'NoneType' and 'int'"); the module
+    attribute is swapped for this one call because Lightning calls it by that name.
+    """
+    import deepspeed
+
+    require_tested_deepspeed("deepspeed.initialize device-rank shim (initialize_with_device_rank)")
+    initialize = deepspeed.initialize
+
+    def initialize_with_rank(*args: Any, **kwargs: Any) -> Any:
+        if getattr(kwargs.get("args"), "device_rank", 0) is None:
+            kwargs["args"] = argparse.Namespace(**{**vars(kwargs["args"]), "device_rank": device_rank})
+        return initialize(*args, **kwargs)
+
+    deepspeed.initialize = initialize_with_rank
+    try:
+        yield
+    finally:
+        deepspeed.initialize = initialize
+
+
+def tolerate_missing_bit16_restore(zero: Any) -> None:
+    """Give an evaluation engine's ZeRO-3 object a no-op ``_restore_from_bit16_weights`` when it lacks one.
+
+    Reason: ``validate(ckpt_path=...)``: DeepSpeed's ``load_checkpoint`` without optimizer states loads the fp32
+    weights into the module, then asks the optimizer to refresh its 16-bit copies; an evaluation engine
+    (``DeepSpeedZeRoOffload``) has none and the method is missing (https://github.com/deepspeedai/DeepSpeed/issues/7272).
+    """
+    if zero is None or hasattr(zero, "_restore_from_bit16_weights"):
+        return
+    require_tested_deepspeed("_restore_from_bit16_weights stand-in (tolerate_missing_bit16_restore)")
+    zero._restore_from_bit16_weights = lambda: None
+
+
+def use_cpu_accelerator() -> None:
+    """Make DeepSpeed use its CPU accelerator (it may have picked CUDA on a machine that has one).
+
+    Reason: the offload strategy runs DeepSpeed on CPU devices; DeepSpeed picks its accelerator once, globally.
+    """
+    from deepspeed.accelerator import get_accelerator, set_accelerator
+
+    if get_accelerator().device_name() != "cpu":
+        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+        set_accelerator(CPU_Accelerator())
+
+
+# ---- DeepSpeedCPUAdam --------------------------------------------------------------------------------
+def repoint_lr_scheduler(lr_scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Point ``lr_scheduler`` at ``optimizer`` (a ``DeepSpeedCPUAdam`` replacing the user's Adam).
+
+    Reason: torch's scheduler marks ``optimizer.step`` in its constructor and warns at its first step that
+    ``optimizer.step()`` "has been overridden after learning rate scheduler initialization" when the mark
+    is missing; it checks only the two private attributes set here.
+    """
+    lr_scheduler.optimizer = optimizer
+    step = optimizer.step
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        optimizer._opt_called = True  # type: ignore[attr-defined]
+        return step(*args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = wrapper  # type: ignore[method-assign]
+
+
+# ---- ZeRO-3 parameter swapper ----------------------------------------------------------------------------
+def resize_param_swap_buffers(swapper: Any, numel: int) -> None:
+    """Reallocate the page-locked buffers of DeepSpeed's parameter swapper for partitions of ``numel`` elements.
+
+    Only while every buffer is free (after ``zero.Init`` has written all partitions to NVMe); DeepSpeed 0.19's
+    ``AsyncPartitionedParameterSwapper`` keeps them as one tensor of ``buffer_count`` equal slices.
+    Reason: a model built in ``configure_model`` gets its buffers before its partition sizes are known, and
+    DeepSpeed has no call to resize them (page-locked, resident all the time).
+    """
+    require_tested_deepspeed("parameter swap-buffer resize (resize_param_swap_buffers)")
+    needed = ("buffers", "available_buffer_ids", "param_buffer_count", "param_id_to_swap_buffer", "inflight_params",
+              "elements_per_buffer", "aligned_elements_per_buffer", "aio_read_handle", "_io_aligned_numel")
+    if not all(hasattr(swapper, name) for name in needed):
+        return  # another DeepSpeed: keep its buffers
+    busy = (len(swapper.available_buffer_ids) != swapper.param_buffer_count or swapper.param_id_to_swap_buffer
+            or swapper.inflight_params)
+    aligned = swapper._io_aligned_numel(numel)
+    if busy or aligned == swapper.aligned_elements_per_buffer:
+        return
+    old = swapper.buffers
+    swapper.buffers = swapper.aio_read_handle.new_cpu_locked_tensor(aligned * swapper.param_buffer_count, old)
+    swapper.elements_per_buffer, swapper.aligned_elements_per_buffer = numel, aligned
+    swapper.aio_read_handle.free_cpu_locked_tensor(old)
+
+
+# ---- ZeRO-3 checkpoints of NVMe-offloaded states -----------------------------------------------------
 def self_contained_nvme_checkpoints(engine: Any) -> None:
     """Make DeepSpeed's ZeRO-3 checkpoints of NVMe-offloaded states complete and loadable (DeepSpeed 0.19).
+
+    Reason: DeepSpeed 0.19 saves placeholders for NVMe-resident states and restores them by swap-file name
+    (no upstream issue filed); replaces two methods of the engine's ZeRO-3 optimizer and one of the engine.
 
     What DeepSpeed does by itself, and why it is wrong:
 
@@ -46,11 +162,7 @@ def self_contained_nvme_checkpoints(engine: Any) -> None:
     zero = engine.optimizer
     if not isinstance(zero, DeepSpeedZeroOptimizer_Stage3):
         return
-    if not deepspeed_nvme_checkpoint_patch_tested():
-        from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-
-        rank_zero_warn("The NVMe checkpoint methods of lightning-dist were tested with DeepSpeed 0.19.x only; check"
-                       " that a resumed run matches an uninterrupted one (tests/scenarios/offload_parity.py --resume).")
+    require_tested_deepspeed("ZeRO-3 NVMe checkpoint methods (self_contained_nvme_checkpoints)")
     zero._rigid_state_dict = types.MethodType(_nvme_rigid_state_dict, zero)
     zero._rigid_load_state_dict = types.MethodType(_nvme_rigid_load_state_dict, zero)
     # the engine asks this only around checkpoints (and for AutoEP, not used here): True copies the swap
