@@ -174,7 +174,7 @@ def _pin_needs_cuda_skip():
 
 
 def _pin():
-    from lightning_dist.strategies import offload
+    from lightning_dist.strategies import offload_fsdp2 as offload
 
     # the refusal is for machines without a CUDA device: build that condition on every machine
     saved, offload.CUDA_AVAILABLE = offload.CUDA_AVAILABLE, False

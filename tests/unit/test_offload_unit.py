@@ -191,7 +191,7 @@ def test_tensor_bytes_counts_storage_once():
 # ---- memory-lean defaults with parameters on NVMe -------------------------------------------------
 @needs_deepspeed
 def test_nvme_parameters_lean_defaults(tmp_path):
-    from lightning_dist.strategies.offload import NVME_PARAMS_BUFFER_SIZE
+    from lightning_dist.strategies._offload_nvme import NVME_PARAMS_BUFFER_SIZE
 
     zero = OffloadStrategy(optimizer="nvme", parameters="nvme", nvme_path=str(tmp_path)).config["zero_optimization"]
     # parameters really on NVMe (DeepSpeed keeps up to `max_in_cpu` elements in host memory), released after each use
