@@ -41,6 +41,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from lightning_dist.atomic import atomic_write
 from lightning_dist.mesh import DIM_NAMES, DP, DP_REPLICATE, DP_SHARD, PP, TP, MeshSpec
 
 # strategies whose setup the dry run can replay (the DeepSpeed offload engine starts its own communication)
@@ -716,10 +717,7 @@ def _main(argv: Optional[Sequence[str]] = None) -> int:
         result = simulate_rank(config, args.rank)
     except (ValueError, TypeError, ImportError, RuntimeError) as err:
         result = {"error": [type(err).__name__, str(err)]}
-    tmp = args.out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f)
-    os.replace(tmp, args.out)
+    atomic_write(args.out, lambda f: json.dump(result, f), mode="w")
     return 0
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+from lightning_dist.precision import PRECISION_DTYPES
 from lightning_dist.planner._checks import _check_count, _check_divides, _check_size, _check_zero_stage
 
 TIERS: tuple[str, ...] = ("device", "host", "nvme")
@@ -40,10 +41,7 @@ TIERS: tuple[str, ...] = ("device", "host", "nvme")
 # Lightning precision flag -> (bytes of the stored parameters, bytes of the compute/all-gather dtype).
 # "-mixed" keeps float32 parameters and computes in 16 bit (autocast / FSDP2 MixedPrecisionPolicy).
 PRECISIONS: dict[str, tuple[int, int]] = {
-    "64-true": (8, 8), "64": (8, 8),
-    "32-true": (4, 4), "32": (4, 4),
-    "bf16-mixed": (4, 2), "bf16": (4, 2), "16-mixed": (4, 2), "16": (4, 2),
-    "bf16-true": (2, 2), "16-true": (2, 2),
+    flag: (dtypes.param_bytes, dtypes.compute_bytes) for flag, dtypes in PRECISION_DTYPES.items()
 }
 # Optimizer -> state tensors per parameter (each in the parameter's dtype, as torch.optim keeps them).
 OPTIMIZER_SLOTS: dict[str, int] = {"adamw": 2, "adam": 2, "sgd": 0, "sgd-momentum": 1}

@@ -15,6 +15,7 @@ from torch import nn
 
 from lightning_dist._integrations import deepspeed as ds_patches
 from lightning_dist.parallelize import offload as off
+from lightning_dist.precision import precision_dtypes
 
 # elements per NVMe swap buffer of the parameters while `configure_model` builds the model (sized to the largest
 # partition once it is known); Lightning's 1e8 would page-lock 5 x 400 MB per rank in float32
@@ -119,4 +120,5 @@ class NvmeSwapMixin(DeepSpeedStrategy):
 
 
 def _param_bytes(strategy: Any) -> int:
-    return 2 if str(strategy.precision_plugin.precision).startswith(("bf16", "16")) else 4
+    # DeepSpeed keeps its working parameters in the compute dtype (16-bit under *-mixed too)
+    return precision_dtypes(strategy).compute_bytes

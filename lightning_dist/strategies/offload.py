@@ -42,6 +42,7 @@ from lightning_dist._integrations import lightning as lightning_patches
 from lightning_dist.measure import bytes_by_place, cuda_memory
 from lightning_dist.launcher import JobLauncher, die_with_launcher
 from lightning_dist.parallelize import offload as off
+from lightning_dist.atomic import swap_in
 from lightning_dist.strategies._offload_nvme import NvmeSwapMixin
 from lightning_dist.strategies._offload_report import OffloadReportMixin
 from lightning_dist.strategies._processes import as_timeout
@@ -270,9 +271,7 @@ class OffloadStrategy(OffloadReportMixin, NvmeSwapMixin, DeepSpeedStrategy):
         super().save_checkpoint(checkpoint, partial, storage_options)
         self.barrier()
         if self.is_global_zero:
-            if os.path.exists(final):
-                shutil.rmtree(final) if os.path.isdir(final) else os.remove(final)
-            os.replace(partial, final)
+            swap_in(partial, final)
         self.barrier()
 
     # ---- report --------------------------------------------------------------------------------
