@@ -173,7 +173,7 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        from lightning_dist.guards import check_data_runs_out_together
+        from lightning_dist.callbacks.guards import check_data_runs_out_together
 
         # iterable data that ends on some dp ranks only: refuse on every rank before the step's collectives
         assert self.lightning_module is not None

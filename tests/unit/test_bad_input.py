@@ -364,7 +364,7 @@ def test_table_in_docs_lists_every_case():
 def test_guards_train_data_problems_pure():
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_dist.guards import train_data_problems
+    from lightning_dist.callbacks.guards import train_data_problems
 
     data = TensorDataset(torch.zeros(6, 2))
     assert train_data_problems(DataLoader(data, batch_size=2), dp_size=4) == []

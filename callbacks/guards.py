@@ -20,22 +20,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities import CombinedLoader
 from typing_extensions import override
 
+from lightning_dist.callbacks.sampler_epoch import _loaders
 from lightning_dist.mesh import data_parallel_info
 
 __all__ = ["FiniteLossGuard", "TrainDataGuard", "check_data_runs_out_together", "train_data_problems"]
-
-
-def _loaders(obj: Any) -> list:
-    if isinstance(obj, CombinedLoader):
-        return list(obj.flattened)
-    if isinstance(obj, (list, tuple)):
-        return [x for v in obj for x in _loaders(v)]
-    if isinstance(obj, dict):
-        return [x for v in obj.values() for x in _loaders(v)]
-    return [] if obj is None else [obj]
 
 
 def train_data_problems(loader: Any, *, dp_size: int) -> list[str]:
