@@ -29,6 +29,7 @@ from typing_extensions import override
 
 from lightning_dist._integrations.lightning import unwrap_strategy_methods, wrap_strategy_methods
 from lightning_dist.callbacks.sampler_epoch import _loaders
+from lightning_dist.data import samples_per_rank
 from lightning_dist.mesh import data_parallel_info
 
 __all__ = ["ExactEvaluation", "ExactMetric", "ExactBatchSampler", "exact_eval_mask"]
@@ -67,7 +68,7 @@ class ExactBatchSampler(Sampler[list[int]]):
             raise ValueError("`full_batches=True` pads batches: it needs `trim=False` (ExactEvaluation(mode='mask')).")
         self.num_samples, self.num_replicas, self.rank, self.batch_size = num_samples, num_replicas, rank, batch_size
         self.full_batches, self.trim = full_batches, trim
-        self.per_rank = math.ceil(num_samples / num_replicas)
+        self.per_rank = samples_per_rank(num_samples, num_replicas)
         """Samples per rank, padding included (the same on every rank)."""
         self.sizes = self.trimmed_sizes(rank) if trim else None
         """Trim mode: the number of real rows of each batch of this rank."""

@@ -14,18 +14,18 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
+from lightning_dist._compat import numpy_available
+
 __all__ = ["ResumeRNG"]
 
 
 def _rng_state() -> dict[str, Any]:
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": _plain(random.getstate())}
-    try:
+    if numpy_available():
         import numpy as np
 
         kind, keys, pos, has_gauss, gauss = np.random.get_state()
         state["numpy"] = [kind, keys.tolist(), pos, has_gauss, gauss]  # lists: loadable with weights_only=True
-    except ImportError:
-        pass
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     return state

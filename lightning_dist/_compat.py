@@ -125,6 +125,21 @@ def require_tested_lightning(patch: str, *, version: str | None = None) -> None:
     require_tested("lightning", LIGHTNING_RANGE, patch=patch, version=version)
 
 
+@lru_cache(maxsize=1)
+def async_io_available() -> bool:
+    """True when DeepSpeed's async_io op (NVMe offload) can be built or loaded here (libaio present); no compilation."""
+    if not deepspeed_available():
+        return False
+    from deepspeed.ops.op_builder.cpu import AsyncIOBuilder
+
+    # the builder test-links a call to io_submit against -laio (about a second, once per process)
+    return bool(AsyncIOBuilder().is_compatible(verbose=False))
+
+
+def numpy_available() -> bool:
+    return module_available("numpy")
+
+
 def matplotlib_available() -> bool:
     return module_available("matplotlib")
 

@@ -34,7 +34,16 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-__all__ = ["ResumableDataLoader"]
+__all__ = ["ResumableDataLoader", "samples_per_rank"]
+
+
+def samples_per_rank(num_samples: int, num_replicas: int, *, drop_last: bool = False) -> int:
+    """Samples each rank gets from ``torch.utils.data.DistributedSampler`` (its own arithmetic).
+
+    Without ``drop_last`` the dataset is padded with repeated samples to ``ceil(n / R)`` per rank; with
+    it the tail is dropped, ``floor(n / R)``.
+    """
+    return num_samples // num_replicas if drop_last else -(-num_samples // num_replicas)
 
 
 class _SkipFirst:
