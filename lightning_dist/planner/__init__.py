@@ -24,11 +24,12 @@ Modules
 :mod:`~lightning_dist.planner.layouts`      candidate layouts, the recommendation, auto_parallel's ranking
 
 Turning user input (``"80GB"``, ``"1.5B"``, class paths, LightningCLI YAML) into these arguments is
-:mod:`lightning_dist.inputs`' job.
+:mod:`lightning_dist.inputs`' job; its functions are re-exported here, where they used to live.
 """
 
 from __future__ import annotations
 
+from lightning_dist.inputs import build_meta_model, import_class, model_spec_from_config, parse_bytes, parse_count
 from lightning_dist.planner.activations import BlockShape, activation_bytes
 from lightning_dist.planner.layouts import (
     AUTO_KINDS,
@@ -84,4 +85,6 @@ __all__ = [
     "per_parameter_shards", "pipeline_bytes", "pipeline_idle_fraction", "pipeline_p2p_traffic", "rank_layouts",
     "recommend", "ring_all_gather_bytes", "ring_all_reduce_bytes", "split_stages", "state_bytes", "tp_activation_traffic",
     "tp_bytes", "tp_local_params", "zero_bytes", "zero_redundancy_owners", "zero_redundancy_partition",
+    # lightning_dist.inputs
+    "build_meta_model", "import_class", "model_spec_from_config", "parse_bytes", "parse_count",
 ]
