@@ -5,7 +5,9 @@
 * :func:`tolerate_missing_bit16_restore`: an evaluation engine's missing ``_restore_from_bit16_weights``;
 * :func:`resize_param_swap_buffers`: the parameter swapper's page-locked buffers sized to the real partitions;
 * :func:`repoint_lr_scheduler`: an LR scheduler moved onto ``DeepSpeedCPUAdam`` without torch's warning;
-* :func:`use_cpu_accelerator`: DeepSpeed's CPU accelerator on a machine that also has CUDA.
+* :func:`use_cpu_accelerator`: DeepSpeed's CPU accelerator on a machine that also has CUDA;
+* :func:`zero_state_tensors`: the tensors of DeepSpeed's ZeRO partitions (for the offload report);
+* :func:`param_partition_numels` / :func:`param_swappers`: ZeRO-3's per-parameter partitions and NVMe swappers.
 
 Each refuses a DeepSpeed release outside :data:`lightning_dist._compat.DEEPSPEED_RANGE`
 (:func:`~lightning_dist._compat.require_tested_deepspeed`); tests: ``tests/unit/test_integrations.py``.
@@ -28,7 +30,10 @@ __all__ = [
     "resize_param_swap_buffers",
     "self_contained_nvme_checkpoints",
     "tolerate_missing_bit16_restore",
+    "param_partition_numels",
+    "param_swappers",
     "use_cpu_accelerator",
+    "zero_state_tensors",
 ]
 
 
@@ -82,6 +87,45 @@ def use_cpu_accelerator() -> None:
         from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 
         set_accelerator(CPU_Accelerator())
+
+
+# ---- reading ZeRO's partitions ---------------------------------------------------------------------------
+def zero_state_tensors(engine: Any) -> dict[str, list[Any]]:
+    """Every tensor of an engine's model states by kind: ``parameters``, ``gradients``, ``optimizer``.
+
+    Reason: DeepSpeed keeps its partitions in attributes of the ZeRO optimizer and of each parameter
+    (``ds_tensor``, ``fp32_partitioned_groups_flat``...), not behind an API; the offload report measures
+    where they really live. Entries may be None (absent partitions).
+    """
+    require_tested_deepspeed("ZeRO partition attributes (zero_state_tensors)")
+    zero_opt = engine.optimizer
+    params = list(engine.module.parameters())
+    masters = list(getattr(zero_opt, "fp32_partitioned_groups_flat", None)
+                   or getattr(zero_opt, "single_partition_of_fp32_groups", None) or [])
+    inner = getattr(zero_opt, "optimizer", zero_opt)
+    states = [t for s in inner.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    grads = [p.grad for p in params] + [m.grad for m in masters]
+    grads.append(getattr(zero_opt, "grad_partitions_flat_buffer", None))  # ZeRO-3's gradient partitions
+    for group in getattr(zero_opt, "averaged_gradients", {}).values():  # ZeRO-1/2's reduced gradients
+        grads.extend(group or [])
+    # ZeRO-3 parameter partitions (`ds_tensor`), fp32 master partitions, gradient partitions, optimizer moments
+    return {"parameters": [*params, *(getattr(p, "ds_tensor", None) for p in params)], "gradients": grads,
+            "optimizer": [*masters, *states]}
+
+
+def param_partition_numels(model: Any, world_size: int) -> list[int]:
+    """Elements of each parameter's ZeRO-3 partition on this rank (``ceil(numel / world_size)`` before partitioning).
+
+    Reason: ZeRO-3 stores the partition as the parameter's ``ds_tensor`` attribute (``ds_numel`` elements).
+    """
+    return [p.ds_tensor.ds_numel if getattr(p, "ds_tensor", None) is not None else -(-p.numel() // world_size)
+            for p in model.parameters()]
+
+
+def param_swappers(model: Any) -> list[Any]:
+    """The distinct NVMe swappers of a ZeRO-3 model's parameters (their ``nvme_swapper`` attribute)."""
+    swappers = {id(s): s for p in model.parameters() if (s := getattr(p, "nvme_swapper", None)) is not None}
+    return list(swappers.values())
 
 
 # ---- DeepSpeedCPUAdam --------------------------------------------------------------------------------

@@ -75,12 +75,9 @@ class NvmeSwapMixin(DeepSpeedStrategy):
         swap = self.config["zero_optimization"].get("offload_param")
         if self._user_buffer_size or not isinstance(swap, dict) or swap.get("device") != "nvme":
             return
-        world = self.world_size
-        largest = max((p.ds_tensor.ds_numel if getattr(p, "ds_tensor", None) is not None else -(-p.numel() // world)
-                       for p in model.parameters()), default=1)
+        largest = max(ds_patches.param_partition_numels(model, self.world_size), default=1)
         swap["buffer_size"] = largest
-        swappers = {id(s): s for p in model.parameters() if (s := getattr(p, "nvme_swapper", None)) is not None}
-        for swapper in swappers.values():
+        for swapper in ds_patches.param_swappers(model):
             ds_patches.resize_param_swap_buffers(swapper, largest)
 
     def _partition_for_nvme(self, model: nn.Module) -> None:

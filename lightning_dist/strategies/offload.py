@@ -277,23 +277,8 @@ class OffloadStrategy(OffloadReportMixin, NvmeSwapMixin, DeepSpeedStrategy):
     # ---- report --------------------------------------------------------------------------------
     def offload_report(self) -> dict[str, Any]:
         """This rank's bytes of parameters / gradients / optimizer state by place (memory measured, disk files)."""
-        engine = self.deepspeed_engine
-        zero_opt = engine.optimizer
-        params = [p for p in engine.module.parameters()]
-        masters = list(getattr(zero_opt, "fp32_partitioned_groups_flat", None)
-                       or getattr(zero_opt, "single_partition_of_fp32_groups", None) or [])
-        inner = getattr(zero_opt, "optimizer", zero_opt)
-        states = [t for s in inner.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-        grads = [p.grad for p in params] + [m.grad for m in masters]
-        grads.append(getattr(zero_opt, "grad_partitions_flat_buffer", None))  # ZeRO-3's gradient partitions
-        for group in getattr(zero_opt, "averaged_gradients", {}).values():  # ZeRO-1/2's reduced gradients
-            grads.extend(group or [])
-        # where DeepSpeed's partitions really live (tensor.device): ZeRO-3 parameter partitions (`ds_tensor`),
-        # fp32 master partitions, gradient partitions, optimizer moments
-        resident = {
-            "parameters": bytes_by_place([*params, *(getattr(p, "ds_tensor", None) for p in params)]),
-            "gradients": bytes_by_place(grads),
-            "optimizer": bytes_by_place([*masters, *states]),
-        }
+        # where DeepSpeed's partitions really live (tensor.device)
+        tensors = ds_patches.zero_state_tensors(self.deepspeed_engine)
+        resident = {kind: bytes_by_place(tensors[kind]) for kind in ("parameters", "gradients", "optimizer")}
         return off.offload_report(plan=self.plan, resident=resident, disk=self._disk_bytes(), rank=self.global_rank,
                                   device_type=self.root_device.type, cuda=cuda_memory(self.root_device))

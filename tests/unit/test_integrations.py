@@ -103,6 +103,36 @@ def test_repointed_lr_scheduler_steps_the_new_optimizer_without_warning():
     assert torch.equal(params[0].detach(), torch.zeros(2))
 
 
+def test_zero_state_tensors_by_kind():
+    from lightning_dist._integrations.deepspeed import zero_state_tensors
+
+    module = torch.nn.Linear(2, 2)
+    weight = module.weight
+    weight.ds_tensor = torch.zeros(3)  # ZeRO-3's partition of this rank
+    master, moment, flat_grads = torch.zeros(3), torch.zeros(3), torch.zeros(3)
+    master.grad = torch.ones(3)
+    inner = SimpleNamespace(state={master: {"exp_avg": moment, "step": 1}})
+    zero = SimpleNamespace(fp32_partitioned_groups_flat=[master], optimizer=inner,
+                           grad_partitions_flat_buffer=flat_grads)
+    got = zero_state_tensors(SimpleNamespace(optimizer=zero, module=module))
+    assert got["parameters"][:2] == [weight, module.bias] and got["parameters"][2] is weight.ds_tensor
+    assert got["parameters"][3] is None  # the bias has no partition attribute
+    assert got["gradients"][-2] is master.grad and got["gradients"][-1] is flat_grads
+    assert got["optimizer"] == [master, moment]  # the int step is not a tensor
+
+
+def test_param_partitions_and_swappers():
+    from lightning_dist._integrations.deepspeed import param_partition_numels, param_swappers
+
+    model = torch.nn.Linear(5, 2)  # weight 10 elements, bias 2
+    assert param_partition_numels(model, 4) == [3, 1]  # ceil(numel / world) before partitioning
+    model.weight.ds_tensor = SimpleNamespace(ds_numel=7)
+    assert param_partition_numels(model, 4) == [7, 1]
+    swapper = object()
+    model.weight.nvme_swapper = model.bias.nvme_swapper = swapper
+    assert param_swappers(model) == [swapper]  # one per distinct swapper
+
+
 # ---- Lightning -------------------------------------------------------------------------------------------
 def test_module_device_mesh_is_set():
     from lightning.pytorch import LightningModule
