@@ -28,10 +28,9 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from lightning.fabric.strategies.launchers.subprocess_script import _set_num_threads_if_needed
 from typing_extensions import override
 
-from lightning_dist._integrations.lightning import SubprocessScriptLauncher
+from lightning_dist._integrations.lightning import SubprocessScriptLauncher, _set_num_threads_if_needed
 
 __all__ = ["JobLauncher", "die_with_launcher"]
 

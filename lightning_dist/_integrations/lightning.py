@@ -5,7 +5,10 @@
 * :func:`wrap_strategy_methods` / :func:`unwrap_strategy_methods`: a callback's wrappers around one strategy
   instance's ``process_dataloader`` and step methods, and their removal;
 * :data:`SubprocessScriptLauncher` and :func:`replace_default_launcher`: the pack's launcher in place of
-  Lightning's (its base class is private).
+  Lightning's (its base class is private);
+* the private Lightning helpers the pack calls because there is no public one (process-group start,
+  ``sync_dist`` reduction, optimizer-state moves, thread setup), imported here under their own names so
+  that every reach into Lightning's private modules is listed in this file.
 
 Each refuses a Lightning release outside :data:`lightning_dist._compat.LIGHTNING_RANGE`
 (:func:`~lightning_dist._compat.require_tested_lightning`); tests: ``tests/unit/test_integrations.py``.
@@ -18,6 +21,16 @@ from typing import Any
 
 # Lightning's script launcher (re-runs the command per rank); the pack's JobLauncher extends it
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher as SubprocessScriptLauncher
+
+# Lightning's private helpers, called as Lightning's own strategies call them (no public equivalent)
+from lightning.fabric.strategies.launchers.subprocess_script import _set_num_threads_if_needed  # noqa: F401
+from lightning.fabric.utilities.distributed import (  # noqa: F401
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.optimizer import _optimizers_to_device  # noqa: F401
 
 from lightning_dist._compat import require_tested_lightning
 

@@ -14,11 +14,6 @@ from typing import Any, Optional
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-)
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import ParallelStrategy
@@ -26,6 +21,11 @@ from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
 
+from lightning_dist._integrations.lightning import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+)
 from lightning_dist.launcher import JobLauncher, die_with_launcher
 from lightning_dist.rendezvous import job_store
 

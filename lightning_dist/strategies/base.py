@@ -23,8 +23,6 @@ from typing import Any, Literal, Optional, Union
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import _sync_ddp_if_available
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -33,7 +31,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 import lightning.pytorch as pl
-from lightning_dist._integrations.lightning import set_module_device_mesh
+from lightning_dist._integrations.lightning import _optimizers_to_device, _sync_ddp_if_available, set_module_device_mesh
 from lightning_dist.mesh import DIM_NAMES, DistMesh, MeshSpec
 from lightning_dist.parallelize.sync import broadcast_module_states, materialize_in_sync, shared_seed
 from lightning_dist.strategies._checkpoints import ShardedCheckpointMixin
