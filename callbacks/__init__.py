@@ -9,14 +9,18 @@
 * :class:`PipelineBubble`: measured pipeline idle fraction against (p-1)/(m+p-1), and a Gantt chart.
 * :class:`HFPretrained`: start from a HuggingFace safetensors folder under any strategy, export back to one.
 * :class:`ThroughputSummary`: global samples/s through Lightning's loggers and a rank-0 summary table of the fit.
+* :class:`TrainDataGuard`, :class:`FiniteLossGuard`: refuse empty / too-small datasets and non-finite losses on every rank.
+* :class:`ResumeRNG`: every rank's RNG states in checkpoints, for an exact mid-epoch resume.
 """
 
 from lightning_dist.callbacks.exact_eval import ExactBatchSampler, ExactEvaluation, ExactMetric, exact_eval_mask
+from lightning_dist.callbacks.guards import FiniteLossGuard, TrainDataGuard
 from lightning_dist.callbacks.gradient_parity import GradientParityCheck, GradientParityError, default_tolerance
 from lightning_dist.callbacks.hf_weights import HFPretrained
 from lightning_dist.callbacks.ledger import CollectiveRecorder, CommunicationLedger
 from lightning_dist.callbacks.memory import MemoryReport
 from lightning_dist.callbacks.pipeline_bubble import PipelineBubble, bubble_stats, replay_idle, save_gantt
+from lightning_dist.callbacks.resume_rng import ResumeRNG
 from lightning_dist.callbacks.sampler_epoch import (
     SamplerEpoch,
     check_sampler_seeds,
@@ -57,4 +61,7 @@ __all__ = [
     "set_epoch_everywhere",
     "ThroughputSummary",
     "format_summary",
+    "FiniteLossGuard",
+    "TrainDataGuard",
+    "ResumeRNG",
 ]

@@ -17,6 +17,7 @@ from torch import nn
 
 from lightning_dist import planner
 from lightning_dist.mesh import DP, DP_REPLICATE, DP_SHARD, DIM_NAMES, PP, TP, DistMesh
+from lightning_dist.precision import precision_flag as lightning_precision_flag
 
 # Preferred names when one group spans several dims (1x4 FSDP: dp_shard == dp): elementary dims first.
 _LABEL_ORDER = (TP, DP_SHARD, DP_REPLICATE, PP, DP)
@@ -132,8 +133,7 @@ def optimizer_name(optimizers: list[Any]) -> str | None:
 
 
 def precision_flag(trainer: Any) -> str:
-    flag = str(getattr(trainer, "precision", "32-true"))
-    return flag if flag in planner.PRECISIONS else "32-true"
+    return lightning_precision_flag(trainer)  # "32-true" for a flag the planner does not know
 
 
 def _reshards_after_forward(module: nn.Module, has_fsdp_ancestor: bool) -> bool:

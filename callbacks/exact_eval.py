@@ -27,12 +27,16 @@ from torchmetrics import Metric
 from torchmetrics.wrappers.abstract import WrapperMetric
 from typing_extensions import override
 
+from lightning_dist._integrations.lightning import unwrap_strategy_methods, wrap_strategy_methods
 from lightning_dist.callbacks.sampler_epoch import _loaders
+from lightning_dist.data import samples_per_rank
 from lightning_dist.mesh import data_parallel_info
 
 __all__ = ["ExactEvaluation", "ExactMetric", "ExactBatchSampler", "exact_eval_mask"]
 
 _EVAL_STAGES = (RunningStage.VALIDATING, RunningStage.TESTING, RunningStage.SANITY_CHECKING, RunningStage.PREDICTING)
+# the strategy methods this callback wraps on the strategy instance (setup) and unwraps (teardown)
+_WRAPPED = ("process_dataloader", "validation_step", "test_step", "predict_step", "reduce")
 _MODES = ("trim", "mask")
 
 
@@ -64,7 +68,7 @@ class ExactBatchSampler(Sampler[list[int]]):
             raise ValueError("`full_batches=True` pads batches: it needs `trim=False` (ExactEvaluation(mode='mask')).")
         self.num_samples, self.num_replicas, self.rank, self.batch_size = num_samples, num_replicas, rank, batch_size
         self.full_batches, self.trim = full_batches, trim
-        self.per_rank = math.ceil(num_samples / num_replicas)
+        self.per_rank = samples_per_rank(num_samples, num_replicas)
         """Samples per rank, padding included (the same on every rank)."""
         self.sizes = self.trimmed_sizes(rank) if trim else None
         """Trim mode: the number of real rows of each batch of this rank."""
@@ -274,8 +278,7 @@ class ExactEvaluation(Callback):
         strategy = trainer.strategy
         if self._strategy is None:
             # `Strategy.process_dataloader` is Lightning's designated point to change a loader after the
-            # sampler injection and before iteration; wrap it on this strategy instance only
-            original = strategy.process_dataloader
+            # sampler injection and before iteration; wrapped on this strategy instance only
             # Lightning's DDP runs no collective in an eval forward, so a rank may skip an empty batch
             may_skip = isinstance(strategy, (DDPStrategy, SingleDeviceStrategy)) and not isinstance(
                 strategy, DeepSpeedStrategy)
@@ -284,19 +287,23 @@ class ExactEvaluation(Callback):
 
             same_sizes = isinstance(strategy, PipelineStrategy)
 
-            def process_dataloader(dataloader: object) -> object:
-                dataloader = original(dataloader)
-                if trainer.state.stage in _EVAL_STAGES:
-                    _, size, rank = self._dp
-                    dataloader = _exact_loader(dataloader, num_replicas=size, rank=rank, full_batches=self.full_batches,
-                                               trim=self.mode == "trim", may_skip=may_skip, same_sizes=same_sizes)
-                return dataloader
+            def exact_loaders(original: Any) -> Any:
+                def process_dataloader(dataloader: object) -> object:
+                    dataloader = original(dataloader)
+                    if trainer.state.stage in _EVAL_STAGES:
+                        _, size, rank = self._dp
+                        dataloader = _exact_loader(dataloader, num_replicas=size, rank=rank,
+                                                   full_batches=self.full_batches, trim=self.mode == "trim",
+                                                   may_skip=may_skip, same_sizes=same_sizes)
+                    return dataloader
 
-            strategy.process_dataloader = process_dataloader  # type: ignore[method-assign]
+                return process_dataloader
+
             # an empty batch (trim mode): the strategy's step is not run, the hooks around it are
-            for name in ("validation_step", "test_step", "predict_step"):
-                setattr(strategy, name, self._skipping(getattr(strategy, name)))
-            strategy.reduce = _float_mean(strategy.reduce)  # type: ignore[method-assign]
+            wrap_strategy_methods(strategy, {
+                "process_dataloader": exact_loaders, "validation_step": self._skipping,
+                "test_step": self._skipping, "predict_step": self._skipping, "reduce": _float_mean,
+            })
             self._strategy = strategy
 
     def _skipping(self, step: Any) -> Any:
@@ -308,8 +315,7 @@ class ExactEvaluation(Callback):
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self._strategy is not None:
-            for name in ("process_dataloader", "validation_step", "test_step", "predict_step", "reduce"):
-                delattr(self._strategy, name)  # the instance attributes: the class methods are back
+            unwrap_strategy_methods(self._strategy, _WRAPPED)  # the class methods are back
             self._strategy = None
 
     # ---- per-batch mask and count ------------------------------------------------------------

@@ -29,6 +29,7 @@ from lightning_dist.mesh import DistMesh, data_parallel_info
 from lightning_dist.parallelize.pipeline import StageModule
 from lightning_dist.parallelize.shared import retie, shared_parameters
 from lightning_dist.parallelize.tp import GLOBAL_ATTRS_KEY
+from lightning_dist.precision import precision_dtypes
 
 # the class FSDP2 mixes into the modules it shards (None without FSDP2)
 _FSDPModule = fully_shard_api()[3]
@@ -47,12 +48,8 @@ def default_tolerance(dtype: torch.dtype) -> float:
 
 def _compute_dtype(trainer: Trainer, param_dtype: torch.dtype) -> torch.dtype:
     """The dtype the step computes in: a mixed/half precision flag lowers it below the parameters'."""
-    precision = str(getattr(trainer.precision_plugin, "precision", ""))
-    if precision.startswith("bf16"):
-        return torch.bfloat16
-    if precision.startswith("16"):
-        return torch.float16
-    return param_dtype
+    dtypes = precision_dtypes(trainer, default=None)
+    return dtypes.compute if dtypes is not None and dtypes.compute_bytes == 2 else param_dtype
 
 
 class GradientParityError(RuntimeError):

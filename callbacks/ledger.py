@@ -23,6 +23,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils._python_dispatch import TorchDispatchMode
 from typing_extensions import override
 
@@ -52,11 +53,10 @@ _FUNCTIONAL = {
 
 
 def _nbytes(obj: Any) -> int:
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, (list, tuple)):
-        return sum(_nbytes(o) for o in obj)
-    return 0
+    """Bytes of the tensors in a collective's argument (a tensor or a list of them)."""
+    sizes: list[int] = []
+    apply_to_collection(obj, torch.Tensor, lambda t: sizes.append(t.numel() * t.element_size()))
+    return sum(sizes)
 
 
 class CollectiveRecorder(TorchDispatchMode):

@@ -13,6 +13,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import CombinedLoader
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, Sampler
 from typing_extensions import override
 
@@ -25,15 +26,17 @@ _MAX_DEPTH = 8
 
 def _loaders(obj: Any) -> list:
     """The individual loaders inside a CombinedLoader / list / tuple / dict (or `obj` itself)."""
-    if obj is None:
-        return []
-    if isinstance(obj, CombinedLoader):
-        return [dl for dl in obj.flattened]
-    if isinstance(obj, Mapping):
-        return [dl for v in obj.values() for dl in _loaders(v)]
-    if isinstance(obj, (list, tuple)):
-        return [dl for v in obj for dl in _loaders(v)]
-    return [obj]
+    out: list = []
+
+    def add(leaf: Any) -> None:
+        if isinstance(leaf, CombinedLoader):
+            out.extend(leaf.flattened)
+        elif leaf is not None:
+            out.append(leaf)
+
+    # Lightning's walker over nested lists / tuples / dicts; the containers themselves are never leaves
+    apply_to_collection(obj, object, add, wrong_dtype=(Mapping, list, tuple))
+    return out
 
 
 def _children(obj: Any) -> list:

@@ -83,13 +83,61 @@ def deepspeed_available() -> bool:
     return module_available("deepspeed")
 
 
-def deepspeed_nvme_checkpoint_patch_tested() -> bool:
-    """True for the DeepSpeed releases whose ZeRO-3 NVMe checkpoint methods ``offload_checkpoint`` replaces (0.19.x).
+# The DeepSpeed releases the patches of `_integrations/deepspeed.py` were tested on; pyproject.toml's
+# `deepspeed` extra states the same range.
+DEEPSPEED_RANGE = ("0.19.0", "0.20.0")
 
-    The replacement uses private swapper calls; on other releases it still runs, with a warning.
+
+def _installed_version(package: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError as err:
+        raise RuntimeError(f"{package} is not installed.") from err
+
+
+def require_tested(package: str, tested: tuple[str, str], *, patch: str, version: str | None = None) -> None:
+    """Refuse to apply ``patch`` (a change to ``package``'s private parts) outside the ``tested`` [low, high) range.
+
+    ``version``: the release to check (default: the installed one). RuntimeError names the release, the
+    tested range and the fix.
     """
-    return compare_version("deepspeed", lambda a, b: a >= b, "0.19.0") and compare_version(
-        "deepspeed", lambda a, b: a < b, "0.20.0")
+    from packaging.version import Version
+
+    found = version if version is not None else _installed_version(package)
+    lo, hi = tested
+    if not Version(lo) <= Version(found) < Version(hi):
+        raise RuntimeError(
+            f"lightning-dist's {patch} reaches into private parts of {package} and was tested with"
+            f" {package}>={lo},<{hi}; found {package} {found}. Install a tested release:"
+            f" pip install '{package}>={lo},<{hi}'."
+        )
+
+
+def require_tested_deepspeed(patch: str, *, version: str | None = None) -> None:
+    """:func:`require_tested` for DeepSpeed (:data:`DEEPSPEED_RANGE`)."""
+    require_tested("deepspeed", DEEPSPEED_RANGE, patch=patch, version=version)
+
+
+def require_tested_lightning(patch: str, *, version: str | None = None) -> None:
+    """:func:`require_tested` for Lightning (:data:`LIGHTNING_RANGE`)."""
+    require_tested("lightning", LIGHTNING_RANGE, patch=patch, version=version)
+
+
+@lru_cache(maxsize=1)
+def async_io_available() -> bool:
+    """True when DeepSpeed's async_io op (NVMe offload) can be built or loaded here (libaio present); no compilation."""
+    if not deepspeed_available():
+        return False
+    from deepspeed.ops.op_builder.cpu import AsyncIOBuilder
+
+    # the builder test-links a call to io_submit against -laio (about a second, once per process)
+    return bool(AsyncIOBuilder().is_compatible(verbose=False))
+
+
+def numpy_available() -> bool:
+    return module_available("numpy")
 
 
 def matplotlib_available() -> bool:

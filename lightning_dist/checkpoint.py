@@ -29,6 +29,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_dist.atomic import atomic_write
+from lightning_dist.atomic import swap_in as _swap_in  # a module global: tests/scenarios/fault_save.py wraps it
+
 META = "meta.pt"
 MODEL_KEY = "state_dict"
 ZERO_KEY = "zero_consolidated"  # marks a ZeroRedundancyOptimizer's consolidated (index-keyed) state
@@ -134,29 +137,7 @@ def optimizer_state(model: nn.Module, optimizer: Any, *, full: bool) -> dict[str
 # ---- writing -----------------------------------------------------------------------------------
 def _atomic_torch_save(obj: Any, path: Path) -> None:
     """torch.save to a temporary file in the same folder, fsync, then os.replace (atomic on POSIX)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _swap_in(tmp: Path, path: Path) -> None:
-    """Replace `path` (file or directory) by `tmp` so that a good checkpoint always exists on disk."""
-    old = path.with_name(path.name + ".old")
-    if old.exists():
-        shutil.rmtree(old) if old.is_dir() else old.unlink()
-    if path.exists():
-        os.replace(path, old)
-    os.replace(tmp, path)
-    if old.exists():
-        shutil.rmtree(old) if old.is_dir() else old.unlink()
+    atomic_write(path, lambda f: torch.save(obj, f))
 
 
 def save(checkpoint: dict[str, Any], path: str | os.PathLike, *, sharded: bool) -> None:

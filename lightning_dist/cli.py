@@ -65,28 +65,28 @@ def _add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def _plan_counts(args: argparse.Namespace):
-    from lightning_dist import planner
+    from lightning_dist import inputs, planner
 
     if args.params is not None:
         if args.init_args is not None:
             raise ValueError("--init-args goes with --model; --params takes a plain count.")
-        return planner.ParamCounts(total=planner.parse_count(args.params)), f"{args.params} parameters"
+        return planner.ParamCounts(total=inputs.parse_count(args.params)), f"{args.params} parameters"
     if args.config is not None:
         if args.init_args is not None:
             raise ValueError("--init-args goes with --model; with --config the init args come from the YAML.")
-        class_path, init_args = planner.model_spec_from_config(args.config)
+        class_path, init_args = inputs.model_spec_from_config(args.config)
     else:
         class_path, init_args = args.model, args.init_args
-    model = planner.build_meta_model(class_path, init_args)
+    model = inputs.build_meta_model(class_path, init_args)
     return planner.count_params(model), class_path
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from lightning_dist import planner
+    from lightning_dist import inputs, planner
 
     state = planner.state_bytes(precision=args.precision, optimizer=args.optimizer,
                                 master_weights=args.master_weights, optimizer_state_bytes=args.optimizer_state_bytes)
-    device_memory = planner.parse_bytes(args.device_memory) if args.device_memory is not None else None
+    device_memory = inputs.parse_bytes(args.device_memory) if args.device_memory is not None else None
     activation = None
     if (args.batch_size is None) != (args.hidden_size is None):
         raise ValueError("Give --batch-size and --hidden-size together to count activation traffic"
@@ -211,7 +211,7 @@ def _add_dry_run(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def dry_run_config(args: argparse.Namespace):
     """A :class:`~lightning_dist.dryrun.DryRunConfig` from the command line (and a LightningCLI YAML)."""
-    from lightning_dist import planner
+    from lightning_dist import inputs
     from lightning_dist.dryrun import DryRunConfig
 
     strategy, strategy_args, precision = "hsdp", {}, "bf16-mixed"
@@ -220,7 +220,7 @@ def dry_run_config(args: argparse.Namespace):
 
         if args.init_args is not None:
             raise ValueError("--init-args goes with --model; with --config the init args come from the YAML.")
-        class_path, init_args = planner.model_spec_from_config(args.config)
+        class_path, init_args = inputs.model_spec_from_config(args.config)
         with open(args.config) as f:
             trainer = (yaml.safe_load(f) or {}).get("trainer") or {}
         spec = trainer.get("strategy", strategy)
@@ -244,7 +244,7 @@ def dry_run_config(args: argparse.Namespace):
         model=class_path, init_args=init_args, strategy=strategy, strategy_args=strategy_args,
         world_size=args.world_size, devices_per_node=args.devices_per_node, precision=args.precision or precision,
         batch_size=args.batch_size, seq_len=args.seq_len,
-        device_memory=planner.parse_bytes(args.device_memory) if args.device_memory is not None else None,
+        device_memory=inputs.parse_bytes(args.device_memory) if args.device_memory is not None else None,
         ranks=tuple(int(r) for r in args.ranks.split(",")) if args.ranks else None,
     )
 

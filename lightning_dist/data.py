@@ -11,7 +11,7 @@ to be. Two small pieces close the gap:
   index** (no sample is loaded for them). Lightning's injected ``DistributedSampler`` keeps the class
   (Lightning re-instantiates the loader with the same arguments), and Lightning sets the sampler's epoch
   before the first batch, so the skipped order is that of the interrupted epoch.
-* :class:`ResumeRNG`: saves every rank's torch / Python / NumPy RNG states with the checkpoint (one
+* :class:`~lightning_dist.callbacks.ResumeRNG` (in ``lightning_dist.callbacks``): saves every rank's torch / Python / NumPy RNG states with the checkpoint (one
   ``all_gather_object`` per save) and restores each rank's own on resume.
 
 Example::
@@ -28,17 +28,22 @@ Limits: sized map-style datasets; the sampler's order must depend only on its se
 from __future__ import annotations
 
 import itertools
-import random
 from collections.abc import Iterator
-from typing import Any, Optional
+from typing import Any
 
 import torch
-import torch.distributed as dist
-from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.utils.data import DataLoader
-from typing_extensions import override
 
-__all__ = ["ResumableDataLoader", "ResumeRNG"]
+__all__ = ["ResumableDataLoader", "samples_per_rank"]
+
+
+def samples_per_rank(num_samples: int, num_replicas: int, *, drop_last: bool = False) -> int:
+    """Samples each rank gets from ``torch.utils.data.DistributedSampler`` (its own arithmetic).
+
+    Without ``drop_last`` the dataset is padded with repeated samples to ``ceil(n / R)`` per rank; with
+    it the tail is dropped, ``floor(n / R)``.
+    """
+    return num_samples // num_replicas if drop_last else -(-num_samples // num_replicas)
 
 
 class _SkipFirst:
@@ -109,73 +114,3 @@ class ResumableDataLoader(DataLoader):
         """Skip ``position`` batches at the start of the next pass (none if the saved pass had ended)."""
         position = int(state_dict.get("position", 0))
         self._skip = position if 0 < position < len(self) else 0
-
-
-def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": _plain(random.getstate())}
-    try:
-        import numpy as np
-
-        kind, keys, pos, has_gauss, gauss = np.random.get_state()
-        state["numpy"] = [kind, keys.tolist(), pos, has_gauss, gauss]  # lists: loadable with weights_only=True
-    except ImportError:
-        pass
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _plain(obj: Any) -> Any:
-    return [_plain(x) for x in obj] if isinstance(obj, (tuple, list)) else obj
-
-
-def _tuple(obj: Any) -> Any:
-    return tuple(_tuple(x) for x in obj) if isinstance(obj, list) else obj
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(_tuple(state["python"]))
-    if "numpy" in state:
-        import numpy as np
-
-        kind, keys, pos, has_gauss, gauss = state["numpy"]
-        np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-class ResumeRNG(Callback):
-    """Save every rank's RNG states (torch, Python, NumPy, CUDA) in checkpoints; restore them on resume.
-
-    Each save gathers the states of all ranks (``all_gather_object``: every rank saves, as Lightning
-    does for the pack's strategies); on resume each rank restores its own. The world size must match.
-    """
-
-    def __init__(self) -> None:
-        self._restore: Optional[dict[str, Any]] = None
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        mine = _rng_state()
-        if not (dist.is_available() and dist.is_initialized()):
-            return {"ranks": [mine]}
-        everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-        return {"ranks": everyone}
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        ranks = state_dict["ranks"]
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        if len(ranks) != (dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1):
-            raise ValueError(f"ResumeRNG: the checkpoint holds RNG states of {len(ranks)} ranks but this job has"
-                             " a different world size; resume with the same number of processes, or drop ResumeRNG.")
-        self._restore = ranks[rank]
-
-    @override
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        # restored last, right before the first resumed batch, so nothing in set-up consumes the stream
-        if self._restore is not None:
-            _set_rng_state(self._restore)
-            self._restore = None

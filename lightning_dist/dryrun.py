@@ -13,7 +13,8 @@ which holds the trailing FSDP2 / tensor shards) it starts one subprocess that
 3. materializes the parallelized model under torch's ``FakeTensorMode`` (tensors with shapes and dtypes,
    no storage) and runs one training step (forward, backward, optimizer step) under torch's
    ``MemTracker`` (:mod:`torch.distributed._tools.mem_tracker`) and a collective recorder
-   (:class:`CollectiveRecorder`), which maps each collective's process group back to its mesh dim.
+   (:class:`~lightning_dist.dryrun_collectives.CollectiveRecorder`), which maps each collective's process
+   group back to its mesh dim.
 
 Pipeline stages run their schedule's order themselves (torch's pipeline schedules infer stage shapes by
 exchanging them with their peers, which a fake group cannot answer): stage ``s`` of ``p`` under 1F1B with
@@ -25,13 +26,13 @@ micro-batch as torch's ``PipelineStage`` does.
 The report puts each measurement next to the planner's prediction (:mod:`lightning_dist.planner`) for
 the same rank: model-state bytes (params / grads / optimizer), peak activation bytes
 (:func:`~lightning_dist.planner.activation_bytes`), collective payload bytes per (op, mesh dim), and
-whether params + grads + optimizer + peak activations fit ``device_memory``.
+whether params + grads + optimizer + peak activations fit ``device_memory``
+(:class:`~lightning_dist.dryrun_report.DryRunReport`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import os
 import subprocess
@@ -41,7 +42,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from lightning_dist.mesh import DIM_NAMES, DP, DP_REPLICATE, DP_SHARD, PP, TP, MeshSpec
+from lightning_dist.atomic import atomic_write
+from lightning_dist.dryrun_collectives import CollectiveRecorder
+from lightning_dist.dryrun_report import DryRunReport, format_bytes  # noqa: F401  (format_bytes: imported from here)
+from lightning_dist.mesh import DIM_NAMES, DP_REPLICATE, DP_SHARD, PP, TP, MeshSpec
 
 # strategies whose setup the dry run can replay (the DeepSpeed offload engine starts its own communication)
 _UNSUPPORTED = ("OffloadStrategy",)
@@ -110,105 +114,6 @@ def representative_ranks(spec: MeshSpec) -> list[int]:
     return ranks
 
 
-# ---- collectives -------------------------------------------------------------------------------------------
-class CollectiveRecorder:
-    """A ``TorchDispatchMode`` that records each collective's op, mesh dim and payload bytes.
-
-    torch's ``CommDebugMode`` counts calls per op but not bytes nor groups, so the few lines here read
-    both from the op's arguments. Payloads follow :class:`~lightning_dist.planner.Collective`: all-gather
-    the gathered output, reduce-scatter the full input, all-reduce / broadcast the tensor, send the tensor.
-    """
-
-    def __init__(self, spec: MeshSpec, rank: int) -> None:
-        import torch
-
-        self.rank = rank
-        # a group's ranks -> the mesh dim whose group holds them (dims of size 1 have no collectives)
-        self.dims: dict[frozenset, str] = {}
-        for name in (TP, DP_SHARD, DP_REPLICATE, PP, DP):
-            self.dims.setdefault(frozenset(spec.group_ranks(rank, name)), name)
-        self.records: dict[tuple[str, str], dict[str, float]] = {}
-        c10d, fn = torch.ops.c10d, torch.ops._c10d_functional
-        # op -> (planner op name, how to get (payload tensor, is the payload the tensor times the group size))
-        self._ops = {
-            c10d._allgather_base_.default: ("all_gather", 0), c10d.allgather_.default: ("all_gather", 0),
-            c10d._reduce_scatter_base_.default: ("reduce_scatter", 1), c10d.reduce_scatter_.default: ("reduce_scatter", 1),
-            c10d.allreduce_.default: ("all_reduce", 0), c10d.broadcast_.default: ("broadcast", 0),
-            c10d.send.default: ("send_recv", 0),
-            fn.all_reduce.default: ("all_reduce", 0), fn.all_reduce_.default: ("all_reduce", 0),
-            fn.all_gather_into_tensor.default: ("all_gather", 0), fn.reduce_scatter_tensor.default: ("reduce_scatter", 0),
-            fn.broadcast.default: ("broadcast", 0),
-        }
-        self._functional = {fn.all_reduce.default, fn.all_reduce_.default, fn.all_gather_into_tensor.default,
-                            fn.reduce_scatter_tensor.default, fn.broadcast.default}
-        self._mode = None
-
-    def _group_ranks(self, func: Any, args: tuple) -> frozenset:
-        import torch
-        import torch.distributed as dist
-        from torch.distributed.distributed_c10d import _resolve_process_group
-
-        if func in self._functional:
-            name = [a for a in args if isinstance(a, str)][-1]  # the group name comes last
-            return frozenset(dist.get_process_group_ranks(_resolve_process_group(name)))
-        from torch._C._distributed_c10d import ProcessGroup
-
-        boxed = next(a for a in args if isinstance(a, torch.ScriptObject))  # c10d ops take the group boxed
-        return frozenset(dist.get_process_group_ranks(ProcessGroup.unbox(boxed)))
-
-    def _record(self, func: Any, args: tuple, out: Any) -> None:
-        import torch
-
-        op, _ = self._ops[func]
-        ranks = self._group_ranks(func, args)
-        dim = self.dims.get(ranks, f"group{sorted(ranks)[:4]}")
-        tensors = [t for a in args for t in (a if isinstance(a, (list, tuple)) else [a]) if isinstance(t, torch.Tensor)]
-        nested = [t for a in args if isinstance(a, (list, tuple)) for x in a
-                  for t in (x if isinstance(x, (list, tuple)) else [x]) if isinstance(t, torch.Tensor)]
-        size = len(ranks)
-        if func in self._functional:
-            inp = tensors[0]
-            payload = inp.numel() * inp.element_size() * (size if op == "all_gather" else 1)
-        elif op == "all_gather":  # (output, input): the gathered output
-            first = args[0]
-            outs = first if isinstance(first, (list, tuple)) else [first]
-            flat = [t for x in outs for t in (x if isinstance(x, (list, tuple)) else [x])]
-            payload = sum(t.numel() * t.element_size() for t in flat)
-        elif op == "reduce_scatter":  # (output, input): the full input
-            second = args[1]
-            ins = second if isinstance(second, (list, tuple)) else [second]
-            flat = [t for x in ins for t in (x if isinstance(x, (list, tuple)) else [x])]
-            payload = sum(t.numel() * t.element_size() for t in flat)
-        else:
-            payload = sum(t.numel() * t.element_size() for t in (nested or tensors))
-        entry = self.records.setdefault((op, dim), {"payload_bytes": 0.0, "calls": 0, "group_size": size})
-        entry["payload_bytes"] += payload
-        entry["calls"] += 1
-
-    def __enter__(self) -> "CollectiveRecorder":
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        recorder = self
-
-        class _Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                if func in recorder._ops:
-                    recorder._record(func, args, out)
-                return out
-
-        self._mode = _Mode()
-        self._mode.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        assert self._mode is not None
-        self._mode.__exit__(*exc)
-
-    def rows(self) -> list[dict[str, Any]]:
-        return [{"op": op, "dim": dim, **v} for (op, dim), v in sorted(self.records.items())]
-
-
 # ---- one rank (runs in its own process) --------------------------------------------------------------------
 def _strategy(config: DryRunConfig) -> Any:
     """The strategy object, built as ``Trainer(strategy=...)`` builds it (registry name or class path)."""
@@ -223,14 +128,14 @@ def _strategy(config: DryRunConfig) -> Any:
 def _strategy_class(config: DryRunConfig) -> type:
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from lightning_dist import planner
+    from lightning_dist import inputs
     from lightning_dist.strategies import register_strategies
 
     register_strategies()
     if config.strategy in StrategyRegistry:
         return StrategyRegistry[config.strategy]["strategy"]
     if "." in config.strategy:
-        return planner.import_class(config.strategy)
+        return inputs.import_class(config.strategy)
     raise ValueError(f"Unknown strategy {config.strategy!r}: use a registered name ({sorted(StrategyRegistry)})"
                      " or a class path.")
 
@@ -306,7 +211,7 @@ def simulate_rank(config: DryRunConfig, rank: int) -> dict[str, Any]:
     from torch.distributed._tools.mem_tracker import MemTracker
 
     import lightning.pytorch as pl
-    from lightning_dist import measure, planner
+    from lightning_dist import inputs, measure
     from lightning_dist._compat import init_fake_process_group
     from lightning_dist.mesh import DistMesh
     from lightning_dist.parallelize.units import find_block_lists
@@ -322,7 +227,7 @@ def simulate_rank(config: DryRunConfig, rank: int) -> dict[str, Any]:
     _check_replayable(_strategy_class(config))
     strategy = _strategy(config)
     torch.manual_seed(0)
-    module = planner.build_meta_model(config.model, dict(config.init_args))
+    module = inputs.build_meta_model(config.model, dict(config.init_args))
     if not isinstance(module, pl.LightningModule):
         raise TypeError(f"{config.model!r} is not a LightningModule; the dry run runs its training_step.")
     trainer = pl.Trainer(accelerator="cpu", devices=per_node, num_nodes=nodes, strategy=strategy,
@@ -592,79 +497,6 @@ def plan_rank(strategy: Any, module: Any, cfg: Any, config: DryRunConfig, spec: 
 
 
 # ---- the driver: one process per representative rank -------------------------------------------------------
-@dataclass(frozen=True, kw_only=True)
-class DryRunReport:
-    """Measured and planned figures of each simulated rank."""
-
-    config: DryRunConfig
-    ranks: list[dict[str, Any]]
-    """One :func:`simulate_rank` result per rank (``planned`` holds the planner's figures)."""
-
-    def fits(self, rank: dict[str, Any]) -> Optional[bool]:
-        if self.config.device_memory is None:
-            return None
-        return rank["states"]["total"] + rank["peak_activation_bytes"] <= self.config.device_memory
-
-    def collective_ratios(self, rank: dict[str, Any]) -> dict[tuple[str, str], tuple[float, float]]:
-        """(op, dim) -> (measured, planned) payload bytes of one rank (groups of one rank left out)."""
-        out: dict[tuple[str, str], list[float]] = {}
-        for c in rank["collectives"]:
-            if c.get("group_size", 2) > 1:
-                out.setdefault((c["op"], c["dim"]), [0.0, 0.0])[0] += c["payload_bytes"]
-        for c in rank["planned"]["collectives"]:
-            out.setdefault((c["op"], c["dim"]), [0.0, 0.0])[1] += c["payload_bytes"]
-        return {k: (v[0], v[1]) for k, v in sorted(out.items())}
-
-    def format(self, width: int = 140) -> str:
-        """Rich tables: per rank memory (measured / planned) and collectives per (op, dim)."""
-        from rich.console import Console
-        from rich.table import Table
-
-        cfg = self.config
-        buf = io.StringIO()
-        console = Console(file=buf, width=width, force_terminal=False)
-        mesh = " x ".join(f"{k}={v}" for k, v in self.ranks[0]["mesh"].items()) if self.ranks else ""
-        mem = f", device memory {cfg.device_memory / 1e9:.4g} GB" if cfg.device_memory else ""
-        table = Table(title=f"Dry run: {cfg.model.rsplit('.', 1)[-1]} on {cfg.world_size} ranks ({mesh},"
-                            f" {cfg.devices_per_node}/node), strategy {cfg.strategy}, {cfg.precision}{mem}",
-                      caption="bytes per rank, measured on fake tensors / planned (lightning_dist.planner);"
-                              " activations: peak saved activations + backward temporaries. 1 GB = 1e9 B.")
-        for col in ("rank", "coords", "params", "grads", "optim", "states m/p", "peak act", "act m/p", "total",
-                    "fits", "time"):
-            table.add_column(col, justify="left" if col == "coords" else "right", no_wrap=True)
-        for r in self.ranks:
-            m, p = r["states"], r["planned"]["states"]
-            act, act_p = r["peak_activation_bytes"], r["planned"]["peak_activation_bytes"]
-            fits = self.fits(r)
-            table.add_row(str(r["rank"]), " ".join(f"{k}{v}" for k, v in r["coords"].items() if k != DP),
-                          *(format_bytes(m[k]) for k in ("params", "grads", "optimizer")),
-                          f"{m['total'] / p['total']:.3f}" if p["total"] else "-", format_bytes(act),
-                          f"{act / act_p:.2f}" if act_p else "-", format_bytes(m["total"] + act),
-                          "-" if fits is None else ("yes" if fits else "NO"), f"{r['seconds']:.0f} s")
-        console.print(table)
-        comm = Table(title="Collective payload bytes per step (measured / planned)")
-        for col in ("rank", "op", "dim", "calls", "measured", "planned", "m/p"):
-            comm.add_column(col, justify="left" if col in ("op", "dim") else "right", no_wrap=True)
-        for r in self.ranks:
-            calls = {(c["op"], c["dim"]): c["calls"] for c in r["collectives"]}
-            for (op, dim), (meas, plan) in self.collective_ratios(r).items():
-                comm.add_row(str(r["rank"]), op, dim, str(calls.get((op, dim), 0)), format_bytes(meas), format_bytes(plan),
-                             f"{meas / plan:.3f}" if plan else "-")
-        console.print(comm)
-        return buf.getvalue()
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"config": json.loads(self.config.to_json()), "ranks": self.ranks}
-
-
-def format_bytes(n: float) -> str:
-    """Decimal units: 1 kB = 1e3 B, 1 GB = 1e9 B."""
-    for scale, unit in ((1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
-        if abs(n) >= scale:
-            return f"{n / scale:.3g} {unit}"
-    return f"{n:.0f} B"
-
-
 def dry_run(config: DryRunConfig, *, timeout: float = 600.0, python: str = sys.executable) -> DryRunReport:
     """Simulate each representative rank in its own process (one after the other) and collect the figures.
 
@@ -716,10 +548,7 @@ def _main(argv: Optional[Sequence[str]] = None) -> int:
         result = simulate_rank(config, args.rank)
     except (ValueError, TypeError, ImportError, RuntimeError) as err:
         result = {"error": [type(err).__name__, str(err)]}
-    tmp = args.out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f)
-    os.replace(tmp, args.out)
+    atomic_write(args.out, lambda f: json.dump(result, f), mode="w")
     return 0
 
 

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_dist._compat import HAS_DCP_HF_READER
+from lightning_dist.atomic import swap_in
 from lightning_dist.parallelize.shared import shared_parameters
 
 
@@ -176,7 +177,7 @@ def save_hf_pretrained(module: nn.Module, path: str | os.PathLike, *, dtype: tor
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
         try:
             hf.save_pretrained(str(tmp), state_dict=state, safe_serialization=True)
-            os.replace(tmp, path)
+            swap_in(tmp, path)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

@@ -1,6 +1,6 @@
 """Lightning's script launcher, with a job that ends with all of its processes and any rank's failure.
 
-Lightning's ``_SubprocessScriptLauncher`` runs rank 0 in the launching process and starts the other local
+Lightning's ``SubprocessScriptLauncher`` runs rank 0 in the launching process and starts the other local
 ranks as child processes; a thread checks the children every 5 s. Three gaps, each filled here:
 
 * rank 0 fails (an exception): Lightning re-raises and the launcher exits while its children still wait
@@ -28,9 +28,9 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.fabric.strategies.launchers.subprocess_script import _set_num_threads_if_needed
 from typing_extensions import override
+
+from lightning_dist._integrations.lightning import SubprocessScriptLauncher, _set_num_threads_if_needed
 
 __all__ = ["JobLauncher", "die_with_launcher"]
 
@@ -82,8 +82,8 @@ class _Children:
     ended = False  # rank 0 failed and ended them itself
 
 
-class JobLauncher(_SubprocessScriptLauncher):
-    """``_SubprocessScriptLauncher`` whose job ends with all of its processes (see the module docstring)."""
+class JobLauncher(SubprocessScriptLauncher):
+    """``SubprocessScriptLauncher`` whose job ends with all of its processes (see the module docstring)."""
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:

@@ -18,13 +18,13 @@ import shutil
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal, Optional
 
 import torch
 
-from lightning_dist._compat import deepspeed_available
+from lightning_dist._compat import async_io_available
+from lightning_dist._integrations.deepspeed import repoint_lr_scheduler
 from lightning_dist.measure import placement_mismatches
 
 KINDS = ("parameters", "gradients", "optimizer")
@@ -114,8 +114,11 @@ class OffloadPlan:
 
 
 @dataclass(frozen=True)
-class StateBytes:
-    """Bytes of one rank's model states, by kind and place: ``table[kind][place]``."""
+class RankStateBytes:
+    """Bytes of one rank's model states, by kind and place: ``table[kind][place]``.
+
+    (Not the planner's :class:`lightning_dist.planner.StateBytes`, which holds bytes per parameter element.)
+    """
 
     table: Mapping[str, Mapping[str, int]]
 
@@ -131,7 +134,7 @@ def estimate_states(
     plan: OffloadPlan,
     world_size: int,
     param_bytes: int = 4,
-) -> StateBytes:
+) -> RankStateBytes:
     """Per-rank bytes of the model states under ``plan`` (ZeRO arithmetic; activations not included).
 
     ``param_bytes``: bytes per element of the training parameters (4 for float32, 2 for bf16). The
@@ -146,7 +149,7 @@ def estimate_states(
     table = {kind: dict.fromkeys(PLACES, 0) for kind in KINDS}
     for kind, n in zip(KINDS, (params, grads, optim)):
         table[kind][plan.place(kind)] += n
-    return StateBytes(table)
+    return RankStateBytes(table)
 
 
 def count_parameters(module: torch.nn.Module) -> int:
@@ -197,17 +200,6 @@ LIBAIO_HINT = (
     " found: install it (Debian/Ubuntu: `apt-get install -y libaio-dev`; Fedora/RHEL: `dnf install libaio-devel`),"
     ' or offload to "cpu" instead.'
 )
-
-
-@lru_cache(maxsize=1)
-def async_io_available() -> bool:
-    """True when DeepSpeed's async_io op can be built or loaded here (libaio present); no compilation."""
-    if not deepspeed_available():
-        return False
-    from deepspeed.ops.op_builder.cpu import AsyncIOBuilder
-
-    # the builder test-links a call to io_submit against -laio (about a second, once per process)
-    return bool(AsyncIOBuilder().is_compatible(verbose=False))
 
 
 def require_async_io() -> None:
@@ -357,25 +349,8 @@ def to_cpu_adam(optimizer: torch.optim.Optimizer, lr_scheduler: Any = None) -> O
             group["lr"] = float(group["lr"])  # a tensor lr (torch's capturable/fused option) is a float for the op
     adam = DeepSpeedCPUAdam(groups, **options)
     if lr_scheduler is not None and getattr(lr_scheduler, "optimizer", None) is optimizer:
-        lr_scheduler.optimizer = adam
-        _mark_steps_for_scheduler(adam)
+        repoint_lr_scheduler(lr_scheduler, adam)
     return adam
-
-
-def _mark_steps_for_scheduler(optimizer: torch.optim.Optimizer) -> None:
-    """Mark ``optimizer.step`` the way an LR scheduler's constructor does, for a scheduler repointed to it.
-
-    Without the mark torch's scheduler warns at its first step that ``optimizer.step()`` "has been overridden
-    after learning rate scheduler initialization" (it only checks these two attributes).
-    """
-    step = optimizer.step
-
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        optimizer._opt_called = True  # type: ignore[attr-defined]
-        return step(*args, **kwargs)
-
-    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    optimizer.step = wrapper  # type: ignore[method-assign]
 
 
 def resize_param_swap_buffers(swapper: Any, numel: int) -> None:

@@ -15,7 +15,7 @@ from torch import nn
 if TYPE_CHECKING:
     from lightning_dist.parallelize.tp import TPEntry
 
-_NORMS: tuple[type, ...] = (nn.LayerNorm, nn.Dropout, *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()))
+_NORMS: tuple[type, ...] = (nn.LayerNorm, nn.Dropout, nn.RMSNorm)  # nn.RMSNorm: torch >= 2.4, below our range
 
 
 def is_conv1d(module: nn.Module) -> bool:

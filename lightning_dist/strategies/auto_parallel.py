@@ -19,8 +19,9 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_dist import planner
+from lightning_dist import inputs, planner
 from lightning_dist.mesh import DP_REPLICATE, DP_SHARD, PP, TP
+from lightning_dist.precision import precision_flag
 from lightning_dist.strategies.base import MeshStrategy
 
 # what Lightning's connector and launcher set on a strategy: kept when the strategy becomes its choice
@@ -90,7 +91,7 @@ class AutoParallelStrategy(MeshStrategy):
         memory: Optional[int] = None
         if device_memory is not None:
             try:
-                memory = planner.parse_bytes(device_memory)
+                memory = inputs.parse_bytes(device_memory)
             except ValueError as err:
                 problems.append(str(err))
         prefer = (prefer,) if isinstance(prefer, str) else tuple(prefer)
@@ -118,8 +119,7 @@ class AutoParallelStrategy(MeshStrategy):
     def candidates(self) -> list[planner.Layout]:
         """The planner's fitting, runnable layouts for the attached model, best first (pure arithmetic)."""
         assert self.lightning_module is not None
-        precision = str(getattr(self.precision_plugin, "precision", "32-true"))
-        state = planner.state_bytes(precision=precision if precision in planner.PRECISIONS else "32-true",
+        state = planner.state_bytes(precision=precision_flag(self.precision_plugin),
                                     optimizer=self.optimizer)
         world = self.num_nodes * self.num_processes
         layouts = planner.candidate_layouts(planner.count_params(self.lightning_module), world_size=world,

@@ -17,36 +17,25 @@ materialization. It does not subclass ``ModelParallelStrategy``, whose accelerat
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Generator, Mapping
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.distributed import group as _group
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
 import lightning.pytorch as pl
-from lightning_dist import checkpoint as ckpt
+from lightning_dist._integrations.lightning import _optimizers_to_device, _sync_ddp_if_available, set_module_device_mesh
 from lightning_dist.mesh import DIM_NAMES, DistMesh, MeshSpec
 from lightning_dist.parallelize.sync import broadcast_module_states, materialize_in_sync, shared_seed
-from lightning_dist.launcher import JobLauncher, die_with_launcher
-from lightning_dist.rendezvous import job_store
+from lightning_dist.strategies._checkpoints import ShardedCheckpointMixin
+from lightning_dist.strategies._processes import ProcessesMixin, as_timeout
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +48,7 @@ def attach_mesh(module: pl.LightningModule, mesh: DistMesh) -> None:
     This is the one place the pack writes into the user's LightningModule; Lightning's own
     ``LightningModule.device_mesh`` property reads it.
     """
-    module._device_mesh = mesh.device_mesh
+    set_module_device_mesh(module, mesh.device_mesh)
 
 
 def _check_size(name: str, value: Any, allow_auto: bool) -> list[str]:
@@ -71,25 +60,7 @@ def _check_size(name: str, value: Any, allow_auto: bool) -> list[str]:
     return []
 
 
-def as_timeout(value: Any, owner: str) -> Optional[timedelta]:
-    """`timeout` as a ``timedelta``: seconds as a number, a ``timedelta``, or None (torch's default).
-
-    torch's process-group and store constructors take only ``timedelta`` (a number fails deep inside them with
-    "incompatible constructor arguments"); raised on every rank before any process group exists.
-    """
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float, timedelta)):
-        raise TypeError(f"{owner}(timeout={value!r}): the collective timeout must be seconds as a number or a"
-                        f" datetime.timedelta, not {type(value).__name__}. E.g. timeout=1800 or timedelta(minutes=30).")
-    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
-    if not 0 < seconds < float("inf"):
-        raise ValueError(f"{owner}(timeout={value!r}): the collective timeout must be a positive, finite number of"
-                         " seconds (e.g. timeout=1800), or None for torch's default.")
-    return value if isinstance(value, timedelta) else timedelta(seconds=seconds)
-
-
-class MeshStrategy(ParallelStrategy):
+class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
     """Lightning strategy over the pack's named device mesh.
 
     Args:
@@ -135,96 +106,6 @@ class MeshStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self.num_nodes = 1
-
-    # ---- processes (Lightning's launcher and cluster environments) -----------------------------
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def is_distributed(self) -> bool:
-        """Lightning asks this to inject DistributedSamplers and enable `sync_dist` for custom strategies."""
-        return True
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    def process_group_backend(self) -> Optional[str]:
-        return self._process_group_backend
-
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True  # sharded states load into the parallelized model
-
-    @property
-    @override
-    def lightning_restore_optimizer(self) -> bool:
-        return False  # optimizer states are loaded by `load_checkpoint`
-
-    @override
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
-            # Lightning's launcher, but no rank outlives the job and any rank's failure fails it
-            self._launcher = JobLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-
-    def _setup_distributed(self) -> None:
-        die_with_launcher()  # a child rank goes down with the launching process, however that ends
-        reset_seed()
-        assert self.cluster_environment is not None
-        self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-        self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank
-        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
-            self.root_device
-        )
-        device_id = self.root_device if self.root_device.type != "cpu" else None
-        # loopback-only store on one machine; per-attempt keys under torchrun restarts (None: env://)
-        store = job_store(self.cluster_environment, timeout=self._timeout or default_pg_timeout)
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout,
-                              device_id=device_id, store=store)
-        _destroy_process_group_at_exit()
-
-    @override
-    def barrier(self, name: Optional[str] = None) -> None:
-        if not _distributed_is_initialized():
-            return
-        if torch.distributed.get_backend() == "nccl":
-            torch.distributed.barrier(device_ids=[self.root_device.index])
-        else:
-            torch.distributed.barrier()
-
-    @override
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
-        return box[0]
-
-    @override
-    def model_to_device(self) -> None:
-        assert self.model is not None
-        self.model.to(self.root_device)
-
-    @contextmanager
-    @override
-    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
-        # with empty_init the model is built on the meta device and materialized after parallelizing
-        with (torch.device("meta") if empty_init else nullcontext()), self.precision_plugin.tensor_init_context():
-            yield
-
-    @override
-    def teardown(self) -> None:
-        assert self.cluster_environment is not None and self.accelerator is not None
-        self.cluster_environment.teardown()
-        self.precision_plugin.teardown()
-        self.accelerator.teardown()
 
     # ---- mesh ----------------------------------------------------------------------------------
     def mesh_spec(self) -> MeshSpec:
@@ -290,7 +171,7 @@ class MeshStrategy(ParallelStrategy):
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        from lightning_dist.guards import check_data_runs_out_together
+        from lightning_dist.callbacks.guards import check_data_runs_out_together
 
         # iterable data that ends on some dp ranks only: refuse on every rank before the step's collectives
         assert self.lightning_module is not None
@@ -318,18 +199,20 @@ class MeshStrategy(ParallelStrategy):
                 "Found modules wrapped in FSDP1 `FullyShardedDataParallel`; the pack shards with FSDP2."
                 " Remove the wrapping: the strategy applies sharding itself."
             )
+        # `trainer.validate()` after `fit()` sets up the same module again: it is already parallelized
+        parallelized = self.already_parallelized()
         # dtype first (cheap on meta or full tensors), then device, then parallelize, then materialize
         self.model = self.precision_plugin.convert_module(self.model)
-        self._sync_batchnorm(trainer)
+        if trainer.state.fn == TrainerFn.FITTING and not parallelized:
+            self._sync_batchnorm()
         if not _has_meta(self.model):
             self.model.to(self.root_device)
         # replicas and tensor/pipeline peers start from one model whatever each rank seeded: rank 0's eagerly
         # built tensors (broadcast before splitting), and one shared seed for what is still on the meta device
         seed = shared_seed(self.root_device) if _has_meta(self.model) else None
-        # `trainer.validate()` after `fit()` sets up the same module again: it is already parallelized
-        if not self.already_parallelized():
+        if not parallelized:
             broadcast_module_states(self.model)
-        self.apply_parallelism()
+            self.apply_parallelism(parallelized=False)
         if seed is not None and _has_meta(self.model):
             missing = materialize_in_sync(self.model, self.root_device, seed=seed)
             if missing:
@@ -342,23 +225,24 @@ class MeshStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    def apply_parallelism(self) -> None:
-        """The user's ``parallelize_fn`` or the built-in :meth:`parallelize`, once (``setup``; the dry run)."""
-        if _is_parallelized(self.model):
-            # `trainer.validate()` after `fit()` sets up the same module again: it is already sharded
+    def apply_parallelism(self, *, parallelized: Optional[bool] = None) -> None:
+        """The user's ``parallelize_fn`` or the built-in :meth:`parallelize`, once (``setup``; the dry run).
+
+        ``parallelized``: :meth:`already_parallelized`, when the caller has asked it already.
+        """
+        if self.already_parallelized() if parallelized is None else parallelized:
             return
         if self._parallelize_fn is not None:
             self._parallelize_fn(self.lightning_module, self.mesh)
         else:
             self.parallelize(self.lightning_module)
 
-    def _sync_batchnorm(self, trainer: pl.Trainer) -> None:
+    def _sync_batchnorm(self) -> None:
         """``Trainer(sync_batchnorm=True)``: BatchNorm pooled over the dp ranks; else warn if it trains unsynced."""
         from lightning_dist.callbacks.sync_batchnorm import sync_or_warn_batchnorm
 
-        if trainer.state.fn == TrainerFn.FITTING and not _is_parallelized(self.model):
-            self.model = sync_or_warn_batchnorm(self.model, sync=self._layer_sync is not None,
-                                                group=self.mesh.dp_group, dp_size=self.mesh.dp_size)
+        self.model = sync_or_warn_batchnorm(self.model, sync=self._layer_sync is not None,
+                                            group=self.mesh.dp_group, dp_size=self.mesh.dp_size)
 
     # ---- memory at rest --------------------------------------------------------------------------
     def reshard(self) -> None:
@@ -382,69 +266,9 @@ class MeshStrategy(ParallelStrategy):
     def on_predict_end(self) -> None:
         self.reshard()
 
-    # ---- checkpoints ---------------------------------------------------------------------------
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        assert self.model is not None
-        return ckpt.model_state(self.model, full=not self._save_distributed_checkpoint)
-
-    @override
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        assert self.model is not None
-        return ckpt.optimizer_state(self.model, optimizer, full=not self._save_distributed_checkpoint)
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
-        if storage_options is not None:
-            raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options (no CheckpointIO).")
-        path = self.broadcast(filepath)  # rank 0 decides the path
-        ckpt.save(checkpoint, path, sharded=self._save_distributed_checkpoint)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Load model and optimizer states into the parallelized model (any mesh); return Lightning's metadata."""
-        path = self.broadcast(checkpoint_path)
-        assert self.model is not None and self.lightning_module is not None
-        return ckpt.load(
-            path,
-            model=self.model,
-            optimizers=self.optimizers,
-            strict=self.lightning_module.strict_loading,
-            weights_only=True if weights_only is None else weights_only,
-        )
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """No-op: :meth:`load_checkpoint` already loaded the (sharded) weights."""  # already loaded in `load_checkpoint`
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        """No-op: :meth:`load_checkpoint` already loaded the (sharded) optimizer states."""  # already loaded in `load_checkpoint`
-
     def __repr__(self) -> str:
         sizes = ", ".join(f"{n}={self._sizes[n]}" for n in DIM_NAMES)
         return f"{type(self).__name__}({sizes})"
-
-
-_EXIT_HOOK: list[bool] = []
-
-
-def _destroy_process_group_at_exit() -> None:
-    """Tear the process group down while Python still runs, once per process.
-
-    Lightning keeps it alive after fit (a later fit reuses it); left to interpreter shutdown, its C++
-    threads were seen aborting the process ("terminate called without an active exception", exit -6)
-    after all work had finished, failing a healthy job.
-    """
-    import atexit
-
-    def destroy() -> None:
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-
-    if not _EXIT_HOOK:
-        atexit.register(destroy)
-        _EXIT_HOOK.append(True)
 
 
 def _is_parallelized(module: nn.Module) -> bool:

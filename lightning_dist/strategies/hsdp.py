@@ -15,10 +15,8 @@ from lightning_dist._compat import CUDA_AVAILABLE, fully_shard_api
 from lightning_dist.mesh import MeshSpec
 from lightning_dist.parallelize import ParallelizeConfig, parallelize_model
 from lightning_dist.parallelize.compile import check_compile_option
+from lightning_dist.precision import precision_dtypes
 from lightning_dist.strategies.base import MeshStrategy
-
-_MP_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
-
 
 class HybridShardStrategy(MeshStrategy):
     """Hybrid sharded data parallelism with FSDP2 (``Trainer(strategy="hsdp")``; ``"fsdp2"`` = full sharding).
@@ -99,9 +97,10 @@ class HybridShardStrategy(MeshStrategy):
 
     def mp_policy(self) -> Optional[Any]:
         """FSDP2 mixed precision from Lightning's precision flag (``bf16-mixed``: bf16 compute, fp32 reduce)."""
-        dtype = _MP_DTYPES.get(getattr(self.precision_plugin, "precision", ""))
-        if dtype is None:
+        dtypes = precision_dtypes(self.precision_plugin, default=None)
+        if dtypes is None or not dtypes.mixed:
             return None
+        dtype = dtypes.compute
         _, MixedPrecisionPolicy, _, _ = fully_shard_api()
         return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
 

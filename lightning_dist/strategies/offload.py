@@ -30,59 +30,24 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
 import lightning.pytorch as pl
-from lightning_dist._compat import CUDA_AVAILABLE, fully_shard_api
+from lightning_dist._compat import CUDA_AVAILABLE
+from lightning_dist._integrations import deepspeed as ds_patches
+from lightning_dist._integrations import lightning as lightning_patches
 from lightning_dist.measure import bytes_by_place, cuda_memory
 from lightning_dist.launcher import JobLauncher, die_with_launcher
-from lightning_dist.mesh import MeshSpec
 from lightning_dist.parallelize import offload as off
-from lightning_dist.parallelize.offload_checkpoint import self_contained_nvme_checkpoints
-from lightning_dist.strategies.hsdp import HybridShardStrategy
-from lightning_dist.strategies.base import as_timeout
+from lightning_dist.atomic import swap_in
+from lightning_dist.strategies._offload_nvme import NvmeSwapMixin
+from lightning_dist.strategies._offload_report import OffloadReportMixin
+from lightning_dist.strategies._processes import as_timeout
 
-# elements per NVMe swap buffer of the parameters while `configure_model` builds the model (sized to the largest
-# partition once it is known); Lightning's 1e8 would page-lock 5 x 400 MB per rank in float32
-NVME_PARAMS_BUFFER_SIZE = 10_000_000
-
-
-class _OffloadReport:
-    """The offload report at fit start and end: each rank's ``offload_report()``, a rank-0 rich table."""
-
-    plan: off.OffloadPlan
-    report: bool
-
-    @override
-    def on_train_start(self) -> None:
-        super().on_train_start()
-        if self.report:
-            self.print_report("start of fit")
-
-    @override
-    def on_train_end(self) -> None:
-        super().on_train_end()
-        if self.report:
-            self.print_report("end of fit")
-
-    def print_report(self, title: str) -> list[dict[str, Any]]:
-        """Gather every rank's report (a collective) and print it on rank 0; returns the rows."""
-        rows = [None] * self.world_size
-        torch.distributed.all_gather_object(rows, self.offload_report())
-        if self.is_global_zero:
-            _print_table(off.render_report(rows, title=f"Offload report, {title} ({_describe(self.plan)})"))
-            wrong = [f"rank {row['rank']}: {line}" for row in rows for line in row["mismatches"]]
-            if wrong:
-                rank_zero_warn(f"Offload report ({title}): states not where the plan puts them:\n  - "
-                               + "\n  - ".join(wrong))
-        return rows
-
-
-class OffloadStrategy(_OffloadReport, DeepSpeedStrategy):
+class OffloadStrategy(OffloadReportMixin, NvmeSwapMixin, DeepSpeedStrategy):
     """Offload optimizer state and/or parameters to host memory or NVMe (``Trainer(strategy="offload")``).
 
     Args:
@@ -201,8 +166,9 @@ class OffloadStrategy(_OffloadReport, DeepSpeedStrategy):
     @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
-        if type(self._launcher) is _SubprocessScriptLauncher:  # the pack's: no rank outlives the job
-            self._launcher = JobLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        # the pack's launcher: no rank outlives the job
+        lightning_patches.replace_default_launcher(
+            self, lambda: JobLauncher(self.cluster_environment, self.num_processes, self.num_nodes))
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -220,7 +186,7 @@ class OffloadStrategy(_OffloadReport, DeepSpeedStrategy):
         # Lightning validates CUDA device indices here; a CPU device has none
         if self.root_device.type != "cpu":
             return super().setup_distributed()
-        _use_cpu_accelerator()
+        ds_patches.use_cpu_accelerator()
         reset_seed()
         self.set_world_ranks()
         self._init_deepspeed_distributed()
@@ -242,35 +208,18 @@ class OffloadStrategy(_OffloadReport, DeepSpeedStrategy):
             dist_init_required=False,
         )
         if "nvme" in (self.plan.optimizer, self.plan.parameters):
-            self_contained_nvme_checkpoints(engine)
+            ds_patches.self_contained_nvme_checkpoints(engine)
         return engine, ds_optimizer
 
     @override
     def _initialize_deepspeed_inference(self, model: nn.Module) -> None:
         """``validate`` / ``test`` / ``predict`` without ``fit``: Lightning's, with a device rank DeepSpeed accepts."""
-        import deepspeed
-
         self._prepare_nvme(model)
-        # Lightning passes `args.device_rank=root_device.index` here too: None for a CPU device, on which
-        # DeepSpeed's engine fails ("'>=' not supported between 'NoneType' and 'int'")
-        initialize = deepspeed.initialize
-
-        def initialize_with_rank(*args: Any, **kwargs: Any) -> Any:
-            if getattr(kwargs.get("args"), "device_rank", 0) is None:
-                kwargs["args"] = argparse.Namespace(**{**vars(kwargs["args"]), "device_rank": self._device_rank()})
-            return initialize(*args, **kwargs)
-
-        deepspeed.initialize = initialize_with_rank
-        try:
+        # Lightning passes `args.device_rank=root_device.index` here too: None for a CPU device
+        with ds_patches.initialize_with_device_rank(self._device_rank()):
             super()._initialize_deepspeed_inference(model)
-        finally:
-            deepspeed.initialize = initialize
-        zero = getattr(self.model, "optimizer", None)  # ZeRO-3 without an optimizer: DeepSpeedZeRoOffload
-        if zero is not None and not hasattr(zero, "_restore_from_bit16_weights"):
-            # `validate(ckpt_path=...)`: DeepSpeed's `load_checkpoint` without optimizer states loads the fp32 weights
-            # of the ZeRO files into the module (gathered), then asks the optimizer to refresh its 16-bit copies
-            # from them; an evaluation engine has none, and the method is missing (DeepSpeed issue #7272)
-            zero._restore_from_bit16_weights = lambda: None
+        # ZeRO-3 without an optimizer (DeepSpeedZeRoOffload): `validate(ckpt_path=...)` asks it for a method it lacks
+        ds_patches.tolerate_missing_bit16_restore(getattr(self.model, "optimizer", None))
 
     def _cpu_step_optimizer(self, optimizer: Optional[torch.optim.Optimizer], lr_scheduler: Any) -> Any:
         """The optimizer for the offloaded step: DeepSpeedCPUAdam for torch's Adam/AdamW on CUDA, else `optimizer`."""
@@ -288,14 +237,6 @@ class OffloadStrategy(_OffloadReport, DeepSpeedStrategy):
     def _device_rank(self) -> int:
         # Lightning passes `root_device.index`, None for a CPU device; DeepSpeed needs a number
         return self.root_device.index if self.root_device.index is not None else self.local_rank
-
-    def _prepare_nvme(self, model: nn.Module) -> None:
-        """Before DeepSpeed starts: check the swap folder for this model, size the buffers, partition to NVMe."""
-        if "nvme" in (self.plan.optimizer, self.plan.parameters):
-            self._check_nvme(model)  # models built in `configure_model` are only known now
-            self._size_param_buffers(model)
-            if self.plan.parameters == "nvme":
-                self._partition_for_nvme(model)
 
     @contextmanager
     @override
@@ -330,188 +271,14 @@ class OffloadStrategy(_OffloadReport, DeepSpeedStrategy):
         super().save_checkpoint(checkpoint, partial, storage_options)
         self.barrier()
         if self.is_global_zero:
-            if os.path.exists(final):
-                shutil.rmtree(final) if os.path.isdir(final) else os.remove(final)
-            os.replace(partial, final)
+            swap_in(partial, final)
         self.barrier()
-
-    # ---- NVMe ----------------------------------------------------------------------------------
-    def _check_nvme(self, model: nn.Module) -> None:
-        n = off.count_parameters(model)
-        if n == 0:
-            return  # built later in `configure_model`: checked again before DeepSpeed starts
-        world = self.num_nodes * self.num_processes  # known before the process group starts
-        estimate = off.estimate_states(n, plan=self.plan, world_size=world, param_bytes=_param_bytes(self))
-        off.check_nvme_path(
-            self.plan.nvme_path, required_bytes=estimate.total(place="disk"), ranks_sharing=self.num_processes
-        )
-
-    def _lean_nvme_params(self, chosen: Optional[dict[str, bool]]) -> None:
-        """The memory-lean defaults for parameters on NVMe (see the class docstring) the user did not set.
-
-        `chosen`: which ``offload_param`` keys the user gave as arguments; None for a user config, whose own
-        keys count as chosen (Lightning's arguments fill every key with its defaults, so they cannot tell).
-        """
-        zero = self.config.setdefault("zero_optimization", {})
-        swap = zero.get("offload_param")
-        if not isinstance(swap, dict) or swap.get("device") != "nvme":
-            return  # a user config without NVMe parameters: nothing of ours applies
-        chosen = {key: key in swap for key in ("buffer_size", "max_in_cpu")} if chosen is None else chosen
-        self._user_buffer_size = chosen["buffer_size"]
-        if not chosen["max_in_cpu"]:
-            swap["max_in_cpu"] = 0
-        if not chosen["buffer_size"]:
-            swap["buffer_size"] = NVME_PARAMS_BUFFER_SIZE
-        zero.setdefault("stage3_max_reuse_distance", 0)
-
-    def _size_param_buffers(self, model: nn.Module) -> None:
-        """Size the NVMe swap buffers of the parameters to the largest partition once the model is known.
-
-        Each buffer holds one parameter partition (``ceil(numel / world size)`` elements), and they are
-        page-locked: resident all the time. A model built before ``fit`` is partitioned later with this size;
-        one built in ``configure_model`` already has its buffers (sized when ``zero.Init`` started), which
-        are reallocated at this size while none is in use.
-        """
-        swap = self.config["zero_optimization"].get("offload_param")
-        if self._user_buffer_size or not isinstance(swap, dict) or swap.get("device") != "nvme":
-            return
-        world = self.world_size
-        largest = max((p.ds_tensor.ds_numel if getattr(p, "ds_tensor", None) is not None else -(-p.numel() // world)
-                       for p in model.parameters()), default=1)
-        swap["buffer_size"] = largest
-        swappers = {id(s): s for p in model.parameters() if (s := getattr(p, "nvme_swapper", None)) is not None}
-        for swapper in swappers.values():
-            off.resize_param_swap_buffers(swapper, largest)
-
-    def _partition_for_nvme(self, model: nn.Module) -> None:
-        """Partition a model built outside ``configure_model`` with the config's dtype before DeepSpeed does.
-
-        When DeepSpeed 0.19 partitions a built model itself it passes a dtype that its fallback ignores on an
-        accelerator without float16 (the CPU): the NVMe swap buffers come out bfloat16 and float32 training
-        fails ("Float and BFloat16"). ``zero.Init`` without a dtype takes it from the config (float32, or
-        bfloat16 with ``bf16-mixed``). The parameters are cast to that dtype first, as DeepSpeed's engine casts
-        a model it partitions itself (it casts no model partitioned before it starts): with
-        ``bf16-mixed`` the swap buffers are bfloat16, and float32 parameters gathered from them fail the same way.
-        """
-        import deepspeed
-
-        if all(hasattr(p, "ds_id") for p in model.parameters()):
-            return  # already built under zero.Init (configure_model), in the config's dtype
-        dtype = off.training_dtype(self.config)
-        for p in model.parameters():
-            if p.is_floating_point() and p.dtype != dtype:
-                p.data = p.data.to(dtype)
-        deepspeed.zero.Init(module=model, config_dict_or_path=self.config)
 
     # ---- report --------------------------------------------------------------------------------
     def offload_report(self) -> dict[str, Any]:
         """This rank's bytes of parameters / gradients / optimizer state by place (memory measured, disk files)."""
-        engine = self.deepspeed_engine
-        zero_opt = engine.optimizer
-        params = [p for p in engine.module.parameters()]
-        masters = list(getattr(zero_opt, "fp32_partitioned_groups_flat", None)
-                       or getattr(zero_opt, "single_partition_of_fp32_groups", None) or [])
-        inner = getattr(zero_opt, "optimizer", zero_opt)
-        states = [t for s in inner.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-        grads = [p.grad for p in params] + [m.grad for m in masters]
-        grads.append(getattr(zero_opt, "grad_partitions_flat_buffer", None))  # ZeRO-3's gradient partitions
-        for group in getattr(zero_opt, "averaged_gradients", {}).values():  # ZeRO-1/2's reduced gradients
-            grads.extend(group or [])
-        # where DeepSpeed's partitions really live (tensor.device): ZeRO-3 parameter partitions (`ds_tensor`),
-        # fp32 master partitions, gradient partitions, optimizer moments
-        resident = {
-            "parameters": bytes_by_place([*params, *(getattr(p, "ds_tensor", None) for p in params)]),
-            "gradients": bytes_by_place(grads),
-            "optimizer": bytes_by_place([*masters, *states]),
-        }
+        # where DeepSpeed's partitions really live (tensor.device)
+        tensors = ds_patches.zero_state_tensors(self.deepspeed_engine)
+        resident = {kind: bytes_by_place(tensors[kind]) for kind in ("parameters", "gradients", "optimizer")}
         return off.offload_report(plan=self.plan, resident=resident, disk=self._disk_bytes(), rank=self.global_rank,
                                   device_type=self.root_device.type, cuda=cuda_memory(self.root_device))
-
-    def _disk_bytes(self) -> dict[str, int]:
-        out = dict.fromkeys(off.KINDS, 0)
-        if not self.plan.nvme_path:
-            return out
-        root = os.path.join(self.plan.nvme_path, "zero_stage_3")  # DeepSpeed's swap layout
-        rank = f"rank{self.global_rank}"
-        for folder, _, files in os.walk(root):
-            if os.path.basename(folder) != rank:
-                continue
-            for name in files:
-                size = os.path.getsize(os.path.join(folder, name))
-                kind = "gradients" if "_gradient_" in name else "optimizer" if "optimizer" in folder else "parameters"
-                out[kind] += size
-        return out
-
-
-class FSDP2OffloadStrategy(_OffloadReport, HybridShardStrategy):
-    """FSDP2 with ``CPUOffloadPolicy``: parameters, gradients and optimizer state in host memory.
-
-    Use it as ``FSDP2OffloadStrategy(optimizer="cpu", parameters="cpu")`` or ``Trainer(strategy="offload_fsdp2")``. Memory is pinned only where CUDA exists; on a CPU-only
-    machine the device *is* host memory, so offloading saves nothing there (the code path still runs).
-    """
-
-    strategy_name = "offload_fsdp2"
-
-    def __init__(
-        self,
-        *,
-        optimizer: off.Target = "cpu",
-        parameters: off.Target = "cpu",
-        nvme_path: Optional[str] = None,
-        zero_stage: Literal[1, 2, 3] = 3,
-        backend: Literal["fsdp2"] = "fsdp2",
-        report: bool = True,
-        pin_memory: Optional[bool] = None,
-        **kwargs: Any,
-    ) -> None:
-        self.plan = off.OffloadPlan(
-            optimizer=optimizer, parameters=parameters, nvme_path=nvme_path, zero_stage=zero_stage, backend=backend
-        ).validate()
-        pin = CUDA_AVAILABLE if pin_memory is None else pin_memory
-        if pin and not CUDA_AVAILABLE:
-            raise ValueError("pin_memory=True needs a CUDA device (pinning fails without an accelerator): pass False.")
-        _, _, CPUOffloadPolicy, _ = fully_shard_api()
-        kwargs.setdefault("shard_size", "full")
-        super().__init__(zero_stage=zero_stage, offload_policy=CPUOffloadPolicy(pin_memory=pin), **kwargs)
-        self.report = report
-
-    @override
-    def validate_config(self, spec: MeshSpec) -> None:
-        super().validate_config(spec)
-        if self.root_device.type == "cpu":
-            rank_zero_warn("FSDP2 CPU offload saves nothing on a CPU-only machine: the device already is host memory.")
-
-    def offload_report(self) -> dict[str, Any]:
-        """This rank's bytes of each state (the local shards of the DTensors)."""
-        params = list(self.lightning_module.parameters())
-        states = [t for opt in self.optimizers for s in opt.state.values() for t in s.values()
-                  if isinstance(t, torch.Tensor)]
-        # measured: where each local shard lives (tensor.device), not where the plan says
-        resident = {"parameters": bytes_by_place(params), "gradients": bytes_by_place(p.grad for p in params),
-                    "optimizer": bytes_by_place(states)}
-        return off.offload_report(plan=self.plan, resident=resident, disk={}, rank=self.global_rank,
-                                  device_type=self.root_device.type, cuda=cuda_memory(self.root_device))
-
-
-def _use_cpu_accelerator() -> None:
-    """Make DeepSpeed use its CPU accelerator (it may have picked CUDA on a machine that has one)."""
-    from deepspeed.accelerator import get_accelerator, set_accelerator
-
-    if get_accelerator().device_name() != "cpu":
-        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
-
-        set_accelerator(CPU_Accelerator())
-
-
-def _param_bytes(strategy: pl.strategies.Strategy) -> int:
-    return 2 if str(strategy.precision_plugin.precision).startswith(("bf16", "16")) else 4
-
-
-def _describe(plan: off.OffloadPlan) -> str:
-    return f"{plan.backend}, ZeRO-{plan.zero_stage}, optimizer->{plan.optimizer}, parameters->{plan.parameters}"
-
-
-def _print_table(table: Any) -> None:
-    from rich.console import Console
-
-    Console().print(table)

@@ -41,6 +41,7 @@ from typing_extensions import override
 
 import lightning.pytorch as pl
 from lightning_dist import checkpoint as ckpt
+from lightning_dist._integrations.lightning import route_clip_grad_by_norm
 from lightning_dist.mesh import PP, TP, MeshSpec
 from lightning_dist.parallelize import pipeline as plan
 from lightning_dist.parallelize.compile import apply_compile, check_compile_option, compile_units
@@ -420,7 +421,7 @@ class PipelineStrategy(MeshStrategy):
             )
         super().setup(trainer)
         # Lightning clips each process's gradients alone; the norm must span every stage (and FSDP shard)
-        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+        route_clip_grad_by_norm(self.precision_plugin, self._clip_grad_by_norm)
 
     def _clip_grad_by_norm(self, optimizer: Any, clip_val: Union[int, float]) -> None:
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]

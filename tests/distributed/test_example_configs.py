@@ -20,7 +20,7 @@ import pytest
 import yaml
 from _harness import ROOT, SCENARIOS, results, run_script, run_torchrun
 
-from lightning_dist.parallelize.offload import async_io_available
+from lightning_dist._compat import async_io_available
 
 pytestmark = pytest.mark.distributed
 

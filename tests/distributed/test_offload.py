@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from lightning_dist.parallelize.offload import async_io_available
+from lightning_dist._compat import async_io_available
 from tests._harness import results, run_script, run_torchrun
 
 pytestmark = pytest.mark.distributed

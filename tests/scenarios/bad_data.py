@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_dist.callbacks.pipeline_bubble import PipelineBubble
-from lightning_dist.guards import FiniteLossGuard, TrainDataGuard
+from lightning_dist.callbacks import FiniteLossGuard, TrainDataGuard
 from lightning_dist.strategies import HybridShardStrategy
 
 out = Path(sys.argv[1])

@@ -23,7 +23,8 @@ from lightning.pytorch import seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
-from lightning_dist.data import ResumableDataLoader, ResumeRNG
+from lightning_dist.callbacks import ResumeRNG
+from lightning_dist.data import ResumableDataLoader
 from lightning_dist.strategies import HybridShardStrategy, OffloadStrategy, PipelineStrategy
 from lightning_dist.strategies.tp import TensorParallelStrategy
 

@@ -174,7 +174,7 @@ def _pin_needs_cuda_skip():
 
 
 def _pin():
-    from lightning_dist.strategies import offload
+    from lightning_dist.strategies import offload_fsdp2 as offload
 
     # the refusal is for machines without a CUDA device: build that condition on every machine
     saved, offload.CUDA_AVAILABLE = offload.CUDA_AVAILABLE, False
@@ -364,7 +364,7 @@ def test_table_in_docs_lists_every_case():
 def test_guards_train_data_problems_pure():
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_dist.guards import train_data_problems
+    from lightning_dist.callbacks.guards import train_data_problems
 
     data = TensorDataset(torch.zeros(6, 2))
     assert train_data_problems(DataLoader(data, batch_size=2), dp_size=4) == []

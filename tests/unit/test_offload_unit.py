@@ -191,7 +191,7 @@ def test_tensor_bytes_counts_storage_once():
 # ---- memory-lean defaults with parameters on NVMe -------------------------------------------------
 @needs_deepspeed
 def test_nvme_parameters_lean_defaults(tmp_path):
-    from lightning_dist.strategies.offload import NVME_PARAMS_BUFFER_SIZE
+    from lightning_dist.strategies._offload_nvme import NVME_PARAMS_BUFFER_SIZE
 
     zero = OffloadStrategy(optimizer="nvme", parameters="nvme", nvme_path=str(tmp_path)).config["zero_optimization"]
     # parameters really on NVMe (DeepSpeed keeps up to `max_in_cpu` elements in host memory), released after each use
@@ -229,7 +229,7 @@ def test_nvme_param_buffers_sized_to_the_largest_partition(tmp_path):
 def test_resize_param_swap_buffers_only_while_free():
     from types import SimpleNamespace
 
-    from lightning_dist.parallelize.offload import resize_param_swap_buffers
+    from lightning_dist._integrations.deepspeed import resize_param_swap_buffers
 
     freed = []
     handle = SimpleNamespace(new_cpu_locked_tensor=lambda n, example: torch.empty(n, dtype=example.dtype),

@@ -5,7 +5,8 @@ import random
 import torch
 from torch.utils.data import DistributedSampler, TensorDataset
 
-from lightning_dist.data import ResumableDataLoader, ResumeRNG
+from lightning_dist.callbacks import ResumeRNG
+from lightning_dist.data import ResumableDataLoader
 
 
 class CountingDataset(TensorDataset):

@@ -134,7 +134,7 @@ def test_every_strategy_takes_timeout_as_seconds_or_timedelta():
     from datetime import timedelta
 
     from lightning_dist.strategies import FullyShardStrategy, HybridShardStrategy, PipelineStrategy
-    from lightning_dist.strategies.offload import FSDP2OffloadStrategy, OffloadStrategy
+    from lightning_dist.strategies import FSDP2OffloadStrategy, OffloadStrategy
     from lightning_dist.strategies.tp import TensorParallelStrategy
 
     for cls in (HybridShardStrategy, FullyShardStrategy, TensorParallelStrategy, PipelineStrategy,

@@ -13,29 +13,19 @@ all-reduced), so every rank raises at the same point and no rank is left waiting
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sized
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities import CombinedLoader
 from typing_extensions import override
 
+from lightning_dist.callbacks.sampler_epoch import _loaders
+from lightning_dist.data import samples_per_rank
 from lightning_dist.mesh import data_parallel_info
 
 __all__ = ["FiniteLossGuard", "TrainDataGuard", "check_data_runs_out_together", "train_data_problems"]
-
-
-def _loaders(obj: Any) -> list:
-    if isinstance(obj, CombinedLoader):
-        return list(obj.flattened)
-    if isinstance(obj, (list, tuple)):
-        return [x for v in obj for x in _loaders(v)]
-    if isinstance(obj, dict):
-        return [x for v in obj.values() for x in _loaders(v)]
-    return [] if obj is None else [obj]
 
 
 def train_data_problems(loader: Any, *, dp_size: int) -> list[str]:
@@ -54,7 +44,7 @@ def train_data_problems(loader: Any, *, dp_size: int) -> list[str]:
                 f" most {n} data-parallel ranks (devices x nodes / (tp x pp)) or a dataset of >= {dp_size} samples."]
     batch_size = getattr(loader, "batch_size", None)
     if getattr(loader, "drop_last", False) and batch_size:
-        per_rank = n // dp_size if getattr(loader.sampler, "drop_last", False) else math.ceil(n / dp_size)
+        per_rank = samples_per_rank(n, dp_size, drop_last=getattr(loader.sampler, "drop_last", False))
         if per_rank < batch_size:
             return [f"The training dataset ({name}) has {n} samples, {per_rank} per data-parallel rank over"
                     f" {dp_size} ranks, fewer than batch_size={batch_size} with drop_last=True: no batch would"

@@ -1,0 +1,93 @@
+"""Lightning: each change to (or reach into) its private parts, as one small named function.
+
+* :func:`set_module_device_mesh`: the mesh behind ``LightningModule.device_mesh`` (its private ``_device_mesh``);
+* :func:`route_clip_grad_by_norm`: a strategy's own gradient-norm clipping in place of the precision plugin's;
+* :func:`wrap_strategy_methods` / :func:`unwrap_strategy_methods`: a callback's wrappers around one strategy
+  instance's ``process_dataloader`` and step methods, and their removal;
+* :data:`SubprocessScriptLauncher` and :func:`replace_default_launcher`: the pack's launcher in place of
+  Lightning's (its base class is private);
+* the private Lightning helpers the pack calls because there is no public one (process-group start,
+  ``sync_dist`` reduction, optimizer-state moves, thread setup), imported here under their own names so
+  that every reach into Lightning's private modules is listed in this file.
+
+Each refuses a Lightning release outside :data:`lightning_dist._compat.LIGHTNING_RANGE`
+(:func:`~lightning_dist._compat.require_tested_lightning`); tests: ``tests/unit/test_integrations.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+# Lightning's script launcher (re-runs the command per rank); the pack's JobLauncher extends it
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher as SubprocessScriptLauncher
+
+# Lightning's private helpers, called as Lightning's own strategies call them (no public equivalent)
+from lightning.fabric.strategies.launchers.subprocess_script import _set_num_threads_if_needed  # noqa: F401
+from lightning.fabric.utilities.distributed import (  # noqa: F401
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.optimizer import _optimizers_to_device  # noqa: F401
+
+from lightning_dist._compat import require_tested_lightning
+
+__all__ = [
+    "SubprocessScriptLauncher",
+    "replace_default_launcher",
+    "route_clip_grad_by_norm",
+    "set_module_device_mesh",
+    "unwrap_strategy_methods",
+    "wrap_strategy_methods",
+]
+
+
+def set_module_device_mesh(module: Any, device_mesh: Any) -> None:
+    """Make ``module.device_mesh`` (Lightning's read-only property) return ``device_mesh``.
+
+    Reason: the property reads the private ``_device_mesh``, which only Lightning's own ModelParallelStrategy
+    sets; there is no public setter.
+    """
+    require_tested_lightning("LightningModule._device_mesh write (set_module_device_mesh)")
+    module._device_mesh = device_mesh
+
+
+def route_clip_grad_by_norm(precision_plugin: Any, clip: Callable[[Any, float], None]) -> None:
+    """Make ``precision_plugin.clip_grad_by_norm(optimizer, clip_val)`` call ``clip`` (on this instance only).
+
+    Reason: Lightning clips each process's gradients alone (``Precision.clip_grad_by_norm`` has no process
+    group) and gives a strategy no hook for it; a pipeline's norm must span every stage.
+    """
+    require_tested_lightning("Precision.clip_grad_by_norm replacement (route_clip_grad_by_norm)")
+    precision_plugin.clip_grad_by_norm = clip
+
+
+def wrap_strategy_methods(strategy: Any, wrappers: Mapping[str, Callable[[Callable], Callable]]) -> None:
+    """Replace each ``strategy.<name>`` by ``wrapper(original)``, on this instance only.
+
+    Reason: ``Strategy.process_dataloader`` is Lightning's designated point to change a loader after the
+    sampler injection, but only a strategy subclass can override it; a callback wraps the instance's method.
+    """
+    require_tested_lightning("Strategy method wrappers (wrap_strategy_methods)")
+    for name, wrap in wrappers.items():
+        setattr(strategy, name, wrap(getattr(strategy, name)))
+
+
+def unwrap_strategy_methods(strategy: Any, names: Iterable[str]) -> None:
+    """Undo :func:`wrap_strategy_methods`: drop the instance attributes, so the class methods are back."""
+    for name in names:
+        if name in vars(strategy):
+            delattr(strategy, name)
+
+
+def replace_default_launcher(strategy: Any, make_launcher: Callable[[], Any]) -> None:
+    """Put ``make_launcher()`` in place of the strategy's launcher when it is Lightning's default script launcher.
+
+    Reason: Lightning's strategies pick their launcher in the private ``_configure_launcher`` into the private
+    ``_launcher``; the pack's launcher ends every rank when one fails (no rank outlives the job).
+    """
+    require_tested_lightning("Strategy._launcher replacement (replace_default_launcher)")
+    if type(strategy._launcher) is SubprocessScriptLauncher:
+        strategy._launcher = make_launcher()

@@ -1,0 +1,90 @@
+"""Memory and communication planner: what each parallel layout costs per device, before launch.
+
+Pure arithmetic, no process group: every rank (or a laptop) can plan, and every formula is unit-tested
+in one process. ``lightning-dist plan`` (:mod:`lightning_dist.cli`) prints the candidate layouts.
+
+Notation
+--------
+``P``  parameters the device's model replica holds (after the pipeline and tensor-parallel splits);
+``W``  size of the group a collective runs over; ``S`` shard-group size (``dp_shard``);
+``R``  replica groups (``dp_replicate``), ``S * R = dp``; ``t`` tensor-parallel size; ``p`` pipeline
+stages; ``m`` micro-batches per step; ``v`` virtual stages per rank (interleaved pipelines).
+Bytes per parameter come from :class:`StateBytes`: ``b_p`` (parameter storage), ``b_g`` (gradient),
+``b_o`` (optimizer state, incl. an fp32 master copy where one is kept), ``b_gather`` (dtype of the
+parameters all-gathered for compute) and ``b_reduce`` (dtype gradients are reduced in).
+
+Modules
+-------
+:mod:`~lightning_dist.planner.memory`       bytes per parameter and model-state bytes per device (ZeRO, HSDP, tp, pp,
+                                             offload tiers)
+:mod:`~lightning_dist.planner.shards`       exact FSDP2 dim-0 shards and ZeroRedundancyOptimizer partitions
+:mod:`~lightning_dist.planner.traffic`      collectives per step (payload and ring wire bytes), pipeline bubble
+:mod:`~lightning_dist.planner.activations`  peak activation bytes of transformer blocks
+:mod:`~lightning_dist.planner.model`        parameter counts of a module (:func:`count_params`)
+:mod:`~lightning_dist.planner.layouts`      candidate layouts, the recommendation, auto_parallel's ranking
+
+Turning user input (``"80GB"``, ``"1.5B"``, class paths, LightningCLI YAML) into these arguments is
+:mod:`lightning_dist.inputs`' job; its functions are re-exported here, where they used to live.
+"""
+
+from __future__ import annotations
+
+from lightning_dist.inputs import build_meta_model, import_class, model_spec_from_config, parse_bytes, parse_count
+from lightning_dist.planner.activations import BlockShape, activation_bytes
+from lightning_dist.planner.layouts import (
+    AUTO_KINDS,
+    KIND_ORDER,
+    ActivationShape,
+    Layout,
+    candidate_layouts,
+    rank_layouts,
+    recommend,
+)
+from lightning_dist.planner.memory import (
+    OPTIMIZER_SLOTS,
+    PRECISIONS,
+    TIERS,
+    MemoryBreakdown,
+    OffloadTiers,
+    StateBytes,
+    ddp_bytes,
+    hsdp_bytes,
+    model_state_bytes,
+    pipeline_bytes,
+    split_stages,
+    state_bytes,
+    tp_bytes,
+    tp_local_params,
+    zero_bytes,
+)
+from lightning_dist.planner.model import ParamCounts, count_params
+from lightning_dist.planner.shards import (
+    fsdp2_local_numel,
+    fsdp2_state_bytes,
+    per_parameter_shards,
+    zero_redundancy_owners,
+    zero_redundancy_partition,
+)
+from lightning_dist.planner.traffic import (
+    SCHEDULES,
+    Collective,
+    data_parallel_traffic,
+    fsdp2_traffic,
+    pipeline_idle_fraction,
+    pipeline_p2p_traffic,
+    ring_all_gather_bytes,
+    ring_all_reduce_bytes,
+    tp_activation_traffic,
+)
+
+__all__ = [
+    "AUTO_KINDS", "KIND_ORDER", "OPTIMIZER_SLOTS", "PRECISIONS", "SCHEDULES", "TIERS",
+    "ActivationShape", "BlockShape", "Collective", "Layout", "MemoryBreakdown", "OffloadTiers", "ParamCounts",
+    "StateBytes", "activation_bytes", "candidate_layouts", "count_params", "data_parallel_traffic", "ddp_bytes",
+    "fsdp2_local_numel", "fsdp2_state_bytes", "fsdp2_traffic", "hsdp_bytes", "model_state_bytes",
+    "per_parameter_shards", "pipeline_bytes", "pipeline_idle_fraction", "pipeline_p2p_traffic", "rank_layouts",
+    "recommend", "ring_all_gather_bytes", "ring_all_reduce_bytes", "split_stages", "state_bytes", "tp_activation_traffic",
+    "tp_bytes", "tp_local_params", "zero_bytes", "zero_redundancy_owners", "zero_redundancy_partition",
+    # lightning_dist.inputs
+    "build_meta_model", "import_class", "model_spec_from_config", "parse_bytes", "parse_count",
+]

@@ -1,0 +1,82 @@
+"""Peak activation bytes of a training step for the pack's pre-norm transformer blocks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_dist.planner._checks import _check_count, _check_size
+
+@dataclass(frozen=True, kw_only=True)
+class BlockShape:
+    """Sizes of a pre-norm transformer block (the pack's GPT family) for :func:`activation_bytes`."""
+
+    hidden: int
+    """Model width ``C``."""
+    heads: int
+    """Attention heads ``h``."""
+    mlp_hidden: int
+    """MLP inner width ``H``."""
+    vocab: int | None = None
+    """Vocabulary size ``V`` of the output head (None: no head term)."""
+    kv_heads: int | None = None
+    """Key/value heads (grouped-query attention); None: ``heads``."""
+
+    @property
+    def params(self) -> float:
+        """Weights of one block: q and proj ``C^2`` each, k and v ``C C_kv`` each, fc1 and fc2 ``C H`` each."""
+        C = self.hidden
+        kv = C * (self.kv_heads or self.heads) / self.heads
+        return 2 * C * C + 2 * C * kv + 2 * C * self.mlp_hidden
+
+
+def activation_bytes(
+    block: BlockShape, *, tokens: int, blocks: int, tp: int = 1, bytes_per_element: float = 2,
+    residual_bytes: float | None = None, micro_batches_held: int = 1, stem: bool = True, head: bool = True,
+    head_gathered: bool = False, checkpointed: bool = False, autocast: bool = False,
+) -> float:
+    """Peak activation bytes of one training step on one device (saved for backward + the backward's start).
+
+    ``N = tokens`` per micro-batch on this device (batch x sequence), ``a`` = ``bytes_per_element`` (compute
+    dtype), ``f`` = ``residual_bytes`` (the residual stream's dtype; default ``a``), ``t`` = ``tp``.
+    Per pre-norm block (``norm1 -> q, k, v -> attention -> proj``, ``norm2 -> fc1 -> GELU -> fc2``), the
+    tensors autograd keeps for backward, per token::
+
+        norm inputs             2 f C              (norm1, norm2; + 2 x 8 B of mean / rstd)
+        norm outputs            2 a C              (the q/k/v input and the fc1 input: replicated over tp)
+        q, k, v, attention out  4 a C / t          (the attention kernel's saved inputs and output)
+        proj input              a C / t
+        GELU and fc2 inputs     2 a H / t
+        log-sum-exp             4 h / t
+
+    ``autocast`` (Lightning's ``*-mixed`` precision without FSDP2's cast of the parameters): each linear casts
+    its input and its weight to the compute dtype itself and keeps both, so the q, k, v and fc1 inputs are
+    four copies (``4 a C`` instead of ``2 a C``) and each block (and the head) keeps a compute-dtype copy of
+    its tensor-parallel local weights per micro-batch (``a x params / t``, not per token).
+    ``checkpointed``: a block keeps only its input ``f C`` and one block's full set is live again while it is
+    recomputed. The stem (``stem``) adds the embedding output ``a C`` (and the int64 token ids);
+    the head (``head``) the final norm's input and output ``(f + a) C`` and, when backward starts, the
+    cross-entropy's saved log-probabilities, their gradient and the logits' gradient in the loss dtype
+    (``3 f V``; the loss runs in the residual dtype, float32 under autocast) plus the logits' gradient in
+    the compute dtype (``a V`` when the head is ``colwise_gather`` across ``tp``, ``head_gathered``, else
+    ``a V / t``); the logits themselves are not kept (no backward needs them). A pipeline stage holds
+    ``micro_batches_held`` micro-batches at its peak (1F1B: ``p - s``); the head runs on one at a time.
+    """
+    for name, value in (("tokens", tokens), ("tp", tp), ("micro_batches_held", micro_batches_held)):
+        _check_size(name, value)
+    _check_count("blocks", blocks)
+    a = bytes_per_element
+    f = a if residual_bytes is None else residual_bytes
+    C, H, h, t = block.hidden, block.mlp_hidden, block.heads, tp
+    copies = 4 if autocast else 2  # compute-dtype inputs of q, k, v and fc1 (one shared norm output without autocast)
+    full = 2 * f * C + 16 + copies * a * C + 4 * a * C / t + a * C / t + 2 * a * H / t + 4 * h / t
+    per_block = f * C if checkpointed else full
+    saved = blocks * per_block + (full if checkpointed and blocks else 0)
+    if stem:
+        saved += a * C + 8
+    weights = (blocks * block.params / t) * a if autocast else 0.0  # per micro-batch, not per token
+    total = micro_batches_held * (saved * tokens + weights)
+    if head and block.vocab:
+        V = block.vocab
+        per_token = (f + a) * C + 16 + 3 * f * V + (a * V if head_gathered else a * V / t)
+        total += per_token * tokens + (a * C * V / t if autocast else 0.0)
+    return total

@@ -1,0 +1,246 @@
+"""Communication per step, per device: each collective's payload and ring wire bytes.
+
+Communication per step, per device (:func:`data_parallel_traffic` and friends)
+------------------------------------------------------------------------------
+Each :class:`Collective` carries a *payload* (the full, unsharded tensor bytes moved per step, summed over
+calls) and its ring-algorithm *wire* bytes (what one device sends, = what it receives)::
+
+    all-reduce       wire = 2 (W - 1) / W * payload      (a reduce-scatter followed by an all-gather)
+    all-gather       wire =   (W - 1) / W * payload      (payload = gathered output)
+    reduce-scatter   wire =   (W - 1) / W * payload      (payload = full input)
+    broadcast        wire =   (W - 1) / W * payload      (every rank broadcasts its 1/W partition)
+    send/recv        wire = payload
+
+* DDP: one gradient all-reduce over ``dp``: ``2 (W - 1) / W * P b_reduce``.
+* ZeRO-1 as torch's ``ZeroRedundancyOptimizer`` does it: the DDP all-reduce plus a broadcast of the updated
+  parameter partitions, ``(W - 1) / W * P b_p``.
+* ZeRO-2 (FSDP2 ``reshard_after_forward=False``): one all-gather + one reduce-scatter on ``dp_shard``:
+  ``2 (S - 1) / S`` model sizes (the same volume as DDP).
+* ZeRO-3 / full sharding: two all-gathers (forward, backward) + one reduce-scatter: ``3 (S - 1) / S`` model
+  sizes, 1.5x DDP. FSDP2 does not reshard the root module after forward, so parameters held directly by the
+  root unit (``root_params``) are gathered once: gather payload ``(2 P - root_params) b_gather``.
+* Hybrid sharding adds, on ``dp_replicate``, the all-reduce of each rank's ``1 / S`` gradient shard:
+  ``2 (R - 1) / R * P b_reduce / S``.
+* Tensor parallel (Megatron-style block: column-parallel then row-parallel linears, ``n_row`` row-parallel
+  linears per block, 2 for attention + MLP): forward one all-reduce of the ``batch * seq * hidden``
+  activation per row-parallel linear, backward one all-reduce of the same size per column-parallel input:
+  payload ``2 n_row L * b s h * b_act`` on ``tp`` (:func:`tp_activation_traffic`). With sequence parallelism
+  each all-reduce becomes an all-gather + a reduce-scatter of the same payload: same wire bytes. Only the
+  blocks are counted (not a vocabulary-parallel embedding or loss-parallel head).
+* Pipeline: per micro-batch, each stage boundary carries the activation forward and its gradient back;
+  an interior stage sends ``2 m v A`` bytes per step (``A`` = activation bytes per micro-batch,
+  :func:`pipeline_p2p_traffic`). Idle (bubble) fraction of a step with equal stage times:
+  GPipe and 1F1B ``(p - 1) / (m + p - 1)``; interleaved 1F1B ``(p - 1) / (v m + p - 1)``.
+
+"Per step" is one forward + backward + optimizer step; with ``k`` gradient-accumulation micro-steps FSDP
+gathers ``k`` times while DDP under ``no_sync`` still all-reduces once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from lightning_dist.mesh import DP, DP_REPLICATE, DP_SHARD, PP, TP
+from lightning_dist.planner._checks import _check_count, _check_size, _check_zero_stage
+from lightning_dist.planner.memory import StateBytes
+from lightning_dist.planner.shards import fsdp2_local_numel
+
+# Spelled as PipelineStrategy(schedule=...) spells them (lightning_dist.parallelize.pipeline_schedule.SCHEDULES).
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b")
+# The planner's former spelling, still accepted so existing calls and configs keep working.
+_SCHEDULE_ALIASES = {"interleaved-1f1b": "interleaved_1f1b"}
+
+_WIRE_FACTOR = {
+    "all_reduce": lambda w: 2 * (w - 1) / w,
+    "all_gather": lambda w: (w - 1) / w,
+    "reduce_scatter": lambda w: (w - 1) / w,
+    "broadcast": lambda w: (w - 1) / w,
+    "send_recv": lambda w: 1.0,
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Collective:
+    """One kind of communication per training step on one mesh dim."""
+
+    op: str
+    """``all_reduce``, ``all_gather``, ``reduce_scatter``, ``broadcast`` or ``send_recv``."""
+    dim: str
+    """Mesh dim (``dp``, ``dp_shard``, ``dp_replicate``, ``tp``, ``pp``)."""
+    group_size: int
+    """Ranks in the group."""
+    payload_bytes: float
+    """Full (unsharded) tensor bytes per step, summed over calls (all-gather: output; reduce-scatter: input)."""
+    what: str = ""
+    """What is moved (gradients, parameters, activations)."""
+
+    def __post_init__(self) -> None:
+        if self.op not in _WIRE_FACTOR:
+            raise ValueError(f"Unknown collective op {self.op!r}; use one of {sorted(_WIRE_FACTOR)}.")
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes one device sends per step with ring algorithms (see the module docstring)."""
+        return _WIRE_FACTOR[self.op](self.group_size) * self.payload_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "wire_bytes": self.wire_bytes}
+
+
+def ring_all_reduce_bytes(size_bytes: float, world_size: int) -> float:
+    """``2 (W - 1) / W * size``: bytes each rank sends in a ring all-reduce."""
+    _check_size("world_size", world_size)
+    return 2 * (world_size - 1) / world_size * size_bytes
+
+
+def ring_all_gather_bytes(size_bytes: float, world_size: int) -> float:
+    """``(W - 1) / W * size`` (size = gathered output): bytes each rank sends; also reduce-scatter of an input."""
+    _check_size("world_size", world_size)
+    return (world_size - 1) / world_size * size_bytes
+
+
+def data_parallel_traffic(
+    num_params: float, *, state: StateBytes, zero_stage: int, shard_size: int, replicate_size: int = 1,
+    root_params: float = 0,
+) -> list[Collective]:
+    """Data-parallel collectives per step for ``num_params`` on this device (see the module docstring).
+
+    ``zero_stage`` 0 and 1 run over the flattened ``dp`` (``shard_size * replicate_size`` ranks);
+    stages 2 and 3 gather / reduce-scatter on ``dp_shard`` and all-reduce the ``1 / S`` shard on
+    ``dp_replicate``. ``root_params``: parameters of the FSDP2 root unit, gathered once (stage 3).
+    """
+    _check_count("num_params", num_params)
+    _check_zero_stage(zero_stage)
+    _check_size("shard_size", shard_size)
+    _check_size("replicate_size", replicate_size)
+    _check_count("root_params", root_params)
+    dp = shard_size * replicate_size
+    grads = num_params * state.reduce
+    if zero_stage <= 1:
+        out = [Collective(op="all_reduce", dim=DP, group_size=dp, payload_bytes=grads, what="gradients")]
+        if zero_stage == 1:  # ZeroRedundancyOptimizer: each rank broadcasts its updated partition
+            out.append(Collective(op="broadcast", dim=DP, group_size=dp, payload_bytes=num_params * state.param,
+                                  what="updated parameters"))
+        return out
+    gathers = 2 * num_params - min(root_params, num_params) if zero_stage == 3 else num_params
+    out = [
+        Collective(op="all_gather", dim=DP_SHARD, group_size=shard_size, payload_bytes=gathers * state.gather,
+                   what="parameters"),
+        Collective(op="reduce_scatter", dim=DP_SHARD, group_size=shard_size, payload_bytes=grads, what="gradients"),
+    ]
+    if replicate_size > 1:
+        out.append(Collective(op="all_reduce", dim=DP_REPLICATE, group_size=replicate_size,
+                              payload_bytes=grads / shard_size, what="gradient shards"))
+    return out
+
+
+def fsdp2_traffic(
+    unit_shapes: Iterable[Sequence[int]], *, root_shapes: Iterable[Sequence[int]] = (), shard_size: int,
+    replicate_size: int = 1, state: StateBytes, zero_stage: int = 3,
+) -> list[Collective]:
+    """Exact FSDP2 collectives per step (one forward + backward), padding included.
+
+    FSDP2 gathers and reduce-scatters the *padded* shards: a parameter of dim 0 ``d0`` moves
+    ``S * ceil(d0 / S) * rest`` elements (``S * padded`` of :func:`fsdp2_local_numel`), which for small or
+    odd-sized models exceeds the closed form of :func:`data_parallel_traffic` noticeably.
+    ``unit_shapes``: parameters of the non-root ``fully_shard`` units (gathered in forward and again in
+    backward at ``zero_stage`` 3); ``root_shapes``: parameters held directly by the root unit, which FSDP2
+    does not reshard after forward (gathered once). ``zero_stage`` 2 (``reshard_after_forward=False``)
+    gathers every unit once. HSDP all-reduces each rank's padded gradient shard on ``dp_replicate``.
+    """
+    if zero_stage not in (2, 3):
+        raise ValueError(f"`zero_stage={zero_stage!r}`: FSDP2 traffic is defined for stages 2 and 3.")
+    _check_size("shard_size", shard_size)
+    _check_size("replicate_size", replicate_size)
+
+    def padded(shapes: Iterable[Sequence[int]]) -> int:
+        return sum(shard_size * fsdp2_local_numel(tuple(s), shard_size, 0, padded=True) for s in shapes)
+
+    units, root = padded(unit_shapes), padded(root_shapes)
+    gathered = (2 if zero_stage == 3 else 1) * units + root
+    out = [
+        Collective(op="all_gather", dim=DP_SHARD, group_size=shard_size, payload_bytes=gathered * state.gather,
+                   what="parameters (padded shards)"),
+        Collective(op="reduce_scatter", dim=DP_SHARD, group_size=shard_size,
+                   payload_bytes=(units + root) * state.reduce, what="gradients (padded)"),
+    ]
+    if replicate_size > 1:
+        out.append(Collective(op="all_reduce", dim=DP_REPLICATE, group_size=replicate_size,
+                              payload_bytes=(units + root) / shard_size * state.reduce, what="gradient shards"))
+    return out
+
+
+def tp_activation_traffic(
+    *, batch: int, seq: int, hidden: int, blocks: int, tp: int, bytes_per_element: float,
+    row_parallel_per_block: int = 2, sequence_parallel: bool = False,
+    gathered: Sequence[tuple[float, float]] = (),
+) -> list[Collective]:
+    """Tensor-parallel activation collectives per step (Megatron-style blocks, see the module docstring).
+
+    ``A = batch * seq * hidden * bytes_per_element`` (``batch``: samples per data-parallel rank per step).
+    Without sequence parallelism: all-reduce payload ``2 * row_parallel_per_block * blocks * A`` (forward
+    output of each row-parallel linear + backward input-gradient of each column-parallel one). With it:
+    an all-gather and a reduce-scatter, each of that payload. ``gathered``: ``(input bytes, output bytes)``
+    of each ``colwise_gather`` layer (an output head): its output all-gathered in the forward, its input
+    gradient all-reduced in the backward.
+    """
+    for name, value in (("batch", batch), ("seq", seq), ("hidden", hidden), ("blocks", blocks), ("tp", tp),
+                        ("row_parallel_per_block", row_parallel_per_block)):
+        _check_size(name, value)
+    _check_count("bytes_per_element", bytes_per_element)
+    payload = 2 * row_parallel_per_block * blocks * batch * seq * hidden * bytes_per_element
+    head_in, head_out = sum(float(i) for i, _ in gathered), sum(float(o) for _, o in gathered)
+    if not sequence_parallel:
+        out = [Collective(op="all_reduce", dim=TP, group_size=tp, payload_bytes=payload + head_in, what="activations")]
+        if head_out:
+            out.append(Collective(op="all_gather", dim=TP, group_size=tp, payload_bytes=head_out, what="head output"))
+        return out
+    out = [
+        Collective(op="all_gather", dim=TP, group_size=tp, payload_bytes=payload + head_out, what="activations"),
+        Collective(op="reduce_scatter", dim=TP, group_size=tp, payload_bytes=payload, what="activations"),
+    ]
+    if head_in:
+        out.append(Collective(op="all_reduce", dim=TP, group_size=tp, payload_bytes=head_in, what="head input grad"))
+    return out
+
+
+def _check_schedule(schedule: str, virtual_stages: int) -> str:
+    """The runtime's name of ``schedule``; ValueError for an unknown one or ``virtual_stages`` it cannot run."""
+    schedule = _SCHEDULE_ALIASES.get(schedule, schedule)
+    if schedule not in SCHEDULES:
+        raise ValueError(f"Unknown pipeline schedule {schedule!r}; use one of {SCHEDULES}.")
+    _check_size("virtual_stages", virtual_stages)
+    if schedule != "interleaved_1f1b" and virtual_stages != 1:
+        raise ValueError(f"virtual_stages={virtual_stages} needs schedule='interleaved_1f1b' ({schedule!r} runs"
+                         " one stage per rank).")
+    return schedule
+
+
+def pipeline_idle_fraction(
+    *, stages: int, micro_batches: int, schedule: str = "1f1b", virtual_stages: int = 1
+) -> float:
+    """Bubble share of a step with equal stage times: ``(p-1)/(m+p-1)`` for GPipe and 1F1B (1F1B reorders
+    the work and cuts activation memory, not the bubble); ``(p-1)/(v m + p-1)`` for interleaved 1F1B."""
+    _check_size("stages", stages)
+    _check_size("micro_batches", micro_batches)
+    _check_schedule(schedule, virtual_stages)
+    return (stages - 1) / (virtual_stages * micro_batches + stages - 1)
+
+
+def pipeline_p2p_traffic(
+    *, activation_bytes: float, micro_batches: int, stages: int, virtual_stages: int = 1
+) -> list[Collective]:
+    """Stage-boundary traffic per step for an interior rank: each micro-batch's activation
+    (``activation_bytes``) goes forward and its gradient back at each of the rank's ``v`` stages:
+    ``2 m v A`` bytes sent (and the same received). Empty for a single stage."""
+    _check_count("activation_bytes", activation_bytes)
+    _check_size("micro_batches", micro_batches)
+    _check_size("stages", stages)
+    _check_size("virtual_stages", virtual_stages)
+    if stages == 1:
+        return []
+    payload = 2 * micro_batches * virtual_stages * activation_bytes
+    return [Collective(op="send_recv", dim=PP, group_size=stages, payload_bytes=payload,
+                       what="activations + their gradients")]

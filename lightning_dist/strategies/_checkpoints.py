@@ -1,0 +1,71 @@
+"""The checkpoint side of :class:`~lightning_dist.strategies.base.MeshStrategy`: sharded states, any mesh.
+
+Lightning's checkpoint hooks routed to :mod:`lightning_dist.checkpoint`: atomic sharded (DCP) or
+consolidated files, loaded with ``weights_only=True`` into the parallelized model after ``setup``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Optional
+
+import torch
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.strategies import ParallelStrategy
+from typing_extensions import override
+
+from lightning_dist import checkpoint as ckpt
+
+
+class ShardedCheckpointMixin(ParallelStrategy):
+    """Checkpoint hooks of a mesh strategy (expects ``_save_distributed_checkpoint``, set by ``MeshStrategy``)."""
+
+    _save_distributed_checkpoint: bool
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # sharded states load into the parallelized model
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # optimizer states are loaded by `load_checkpoint`
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.model is not None
+        return ckpt.model_state(self.model, full=not self._save_distributed_checkpoint)
+
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        assert self.model is not None
+        return ckpt.optimizer_state(self.model, optimizer, full=not self._save_distributed_checkpoint)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options (no CheckpointIO).")
+        path = self.broadcast(filepath)  # rank 0 decides the path
+        ckpt.save(checkpoint, path, sharded=self._save_distributed_checkpoint)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Load model and optimizer states into the parallelized model (any mesh); return Lightning's metadata."""
+        path = self.broadcast(checkpoint_path)
+        assert self.model is not None and self.lightning_module is not None
+        return ckpt.load(
+            path,
+            model=self.model,
+            optimizers=self.optimizers,
+            strict=self.lightning_module.strict_loading,
+            weights_only=True if weights_only is None else weights_only,
+        )
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """No-op: :meth:`load_checkpoint` already loaded the (sharded) weights."""  # already loaded in `load_checkpoint`
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """No-op: :meth:`load_checkpoint` already loaded the (sharded) optimizer states."""  # already loaded in `load_checkpoint`

@@ -1,0 +1,175 @@
+"""Each patch of `lightning_dist._integrations` on its own, and the version predicates that guard them."""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lightning_dist import _compat
+from lightning_dist._integrations import lightning as lightning_patches
+
+needs_deepspeed = pytest.mark.skipif(not _compat.deepspeed_available(), reason="DeepSpeed is not installed")
+
+
+# ---- predicates ------------------------------------------------------------------------------------------
+def test_untested_releases_are_refused_with_the_range():
+    _compat.require_tested_deepspeed("a patch", version="0.19.8")
+    _compat.require_tested_lightning("a patch", version="2.6.6")
+    with pytest.raises(RuntimeError, match=r"a patch .*deepspeed>=0\.19\.0,<0\.20\.0; found deepspeed 0\.20\.1"):
+        _compat.require_tested_deepspeed("a patch", version="0.20.1")
+    with pytest.raises(RuntimeError, match=r"deepspeed>=0\.19\.0,<0\.20\.0; found deepspeed 0\.18\.9"):
+        _compat.require_tested_deepspeed("a patch", version="0.18.9")
+    with pytest.raises(RuntimeError, match=r"lightning>=2\.6\.0,<2\.7\.0; found lightning 2\.7\.0"):
+        _compat.require_tested_lightning("a patch", version="2.7.0")
+
+
+def test_pyproject_bounds_deepspeed_to_the_tested_range():
+    import tomllib
+    from pathlib import Path
+
+    extras = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    lo, hi = _compat.DEEPSPEED_RANGE
+    assert f"deepspeed>={lo[:-2]},<{hi[:-2]}" in extras["deepspeed"]
+
+
+# ---- DeepSpeed -------------------------------------------------------------------------------------------
+@needs_deepspeed
+def test_initialize_gets_a_device_rank_for_one_call(monkeypatch):
+    import deepspeed
+
+    from lightning_dist._integrations.deepspeed import initialize_with_device_rank
+
+    seen = []
+
+    def initialize(*args, **kwargs):
+        seen.append(kwargs["args"].device_rank)
+        return "engine"
+
+    monkeypatch.setattr(deepspeed, "initialize", initialize)
+    with initialize_with_device_rank(3):
+        assert deepspeed.initialize(args=argparse.Namespace(device_rank=None)) == "engine"
+        deepspeed.initialize(args=argparse.Namespace(device_rank=1))  # a real index is kept
+    assert seen == [3, 1]
+    assert deepspeed.initialize is initialize  # swapped back
+
+
+def test_missing_bit16_restore_becomes_a_no_op():
+    from lightning_dist._integrations.deepspeed import tolerate_missing_bit16_restore
+
+    evaluation = SimpleNamespace()
+    tolerate_missing_bit16_restore(evaluation)
+    assert evaluation._restore_from_bit16_weights() is None
+    own = SimpleNamespace(_restore_from_bit16_weights=lambda: "own")
+    tolerate_missing_bit16_restore(own)
+    assert own._restore_from_bit16_weights() == "own"  # DeepSpeed's own method is never replaced
+    tolerate_missing_bit16_restore(None)  # no ZeRO object at all: nothing to do
+
+
+@needs_deepspeed
+def test_nvme_checkpoint_methods_replace_only_zero3s():
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    from lightning_dist._integrations import deepspeed as ds_patches
+
+    other = SimpleNamespace(optimizer=SimpleNamespace())
+    ds_patches.self_contained_nvme_checkpoints(other)
+    assert not hasattr(other, "zero_nvme_offload_optimizer") and vars(other.optimizer) == {}
+    zero = object.__new__(DeepSpeedZeroOptimizer_Stage3)  # the methods are bound, nothing else is touched
+    engine = SimpleNamespace(optimizer=zero, zero_nvme_offload_optimizer=lambda: True)
+    ds_patches.self_contained_nvme_checkpoints(engine)
+    assert zero._rigid_state_dict.__func__ is ds_patches._nvme_rigid_state_dict
+    assert zero._rigid_load_state_dict.__func__ is ds_patches._nvme_rigid_load_state_dict
+    assert engine.zero_nvme_offload_optimizer() is False  # the swap folder is no longer copied
+
+
+def test_repointed_lr_scheduler_steps_the_new_optimizer_without_warning():
+    from lightning_dist._integrations.deepspeed import repoint_lr_scheduler
+
+    params = [torch.nn.Parameter(torch.ones(2))]
+    old = torch.optim.SGD(params, lr=1.0)
+    scheduler = torch.optim.lr_scheduler.StepLR(old, step_size=1, gamma=0.5)
+    new = torch.optim.SGD(old.param_groups, lr=1.0)
+    repoint_lr_scheduler(scheduler, new)
+    params[0].grad = torch.ones(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch warns when the step was overridden after the scheduler started
+        new.step()
+        scheduler.step()
+    assert scheduler.optimizer is new and new.param_groups[0]["lr"] == 0.5
+    assert torch.equal(params[0].detach(), torch.zeros(2))
+
+
+def test_zero_state_tensors_by_kind():
+    from lightning_dist._integrations.deepspeed import zero_state_tensors
+
+    module = torch.nn.Linear(2, 2)
+    weight = module.weight
+    weight.ds_tensor = torch.zeros(3)  # ZeRO-3's partition of this rank
+    master, moment, flat_grads = torch.zeros(3), torch.zeros(3), torch.zeros(3)
+    master.grad = torch.ones(3)
+    inner = SimpleNamespace(state={master: {"exp_avg": moment, "step": 1}})
+    zero = SimpleNamespace(fp32_partitioned_groups_flat=[master], optimizer=inner,
+                           grad_partitions_flat_buffer=flat_grads)
+    got = zero_state_tensors(SimpleNamespace(optimizer=zero, module=module))
+    assert got["parameters"][:2] == [weight, module.bias] and got["parameters"][2] is weight.ds_tensor
+    assert got["parameters"][3] is None  # the bias has no partition attribute
+    assert got["gradients"][-2] is master.grad and got["gradients"][-1] is flat_grads
+    assert got["optimizer"] == [master, moment]  # the int step is not a tensor
+
+
+def test_param_partitions_and_swappers():
+    from lightning_dist._integrations.deepspeed import param_partition_numels, param_swappers
+
+    model = torch.nn.Linear(5, 2)  # weight 10 elements, bias 2
+    assert param_partition_numels(model, 4) == [3, 1]  # ceil(numel / world) before partitioning
+    model.weight.ds_tensor = SimpleNamespace(ds_numel=7)
+    assert param_partition_numels(model, 4) == [7, 1]
+    swapper = object()
+    model.weight.nvme_swapper = model.bias.nvme_swapper = swapper
+    assert param_swappers(model) == [swapper]  # one per distinct swapper
+
+
+# ---- Lightning -------------------------------------------------------------------------------------------
+def test_module_device_mesh_is_set():
+    from lightning.pytorch import LightningModule
+
+    module, mesh = LightningModule(), object()
+    lightning_patches.set_module_device_mesh(module, mesh)
+    assert module.device_mesh is mesh
+
+
+def test_clip_grad_by_norm_is_routed_on_the_instance_only():
+    from lightning.pytorch.plugins.precision import Precision
+
+    calls = []
+    plugin, other = Precision(), Precision()
+    lightning_patches.route_clip_grad_by_norm(plugin, lambda opt, clip: calls.append((opt, clip)))
+    plugin.clip_grad_by_norm("opt", 1.5)
+    assert calls == [("opt", 1.5)]
+    assert "clip_grad_by_norm" not in vars(other)
+
+
+def test_strategy_methods_wrapped_and_unwrapped():
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    strategy = SingleDeviceStrategy(device=torch.device("cpu"))
+    tagged = lambda original: (lambda loader: ("wrapped", original(loader)))  # noqa: E731
+    lightning_patches.wrap_strategy_methods(strategy, {"process_dataloader": tagged})
+    assert strategy.process_dataloader("loader") == ("wrapped", "loader")
+    lightning_patches.unwrap_strategy_methods(strategy, ["process_dataloader", "reduce"])
+    assert strategy.process_dataloader("loader") == "loader"  # the class method again
+
+
+def test_default_launcher_is_replaced_and_others_kept():
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    default = lightning_patches.SubprocessScriptLauncher(LightningEnvironment(), 1, 1)
+    strategy = SimpleNamespace(_launcher=default)
+    lightning_patches.replace_default_launcher(strategy, lambda: "ours")
+    assert strategy._launcher == "ours"
+    lightning_patches.replace_default_launcher(strategy, lambda: "again")  # not Lightning's default: kept
+    assert strategy._launcher == "ours"
