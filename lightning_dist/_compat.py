@@ -28,6 +28,15 @@ PIPELINE_INIT_P2P_TO_SELF = not TORCH_GE_2_13
 # sequence shards under gloo (seen: tp2 x dp_shard2, ViT with 17 tokens); TensorParallelStrategy refuses the mix.
 TP_SEQUENCE_PARALLEL_WITH_DP_HANGS = not TORCH_GE_2_13
 
+# torch's private list of this process's process groups (`distributed_c10d._world.pg_map`, in creation order):
+# the exit flush of gloo's worker threads needs it (_integrations/torch_distributed.py). Tested 2.11-2.14; on
+# another release the flush is skipped and groups are only destroyed.
+TORCH_GROUP_REGISTRY = (
+    compare_version("torch", lambda a, b: a >= b, TORCH_MIN)
+    and compare_version("torch", lambda a, b: a < b, "2.15.0")
+    and hasattr(getattr(torch.distributed, "distributed_c10d", None), "_world")
+)
+
 CUDA_AVAILABLE = torch.cuda.is_available()
 
 

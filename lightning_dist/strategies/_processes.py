@@ -141,18 +141,16 @@ _EXIT_HOOK: list[bool] = []
 
 
 def _destroy_process_group_at_exit() -> None:
-    """Tear the process group down while Python still runs, once per process.
+    """Tear the process groups down while Python still runs, once per process.
 
-    Lightning keeps it alive after fit (a later fit reuses it); left to interpreter shutdown, its C++
-    threads were seen aborting the process ("terminate called without an active exception", exit -6)
-    after all work had finished, failing a healthy job.
+    Lightning keeps them alive after fit (a later fit reuses them); left to interpreter shutdown, a gloo
+    worker thread aborts the process after all work had finished ("terminate called without an active
+    exception", exit -6), failing a healthy job. See :mod:`lightning_dist._integrations.torch_distributed`.
     """
     import atexit
 
-    def destroy() -> None:
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+    from lightning_dist._integrations.torch_distributed import destroy_process_groups_for_exit
 
     if not _EXIT_HOOK:
-        atexit.register(destroy)
+        atexit.register(destroy_process_groups_for_exit)
         _EXIT_HOOK.append(True)

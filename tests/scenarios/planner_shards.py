@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
+from lightning_dist._integrations.torch_distributed import destroy_process_groups_for_exit
 from lightning_dist._compat import fully_shard_api
 from lightning_dist.planner import (
     data_parallel_traffic,
@@ -182,8 +183,7 @@ def main() -> None:
         "zero1": zero1_case(rank, world),
     }
     print("RESULT " + json.dumps(out), flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    destroy_process_groups_for_exit()  # flushes gloo's workers first: no abort at exit
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ from pathlib import Path
 import torch.distributed as dist
 import yaml
 
+from lightning_dist._integrations.torch_distributed import destroy_process_groups_for_exit
+
 ROOT = Path(__file__).resolve().parents[2]
 ENTRY = re.compile(r"python (examples/\w+/train\.py) fit --config")
 
@@ -84,8 +86,7 @@ def main(configs: list[str]) -> None:
         print("RESULT " + json.dumps(result), flush=True)
         if dist.is_initialized():
             dist.barrier()  # every rank done with this config before the next one builds its mesh
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    destroy_process_groups_for_exit()  # flushes gloo's workers first: no abort at exit
 
 
 if __name__ == "__main__":

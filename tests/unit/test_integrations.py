@@ -173,3 +173,76 @@ def test_default_launcher_is_replaced_and_others_kept():
     assert strategy._launcher == "ours"
     lightning_patches.replace_default_launcher(strategy, lambda: "again")  # not Lightning's default: kept
     assert strategy._launcher == "ours"
+
+
+# ---- torch.distributed -----------------------------------------------------------------------------------
+_EXIT_SCRIPT = r"""
+import os, sys
+import torch.distributed as dist
+from lightning_dist._integrations import torch_distributed as td
+
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+dist.init_process_group("gloo", rank=0, world_size=1)
+sub = dist.new_group([0])  # a second gloo group: flushed too, after WORLD (creation order)
+print("GROUPS", len(td.gloo_groups()), td.gloo_groups()[0] is dist.group.WORLD)
+if sys.argv[2] == "failing":
+    sys.last_value = RuntimeError("an uncaught exception is ending the script")
+td.destroy_process_groups_for_exit(rounds=3)
+print("DESTROYED", not dist.is_initialized())
+"""
+
+
+def test_exit_flush_finds_every_gloo_group_then_destroys(tmp_path):
+    import subprocess
+    import sys
+
+    from _harness import free_port
+
+    from lightning_dist._integrations import torch_distributed as td
+
+    assert _compat.TORCH_GROUP_REGISTRY  # the tested range: the flush is active on this torch
+    script = tmp_path / "exit_flush.py"
+    script.write_text(_EXIT_SCRIPT)
+    for mode in ("healthy", "failing"):
+        proc = subprocess.run([sys.executable, str(script), str(free_port()), mode], capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "GROUPS 2 True" in proc.stdout, proc.stdout
+        assert "DESTROYED True" in proc.stdout, proc.stdout
+    assert td.gloo_groups() == []  # no process group in this process: nothing to flush
+    td.destroy_process_groups_for_exit()  # and no error without one
+
+
+def test_exit_flush_barriers_each_gloo_backend_before_destroying(monkeypatch):
+    from lightning_dist._integrations import torch_distributed as td
+
+    events = []
+
+    class Backend:
+        def __init__(self, name):
+            self.name = name
+
+        def barrier(self):
+            events.append(("barrier", self.name))
+            return SimpleNamespace(wait=lambda: None)
+
+    class Group:
+        def __init__(self, name):
+            self.backend = Backend(name)
+
+        def barrier(self, opts):
+            assert opts.device == torch.device("cpu")  # the gloo backend, also in a group where NCCL serves CUDA
+            return self.backend.barrier()
+
+    groups = [Group("world"), Group("tp")]
+    monkeypatch.setattr(td, "gloo_groups", lambda: groups)
+    monkeypatch.setattr(td.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(td.dist, "destroy_process_group", lambda: events.append(("destroy",)))
+    monkeypatch.delattr(td.sys, "last_value", raising=False)
+    td.destroy_process_groups_for_exit(rounds=2)
+    assert events == [("barrier", "world")] * 2 + [("barrier", "tp")] * 2 + [("destroy",)]
+
+    events.clear()  # an uncaught exception is ending the script: peers may be gone, so no barrier
+    monkeypatch.setattr(td.sys, "last_value", RuntimeError("boom"), raising=False)
+    td.destroy_process_groups_for_exit(rounds=2)
+    assert events == [("destroy",)]
