@@ -452,20 +452,40 @@ def stage_blocks(stage: StageModule) -> list[nn.Module]:
     return list(stage.children())
 
 
-def apply_fsdp_to_stages(stages: Sequence[StageModule], mesh: Any, *, reshard_after_forward: bool = False) -> None:
-    """FSDP2 on the data-parallel mesh for each stage module: its blocks first, then the stage module as root.
+def apply_fsdp_to_stage(
+    stage: nn.Module,
+    mesh: Any,
+    *,
+    units: Any = "auto",
+    reshard_after_forward: bool = False,
+    mp_policy: Any | None = None,
+    offload_policy: Any | None = None,
+) -> int:
+    """FSDP2 on the data-parallel mesh for one stage module: its units first, then the stage module as root.
 
-    Each stage module must be its own FSDP root so ``PipelineStage`` can defer the gradient reduction to the
+    The stage module must be its own FSDP root so ``PipelineStage`` can defer the gradient reduction to the
     last micro-batch (``apply_fsdp``'s roots are the LightningModule's children, which never run here).
+    `units`: ``"auto"`` (the blocks of the stage's block list), class names or modules; of those, a block run
+    twice or sharing a parameter with the rest of the stage stays in the root unit. Returns the unit count.
     """
     from lightning_dist._compat import fully_shard_api
+    from lightning_dist.parallelize.units import select_units
 
     fully_shard = fully_shard_api()[0]
-    for stage in stages:
+    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    if offload_policy is not None:
+        kwargs["offload_policy"] = offload_policy
+    if isinstance(units, str) and units == "auto":
         blocks = [b for child in stage._modules.values() if isinstance(child, nn.ModuleDict) for b in child.values()]
-        for block in _unshared(blocks, stage):
-            fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
-        fully_shard(stage, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    else:
+        blocks = [m for _, m in select_units(stage, units)]
+    picked = _unshared(blocks, stage)
+    for block in picked:
+        fully_shard(block, **kwargs)
+    fully_shard(stage, **kwargs)
+    return len(picked) + 1
 
 
 def _unshared(blocks: Sequence[nn.Module], stage: nn.Module) -> list[nn.Module]:
@@ -504,7 +524,7 @@ def stage_ranks(num_stages: int, pp: int, style: Literal["loop", "v"] = "loop") 
 
 
 __all__ = [
-    "NetworkLayout", "PipelineSplit", "StagePlan", "StageModule", "apply_fsdp_to_stages", "batchnorm_modules",
+    "NetworkLayout", "PipelineSplit", "StagePlan", "StageModule", "apply_fsdp_to_stage", "batchnorm_modules",
     "stage_blocks",
     "check_splittable",
     "build_stage_module", "check_staged_forward", "host_copy", "staged_forward_problem",

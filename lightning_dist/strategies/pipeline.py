@@ -43,7 +43,8 @@ import lightning.pytorch as pl
 from lightning_dist import checkpoint as ckpt
 from lightning_dist.mesh import PP, TP, MeshSpec
 from lightning_dist.parallelize import pipeline as plan
-from lightning_dist.parallelize.compile import apply_compile, check_compile_option, compile_units
+from lightning_dist.parallelize import ParallelizeConfig, pipeline_model
+from lightning_dist.parallelize.compile import check_compile_option
 from lightning_dist.parallelize.pipeline_schedule import (
     SCHEDULES,
     PipelineRunner,
@@ -52,7 +53,7 @@ from lightning_dist.parallelize.pipeline_schedule import (
     returned_loss_gradients,
     schedule_problems,
 )
-from lightning_dist.parallelize.tp import TPEntry, apply_tp_entries, format_plan, resolve_stage_plan
+from lightning_dist.parallelize.tp import TPEntry, format_plan, resolve_stage_plan
 from lightning_dist.strategies.base import MeshStrategy
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,8 @@ class PipelineStrategy(MeshStrategy):
             or block class names to compile. Not with the zero-bubble schedules: their split backward (input
             gradients first, weight gradients later) needs each block's autograd graph, which a compiled
             block replaces with one node.
+        activation_checkpointing: True to checkpoint each block of each stage (recompute its activations in
+            backward), or block class names.
         **kwargs: mesh and checkpoint options of :class:`MeshStrategy` (``dp_replicate``, ``dp_shard``...).
     """
 
@@ -106,6 +109,7 @@ class PipelineStrategy(MeshStrategy):
         tp: int = 1,
         tp_plan: Union[str, Mapping[str, Any]] = "auto",
         compile: Union[bool, Sequence[str]] = False,
+        activation_checkpointing: Union[bool, Sequence[str]] = False,
         **kwargs: Any,
     ) -> None:
         problems = check_compile_option(compile)
@@ -126,6 +130,7 @@ class PipelineStrategy(MeshStrategy):
         super().__init__(pp=1 if pp is None else pp, tp=tp, **kwargs)
         self.tp_plan = dict(tp_plan) if isinstance(tp_plan, Mapping) else tp_plan
         self.compile = compile
+        self.activation_checkpointing = activation_checkpointing
         self.tp_entries: list[TPEntry] = []
         """The resolved tensor-parallel plan (on the whole LightningModule; filled in ``parallelize``)."""
         if schedule not in SCHEDULES:
@@ -259,21 +264,16 @@ class PipelineStrategy(MeshStrategy):
         pp_rank = mesh.local_rank(PP) if pp > 1 else 0
         self._local_stages = [s for s, r in enumerate(stage_ranks) if r == pp_rank]
         rank_zero_info(self.split.format(stage_ranks))
-        container = plan.build_stage_module(net, self.split, self._local_stages)
-        views = [plan.build_stage_module(net, self.split, [s]) for s in self._local_stages]
-        # order: split (above) -> tensor parallelism per stage -> compile per block -> FSDP2 per stage
-        if mesh.size(TP) > 1:
-            self.tp_entries = resolve_stage_plan(module, net, self.tp_plan, tp=mesh.size(TP))
+        entries = None
+        if mesh.size(TP) > 1:  # one plan checked on the whole network; each stage applies the entries it holds
+            entries = self.tp_entries = resolve_stage_plan(module, net, self.tp_plan, tp=mesh.size(TP))
             rank_zero_info(format_plan(self.tp_entries, tp=mesh.size(TP)))
-            for view in views:  # entries matched by module identity: stage modules keep their own names
-                apply_tp_entries(view, mesh.get_mesh(TP), self.tp_entries, module)
+        # the same assembly as every strategy: split, then parallelize_model per stage (TP, AC, compile, FSDP2)
+        config = ParallelizeConfig(zero_stage=3 if self.reshard_after_forward else 2,
+                                   activation_checkpointing=self.activation_checkpointing, compile=self.compile,
+                                   tp_entries=entries, tp_owner=module)
+        container, views = pipeline_model(net, mesh, config, split=self.split, stage_indices=self._local_stages)
         setattr(module, self.network, container)  # the rest of the network is dropped here
-        units = compile_units(self.compile)
-        if units is not None:  # each stage's blocks, after TP and before FSDP2 (as parallelize_model orders them)
-            for view in views:
-                apply_compile(view, units=plan.stage_blocks(view) if units == "auto" else units)
-        if mesh.dp_size > 1:
-            plan.apply_fsdp_to_stages(views, mesh.fsdp_mesh(), reshard_after_forward=self.reshard_after_forward)
         self._runner = PipelineRunner(views, self._local_stages, stage_ranks, schedule=self.schedule,
                                       device=self.root_device, group=mesh.group(PP) if pp > 1 else None)
         container.runner = self._run
