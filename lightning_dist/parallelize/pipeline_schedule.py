@@ -161,18 +161,25 @@ class PipelineRunner:
         return len(self.stage_ranks)
 
     def step(self, x: torch.Tensor, *, n_microbatches: int, loss_fn: Optional[Callable] = None, target: Any = None,
-             timeline: Optional[list] = None) -> tuple[torch.Tensor, Optional[torch.Tensor], dict]:
+             timeline: Optional[list] = None, kwargs: Optional[dict] = None
+             ) -> tuple[torch.Tensor, Optional[torch.Tensor], dict]:
         """Run the schedule on `x` (used on the first stage's rank); returns (output, loss, record).
+
+        kwargs: more inputs every stage takes (an attention mask, position ids): torch's schedule splits each
+        tensor into the micro-batches along dim 0, like `x`, and passes every stage its micro-batch's values.
 
         loss: the batch's mean `loss_fn` (the micro-batches' mean) on every rank, None without `loss_fn`.
         record: wall start/end of the schedule, peak micro-batches held per local stage; `timeline` (a list)
         receives every F/B/I/W action when given.
         """
         train, m = loss_fn is not None, n_microbatches
-        key = (train, tuple(x.shape), x.dtype, m)
+        kwargs = dict(kwargs or {})
+        shapes = tuple((k, tuple(v.shape) if isinstance(v, torch.Tensor) else None) for k, v in sorted(kwargs.items()))
+        key = (train, tuple(x.shape), x.dtype, m, shapes)
+        self._loss_fn = loss_fn  # read at each call: a loss may change per batch (HF labels: the batch's token count)
         if key not in self._schedules:
             # each micro-batch's share of the batch mean: the accumulated gradients are the mean's
-            share = (lambda out, tgt: loss_fn(out, tgt) / m) if train else None
+            share = (lambda out, tgt: self._loss_fn(out, tgt) / m) if train else None
             self._schedules[key] = build_schedule(self.views, self.local_stages, self.stage_ranks,
                                                   schedule=self.schedule, n_microbatches=m, device=self.device,
                                                   group=self.group, loss_fn=share)
@@ -183,7 +190,7 @@ class PipelineRunner:
         for st in stages:
             st.timeline, st.peak_held = timeline, 0
         start = time.perf_counter()
-        out = sched.step(*((x,) if 0 in self.local_stages else ()), **kw)
+        out = sched.step(*((x,) if 0 in self.local_stages else ()), **kw, **kwargs)
         end = time.perf_counter()
         record = {"start": start, "end": end, "peak_held": {st.stage_index: st.peak_held for st in stages}}
         out = self.from_last_stage(out, ("out", train, tuple(x.shape)))
@@ -270,9 +277,11 @@ def global_grad_norm(grads: Sequence[torch.Tensor], pp_group: Optional[Any], *, 
     return total.sqrt()
 
 
-def bubble_theory(pp: int, n_microbatches: int) -> float:
-    """Idle fraction of GPipe/1F1B with equal stages and free communication: (p-1)/(m+p-1)."""
-    return (pp - 1) / (n_microbatches + pp - 1)
+def bubble_theory(pp: int, n_microbatches: int, stages_per_rank: int = 1) -> float:
+    """Idle fraction with equal stages and free communication: (p-1)/(v*m+p-1) for GPipe/1F1B (v=1) and
+    interleaved 1F1B (v stages per rank, each 1/v of the work: the warm-up shrinks v times). Zero-bubble
+    schedules fill part of it with weight-gradient work: this is their upper bound."""
+    return (pp - 1) / (stages_per_rank * n_microbatches + pp - 1)
 
 
 __all__ = ["SCHEDULES", "PipelineRunner", "TimedStage", "bubble_theory", "build_schedule", "global_grad_norm", "grads_by_layout", "returned_loss_gradients", "schedule_problems", "use_forward_only_order"]
