@@ -136,6 +136,12 @@ class MeshStrategy(ParallelStrategy):
         self._timeout = timeout
         self.num_nodes = 1
 
+    def pipeline_view(self) -> Optional[Any]:
+        """This strategy's pipeline for callbacks and tools, as a
+        :class:`~lightning_dist.parallelize.pipeline.PipelineView` (layout, local stages, stage modules,
+        timelines); None when the strategy does not pipeline. Callbacks read this, never a strategy's class."""
+        return None
+
     # ---- processes (Lightning's launcher and cluster environments) -----------------------------
     @property
     @override

@@ -371,6 +371,27 @@ def test_global_grad_norm_of_plain_gradients_matches_torch():
     assert global_grad_norm(grads, None, device=torch.device("cpu")).item() == pytest.approx(want.item(), rel=1e-15)
 
 
+def test_the_pipeline_view_is_what_callbacks_read():
+    from lightning_dist.parallelize.pipeline import PipelineView, pipeline_view
+    from lightning_dist.strategies import FullyShardStrategy
+
+    s = PipelineStrategy(pp=2)
+    view = pipeline_view(s)
+    assert isinstance(view, PipelineView) and view.stage_modules == [] and view.network == "model"
+    s.timelines.append({"events": []})
+    assert view.pop_timelines() == [{"events": []}] and view.pop_timelines() == []
+    assert pipeline_view(FullyShardStrategy()) is None and pipeline_view(object()) is None
+    import inspect
+
+    import lightning_dist.callbacks.gradient_parity as gp
+    import lightning_dist.callbacks.pipeline_bubble as pb
+
+    for module in (gp, pb):  # callbacks never import a strategy class
+        src = inspect.getsource(module)
+        assert "from lightning_dist.strategies" not in src and "import lightning_dist.strategies" not in src
+        assert "_runner" not in src and ".timelines" not in src
+
+
 def test_bubble_theory_takes_the_stages_per_rank():
     assert bubble_theory(2, 4, 1) == bubble_theory(2, 4) == pytest.approx(1 / 5)
     assert bubble_theory(2, 4, 2) == pytest.approx(1 / 9)  # interleaving: the warm-up is v times shorter
