@@ -58,6 +58,18 @@ def test_pp2_parity(pp2, schedule, model):
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("model", ("llama", "gpt2_tied"))
+def test_pp2_checkpoint_resumes_in_another_layout_and_loads_on_one_device(pp2, model):
+    rows = pp2[f"resume_{model}"]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["global_step"] == 4 and len(r["stages"]) == 2  # saved under 1F1B, resumed interleaved
+        assert r["diff"] <= TOL  # 3 steps + resume for 1 == 4 uninterrupted single-device steps
+    single = next(r["single_diff"] for r in rows if r["rank"] == 0)
+    assert single is not None and single <= TOL  # consolidated: a strict load into the plain HF model
+
+
+@pytest.mark.distributed
 @pytest.mark.parametrize("model", MODELS)
 def test_pp2_x_dp2_parity(pp4, model):
     rows = pp4[f"pp2xdp2_1f1b_{model}"]

@@ -12,6 +12,7 @@ Each rank reports the max relative difference of the parameters it holds from th
 the same process, and the logged loss of the last step against the reference's.
 """
 
+import itertools
 import os
 import sys
 
@@ -109,12 +110,12 @@ class Task(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
 
 
-def reference(kind: str):
+def reference(kind: str, steps: int = STEPS):
     """One device, the global batch, the same AdamW; the same loss (HF labels convention in float64)."""
     model, hf = build(kind), kind != "pack_gpt_tied"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     loader, losses = DataLoader(Tokens(hf), batch_size=GLOBAL_BATCH), []
-    for _, batch in zip(range(STEPS), loader):
+    for batch in itertools.islice(itertools.chain.from_iterable(itertools.repeat(loader)), steps):
         opt.zero_grad()
         if hf:
             logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
@@ -149,6 +150,40 @@ def run(tag: str, kind: str, **strategy_kw) -> None:
                                                              fromlist=["x"]).tied_stages(build(kind), strategy.split)])
 
 
+def resume(kind: str) -> None:
+    """One epoch (3 steps) with 1F1B, a sharded checkpoint, resumed interleaved to 4 steps == 4 reference steps;
+    the consolidated file loads strictly into the plain single-device model (a tied head: each holder saved its copy)."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    from lightning_dist import checkpoint as ckpt
+
+    ref, _ = reference(kind, steps=4)
+    box = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    path = os.path.join(box[0], f"{kind}.ckpt")
+    first = trainer(PipelineStrategy(pp=2, schedule="1f1b", n_microbatches=GLOBAL_BATCH), devices=WORLD, steps=3)
+    first.fit(Task(kind))
+    first.save_checkpoint(path)
+    task = Task(kind)
+    second = PipelineStrategy(pp=2, schedule="interleaved_1f1b", n_microbatches=GLOBAL_BATCH)
+    t = trainer(second, devices=WORLD, steps=4)
+    t.fit(task, ckpt_path=path)
+    diff = max(((p.detach() - ref[n]).norm() / ref[n].norm()).item() for n, p in task.named_parameters())
+    t.save_checkpoint(path + "4")
+    single_diff = None
+    if dist.get_rank() == 0:
+        ckpt.consolidate(path + "4", path + "4.pt")
+        full = torch.load(path + "4.pt", map_location="cpu", weights_only=True)
+        single = Task(kind)
+        single.load_state_dict(full[ckpt.MODEL_KEY], strict=True)
+        single_diff = max(((p.detach() - ref[n]).norm() / ref[n].norm()).item()
+                          for n, p in single.named_parameters(remove_duplicate=False))
+    emit(kind="resume", tag=f"resume_{kind}", model=kind, diff=diff, global_step=t.global_step,
+         stages=second.local_stages, single_diff=single_diff)
+
+
 def main() -> None:
     mode = sys.argv[1]
     for kind in MODELS:
@@ -159,6 +194,9 @@ def main() -> None:
             run(f"pp2xdp2_1f1b_{kind}", kind, pp=2, dp_shard=2, schedule="1f1b")
             run(f"pp4_1f1b_{kind}", kind, pp=4, schedule="1f1b")
             run(f"pp4_interleaved_{kind}", kind, pp=4, schedule="interleaved_1f1b")
+    if mode == "pp2":  # after the fits above: the process group they started is there for the temp-dir broadcast
+        for kind in ("llama", "gpt2_tied"):
+            resume(kind)
 
 
 if __name__ == "__main__":
