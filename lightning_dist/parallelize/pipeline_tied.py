@@ -18,10 +18,16 @@ from lightning_dist.mesh import PP
 
 
 def tied_problems(tied: Sequence[tuple[tuple[str, ...], tuple[int, ...]]], stage_ranks: Sequence[int], *,
-                  dp_size: int) -> list[str]:
-    """What cannot be trained (pure): a tied parameter held by two stages of one rank under FSDP2."""
+                  dp_size: int, tp_size: int = 1) -> list[str]:
+    """What cannot be trained (pure): a tied parameter held by two stages of one rank under FSDP2, or by
+    stages whose tensor-parallel plans may shard it differently (an embedding and a head: the holders'
+    gradient shards would not line up, so their sum would be wrong)."""
     out = []
     for names, stages in tied:
+        if tp_size > 1 and len({stage_ranks[s] for s in stages}) > 1:
+            out.append(f"{list(names)} is tied across pipeline stages {list(stages)} and tp={tp_size}: each stage's"
+                       " tensor-parallel plan shards it on its own. Untie it, or use tp=1 with the pipeline.")
+            continue
         ranks = [stage_ranks[s] for s in stages]
         if len(set(ranks)) < len(ranks) and dp_size > 1:
             out.append(f"{list(names)} is held by stages {list(stages)}, two of them on one rank: FSDP2 would shard it"

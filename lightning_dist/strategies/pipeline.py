@@ -413,7 +413,7 @@ class PipelineStrategy(MeshStrategy):
         """Tied parameters across stages (see :mod:`~lightning_dist.parallelize.pipeline_tied`), refused or grouped."""
         assert self.split is not None
         tied = plan.tied_stages(net, self.split)
-        problems = tied_problems(tied, stage_ranks, dp_size=self.mesh.dp_size)
+        problems = tied_problems(tied, stage_ranks, dp_size=self.mesh.dp_size, tp_size=self.mesh.size(TP))
         if problems:
             raise ValueError("Cannot pipeline tied parameters:\n  - " + "\n  - ".join(problems))
         if tied:

@@ -83,3 +83,10 @@ def test_pp2_x_dp2_parity(pp4, model):
 def test_pp4_parity(pp4, schedule, model):
     rows = pp4[f"pp4_{schedule}_{model}"]
     _check(rows, world=4, pp=4)
+
+
+@pytest.mark.distributed
+def test_pp2_x_tp2_parity_on_llama(pp4):
+    rows = pp4["pp2xtp2_1f1b_llama"]
+    assert all(r["shape"] == [2, 1, 1, 2] for r in rows)  # pp=2 x tp=2
+    _check(rows, world=4, pp=2)

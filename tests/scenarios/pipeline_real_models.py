@@ -7,7 +7,8 @@ and return ``out.loss`` by HF's labels convention; the pack's GPT takes ``(ids, 
 ``pipeline_loss``. One micro-batch per sample, so micro-batches hold different numbers of labelled tokens.
 
 ``python -m torch.distributed.run --nproc-per-node=2 pipeline_real_models.py pp2``: 1F1B and interleaved at pp=2.
-``--nproc-per-node=4 ... pp4``: pp=2 x dp=2 (1F1B, FSDP2 on dp), then 1F1B and interleaved at pp=4.
+``--nproc-per-node=4 ... pp4``: pp=2 x dp=2 (1F1B, FSDP2 on dp), then 1F1B and interleaved at pp=4; and Llama at
+pp=2 x tp=2 (the built-in tensor-parallel plan inside each stage). pp2 also resumes checkpoints (see `resume`).
 Each rank reports the max relative difference of the parameters it holds from the reference trained in
 the same process, and the logged loss of the last step against the reference's.
 """
@@ -134,7 +135,7 @@ def run(tag: str, kind: str, **strategy_kw) -> None:
 
     ref, ref_losses = reference(kind)
     task = Task(kind)
-    local = GLOBAL_BATCH // (WORLD // strategy_kw["pp"])
+    local = GLOBAL_BATCH // (WORLD // (strategy_kw["pp"] * strategy_kw.get("tp", 1)))  # per data-parallel rank
     strategy = PipelineStrategy(n_microbatches=local, **strategy_kw)  # one sample per micro-batch
     t = trainer(strategy, devices=WORLD, steps=STEPS)
     t.fit(task)
@@ -194,6 +195,8 @@ def main() -> None:
             run(f"pp2xdp2_1f1b_{kind}", kind, pp=2, dp_shard=2, schedule="1f1b")
             run(f"pp4_1f1b_{kind}", kind, pp=4, schedule="1f1b")
             run(f"pp4_interleaved_{kind}", kind, pp=4, schedule="interleaved_1f1b")
+    if mode == "pp4":  # tensor parallelism inside the stages of an unmodified HF model (the built-in plan)
+        run("pp2xtp2_1f1b_llama", "llama", pp=2, tp=2, schedule="1f1b")
     if mode == "pp2":  # after the fits above: the process group they started is there for the temp-dir broadcast
         for kind in ("llama", "gpt2_tied"):
             resume(kind)

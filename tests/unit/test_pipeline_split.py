@@ -406,3 +406,5 @@ def test_tied_weights_on_two_stages_of_one_rank_are_refused_under_fsdp():
     (problem,) = tied_problems(tied, [0, 1, 1, 0], dp_size=2)
     assert "held by stages [0, 3], two of them on one rank" in problem
     assert tied_problems(tied, [0, 1, 0, 1], dp_size=2) == []  # interleaved: ranks 0 and 1 hold a copy each
+    (problem,) = tied_problems(tied, [0, 1, 0, 1], dp_size=1, tp_size=2)
+    assert "tied across pipeline stages [0, 3] and tp=2" in problem and "Untie it, or use tp=1" in problem
