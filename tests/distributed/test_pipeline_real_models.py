@@ -37,6 +37,8 @@ def _check(rows: list[dict], world: int, pp: int) -> None:
         assert r["shape"][0] == pp
         # the loss training_step logged (HF: out.loss) is the single-device loss of the last step
         assert r["logged"] == pytest.approx(r["ref_losses"][-1], rel=TOL, abs=0), (r["tag"], r["logged"])
+        # validation runs forward-only programs through the stages (keyword inputs too): the single-device value
+        assert r["val"] == pytest.approx(r["ref_val"], rel=TOL, abs=0), (r["tag"], r["val"], r["ref_val"])
     # the pp ranks of one replica hold every parameter name of the model once (a tied head under its own name)
     dp = world // pp
     for replica in range(dp):

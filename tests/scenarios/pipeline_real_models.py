@@ -102,6 +102,12 @@ class Task(pl.LightningModule):
         self.log("train_loss", loss, sync_dist=True)
         return loss
 
+    def validation_step(self, batch, batch_idx):  # forward-only programs through the pipeline, kwargs included
+        self.log("val_loss", step_loss(self.model, batch, self.hf), sync_dist=True)
+
+    def val_dataloader(self):
+        return self.train_dataloader()
+
     def train_dataloader(self):
         kw = self.trainer.strategy.distributed_sampler_kwargs
         sampler = DistributedSampler(Tokens(self.hf), shuffle=False, **kw)
@@ -126,6 +132,10 @@ def reference(kind: str, steps: int = STEPS):
         losses.append(loss.item())
         loss.backward()
         opt.step()
+    with torch.no_grad():  # the validation loss of the trained model: the mean over the loader's batches
+        vals = [(hf_labels_loss(model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits, b["labels"])
+                 if hf else step_loss(model, b, hf)).item() for b in loader]
+    reference.val = sum(vals) / len(vals)
     # every name of a tied parameter (the last stage holds the tied head under its own name)
     return {f"model.{k}": p.detach() for k, p in model.named_parameters(remove_duplicate=False)}, losses
 
@@ -137,15 +147,18 @@ def run(tag: str, kind: str, **strategy_kw) -> None:
     task = Task(kind)
     local = GLOBAL_BATCH // (WORLD // (strategy_kw["pp"] * strategy_kw.get("tp", 1)))  # per data-parallel rank
     strategy = PipelineStrategy(n_microbatches=local, **strategy_kw)  # one sample per micro-batch
-    t = trainer(strategy, devices=WORLD, steps=STEPS)
+    t = trainer(strategy, devices=WORLD, steps=STEPS, num_sanity_val_steps=0)
     t.fit(task)
+    logged, ref_val = t.callback_metrics["train_loss"].item(), reference.val  # before validate resets the metrics
+    val = t.validate(task, verbose=False)[0]["val_loss"]
     diff, keys = 0.0, []
     for name, p in task.named_parameters():
         full = (p.full_tensor() if isinstance(p, DTensor) else p).detach()
         diff = max(diff, ((full - ref[name]).norm() / ref[name].norm()).item())
         keys.append(name)
     emit(kind="parity", tag=tag, model=kind, diff=diff, keys=keys, all_keys=sorted(ref), losses=task.step_losses,
-         ref_losses=ref_losses, logged=t.callback_metrics["train_loss"].item(), stages=strategy.local_stages,
+         ref_losses=ref_losses, logged=logged, stages=strategy.local_stages,
+         val=val, ref_val=ref_val,
          split=[list(s.blocks) for s in strategy.split.stages], shape=list(strategy.mesh.spec.shape),
          tied=[[n for n in names] for names, _ in __import__("lightning_dist.parallelize.pipeline",
                                                              fromlist=["x"]).tied_stages(build(kind), strategy.split)])
