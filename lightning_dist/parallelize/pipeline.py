@@ -1,13 +1,15 @@
 """Pipeline stage splitting: a plan as data (stage -> blocks -> params -> cost) and the stage modules.
 
-A pipelined network has one of two shapes:
+A pipelined network has one of three shapes:
 
 * an ``nn.Sequential``: its children are the blocks;
+* an unmodified HuggingFace causal LM: its ``config.base_model_pp_plan`` block list, the model itself
+  running each stage with the parts it does not own taken out (see :mod:`.pipeline_hf`);
 * a module with a **stem** (children registered before the block list), one ``nn.ModuleList`` of
   blocks (found by :func:`~lightning_dist.parallelize.units.find_block_lists`, a direct child) and a
   **head** (children registered after it). Its ``forward`` must equal applying the children in
   registration order (:func:`check_staged_forward` compares them on one micro-batch). A module used
-  twice (weight sharing) runs twice; shared across stages it is refused (:func:`check_splittable`).
+  twice (weight sharing) runs twice; a parameter shared across stages is held by each (:func:`tied_stages`).
 
 :func:`plan_split` returns a :class:`PipelineSplit` (pure data, printable with rich, unit-testable in
 one process): contiguous runs of blocks per stage, the stem on stage 0 and the head on the last stage.
@@ -596,6 +598,12 @@ class PipelineView(Protocol):
         """The timelines recorded since the last call (one per training step), removed from the strategy."""
 
 
+def pipeline_view(strategy: Any) -> PipelineView | None:
+    """The strategy's :class:`PipelineView` (``strategy.pipeline_view()``), or None (no pipeline, or not a mesh strategy)."""
+    get = getattr(strategy, "pipeline_view", None)
+    return get() if callable(get) else None
+
+
 def join_stages(split: PipelineSplit, pieces: Sequence[nn.Module]) -> nn.Module:
     """The whole single-device network from plain copies of every pipeline rank's stage module (pure).
 
@@ -657,8 +665,3 @@ __all__ = [
     "network_layout", "partition", "plan_split", "profile_costs", "shared_across_stages", "stage_ranks",
 ]
 
-
-def pipeline_view(strategy: Any) -> PipelineView | None:
-    """The strategy's :class:`PipelineView` (``strategy.pipeline_view()``), or None (no pipeline, or not a mesh strategy)."""
-    get = getattr(strategy, "pipeline_view", None)
-    return get() if callable(get) else None
