@@ -31,6 +31,7 @@ from lightning_dist._integrations.lightning import unwrap_strategy_methods, wrap
 from lightning_dist.callbacks.sampler_epoch import _loaders
 from lightning_dist.data import samples_per_rank
 from lightning_dist.mesh import data_parallel_info
+from lightning_dist.parallelize.pipeline import pipeline_view
 
 __all__ = ["ExactEvaluation", "ExactMetric", "ExactBatchSampler", "exact_eval_mask"]
 
@@ -219,7 +220,7 @@ class ExactEvaluation(Callback):
 
     ``mode="mask"``: the padding stays (every batch the same size; with ``full_batches=True`` the last one
     too), for models that need fixed batch shapes, e.g. a pipeline that splits every batch into whole
-    micro-batches. Under ``PipelineStrategy`` with several data-parallel pipelines, trim mode refuses
+    micro-batches. Under a pipelining strategy with several data-parallel pipelines, trim mode refuses
     layouts whose pipelines would get batches of different sizes (different micro-batch counts). The user then updates metrics through the mask: wrap them in :class:`ExactMetric` or
     slice with :func:`exact_eval_mask`; a plain ``self.log(..., sync_dist=True)`` averages padded rows too.
 
@@ -283,9 +284,7 @@ class ExactEvaluation(Callback):
             may_skip = isinstance(strategy, (DDPStrategy, SingleDeviceStrategy)) and not isinstance(
                 strategy, DeepSpeedStrategy)
             # a pipeline splits a batch into as many micro-batches as its size allows: dp replicas must agree
-            from lightning_dist.strategies.pipeline import PipelineStrategy  # here: the strategies import callbacks
-
-            same_sizes = isinstance(strategy, PipelineStrategy)
+            same_sizes = pipeline_view(strategy) is not None
 
             def exact_loaders(original: Any) -> Any:
                 def process_dataloader(dataloader: object) -> object:

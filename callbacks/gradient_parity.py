@@ -9,7 +9,6 @@ gradients of its own stage's parameters.
 
 from __future__ import annotations
 
-import copy
 import math
 import warnings
 from collections.abc import Mapping, Sequence
@@ -19,22 +18,16 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import Tensor, nn
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
-from torchmetrics import Metric
 from typing_extensions import override
 
-from lightning_dist._compat import fully_shard_api
+from lightning_dist.callbacks._global_batch import (
+    _concat, _padding_keep_mask, _rows, _same, _select_rows, _to_cpu, _to_device)
+from lightning_dist.callbacks._reference_model import _full, _unsharded_clone, whole_pipeline_network
 from lightning_dist.callbacks.sync_batchnorm import revert_sync_batchnorm
 from lightning_dist.mesh import DistMesh, data_parallel_info
-from lightning_dist.parallelize.pipeline import StageModule
+from lightning_dist.parallelize.pipeline import pipeline_view
 from lightning_dist.parallelize.shared import retie, shared_parameters
-from lightning_dist.parallelize.tp import GLOBAL_ATTRS_KEY
 from lightning_dist.precision import precision_dtypes
-
-# the class FSDP2 mixes into the modules it shards (None without FSDP2)
-_FSDPModule = fully_shard_api()[3]
-# the prefix of the keys torch's composable APIs (fully_shard, replicate) keep their state under in a module
-_COMPOSABLE_STATE = "__composable_api_state_key"
 
 __all__ = ["GradientParityCheck", "GradientParityError", "default_tolerance"]
 
@@ -54,75 +47,6 @@ def _compute_dtype(trainer: Trainer, param_dtype: torch.dtype) -> torch.dtype:
 
 class GradientParityError(RuntimeError):
     """The distributed gradient differs from the single-device gradient of the same global batch."""
-
-
-def _full(t: Tensor) -> Tensor:
-    """A plain tensor holding the whole value (DTensor shards are gathered: a collective)."""
-    full_tensor = getattr(t, "full_tensor", None)
-    return full_tensor() if callable(full_tensor) else t
-
-
-def _to_cpu(batch: Any) -> Any:
-    if isinstance(batch, Tensor):
-        return batch.detach().cpu()
-    if isinstance(batch, Mapping):
-        return {k: _to_cpu(v) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_to_cpu(v) for v in batch) if not hasattr(batch, "_fields") else type(batch)(*(_to_cpu(v) for v in batch))
-    return batch
-
-
-def _select_rows(batch: Any, keep: Optional[Tensor]) -> Any:
-    if keep is None:
-        return batch
-    if isinstance(batch, Tensor):
-        return batch[keep] if batch.dim() > 0 and batch.shape[0] == keep.shape[0] else batch
-    if isinstance(batch, Mapping):
-        return {k: _select_rows(v, keep) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        items = [_select_rows(v, keep) for v in batch]
-        return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)
-    return batch
-
-
-def _concat(parts: Sequence[Any]) -> Any:
-    """Concatenate the same batch structure from several ranks along dim 0."""
-    first = parts[0]
-    if isinstance(first, Tensor):
-        return torch.cat(list(parts)) if first.dim() > 0 else first
-    if isinstance(first, Mapping):
-        return {k: _concat([p[k] for p in parts]) for k in first}
-    if isinstance(first, (list, tuple)):
-        items = [_concat([p[i] for p in parts]) for i in range(len(first))]
-        return type(first)(*items) if hasattr(first, "_fields") else type(first)(items)
-    return first
-
-
-def _to_device(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, Tensor):
-        return batch.to(device)
-    if isinstance(batch, Mapping):
-        return {k: _to_device(v, device) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        items = [_to_device(v, device) for v in batch]
-        return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)
-    return batch
-
-
-def _padding_keep_mask(trainer: Trainer, batch_idx: int) -> Optional[Tensor]:
-    """Rows of this training batch that are real samples (not ``DistributedSampler`` padding), when the
-    training loader is a plain DataLoader over a DistributedSampler; None when nothing can be told."""
-    dl = trainer.train_dataloader
-    if not isinstance(dl, DataLoader):
-        return None
-    sampler, batch_sampler = dl.sampler, dl.batch_sampler
-    if not isinstance(sampler, DistributedSampler) or sampler.drop_last or type(batch_sampler) is not BatchSampler:
-        return None
-    n = len(sampler.dataset)  # type: ignore[arg-type]
-    start = batch_idx * batch_sampler.batch_size
-    stop = min(start + batch_sampler.batch_size, sampler.num_samples)
-    # local position j is global position rank + j * num_replicas; positions >= n repeat earlier samples
-    return torch.tensor([sampler.rank + j * sampler.num_replicas < n for j in range(start, stop)])
 
 
 class GradientParityCheck(Callback):
@@ -210,7 +134,7 @@ class GradientParityCheck(Callback):
                 " ModelParallelStrategy."
             )
         mesh = getattr(trainer.strategy, "mesh", None)
-        if isinstance(mesh, DistMesh) and mesh.size("pp") > 1 and not _is_pipeline(trainer.strategy):
+        if isinstance(mesh, DistMesh) and mesh.size("pp") > 1 and pipeline_view(trainer.strategy) is None:
             raise ValueError(
                 f"GradientParityCheck: the mesh has pp={mesh.size('pp')} but the strategy is"
                 f" {type(trainer.strategy).__name__}; pipeline stages are supported under the pack's"
@@ -247,7 +171,7 @@ class GradientParityCheck(Callback):
         full_params = {n: _full(p.detach()) for n, p in named}
         dist_grads = {n: None if p.grad is None else _full(p.grad.detach()) for n, p in named}
         # ranks holding the same parameters: the world, or under pipeline the dp group of each stage
-        pipeline = _is_pipeline(trainer.strategy)
+        pipeline = pipeline_view(trainer.strategy) is not None
         same_params_group, same_params_size = (group, size) if pipeline else (None, _world_size())
         params_equal = self._params_equal(full_params, same_params_group, same_params_size)
         if pipeline and _world_size() > 1:  # one verdict on every stage
@@ -332,9 +256,9 @@ class GradientParityCheck(Callback):
         ref = _unsharded_clone(pl_module, by_id, {})
         device = next(iter(full_params.values())).device if full_params else pl_module.device
         strategy = trainer.strategy
-        if _is_pipeline(strategy):  # this rank holds its stages only: join every stage's copy into the network
-            name = strategy.network
-            setattr(ref, name, _whole_pipeline_network(strategy, getattr(ref, name)).to(device))
+        view = pipeline_view(strategy)
+        if view is not None:  # this rank holds its stages only: join every stage's copy into the network
+            setattr(ref, view.network, whole_pipeline_network(view, strategy.mesh, getattr(ref, view.network)).to(device))
         # tied as the user built the model (setup), else as the parallelized model still is
         ties = self._ties if self._ties is not None else shared_parameters(pl_module)
         present = dict(ref.named_parameters(remove_duplicate=False))
@@ -377,99 +301,5 @@ class GradientParityCheck(Callback):
         return diff_sq, ref_sq, worst, worst_rel
 
 
-def _unsharded_clone(module: nn.Module, full_by_id: dict[int, Tensor], memo: dict[int, nn.Parameter]) -> nn.Module:
-    """A plain single-device copy of `module` for the reference computation.
-
-    Hand-written because ``copy.deepcopy`` cannot copy what distributed wrappers attach (process
-    groups, FSDP2 state and hooks): every module is copied shallowly with fresh parameter/buffer/child
-    dicts and no hooks, FSDP2's generated classes are turned back into the user's classes, parameters
-    are replaced by their gathered whole values (``full_by_id``; one copy per tensor in `memo`, so parameters
-    shared between modules stay shared), head counts a tensor-parallel plan made local are restored,
-    buffers are replaced by clones, and torchmetrics
-    metrics are deep-copied without their process group so updates never touch the real states.
-    """
-    if isinstance(module, Metric):
-        memo = {id(module.process_group): None} if module.process_group is not None else {}
-        return copy.deepcopy(module, memo)
-    cls = type(module)
-    if _FSDPModule is not None and isinstance(module, _FSDPModule):
-        # fully_shard swapped in a generated subclass (FSDPModule, UserClass); give back the user's class
-        cls = next(b for b in cls.__bases__ if b is not _FSDPModule)
-    # not copy.copy: FSDP2's __new__ re-runs the user's __init__ without arguments
-    new = object.__new__(cls)
-    for key, value in vars(module).items():
-        if key.startswith(_COMPOSABLE_STATE) or key.startswith("_fsdp") or key == "_is_fsdp_managed_module":
-            continue  # FSDP2/composable state (process groups, streams): neither needed nor picklable
-        new.__dict__[key] = type(value)() if "hooks" in key and isinstance(value, dict) else value  # no hooks
-    new.__dict__.update(new.__dict__.pop(GLOBAL_ATTRS_KEY, {}))  # e.g. num_heads as before tensor parallelism
-    new._parameters = {}
-    for name, p in module._parameters.items():
-        if p is not None and id(p) not in memo:
-            whole = full_by_id[id(p)] if id(p) in full_by_id else _full(p.detach())
-            memo[id(p)] = nn.Parameter(whole.clone(), requires_grad=p.requires_grad)
-        new._parameters[name] = None if p is None else memo[id(p)]
-    new._buffers = {name: None if b is None else _full(b).clone() for name, b in module._buffers.items()}
-    new._modules = {name: None if c is None else _unsharded_clone(c, full_by_id, memo) for name, c in module._modules.items()}
-    if isinstance(new, StageModule):
-        new.runner = None  # the copy runs its own layers, never the strategy's pipeline schedule
-    if isinstance(new, LightningModule):
-        new._trainer = None  # the copy's `self.log` is a no-op and it never drives the real trainer
-    return new
-
-
-def _is_pipeline(strategy: Any) -> bool:
-    from lightning_dist.strategies.pipeline import PipelineStrategy
-
-    return isinstance(strategy, PipelineStrategy)
-
-
 def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _whole_pipeline_network(strategy: Any, local: StageModule) -> StageModule:
-    """The whole single-device network, joined from every pipeline rank's copy of its stages.
-
-    Each pp rank sends its plain stage copy (CPU) to the others (``all_gather_object``: simple, and the
-    model must fit on one device for the reference anyway); the stem, blocks and head are put back in the
-    split's order under their single-device names. Runs on every rank (a collective over ``pp``).
-    """
-    local = local.to("cpu")
-    pieces = [local]
-    if strategy.mesh.size("pp") > 1:
-        pieces = [None] * strategy.mesh.size("pp")
-        dist.all_gather_object(pieces, local, group=strategy.mesh.group("pp"))
-    layout = strategy.split.layout
-    parts: dict[str, nn.Module] = {}
-    blocks: dict[str, nn.Module] = {}
-    for piece in pieces:
-        for name, child in piece.named_children():
-            if name == layout.block_list:
-                blocks.update(child.items())
-            elif layout.block_list is None:  # an nn.Sequential: its children are the blocks
-                blocks[name] = child
-            else:
-                parts[name] = child
-    order = list(layout.stem) + ([layout.block_list] if layout.block_list is not None else []) + list(layout.head)
-    return StageModule([(n, parts.get(n)) for n in order], layout.block_list, [(k, blocks[k]) for k in layout.blocks])
-
-
-def _same(a: Any, b: Any) -> bool:
-    """Structural equality of two gathered batches."""
-    if isinstance(a, Tensor) or isinstance(b, Tensor):
-        return isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, Mapping) and isinstance(b, Mapping):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
-
-
-def _rows(batch: Any) -> int:
-    if isinstance(batch, Tensor):
-        return batch.shape[0] if batch.dim() else 1
-    if isinstance(batch, Mapping):
-        return _rows(next(iter(batch.values())))
-    if isinstance(batch, (list, tuple)) and batch:
-        return _rows(batch[0])
-    return 0

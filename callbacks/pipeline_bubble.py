@@ -27,6 +27,8 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_dist._compat import matplotlib_available
+from lightning_dist.parallelize.pipeline import pipeline_view
+from lightning_dist.parallelize.pipeline_schedule import bubble_theory
 
 import lightning.pytorch as pl
 
@@ -46,7 +48,7 @@ def bubble_stats(records: list[dict], pp: int) -> dict[str, Any]:
     for r in records:
         for stage, held in r["peak_held"].items():
             peak[int(stage)] = max(peak.get(int(stage), 0), held)
-    theory = (pp - 1) / (m + pp - 1)
+    theory = bubble_theory(pp, m)  # the GPipe/1F1B reference, whatever the schedule (the one formula)
     mean_idle = sum(idle.values()) / len(idle)
     return {"idle_fraction": mean_idle, "idle_by_rank": idle, "idle_theory": theory, "idle_replay": replay_idle(records),
             "ratio": mean_idle / theory if theory > 0 else float("nan"), "span_s": span,
@@ -167,18 +169,18 @@ class PipelineBubble(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        from lightning_dist.strategies.pipeline import PipelineStrategy
-
-        if not isinstance(trainer.strategy, PipelineStrategy):
+        view = pipeline_view(trainer.strategy)
+        if view is None:
             raise TypeError(f"PipelineBubble needs Trainer(strategy=PipelineStrategy(...)); got"
                             f" {type(trainer.strategy).__name__}.")
-        trainer.strategy.record_timeline = True
+        view.record_timeline = True
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         strategy = trainer.strategy
-        mine, strategy.timelines = strategy.timelines, []  # type: ignore[attr-defined]
+        view = pipeline_view(strategy)
+        mine = view.pop_timelines() if view is not None else []
         pp = strategy.mesh.size("pp")  # type: ignore[attr-defined]
         for record in mine:
             gathered: list[Any] = [None] * pp

@@ -88,6 +88,27 @@ def torch_sync_batchnorm_function():
     return SyncBatchNorm
 
 
+# torch releases whose pipelining internals `_integrations/torch_pipelining.py` was tested on (min, max minor)
+TORCH_PIPELINING_TESTED = ("2.11", "2.14")
+
+
+def torch_pipelining_tested() -> bool:
+    """True on the torch releases the pipelining patches were tested on (``TORCH_PIPELINING_TESTED``)."""
+    low, high = TORCH_PIPELINING_TESTED
+    return compare_version("torch", lambda a, b: a >= b, f"{low}.0") and compare_version(
+        "torch", lambda a, b: a < b, _next_minor(high))
+
+
+def check_torch_pipelining(patch: str) -> None:
+    """RuntimeError naming the release and the fix when `patch` would touch an untested torch's internals."""
+    if not torch_pipelining_tested():
+        low, high = TORCH_PIPELINING_TESTED
+        raise RuntimeError(
+            f"lightning-dist's pipeline patch `{patch}` uses torch.distributed.pipelining internals tested on torch"
+            f" {low} to {high}.x; found torch {torch.__version__}. Install a tested torch, or run"
+            " tests/unit/test_torch_pipelining_patches.py on this release and extend TORCH_PIPELINING_TESTED.")
+
+
 def deepspeed_available() -> bool:
     return module_available("deepspeed")
 

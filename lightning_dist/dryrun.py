@@ -214,8 +214,8 @@ def simulate_rank(config: DryRunConfig, rank: int) -> dict[str, Any]:
     from lightning_dist import inputs, measure
     from lightning_dist._compat import init_fake_process_group
     from lightning_dist.mesh import DistMesh
+    from lightning_dist.parallelize.pipeline import pipeline_view
     from lightning_dist.parallelize.units import find_block_lists
-    from lightning_dist.strategies.pipeline import PipelineStrategy
 
     start = time.perf_counter()
     check_cluster(config.world_size, config.devices_per_node)
@@ -245,7 +245,7 @@ def simulate_rank(config: DryRunConfig, rank: int) -> dict[str, Any]:
     try:
         mesh = DistMesh.build(spec, "cpu")
         strategy.use_mesh(mesh)
-        pipelined = isinstance(strategy, PipelineStrategy)
+        pipelined = pipeline_view(strategy) is not None
         micro = strategy.n_microbatches if pipelined else 1
         if config.batch_size % micro:
             raise ValueError(f"batch_size={config.batch_size} does not divide into n_microbatches={micro}.")
@@ -350,7 +350,7 @@ def _pipeline_step(strategy: Any, module: Any, make_batch: Any, config: DryRunCo
                          " schedules are planned by `lightning-dist plan`.")
     split, (stage,) = strategy.split, strategy.local_stages
     p, last = split.num_stages, split.num_stages - 1
-    view = strategy._runner.views[0]  # the FSDP2-wrapped stage module the strategy's schedule would run
+    view = strategy.pipeline_view().stage_modules[0]  # the FSDP2-wrapped stage module the schedule would run
     group = strategy.mesh.group(PP)
     peers = spec.group_ranks(rank, PP)
     held = micro if strategy.schedule == "gpipe" else min(p - stage, micro)
@@ -418,12 +418,12 @@ def plan_rank(strategy: Any, module: Any, cfg: Any, config: DryRunConfig, spec: 
     import math
 
     from lightning_dist import planner
+    from lightning_dist.parallelize.pipeline import pipeline_view
     from lightning_dist.parallelize.units import find_block_lists
-    from lightning_dist.strategies.pipeline import PipelineStrategy
 
     state = planner.state_bytes(precision=config.precision, optimizer=config.optimizer)
     act_bytes = planner.PRECISIONS[config.precision][1]
-    pipelined = isinstance(strategy, PipelineStrategy)
+    pipelined = pipeline_view(strategy) is not None
     # HSDP / TP cast parameters for compute with FSDP2's MixedPrecisionPolicy: everything runs in the compute
     # dtype. Pipeline stages run under Lightning's autocast: parameters gathered in their stored dtype, the
     # residual stream (and so the backward's activation gradients) in float32.

@@ -12,8 +12,13 @@ Order (each step changes the model in place and logs one line):
    HSDP), or DDP-style all-reduce replication for ZeRO-1 and shard groups of size 1 — last, because it
    shards whatever TP left. With an FSDP2 offload policy, FSDP2 always (a data-parallel size of 1 too).
 
-Pipeline splitting happens before all of this, on the whole model (see ``pipeline.py``): each stage's
-module then goes through the same steps.
+Pipeline parallelism (:func:`pipeline_model`) comes before all of this: it splits the network into the
+stage modules this rank runs (``pipeline.py``) and then calls :func:`parallelize_model` on each stage's
+module, as torchtitan's pipeline builder calls one ``parallelize_fn`` per stage. A stage gets the same
+steps with two differences, both set by :func:`pipeline_model`: its tensor-parallel plan was resolved
+once on the whole model (``tp_entries``, matched by module identity), and the stage module itself is its
+FSDP2 root (``fsdp_root="model"``: ``PipelineStage`` calls it and defers gradient reduction to the last
+micro-batch), with the blocks that run once and share no parameter as units.
 
 Before any of it, ``MeshStrategy.setup`` makes every rank hold one model (``sync.py``): rank 0's eager
 tensors are broadcast to all ranks, and what is still on the meta device is materialized afterwards under
@@ -57,15 +62,24 @@ class ParallelizeConfig:
     """Extra keyword arguments for ``apply_tp`` (e.g. ``sequence_parallel``)."""
     compile: bool | str | Sequence[str] = False
     """True: ``torch.compile`` each block; or block class names to compile."""
+    tp_entries: Sequence[Any] | None = None
+    """A plan already resolved on `tp_owner` (``TPEntry`` list), applied to the modules `model` holds; else `tp_plan`."""
+    tp_owner: Any | None = None
+    """The module `tp_entries` were resolved on (the whole model, of which `model` is a piece)."""
+    fsdp_root: Literal["children", "model"] = "children"
+    """FSDP2/replicate roots: the model's direct children (a LightningModule) or the model itself (a pipeline stage)."""
 
 
 def parallelize_model(model: nn.Module, mesh: DistMesh, config: ParallelizeConfig) -> nn.Module:
     """Apply TP, activation checkpointing, compile and data parallelism to `model` in place, in that order."""
     # 1. tensor parallelism first: it turns weights into DTensors on the `tp` mesh
     if mesh.size(TP) > 1:
-        from lightning_dist.parallelize.tp import apply_tp
+        from lightning_dist.parallelize.tp import apply_tp, apply_tp_entries
 
-        apply_tp(model, mesh.get_mesh(TP), plan=config.tp_plan, **config.tp_options)
+        if config.tp_entries is not None:  # a piece of a model (pipeline stage): the whole model's plan
+            apply_tp_entries(model, mesh.get_mesh(TP), list(config.tp_entries), config.tp_owner)
+        else:
+            apply_tp(model, mesh.get_mesh(TP), plan=config.tp_plan, **config.tp_options)
 
     # 2. activation checkpointing after TP and before FSDP, so FSDP's units are the checkpointed blocks
     if config.activation_checkpointing:
@@ -85,6 +99,15 @@ def parallelize_model(model: nn.Module, mesh: DistMesh, config: ParallelizeConfi
     # CPU offload is an FSDP2 policy: it needs fully_shard even with one data-parallel rank (one GPU is the
     # most common reason to offload at all), so an offload policy never takes the replicate/no-op paths
     offload = config.offload_policy is not None
+    if config.fsdp_root == "model":
+        # a pipeline stage: its own FSDP2 root over every data-parallel dim (PipelineStage runs the stage module)
+        if dp_size > 1 or offload:
+            from lightning_dist.parallelize.pipeline import apply_fsdp_to_stage
+
+            apply_fsdp_to_stage(model, mesh.fsdp_mesh(), units=config.units,
+                                reshard_after_forward=config.zero_stage == 3,
+                                mp_policy=config.mp_policy, offload_policy=config.offload_policy)
+        return model
     replicate_only = not offload and (config.zero_stage == 1 or (mesh.size(DP_SHARD) == 1 and mesh.size(TP) == 1))
     if replicate_only:
         if dp_size > 1:
@@ -101,4 +124,42 @@ def parallelize_model(model: nn.Module, mesh: DistMesh, config: ParallelizeConfi
     return model
 
 
-__all__ = ["ParallelizeConfig", "parallelize_model", "apply_ac", "apply_compile", "apply_fsdp", "apply_replicate"]
+def pipeline_model(
+    model: nn.Module,
+    mesh: DistMesh,
+    config: ParallelizeConfig,
+    *,
+    split: Any,
+    stage_indices: Sequence[int],
+) -> tuple[nn.Module, list[nn.Module]]:
+    """Split `model` into the pipeline stages `stage_indices` of `split`, then parallelize each stage's module.
+
+    Returns ``(container, stages)``: one :class:`~lightning_dist.parallelize.pipeline.StageModule` holding
+    every part this rank runs (what the LightningModule keeps: its parameters under their single-device
+    names) and one stage module per local stage (what ``PipelineStage`` runs), sharing those parts. Each
+    stage goes through :func:`parallelize_model` with `config`: its blocks are the units of activation
+    checkpointing and compile (``True``); FSDP2's ``"auto"`` units are the blocks of its block list. With ``tp > 1``, ``config.tp_entries`` must
+    hold the plan resolved on ``config.tp_owner`` (a module containing `model`), still holding `model`.
+    """
+    from dataclasses import replace
+
+    from lightning_dist.parallelize.pipeline import build_stage_module, stage_blocks
+
+    if mesh.size(TP) > 1 and (config.tp_entries is None or config.tp_owner is None):
+        raise ValueError("pipeline_model with tp > 1 needs `tp_entries` resolved on `tp_owner` (the whole model).")
+    container = build_stage_module(model, split, stage_indices)
+    stages = [build_stage_module(model, split, [s]) for s in stage_indices]
+    for stage in stages:
+        blocks = stage_blocks(stage)
+        auto = lambda option: blocks if option is True or option == "auto" else option  # noqa: E731
+        stage_config = replace(
+            config, fsdp_root="model",
+            activation_checkpointing=auto(config.activation_checkpointing) if config.activation_checkpointing else False,
+            compile=auto(config.compile) if config.compile is not False else False,
+        )
+        parallelize_model(stage, mesh, stage_config)
+    log.info("pipeline: %d local stage(s) %s parallelized", len(stages), list(stage_indices))
+    return container, stages
+
+
+__all__ = ["ParallelizeConfig", "parallelize_model", "pipeline_model", "apply_ac", "apply_compile", "apply_fsdp", "apply_replicate"]

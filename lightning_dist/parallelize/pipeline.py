@@ -1,13 +1,15 @@
 """Pipeline stage splitting: a plan as data (stage -> blocks -> params -> cost) and the stage modules.
 
-A pipelined network has one of two shapes:
+A pipelined network has one of three shapes:
 
 * an ``nn.Sequential``: its children are the blocks;
+* an unmodified HuggingFace causal LM: its ``config.base_model_pp_plan`` block list, the model itself
+  running each stage with the parts it does not own taken out (see :mod:`.pipeline_hf`);
 * a module with a **stem** (children registered before the block list), one ``nn.ModuleList`` of
   blocks (found by :func:`~lightning_dist.parallelize.units.find_block_lists`, a direct child) and a
   **head** (children registered after it). Its ``forward`` must equal applying the children in
   registration order (:func:`check_staged_forward` compares them on one micro-batch). A module used
-  twice (weight sharing) runs twice; shared across stages it is refused (:func:`check_splittable`).
+  twice (weight sharing) runs twice; a parameter shared across stages is held by each (:func:`tied_stages`).
 
 :func:`plan_split` returns a :class:`PipelineSplit` (pure data, printable with rich, unit-testable in
 one process): contiguous runs of blocks per stage, the stem on stage 0 and the head on the last stage.
@@ -23,7 +25,7 @@ import io
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Union
+from typing import Any, Callable, Literal, Protocol, Union, runtime_checkable
 
 import torch
 from torch import nn
@@ -45,6 +47,9 @@ class NetworkLayout:
     """Block keys, in order (``"0"``, ``"1"``, ...)."""
     head: tuple[str, ...]
     """Children run after the blocks (on the last stage)."""
+    hf: tuple | None = None
+    """A HuggingFace causal LM: ``(base, block_list, stem, head)`` of :func:`~.pipeline_hf.hf_parts`; its stages
+    are the model with the parts they do not own taken out (:func:`~.pipeline_hf.build_hf_stage`)."""
 
     def block_name(self, i: int) -> str:
         key = self.blocks[i]
@@ -52,7 +57,14 @@ class NetworkLayout:
 
 
 def network_layout(net: nn.Module) -> NetworkLayout:
-    """Find stem / blocks / head of `net`; TypeError when it has neither shape."""
+    """Find stem / blocks / head of `net`; TypeError when it has none of the shapes (the message says why)."""
+    from lightning_dist.parallelize.pipeline_hf import hf_parts, is_hf_causal_lm
+
+    if is_hf_causal_lm(net):
+        parts = hf_parts(net)
+        _, block_list, stem, head = parts
+        return NetworkLayout(stem=stem, block_list=block_list, blocks=tuple(net.get_submodule(block_list)._modules),
+                             head=head, hf=parts)
     if isinstance(net, nn.Sequential):
         return NetworkLayout(stem=(), block_list=None, blocks=tuple(net._modules), head=())
     children = list(net.named_children())
@@ -62,7 +74,8 @@ def network_layout(net: nn.Module) -> NetworkLayout:
         raise TypeError(
             f"Cannot split {type(net).__name__} into pipeline stages: it has {what} direct nn.ModuleList of blocks."
             " Make it an nn.Sequential, or give it one nn.ModuleList of blocks (e.g. `self.blocks`) with the"
-            " layers before it (stem) and after it (head) registered as children in execution order."
+            " layers before it (stem) and after it (head) registered as children in execution order. (Tried: a"
+            " HuggingFace causal LM's config.base_model_pp_plan - it is not one; nn.Sequential - it is not one.)"
         )
     name, blocks = found[0]
     if any(True for _ in net.parameters(recurse=False)):
@@ -77,7 +90,7 @@ def network_layout(net: nn.Module) -> NetworkLayout:
 
 
 def _block(net: nn.Module, layout: NetworkLayout, i: int) -> nn.Module:
-    container = net if layout.block_list is None else getattr(net, layout.block_list)
+    container = net if layout.block_list is None else net.get_submodule(layout.block_list)
     return container._modules[layout.blocks[i]]
 
 
@@ -191,9 +204,14 @@ def profile_costs(
     """Measured forward+backward milliseconds of (stem, each block, head) on one sample micro-batch (best of `repeats`).
 
     The parts are assumed to compose to ``net`` (check that first with :func:`check_staged_forward`).
+    A HuggingFace causal LM is measured inside its own forward (`sample`: its keyword inputs).
     """
-    parts = [getattr(net, n) for n in layout.stem] + [_block(net, layout, i) for i in range(len(layout.blocks))] + [
-        getattr(net, n) for n in layout.head
+    if layout.hf is not None:
+        from lightning_dist.parallelize.pipeline_hf import profile_hf
+
+        return profile_hf(net, layout, sample, repeats=repeats)
+    parts = [net.get_submodule(n) for n in layout.stem] + [_block(net, layout, i) for i in range(len(layout.blocks))] + [
+        net.get_submodule(n) for n in layout.head
     ]
     times: list[float] = []
     x = sample
@@ -239,8 +257,8 @@ def plan_split(
             " or a deeper model."
         )
     params = [_num_params(_block(net, layout, i)) for i in range(n)]
-    stem_p = sum(_num_params(getattr(net, m)) for m in layout.stem)
-    head_p = sum(_num_params(getattr(net, m)) for m in layout.head)
+    stem_p = sum(_num_params(net.get_submodule(m)) for m in layout.stem)
+    head_p = sum(_num_params(net.get_submodule(m)) for m in layout.head)
     if isinstance(split, str) and split == "balanced":
         if costs is None:
             if sample is None:
@@ -307,12 +325,28 @@ def batchnorm_modules(net: nn.Module) -> list[str]:
     return [name for name, m in net.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
 
+def tied_stages(net: nn.Module, split: PipelineSplit) -> list[tuple[tuple[str, ...], tuple[int, ...]]]:
+    """Parameters held by two or more stages (tied embeddings): ``(qualified names, stage indices)`` of each.
+
+    Each holding stage keeps the parameter; the strategy sums its gradient over the holders' ranks every step
+    (Megatron's embedding group), so every copy takes the same optimizer step.
+    """
+    owners: dict[int, list[tuple[int, str]]] = {}
+    for stage in split.stages:
+        for part in _part_names(split, stage):
+            for pname, p in net.get_submodule(part).named_parameters(remove_duplicate=False):
+                owners.setdefault(id(p), []).append((stage.index, f"{part}.{pname}"))
+    out = []
+    for uses in owners.values():
+        stages = tuple(sorted({s for s, _ in uses}))
+        if len(stages) > 1:
+            out.append((tuple(dict.fromkeys(n for _, n in uses)), stages))
+    return out
+
+
 def check_splittable(net: nn.Module, split: PipelineSplit, *, allow_batchnorm: bool = False) -> None:
-    """Refuse parameters shared across stages and (unless allowed, then warn) BatchNorm layers, naming them."""
-    shared = shared_across_stages(net, split)
-    if shared:
-        raise ValueError(f"Parameters shared across pipeline stages cannot be split: {shared}. Untie them, or"
-                         " choose split points that keep the modules sharing them on one stage.")
+    """Refuse (unless allowed, then warn) BatchNorm layers, naming them. Tied weights across stages are
+    trained as one parameter (see :func:`tied_stages`)."""
     bn = batchnorm_modules(net)
     if bn and not allow_batchnorm:
         raise ValueError(f"BatchNorm layers {bn} would normalize each micro-batch with its own statistics, unlike"
@@ -343,6 +377,17 @@ def staged_forward_problem(net: nn.Module, sample: torch.Tensor, *, rtol: float 
     in another order, or transforms tensors between children computes something else.
     """
     layout = network_layout(net)
+    if layout.hf is not None:  # every block boundary is a stage boundary: each hand-over is checked
+        from lightning_dist.parallelize.pipeline_hf import check_hf_stages
+
+        one_each = plan_split(net, len(layout.blocks), split=list(range(1, len(layout.blocks))))
+        problem = check_hf_stages(net, [build_stage_module(net, one_each, [s]) for s in range(one_each.num_stages)],
+                                  sample)
+        if problem is None:
+            return None
+        return (f"Cannot split {type(net).__name__} into pipeline stages: {problem}. Tried: a stage = the model"
+                f" with the blocks of {layout.block_list} it does not own taken out, hidden states passed as"
+                " `inputs_embeds` (HF's config.base_model_pp_plan layout).")
     staged = build_stage_module(net, plan_split(net, 1, split="params"), [0])
     was_training = net.training
     net.eval()  # dropout & co. would draw different masks in the two runs
@@ -425,6 +470,13 @@ class StageModule(nn.Module):
         return self.run_local(*args, **kwargs)
 
 
+def is_pipelined_module(net: object) -> bool:
+    """A stage module built by :func:`build_stage_module` (of either kind)."""
+    from lightning_dist.parallelize.pipeline_hf import HFStageMixin
+
+    return isinstance(net, (StageModule, HFStageMixin))
+
+
 def build_stage_module(net: nn.Module, split: PipelineSplit, stage_indices: Sequence[int]) -> StageModule:
     """A :class:`StageModule` with only the stem/blocks/head of `stage_indices` (the same module objects).
 
@@ -433,6 +485,11 @@ def build_stage_module(net: nn.Module, split: PipelineSplit, stage_indices: Sequ
     lay = split.layout
     chosen = [split.stages[i] for i in sorted(stage_indices)]
     block_ids = [b for s in chosen for b in s.blocks]
+    if lay.hf is not None:
+        from lightning_dist.parallelize.pipeline_hf import build_hf_stage
+
+        return build_hf_stage(net, lay.hf, [lay.blocks[i] for i in block_ids], first=any(s.stem for s in chosen),
+                              last=any(s.head for s in chosen))
     blocks = [(lay.blocks[i], _block(net, lay, i)) for i in block_ids]
     parts: list[tuple[str, nn.Module]] = []
     if any(s.stem for s in chosen):
@@ -446,26 +503,51 @@ def build_stage_module(net: nn.Module, split: PipelineSplit, stage_indices: Sequ
 
 def stage_blocks(stage: StageModule) -> list[nn.Module]:
     """The blocks a stage module holds: its block list's entries, or (a split ``nn.Sequential``) its children."""
+    hf_list = getattr(stage, "_ld_block_list", None)
+    if hf_list is not None:  # a HuggingFace stage: its slice of the block list
+        return list(stage.get_submodule(hf_list).children())
     lists = [child for child in stage.children() if isinstance(child, nn.ModuleDict)]
     if lists:
         return [block for blocks in lists for block in blocks.values()]
     return list(stage.children())
 
 
-def apply_fsdp_to_stages(stages: Sequence[StageModule], mesh: Any, *, reshard_after_forward: bool = False) -> None:
-    """FSDP2 on the data-parallel mesh for each stage module: its blocks first, then the stage module as root.
+def apply_fsdp_to_stage(
+    stage: nn.Module,
+    mesh: Any,
+    *,
+    units: Any = "auto",
+    reshard_after_forward: bool = False,
+    mp_policy: Any | None = None,
+    offload_policy: Any | None = None,
+) -> int:
+    """FSDP2 on the data-parallel mesh for one stage module: its units first, then the stage module as root.
 
-    Each stage module must be its own FSDP root so ``PipelineStage`` can defer the gradient reduction to the
+    The stage module must be its own FSDP root so ``PipelineStage`` can defer the gradient reduction to the
     last micro-batch (``apply_fsdp``'s roots are the LightningModule's children, which never run here).
+    `units`: ``"auto"`` (the blocks of the stage's block list), class names or modules; of those, a block run
+    twice or sharing a parameter with the rest of the stage stays in the root unit. Returns the unit count.
     """
     from lightning_dist._compat import fully_shard_api
+    from lightning_dist.parallelize.units import select_units
 
     fully_shard = fully_shard_api()[0]
-    for stage in stages:
+    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    if offload_policy is not None:
+        kwargs["offload_policy"] = offload_policy
+    if isinstance(units, str) and units == "auto" and getattr(stage, "_ld_block_list", None) is not None:
+        blocks = stage_blocks(stage)
+    elif isinstance(units, str) and units == "auto":
         blocks = [b for child in stage._modules.values() if isinstance(child, nn.ModuleDict) for b in child.values()]
-        for block in _unshared(blocks, stage):
-            fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
-        fully_shard(stage, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    else:
+        blocks = [m for _, m in select_units(stage, units)]
+    picked = _unshared(blocks, stage)
+    for block in picked:
+        fully_shard(block, **kwargs)
+    fully_shard(stage, **kwargs)
+    return len(picked) + 1
 
 
 def _unshared(blocks: Sequence[nn.Module], stage: nn.Module) -> list[nn.Module]:
@@ -490,6 +572,78 @@ def _unshared(blocks: Sequence[nn.Module], stage: nn.Module) -> list[nn.Module]:
     return out
 
 
+@runtime_checkable
+class PipelineView(Protocol):
+    """What a strategy offers about its pipeline to callbacks and tools (``MeshStrategy.pipeline_view()``).
+
+    Read-only except ``record_timeline``; a callback never needs the strategy's class or its internals.
+    """
+
+    split: PipelineSplit | None
+    """The stage plan (blocks per stage, the network's layout); None until the model is split."""
+    network: str
+    """Attribute of the LightningModule holding the pipelined network."""
+    record_timeline: bool
+    """Set True to record each step's F/B/I/W actions (read back with :meth:`pop_timelines`)."""
+
+    @property
+    def local_stages(self) -> list[int]:
+        """Indices of the stages this rank runs."""
+
+    @property
+    def stage_modules(self) -> list[nn.Module]:
+        """This rank's stage modules, as the schedule runs them (after TP/FSDP), one per local stage."""
+
+    def pop_timelines(self) -> list[dict]:
+        """The timelines recorded since the last call (one per training step), removed from the strategy."""
+
+
+def pipeline_view(strategy: Any) -> PipelineView | None:
+    """The strategy's :class:`PipelineView` (``strategy.pipeline_view()``), or None (no pipeline, or not a mesh strategy)."""
+    get = getattr(strategy, "pipeline_view", None)
+    return get() if callable(get) else None
+
+
+def join_stages(split: PipelineSplit, pieces: Sequence[nn.Module]) -> nn.Module:
+    """The whole single-device network from plain copies of every pipeline rank's stage module (pure).
+
+    Stem, blocks and head are put back in the split's order under their single-device names. A HuggingFace
+    stage is the model with the parts it does not own taken out: the parts are put back into the first
+    stage's copy.
+    """
+    layout = split.layout
+    if layout.hf is not None:
+        from lightning_dist.parallelize.pipeline_hf import HFStageMixin, _shallow
+
+        first = next(p for p in pieces if p.get_submodule(layout.stem[0]).__class__.__name__ != "Absent")
+        whole = _shallow(first, type(first).__mro__[2])  # the model's own class (the stage class, the mixin, it)
+        assert not isinstance(whole, HFStageMixin)
+        prefix = layout.hf[0]
+        base = _shallow(first.get_submodule(prefix))
+        whole._modules[prefix] = base
+        blocks = {k: m for p in pieces for k, m in p.get_submodule(layout.block_list)._modules.items()}
+        joined = nn.ModuleList()
+        joined._modules = {k: blocks[k] for k in layout.blocks}
+        base._modules[layout.block_list.split(".", 1)[1]] = joined
+        last = next(p for p in pieces if not isinstance(p.get_submodule(layout.head[-1]), nn.Identity))
+        for name in layout.head:
+            owner, _, child = name.rpartition(".")
+            (base if owner == prefix else whole)._modules[child] = last.get_submodule(name)
+        return whole
+    parts: dict[str, nn.Module] = {}
+    blocks: dict[str, nn.Module] = {}
+    for piece in pieces:
+        for name, child in piece.named_children():
+            if name == layout.block_list:
+                blocks.update(child.items())
+            elif layout.block_list is None:  # an nn.Sequential: its children are the blocks
+                blocks[name] = child
+            else:
+                parts[name] = child
+    order = list(layout.stem) + ([layout.block_list] if layout.block_list is not None else []) + list(layout.head)
+    return StageModule([(n, parts.get(n)) for n in order], layout.block_list, [(k, blocks[k]) for k in layout.blocks])
+
+
 def stage_ranks(num_stages: int, pp: int, style: Literal["loop", "v"] = "loop") -> list[int]:
     """Pipeline rank of each stage: ``loop`` (stage s on rank s % pp) or ``v`` (ZBV: 0..p-1 then p-1..0)."""
     if num_stages % pp:
@@ -504,9 +658,10 @@ def stage_ranks(num_stages: int, pp: int, style: Literal["loop", "v"] = "loop") 
 
 
 __all__ = [
-    "NetworkLayout", "PipelineSplit", "StagePlan", "StageModule", "apply_fsdp_to_stages", "batchnorm_modules",
+    "NetworkLayout", "PipelineSplit", "PipelineView", "join_stages", "pipeline_view", "StagePlan", "StageModule", "apply_fsdp_to_stage", "batchnorm_modules",
     "stage_blocks",
-    "check_splittable",
+    "check_splittable", "tied_stages", "is_pipelined_module",
     "build_stage_module", "check_staged_forward", "host_copy", "staged_forward_problem",
     "network_layout", "partition", "plan_split", "profile_costs", "shared_across_stages", "stage_ranks",
 ]
+

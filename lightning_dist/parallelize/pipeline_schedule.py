@@ -15,9 +15,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
-
-from lightning_dist._compat import PIPELINE_INIT_P2P_TO_SELF
+from lightning_dist._integrations.torch_pipelining import TimedStage, install_forward_only_program
 
 # name -> (torch schedule class, default stages per rank, stage -> rank style)
 SCHEDULES: dict[str, tuple[str, int, str]] = {
@@ -53,61 +51,6 @@ def schedule_problems(schedule: str, pp: int, n_microbatches: int, stages_per_ra
     return out
 
 
-def use_forward_only_order(schedule: Any, stage_ranks: Sequence[int], n_microbatches: int) -> None:
-    """Give a multi-stage schedule a forward-only program: each rank runs its stages in order, all micro-batches.
-
-    torch's multi-stage schedules have no forward-only mode (ZBV's actions pass input gradients between the two
-    stages of a rank), and their validator insists on backward actions; so the F-only program is lowered to
-    send/recv actions with torch's own pass and installed directly (the schedule IR has no public name).
-    """
-    from torch.distributed.pipelining import schedules as S
-
-    order: dict[int, list] = {r: [] for r in sorted(set(stage_ranks))}
-    for stage, rank in enumerate(stage_ranks):
-        order[rank] += [S._Action(stage, S._ComputationType.FORWARD, mb) for mb in range(n_microbatches)]
-    schedule.pipeline_order_with_comms = S._add_send_recv(
-        {r: S._add_unshard_reshard(a) for r, a in order.items()},
-        stage_to_rank=lambda s: stage_ranks[s],
-        num_stages=len(stage_ranks),
-    )
-
-
-class TimedStage(PipelineStage):
-    """A PipelineStage that records its F/B/I/W actions when a timeline list is attached (else no overhead)."""
-
-    timeline: Optional[list] = None
-    peak_held: int = 0
-
-    def _record(self, kind: str, mb: int, start: float, cpu_start: float) -> None:
-        if self.timeline is not None:  # (stage, kind, micro-batch, wall start, wall end, thread CPU seconds)
-            self.timeline.append((self.stage_index, kind, mb, start, time.perf_counter(), time.thread_time() - cpu_start))
-
-    def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
-        start, cpu = time.perf_counter(), time.thread_time()
-        out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
-        self._record("F", fwd_chunk_id, start, cpu)
-        self.peak_held = max(self.peak_held, len(self.fwd_cache))  # micro-batches whose activations are held
-        return out
-
-    def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
-        start, cpu = time.perf_counter(), time.thread_time()
-        out = super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
-        self._record("B" if full_backward else "I", bwd_chunk_id, start, cpu)
-        return out
-
-    def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
-        start, cpu = time.perf_counter(), time.thread_time()
-        out = super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
-        self._record("W", bwd_chunk_id, start, cpu)
-        return out
-
-    if PIPELINE_INIT_P2P_TO_SELF:
-        def _get_init_p2p_neighbors_ops(self):
-            # the warm-up exchange with a neighbour stage on this same rank is a send to self, which gloo
-            # cannot pair; stages of one rank hand tensors over in memory, so the exchange is not needed
-            return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != self.group_rank]
-
-
 def build_schedule(
     views: Sequence[nn.Module],
     local_stages: Sequence[int],
@@ -125,7 +68,7 @@ def build_schedule(
     share of the batch loss (its mean loss / `n_microbatches`), which averages the gradients as they
     accumulate instead of in one more pass over every gradient at the end of the step (on the critical path).
     With ``loss_fn=None`` the schedule is forward-only: GPipe for one stage per rank, otherwise the
-    schedule's own stage layout with an F-only program (see :func:`use_forward_only_order`).
+    schedule's own stage layout with an F-only program (see :func:`install_forward_only_program`).
     """
     from torch.distributed import pipelining
 
@@ -137,7 +80,7 @@ def build_schedule(
     sched = getattr(pipelining, name)(stages[0] if single else stages, n_microbatches=n_microbatches,
                                       loss_fn=loss_fn, scale_grads=False)
     if not train and not single:
-        use_forward_only_order(sched, stage_ranks, n_microbatches)
+        install_forward_only_program(sched, stage_ranks, n_microbatches)
     return sched, stages
 
 
@@ -161,18 +104,25 @@ class PipelineRunner:
         return len(self.stage_ranks)
 
     def step(self, x: torch.Tensor, *, n_microbatches: int, loss_fn: Optional[Callable] = None, target: Any = None,
-             timeline: Optional[list] = None) -> tuple[torch.Tensor, Optional[torch.Tensor], dict]:
+             timeline: Optional[list] = None, kwargs: Optional[dict] = None
+             ) -> tuple[torch.Tensor, Optional[torch.Tensor], dict]:
         """Run the schedule on `x` (used on the first stage's rank); returns (output, loss, record).
+
+        kwargs: more inputs every stage takes (an attention mask, position ids): torch's schedule splits each
+        tensor into the micro-batches along dim 0, like `x`, and passes every stage its micro-batch's values.
 
         loss: the batch's mean `loss_fn` (the micro-batches' mean) on every rank, None without `loss_fn`.
         record: wall start/end of the schedule, peak micro-batches held per local stage; `timeline` (a list)
         receives every F/B/I/W action when given.
         """
         train, m = loss_fn is not None, n_microbatches
-        key = (train, tuple(x.shape), x.dtype, m)
+        kwargs = dict(kwargs or {})
+        shapes = tuple((k, tuple(v.shape) if isinstance(v, torch.Tensor) else None) for k, v in sorted(kwargs.items()))
+        key = (train, tuple(x.shape), x.dtype, m, shapes)
+        self._loss_fn = loss_fn  # read at each call: a loss may change per batch (HF labels: the batch's token count)
         if key not in self._schedules:
             # each micro-batch's share of the batch mean: the accumulated gradients are the mean's
-            share = (lambda out, tgt: loss_fn(out, tgt) / m) if train else None
+            share = (lambda out, tgt: self._loss_fn(out, tgt) / m) if train else None
             self._schedules[key] = build_schedule(self.views, self.local_stages, self.stage_ranks,
                                                   schedule=self.schedule, n_microbatches=m, device=self.device,
                                                   group=self.group, loss_fn=share)
@@ -183,7 +133,7 @@ class PipelineRunner:
         for st in stages:
             st.timeline, st.peak_held = timeline, 0
         start = time.perf_counter()
-        out = sched.step(*((x,) if 0 in self.local_stages else ()), **kw)
+        out = sched.step(*((x,) if 0 in self.local_stages else ()), **kw, **kwargs)
         end = time.perf_counter()
         record = {"start": start, "end": end, "peak_held": {st.stage_index: st.peak_held for st in stages}}
         out = self.from_last_stage(out, ("out", train, tuple(x.shape)))
@@ -270,9 +220,11 @@ def global_grad_norm(grads: Sequence[torch.Tensor], pp_group: Optional[Any], *, 
     return total.sqrt()
 
 
-def bubble_theory(pp: int, n_microbatches: int) -> float:
-    """Idle fraction of GPipe/1F1B with equal stages and free communication: (p-1)/(m+p-1)."""
-    return (pp - 1) / (n_microbatches + pp - 1)
+def bubble_theory(pp: int, n_microbatches: int, stages_per_rank: int = 1) -> float:
+    """Idle fraction with equal stages and free communication: (p-1)/(v*m+p-1) for GPipe/1F1B (v=1) and
+    interleaved 1F1B (v stages per rank, each 1/v of the work: the warm-up shrinks v times). Zero-bubble
+    schedules fill part of it with weight-gradient work: this is their upper bound."""
+    return (pp - 1) / (stages_per_rank * n_microbatches + pp - 1)
 
 
-__all__ = ["SCHEDULES", "PipelineRunner", "TimedStage", "bubble_theory", "build_schedule", "global_grad_norm", "grads_by_layout", "returned_loss_gradients", "schedule_problems", "use_forward_only_order"]
+__all__ = ["SCHEDULES", "PipelineRunner", "TimedStage", "bubble_theory", "build_schedule", "global_grad_norm", "grads_by_layout", "returned_loss_gradients", "schedule_problems"]

@@ -31,12 +31,16 @@ def find_block_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
     ]
 
 
-def select_units(model: nn.Module, units: str | Sequence[str] = "auto") -> list[tuple[str, nn.Module]]:
+def select_units(model: nn.Module, units: str | Sequence[str] | Sequence[nn.Module] = "auto") -> list[tuple[str, nn.Module]]:
     """The modules to treat as units, outermost first.
 
-    `units` is ``"auto"`` (each child of the model's block lists) or module class names
-    (e.g. ``["ViTBlock"]``). Raises ``ValueError`` naming what could not be matched.
+    `units` is ``"auto"`` (each child of the model's block lists), module class names
+    (e.g. ``["ViTBlock"]``) or the modules themselves (a pipeline stage's blocks).
+    Raises ``ValueError`` naming what could not be matched.
     """
+    if not isinstance(units, str) and units and all(isinstance(u, nn.Module) for u in units):
+        ids = {id(u) for u in units}
+        return [(n, m) for n, m in model.named_modules() if id(m) in ids]
     if isinstance(units, str) and units == "auto":
         picked = [(f"{ln}.{i}", block) for ln, blocks in find_block_lists(model) for i, block in enumerate(blocks)]
         return picked

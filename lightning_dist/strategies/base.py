@@ -107,6 +107,12 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
         self._timeout = timeout
         self.num_nodes = 1
 
+    def pipeline_view(self) -> Optional[Any]:
+        """This strategy's pipeline for callbacks and tools, as a
+        :class:`~lightning_dist.parallelize.pipeline.PipelineView` (layout, local stages, stage modules,
+        timelines); None when the strategy does not pipeline. Callbacks read this, never a strategy's class."""
+        return None
+
     # ---- mesh ----------------------------------------------------------------------------------
     def mesh_spec(self) -> MeshSpec:
         """The resolved mesh for this job; pure arithmetic, identical on every rank, raises ValueError."""

@@ -4,9 +4,17 @@ What the LightningModule must provide (checked on every rank before the first co
 
 * the network under ``self.<network>`` (default ``self.model``): an ``nn.Sequential``, or a module with a
   stem, one ``nn.ModuleList`` of blocks and a head, whose forward is its children in registration order
-  (see :mod:`lightning_dist.parallelize.pipeline`); it takes one tensor and returns one tensor;
+  (see :mod:`lightning_dist.parallelize.pipeline`); it takes one tensor and returns one tensor. Or an
+  unmodified HuggingFace causal LM (``LlamaForCausalLM``, ``GPT2LMHeadModel``...): called with
+  ``input_ids`` and keyword inputs (``attention_mask``, ``position_ids``: split into micro-batches and
+  given to every stage) and ``labels`` (HF's loss convention), it returns a ``CausalLMOutputWithPast``
+  whose ``loss`` and ``logits`` are the single-device values (see :mod:`~lightning_dist.parallelize.pipeline_hf`);
 * ``pipeline_loss(output, target) -> Tensor``: the mean loss of one micro-batch, used by the schedule's
-  backward (gradients are averaged over micro-batches, as for a mean over the batch);
+  backward (gradients are averaged over micro-batches, as for a mean over the batch); not needed by a HF
+  model called with ``labels`` (each micro-batch's loss is divided by the whole batch's labelled tokens);
+* weights tied across stages (a head tied to the token embedding) are held by each stage that uses them,
+  their gradients summed between those stages' ranks every step (Megatron's embedding group); each
+  holder saves its copy under its own name (the values are equal);
 * batches ``(inputs, target, ...)``, or a ``pipeline_target(batch)`` hook returning the target;
 * for ``split="balanced"``: ``example_input_array`` set to one micro-batch of inputs;
 * a forward that is its children run in order: checked on ``example_input_array`` before any collective,
@@ -44,7 +52,8 @@ from lightning_dist import checkpoint as ckpt
 from lightning_dist._integrations.lightning import route_clip_grad_by_norm
 from lightning_dist.mesh import PP, TP, MeshSpec
 from lightning_dist.parallelize import pipeline as plan
-from lightning_dist.parallelize.compile import apply_compile, check_compile_option, compile_units
+from lightning_dist.parallelize import ParallelizeConfig, pipeline_model
+from lightning_dist.parallelize.compile import check_compile_option
 from lightning_dist.parallelize.pipeline_schedule import (
     SCHEDULES,
     PipelineRunner,
@@ -53,10 +62,16 @@ from lightning_dist.parallelize.pipeline_schedule import (
     returned_loss_gradients,
     schedule_problems,
 )
-from lightning_dist.parallelize.tp import TPEntry, apply_tp_entries, format_plan, resolve_stage_plan
+from lightning_dist.parallelize.pipeline_hf import hf_example_inputs, hf_labels_loss, is_hf_causal_lm, labelled_tokens
+from lightning_dist.parallelize.pipeline_tied import sum_tied_gradients, tied_gradient_groups, tied_problems
+from lightning_dist.parallelize.tp import TPEntry, format_plan, resolve_stage_plan
 from lightning_dist.strategies.base import MeshStrategy
 
 log = logging.getLogger(__name__)
+
+_PENDING = object()  # training_step is running: the network call takes the target from its inputs or the batch
+# keyword inputs of a HF causal LM that every stage takes (split into micro-batches along dim 0)
+_HF_STAGE_INPUTS = frozenset({"attention_mask", "position_ids", "token_type_ids"})
 
 
 class PipelineStrategy(MeshStrategy):
@@ -87,6 +102,8 @@ class PipelineStrategy(MeshStrategy):
             or block class names to compile. Not with the zero-bubble schedules: their split backward (input
             gradients first, weight gradients later) needs each block's autograd graph, which a compiled
             block replaces with one node.
+        activation_checkpointing: True to checkpoint each block of each stage (recompute its activations in
+            backward), or block class names.
         **kwargs: mesh and checkpoint options of :class:`MeshStrategy` (``dp_replicate``, ``dp_shard``...).
     """
 
@@ -107,6 +124,7 @@ class PipelineStrategy(MeshStrategy):
         tp: int = 1,
         tp_plan: Union[str, Mapping[str, Any]] = "auto",
         compile: Union[bool, Sequence[str]] = False,
+        activation_checkpointing: Union[bool, Sequence[str]] = False,
         **kwargs: Any,
     ) -> None:
         problems = check_compile_option(compile)
@@ -127,6 +145,7 @@ class PipelineStrategy(MeshStrategy):
         super().__init__(pp=1 if pp is None else pp, tp=tp, **kwargs)
         self.tp_plan = dict(tp_plan) if isinstance(tp_plan, Mapping) else tp_plan
         self.compile = compile
+        self.activation_checkpointing = activation_checkpointing
         self.tp_entries: list[TPEntry] = []
         """The resolved tensor-parallel plan (on the whole LightningModule; filled in ``parallelize``)."""
         if schedule not in SCHEDULES:
@@ -146,6 +165,9 @@ class PipelineStrategy(MeshStrategy):
         self._local_stages: list[int] = []
         self._runner: Optional[PipelineRunner] = None
         self._target: Any = None
+        self._batch: Any = None
+        self._hf = False  # a HuggingFace causal LM: keyword inputs, `labels`, a ModelOutput returned
+        self._tied: list[tuple[Tensor, Any, bool]] = []  # (parameter, group of its holders' ranks, counted in the norm)
         self._stash: Optional[list[tuple[Tensor, Optional[Tensor]]]] = None
         self._returned: Optional[tuple[Tensor, Any, int]] = None  # (output leaf, target, micro-batches) of the step
         self._unsplit: Optional[nn.Module] = None  # CPU copy of the network until the first batch checked the stages
@@ -159,6 +181,21 @@ class PipelineStrategy(MeshStrategy):
     def local_stages(self) -> list[int]:
         """Indices of the pipeline stages this rank runs (set up in ``setup``)."""
         return list(self._local_stages)
+
+    @override
+    def pipeline_view(self) -> "PipelineStrategy":
+        """This strategy is its own :class:`~lightning_dist.parallelize.pipeline.PipelineView`."""
+        return self
+
+    @property
+    def stage_modules(self) -> list[nn.Module]:
+        """This rank's stage modules as the schedule runs them (empty before ``setup``)."""
+        return [] if self._runner is None else list(self._runner.views)
+
+    def pop_timelines(self) -> list[dict]:
+        """The recorded step timelines since the last call (``record_timeline=True``), handed over once."""
+        out, self.timelines = self.timelines, []
+        return out
 
     @property
     def num_stages(self) -> int:
@@ -184,13 +221,14 @@ class PipelineStrategy(MeshStrategy):
         net = getattr(module, self.network, None)
         if self._is_pipelined(net):
             return  # the same Trainer again (validate/test after fit): already split and checked
-        if isinstance(net, plan.StageModule):
+        if plan.is_pipelined_module(net):
             problems.append(f"{type(module).__name__}.{self.network} was already split by another PipelineStrategy;"
                             " build a fresh module (or load a checkpoint into one) for a new Trainer.")
         elif not isinstance(net, nn.Module):
             problems.append(f"{type(module).__name__}.{self.network} must be the network to pipeline (an nn.Module);"
                             f" got {type(net).__name__}. Set `network=` to the attribute that holds it.")
-        if not callable(getattr(module, "pipeline_loss", None)):
+        if not callable(getattr(module, "pipeline_loss", None)) and not (
+                isinstance(net, nn.Module) and is_hf_causal_lm(net)):  # HF models: the `labels` convention
             problems.append(f"{type(module).__name__} has no `pipeline_loss(output, target)` method: the pipeline"
                             " schedule computes the loss of each micro-batch on the last stage with it.")
         if problems or net is None:
@@ -202,7 +240,7 @@ class PipelineStrategy(MeshStrategy):
         plan.check_splittable(net, check, allow_batchnorm=self.allow_batchnorm)
         if spec.size(TP) > 1:
             resolve_stage_plan(module, net, self.tp_plan, tp=spec.size(TP))
-        if mode == "balanced" and getattr(module, "example_input_array", None) is None:
+        if mode == "balanced" and getattr(module, "example_input_array", None) is None and not is_hf_causal_lm(net):
             raise ValueError(f'split="balanced" profiles each block on a sample micro-batch: set'
                              f" `{type(module).__name__}.example_input_array` to one micro-batch of inputs,"
                              ' or pass split="params".')
@@ -210,11 +248,22 @@ class PipelineStrategy(MeshStrategy):
         if sample is not None:  # the stages must compute the model's own forward (else: the first batch, in `_run`)
             plan.check_staged_forward(net, sample)
 
-    def _sample(self, net: nn.Module) -> Optional[Tensor]:
-        """``example_input_array`` on the network's device and floating dtype; None without one (or on meta)."""
+    def _sample(self, net: nn.Module) -> Any:
+        """``example_input_array`` on the network's device and floating dtype; None without one (or on meta).
+
+        A HuggingFace causal LM gets keyword inputs: ``example_input_array`` (ids, or a mapping), else ids
+        built from its config (:func:`~lightning_dist.parallelize.pipeline_hf.hf_example_inputs`).
+        """
         example = getattr(self.lightning_module, "example_input_array", None)
         first = next(iter(net.parameters()), None)
-        if example is None or first is None or first.is_meta:
+        if first is None or first.is_meta:
+            return None
+        if is_hf_causal_lm(net):
+            if example is None:
+                return hf_example_inputs(net)
+            example = dict(example) if isinstance(example, Mapping) else {"input_ids": example}
+            return {k: torch.as_tensor(v).to(first.device) for k, v in example.items()}
+        if example is None:
             return None
         sample = torch.as_tensor(example).to(first.device)
         dtype = next((p.dtype for p in net.parameters() if p.is_floating_point()), None)
@@ -223,13 +272,15 @@ class PipelineStrategy(MeshStrategy):
     def split_mode(self) -> Any:
         """The split that will be used: ``split`` with ``"auto"`` resolved for the attached module."""
         if isinstance(self.split_option, str) and self.split_option == "auto":
-            has_sample = getattr(self.lightning_module, "example_input_array", None) is not None
+            net = getattr(self.lightning_module, self.network, None)
+            has_sample = getattr(self.lightning_module, "example_input_array", None) is not None or (
+                isinstance(net, nn.Module) and is_hf_causal_lm(net))  # HF: a sample from the config
             return "balanced" if has_sample else "params"
         return self.split_option
 
     # ---- model set-up --------------------------------------------------------------------------
     def _is_pipelined(self, net: Any) -> bool:
-        return isinstance(net, plan.StageModule) and net.runner == self._run
+        return plan.is_pipelined_module(net) and net.runner == self._run
 
     @override
     def already_parallelized(self) -> bool:
@@ -242,6 +293,7 @@ class PipelineStrategy(MeshStrategy):
         if self._is_pipelined(net):
             return
         mesh, pp = self.mesh, self.mesh.size(PP)
+        self._hf = is_hf_causal_lm(net)
         costs = None
         mode = self.split_mode()
         sample = self._sample(net)
@@ -260,30 +312,47 @@ class PipelineStrategy(MeshStrategy):
         pp_rank = mesh.local_rank(PP) if pp > 1 else 0
         self._local_stages = [s for s, r in enumerate(stage_ranks) if r == pp_rank]
         rank_zero_info(self.split.format(stage_ranks))
-        container = plan.build_stage_module(net, self.split, self._local_stages)
-        views = [plan.build_stage_module(net, self.split, [s]) for s in self._local_stages]
-        # order: split (above) -> tensor parallelism per stage -> compile per block -> FSDP2 per stage
-        if mesh.size(TP) > 1:
-            self.tp_entries = resolve_stage_plan(module, net, self.tp_plan, tp=mesh.size(TP))
+        entries = None
+        if mesh.size(TP) > 1:  # one plan checked on the whole network; each stage applies the entries it holds
+            entries = self.tp_entries = resolve_stage_plan(module, net, self.tp_plan, tp=mesh.size(TP))
             rank_zero_info(format_plan(self.tp_entries, tp=mesh.size(TP)))
-            for view in views:  # entries matched by module identity: stage modules keep their own names
-                apply_tp_entries(view, mesh.get_mesh(TP), self.tp_entries, module)
+        # the same assembly as every strategy: split, then parallelize_model per stage (TP, AC, compile, FSDP2)
+        config = ParallelizeConfig(zero_stage=3 if self.reshard_after_forward else 2,
+                                   activation_checkpointing=self.activation_checkpointing, compile=self.compile,
+                                   tp_entries=entries, tp_owner=module)
+        tied = self._tied_groups(net, stage_ranks)  # before the split drops the rest of the network
+        container, views = pipeline_model(net, mesh, config, split=self.split, stage_indices=self._local_stages)
+        # the parameters as parallelized (FSDP2 replaces them with sharded ones), found by single-device name
+        held = dict(container.named_parameters(remove_duplicate=False))
+        self._tied = [(next(held[n] for n in names if n in held), group, counted) for names, group, counted in tied]
         setattr(module, self.network, container)  # the rest of the network is dropped here
-        units = compile_units(self.compile)
-        if units is not None:  # each stage's blocks, after TP and before FSDP2 (as parallelize_model orders them)
-            for view in views:
-                apply_compile(view, units=plan.stage_blocks(view) if units == "auto" else units)
-        if mesh.dp_size > 1:
-            plan.apply_fsdp_to_stages(views, mesh.fsdp_mesh(), reshard_after_forward=self.reshard_after_forward)
         self._runner = PipelineRunner(views, self._local_stages, stage_ranks, schedule=self.schedule,
                                       device=self.root_device, group=mesh.group(PP) if pp > 1 else None)
         container.runner = self._run
 
     # ---- running the pipeline ------------------------------------------------------------------
-    def _run(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+    def _inputs(self, args: tuple, kwargs: dict) -> tuple[Tensor, dict, Optional[Tensor]]:
+        """(first stage's input, inputs every stage takes, HF labels) of a call of the pipelined network."""
+        if not self._hf:
+            if len(args) != 1 or kwargs or not isinstance(args[0], Tensor):
+                raise TypeError("A pipelined network takes exactly one tensor argument (the batch of inputs).")
+            return args[0], {}, None
+        kwargs = dict(kwargs)
+        if len(args) > 1 or (args and "input_ids" in kwargs):
+            raise TypeError("A pipelined HuggingFace model takes `input_ids` (positionally or by name) and keyword inputs.")
+        x = args[0] if args else kwargs.pop("input_ids", None)
+        labels = kwargs.pop("labels", None)
+        for key in ("use_cache", "return_dict"):  # the stages never cache; the call returns a ModelOutput anyway
+            kwargs.pop(key, None)
+        unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in _HF_STAGE_INPUTS)
+        if not isinstance(x, Tensor) or unknown:
+            raise TypeError(f"A pipelined HuggingFace model takes `input_ids` (a tensor) and the keyword inputs"
+                            f" {sorted(_HF_STAGE_INPUTS)} and `labels`; got {type(x).__name__} and {unknown or 'no others'}.")
+        return x, {k: v for k, v in kwargs.items() if v is not None}, labels
+
+    def _run(self, *args: Any, **kwargs: Any) -> Any:
         """The pipelined network's call: the whole schedule, returning the last stage's output on every pp rank."""
-        if args or kwargs or not isinstance(x, Tensor):
-            raise TypeError("A pipelined network takes exactly one tensor argument (the batch of inputs).")
+        x, extra, labels = self._inputs(args, kwargs)
         module = self.lightning_module
         train = self._target is not None and torch.is_grad_enabled() and module.training
         m, batch = self.n_microbatches, x.shape[0]
@@ -295,19 +364,23 @@ class PipelineStrategy(MeshStrategy):
         assert self._runner is not None
         if self._unsplit is not None:
             self._check_first_batch(x[: batch // m])
+        target, loss_fn = None, None
+        if train:
+            target, loss_fn = self._loss_of_step(labels, m)
         params = list(self.model.parameters())
         if train:  # the schedule's gradients go aside; `backward` adds them to .grad
             held = [p.grad for p in params]
             for p in params:
                 p.grad = None
         events: Optional[list] = [] if self.record_timeline and train else None
-        out, loss, record = self._runner.step(x, n_microbatches=m, loss_fn=module.pipeline_loss if train else None,
-                                              target=self._target, timeline=events)
+        out, loss, record = self._runner.step(x, n_microbatches=m, loss_fn=loss_fn, target=target, timeline=events,
+                                              kwargs=extra)
         if train:
+            sum_tied_gradients(self._tied)
             if out.is_floating_point():
                 # a leaf: `backward` finds what training_step's loss did with the output (see `_extra_gradients`)
                 out = out.detach().requires_grad_()
-                self._returned = (out, self._target, m)
+                self._returned = (out, target, m, loss_fn)
             self._target = None
             self._stash = [(p, p.grad) for p in params]
             for p, g in zip(params, held):
@@ -316,7 +389,37 @@ class PipelineStrategy(MeshStrategy):
             if events is not None:
                 self.timelines.append({**record, "rank": self.mesh.local_rank(PP) if self.mesh.size(PP) > 1 else 0,
                                        "events": events, "n_microbatches": m})
-        return out
+        if not self._hf:
+            return out
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        # HF's labels convention: the model's output carries the mean loss over the labelled tokens
+        return CausalLMOutputWithPast(loss=None if labels is None else hf_labels_loss(out, labels), logits=out)
+
+    def _loss_of_step(self, labels: Optional[Tensor], m: int) -> tuple[Any, Any]:
+        """The schedule's target and per-micro-batch loss: HF ``labels``, or ``pipeline_target``/``pipeline_loss``."""
+        module = self.lightning_module
+        if labels is not None:
+            # each micro-batch's summed loss over the whole batch's labelled tokens (x m: the runner divides by m),
+            # so the micro-batches add up to the batch mean whatever tokens each one holds
+            share = labelled_tokens(labels).clamp_min(1) / m
+            return labels, lambda out, tgt: hf_labels_loss(out, tgt, num_items=share)
+        if not callable(getattr(module, "pipeline_loss", None)) and not (
+                isinstance(net, nn.Module) and is_hf_causal_lm(net)):  # HF models: the `labels` convention
+            raise ValueError(f"{type(module).__name__} has no `pipeline_loss(output, target)` method and the network"
+                             " call got no `labels`: the pipeline schedule needs a loss for each micro-batch.")
+        return self._pipeline_target(self._batch), module.pipeline_loss
+
+    def _tied_groups(self, net: nn.Module, stage_ranks: Sequence[int]) -> list[tuple[tuple[str, ...], Any, bool]]:
+        """Tied parameters across stages (see :mod:`~lightning_dist.parallelize.pipeline_tied`), refused or grouped."""
+        assert self.split is not None
+        tied = plan.tied_stages(net, self.split)
+        problems = tied_problems(tied, stage_ranks, dp_size=self.mesh.dp_size, tp_size=self.mesh.size(TP))
+        if problems:
+            raise ValueError("Cannot pipeline tied parameters:\n  - " + "\n  - ".join(problems))
+        if tied:
+            rank_zero_info(f"pipeline: tied parameters {[list(n) for n, _ in tied]}: gradients summed over their stages")
+        return tied_gradient_groups(tied, stage_ranks, spec=self.mesh.spec, rank=self.global_rank) if tied else []
 
     def _check_first_batch(self, sample: Tensor) -> None:
         """The staged forward against the unsplit copy on the first micro-batch; refused on every rank if any differs."""
@@ -344,7 +447,8 @@ class PipelineStrategy(MeshStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._target = self._pipeline_target(args[0] if args else kwargs["batch"])
+        self._batch = args[0] if args else kwargs["batch"]
+        self._target = _PENDING  # the network call finds the target (HF `labels`, or `pipeline_target(batch)`)
         self._stash = None
         try:
             out = super().training_step(*args, **kwargs)
@@ -391,9 +495,9 @@ class PipelineStrategy(MeshStrategy):
         returned, self._returned = self._returned, None
         if returned is None or not isinstance(loss, Tensor) or not loss.requires_grad:
             return []
-        out, target, m = returned
+        out, target, m, loss_fn = returned
         differs, extra = returned_loss_gradients(
-            loss, out, target, n_microbatches=m, scale=scale, pipeline_loss=self.lightning_module.pipeline_loss,
+            loss, out, target, n_microbatches=m, scale=scale, pipeline_loss=loss_fn,
             params=[p for p in self.model.parameters() if p.requires_grad])
         mismatch = torch.tensor(float(differs), device=self.root_device)
         if torch.distributed.is_initialized():
@@ -424,7 +528,8 @@ class PipelineStrategy(MeshStrategy):
         route_clip_grad_by_norm(self.precision_plugin, self._clip_grad_by_norm)
 
     def _clip_grad_by_norm(self, optimizer: Any, clip_val: Union[int, float]) -> None:
-        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        skip = {id(p) for p, _, counted in self._tied if not counted}  # a tied copy counts once in the norm
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None and id(p) not in skip]
         total = global_grad_norm(grads, self.mesh.group(PP) if self.mesh.size(PP) > 1 else None, device=self.root_device)
         # torch's rule (coefficient max_norm / (norm + 1e-6), at most 1), one foreach call per gradient layout
         coef = min(1.0, float(clip_val) / (total.item() + 1e-6))

@@ -209,8 +209,9 @@ def test_exit_flush_finds_every_gloo_group_then_destroys(tmp_path):
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert "GROUPS 2 True" in proc.stdout, proc.stdout
         assert "DESTROYED True" in proc.stdout, proc.stdout
-    assert td.gloo_groups() == []  # no process group in this process: nothing to flush
-    td.destroy_process_groups_for_exit()  # and no error without one
+    if not torch.distributed.is_initialized():  # (another unit test may have left one in this process)
+        assert td.gloo_groups() == []  # no process group: nothing to flush
+        td.destroy_process_groups_for_exit()  # and no error without one
 
 
 def test_exit_flush_barriers_each_gloo_backend_before_destroying(monkeypatch):

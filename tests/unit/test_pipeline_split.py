@@ -12,6 +12,7 @@ from torch import nn
 import lightning_dist  # noqa: F401  (registers the strategies)
 from lightning_dist.mesh import MeshSpec
 from lightning_dist.parallelize.pipeline import (
+    tied_stages,
     batchnorm_modules,
     build_stage_module,
     network_layout,
@@ -264,13 +265,13 @@ def test_module_contract_is_checked_before_any_collective():
         balanced.validate_config(MeshSpec(world_size=2, devices_per_node=2, pp=2).resolve())
 
 
-def test_tied_weights_and_batchnorm_are_refused_with_names():
+def test_tied_weights_are_trained_across_stages_and_batchnorm_refused_with_names():
     tied = Net(depth=4, width=4)
     tied.stem = nn.Linear(4, 4)
     tied.head = nn.Linear(4, 4)
     tied.head.weight = tied.stem.weight
-    with pytest.raises(ValueError, match=r"shared across pipeline stages.*'stem.weight', 'head.weight'"):
-        _validate(_Module(net=tied))
+    _validate(_Module(net=tied))  # issue 14: a copy on each holding stage, gradients summed every step
+    assert tied_stages(tied, plan_split(tied, 2, split=[2])) == [(("stem.weight", "head.weight"), (0, 1))]
     bn = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 4))
     assert batchnorm_modules(bn) == ["1"]
     with pytest.raises(ValueError, match=r"BatchNorm layers \['1'\] would normalize each micro-batch"):
@@ -368,3 +369,42 @@ def test_global_grad_norm_of_plain_gradients_matches_torch():
     grads = [torch.randn(3, 4, dtype=torch.float64), torch.randn(5, dtype=torch.float64)]
     want = torch.nn.utils.get_total_norm(grads)
     assert global_grad_norm(grads, None, device=torch.device("cpu")).item() == pytest.approx(want.item(), rel=1e-15)
+
+
+def test_the_pipeline_view_is_what_callbacks_read():
+    from lightning_dist.parallelize.pipeline import PipelineView, pipeline_view
+    from lightning_dist.strategies import FullyShardStrategy
+
+    s = PipelineStrategy(pp=2)
+    view = pipeline_view(s)
+    assert isinstance(view, PipelineView) and view.stage_modules == [] and view.network == "model"
+    s.timelines.append({"events": []})
+    assert view.pop_timelines() == [{"events": []}] and view.pop_timelines() == []
+    assert pipeline_view(FullyShardStrategy()) is None and pipeline_view(object()) is None
+    import inspect
+
+    import lightning_dist.callbacks.gradient_parity as gp
+    import lightning_dist.callbacks.pipeline_bubble as pb
+
+    for module in (gp, pb):  # callbacks never import a strategy class
+        src = inspect.getsource(module)
+        assert "from lightning_dist.strategies" not in src and "import lightning_dist.strategies" not in src
+        assert "_runner" not in src and ".timelines" not in src
+
+
+def test_bubble_theory_takes_the_stages_per_rank():
+    assert bubble_theory(2, 4, 1) == bubble_theory(2, 4) == pytest.approx(1 / 5)
+    assert bubble_theory(2, 4, 2) == pytest.approx(1 / 9)  # interleaving: the warm-up is v times shorter
+    assert bubble_theory(4, 8, 2) == pytest.approx(3 / 19)
+
+
+def test_tied_weights_on_two_stages_of_one_rank_are_refused_under_fsdp():
+    from lightning_dist.parallelize.pipeline_tied import tied_problems
+
+    tied = [(("stem.weight", "head.weight"), (0, 3))]
+    assert tied_problems(tied, [0, 1, 1, 0], dp_size=1) == []  # ZBV: one rank, one tensor, no FSDP
+    (problem,) = tied_problems(tied, [0, 1, 1, 0], dp_size=2)
+    assert "held by stages [0, 3], two of them on one rank" in problem
+    assert tied_problems(tied, [0, 1, 0, 1], dp_size=2) == []  # interleaved: ranks 0 and 1 hold a copy each
+    (problem,) = tied_problems(tied, [0, 1, 0, 1], dp_size=1, tp_size=2)
+    assert "tied across pipeline stages [0, 3] and tp=2" in problem and "Untie it, or use tp=1" in problem

@@ -1,0 +1,92 @@
+"""Patches of ``torch.distributed.pipelining`` internals (private schedule IR, ``PipelineStage`` hooks).
+
+Every function here is the only place the pack touches the private name it uses. On a torch release outside
+:data:`~lightning_dist._compat.TORCH_PIPELINING_TESTED` each one raises a ``RuntimeError`` naming the
+release and the fix (pin a tested torch, or re-run the unit tests of this module on the new one).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any, Optional
+
+from torch.distributed.pipelining import PipelineStage
+
+from lightning_dist._compat import PIPELINE_INIT_P2P_TO_SELF, check_torch_pipelining
+
+
+def install_forward_only_program(schedule: Any, stage_ranks: Sequence[int], n_microbatches: int) -> None:
+    """Give a multi-stage schedule a forward-only program: each rank runs its stages in order, all micro-batches.
+
+    Reason: torch's multi-stage schedules have no forward-only (eval) mode and their validator insists on
+    backward actions (upstream: the eval() API proposed in pytorch/pytorch#157795, not merged); the F-only
+    program is lowered with torch's own passes (``_add_unshard_reshard``, ``_add_send_recv``) and installed
+    as ``pipeline_order_with_comms``.
+    """
+    check_torch_pipelining("install_forward_only_program")
+    from torch.distributed.pipelining import schedules as S
+
+    order: dict[int, list] = {r: [] for r in sorted(set(stage_ranks))}
+    for stage, rank in enumerate(stage_ranks):
+        order[rank] += [S._Action(stage, S._ComputationType.FORWARD, mb) for mb in range(n_microbatches)]
+    schedule.pipeline_order_with_comms = S._add_send_recv(
+        {r: S._add_unshard_reshard(a) for r, a in order.items()},
+        stage_to_rank=lambda s: stage_ranks[s],
+        num_stages=len(stage_ranks),
+    )
+
+
+def drop_p2p_to_self(ops: list, group_rank: int) -> list:
+    """The warm-up p2p ops of a stage without those addressed to its own rank.
+
+    Reason: before torch 2.13 the first-step warm-up exchange with neighbour stages (added by
+    pytorch/pytorch#160210) includes a send to self when the neighbour stage is on the same rank, which gloo
+    cannot pair; stages of one rank hand tensors over in memory, so the exchange is not needed.
+    """
+    return [op for op in ops if op.group_peer != group_rank]
+
+
+class TimedStage(PipelineStage):
+    """A PipelineStage that records its F/B/I/W actions when a timeline list is attached (else no overhead).
+
+    Reason: torch's schedules have no per-action callback (upstream: no issue found); the three
+    ``*_one_chunk`` methods every schedule calls are wrapped, and ``fwd_cache`` (held activations) is read.
+    """
+
+    timeline: Optional[list] = None
+    peak_held: int = 0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        check_torch_pipelining("TimedStage")
+        super().__init__(*args, **kwargs)
+
+    def _record(self, kind: str, mb: int, start: float, cpu_start: float) -> None:
+        if self.timeline is not None:  # (stage, kind, micro-batch, wall start, wall end, thread CPU seconds)
+            self.timeline.append((self.stage_index, kind, mb, start, time.perf_counter(), time.thread_time() - cpu_start))
+
+    def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
+        start, cpu = time.perf_counter(), time.thread_time()
+        out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        self._record("F", fwd_chunk_id, start, cpu)
+        self.peak_held = max(self.peak_held, len(self.fwd_cache))  # micro-batches whose activations are held
+        return out
+
+    def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+        start, cpu = time.perf_counter(), time.thread_time()
+        out = super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
+        self._record("B" if full_backward else "I", bwd_chunk_id, start, cpu)
+        return out
+
+    def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
+        start, cpu = time.perf_counter(), time.thread_time()
+        out = super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+        self._record("W", bwd_chunk_id, start, cpu)
+        return out
+
+    if PIPELINE_INIT_P2P_TO_SELF:
+        def _get_init_p2p_neighbors_ops(self):
+            return drop_p2p_to_self(super()._get_init_p2p_neighbors_ops(), self.group_rank)
+
+
+__all__ = ["TimedStage", "drop_p2p_to_self", "install_forward_only_program"]

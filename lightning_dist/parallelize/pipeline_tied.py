@@ -1,0 +1,72 @@
+"""Weights tied across pipeline stages (a head tied to the token embedding): one copy per holding stage.
+
+As Megatron's embedding group: each stage that uses the parameter holds it, and after every step's
+schedule the holders' gradients are summed over a process group of their ranks, so every copy takes the
+same optimizer step from the single-device gradient. The holder with the lowest pp rank counts the
+parameter in the global gradient norm; the others skip it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_dist.mesh import PP
+
+
+def tied_problems(tied: Sequence[tuple[tuple[str, ...], tuple[int, ...]]], stage_ranks: Sequence[int], *,
+                  dp_size: int, tp_size: int = 1) -> list[str]:
+    """What cannot be trained (pure): a tied parameter held by two stages of one rank under FSDP2, or by
+    stages whose tensor-parallel plans may shard it differently (an embedding and a head: the holders'
+    gradient shards would not line up, so their sum would be wrong)."""
+    out = []
+    for names, stages in tied:
+        if tp_size > 1 and len({stage_ranks[s] for s in stages}) > 1:
+            out.append(f"{list(names)} is tied across pipeline stages {list(stages)} and tp={tp_size}: each stage's"
+                       " tensor-parallel plan shards it on its own. Untie it, or use tp=1 with the pipeline.")
+            continue
+        ranks = [stage_ranks[s] for s in stages]
+        if len(set(ranks)) < len(ranks) and dp_size > 1:
+            out.append(f"{list(names)} is held by stages {list(stages)}, two of them on one rank: FSDP2 would shard it"
+                       " once per stage. Use another schedule or split, or no data parallelism.")
+    return out
+
+
+def tied_gradient_groups(tied: Sequence[tuple[tuple[str, ...], tuple[int, ...]]], stage_ranks: Sequence[int], *,
+                         spec: Any, rank: int) -> list[tuple[tuple[str, ...], Any, bool]]:
+    """For each tied parameter this rank holds on several pp ranks: (names, group of its holders, counted in norms).
+
+    ``torch.distributed.new_group`` is collective: every rank makes every pipeline's group, in one order.
+    """
+    pipelines = sorted({tuple(spec.group_ranks(r, PP)) for r in range(spec.world_size)})
+    pp_rank = spec.coords(rank)[PP]
+    out = []
+    for names, stages in tied:
+        holders = sorted({stage_ranks[s] for s in stages})
+        if len(holders) < 2:
+            continue  # one rank holds every use: its gradient accumulates in one tensor
+        mine = None
+        for line in pipelines:
+            group = dist.new_group([line[h] for h in holders])
+            if rank in line:
+                mine = group
+        if pp_rank in holders:
+            out.append((names, mine, pp_rank == holders[0]))
+    return out
+
+
+def sum_tied_gradients(tied: Sequence[tuple[torch.Tensor, Any, bool]]) -> None:
+    """Sum each tied parameter's gradient over its holders (FSDP2 shards: the same shard on every holder)."""
+    from torch.distributed.tensor import DTensor
+
+    for p, group, _ in tied:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        dist.all_reduce(grad, group=group)
+
+
+__all__ = ["sum_tied_gradients", "tied_gradient_groups", "tied_problems"]

@@ -1,0 +1,152 @@
+"""Pipeline stages of unmodified HuggingFace causal LMs (one process): layout, stages, checks, refusals, loss."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_dist.mesh import MeshSpec
+from lightning_dist.parallelize.pipeline import (
+    build_stage_module, network_layout, plan_split, profile_costs, staged_forward_problem, tied_stages)
+from lightning_dist.parallelize.pipeline_hf import hf_example_inputs, hf_labels_loss, labelled_tokens
+from lightning_dist.strategies.pipeline import PipelineStrategy
+
+tf = pytest.importorskip("transformers")
+V = 32
+
+
+def _llama(layers: int = 4) -> nn.Module:
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
+    return tf.LlamaForCausalLM(cfg).double()
+
+
+def _gpt2(layers: int = 4) -> nn.Module:
+    torch.manual_seed(0)
+    cfg = tf.GPT2Config(vocab_size=V, n_embd=16, n_layer=layers, n_head=4, n_positions=16, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return tf.GPT2LMHeadModel(cfg).double()
+
+
+def test_layout_from_the_pp_plan_and_the_block_list_name():
+    lay = network_layout(_llama())
+    assert (lay.stem, lay.block_list, lay.blocks, lay.head) == (
+        ("model.embed_tokens",), "model.layers", ("0", "1", "2", "3"), ("model.norm", "lm_head"))
+    lay = network_layout(_gpt2())  # no base_model_pp_plan: the conventional block-list name `h`
+    assert (lay.stem, lay.block_list, lay.head) == (
+        ("transformer.wte", "transformer.wpe", "transformer.drop"), "transformer.h", ("transformer.ln_f", "lm_head"))
+
+
+@pytest.mark.parametrize("make", [_llama, _gpt2])
+def test_stages_chain_to_the_whole_model_under_single_device_names(make):
+    net = make()
+    split = plan_split(net, 3, split=[1, 3])
+    sample = hf_example_inputs(net)
+    sample["attention_mask"][0, -3:] = 0  # padding reaches every stage's attention
+    assert staged_forward_problem(net, sample) is None
+    stages = [build_stage_module(net, split, [s]) for s in range(3)]
+    with torch.no_grad():
+        x = sample["input_ids"]
+        for st in stages:
+            x = st.run_local(x, attention_mask=sample["attention_mask"])
+        expected = net(**sample).logits
+    assert (x - expected).abs().max().item() < 1e-12
+    names = [{n for n, _ in st.named_parameters()} for st in stages]
+    whole = {n for n, _ in net.named_parameters(remove_duplicate=False)}
+    assert set().union(*names) == whole and sum(map(len, names)) == len(whole)  # disjoint, original names
+    assert any(".layers.3." in n or ".h.3." in n for n in names[2]) and not any(".0." in n for n in names[2])
+    # the original model is untouched: stages have their own module objects above the shared blocks
+    assert len(net.get_submodule(split.layout.block_list)) == 4
+
+
+def test_tied_head_is_held_by_the_first_and_last_stage():
+    net = _gpt2()
+    split = plan_split(net, 2)
+    assert tied_stages(net, split) == [(("transformer.wte.weight", "lm_head.weight"), (0, 1))]
+    first, last = (build_stage_module(net, split, [s]) for s in (0, 1))
+    assert first.transformer.wte.weight is last.lm_head.weight  # one parameter; the strategy sums its gradients
+
+
+def test_balanced_split_measures_the_blocks_inside_the_models_forward():
+    net = _llama()
+    stem, blocks, head = profile_costs(net, network_layout(net), hf_example_inputs(net), repeats=2)
+    assert len(blocks) == 4 and all(b > 0 for b in blocks) and stem > 0 and head > 0
+    split = plan_split(net, 2, split="balanced", costs=(stem, blocks, head))
+    assert [len(s.blocks) for s in split.stages] in ([2, 2], [1, 3], [3, 1])
+
+
+def test_labels_loss_adds_up_over_micro_batches_with_different_token_counts():
+    torch.manual_seed(0)
+    logits, labels = torch.randn(4, 6, V, dtype=torch.float64), torch.randint(0, V, (4, 6))
+    labels[1, 2:] = -100
+    labels[3, 4:] = -100
+    whole = hf_labels_loss(logits, labels)
+    n = labelled_tokens(labels)
+    parts = sum(hf_labels_loss(lo, la, num_items=n) for lo, la in zip(logits.split(1), labels.split(1)))
+    assert torch.allclose(whole, parts, rtol=1e-15, atol=0) and whole.dtype == torch.float64
+    ref = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+    assert torch.allclose(whole, ref, rtol=1e-15, atol=0)
+
+
+def _validate(net):
+    import lightning.pytorch as pl
+
+    class Task(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = net
+
+    strategy = PipelineStrategy(pp=2, split="params")
+    strategy.connect(Task())
+    strategy.validate_config(MeshSpec(world_size=2, devices_per_node=2, pp=2).resolve())
+    return strategy
+
+
+def test_hf_model_without_pipeline_loss_is_accepted_and_checked_up_front():
+    _validate(_llama())  # the labels convention stands in for pipeline_loss; the stages are checked on config ids
+
+
+def test_a_model_whose_forward_does_not_tolerate_missing_parts_is_refused_with_the_approach_tried():
+    class EmbedNorm(tf.LlamaForCausalLM):  # its forward reads the embedding on every stage
+        def forward(self, input_ids=None, inputs_embeds=None, **kw):
+            out = super().forward(input_ids=input_ids, inputs_embeds=inputs_embeds, **kw)
+            out.logits = out.logits + self.model.embed_tokens.weight.mean()
+            return out
+
+    torch.manual_seed(0)
+    net = EmbedNorm(_llama().config).double()
+    with pytest.raises(ValueError, match=r"Cannot split EmbedNorm into pipeline stages: its forward fails on a stage"
+                                         r".*Tried: a stage = the model with the blocks of model.layers"):
+        _validate(net)
+
+
+def test_a_network_of_no_known_shape_is_refused_naming_what_was_tried():
+    class TwoLists(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc = nn.ModuleList(nn.Linear(2, 2) for _ in range(2))
+            self.dec = nn.ModuleList(nn.Linear(2, 2) for _ in range(2))
+
+    with pytest.raises(TypeError, match=r"Cannot split TwoLists.*Tried: a HuggingFace causal LM"):
+        network_layout(TwoLists())
+
+
+@pytest.mark.parametrize("make", [_llama, _gpt2])
+def test_joined_stages_are_the_whole_model_again(make):
+    import copy
+
+    from lightning_dist.parallelize.pipeline import join_stages
+
+    net = make()
+    split = plan_split(net, 4, split=[1, 2, 3])
+    # what GradientParityCheck gathers: plain copies of every rank's stage module, one per pp rank
+    pieces = [copy.deepcopy(build_stage_module(net, split, [s])) for s in range(4)]
+    whole = join_stages(split, pieces)
+    assert type(whole) is type(net)
+    assert [n for n, _ in whole.named_parameters(remove_duplicate=False)] == [
+        n for n, _ in net.named_parameters(remove_duplicate=False)]
+    sample = hf_example_inputs(net)
+    with torch.no_grad():
+        assert torch.equal(whole(**sample).logits, net(**sample).logits)

@@ -1,0 +1,65 @@
+"""Unit tests of each patch of torch pipelining internals (lightning_dist/_integrations/torch_pipelining.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from _harness import free_port
+from lightning_dist import _compat
+from lightning_dist._integrations.torch_pipelining import TimedStage, drop_p2p_to_self, install_forward_only_program
+
+
+def test_this_torch_is_a_tested_release_and_others_are_refused(monkeypatch):
+    assert _compat.torch_pipelining_tested()  # the suite runs on a release of TORCH_PIPELINING_TESTED
+    _compat.check_torch_pipelining("x")
+    monkeypatch.setattr(_compat, "torch_pipelining_tested", lambda: False)
+    with pytest.raises(RuntimeError, match=r"patch `install_forward_only_program` uses torch.distributed.pipelining"
+                                           r" internals tested on torch 2.11 to 2.14.x"):
+        install_forward_only_program(SimpleNamespace(), [0, 1], 2)
+
+
+def test_forward_only_program_runs_every_stage_forward_in_order_with_its_sends():
+    from torch.distributed.pipelining import schedules as S
+
+    holder = SimpleNamespace()
+    install_forward_only_program(holder, stage_ranks=[0, 1, 0, 1], n_microbatches=2)
+    program = holder.pipeline_order_with_comms
+    assert sorted(program) == [0, 1]
+    computes = {r: [(a.stage_index, a.microbatch_index) for a in acts
+                    if a.computation_type == S._ComputationType.FORWARD] for r, acts in program.items()}
+    assert computes == {0: [(0, 0), (0, 1), (2, 0), (2, 1)], 1: [(1, 0), (1, 1), (3, 0), (3, 1)]}
+    kinds = {a.computation_type for acts in program.values() for a in acts}
+    assert S._ComputationType.SEND_F in kinds and S._ComputationType.RECV_F in kinds
+    assert not kinds & {S._ComputationType.FULL_BACKWARD, S._ComputationType.BACKWARD_INPUT}
+
+
+def test_p2p_to_self_is_dropped_and_the_rest_kept():
+    ops = [SimpleNamespace(group_peer=0), SimpleNamespace(group_peer=1), SimpleNamespace(group_peer=0)]
+    assert drop_p2p_to_self(ops, 0) == [ops[1]]
+
+
+@pytest.fixture
+def one_rank_group():
+    import torch.distributed as dist
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    if created:
+        dist.destroy_process_group()
+
+
+def test_timed_stage_records_each_action(one_rank_group):
+    stage = TimedStage(nn.Linear(2, 2).double(), 0, 1, torch.device("cpu"))
+    from torch.distributed.pipelining import ScheduleGPipe
+
+    sched = ScheduleGPipe(stage, n_microbatches=2, loss_fn=lambda o, t: o.sum(), scale_grads=False)
+    stage.timeline, losses = [], []
+    sched.step(torch.randn(4, 2, dtype=torch.float64), target=torch.zeros(4), losses=losses)
+    assert [(s, k, mb) for s, k, mb, *_ in stage.timeline] == [(0, "F", 0), (0, "F", 1), (0, "B", 0), (0, "B", 1)]
+    assert stage.peak_held == 2 and all(end >= start for *_, start, end, _ in stage.timeline)
