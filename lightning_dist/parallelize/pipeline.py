@@ -98,6 +98,15 @@ def _num_params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
+def part_params(net: nn.Module, layout: NetworkLayout) -> tuple[list[int], int, int]:
+    """Parameters of (each block, the stem, the head) of `net` as its stages hold them (pure; the planner uses
+    it too). A weight shared by the stem and the head counts on both: each of the two stages holds a copy."""
+    blocks = [_num_params(_block(net, layout, i)) for i in range(len(layout.blocks))]
+    stem = sum(_num_params(net.get_submodule(m)) for m in layout.stem)
+    head = sum(_num_params(net.get_submodule(m)) for m in layout.head)
+    return blocks, stem, head
+
+
 # ---- the plan as data --------------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
 class StagePlan:
@@ -256,9 +265,7 @@ def plan_split(
             f" ({layout.block_list or 'nn.Sequential children'}). Use at most {n} stages (pp x stages_per_rank),"
             " or a deeper model."
         )
-    params = [_num_params(_block(net, layout, i)) for i in range(n)]
-    stem_p = sum(_num_params(net.get_submodule(m)) for m in layout.stem)
-    head_p = sum(_num_params(net.get_submodule(m)) for m in layout.head)
+    params, stem_p, head_p = part_params(net, layout)
     if isinstance(split, str) and split == "balanced":
         if costs is None:
             if sample is None:

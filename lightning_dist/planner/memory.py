@@ -247,12 +247,15 @@ def tp_bytes(
 
 
 def split_stages(layer_params: Sequence[int], stages: int, *, pre_params: int = 0, post_params: int = 0) -> list[int]:
-    """Parameters per pipeline stage for a contiguous split of the blocks.
+    """Parameters per pipeline stage, split as ``PipelineStrategy(split="params")`` splits the blocks.
 
-    Blocks are split by count, as evenly as possible, the first ``len % stages`` stages taking one more;
-    ``pre_params`` (embeddings, before the blocks) go to the first stage, ``post_params`` (final norm,
-    head) to the last. Pass a real split's counts to :func:`pipeline_bytes` instead when you have one.
+    The split is the runtime's own (:func:`lightning_dist.parallelize.pipeline.partition`): contiguous, every
+    stage at least one block, minimising the largest stage; ``pre_params`` (embeddings, before the blocks)
+    count on the first stage, ``post_params`` (final norm, head) on the last. Pass a measured split's counts
+    to :func:`pipeline_bytes` instead when you have one.
     """
+    from lightning_dist.parallelize.pipeline import partition  # the runtime's split, not a second rule
+
     _check_size("stages", stages)
     if len(layer_params) < stages:
         raise ValueError(f"Cannot split {len(layer_params)} blocks into stages={stages}; use at most"
@@ -261,12 +264,9 @@ def split_stages(layer_params: Sequence[int], stages: int, *, pre_params: int = 
         _check_count(f"layer_params[{i}]", n)
     _check_count("pre_params", pre_params)
     _check_count("post_params", post_params)
-    base, extra = divmod(len(layer_params), stages)
-    out, start = [], 0
-    for s in range(stages):
-        stop = start + base + (1 if s < extra else 0)
-        out.append(sum(layer_params[start:stop]))
-        start = stop
+    points = partition([float(n) for n in layer_params], stages, first=float(pre_params), last=float(post_params))
+    bounds = [0, *points, len(layer_params)]
+    out = [sum(layer_params[a:b]) for a, b in zip(bounds, bounds[1:])]
     out[0] += pre_params
     out[-1] += post_params
     return out

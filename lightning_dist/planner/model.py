@@ -60,6 +60,20 @@ def _block_list(model: "nn.Module") -> tuple[str, Any] | None:
     return max(found, key=lambda item: sum(p.numel() for p in item[1].parameters()))
 
 
+def _pipeline_parts(model: "nn.Module") -> tuple[tuple[int, ...], int, int] | None:
+    """(parameters of each block, of the stem, of the head) as the pipeline runtime splits `model`, or None
+    when it cannot split it. A weight tied between the stem and the head counts on both: each of the two
+    stages holds a copy (:mod:`lightning_dist.parallelize.pipeline_tied`)."""
+    from lightning_dist.parallelize.pipeline import network_layout, part_params
+
+    try:
+        layout = network_layout(model)
+    except TypeError:  # not splittable into pipeline stages: the planner counts around its block list instead
+        return None
+    blocks, stem, head = part_params(model, layout)
+    return tuple(blocks), stem, head
+
+
 def count_params(model: "nn.Module") -> ParamCounts:
     """Count a module's parameters (works on the meta device; shared parameters counted once)."""
     from torch import nn
@@ -68,8 +82,10 @@ def count_params(model: "nn.Module") -> ParamCounts:
     tp_ids = {id(p) for m in model.modules() if isinstance(m, (nn.Linear, nn.Embedding)) for p in m.parameters()}
     layer_params: tuple[int, ...] = ()
     pre = post = 0
-    found = _block_list(model)
-    if found is not None:
+    stages = _pipeline_parts(model)
+    if stages is not None:  # the runtime's own stem / blocks / head, as PipelineStrategy splits the model
+        layer_params, pre, post = stages
+    elif (found := _block_list(model)) is not None:
         _, blocks = found
         layer_params = tuple(sum(p.numel() for p in b.parameters()) for b in blocks)
         block_ids = {id(p) for p in blocks.parameters()}

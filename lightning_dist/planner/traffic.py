@@ -46,9 +46,11 @@ from lightning_dist.mesh import DP, DP_REPLICATE, DP_SHARD, PP, TP
 from lightning_dist.planner._checks import _check_count, _check_size, _check_zero_stage
 from lightning_dist.planner.memory import StateBytes
 from lightning_dist.planner.shards import fsdp2_local_numel
+from lightning_dist.parallelize.pipeline_schedule import SCHEDULES as _RUNTIME_SCHEDULES
 
-# Spelled as PipelineStrategy(schedule=...) spells them (lightning_dist.parallelize.pipeline_schedule.SCHEDULES).
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b")
+# The runtime's schedule table (name -> torch schedule class, default stages per rank, stage placement), so the
+# planner knows exactly the schedules PipelineStrategy(schedule=...) runs, spelled the same way.
+SCHEDULES: tuple[str, ...] = tuple(_RUNTIME_SCHEDULES)
 # The planner's former spelling, still accepted so existing calls and configs keep working.
 _SCHEDULE_ALIASES = {"interleaved-1f1b": "interleaved_1f1b"}
 
@@ -212,7 +214,7 @@ def _check_schedule(schedule: str, virtual_stages: int) -> str:
     if schedule not in SCHEDULES:
         raise ValueError(f"Unknown pipeline schedule {schedule!r}; use one of {SCHEDULES}.")
     _check_size("virtual_stages", virtual_stages)
-    if schedule != "interleaved_1f1b" and virtual_stages != 1:
+    if _RUNTIME_SCHEDULES[schedule][1] == 1 and virtual_stages != 1:  # a one-stage-per-rank schedule
         raise ValueError(f"virtual_stages={virtual_stages} needs schedule='interleaved_1f1b' ({schedule!r} runs"
                          " one stage per rank).")
     return schedule
@@ -221,12 +223,16 @@ def _check_schedule(schedule: str, virtual_stages: int) -> str:
 def pipeline_idle_fraction(
     *, stages: int, micro_batches: int, schedule: str = "1f1b", virtual_stages: int = 1
 ) -> float:
-    """Bubble share of a step with equal stage times: ``(p-1)/(m+p-1)`` for GPipe and 1F1B (1F1B reorders
-    the work and cuts activation memory, not the bubble); ``(p-1)/(v m + p-1)`` for interleaved 1F1B."""
+    """Bubble share of a step with equal stage times (the runtime's
+    :func:`~lightning_dist.parallelize.pipeline_schedule.bubble_theory`): ``(p-1)/(m+p-1)`` for GPipe and
+    1F1B (1F1B reorders the work and cuts activation memory, not the bubble); ``(p-1)/(v m + p-1)`` for
+    interleaved 1F1B with ``v`` stages per rank."""
+    from lightning_dist.parallelize.pipeline_schedule import bubble_theory
+
     _check_size("stages", stages)
     _check_size("micro_batches", micro_batches)
     _check_schedule(schedule, virtual_stages)
-    return (stages - 1) / (virtual_stages * micro_batches + stages - 1)
+    return bubble_theory(stages, micro_batches, virtual_stages)
 
 
 def pipeline_p2p_traffic(
