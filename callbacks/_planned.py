@@ -188,7 +188,7 @@ def planned_memory(trainer: Any, module: nn.Module) -> planner.MemoryBreakdown |
 
 def planned_places(strategy: Any) -> dict[str, str]:
     """Where the strategy puts each model state (``params``/``grads``/``optimizer`` -> ``"device"``, ``"host"``
-    or ``"disk"``): an offload strategy's plan, host memory for an FSDP2 ``CPUOffloadPolicy``, else the device."""
+    or ``"nvme"``): an offload strategy's plan, host memory for an FSDP2 ``CPUOffloadPolicy``, else the device."""
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     from lightning_dist.parallelize.offload import OffloadPlan

@@ -39,8 +39,11 @@ def model_state_bytes(module: nn.Module, optimizers: Iterable[Any] = ()) -> dict
 
 
 # ---- where the bytes actually live -------------------------------------------------------------------
+# Where a piece of model state lives: the one vocabulary of the planner, the offload plan and its report
+# (users choose offload targets as "cpu" / "nvme"; those map to "host" / "nvme" here)
+PLACES: tuple[str, ...] = ("device", "host", "nvme")
 MEMORY_PLACES = ("device", "host")
-_PLACE_NAMES = {"device": "on the device", "host": "in host memory", "disk": "on disk"}
+_PLACE_NAMES = {"device": "on the device", "host": "in host memory", "nvme": "in NVMe swap files"}
 
 
 def memory_place(t: torch.Tensor) -> str:
@@ -77,7 +80,7 @@ def placement_mismatches(measured: Mapping[str, Mapping[str, int]], planned: Map
     """One line per state whose bytes mostly live elsewhere than planned (empty when all agree).
 
     `measured[state]` = bytes by place (:func:`bytes_by_place`); `planned[state]` = ``"device"``, ``"host"``
-    or ``"disk"`` (disk-planned states are staged through host memory, so host bytes agree with them). On a
+    or ``"nvme"`` (NVMe-planned states are staged through host memory, so host bytes agree with them). On a
     CPU device, device and host are the same memory: nothing can be told apart, nothing is reported.
     """
     if device_type == "cpu":
@@ -89,7 +92,7 @@ def placement_mismatches(measured: Mapping[str, Mapping[str, int]], planned: Map
         if where == "device" and in_host > on_device:
             out.append(f"{state}: planned on the device, but {in_host:,} B of {in_host + on_device:,} B are in"
                        " host memory")
-        elif where in ("host", "disk") and on_device > in_host:
+        elif where in ("host", "nvme") and on_device > in_host:
             out.append(f"{state}: planned {_PLACE_NAMES[where]} (offloaded), but {on_device:,} B of"
                        f" {in_host + on_device:,} B are on the device: it is not offloaded")
     return out

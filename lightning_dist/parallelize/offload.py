@@ -25,12 +25,11 @@ import torch
 
 from lightning_dist._compat import async_io_available
 from lightning_dist._integrations.deepspeed import repoint_lr_scheduler
-from lightning_dist.measure import placement_mismatches
+from lightning_dist.measure import PLACES, placement_mismatches
 
 KINDS = ("parameters", "gradients", "optimizer")
-PLACES = ("device", "host", "disk")
 Target = Optional[Literal["cpu", "nvme"]]
-_PLACE_OF = {None: "device", "cpu": "host", "nvme": "disk"}
+_PLACE_OF = {None: "device", "cpu": "host", "nvme": "nvme"}
 
 # Adam(W) keeps two fp32 moments; ZeRO also keeps an fp32 master copy of each parameter partition
 ADAM_STATE_BYTES = 8
@@ -104,7 +103,7 @@ class OffloadPlan:
         return self
 
     def place(self, kind: str) -> str:
-        """``"device"``, ``"host"`` or ``"disk"`` for ``kind`` in :data:`KINDS`."""
+        """``"device"``, ``"host"`` or ``"nvme"`` (:data:`~lightning_dist.measure.PLACES`) for ``kind`` in :data:`KINDS`."""
         if kind == "parameters":
             return _PLACE_OF[self.parameters]
         if kind == "optimizer":
@@ -235,14 +234,14 @@ def offload_report(
     *,
     plan: OffloadPlan,
     resident: Mapping[str, Mapping[str, int]],
-    disk: Mapping[str, int],
+    nvme: Mapping[str, int],
     rank: int,
     device_type: str,
     cuda: Optional[Mapping[str, int]] = None,
 ) -> dict[str, Any]:
     """One rank's report row, measured: ``resident[kind]`` = bytes by where the tensors live
     (``{"device": .., "host": ..}``, from ``tensor.device``, see :func:`lightning_dist.measure.bytes_by_place`),
-    ``disk[kind]`` = bytes of its swap files, ``cuda`` = the CUDA allocator's allocated / peak bytes.
+    ``nvme[kind]`` = bytes of its swap files, ``cuda`` = the CUDA allocator's allocated / peak bytes.
 
     The row holds the measured table next to the plan's place of each kind, and a ``mismatches`` line for
     each kind whose bytes mostly live elsewhere than planned. With a CPU device, device and host memory are
@@ -259,8 +258,8 @@ def offload_report(
             row["device"] += int(mem.get("device", 0))
             row["host"] += int(mem.get("host", 0))
         else:
-            row["host" if where in ("host", "disk") else "device"] += sum(int(v) for v in mem.values())
-        row["disk"] += int(disk.get(kind, 0))
+            row["host" if where in ("host", "nvme") else "device"] += sum(int(v) for v in mem.values())
+        row["nvme"] += int(nvme.get(kind, 0))
         table[kind] = row
     planned = {kind: plan.place(kind) for kind in KINDS}
     mismatches = placement_mismatches(table, planned, device_type=device_type)

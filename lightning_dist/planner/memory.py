@@ -32,10 +32,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+from lightning_dist.measure import PLACES
 from lightning_dist.precision import PRECISION_DTYPES
 from lightning_dist.planner._checks import _check_count, _check_divides, _check_size, _check_zero_stage
 
-TIERS: tuple[str, ...] = ("device", "host", "nvme")
+TIERS: tuple[str, ...] = PLACES  # where each part lives: one vocabulary with the offload plan and report
 
 
 # Lightning precision flag -> (bytes of the stored parameters, bytes of the compute/all-gather dtype).

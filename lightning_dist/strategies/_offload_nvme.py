@@ -43,7 +43,7 @@ class NvmeSwapMixin(DeepSpeedStrategy):
         world = self.num_nodes * self.num_processes  # known before the process group starts
         estimate = off.estimate_states(n, plan=self.plan, world_size=world, param_bytes=_param_bytes(self))
         off.check_nvme_path(
-            self.plan.nvme_path, required_bytes=estimate.total(place="disk"), ranks_sharing=self.num_processes
+            self.plan.nvme_path, required_bytes=estimate.total(place="nvme"), ranks_sharing=self.num_processes
         )
 
     def _lean_nvme_params(self, chosen: Optional[dict[str, bool]]) -> None:

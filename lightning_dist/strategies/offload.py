@@ -280,5 +280,5 @@ class OffloadStrategy(OffloadReportMixin, NvmeSwapMixin, DeepSpeedStrategy):
         # where DeepSpeed's partitions really live (tensor.device)
         tensors = ds_patches.zero_state_tensors(self.deepspeed_engine)
         resident = {kind: bytes_by_place(tensors[kind]) for kind in ("parameters", "gradients", "optimizer")}
-        return off.offload_report(plan=self.plan, resident=resident, disk=self._disk_bytes(), rank=self.global_rank,
+        return off.offload_report(plan=self.plan, resident=resident, nvme=self._disk_bytes(), rank=self.global_rank,
                                   device_type=self.root_device.type, cuda=cuda_memory(self.root_device))

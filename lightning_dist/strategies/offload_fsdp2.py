@@ -65,5 +65,5 @@ class FSDP2OffloadStrategy(OffloadReportMixin, HybridShardStrategy):
         # measured: where each local shard lives (tensor.device), not where the plan says
         resident = {"parameters": bytes_by_place(params), "gradients": bytes_by_place(p.grad for p in params),
                     "optimizer": bytes_by_place(states)}
-        return off.offload_report(plan=self.plan, resident=resident, disk={}, rank=self.global_rank,
+        return off.offload_report(plan=self.plan, resident=resident, nvme={}, rank=self.global_rank,
                                   device_type=self.root_device.type, cuda=cuda_memory(self.root_device))

@@ -78,13 +78,13 @@ def _check_reports(out: list[dict]) -> None:
         for row in r["rows"]:
             t = row["table"]
             if opt == "nvme":
-                assert t["optimizer"]["disk"] > 0 and t["optimizer"]["device"] == 0, r
+                assert t["optimizer"]["nvme"] > 0 and t["optimizer"]["device"] == 0, r
             elif opt == "cpu":
-                assert t["optimizer"]["host"] > 0 and t["optimizer"]["disk"] == 0, r
+                assert t["optimizer"]["host"] > 0 and t["optimizer"]["nvme"] == 0, r
             if par == "nvme":
-                assert t["parameters"]["disk"] > 0, r
+                assert t["parameters"]["nvme"] > 0, r
             elif par == "-":
-                assert t["parameters"]["device"] > 0 and t["parameters"]["disk"] == 0, r
+                assert t["parameters"]["device"] > 0 and t["parameters"]["nvme"] == 0, r
 
 
 @needs_aio

@@ -248,10 +248,10 @@ def test_offload_report_says_device_for_a_state_planned_offloaded():
     # what the issue measured on one GPU: offload_fsdp2 left every state on the device
     resident = {"parameters": {"device": 4000, "host": 0}, "gradients": {"device": 4000, "host": 0},
                 "optimizer": {"device": 8000, "host": 0}}
-    row = off.offload_report(plan=plan, resident=resident, disk={}, rank=0, device_type="cuda",
+    row = off.offload_report(plan=plan, resident=resident, nvme={}, rank=0, device_type="cuda",
                              cuda={"allocated": 2 ** 30, "peak": 3 * 2 ** 30})
     assert row["planned"] == {"parameters": "host", "gradients": "host", "optimizer": "host"}
-    assert row["table"]["parameters"] == {"device": 4000, "host": 0, "disk": 0}  # measured, not planned
+    assert row["table"]["parameters"] == {"device": 4000, "host": 0, "nvme": 0}  # measured, not planned
     assert [m.split(":")[0] for m in row["mismatches"]] == ["parameters", "gradients", "optimizer"]
     assert "not offloaded" in row["mismatches"][0]
     console = Console(record=True, width=140)
@@ -260,9 +260,9 @@ def test_offload_report_says_device_for_a_state_planned_offloaded():
     assert "MISMATCH" in text and "peak 3.0 GiB" in text
     # where the plan holds, no mismatch; a state planned on the device found in host memory is one too
     ok = {"parameters": {"device": 0, "host": 4000}, "gradients": {"host": 4000}, "optimizer": {"host": 8000}}
-    assert off.offload_report(plan=plan, resident=ok, disk={}, rank=0, device_type="cuda")["mismatches"] == []
+    assert off.offload_report(plan=plan, resident=ok, nvme={}, rank=0, device_type="cuda")["mismatches"] == []
     zero2 = off.OffloadPlan(optimizer="cpu", zero_stage=2)
-    bad = off.offload_report(plan=zero2, resident=ok, disk={}, rank=0, device_type="cuda")["mismatches"]
+    bad = off.offload_report(plan=zero2, resident=ok, nvme={}, rank=0, device_type="cuda")["mismatches"]
     assert [m.split(":")[0] for m in bad] == ["parameters"] and "planned on the device" in bad[0]
 
 

@@ -52,16 +52,16 @@ def test_estimate_zero_arithmetic():
     n, world = 1000, 4
     # ZeRO-3, optimizer -> cpu: parameter shard on device, fp32 grads + 12 B/param optimizer on host
     est = off.estimate_states(n, plan=off.OffloadPlan(optimizer="cpu", zero_stage=3), world_size=world)
-    assert est.table["parameters"] == {"device": 250 * 4, "host": 0, "disk": 0}
-    assert est.table["gradients"] == {"device": 0, "host": 250 * 4, "disk": 0}
-    assert est.table["optimizer"] == {"device": 0, "host": 250 * 12, "disk": 0}
+    assert est.table["parameters"] == {"device": 250 * 4, "host": 0, "nvme": 0}
+    assert est.table["gradients"] == {"device": 0, "host": 250 * 4, "nvme": 0}
+    assert est.table["optimizer"] == {"device": 0, "host": 250 * 12, "nvme": 0}
     # ZeRO-1: full parameters and gradients, only the optimizer state is sharded
     est1 = off.estimate_states(n, plan=off.OffloadPlan(optimizer="cpu", zero_stage=1), world_size=world)
     assert est1.total(kind="parameters") == n * 4 and est1.total(kind="gradients") == n * 4
     # ZeRO-Infinity, bf16 parameters: everything but gradients on disk; uneven shards round up
     plan = off.OffloadPlan(optimizer="nvme", parameters="nvme", nvme_path="/x", zero_stage=3)
     est = off.estimate_states(1001, plan=plan, world_size=world, param_bytes=2)
-    assert est.total(place="disk") == 251 * 2 + 251 * 12
+    assert est.total(place="nvme") == 251 * 2 + 251 * 12
     assert est.total(place="device") == 0
     with pytest.raises(ValueError, match="world_size >= 1"):
         off.estimate_states(10, plan=plan, world_size=0)
@@ -170,10 +170,10 @@ def test_report_attribution_and_table():
     # a CPU device: device and host are the same RAM, the bytes are shown where the plan put them
     row = off.offload_report(plan=plan, resident={"parameters": {"host": 10}, "gradients": {"host": 20},
                                                   "optimizer": {"host": 30}},
-                             disk={"optimizer": 400}, rank=1, device_type="cpu")
-    assert row["table"]["parameters"] == {"device": 0, "host": 10, "disk": 0}
-    assert row["table"]["gradients"] == {"device": 0, "host": 20, "disk": 0}
-    assert row["table"]["optimizer"] == {"device": 0, "host": 30, "disk": 400}
+                             nvme={"optimizer": 400}, rank=1, device_type="cpu")
+    assert row["table"]["parameters"] == {"device": 0, "host": 10, "nvme": 0}
+    assert row["table"]["gradients"] == {"device": 0, "host": 20, "nvme": 0}
+    assert row["table"]["optimizer"] == {"device": 0, "host": 30, "nvme": 400}
     assert row["measured_places"] is False and row["mismatches"] == []
     from rich.console import Console
 
@@ -275,3 +275,12 @@ def test_training_dtype_follows_the_precision_config():
     assert training_dtype({}) == torch.float32
     assert training_dtype({"bf16": {"enabled": True}}) == torch.bfloat16
     assert training_dtype({"fp16": {"enabled": True}, "bf16": {"enabled": False}}) == torch.float16
+
+
+def test_one_vocabulary_for_where_state_lives():
+    from lightning_dist import measure, planner
+
+    # the offload plan, its report and the planner name the places alike; users' targets map onto them
+    assert off.PLACES == planner.TIERS == measure.PLACES == ("device", "host", "nvme")
+    plan = off.OffloadPlan(optimizer="nvme", parameters="cpu", zero_stage=3, nvme_path="/tmp")
+    assert [plan.place(k) for k in off.KINDS] == ["host", "host", "nvme"]
