@@ -16,6 +16,8 @@ also matches ``model.transformer.decoder``). Styles (``colwise``/``rowwise`` tak
                        over the sequence with sequence parallelism)
 ``colwise_gather``     ``colwise`` whose output is all-gathered back to the full tensor: for output heads, so
                        the loss is the ordinary loss on full logits (see "Loss" below)
+``colwise_qkv``        a fused projection laid out ``[q | k | v]`` (GPT-2's ``c_attn``) split per head: each rank
+                       holds and computes the q, k and v columns of its own heads (see ``tp_styles``)
 ``sequence_parallel``  norm/dropout run on sequence shards (only with ``sequence_parallel=True``)
 ``sp_enter``           split the module's replicated input into sequence shards (first block; SP only)
 ``region_input``       the input of a parallel region (``attn``, ``mlp``): all-gathered from sequence shards
@@ -101,6 +103,7 @@ STYLES: dict[str, _Style] = {
     "rowwise": _Style("row-wise sharded (input features; vocab-parallel for an Embedding)",
                       lambda m: _linear_like(m) or isinstance(m, nn.Embedding), _SHARDABLE, layouts=True),
     "colwise_gather": _Style("column-wise, output gathered to full", _linear_like, "['Linear', 'Conv1D']"),
+    "colwise_qkv": _Style("column-wise per head of a fused [q | k | v] projection", _linear_like, "['Linear', 'Conv1D']"),
     "sequence_parallel": _Style("runs on sequence shards", _is_norm, "norms and dropout", sp_only=True),
     "sp_enter": _Style("input split into sequence shards", _any, "any module", sp_only=True),
     "region_input": _Style("input replicated (gathered with SP)", _any, "any module"),
@@ -180,12 +183,16 @@ def _matches(fqn: str, pattern: str, roots: list[str]) -> bool:
     return any(fnmatch.fnmatchcase(fqn, f"{root}.{pattern}" if root else pattern) for root in roots)
 
 
+COLWISE = ("colwise", "colwise_gather", "colwise_qkv")
+"""Styles that split a layer's output features (its weight's output dim; ``colwise_qkv`` per [q | k | v] block)."""
+
+
 def shard_dims(module: nn.Module, style: str) -> dict[str, int]:
     """Which dim of each of `module`'s own parameters `style` splits over ``tp`` (torch's Colwise/RowwiseParallel)."""
     if is_conv1d(module):  # HF Conv1D keeps its weight transposed: [in_features, out_features]
-        return {"weight": 1, "bias": 0} if style in ("colwise", "colwise_gather") else {"weight": 0} if style == "rowwise" else {}
+        return {"weight": 1, "bias": 0} if style in COLWISE else {"weight": 0} if style == "rowwise" else {}
     linear = isinstance(module, nn.Linear)
-    if style in ("colwise", "colwise_gather"):
+    if style in COLWISE:
         return {"weight": 0, "bias": 0} if linear else {"weight": 1}
     if style == "rowwise":
         return {"weight": 1} if linear else {"weight": 0}
@@ -325,6 +332,10 @@ def _to_style(entry: TPEntry, *, sequence_parallel: bool, sequence_dim: int) -> 
 
     seq, rep = Shard(sequence_dim), Replicate()
     opts = entry.options
+    if entry.style == "colwise_qkv":
+        from lightning_dist.parallelize.tp_styles import FusedQKVParallel
+
+        return FusedQKVParallel(parts=3)
     if entry.kind == "conv1d" and entry.style in ("colwise", "colwise_gather", "rowwise"):
         from lightning_dist.parallelize.tp_styles import Conv1DParallel
 

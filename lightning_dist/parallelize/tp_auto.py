@@ -22,7 +22,10 @@ Whatever plan results, an output head tied to an input embedding gets the embedd
 error prints the plan the structure suggests, for the user to paste and edit.
 
 GPT-2's ``c_attn`` keeps q, k and v in three blocks (``[q | k | v]``), so a contiguous split would not
-hold whole heads: ``auto`` leaves that attention replicated (its MLP, embedding and head are split).
+hold whole heads: ``auto`` gives it ``colwise_qkv`` (each rank the q, k and v columns of its own heads) with
+``c_proj`` row-wise, when the layer's width is three times the attention's ``split_size``/``embed_dim`` (a
+self-attention; a cross-attention's ``c_attn`` holds k and v only and stays whole). GPT-NeoX's
+``query_key_value`` is head-major (each head's q, k, v together), so a plain ``colwise`` split is exact.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ ATTENTION_LAYOUTS: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
     (("query_key_value",), ("dense", "proj", "o_proj", "out_proj")),
     (("qkv",), ("proj", "o", "out_proj", "o_proj", "dense")),
     (("Wqkv",), ("out_proj", "Wo")),
+    (("c_attn",), ("c_proj",)),  # GPT-2: [q | k | v] blocks, split per head (colwise_qkv; see _blocked_qkv)
 )
 MLP_LAYOUTS: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
     (("fc1",), ("fc2",)),
@@ -61,7 +65,15 @@ MLP_LAYOUTS: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
 FUSED_QKV = ("qkv", "query_key_value", "Wqkv")
 """Fused projections split as-is: their output must be head-major (each head's q, k, v together)."""
 BLOCKED_QKV = ("c_attn",)
-"""Fused projections laid out ``[q | k | v]``: not split (a contiguous shard would not hold whole heads)."""
+"""Fused projections laid out ``[q | k | v]``: split per head (``colwise_qkv``), never contiguously."""
+
+
+def _blocked_qkv(attn: nn.Module, name: str) -> bool:
+    """True when `attn.<name>` is a self-attention's fused [q | k | v] projection: three blocks of its width."""
+    layer = getattr(attn, name, None)
+    out = getattr(layer, "nf", None) or getattr(layer, "out_features", None)
+    width = next((getattr(attn, a) for a in ("split_size", "embed_dim") if isinstance(getattr(attn, a, None), int)), None)
+    return isinstance(out, int) and width is not None and out == 3 * width
 
 
 def _tp():
@@ -76,6 +88,8 @@ def _lin(module: nn.Module | None, name: str) -> bool:
 
 def _region(module: nn.Module, layouts) -> tuple[tuple[str, ...], str] | None:
     for cols, rows in layouts:
+        if any(c in BLOCKED_QKV for c in cols) and not all(_blocked_qkv(module, c) for c in cols):
+            continue  # not three blocks of the attention's width (a cross-attention's k/v): stays whole
         if all(_lin(module, c) for c in cols):
             row = next((r for r in rows if _lin(module, r)), None)
             if row is not None:
@@ -104,7 +118,7 @@ def _block_plan(block: nn.Module) -> tuple[dict[str, str], list[str]]:
         if got is not None and not any(k.startswith(pre) for k in plan if name):
             cols, row = got
             for c in cols:
-                plan[f"{pre}{c}"] = "colwise"
+                plan[f"{pre}{c}"] = "colwise_qkv" if c in BLOCKED_QKV else "colwise"
             plan[f"{pre}{row}"] = "rowwise"
             if name:  # a region at the block itself (nn.TransformerEncoderLayer's linear1/linear2) shares its input
                 plan[name] = "region_input"  # with attention: no region_input there
@@ -113,7 +127,7 @@ def _block_plan(block: nn.Module) -> tuple[dict[str, str], list[str]]:
             plan[f"{name}.{len(mod) - 1}"] = "rowwise"
             plan[name] = "region_input"
         elif any(_lin(mod, b) for b in BLOCKED_QKV):
-            notes.append(f"{name}: fused [q|k|v] projection left replicated (not head-major)")
+            notes.append(f"{name}: fused [q|k|v] projection left replicated (not three blocks of the attention width)")
     return plan, notes
 
 
