@@ -35,6 +35,8 @@ from collections.abc import Callable, Mapping
 from torch import nn
 
 from lightning_dist.parallelize.shared import shared_parameters
+from lightning_dist.parallelize.tp_checks import _is_norm, _linear_like, is_conv1d
+from lightning_dist.parallelize.tp_plan import _matches, _roots
 from lightning_dist.parallelize.units import find_block_lists
 
 # HuggingFace style name -> ours; styles HF has and we lack are refused by name
@@ -76,14 +78,8 @@ def _blocked_qkv(attn: nn.Module, name: str) -> bool:
     return isinstance(out, int) and width is not None and out == 3 * width
 
 
-def _tp():
-    from lightning_dist.parallelize import tp
-
-    return tp
-
-
 def _lin(module: nn.Module | None, name: str) -> bool:
-    return _tp()._linear_like(getattr(module, name, None)) if module is not None and hasattr(module, name) else False
+    return _linear_like(getattr(module, name, None)) if module is not None and hasattr(module, name) else False
 
 
 def _region(module: nn.Module, layouts) -> tuple[tuple[str, ...], str] | None:
@@ -147,14 +143,13 @@ def _single_input(block: nn.Module) -> bool:
 def _output_head(model: nn.Module, lists: list[tuple[str, nn.ModuleList]]) -> str | None:
     """The last Linear-like layer outside the block lists (the output head), or None."""
     inside = tuple(f"{n}." for n, _ in lists)
-    heads = [n for n, m in model.named_modules() if n and _tp()._linear_like(m) and not n.startswith(inside)]
+    heads = [n for n, m in model.named_modules() if n and _linear_like(m) and not n.startswith(inside)]
     return heads[-1] if heads else None
 
 
 def transformer_plan(model: nn.Module, *, tp: int = 1) -> dict[str, str]:
     """Plan from the structure: each block's attention/MLP regions split (see the module docstring),
     norms sequence-parallel, the output head gathered. Raises ValueError naming a block without regions."""
-    tpm = _tp()
     lists = find_block_lists(model)
     if not lists:
         raise ValueError(f"{type(model).__name__} has no block list (an nn.ModuleList named blocks/layers/h...).")
@@ -176,7 +171,7 @@ def transformer_plan(model: nn.Module, *, tp: int = 1) -> dict[str, str]:
         if not _single_input(blocks[0]):
             continue  # sequence-parallel entries wrap the block's one input; HF blocks take masks, caches...
         for child, mod in blocks[0].named_children():
-            if tpm._is_norm(mod):
+            if _is_norm(mod):
                 plan[f"{list_name}.*.{child}"] = "sequence_parallel"
         if len(blocks) == 1:
             plan[f"{list_name}.0"] = "sp_region"
@@ -186,7 +181,7 @@ def transformer_plan(model: nn.Module, *, tp: int = 1) -> dict[str, str]:
     head = _output_head(model, lists)
     if head is not None:
         module = model.get_submodule(head)
-        out = module.nf if tpm.is_conv1d(module) else module.out_features
+        out = module.nf if is_conv1d(module) else module.out_features
         if out % tp == 0:
             plan[head] = "colwise_gather"
     return plan
@@ -252,13 +247,12 @@ def tie_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
     A head split on its output features splits its weight on dim 0, the vocabulary; the embedding sharing
     that weight must be split on the same dim to remain one parameter (Megatron's tied embedding).
     """
-    tpm = _tp()
-    roots = tpm._roots(model)
+    roots = _roots(model)
     modules = dict(model.named_modules())
     plan = dict(plan)
     for names in shared_parameters(model):
         owners = [n.rpartition(".")[0] for n in names]
-        styles = {o: next((s for p, s in plan.items() if tpm._matches(o, p, roots)), None) for o in owners}
+        styles = {o: next((s for p, s in plan.items() if _matches(o, p, roots)), None) for o in owners}
         if not any(s in ("colwise", "colwise_gather") for s in styles.values()):
             continue
         for o, s in styles.items():
@@ -289,7 +283,7 @@ def suggest_plan(model: nn.Module) -> str:
     """A starting plan to paste and edit (YAML), from the Linear layers each module holds, or ''."""
     lines = []
     for name, mod in model.named_modules():
-        kids = [n for n, k in mod.named_children() if _tp()._linear_like(k)]
+        kids = [n for n, k in mod.named_children() if _linear_like(k)]
         if len(kids) >= 2:
             *cols, row = kids
             lines += [f"  {name + '.' if name else ''}{c}: colwise" for c in cols]

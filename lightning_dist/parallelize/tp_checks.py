@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 if TYPE_CHECKING:
-    from lightning_dist.parallelize.tp import TPEntry
+    from lightning_dist.parallelize.tp_plan import TPEntry
 
 _NORMS: tuple[type, ...] = (nn.LayerNorm, nn.Dropout, *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()))
 
