@@ -76,10 +76,17 @@ def test_auto_plan_on_real_models_tp2():
         assert len(r["units"]) >= 2 and all(u.rsplit(".", 1)[0].endswith(("layers", ".h")) for u in r["units"]), r
         assert r["all_gathers"] == [len(r["units"]) + 1.0], r  # each block once (ZeRO-2), the root once
     # a fused qkv laid out [q | k | v] would train a different model: refused by the output probe
-    refusals = [r for r in rows if r["kind"] == "refusal"]
+    refusals = [r for r in rows if r["kind"] == "refusal" and r["model"] == "blocked_qkv_gpt"]
     assert len(refusals) == 2 and all(r["model"] == "blocked_qkv_gpt" and r["error"]
                                       and "differs from the unsplit model's" in r["error"]
                                       and "not head-major" in r["error"] for r in refusals), refusals
+
+
+    # litgpt's GPT (only where litgpt is installed): refused at setup, never trained. Today the refusal is torch's
+    # "module inputs and input_layouts should have same length!" (region_input on an attention that takes cos,
+    # sin and a mask besides x), raised by the output check's forward on made-up token ids
+    lit = [r for r in rows if r["kind"] == "refusal" and r["model"] == "litgpt"]
+    assert len(lit) in (0, 2) and all(r["error"] for r in lit), lit
 
 
 def test_auto_plan_on_real_models_tp2_dp_shard2():

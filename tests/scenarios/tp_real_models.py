@@ -268,6 +268,29 @@ if world == 2:
     except ValueError as err:
         emit(kind="refusal", model="blocked_qkv_gpt", error=str(err))
 
+if world == 2:
+    # litgpt's GPT (when installed: pip install --no-deps litgpt) keeps its fused qkv as [q | k | v] blocks, which
+    # plan="auto" cannot tell from a head-major one: without example_input_array the output check runs on made-up
+    # token ids (litgpt registers lm_head before its embedding: float rows for it were the only guess before, and
+    # the check did not run), so the split model is refused at setup
+    import importlib.util  # noqa: E402
+
+    if importlib.util.find_spec("litgpt") is not None:
+        from litgpt import GPT as LitGPT, Config as LitConfig  # noqa: E402
+
+        class LitTask(Task):
+            def __init__(self) -> None:
+                pl.LightningModule.__init__(self)
+                torch.manual_seed(0)
+                self.model = LitGPT(LitConfig(block_size=SEQ, vocab_size=VOCAB, padded_vocab_size=VOCAB, n_layer=2, n_head=4,
+                                              n_embd=32, n_query_groups=4, rotary_percentage=1.0, bias=True))
+
+        try:
+            trainer(TensorParallelStrategy(plan="auto", **mesh), devices=world, steps=1).fit(LitTask())
+            emit(kind="refusal", model="litgpt", error=None)
+        except ValueError as err:
+            emit(kind="refusal", model="litgpt", error=str(err))
+
 # HuggingFace folders (save_pretrained of tiny random models) loaded straight into the shards of a model built
 # with its parameters on meta, and exported back: 2 processes: GPT-2 (tied) and Llama under tp=2 and fsdp2;
 # 4 processes: Llama under tp=2 x dp_shard=2 (2-D DTensors). Loaded and exported weights equal the source.
