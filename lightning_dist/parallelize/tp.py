@@ -16,6 +16,8 @@ also matches ``model.transformer.decoder``). Styles (``colwise``/``rowwise`` tak
                        over the sequence with sequence parallelism)
 ``colwise_gather``     ``colwise`` whose output is all-gathered back to the full tensor: for output heads, so
                        the loss is the ordinary loss on full logits (see "Loss" below)
+``colwise_qkv``        a fused projection laid out ``[q | k | v]`` (GPT-2's ``c_attn``) split per head: each rank
+                       holds and computes the q, k and v columns of its own heads (see ``tp_styles``)
 ``sequence_parallel``  norm/dropout run on sequence shards (only with ``sequence_parallel=True``)
 ``sp_enter``           split the module's replicated input into sequence shards (first block; SP only)
 ``region_input``       the input of a parallel region (``attn``, ``mlp``): all-gathered from sequence shards
@@ -38,269 +40,45 @@ Built-in plans (``plan="auto"`` picks the first that matches; see :mod:`.tp_auto
 model's own plan), ``transformer`` (attention and MLP regions found from each block's structure) and
 ``mlp`` (a network of Linear layers only).
 
-:func:`resolve_plan` validates a plan against a model in one process (meta-device models work; the
+:func:`resolve_plan` (in :mod:`.tp_plan`, with the styles and :class:`TPEntry`) validates a plan against a model in one process (meta-device models work; the
 checks are in :mod:`.tp_checks`): sizes and heads divisible by ``tp``, every split output taken back and
 every row-wise input produced inside its region, tied parameters split alike (:mod:`.shared`).
-:func:`format_plan` prints it as a table; :func:`apply_tp` does both, parallelizes, re-ties tied
+:func:`resolve_tp_plan` picks a built-in plan and resolves it once into a :class:`ResolvedPlan`;
+:func:`format_plan` prints it as a table; :func:`apply_tp` applies it (resolving first when given a plan), re-ties tied
 parameters and makes head-count attributes local. :mod:`.tp_probe` then checks the split model's output
 on ``example_input_array`` against the unsplit one's.
 """
 
 from __future__ import annotations
 
-import fnmatch
-import io
 import logging
-import re
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from lightning_dist._compat import DTENSOR_UNEVEN_GATHER_STRIDED
-from lightning_dist.parallelize.shared import check_shared_tp, retie, shared_parameters
-from lightning_dist.parallelize.tp_checks import (  # noqa: F401  (GLOBAL_ATTRS_KEY, is_conv1d: public here too)
-    GLOBAL_ATTRS_KEY,
-    _divisibility,
-    _is_norm,
-    _kind,
-    _linear_like,
-    _local_attr_problems,
-    _region_problems,
-    is_conv1d,
-    set_local_attrs,
+from lightning_dist.parallelize.shared import retie, shared_parameters
+from lightning_dist.parallelize.tp_auto import BUILTIN_PLANS, builtin_plan, mlp_plan, transformer_plan  # public here too
+from lightning_dist.parallelize.tp_checks import GLOBAL_ATTRS_KEY, is_conv1d, set_local_attrs  # noqa: F401  (public here too)
+from lightning_dist.parallelize.tp_plan import (  # noqa: F401  (the plan API, public here too)
+    COLWISE,
+    STYLES,
+    Plan,
+    PlanValue,
+    ResolvedPlan,
+    TPEntry,
+    _parse_layout,
+    format_plan,
+    resolve_plan,
+    resolve_tp_plan,
+    shard_dims,
 )
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 log = logging.getLogger(__name__)
-
-PlanValue = Union[str, Mapping[str, Any]]
-Plan = Mapping[str, PlanValue]
-
-@dataclass(frozen=True)
-class _Style:
-    description: str
-    accepts: Callable[[nn.Module], bool]  # module kinds the style supports
-    kinds: str  # those kinds, for error messages
-    sp_only: bool = False  # a no-op unless sequence_parallel=True
-    layouts: bool = False  # the dict form may override input/output layouts
-
-
-def _any(module: nn.Module) -> bool:
-    return True
-
-
-_SHARDABLE = "['Linear', 'Conv1D', 'Embedding']"
-STYLES: dict[str, _Style] = {
-    "colwise": _Style("column-wise sharded (output features)", lambda m: _linear_like(m) or isinstance(m, nn.Embedding),
-                      _SHARDABLE, layouts=True),
-    "rowwise": _Style("row-wise sharded (input features; vocab-parallel for an Embedding)",
-                      lambda m: _linear_like(m) or isinstance(m, nn.Embedding), _SHARDABLE, layouts=True),
-    "colwise_gather": _Style("column-wise, output gathered to full", _linear_like, "['Linear', 'Conv1D']"),
-    "sequence_parallel": _Style("runs on sequence shards", _is_norm, "norms and dropout", sp_only=True),
-    "sp_enter": _Style("input split into sequence shards", _any, "any module", sp_only=True),
-    "region_input": _Style("input replicated (gathered with SP)", _any, "any module"),
-    "sp_exit": _Style("output gathered from sequence shards", _any, "any module", sp_only=True),
-    "sp_region": _Style("input split, output gathered", _any, "any module", sp_only=True),
-}
-@dataclass(frozen=True)
-class TPEntry:
-    """One module of a resolved plan."""
-
-    fqn: str
-    """Fully qualified module name."""
-    style: str
-    """Style name (a key of :data:`STYLES`)."""
-    pattern: str
-    """The plan pattern that matched."""
-    module_type: str
-    """Class name of the module."""
-    shapes: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...] = ()
-    """(parameter, global shape, local shape on one tensor rank)."""
-    options: Mapping[str, Any] = field(default_factory=dict)
-    """Layout overrides from the dict form (``input``, ``output``)."""
-    active: bool = True
-    """False for sequence-parallel entries when sequence parallelism is off."""
-    kind: str = "other"
-    """``linear``, ``conv1d`` (HF, transposed weight), ``embedding`` or ``other``: picks the torch style."""
-
-
-# ---- plan data ---------------------------------------------------------------------------------
-def _parse_value(pattern: str, value: PlanValue, problems: list[str]) -> tuple[str, dict[str, Any]] | None:
-    if isinstance(value, str):
-        style, options = value, {}
-    elif isinstance(value, Mapping) and isinstance(value.get("style"), str):
-        style, options = value["style"], {k: v for k, v in value.items() if k != "style"}
-    else:
-        problems.append(f"plan[{pattern!r}]={value!r} must be a style name or a mapping with a 'style' key.")
-        return None
-    if style not in STYLES:
-        problems.append(f"plan[{pattern!r}]: unknown style {style!r}; the styles are {sorted(STYLES)}.")
-        return None
-    allowed = {"input", "output"} if STYLES[style].layouts else set()
-    extra = sorted(set(options) - allowed)
-    if extra:
-        problems.append(
-            f"plan[{pattern!r}]: style {style!r} takes no option(s) {extra}"
-            + (f"; it accepts {sorted(allowed)}." if allowed else ".")
-        )
-        return None
-    for key, layout in options.items():
-        if _parse_layout(layout) is None:
-            problems.append(f"plan[{pattern!r}]: {key}={layout!r} is not a layout; use 'replicate' or 'shard(N)'.")
-            return None
-    return style, options
-
-
-def _parse_layout(text: Any) -> tuple[str, int] | None:
-    """'replicate' -> ('replicate', 0); 'shard(1)' -> ('shard', 1); anything else -> None."""
-    if not isinstance(text, str):
-        return None
-    text = text.strip().lower()
-    if text == "replicate":
-        return ("replicate", 0)
-    m = re.fullmatch(r"shard\((-?\d+)\)", text)
-    return ("shard", int(m.group(1))) if m else None
-
-
-def _roots(model: nn.Module) -> list[str]:
-    """Where patterns are anchored: the model itself and, for a LightningModule, each of its direct children
-    (the network it keeps as ``self.model``), so plans need not know that attribute name."""
-    from lightning.pytorch import LightningModule
-
-    return [""] + ([name for name, _ in model.named_children()] if isinstance(model, LightningModule) else [])
-
-
-def _matches(fqn: str, pattern: str, roots: list[str]) -> bool:
-    # from a root only: `decoder` names `model.decoder`, never also `model.transformer.decoder`
-    return any(fnmatch.fnmatchcase(fqn, f"{root}.{pattern}" if root else pattern) for root in roots)
-
-
-def shard_dims(module: nn.Module, style: str) -> dict[str, int]:
-    """Which dim of each of `module`'s own parameters `style` splits over ``tp`` (torch's Colwise/RowwiseParallel)."""
-    if is_conv1d(module):  # HF Conv1D keeps its weight transposed: [in_features, out_features]
-        return {"weight": 1, "bias": 0} if style in ("colwise", "colwise_gather") else {"weight": 0} if style == "rowwise" else {}
-    linear = isinstance(module, nn.Linear)
-    if style in ("colwise", "colwise_gather"):
-        return {"weight": 0, "bias": 0} if linear else {"weight": 1}
-    if style == "rowwise":
-        return {"weight": 1} if linear else {"weight": 0}
-    return {}
-
-
-def _local_shapes(module: nn.Module, style: str, tp: int) -> tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...]:
-    dims = shard_dims(module, style)
-    out = []
-    for name, p in module.named_parameters(recurse=False):
-        shape, local = tuple(p.shape), list(p.shape)
-        if name in dims:
-            local[dims[name]] //= tp
-        out.append((name, shape, tuple(local)))
-    return tuple(out)
-
-
-def resolve_plan(model: nn.Module, plan: Plan | str, *, tp: int, sequence_parallel: bool = False) -> list[TPEntry]:
-    """Match `plan` against `model` and validate it for `tp` ranks, in one process (no process group).
-
-    `plan` is a mapping, a built-in plan name or ``"auto"``. Collects every problem and raises one
-    ``ValueError``: heads or hidden sizes not divisible by `tp`, a pattern that matches no module, a
-    module given two styles, a style on a module type it does not support, sequence parallelism
-    requested from a plan without sequence-parallel entries.
-    """
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"`tp={tp!r}` must be an integer >= 1.")
-    if isinstance(plan, str):
-        plan = builtin_plan(model, plan, tp=tp)[1]
-    if not isinstance(plan, Mapping):
-        raise TypeError(f"A tensor-parallel plan must be a mapping of pattern -> style or a name; got {type(plan).__name__}.")
-    problems: list[str] = []
-    parsed: dict[str, tuple[str, dict[str, Any]]] = {}
-    for pattern, value in plan.items():
-        if not isinstance(pattern, str) or not pattern:
-            problems.append(f"plan key {pattern!r} must be a non-empty module-name pattern.")
-            continue
-        got = _parse_value(pattern, value, problems)
-        if got is not None:
-            parsed[pattern] = got
-    modules = dict(model.named_modules())
-    roots = _roots(model)
-    claimed: dict[str, str] = {}
-    entries: list[TPEntry] = []
-    for pattern, (style, options) in parsed.items():
-        hits = [fqn for fqn in modules if fqn and _matches(fqn, pattern, roots)]
-        if not hits:
-            deeper = [n for n in modules if n and fnmatch.fnmatchcase(n, "*." + pattern)][:4]
-            near = [n for n, m in modules.items() if n and STYLES[style].accepts(m)][:6]
-            problems.append(
-                f"plan pattern {pattern!r} ({style}) matches no module of {type(model).__name__}; a plan entry"
-                " must not be a silent no-op. Patterns match from the root (the model, or a LightningModule's direct children), "
-                + (f"and it only names deeper paths {deeper}: write the full path." if deeper else f"and module names look like {near}.")
-            )
-            continue
-        if len(hits) > 1 and not any(c in pattern for c in "*?["):
-            problems.append(
-                f"plan pattern {pattern!r} ({style}) has no wildcard but matches {len(hits)} paths {hits[:4]}"
-                " (from the LightningModule and from one of its children); write the full path of the one you mean."
-            )
-            continue
-        for fqn in hits:
-            module = modules[fqn]
-            if fqn in claimed:
-                problems.append(
-                    f"module {fqn!r} is given two styles: {claimed[fqn]} and {pattern!r} -> {style!r};"
-                    " make the patterns disjoint."
-                )
-                continue
-            claimed[fqn] = f"{pattern!r} -> {style!r}"
-            if not STYLES[style].accepts(module):
-                problems.append(f"module {fqn!r} is a {type(module).__name__}; style {style!r} supports only {STYLES[style].kinds}.")
-                continue
-            parent = modules.get(fqn.rpartition(".")[0])
-            problems += _divisibility(fqn, module, style, tp, parent)
-            entries.append(
-                TPEntry(
-                    fqn=fqn, style=style, pattern=pattern, module_type=type(module).__name__,
-                    shapes=_local_shapes(module, style, tp), options=options,
-                    active=sequence_parallel or not STYLES[style].sp_only, kind=_kind(module),
-                )
-            )
-    problems += _region_problems(entries, modules)
-    problems += _local_attr_problems(model, entries, tp)
-    sharded = {e.fqn: shard_dims(modules[e.fqn], e.style) for e in entries if e.active}
-    problems += check_shared_tp(shared_parameters(model), sharded)
-    if sequence_parallel and not any(e.style in ("sp_enter", "sp_region") for e in entries) and not problems:
-        problems.append(
-            "sequence_parallel=True but the plan has no 'sp_enter'/'sp_region' entry marking where activations are"
-            " split over the sequence; plan='auto' adds them only for blocks whose forward takes the hidden states"
-            " alone (not masks or caches): add those entries by hand, or set sequence_parallel=False."
-        )
-    if problems:
-        raise ValueError(f"Invalid tensor-parallel plan for tp={tp}:\n  - " + "\n  - ".join(problems))
-    order = {name: i for i, name in enumerate(modules)}
-    return sorted(entries, key=lambda e: order[e.fqn])
-
-
-def format_plan(entries: list[TPEntry], *, tp: int, title: str | None = None) -> str:
-    """The resolved plan as a rich table: module -> style -> global -> local shard shapes."""
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=title or f"Tensor-parallel plan (tp={tp})")
-    for col in ("module", "type", "style", "global shape", "local shape"):
-        table.add_column(col)
-    for e in entries:
-        style = e.style + ("" if e.active else " (off)")
-        glob = ", ".join(f"{n} {'x'.join(map(str, s))}" for n, s, _ in e.shapes) or "-"
-        local = ", ".join(f"{n} {'x'.join(map(str, l))}" for n, _, l in e.shapes) or "-"
-        table.add_row(e.fqn, e.module_type, style, glob, local)
-    buf = io.StringIO()
-    Console(file=buf, width=140, force_terminal=False).print(table)
-    return buf.getvalue()
-
 
 # ---- applying ----------------------------------------------------------------------------------
 def _placement(layout: str | None, default: Any) -> Any:
@@ -325,6 +103,10 @@ def _to_style(entry: TPEntry, *, sequence_parallel: bool, sequence_dim: int) -> 
 
     seq, rep = Shard(sequence_dim), Replicate()
     opts = entry.options
+    if entry.style == "colwise_qkv":
+        from lightning_dist.parallelize.tp_styles import FusedQKVParallel
+
+        return FusedQKVParallel(parts=3)
     if entry.kind == "conv1d" and entry.style in ("colwise", "colwise_gather", "rowwise"):
         from lightning_dist.parallelize.tp_styles import Conv1DParallel
 
@@ -416,23 +198,25 @@ def apply_tp(
     model: nn.Module,
     tp_mesh: "DeviceMesh",
     *,
-    plan: Plan | str | None = "auto",
+    plan: Plan | str | ResolvedPlan | None = "auto",
     sequence_parallel: bool = False,
     sequence_dim: int = 1,
 ) -> list[TPEntry]:
     """Parallelize `model` in place over the 1-D `tp_mesh` following `plan`; returns the resolved entries.
 
-    The plan is validated first (same result on every rank, so a bad plan raises everywhere before
-    any tensor-parallel collective). `sequence_dim`: the activation dim split by sequence parallelism.
+    `plan`: a :class:`ResolvedPlan` (resolved once by the caller, e.g. the strategy), or a plan to resolve
+    here. Either way it is validated before anything is sharded (same result on every rank, so a bad plan
+    raises everywhere before any tensor-parallel collective). `sequence_dim`: the activation dim split by sequence parallelism.
     Call before activation checkpointing and FSDP.
     """
     from torch.distributed.tensor.parallel import parallelize_module
 
     tp = tp_mesh.size()
-    name = plan if isinstance(plan, str) else "custom"
-    if plan is None or plan == "auto" or isinstance(plan, str):
-        name, plan = builtin_plan(model, "auto" if plan is None else plan, tp=tp)
-    entries = resolve_plan(model, plan, tp=tp, sequence_parallel=sequence_parallel)
+    resolved = resolve_tp_plan(model, plan, tp=tp, sequence_parallel=sequence_parallel)
+    if (resolved.tp, resolved.sequence_parallel) != (tp, sequence_parallel):
+        raise ValueError(f"apply_tp: the plan was resolved for tp={resolved.tp}, sequence_parallel={resolved.sequence_parallel}"
+                         f" but the mesh has tp={tp} and sequence_parallel={sequence_parallel}; resolve it again.")
+    entries = list(resolved.entries)
     styles = {e.fqn: _to_style(e, sequence_parallel=sequence_parallel, sequence_dim=sequence_dim) for e in entries if e.active}
     ties = shared_parameters(model)  # found before sharding: parallelize_module gives each owner a new parameter
     parallelize_module(model, tp_mesh, styles)
@@ -440,7 +224,7 @@ def apply_tp(
     retie(model, ties)  # resolve_plan checked that every owner is sharded alike: one DTensor serves all
     set_local_attrs(model, entries, tp)  # forwards that read a head count attribute see their local heads
     log.info("applied tensor parallelism (plan %s, tp=%d, sequence_parallel=%s) to %d modules",
-             name, tp, sequence_parallel, len(styles))
+             resolved.name, tp, sequence_parallel, len(styles))
     return entries
 
 
@@ -450,9 +234,7 @@ def resolve_stage_plan(owner: nn.Module, net: nn.Module, plan: Plan | str, *, tp
     The plan must hold on the whole model (every pattern matches somewhere, sizes divide), and the network's
     last layer must give whole outputs on every tensor rank: the pipeline's loss sees them.
     """
-    if isinstance(plan, str):
-        plan = builtin_plan(owner, plan, tp=tp)[1]
-    entries = resolve_plan(owner, plan, tp=tp)
+    entries = list(resolve_tp_plan(owner, plan, tp=tp).entries)
     leaves = [m for m in net.modules() if not any(True for _ in m.children())]
     names = {n for n, m in owner.named_modules() if leaves and m is leaves[-1]}
     last = next((e for e in entries if e.fqn in names), None)
@@ -492,10 +274,7 @@ def apply_tp_entries(
     return len(styles)
 
 
-# the built-in plans live in tp_auto (they use the helpers above); re-exported here as the public home
-from lightning_dist.parallelize.tp_auto import BUILTIN_PLANS, builtin_plan, mlp_plan, transformer_plan  # noqa: E402
-
 __all__ = [
-    "BUILTIN_PLANS", "STYLES", "Plan", "TPEntry", "apply_tp", "apply_tp_entries", "builtin_plan", "format_plan", "mlp_plan",
-    "resolve_plan", "resolve_stage_plan", "transformer_plan",
+    "BUILTIN_PLANS", "STYLES", "Plan", "ResolvedPlan", "TPEntry", "apply_tp", "apply_tp_entries", "builtin_plan", "format_plan", "mlp_plan",
+    "resolve_plan", "resolve_stage_plan", "resolve_tp_plan", "transformer_plan",
 ]

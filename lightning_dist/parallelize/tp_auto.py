@@ -22,7 +22,10 @@ Whatever plan results, an output head tied to an input embedding gets the embedd
 error prints the plan the structure suggests, for the user to paste and edit.
 
 GPT-2's ``c_attn`` keeps q, k and v in three blocks (``[q | k | v]``), so a contiguous split would not
-hold whole heads: ``auto`` leaves that attention replicated (its MLP, embedding and head are split).
+hold whole heads: ``auto`` gives it ``colwise_qkv`` (each rank the q, k and v columns of its own heads) with
+``c_proj`` row-wise, when the layer's width is three times the attention's ``split_size``/``embed_dim`` (a
+self-attention; a cross-attention's ``c_attn`` holds k and v only and stays whole). GPT-NeoX's
+``query_key_value`` is head-major (each head's q, k, v together), so a plain ``colwise`` split is exact.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from collections.abc import Callable, Mapping
 from torch import nn
 
 from lightning_dist.parallelize.shared import shared_parameters
+from lightning_dist.parallelize.tp_checks import _is_norm, _linear_like, is_conv1d
+from lightning_dist.parallelize.tp_plan import _matches, _roots
 from lightning_dist.parallelize.units import find_block_lists
 
 # HuggingFace style name -> ours; styles HF has and we lack are refused by name
@@ -46,6 +51,7 @@ ATTENTION_LAYOUTS: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
     (("query_key_value",), ("dense", "proj", "o_proj", "out_proj")),
     (("qkv",), ("proj", "o", "out_proj", "o_proj", "dense")),
     (("Wqkv",), ("out_proj", "Wo")),
+    (("c_attn",), ("c_proj",)),  # GPT-2: [q | k | v] blocks, split per head (colwise_qkv; see _blocked_qkv)
 )
 MLP_LAYOUTS: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
     (("fc1",), ("fc2",)),
@@ -61,21 +67,25 @@ MLP_LAYOUTS: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
 FUSED_QKV = ("qkv", "query_key_value", "Wqkv")
 """Fused projections split as-is: their output must be head-major (each head's q, k, v together)."""
 BLOCKED_QKV = ("c_attn",)
-"""Fused projections laid out ``[q | k | v]``: not split (a contiguous shard would not hold whole heads)."""
+"""Fused projections laid out ``[q | k | v]``: split per head (``colwise_qkv``), never contiguously."""
 
 
-def _tp():
-    from lightning_dist.parallelize import tp
-
-    return tp
+def _blocked_qkv(attn: nn.Module, name: str) -> bool:
+    """True when `attn.<name>` is a self-attention's fused [q | k | v] projection: three blocks of its width."""
+    layer = getattr(attn, name, None)
+    out = getattr(layer, "nf", None) or getattr(layer, "out_features", None)
+    width = next((getattr(attn, a) for a in ("split_size", "embed_dim") if isinstance(getattr(attn, a, None), int)), None)
+    return isinstance(out, int) and width is not None and out == 3 * width
 
 
 def _lin(module: nn.Module | None, name: str) -> bool:
-    return _tp()._linear_like(getattr(module, name, None)) if module is not None and hasattr(module, name) else False
+    return _linear_like(getattr(module, name, None)) if module is not None and hasattr(module, name) else False
 
 
 def _region(module: nn.Module, layouts) -> tuple[tuple[str, ...], str] | None:
     for cols, rows in layouts:
+        if any(c in BLOCKED_QKV for c in cols) and not all(_blocked_qkv(module, c) for c in cols):
+            continue  # not three blocks of the attention's width (a cross-attention's k/v): stays whole
         if all(_lin(module, c) for c in cols):
             row = next((r for r in rows if _lin(module, r)), None)
             if row is not None:
@@ -104,7 +114,7 @@ def _block_plan(block: nn.Module) -> tuple[dict[str, str], list[str]]:
         if got is not None and not any(k.startswith(pre) for k in plan if name):
             cols, row = got
             for c in cols:
-                plan[f"{pre}{c}"] = "colwise"
+                plan[f"{pre}{c}"] = "colwise_qkv" if c in BLOCKED_QKV else "colwise"
             plan[f"{pre}{row}"] = "rowwise"
             if name:  # a region at the block itself (nn.TransformerEncoderLayer's linear1/linear2) shares its input
                 plan[name] = "region_input"  # with attention: no region_input there
@@ -113,7 +123,7 @@ def _block_plan(block: nn.Module) -> tuple[dict[str, str], list[str]]:
             plan[f"{name}.{len(mod) - 1}"] = "rowwise"
             plan[name] = "region_input"
         elif any(_lin(mod, b) for b in BLOCKED_QKV):
-            notes.append(f"{name}: fused [q|k|v] projection left replicated (not head-major)")
+            notes.append(f"{name}: fused [q|k|v] projection left replicated (not three blocks of the attention width)")
     return plan, notes
 
 
@@ -133,14 +143,13 @@ def _single_input(block: nn.Module) -> bool:
 def _output_head(model: nn.Module, lists: list[tuple[str, nn.ModuleList]]) -> str | None:
     """The last Linear-like layer outside the block lists (the output head), or None."""
     inside = tuple(f"{n}." for n, _ in lists)
-    heads = [n for n, m in model.named_modules() if n and _tp()._linear_like(m) and not n.startswith(inside)]
+    heads = [n for n, m in model.named_modules() if n and _linear_like(m) and not n.startswith(inside)]
     return heads[-1] if heads else None
 
 
 def transformer_plan(model: nn.Module, *, tp: int = 1) -> dict[str, str]:
     """Plan from the structure: each block's attention/MLP regions split (see the module docstring),
     norms sequence-parallel, the output head gathered. Raises ValueError naming a block without regions."""
-    tpm = _tp()
     lists = find_block_lists(model)
     if not lists:
         raise ValueError(f"{type(model).__name__} has no block list (an nn.ModuleList named blocks/layers/h...).")
@@ -162,7 +171,7 @@ def transformer_plan(model: nn.Module, *, tp: int = 1) -> dict[str, str]:
         if not _single_input(blocks[0]):
             continue  # sequence-parallel entries wrap the block's one input; HF blocks take masks, caches...
         for child, mod in blocks[0].named_children():
-            if tpm._is_norm(mod):
+            if _is_norm(mod):
                 plan[f"{list_name}.*.{child}"] = "sequence_parallel"
         if len(blocks) == 1:
             plan[f"{list_name}.0"] = "sp_region"
@@ -172,7 +181,7 @@ def transformer_plan(model: nn.Module, *, tp: int = 1) -> dict[str, str]:
     head = _output_head(model, lists)
     if head is not None:
         module = model.get_submodule(head)
-        out = module.nf if tpm.is_conv1d(module) else module.out_features
+        out = module.nf if is_conv1d(module) else module.out_features
         if out % tp == 0:
             plan[head] = "colwise_gather"
     return plan
@@ -238,13 +247,12 @@ def tie_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
     A head split on its output features splits its weight on dim 0, the vocabulary; the embedding sharing
     that weight must be split on the same dim to remain one parameter (Megatron's tied embedding).
     """
-    tpm = _tp()
-    roots = tpm._roots(model)
+    roots = _roots(model)
     modules = dict(model.named_modules())
     plan = dict(plan)
     for names in shared_parameters(model):
         owners = [n.rpartition(".")[0] for n in names]
-        styles = {o: next((s for p, s in plan.items() if tpm._matches(o, p, roots)), None) for o in owners}
+        styles = {o: next((s for p, s in plan.items() if _matches(o, p, roots)), None) for o in owners}
         if not any(s in ("colwise", "colwise_gather") for s in styles.values()):
             continue
         for o, s in styles.items():
@@ -275,7 +283,7 @@ def suggest_plan(model: nn.Module) -> str:
     """A starting plan to paste and edit (YAML), from the Linear layers each module holds, or ''."""
     lines = []
     for name, mod in model.named_modules():
-        kids = [n for n, k in mod.named_children() if _tp()._linear_like(k)]
+        kids = [n for n, k in mod.named_children() if _linear_like(k)]
         if len(kids) >= 2:
             *cols, row = kids
             lines += [f"  {name + '.' if name else ''}{c}: colwise" for c in cols]

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 if TYPE_CHECKING:
-    from lightning_dist.parallelize.tp import TPEntry
+    from lightning_dist.parallelize.tp_plan import TPEntry
 
 _NORMS: tuple[type, ...] = (nn.LayerNorm, nn.Dropout, nn.RMSNorm)  # nn.RMSNorm: torch >= 2.4, below our range
 
@@ -23,7 +23,8 @@ def is_conv1d(module: nn.Module) -> bool:
 
     Recognized by shape rather than imported, so the pack does not import ``transformers``.
     """
-    return type(module).__name__ == "Conv1D" and isinstance(getattr(module, "nf", None), int) and isinstance(
+    named = any(c.__name__ == "Conv1D" for c in type(module).__mro__)  # also once split per head (colwise_qkv)
+    return named and isinstance(getattr(module, "nf", None), int) and isinstance(
         getattr(module, "nx", None), int)
 
 
@@ -39,7 +40,8 @@ def _linear_like(module: nn.Module) -> bool:
 _HEAD_ATTRS = ("n_heads", "num_heads", "n_head", "num_attention_heads")
 # head counts an attention module may read in its forward: set to the local count on a split region (as
 # torchtitan sets n_heads // tp); kept as they were in GLOBAL_ATTRS_KEY for single-device copies
-LOCAL_ATTRS = (*_HEAD_ATTRS, "num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_head", "all_head_size")
+LOCAL_ATTRS = (*_HEAD_ATTRS, "num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_head", "all_head_size",
+               "split_size", "embed_dim")  # GPT-2's attention splits c_attn's output by split_size (= embed_dim)
 GLOBAL_ATTRS_KEY = "_tp_global_attrs"
 # the same counts read from a `config` object (litgpt: self.config.n_head, n_query_groups): the split module
 # gets its own shallow copy of the config with the local counts (the config is shared by every layer)
@@ -59,8 +61,8 @@ def _split_regions(entries: list[TPEntry]) -> list[str]:
     """Parents of column-wise layers consumed by a row-wise sibling: the attention/MLP modules that are split."""
     parents: dict[str, set[str]] = {}
     for e in entries:
-        if e.active and e.style in ("colwise", "rowwise"):
-            parents.setdefault(e.fqn.rpartition(".")[0], set()).add(e.style)
+        if e.active and e.style in ("colwise", "colwise_qkv", "rowwise"):
+            parents.setdefault(e.fqn.rpartition(".")[0], set()).add("rowwise" if e.style == "rowwise" else "colwise")
     return [p for p, styles in parents.items() if styles == {"colwise", "rowwise"}]
 
 
@@ -120,6 +122,8 @@ def set_local_attrs(model: nn.Module, entries: list[TPEntry], tp: int, *, within
 
 def _divisibility(fqn: str, module: nn.Module, style: str, tp: int, parent: nn.Module | None) -> list[str]:
     problems = []
+    if style == "colwise_qkv":
+        return _fused_problems(fqn, module, tp, parent)
     if style in ("colwise", "colwise_gather", "rowwise"):
         if isinstance(module, nn.Linear):
             size, what = (module.in_features, "in_features") if style == "rowwise" else (module.out_features, "out_features")
@@ -135,6 +139,24 @@ def _divisibility(fqn: str, module: nn.Module, style: str, tp: int, parent: nn.M
     if style == "colwise" and parent is not None and not problems:
         problems += _head_problems(fqn, module, tp, parent)
     return problems
+
+
+def _fused_problems(fqn: str, module: nn.Module, tp: int, parent: nn.Module | None) -> list[str]:
+    """A fused [q | k | v] projection: three equal blocks, each split into whole heads over `tp`."""
+    out = module.nf if is_conv1d(module) else module.out_features
+    if out % 3:
+        return [f"{fqn} ({type(module).__name__}, colwise_qkv): {out} output features are not three equal [q | k | v]"
+                " blocks; colwise_qkv is for a fused q/k/v projection (a head-major one takes 'colwise')."]
+    block = out // 3
+    head_dim = _head_dim(parent) if parent is not None else None
+    heads = block // head_dim if head_dim and block % head_dim == 0 else None
+    if heads is not None and heads % tp:
+        return [f"{fqn}: the attention module has {heads} heads, not divisible by tp={tp}; heads are split over"
+                f" tensor ranks, so choose a tp that divides {heads}."]
+    if block % tp:
+        return [f"{fqn} ({type(module).__name__}, colwise_qkv): each q/k/v block has {block} features, not divisible"
+                f" by tp={tp}; choose a tp that divides {block}."]
+    return []
 
 
 def _head_dim(attn: nn.Module) -> int | None:
@@ -196,7 +218,7 @@ def _region_problems(entries: list[TPEntry], modules: Mapping[str, nn.Module]) -
             by_parent.setdefault(e.fqn.rpartition(".")[0], []).append(e)
     problems = []
     for parent, group in by_parent.items():
-        cols = [e for e in group if e.style == "colwise" and "output" not in e.options]
+        cols = [e for e in group if e.style in ("colwise", "colwise_qkv") and "output" not in e.options]
         rows = [e for e in group if e.style == "rowwise" and _linear_like(modules[e.fqn]) and "input" not in e.options]
         where = repr(parent) if parent else "the model root"
         for e in cols if not rows else ():

@@ -6,8 +6,8 @@ an attention that takes its head count from a shared ``config`` object, a fused 
 model without an error. So the strategy runs one sample through the model before and after tensor
 parallelism, in eval mode (no dropout), and refuses a difference beyond rounding, on every rank at once.
 The sample is the LightningModule's ``example_input_array``; without one, a made-up batch for the network
-it holds (its one child with parameters) when the network starts with an ``nn.Embedding`` (two rows of 4
-token ids) or an ``nn.Linear`` (two random rows), if the network runs on it; otherwise no check.
+it holds (its one child with parameters): two random rows when its first layer is an ``nn.Linear``, two rows
+of 4 token ids for its first ``nn.Embedding``, the first the network runs on; otherwise no check.
 """
 
 from __future__ import annotations
@@ -46,17 +46,22 @@ def _cast(sample: Any, device: torch.device, dtype: torch.dtype) -> Any:
     return sample
 
 
-def _made_up(module: nn.Module) -> Optional[tuple[nn.Module, Any]]:
-    """(network, sample) for a module without ``example_input_array``, or None when no sample can be guessed."""
+def _made_up(module: nn.Module) -> list[tuple[nn.Module, Any]]:
+    """(network, sample) guesses for a module without ``example_input_array``, most likely first (may be empty)."""
     children = [c for c in module.children() if any(True for _ in c.parameters())]
     net = children[0] if len(children) == 1 else module
     first = next((m for m in net.modules() if any(True for _ in m.parameters(recurse=False))), None)
+    # registration order is not forward order (litgpt registers lm_head before its token embedding): token ids
+    # for the first nn.Embedding are tried too
+    embedding = next((m for m in net.modules() if isinstance(m, nn.Embedding)), None)
     g = torch.Generator().manual_seed(0)  # the same sample on every rank
-    if isinstance(first, nn.Embedding):
-        return net, torch.randint(0, first.num_embeddings, (2, 4), generator=g)
-    if isinstance(first, nn.Linear):
-        return net, torch.randn(2, first.in_features, generator=g)
-    return None
+    guesses = []
+    for layer in dict.fromkeys(m for m in (first, embedding) if m is not None):
+        if isinstance(layer, nn.Embedding):
+            guesses.append((net, torch.randint(0, layer.num_embeddings, (2, 4), generator=g)))
+        elif isinstance(layer, nn.Linear):
+            guesses.append((net, torch.randn(2, layer.in_features, generator=g)))
+    return guesses
 
 
 def probe_output(module: nn.Module, device: torch.device) -> Optional[tuple[nn.Module, Any, Tensor]]:
@@ -66,18 +71,16 @@ def probe_output(module: nn.Module, device: torch.device) -> Optional[tuple[nn.M
     if not params or any(p.is_meta for p in params):
         return None
     sample = getattr(module, "example_input_array", None)
-    net = module
-    if sample is None:
-        guess = _made_up(module)
-        if guess is None:
-            return None
-        net, sample = guess
-    sample = _cast(sample, device, params[0].dtype)
-    try:
-        out = _first_tensor(_run(net, sample))
-    except Exception:  # a sample the forward does not take (other inputs or sizes, no forward): no check
-        return None
-    return None if out is None else (net, sample, out.detach().clone())
+    guesses = [(module, sample)] if sample is not None else _made_up(module)
+    for net, sample in guesses:
+        sample = _cast(sample, device, params[0].dtype)
+        try:
+            out = _first_tensor(_run(net, sample))
+        except Exception:  # a sample the forward does not take (other inputs or sizes, no forward): the next guess
+            continue
+        if out is not None:
+            return net, sample, out.detach().clone()
+    return None
 
 
 def _run(module: nn.Module, sample: Any) -> Any:

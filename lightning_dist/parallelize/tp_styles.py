@@ -1,18 +1,32 @@
-"""Tensor-parallel styles torch does not ship: HuggingFace's ``Conv1D`` (GPT-2 family) column- and row-wise.
+"""Tensor-parallel styles torch does not ship: HuggingFace's ``Conv1D`` (GPT-2 family) column- and row-wise,
+and a fused ``[q | k | v]`` projection split per head.
 
 torch's ``ColwiseParallel``/``RowwiseParallel`` accept ``nn.Linear`` and ``nn.Embedding`` only. ``Conv1D``
 is a Linear whose weight is stored transposed (``[in, out]``, ``forward = addmm(bias, x, weight)``), so
 it needs the opposite weight dims; the rest (replicated input in, split output out, all-reduce after
 the row-wise layer) is what torch's styles do, written here with the public ``distribute_module``.
+
+**Fused q/k/v laid out** ``[q | k | v]`` (GPT-2's ``c_attn``): a contiguous column split would give rank 0
+all of q and half of k. :class:`FusedQKVParallel` stores the weight with the three parts as a dim of their
+own (``[in, 3, E]`` for a Conv1D, ``[3, E, in]`` for a Linear; the bias ``[3, E]``) and shards ``E``, so
+each rank holds the q, k and v columns of its own heads and computes ``[q_r | k_r | v_r]``. We chose this
+plain ``Shard`` of a re-shaped parameter over torch's ``_StridedShard`` on the original 2-D shape: DCP
+writes one contiguous chunk per rank (a strided shard of a checkpoint's optimizer state would be written
+at the wrong offsets), while FSDP2, the optimizer and DCP see an ordinary sharded DTensor. The 3-D shape is
+a view of the original (``reshape`` back gives the exact original layout); state dicts show the original
+shape (hooks below), so checkpoints, consolidation and HuggingFace export are unchanged.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
+
+from lightning_dist.parallelize.tp_checks import is_conv1d
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -66,4 +80,106 @@ class Conv1DParallel(ParallelStyle):
         return distribute_module(module, device_mesh, self._partition, self._input, self._output)
 
 
-__all__ = ["Conv1DParallel"]
+FUSED_SHAPES_KEY = "_tp_fused_shapes"
+"""``module.__dict__`` key: {parameter name: original shape} of a layer split by :class:`FusedQKVParallel`."""
+
+
+def _fused_shape(shape: tuple[int, ...], dim: int, parts: int) -> tuple[int, ...]:
+    return (*shape[:dim], parts, shape[dim] // parts, *shape[dim + 1:])
+
+
+class _FusedQKVForward:
+    """Forward of a layer split by :class:`FusedQKVParallel` (placed before the layer's own class).
+
+    Split (DTensor weight on the tp mesh; under FSDP2 the gathered one): the local ``[q_r | k_r | v_r]``
+    columns. Plain weights (a single-device copy such as GradientParityCheck's reference): the original
+    layer's output, from the same 3-D tensors reshaped back to the original layout.
+    """
+
+    def forward(self, x):
+        from torch.distributed.tensor import Partial
+
+        w, b = self.weight, self.bias
+        if isinstance(w, DTensor):
+            mesh = w.device_mesh
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
+            elif x.placements != (Replicate(),):
+                x = x.redistribute(placements=(Replicate(),))
+            # each rank's input gradient covers its own heads only: the Partial sums them (one all-reduce)
+            x = x.to_local(grad_placements=(Partial(),))
+            w, b = w.to_local(), None if b is None else b.to_local()
+        b = None if b is None else b.reshape(-1)
+        if is_conv1d(self):  # [in, 3, E_local] -> [in, 3 * E_local]: addmm as Conv1D.forward does
+            w = w.reshape(w.shape[0], -1)
+            flat = x.reshape(-1, x.shape[-1])
+            out = flat @ w if b is None else torch.addmm(b, flat, w)
+            return out.view(*x.shape[:-1], -1)
+        return torch.nn.functional.linear(x, w.reshape(-1, w.shape[-1]), b)  # [3, E_local, in] -> [3 * E_local, in]
+
+
+_FUSED_CLASSES: dict[type, type] = {}
+
+
+class FusedQKVParallel(ParallelStyle):
+    """Split a fused projection laid out ``[q | k | v]`` (``parts`` blocks) column-wise per head over a 1-D mesh.
+
+    Each rank keeps the output columns of its own heads in every block and returns them as one local tensor
+    ``[q_r | k_r | v_r]`` (the attention then reads local head counts, set by the plan). The input arrives
+    replicated (a DTensor from ``region_input``, or a plain tensor); its gradient is all-reduced once.
+    Accepts ``nn.Linear`` and HuggingFace's ``Conv1D``.
+    """
+
+    def __init__(self, parts: int = 3) -> None:
+        super().__init__()
+        self.parts = parts
+
+    def _apply(self, module: nn.Module, device_mesh: "DeviceMesh") -> nn.Module:
+        conv = is_conv1d(module)
+        shapes = {}
+        for pname, param in list(module.named_parameters(recurse=False)):
+            dim = (1 if conv else 0) if pname == "weight" else 0  # the output-feature dim
+            shapes[pname] = tuple(param.shape)
+            fused = param.detach().reshape(_fused_shape(tuple(param.shape), dim, self.parts))
+            dparam = nn.Parameter(distribute_tensor(fused, device_mesh, [Shard(dim + 1)]), requires_grad=param.requires_grad)
+            module.register_parameter(pname, dparam)
+        module.__dict__[FUSED_SHAPES_KEY] = shapes
+        cls = type(module)
+        if cls not in _FUSED_CLASSES:  # one generated class per layer class, as fully_shard does
+            _FUSED_CLASSES[cls] = type(f"FusedQKV{cls.__name__}", (_FusedQKVForward, cls), {})
+        module.__class__ = _FUSED_CLASSES[cls]
+        module.register_state_dict_post_hook(_original_shape_state_dict)
+        module.register_load_state_dict_pre_hook(_fused_shape_load)
+        return module
+
+
+def _original_shape_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    """State dicts show each fused parameter in its original shape and layout. A DTensor is gathered and kept
+    replicated (a collective: every rank saves together, as DCP and ``get_model_state_dict`` do), since the
+    original layout of a per-head shard is not one contiguous chunk that DCP could write."""
+    for name, shape in module.__dict__.get(FUSED_SHAPES_KEY, {}).items():
+        key = prefix + name
+        value = state_dict.get(key)
+        if isinstance(value, DTensor):
+            whole = value.full_tensor().reshape(shape)
+            state_dict[key] = DTensor.from_local(whole, value.device_mesh, [Replicate()] * value.device_mesh.ndim,
+                                                 run_check=False)
+        elif isinstance(value, torch.Tensor):
+            state_dict[key] = value.reshape(shape)
+
+
+def _fused_shape_load(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+    """Load a fused parameter from its original shape (any state dict: DCP's, a single-device one): each rank
+    takes its own heads' columns of the whole value."""
+    for name in module.__dict__.get(FUSED_SHAPES_KEY, {}):
+        key, param = prefix + name, getattr(module, name)
+        value = state_dict.get(key)
+        if not isinstance(value, torch.Tensor) or not isinstance(param, DTensor):
+            continue
+        whole = value.full_tensor() if isinstance(value, DTensor) else value
+        whole = whole.to(device=param.device, dtype=param.dtype).reshape(param.shape)
+        # no broadcast (src_data_rank=None): every rank holds the whole value and keeps its own part
+        state_dict[key] = distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None)
+
+
+__all__ = ["Conv1DParallel", "FUSED_SHAPES_KEY", "FusedQKVParallel"]

@@ -13,7 +13,7 @@ import lightning.pytorch as pl
 from lightning_dist._compat import TP_SEQUENCE_PARALLEL_WITH_DP_HANGS
 from lightning_dist.mesh import TP, MeshSpec
 from lightning_dist.parallelize import ParallelizeConfig
-from lightning_dist.parallelize.tp import BUILTIN_PLANS, TPEntry, builtin_plan, format_plan, resolve_plan
+from lightning_dist.parallelize.tp import BUILTIN_PLANS, ResolvedPlan, TPEntry, format_plan, resolve_tp_plan
 from lightning_dist.strategies.hsdp import HybridShardStrategy
 
 
@@ -80,6 +80,7 @@ class TensorParallelStrategy(HybridShardStrategy):
         """The resolved plan (filled in when the model is parallelized)."""
         self.tp_probe_diff: Optional[float] = None
         """Relative output difference split vs unsplit on one sample (None: no sample could run)."""
+        self._resolved: Optional[tuple[Any, ResolvedPlan]] = None  # (model structure, its plan): resolved once
 
     @property
     def is_distributed(self) -> bool:
@@ -112,16 +113,21 @@ class TensorParallelStrategy(HybridShardStrategy):
         module = self.lightning_module
         # check the plan now when the model already exists (else in `parallelize`): same on every rank
         if module is not None and tp > 1 and any(True for _ in module.parameters()):
-            resolve_plan(module, self._plan_for(module, tp), tp=tp, sequence_parallel=self.sequence_parallel)
+            self._resolve(module, tp)
 
-    def _plan_for(self, module: pl.LightningModule, tp: int) -> Mapping[str, Any]:
-        return builtin_plan(module, self.plan, tp=tp)[1] if isinstance(self.plan, str) else self.plan
+    def _resolve(self, module: pl.LightningModule, tp: int) -> ResolvedPlan:
+        """The plan resolved against `module` once (kept while the model's structure and `tp` stay the same:
+        ``configure_model`` may add layers between the config check and parallelizing)."""
+        key = (id(module), tp, tuple(name for name, _ in module.named_modules()))
+        if self._resolved is None or self._resolved[0] != key:
+            self._resolved = (key, resolve_tp_plan(module, self.plan, tp=tp, sequence_parallel=self.sequence_parallel))
+        return self._resolved[1]
 
     @override
     def parallelize_config(self) -> ParallelizeConfig:
         assert self.lightning_module is not None
         tp = self.mesh.size(TP)
-        plan = self._plan_for(self.lightning_module, tp) if tp > 1 else None
+        plan = self._resolve(self.lightning_module, tp) if tp > 1 else None
         return dataclasses.replace(
             super().parallelize_config(),
             tp_plan=plan,
@@ -135,7 +141,7 @@ class TensorParallelStrategy(HybridShardStrategy):
         tp = self.mesh.size(TP)
         probe = None
         if tp > 1:
-            self.tp_entries = resolve_plan(module, self._plan_for(module, tp), tp=tp, sequence_parallel=self.sequence_parallel)
+            self.tp_entries = list(self._resolve(module, tp).entries)
             rank_zero_info(format_plan(self.tp_entries, tp=tp))
             # the unsplit model's output on one sample, to compare with the split one's (parallelize/tp_probe.py)
             probe = probe_output(module, self.root_device)

@@ -35,6 +35,21 @@ def _check(rows: list[dict], world: int, mesh: list[int]) -> None:
     # the tie survived sharding: one parameter under both names, as the user built it
     assert tied["gpt2_tied"] == [["model.transformer.wte.weight", "model.lm_head.weight"]]
     assert tied["pack_gpt_tied"] == [["model.tok_emb.weight", "model.lm_head.weight"]]
+    # GPT-2's fused c_attn ([q | k | v]) is split per head, not left whole (parity above covers it)
+    assert all("colwise_qkv" in r["styles"] for r in rows if r["model"] == "gpt2_tied"), rows
+
+
+def _check_fused_checkpoint(rows: list[dict], world: int) -> None:
+    """GPT-2 with c_attn split per head through a sharded checkpoint: resume and single-device consolidation."""
+    ck = [r for r in rows if r["kind"] == "fused_checkpoint"]
+    assert len(ck) == world, ck
+    for r in ck:
+        assert r["fused"] == [f"model.transformer.h.{i}.attn.c_attn" for i in range(2)], r
+        assert r["stored_shapes"] == {f"model.transformer.h.{i}.attn.c_attn.weight": [32, 3, 32] for i in range(2)}, r
+        assert r["resume_loaded_diff"] == 0.0 and r["resume_adam_steps"] == [3.0], r  # weights and AdamW state back
+        if r["rank"] == 0:  # consolidated: the original [in, 3E] layout, equal to the trained model's values
+            assert r["single_exact"], r
+            assert r["single_shapes"] == {f"model.transformer.h.{i}.attn.c_attn.weight": [32, 96] for i in range(2)}, r
 
 
 def _check_hf(rows: list[dict], cases: set, world: int) -> None:
@@ -52,6 +67,7 @@ def test_auto_plan_on_real_models_tp2():
     pytest.importorskip("transformers")
     rows = results(run_torchrun("tp_real_models.py", nproc=2, timeout=600))
     _check(rows, 2, [1, 1, 1, 2])
+    _check_fused_checkpoint(rows, 2)
     _check_hf(rows, {(m, s) for m in ("gpt2_tied", "llama") for s in ("tp2", "fsdp2")}, 2)
     units = [r for r in rows if r["kind"] == "fsdp_units"]
     assert {r["model"] for r in units} == MODELS - {"pack_gpt_tied", "config_heads_gpt"} and len(units) == 2 * 6
@@ -60,14 +76,22 @@ def test_auto_plan_on_real_models_tp2():
         assert len(r["units"]) >= 2 and all(u.rsplit(".", 1)[0].endswith(("layers", ".h")) for u in r["units"]), r
         assert r["all_gathers"] == [len(r["units"]) + 1.0], r  # each block once (ZeRO-2), the root once
     # a fused qkv laid out [q | k | v] would train a different model: refused by the output probe
-    refusals = [r for r in rows if r["kind"] == "refusal"]
+    refusals = [r for r in rows if r["kind"] == "refusal" and r["model"] == "blocked_qkv_gpt"]
     assert len(refusals) == 2 and all(r["model"] == "blocked_qkv_gpt" and r["error"]
                                       and "differs from the unsplit model's" in r["error"]
                                       and "not head-major" in r["error"] for r in refusals), refusals
+
+
+    # litgpt's GPT (only where litgpt is installed): refused at setup, never trained. Today the refusal is torch's
+    # "module inputs and input_layouts should have same length!" (region_input on an attention that takes cos,
+    # sin and a mask besides x), raised by the output check's forward on made-up token ids
+    lit = [r for r in rows if r["kind"] == "refusal" and r["model"] == "litgpt"]
+    assert len(lit) in (0, 2) and all(r["error"] for r in lit), lit
 
 
 def test_auto_plan_on_real_models_tp2_dp_shard2():
     pytest.importorskip("transformers")
     rows = results(run_torchrun("tp_real_models.py", nproc=4, timeout=900))
     _check(rows, 4, [1, 1, 2, 2])
+    _check_fused_checkpoint(rows, 4)
     _check_hf(rows, {("llama", "tp2_dp_shard2")}, 4)

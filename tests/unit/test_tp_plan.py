@@ -230,3 +230,16 @@ def test_strategy_tp_auto_is_devices_per_node_and_validates_before_collectives()
     strategy.parallel_devices = [torch.device("cpu")] * 4
     with pytest.raises(ValueError, match="zero_stage=1 .* does not compose with tp=2"):
         strategy.validate_config(strategy.mesh_spec())
+
+
+def test_a_plan_is_resolved_once_into_one_object():
+    """resolve_tp_plan picks the built-in plan and resolves it; the result is what apply_tp and the strategy use."""
+    from lightning_dist.parallelize.tp import ResolvedPlan, resolve_tp_plan
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    resolved = resolve_tp_plan(model, "auto", tp=2)
+    assert isinstance(resolved, ResolvedPlan) and resolved.name == "mlp" and resolved.tp == 2
+    assert list(resolved.entries) == resolve_plan(model, "mlp", tp=2)
+    assert resolve_tp_plan(model, resolved, tp=2) is resolved  # already resolved: passed along as it is
+    custom = resolve_tp_plan(model, {"0": "colwise", "2": "rowwise"}, tp=2)
+    assert custom.name == "custom" and [e.style for e in custom.entries] == ["colwise", "rowwise"]

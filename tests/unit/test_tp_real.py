@@ -209,7 +209,8 @@ def test_auto_reads_the_structure_of_gpt2_and_splits_conv1d():
     name, plan = builtin_plan(model, "auto", tp=2)
     assert name == "transformer"
     assert plan["transformer.h.*.mlp.c_fc"] == "colwise" and plan["transformer.h.*.mlp.c_proj"] == "rowwise"
-    assert "transformer.h.*.attn.c_attn" not in plan  # [q|k|v] blocks: not head-major, left whole
+    # [q|k|v] blocks, not head-major: split per head, the attention's output projection row-wise
+    assert plan["transformer.h.*.attn.c_attn"] == "colwise_qkv" and plan["transformer.h.*.attn.c_proj"] == "rowwise"
     assert plan["transformer.wte"] == "rowwise" and plan["lm_head"] == "colwise_gather"  # tied: vocab-parallel
     text = format_plan(resolve_plan(model, "auto", tp=2), tp=2)
     row = next(line for line in text.splitlines() if "transformer.h.0.mlp.c_fc" in line)
@@ -285,3 +286,36 @@ def test_hf_weights_load_into_an_empty_model_and_refuse_mismatches(tmp_path):
         fully_meta = Wrapped(tf.LlamaForCausalLM(cfg))
     with pytest.raises(ValueError, match=r"still on the meta device and are not stored in the folder; build the model under .lightning_dist.hf.init_empty_weights"):
         load_hf_weights(fully_meta, tmp_path / "src")
+
+
+def test_fused_qkv_split_checks_heads_and_blocks():
+    model = gpt2()
+    text = format_plan(resolve_plan(model, "auto", tp=2), tp=2)
+    row = next(line for line in text.splitlines() if "transformer.h.0.attn.c_attn" in line)
+    assert "colwise_qkv" in row and "weight 32x96, bias 96" in row and "weight 32x48, bias 48" in row
+    with pytest.raises(ValueError, match=r"c_attn: the attention module has 4 heads, not divisible by tp=8"):
+        resolve_plan(model, "auto", tp=8)
+    with pytest.raises(ValueError, match=r"mlp.c_fc \(Conv1D, colwise_qkv\): 128 output features are not three equal"):
+        resolve_plan(model, {"transformer.h.0.mlp.c_fc": "colwise_qkv", "transformer.h.0.mlp.c_proj": "rowwise"}, tp=2)
+
+
+@pytest.mark.parametrize("kind", ["conv1d", "linear"])
+def test_fused_qkv_layer_unsplit_copy_computes_the_original_layer(kind):
+    """GradientParityCheck's single-device copy holds the whole [in, 3, E] (Conv1D) or [3, E, in] (Linear) tensors
+    of a layer split per head: its forward must equal the original layer's, with the original layout."""
+    from lightning_dist.parallelize.tp_checks import is_conv1d
+    from lightning_dist.parallelize.tp_styles import FUSED_SHAPES_KEY, _FusedQKVForward
+
+    torch.manual_seed(0)
+    layer = tf.pytorch_utils.Conv1D(24, 8) if kind == "conv1d" else nn.Linear(8, 24)
+    x = torch.randn(2, 5, 8)
+    expected = layer(x)
+    dim = 1 if kind == "conv1d" else 0
+    layer.__dict__[FUSED_SHAPES_KEY] = {n: tuple(p.shape) for n, p in layer.named_parameters()}
+    for n, p in list(layer.named_parameters()):
+        d = dim if n == "weight" else 0
+        shape = (*p.shape[:d], 3, p.shape[d] // 3, *p.shape[d + 1:])
+        layer.register_parameter(n, nn.Parameter(p.detach().reshape(shape)))
+    layer.__class__ = type("FusedQKV" + type(layer).__name__, (_FusedQKVForward, type(layer)), {})
+    assert is_conv1d(layer) == (kind == "conv1d")  # still recognized once its class is swapped
+    torch.testing.assert_close(layer(x), expected, rtol=0, atol=0)

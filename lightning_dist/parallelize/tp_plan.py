@@ -1,0 +1,291 @@
+"""Tensor-parallel plans as data, matched against a model: styles, :class:`TPEntry`, :func:`resolve_plan`.
+
+Resolution runs in one process (no process group; meta-device models work) and gives the same result on
+every rank. :func:`resolve_tp_plan` does it once per model (a built-in name picked, then matched and
+checked) and returns a :class:`ResolvedPlan`, the one object the strategy prints and ``apply_tp`` applies.
+The plan syntax and the styles are described in :mod:`lightning_dist.parallelize.tp`.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import io
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+from torch import nn
+
+from lightning_dist.parallelize.shared import check_shared_tp, shared_parameters
+from lightning_dist.parallelize.tp_checks import (
+    _divisibility,
+    _is_norm,
+    _kind,
+    _linear_like,
+    _local_attr_problems,
+    _region_problems,
+    is_conv1d,
+)
+
+PlanValue = Union[str, Mapping[str, Any]]
+Plan = Mapping[str, PlanValue]
+
+@dataclass(frozen=True)
+class _Style:
+    description: str
+    accepts: Callable[[nn.Module], bool]  # module kinds the style supports
+    kinds: str  # those kinds, for error messages
+    sp_only: bool = False  # a no-op unless sequence_parallel=True
+    layouts: bool = False  # the dict form may override input/output layouts
+
+
+def _any(module: nn.Module) -> bool:
+    return True
+
+
+_SHARDABLE = "['Linear', 'Conv1D', 'Embedding']"
+STYLES: dict[str, _Style] = {
+    "colwise": _Style("column-wise sharded (output features)", lambda m: _linear_like(m) or isinstance(m, nn.Embedding),
+                      _SHARDABLE, layouts=True),
+    "rowwise": _Style("row-wise sharded (input features; vocab-parallel for an Embedding)",
+                      lambda m: _linear_like(m) or isinstance(m, nn.Embedding), _SHARDABLE, layouts=True),
+    "colwise_gather": _Style("column-wise, output gathered to full", _linear_like, "['Linear', 'Conv1D']"),
+    "colwise_qkv": _Style("column-wise per head of a fused [q | k | v] projection", _linear_like, "['Linear', 'Conv1D']"),
+    "sequence_parallel": _Style("runs on sequence shards", _is_norm, "norms and dropout", sp_only=True),
+    "sp_enter": _Style("input split into sequence shards", _any, "any module", sp_only=True),
+    "region_input": _Style("input replicated (gathered with SP)", _any, "any module"),
+    "sp_exit": _Style("output gathered from sequence shards", _any, "any module", sp_only=True),
+    "sp_region": _Style("input split, output gathered", _any, "any module", sp_only=True),
+}
+@dataclass(frozen=True)
+class TPEntry:
+    """One module of a resolved plan."""
+
+    fqn: str
+    """Fully qualified module name."""
+    style: str
+    """Style name (a key of :data:`STYLES`)."""
+    pattern: str
+    """The plan pattern that matched."""
+    module_type: str
+    """Class name of the module."""
+    shapes: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...] = ()
+    """(parameter, global shape, local shape on one tensor rank)."""
+    options: Mapping[str, Any] = field(default_factory=dict)
+    """Layout overrides from the dict form (``input``, ``output``)."""
+    active: bool = True
+    """False for sequence-parallel entries when sequence parallelism is off."""
+    kind: str = "other"
+    """``linear``, ``conv1d`` (HF, transposed weight), ``embedding`` or ``other``: picks the torch style."""
+
+
+# ---- plan data ---------------------------------------------------------------------------------
+def _parse_value(pattern: str, value: PlanValue, problems: list[str]) -> tuple[str, dict[str, Any]] | None:
+    if isinstance(value, str):
+        style, options = value, {}
+    elif isinstance(value, Mapping) and isinstance(value.get("style"), str):
+        style, options = value["style"], {k: v for k, v in value.items() if k != "style"}
+    else:
+        problems.append(f"plan[{pattern!r}]={value!r} must be a style name or a mapping with a 'style' key.")
+        return None
+    if style not in STYLES:
+        problems.append(f"plan[{pattern!r}]: unknown style {style!r}; the styles are {sorted(STYLES)}.")
+        return None
+    allowed = {"input", "output"} if STYLES[style].layouts else set()
+    extra = sorted(set(options) - allowed)
+    if extra:
+        problems.append(
+            f"plan[{pattern!r}]: style {style!r} takes no option(s) {extra}"
+            + (f"; it accepts {sorted(allowed)}." if allowed else ".")
+        )
+        return None
+    for key, layout in options.items():
+        if _parse_layout(layout) is None:
+            problems.append(f"plan[{pattern!r}]: {key}={layout!r} is not a layout; use 'replicate' or 'shard(N)'.")
+            return None
+    return style, options
+
+
+def _parse_layout(text: Any) -> tuple[str, int] | None:
+    """'replicate' -> ('replicate', 0); 'shard(1)' -> ('shard', 1); anything else -> None."""
+    if not isinstance(text, str):
+        return None
+    text = text.strip().lower()
+    if text == "replicate":
+        return ("replicate", 0)
+    m = re.fullmatch(r"shard\((-?\d+)\)", text)
+    return ("shard", int(m.group(1))) if m else None
+
+
+def _roots(model: nn.Module) -> list[str]:
+    """Where patterns are anchored: the model itself and, for a LightningModule, each of its direct children
+    (the network it keeps as ``self.model``), so plans need not know that attribute name."""
+    from lightning.pytorch import LightningModule
+
+    return [""] + ([name for name, _ in model.named_children()] if isinstance(model, LightningModule) else [])
+
+
+def _matches(fqn: str, pattern: str, roots: list[str]) -> bool:
+    # from a root only: `decoder` names `model.decoder`, never also `model.transformer.decoder`
+    return any(fnmatch.fnmatchcase(fqn, f"{root}.{pattern}" if root else pattern) for root in roots)
+
+
+COLWISE = ("colwise", "colwise_gather", "colwise_qkv")
+"""Styles that split a layer's output features (its weight's output dim; ``colwise_qkv`` per [q | k | v] block)."""
+
+
+def shard_dims(module: nn.Module, style: str) -> dict[str, int]:
+    """Which dim of each of `module`'s own parameters `style` splits over ``tp`` (torch's Colwise/RowwiseParallel)."""
+    if is_conv1d(module):  # HF Conv1D keeps its weight transposed: [in_features, out_features]
+        return {"weight": 1, "bias": 0} if style in COLWISE else {"weight": 0} if style == "rowwise" else {}
+    linear = isinstance(module, nn.Linear)
+    if style in COLWISE:
+        return {"weight": 0, "bias": 0} if linear else {"weight": 1}
+    if style == "rowwise":
+        return {"weight": 1} if linear else {"weight": 0}
+    return {}
+
+
+def _local_shapes(module: nn.Module, style: str, tp: int) -> tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...]:
+    dims = shard_dims(module, style)
+    out = []
+    for name, p in module.named_parameters(recurse=False):
+        shape, local = tuple(p.shape), list(p.shape)
+        if name in dims:
+            local[dims[name]] //= tp
+        out.append((name, shape, tuple(local)))
+    return tuple(out)
+
+
+def resolve_plan(model: nn.Module, plan: Plan | str, *, tp: int, sequence_parallel: bool = False) -> list[TPEntry]:
+    """Match `plan` against `model` and validate it for `tp` ranks, in one process (no process group).
+
+    `plan` is a mapping, a built-in plan name or ``"auto"``. Collects every problem and raises one
+    ``ValueError``: heads or hidden sizes not divisible by `tp`, a pattern that matches no module, a
+    module given two styles, a style on a module type it does not support, sequence parallelism
+    requested from a plan without sequence-parallel entries.
+    """
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"`tp={tp!r}` must be an integer >= 1.")
+    if isinstance(plan, str):
+        from lightning_dist.parallelize.tp_auto import builtin_plan  # built on the helpers of this module
+
+        plan = builtin_plan(model, plan, tp=tp)[1]
+    if not isinstance(plan, Mapping):
+        raise TypeError(f"A tensor-parallel plan must be a mapping of pattern -> style or a name; got {type(plan).__name__}.")
+    problems: list[str] = []
+    parsed: dict[str, tuple[str, dict[str, Any]]] = {}
+    for pattern, value in plan.items():
+        if not isinstance(pattern, str) or not pattern:
+            problems.append(f"plan key {pattern!r} must be a non-empty module-name pattern.")
+            continue
+        got = _parse_value(pattern, value, problems)
+        if got is not None:
+            parsed[pattern] = got
+    modules = dict(model.named_modules())
+    roots = _roots(model)
+    claimed: dict[str, str] = {}
+    entries: list[TPEntry] = []
+    for pattern, (style, options) in parsed.items():
+        hits = [fqn for fqn in modules if fqn and _matches(fqn, pattern, roots)]
+        if not hits:
+            deeper = [n for n in modules if n and fnmatch.fnmatchcase(n, "*." + pattern)][:4]
+            near = [n for n, m in modules.items() if n and STYLES[style].accepts(m)][:6]
+            problems.append(
+                f"plan pattern {pattern!r} ({style}) matches no module of {type(model).__name__}; a plan entry"
+                " must not be a silent no-op. Patterns match from the root (the model, or a LightningModule's direct children), "
+                + (f"and it only names deeper paths {deeper}: write the full path." if deeper else f"and module names look like {near}.")
+            )
+            continue
+        if len(hits) > 1 and not any(c in pattern for c in "*?["):
+            problems.append(
+                f"plan pattern {pattern!r} ({style}) has no wildcard but matches {len(hits)} paths {hits[:4]}"
+                " (from the LightningModule and from one of its children); write the full path of the one you mean."
+            )
+            continue
+        for fqn in hits:
+            module = modules[fqn]
+            if fqn in claimed:
+                problems.append(
+                    f"module {fqn!r} is given two styles: {claimed[fqn]} and {pattern!r} -> {style!r};"
+                    " make the patterns disjoint."
+                )
+                continue
+            claimed[fqn] = f"{pattern!r} -> {style!r}"
+            if not STYLES[style].accepts(module):
+                problems.append(f"module {fqn!r} is a {type(module).__name__}; style {style!r} supports only {STYLES[style].kinds}.")
+                continue
+            parent = modules.get(fqn.rpartition(".")[0])
+            problems += _divisibility(fqn, module, style, tp, parent)
+            entries.append(
+                TPEntry(
+                    fqn=fqn, style=style, pattern=pattern, module_type=type(module).__name__,
+                    shapes=_local_shapes(module, style, tp), options=options,
+                    active=sequence_parallel or not STYLES[style].sp_only, kind=_kind(module),
+                )
+            )
+    problems += _region_problems(entries, modules)
+    problems += _local_attr_problems(model, entries, tp)
+    sharded = {e.fqn: shard_dims(modules[e.fqn], e.style) for e in entries if e.active}
+    problems += check_shared_tp(shared_parameters(model), sharded)
+    if sequence_parallel and not any(e.style in ("sp_enter", "sp_region") for e in entries) and not problems:
+        problems.append(
+            "sequence_parallel=True but the plan has no 'sp_enter'/'sp_region' entry marking where activations are"
+            " split over the sequence; plan='auto' adds them only for blocks whose forward takes the hidden states"
+            " alone (not masks or caches): add those entries by hand, or set sequence_parallel=False."
+        )
+    if problems:
+        raise ValueError(f"Invalid tensor-parallel plan for tp={tp}:\n  - " + "\n  - ".join(problems))
+    order = {name: i for i, name in enumerate(modules)}
+    return sorted(entries, key=lambda e: order[e.fqn])
+
+
+def format_plan(entries: list[TPEntry], *, tp: int, title: str | None = None) -> str:
+    """The resolved plan as a rich table: module -> style -> global -> local shard shapes."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title or f"Tensor-parallel plan (tp={tp})")
+    for col in ("module", "type", "style", "global shape", "local shape"):
+        table.add_column(col)
+    for e in entries:
+        style = e.style + ("" if e.active else " (off)")
+        glob = ", ".join(f"{n} {'x'.join(map(str, s))}" for n, s, _ in e.shapes) or "-"
+        local = ", ".join(f"{n} {'x'.join(map(str, l))}" for n, _, l in e.shapes) or "-"
+        table.add_row(e.fqn, e.module_type, style, glob, local)
+    buf = io.StringIO()
+    Console(file=buf, width=140, force_terminal=False).print(table)
+    return buf.getvalue()
+
+
+@dataclass(frozen=True)
+class ResolvedPlan:
+    """A tensor-parallel plan matched against one model and checked for `tp` ranks (see :func:`resolve_tp_plan`)."""
+
+    name: str
+    """The built-in plan that was picked (``hf``, ``transformer``, ``mlp``) or ``custom`` for a mapping."""
+    entries: tuple[TPEntry, ...]
+    """One entry per planned module, in the model's module order."""
+    tp: int
+    """The tensor-parallel degree it was checked for."""
+    sequence_parallel: bool
+    """Whether the sequence-parallel entries are active."""
+
+
+def resolve_tp_plan(model: nn.Module, plan: Plan | str | None, *, tp: int, sequence_parallel: bool = False) -> ResolvedPlan:
+    """Pick the plan (``"auto"``/``None``: the first built-in plan that matches; a built-in name; a mapping), match
+    it against `model` and check it (:func:`resolve_plan`): the one resolution that everything downstream uses."""
+    if isinstance(plan, ResolvedPlan):
+        return plan
+    name = "custom"
+    if plan is None or isinstance(plan, str):
+        from lightning_dist.parallelize.tp_auto import builtin_plan
+
+        name, plan = builtin_plan(model, "auto" if plan is None else plan, tp=tp)
+    entries = resolve_plan(model, plan, tp=tp, sequence_parallel=sequence_parallel)
+    return ResolvedPlan(name=name, entries=tuple(entries), tp=tp, sequence_parallel=sequence_parallel)
+
+
+__all__ = ["COLWISE", "STYLES", "Plan", "PlanValue", "ResolvedPlan", "TPEntry", "format_plan", "resolve_plan",
+           "resolve_tp_plan", "shard_dims"]
