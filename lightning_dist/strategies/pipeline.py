@@ -13,8 +13,8 @@ What the LightningModule must provide (checked on every rank before the first co
   backward (gradients are averaged over micro-batches, as for a mean over the batch); not needed by a HF
   model called with ``labels`` (each micro-batch's loss is divided by the whole batch's labelled tokens);
 * weights tied across stages (a head tied to the token embedding) are held by each stage that uses them,
-  their gradients summed between those stages' ranks every step (Megatron's embedding group); each
-  holder saves its copy under its own name (the values are equal);
+  their gradients summed between those stages' ranks every step (Megatron's embedding group); the
+  checkpoint holds the tensor once, under the unsplit model's name for it, and every copy loads from it;
 * batches ``(inputs, target, ...)``, or a ``pipeline_target(batch)`` hook returning the target;
 * for ``split="balanced"``: ``example_input_array`` set to one micro-batch of inputs;
 * a forward that is its children run in order: checked on ``example_input_array`` before any collective,
@@ -63,7 +63,14 @@ from lightning_dist.parallelize.pipeline_schedule import (
     schedule_problems,
 )
 from lightning_dist.parallelize.pipeline_hf import hf_example_inputs, hf_labels_loss, is_hf_causal_lm, labelled_tokens
-from lightning_dist.parallelize.pipeline_tied import sum_tied_gradients, tied_gradient_groups, tied_problems
+from lightning_dist.parallelize.pipeline_tied import (
+    save_tied_once,
+    sum_tied_gradients,
+    tied_aliases,
+    tied_checkpoint_keys,
+    tied_gradient_groups,
+    tied_problems,
+)
 from lightning_dist.parallelize.tp import TPEntry, format_plan, resolve_stage_plan
 from lightning_dist.strategies.base import MeshStrategy
 
@@ -168,6 +175,8 @@ class PipelineStrategy(MeshStrategy):
         self._batch: Any = None
         self._hf = False  # a HuggingFace causal LM: keyword inputs, `labels`, a ModelOutput returned
         self._tied: list[tuple[Tensor, Any, bool]] = []  # (parameter, group of its holders' ranks, counted in the norm)
+        # (checkpoint key, keys of its copies, saved by this rank) of each tied parameter: saved once
+        self._tied_keys: list[tuple[str, tuple[str, ...], bool]] = []
         self._stash: Optional[list[tuple[Tensor, Optional[Tensor]]]] = None
         self._returned: Optional[tuple[Tensor, Any, int]] = None  # (output leaf, target, micro-batches) of the step
         self._unsplit: Optional[nn.Module] = None  # CPU copy of the network until the first batch checked the stages
@@ -321,6 +330,8 @@ class PipelineStrategy(MeshStrategy):
                                    activation_checkpointing=self.activation_checkpointing, compile=self.compile,
                                    tp_entries=entries, tp_owner=module)
         tied = self._tied_groups(net, stage_ranks)  # before the split drops the rest of the network
+        self._tied_keys = tied_checkpoint_keys(net, plan.tied_stages(net, self.split), stage_ranks, pp_rank=pp_rank,
+                                               prefix=f"{self.network}.")
         container, views = pipeline_model(net, mesh, config, split=self.split, stage_indices=self._local_stages)
         # the parameters as parallelized (FSDP2 replaces them with sharded ones), found by single-device name
         held = dict(container.named_parameters(remove_duplicate=False))
@@ -543,12 +554,24 @@ class PipelineStrategy(MeshStrategy):
         fitting = self.lightning_module.trainer.state.fn == "fit"
         return ckpt.load_stage(self.broadcast(checkpoint_path), model=self.model,
                                optimizers=self.optimizers if fitting else (),
-                               weights_only=True if weights_only is None else weights_only)
+                               weights_only=True if weights_only is None else weights_only,
+                               aliases=tied_aliases(self._tied_keys))
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return save_tied_once(super().lightning_module_state_dict(), self._tied_keys)  # a tied weight once
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         # keyed by parameter name: stages hold different parameters, so list-indexed param_groups would collide
-        return ckpt.name_keyed_optimizer_state(self.model, optimizer)
+        return save_tied_once(ckpt.name_keyed_optimizer_state(self.model, optimizer), self._tied_keys, optimizer=True)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        aliases = tied_aliases(self._tied_keys)
+        if aliases:  # consolidation gives every name of the plain model's state_dict the saved tensor
+            checkpoint = {**checkpoint, ckpt.TIED_KEY: aliases}
+        super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
     def teardown(self) -> None:

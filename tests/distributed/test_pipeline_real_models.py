@@ -69,6 +69,12 @@ def test_pp2_checkpoint_resumes_in_another_layout_and_loads_on_one_device(pp2, m
         assert r["diff"] <= TOL  # 3 steps + resume for 1 == 4 uninterrupted single-device steps
     single = next(r["single_diff"] for r in rows if r["rank"] == 0)
     assert single is not None and single <= TOL  # consolidated: a strict load into the plain HF model
+    stored = next(r["stored"] for r in rows if r["rank"] == 0)
+    assert stored["optimizer_params"] == stored["model_params"]  # the consolidated optimizer: one entry per parameter
+    if model == "gpt2_tied":  # the head tied to the token embedding is saved once, under the embedding's name
+        saved = next(r["saved"] for r in rows if r["rank"] == 0)
+        assert len(saved) == 2 and all(s == {"model": 1, "optimizer": 1} for s in saved.values()), saved
+        assert stored["names"] == 2 and stored["storages"] == 1, stored  # both names, one tensor
 
 
 @pytest.mark.distributed

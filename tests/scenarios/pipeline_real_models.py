@@ -166,7 +166,8 @@ def run(tag: str, kind: str, **strategy_kw) -> None:
 
 def resume(kind: str) -> None:
     """One epoch (3 steps) with 1F1B, a sharded checkpoint, resumed interleaved to 4 steps == 4 reference steps;
-    the consolidated file loads strictly into the plain single-device model (a tied head: each holder saved its copy)."""
+    the consolidated file loads strictly into the plain single-device model. A tied head is saved once (one key in
+    each sharded checkpoint, model and optimizer) and given back to every name of the plain model on consolidation."""
     import tempfile
 
     import torch.distributed as dist
@@ -186,16 +187,32 @@ def resume(kind: str) -> None:
     t.fit(task, ckpt_path=path)
     diff = max(((p.detach() - ref[n]).norm() / ref[n].norm()).item() for n, p in task.named_parameters())
     t.save_checkpoint(path + "4")
-    single_diff = None
+    single_diff, saved, stored = None, {}, {}
     if dist.get_rank() == 0:
+        import torch.distributed.checkpoint as dcp
+
+        from lightning_dist.parallelize.pipeline import tied_stages
+
+        tied = [f"model.{n}" for names, _ in tied_stages(build(kind), first.strategy.split) for n in names]
+        for name in (path, path + "4"):  # the keys of the tied weight's copies in each sharded checkpoint
+            keys = dcp.FileSystemReader(name).read_metadata().state_dict_metadata
+            saved[os.path.basename(name)] = {
+                "model": sum(f"{ckpt.MODEL_KEY}.{n}" in keys for n in tied),
+                "optimizer": sum(f"optimizer_0.state.{n}.exp_avg" in keys for n in tied)}
         ckpt.consolidate(path + "4", path + "4.pt")
         full = torch.load(path + "4.pt", map_location="cpu", weights_only=True)
         single = Task(kind)
         single.load_state_dict(full[ckpt.MODEL_KEY], strict=True)
         single_diff = max(((p.detach() - ref[n]).norm() / ref[n].norm()).item()
                           for n, p in single.named_parameters(remove_duplicate=False))
+        # the consolidated file: every tied name there (strict load), one storage behind them; its optimizer
+        # state has one entry per parameter of the plain model (tied counted once, as a single-device optimizer)
+        stored = {"names": sum(n in full[ckpt.MODEL_KEY] for n in tied),
+                  "storages": len({full[ckpt.MODEL_KEY][n].untyped_storage().data_ptr() for n in tied}),
+                  "optimizer_params": sum(len(g["params"]) for g in full["optimizer_states"][0]["param_groups"]),
+                  "model_params": len(list(single.parameters()))}
     emit(kind="resume", tag=f"resume_{kind}", model=kind, diff=diff, global_step=t.global_step,
-         stages=second.local_stages, single_diff=single_diff)
+         stages=second.local_stages, single_diff=single_diff, saved=saved, stored=stored)
 
 
 def main() -> None:
