@@ -98,3 +98,17 @@ def test_pp2_x_tp2_parity_on_llama(pp4):
     rows = pp4["pp2xtp2_1f1b_llama"]
     assert all(r["shape"] == [2, 1, 1, 2] for r in rows)  # pp=2 x tp=2
     _check(rows, world=4, pp=2)
+
+
+@pytest.mark.distributed
+def test_pp2_gradient_parity_check_and_bubble_on_hf_llama(pp2):
+    rows = pp2["callbacks_llama"]
+    assert len(rows) == 2
+    for r in rows:
+        # the check's reference computes HF's `labels` loss as the pipeline does (float64): no false alarm
+        # (with HF's own loss, which casts the logits to float32, the reference differs by ~8e-8: hf_own_loss_rel)
+        assert len(r["parity"]) == 2 and all(ok and rel <= 1e-12 and tol == 1e-10 for rel, tol, ok in r["parity"]), r
+        # a gradient scaled by 1.001 on one rank after backward is caught
+        assert len(r["planted"]) == 1 and r["planted"][0][0] > 1e-10 and r["planted"][0][1] is False, r["planted"]
+        # PipelineBubble reports an idle fraction for every step of the HF pipeline
+        assert len(r["idle"]) == 3 and all(0.0 < f < 1.0 for f in r["idle"]), r["idle"]
