@@ -34,8 +34,9 @@ def check_options(name: str, *, schedule: str, compile: Any, tp_plan: Any, optio
         raise ValueError(f"Invalid {name} configuration:\n  - " + "\n  - ".join(problems))
     if options.get("save_distributed_checkpoint") is False:
         raise ValueError("PipelineStrategy writes sharded checkpoints (save_distributed_checkpoint=True): each"
-                         " stage saves its own parameters. For one file, convert the directory with torch's"
-                         " `torch.distributed.checkpoint.format_utils.dcp_to_torch_save` (weights under 'state_dict').")
+                         " stage saves its own parameters. For one file, convert the directory with `lightning-dist"
+                         " consolidate` (torch's `torch.distributed.checkpoint.format_utils.dcp_to_torch_save` gives"
+                         " the weights under 'state_dict' too, but a weight tied across stages under one name only).")
     if not isinstance(tp_plan, (str, Mapping)):
         raise TypeError(f"`tp_plan` must be 'auto', a built-in plan name or a mapping of pattern -> style;"
                         f" got {type(tp_plan).__name__}.")
