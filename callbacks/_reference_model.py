@@ -12,6 +12,7 @@ from torchmetrics import Metric
 
 from lightning_dist._compat import fully_shard_api
 from lightning_dist.parallelize.pipeline import PipelineView, is_pipelined_module, join_stages
+from lightning_dist.parallelize.pipeline_hf import is_hf_causal_lm, model_class_copy, pipeline_loss_function
 from lightning_dist.parallelize.tp import GLOBAL_ATTRS_KEY
 
 # the class FSDP2 mixes into the modules it shards (None without FSDP2)
@@ -72,11 +73,19 @@ def whole_pipeline_network(view: PipelineView, mesh: Any, local: nn.Module) -> n
     Each pp rank sends its plain stage copy (CPU) to the others (``all_gather_object``: simple, and the
     model must fit on one device for the reference anyway); :func:`join_stages` puts the parts back in the
     split's order under their single-device names. Runs on every rank (a collective over ``pp``).
+
+    A HuggingFace causal LM called with ``labels`` computes its loss as the pipeline does (in the logits'
+    dtype, :func:`~lightning_dist.parallelize.pipeline_hf.pipeline_loss_function`), not with HF's own
+    ``loss_function``, which casts float64 logits to float32: the reference gradient is then the exact
+    single-device gradient of the loss the pipeline trains, and a float64 check is not a false alarm.
     """
     assert view.split is not None
-    local = local.to("cpu")
+    local = model_class_copy(local.to("cpu"))  # a HF stage's class is made at run time: not picklable
     pieces = [local]
     if mesh.size("pp") > 1:
         pieces = [None] * mesh.size("pp")
         dist.all_gather_object(pieces, local, group=mesh.group("pp"))
-    return join_stages(view.split, pieces)
+    whole = join_stages(view.split, pieces)
+    if is_hf_causal_lm(whole):
+        whole.loss_function = pipeline_loss_function  # HF's property has a setter for this (per instance)
+    return whole

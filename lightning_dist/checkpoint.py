@@ -35,6 +35,8 @@ from lightning_dist.atomic import swap_in as _swap_in  # a module global: tests/
 META = "meta.pt"
 MODEL_KEY = "state_dict"
 ZERO_KEY = "zero_consolidated"  # marks a ZeroRedundancyOptimizer's consolidated (index-keyed) state
+# in meta.pt of a pipeline checkpoint: {key of a tied copy: the one key its value is saved under}
+TIED_KEY = "tied_weights"
 
 
 def _rank() -> int:
@@ -313,8 +315,13 @@ def load(
     optimizers: Sequence[Any] = (),
     strict: bool = True,
     weights_only: bool = True,
+    aliases: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Load model and optimizer states in place (any mesh shape); return the remaining Lightning metadata."""
+    """Load model and optimizer states in place (any mesh shape); return the remaining Lightning metadata.
+
+    `aliases`: ``{model key: checkpoint key}`` for parameters saved once under another name (weights tied
+    across pipeline stages); used where the checkpoint lacks the model's own key.
+    """
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_optimizer_state_dict,
@@ -334,8 +341,11 @@ def load(
             if k.startswith(MODEL_KEY + ".") and hasattr(md, "size")
         }
         model_sd = model_state(model, full=False)
-        check_compatible(saved, model, strict=strict, live_state=model_sd)
-        dcp.load({MODEL_KEY: model_sd}, checkpoint_id=path)
+        alias = _usable_aliases(aliases, model_sd, saved)
+        view = {alias.get(k, k): v for k, v in model_sd.items()}  # a tied copy reads the one saved entry
+        check_compatible(saved, model, strict=strict, live_state=view)
+        dcp.load({MODEL_KEY: view}, checkpoint_id=path)
+        model_sd = {k: view[alias.get(k, k)] for k in model_sd}
         set_model_state_dict(model, model_sd, options=StateDictOptions(strict=strict))
         for i, optimizer in enumerate(optimizers):
             optimizer = _unwrap(optimizer)
@@ -363,6 +373,22 @@ def load(
     return checkpoint
 
 
+def _usable_aliases(aliases: Mapping[str, str] | None, live: Mapping[str, Any], saved: Any) -> dict[str, str]:
+    """The aliases a checkpoint needs: the model key is not saved, its checkpoint key is (older checkpoints
+    saved every tied copy under its own name)."""
+    return {k: v for k, v in (aliases or {}).items() if k in live and k not in saved and v in saved}
+
+
+def _alias_flat_optimizer(osd: Mapping[str, Any], alias: Mapping[str, str]) -> dict[str, str]:
+    """``{flattened optimizer key: key in the checkpoint}`` (``state.<name>.<slot>``, ``param_groups.<name>.<opt>``)."""
+    out = {}
+    for k in osd:
+        kind, _, rest = k.partition(".")
+        name = next((n for n in alias if rest.startswith(n + ".")), None)
+        out[k] = k if name is None else f"{kind}.{alias[name]}{rest[len(name):]}"
+    return out
+
+
 def name_keyed_optimizer_state(model: nn.Module, optimizer: Any) -> dict[str, Any]:
     """Optimizer state keyed by parameter name (flattened): what each pipeline stage saves of its parameters.
 
@@ -374,12 +400,14 @@ def name_keyed_optimizer_state(model: nn.Module, optimizer: Any) -> dict[str, An
 
 
 def load_stage(
-    path: str | os.PathLike, *, model: nn.Module, optimizers: Sequence[Any] = (), weights_only: bool = True
+    path: str | os.PathLike, *, model: nn.Module, optimizers: Sequence[Any] = (), weights_only: bool = True,
+    aliases: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """Load the part of a checkpoint that one pipeline rank holds (its stages' parameters and optimizer states).
 
     Every key of `model` must be in a sharded checkpoint (``strict=False`` only admits the other stages'
     keys); optimizer states are matched by parameter name (see :func:`name_keyed_optimizer_state`).
+    `aliases`: ``{model key: checkpoint key}`` of weights tied across stages, saved once (see :func:`load`).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
@@ -390,14 +418,19 @@ def load_stage(
     check_sharded(path)
     saved = {k[len(MODEL_KEY) + 1:] for k in dcp.FileSystemReader(path).read_metadata().state_dict_metadata
              if k.startswith(MODEL_KEY + ".")}
-    missing = sorted(set(model_state_shapes(model)) - saved)
+    live = model_state_shapes(model)
+    alias = _usable_aliases(aliases, live, saved)
+    missing = sorted({alias.get(k, k) for k in live} - saved)
     if missing:
         raise ValueError(f"The checkpoint {path} has no entry for {missing[:3]}... of this pipeline stage:"
                          " it was written by a different model.")
-    meta = load(path, model=model, optimizers=(), strict=False, weights_only=weights_only)
+    meta = load(path, model=model, optimizers=(), strict=False, weights_only=weights_only, aliases=alias)
     for i, optimizer in enumerate(optimizers):
         osd = name_keyed_optimizer_state(model, optimizer)
-        dcp.load({f"optimizer_{i}": osd}, checkpoint_id=path)
+        rename = _alias_flat_optimizer(osd, alias)
+        view = {rename[k]: v for k, v in osd.items()}
+        dcp.load({f"optimizer_{i}": view}, checkpoint_id=path)
+        osd = {k: view[rename[k]] for k in osd}
         set_optimizer_state_dict(model, _unwrap(optimizer), optim_state_dict=osd,
                                  options=StateDictOptions(flatten_optimizer_state_dict=True))
     return meta
@@ -441,6 +474,10 @@ def consolidate(src: str | os.PathLike, dst: str | os.PathLike, *, progress: Cal
         state = torch.load(flat, map_location="cpu", weights_only=True)
     checkpoint = _torch_load(src / META, weights_only=True)
     checkpoint[MODEL_KEY] = state.pop(MODEL_KEY)
+    # weights tied across pipeline stages were saved once: every name of the plain model's state_dict gets
+    # the same tensor back (torch.save writes a shared storage once, as for a single-device tied model)
+    for alias, key in checkpoint.pop(TIED_KEY, {}).items():
+        checkpoint[MODEL_KEY][alias] = checkpoint[MODEL_KEY][key]
     optimizer_states = []
     i = 0
     while f"optimizer_{i}" in state or (src / f"optimizer_{i}.pt").exists():

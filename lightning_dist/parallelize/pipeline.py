@@ -623,7 +623,8 @@ def join_stages(split: PipelineSplit, pieces: Sequence[nn.Module]) -> nn.Module:
         from lightning_dist.parallelize.pipeline_hf import HFStageMixin, _shallow
 
         first = next(p for p in pieces if p.get_submodule(layout.stem[0]).__class__.__name__ != "Absent")
-        whole = _shallow(first, type(first).__mro__[2])  # the model's own class (the stage class, the mixin, it)
+        # the model's own class (a stage's class is (the stage class, the mixin, it); a piece may be one already)
+        whole = _shallow(first, type(first).__mro__[2] if isinstance(first, HFStageMixin) else type(first))
         assert not isinstance(whole, HFStageMixin)
         prefix = layout.hf[0]
         base = _shallow(first.get_submodule(prefix))

@@ -130,6 +130,21 @@ def build_hf_stage(net: nn.Module, parts: tuple, blocks: Sequence[str], *, first
     return lm
 
 
+def model_class_copy(module: nn.Module) -> nn.Module:
+    """`module` with every HF stage in it (itself included) turned back into the model's own class (shared
+    parts): the stage classes are made per model at run time, so a stage cannot be pickled (e.g. gathered
+    with ``all_gather_object``) as it is."""
+    def plain(m: nn.Module) -> nn.Module:
+        return _shallow(m, type(m).__mro__[2]) if isinstance(m, HFStageMixin) else m
+
+    module = plain(module)
+    for m in [module, *module.modules()]:
+        for name, child in list(m._modules.items()):
+            if isinstance(child, HFStageMixin):
+                m._modules[name] = plain(child)
+    return module
+
+
 def check_hf_stages(net: nn.Module, stages: Sequence[nn.Module], sample: dict[str, torch.Tensor]) -> str | None:
     """Why running `stages` one after the other does not give ``net(**sample).logits`` (None when it does)."""
     was = net.training
@@ -212,10 +227,22 @@ def hf_labels_loss(logits: torch.Tensor, labels: torch.Tensor, *, num_items: Any
     return loss / (labelled_tokens(labels) if num_items is None else num_items)
 
 
+def pipeline_loss_function(logits: torch.Tensor, labels: torch.Tensor, vocab_size: Any = None,
+                           num_items_in_batch: Any = None, **kwargs: Any) -> torch.Tensor:
+    """HF's ``model.loss_function`` signature with the pipeline's loss math (:func:`hf_labels_loss`).
+
+    For a single-device reference of a pipelined HF model (``GradientParityCheck``): set as the joined
+    model's ``loss_function``, its ``labels`` loss is computed as the pipeline computes it, in the logits'
+    dtype (HF's own ``ForCausalLMLoss`` casts float64 logits to float32, a difference of ~1e-7 that a
+    float64 gradient check would report as a mismatch).
+    """
+    return hf_labels_loss(logits, labels, num_items=num_items_in_batch)
+
+
 def labelled_tokens(labels: torch.Tensor) -> torch.Tensor:
     """How many targets HF's causal-LM loss averages over: labels after the shift that are not -100."""
     return (labels[..., 1:] != -100).sum()
 
 
 __all__ = ["Absent", "HFStageMixin", "build_hf_stage", "check_hf_stages", "hf_example_inputs", "hf_labels_loss",
-           "hf_parts", "profile_hf", "is_hf_causal_lm", "labelled_tokens"]
+           "hf_parts", "profile_hf", "is_hf_causal_lm", "labelled_tokens", "model_class_copy", "pipeline_loss_function"]

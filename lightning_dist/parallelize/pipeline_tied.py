@@ -4,6 +4,10 @@ As Megatron's embedding group: each stage that uses the parameter holds it, and 
 schedule the holders' gradients are summed over a process group of their ranks, so every copy takes the
 same optimizer step from the single-device gradient. The holder with the lowest pp rank counts the
 parameter in the global gradient norm; the others skip it.
+
+Checkpoints hold a tied parameter once, under the name the unsplit model gives it (its first name in
+``named_parameters()``): the lowest holder saves its copy under that name and the other holders save
+nothing of it; on load every holder reads its copy from that one entry (:func:`tied_checkpoint_keys`).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from lightning_dist.mesh import PP
 
@@ -58,6 +63,50 @@ def tied_gradient_groups(tied: Sequence[tuple[tuple[str, ...], tuple[int, ...]]]
     return out
 
 
+def tied_checkpoint_keys(net: nn.Module, tied: Sequence[tuple[tuple[str, ...], tuple[int, ...]]],
+                         stage_ranks: Sequence[int], *, pp_rank: int, prefix: str = ""
+                         ) -> list[tuple[str, tuple[str, ...], bool]]:
+    """For each tied parameter: (its checkpoint key, every key of its copies, whether this pp rank saves it).
+
+    The checkpoint key is the unsplit model's name for it (the first in ``named_parameters()``, which is
+    what a single-device optimizer and a strict ``load_state_dict`` see first); `prefix` is the network's
+    attribute path in the LightningModule (``"model."``). Pure: call it before the split drops the network.
+    """
+    canonical = {id(p): name for name, p in net.named_parameters()}
+    out = []
+    for names, stages in tied:
+        key = canonical[id(net.get_parameter(names[0]))]
+        holders = sorted({stage_ranks[s] for s in stages})
+        out.append((prefix + key, tuple(prefix + n for n in names), pp_rank == holders[0]))
+    return out
+
+
+def tied_aliases(keys: Sequence[tuple[str, tuple[str, ...], bool]]) -> dict[str, str]:
+    """``{key of a copy: checkpoint key}`` for every copy saved under another name (see :func:`tied_checkpoint_keys`)."""
+    return {name: key for key, names, _ in keys for name in names if name != key}
+
+
+def save_tied_once(state: dict[str, Any], keys: Sequence[tuple[str, tuple[str, ...], bool]], *,
+                   optimizer: bool = False) -> dict[str, Any]:
+    """This rank's model (or flattened optimizer) state with each tied parameter under its checkpoint key once.
+
+    The saving rank renames its copy to the checkpoint key; the other holders drop theirs (equal values:
+    their gradients are summed every step). Optimizer keys are ``state.<name>.<slot>`` and
+    ``param_groups.<name>.<option>`` (torch's flattened layout, see ``name_keyed_optimizer_state``).
+    """
+    out = dict(state)
+    for key, names, saves in keys:
+        for name in names:
+            pattern = [(f"{kind}.{name}.", f"{kind}.{key}.") for kind in ("state", "param_groups")] \
+                if optimizer else [(name, key)]
+            for old, new in pattern:
+                for k in [k for k in out if (k.startswith(old) if optimizer else k == old)]:
+                    value = out.pop(k)
+                    if saves:
+                        out.setdefault(new + k[len(old):], value)
+    return out
+
+
 def sum_tied_gradients(tied: Sequence[tuple[torch.Tensor, Any, bool]]) -> None:
     """Sum each tied parameter's gradient over its holders (FSDP2 shards: the same shard on every holder)."""
     from torch.distributed.tensor import DTensor
@@ -69,4 +118,5 @@ def sum_tied_gradients(tied: Sequence[tuple[torch.Tensor, Any, bool]]) -> None:
         dist.all_reduce(grad, group=group)
 
 
-__all__ = ["sum_tied_gradients", "tied_gradient_groups", "tied_problems"]
+__all__ = ["save_tied_once", "sum_tied_gradients", "tied_aliases", "tied_checkpoint_keys", "tied_gradient_groups",
+           "tied_problems"]

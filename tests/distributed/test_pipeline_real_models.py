@@ -69,6 +69,12 @@ def test_pp2_checkpoint_resumes_in_another_layout_and_loads_on_one_device(pp2, m
         assert r["diff"] <= TOL  # 3 steps + resume for 1 == 4 uninterrupted single-device steps
     single = next(r["single_diff"] for r in rows if r["rank"] == 0)
     assert single is not None and single <= TOL  # consolidated: a strict load into the plain HF model
+    stored = next(r["stored"] for r in rows if r["rank"] == 0)
+    assert stored["optimizer_params"] == stored["model_params"]  # the consolidated optimizer: one entry per parameter
+    if model == "gpt2_tied":  # the head tied to the token embedding is saved once, under the embedding's name
+        saved = next(r["saved"] for r in rows if r["rank"] == 0)
+        assert len(saved) == 2 and all(s == {"model": 1, "optimizer": 1} for s in saved.values()), saved
+        assert stored["names"] == 2 and stored["storages"] == 1, stored  # both names, one tensor
 
 
 @pytest.mark.distributed
@@ -92,3 +98,17 @@ def test_pp2_x_tp2_parity_on_llama(pp4):
     rows = pp4["pp2xtp2_1f1b_llama"]
     assert all(r["shape"] == [2, 1, 1, 2] for r in rows)  # pp=2 x tp=2
     _check(rows, world=4, pp=2)
+
+
+@pytest.mark.distributed
+def test_pp2_gradient_parity_check_and_bubble_on_hf_llama(pp2):
+    rows = pp2["callbacks_llama"]
+    assert len(rows) == 2
+    for r in rows:
+        # the check's reference computes HF's `labels` loss as the pipeline does (float64): no false alarm
+        # (with HF's own loss, which casts the logits to float32, the reference differs by ~8e-8: hf_own_loss_rel)
+        assert len(r["parity"]) == 2 and all(ok and rel <= 1e-12 and tol == 1e-10 for rel, tol, ok in r["parity"]), r
+        # a gradient scaled by 1.001 on one rank after backward is caught
+        assert len(r["planted"]) == 1 and r["planted"][0][0] > 1e-10 and r["planted"][0][1] is False, r["planted"]
+        # PipelineBubble reports an idle fraction for every step of the HF pipeline
+        assert len(r["idle"]) == 3 and all(0.0 < f < 1.0 for f in r["idle"]), r["idle"]

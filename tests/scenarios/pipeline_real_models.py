@@ -8,7 +8,8 @@ and return ``out.loss`` by HF's labels convention; the pack's GPT takes ``(ids, 
 
 ``python -m torch.distributed.run --nproc-per-node=2 pipeline_real_models.py pp2``: 1F1B and interleaved at pp=2.
 ``--nproc-per-node=4 ... pp4``: pp=2 x dp=2 (1F1B, FSDP2 on dp), then 1F1B and interleaved at pp=4; and Llama at
-pp=2 x tp=2 (the built-in tensor-parallel plan inside each stage). pp2 also resumes checkpoints (see `resume`).
+pp=2 x tp=2 (the built-in tensor-parallel plan inside each stage). pp2 also resumes checkpoints (see `resume`)
+and runs GradientParityCheck and PipelineBubble on HF Llama (see `callbacks_on_hf`).
 Each rank reports the max relative difference of the parameters it holds from the reference trained in
 the same process, and the logged loss of the last step against the reference's.
 """
@@ -166,7 +167,8 @@ def run(tag: str, kind: str, **strategy_kw) -> None:
 
 def resume(kind: str) -> None:
     """One epoch (3 steps) with 1F1B, a sharded checkpoint, resumed interleaved to 4 steps == 4 reference steps;
-    the consolidated file loads strictly into the plain single-device model (a tied head: each holder saved its copy)."""
+    the consolidated file loads strictly into the plain single-device model. A tied head is saved once (one key in
+    each sharded checkpoint, model and optimizer) and given back to every name of the plain model on consolidation."""
     import tempfile
 
     import torch.distributed as dist
@@ -186,16 +188,66 @@ def resume(kind: str) -> None:
     t.fit(task, ckpt_path=path)
     diff = max(((p.detach() - ref[n]).norm() / ref[n].norm()).item() for n, p in task.named_parameters())
     t.save_checkpoint(path + "4")
-    single_diff = None
+    single_diff, saved, stored = None, {}, {}
     if dist.get_rank() == 0:
+        import torch.distributed.checkpoint as dcp
+
+        from lightning_dist.parallelize.pipeline import tied_stages
+
+        tied = [f"model.{n}" for names, _ in tied_stages(build(kind), first.strategy.split) for n in names]
+        for name in (path, path + "4"):  # the keys of the tied weight's copies in each sharded checkpoint
+            keys = dcp.FileSystemReader(name).read_metadata().state_dict_metadata
+            saved[os.path.basename(name)] = {
+                "model": sum(f"{ckpt.MODEL_KEY}.{n}" in keys for n in tied),
+                "optimizer": sum(f"optimizer_0.state.{n}.exp_avg" in keys for n in tied)}
         ckpt.consolidate(path + "4", path + "4.pt")
         full = torch.load(path + "4.pt", map_location="cpu", weights_only=True)
         single = Task(kind)
         single.load_state_dict(full[ckpt.MODEL_KEY], strict=True)
         single_diff = max(((p.detach() - ref[n]).norm() / ref[n].norm()).item()
                           for n, p in single.named_parameters(remove_duplicate=False))
+        # the consolidated file: every tied name there (strict load), one storage behind them; its optimizer
+        # state has one entry per parameter of the plain model (tied counted once, as a single-device optimizer)
+        stored = {"names": sum(n in full[ckpt.MODEL_KEY] for n in tied),
+                  "storages": len({full[ckpt.MODEL_KEY][n].untyped_storage().data_ptr() for n in tied}),
+                  "optimizer_params": sum(len(g["params"]) for g in full["optimizer_states"][0]["param_groups"]),
+                  "model_params": len(list(single.parameters()))}
     emit(kind="resume", tag=f"resume_{kind}", model=kind, diff=diff, global_step=t.global_step,
-         stages=second.local_stages, single_diff=single_diff)
+         stages=second.local_stages, single_diff=single_diff, saved=saved, stored=stored)
+
+
+def callbacks_on_hf() -> None:
+    """GradientParityCheck and PipelineBubble on HF Llama at pp=2 (1F1B): the check passes in float64 (its
+    reference computes HF's `labels` loss as the pipeline does, in float64) and catches a planted error (one
+    gradient scaled on one rank after backward); PipelineBubble reports an idle fraction."""
+    from lightning.pytorch.callbacks import Callback
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    from lightning_dist.callbacks import GradientParityCheck
+    from lightning_dist.callbacks.pipeline_bubble import PipelineBubble
+
+    def hf_own_loss(module, batch):  # HF's own loss (float32 upcast) on the reference: measured, for the report
+        logits = module.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        return ForCausalLMLoss(logits, batch["labels"], vocab_size=VOCAB)
+
+    class ScaleOneGradient(Callback):  # the planted error: rank 1's first parameter gradient x 1.001 at step 0
+        def on_after_backward(self, trainer, pl_module):
+            if trainer.global_rank == 1 and trainer.global_step == 0:
+                next(p for p in pl_module.parameters() if p.grad is not None).grad.mul_(1.001)
+
+    check, hf_check, bubble = (GradientParityCheck(steps=(0, 2)), GradientParityCheck(steps=(0,), on_mismatch="warn"),
+                               PipelineBubble(warmup_steps=0))
+    hf_check.loss_fn = hf_own_loss
+    t = trainer(PipelineStrategy(pp=2, schedule="1f1b", n_microbatches=GLOBAL_BATCH), devices=WORLD, steps=STEPS,
+                callbacks=[check, hf_check, bubble])
+    t.fit(Task("llama"))
+    planted = GradientParityCheck(steps=(0,), on_mismatch="warn")
+    t2 = trainer(PipelineStrategy(pp=2, schedule="1f1b", n_microbatches=GLOBAL_BATCH), devices=WORLD, steps=1,
+                 callbacks=[ScaleOneGradient(), planted])
+    t2.fit(Task("llama"))
+    emit(kind="callbacks", tag="callbacks_llama", parity=[(r["rel_diff"], r["tolerance"], r["ok"]) for r in check.results],
+         hf_own_loss_rel=hf_check.results[0]["rel_diff"], idle=[s["idle_fraction"] for s in bubble.steps],
+         planted=[(r["rel_diff"], r["ok"]) for r in planted.results])
 
 
 def main() -> None:
@@ -213,6 +265,7 @@ def main() -> None:
     if mode == "pp2":  # after the fits above: the process group they started is there for the temp-dir broadcast
         for kind in ("llama", "gpt2_tied"):
             resume(kind)
+        callbacks_on_hf()
 
 
 if __name__ == "__main__":

@@ -177,3 +177,29 @@ def test_damaged_single_file_checkpoint_is_named(tmp_path):
         with pytest.raises(ValueError, match="one.ckpt is damaged") as info:
             ckpt.load(path, model=model)
         assert "weights_only=False" not in str(info.value)
+
+
+def test_a_tied_weight_saved_once_loads_into_every_copy_and_consolidates_to_every_name(tmp_path):
+    """Pipeline checkpoints hold a weight tied across stages once (issue 14): a stage holding the copy under
+    another name reads it through the alias, and consolidation gives every name of the plain model one tensor."""
+    torch.manual_seed(0)
+    whole = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    whole[1].weight = whole[0].weight
+    sd = whole.state_dict()
+    path = tmp_path / "tied.ckpt"
+    ckpt.save({"state_dict": {k: sd[k] for k in ("0.weight", "0.bias", "1.bias")}, "optimizer_states": [],
+               ckpt.TIED_KEY: {"1.weight": "0.weight"}}, path, sharded=True)
+    last = nn.Sequential(nn.Identity(), nn.Linear(3, 3))  # the last stage: the tied copy under the head's name
+    ckpt.load_stage(path, model=last, aliases={"1.weight": "0.weight"})
+    assert torch.equal(last[1].weight, whole[0].weight) and torch.equal(last[1].bias, whole[1].bias)
+    with pytest.raises(ValueError, match="no entry"):  # without the alias the copy has nothing to load
+        ckpt.load_stage(path, model=nn.Sequential(nn.Identity(), nn.Linear(3, 3)))
+    ckpt.consolidate(path, tmp_path / "one.pt")
+    full = torch.load(tmp_path / "one.pt", map_location="cpu", weights_only=True)
+    state = full["state_dict"]
+    assert ckpt.TIED_KEY not in full
+    assert state["1.weight"].untyped_storage().data_ptr() == state["0.weight"].untyped_storage().data_ptr()
+    plain = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    plain[1].weight = plain[0].weight
+    plain.load_state_dict(state, strict=True)
+    assert torch.equal(plain[1].weight, whole[0].weight)

@@ -206,6 +206,36 @@ def test_tied_weights_across_stages_are_named():
     assert shared_across_stages(net2, plan_split(net2, 2, split=[2])) == []  # tied inside one stage is fine
 
 
+def test_a_tied_weight_is_saved_once_under_the_unsplit_name_and_every_copy_reads_it():
+    from lightning_dist.checkpoint import _alias_flat_optimizer
+    from lightning_dist.parallelize.pipeline_tied import save_tied_once, tied_aliases, tied_checkpoint_keys
+
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
+    net[3].weight = net[0].weight
+    tied = tied_stages(net, plan_split(net, 2, split=[2]))
+    first, last = (tied_checkpoint_keys(net, tied, [0, 1], pp_rank=r, prefix="model.") for r in (0, 1))
+    assert first == [("model.0.weight", ("model.0.weight", "model.3.weight"), True)]  # the lowest holder saves
+    assert last == [("model.0.weight", ("model.0.weight", "model.3.weight"), False)]
+    assert tied_aliases(last) == {"model.3.weight": "model.0.weight"}
+    w = "w"  # the values are passed through untouched
+    # the last stage holds the tied copy under the head's name: it saves nothing of it; the first saves it once
+    assert save_tied_once({"model.3.weight": w, "model.3.bias": "b"}, last) == {"model.3.bias": "b"}
+    assert save_tied_once({"model.0.weight": w}, first) == {"model.0.weight": w}
+    # one rank holding both stages: one key, under the unsplit model's name
+    both = [(k, n, True) for k, n, _ in last]
+    assert list(save_tied_once({"model.3.weight": w, "model.0.weight": w}, both)) == ["model.0.weight"]
+    osd = {"state.model.3.weight.exp_avg": w, "param_groups.model.3.weight.lr": 0.1, "state.model.3.bias.step": 1}
+    assert save_tied_once(osd, last, optimizer=True) == {"state.model.3.bias.step": 1}
+    assert save_tied_once(osd, both, optimizer=True) == {"state.model.0.weight.exp_avg": w,
+                                                          "param_groups.model.0.weight.lr": 0.1,
+                                                          "state.model.3.bias.step": 1}
+    # loading: the copy's optimizer keys read the saved entries
+    assert _alias_flat_optimizer(osd, tied_aliases(last)) == {
+        "state.model.3.weight.exp_avg": "state.model.0.weight.exp_avg",
+        "param_groups.model.3.weight.lr": "param_groups.model.0.weight.lr",
+        "state.model.3.bias.step": "state.model.3.bias.step"}
+
+
 def test_stage_ranks_loop_and_v():
     assert stage_ranks(4, 2, "loop") == [0, 1, 0, 1]
     assert stage_ranks(4, 2, "v") == [0, 1, 1, 0]

@@ -1,0 +1,136 @@
+"""What a pipeline needs from the LightningModule, checked and planned before the split (no strategy state).
+
+The strategy's ``validate_config`` (on every rank, before the first collective) and ``parallelize`` call
+these: the problems with the module (:func:`module_problems`), the split mode ``"auto"`` stands for
+(:func:`resolve_split_mode`), the sample micro-batch the split is measured and checked on
+(:func:`pipeline_sample`), the tied parameters across stages (:func:`tied_groups`) and the one-time
+comparison of the staged forward with the unsplit network on the first batch (:func:`first_batch_problem`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor, nn
+
+from lightning_dist.parallelize import pipeline as plan
+from lightning_dist.parallelize.compile import check_compile_option
+from lightning_dist.parallelize.pipeline_hf import hf_example_inputs, is_hf_causal_lm
+from lightning_dist.parallelize.pipeline_tied import tied_gradient_groups, tied_problems
+
+
+def check_options(name: str, *, schedule: str, compile: Any, tp_plan: Any, options: Mapping[str, Any]) -> None:
+    """The strategy's constructor options that cannot work together (ValueError), or a wrong type (TypeError)."""
+    problems = check_compile_option(compile)
+    if compile is not False and "zero_bubble" in schedule:
+        problems.append(f"`compile` with schedule={schedule!r} is not supported: the zero-bubble split backward"
+                        " needs each block's autograd graph; use schedule='1f1b' or 'interleaved_1f1b'.")
+    if compile is not False and options.get("parallelize_fn") is not None:
+        problems.append("`compile` is applied by the built-in pipeline plan, which `parallelize_fn` replaces.")
+    if problems:
+        raise ValueError(f"Invalid {name} configuration:\n  - " + "\n  - ".join(problems))
+    if options.get("save_distributed_checkpoint") is False:
+        raise ValueError("PipelineStrategy writes sharded checkpoints (save_distributed_checkpoint=True): each"
+                         " stage saves its own parameters. For one file, convert the directory with `lightning-dist"
+                         " consolidate` (torch's `torch.distributed.checkpoint.format_utils.dcp_to_torch_save` gives"
+                         " the weights under 'state_dict' too, but a weight tied across stages under one name only).")
+    if not isinstance(tp_plan, (str, Mapping)):
+        raise TypeError(f"`tp_plan` must be 'auto', a built-in plan name or a mapping of pattern -> style;"
+                        f" got {type(tp_plan).__name__}.")
+
+
+def module_problems(module: Any, network: str, net: Any) -> list[str]:
+    """What keeps `module.<network>` from being pipelined (pure): not a module, split already, no loss."""
+    problems = []
+    if plan.is_pipelined_module(net):
+        problems.append(f"{type(module).__name__}.{network} was already split by another PipelineStrategy;"
+                        " build a fresh module (or load a checkpoint into one) for a new Trainer.")
+    elif not isinstance(net, nn.Module):
+        problems.append(f"{type(module).__name__}.{network} must be the network to pipeline (an nn.Module);"
+                        f" got {type(net).__name__}. Set `network=` to the attribute that holds it.")
+    if not callable(getattr(module, "pipeline_loss", None)) and not (
+            isinstance(net, nn.Module) and is_hf_causal_lm(net)):  # HF models: the `labels` convention
+        problems.append(f"{type(module).__name__} has no `pipeline_loss(output, target)` method: the pipeline"
+                        " schedule computes the loss of each micro-batch on the last stage with it.")
+    return problems
+
+
+def check_balanced_sample(module: Any, net: nn.Module, mode: Any) -> None:
+    """``split="balanced"`` measures the blocks on a sample: ``example_input_array``, or a HF model's config."""
+    if mode == "balanced" and getattr(module, "example_input_array", None) is None and not is_hf_causal_lm(net):
+        raise ValueError(f'split="balanced" profiles each block on a sample micro-batch: set'
+                         f" `{type(module).__name__}.example_input_array` to one micro-batch of inputs,"
+                         ' or pass split="params".')
+
+
+def resolve_split_mode(split_option: Any, module: Any, network: str) -> Any:
+    """The split that will be used: `split_option` with ``"auto"`` resolved for the attached module."""
+    if isinstance(split_option, str) and split_option == "auto":
+        net = getattr(module, network, None)
+        has_sample = getattr(module, "example_input_array", None) is not None or (
+            isinstance(net, nn.Module) and is_hf_causal_lm(net))  # HF: a sample from the config
+        return "balanced" if has_sample else "params"
+    return split_option
+
+
+def pipeline_sample(module: Any, net: nn.Module) -> Any:
+    """``example_input_array`` on the network's device and floating dtype; None without one (or on meta).
+
+    A HuggingFace causal LM gets keyword inputs: ``example_input_array`` (ids, or a mapping), else ids
+    built from its config (:func:`~lightning_dist.parallelize.pipeline_hf.hf_example_inputs`).
+    """
+    example = getattr(module, "example_input_array", None)
+    first = next(iter(net.parameters()), None)
+    if first is None or first.is_meta:
+        return None
+    if is_hf_causal_lm(net):
+        if example is None:
+            return hf_example_inputs(net)
+        example = dict(example) if isinstance(example, Mapping) else {"input_ids": example}
+        return {k: torch.as_tensor(v).to(first.device) for k, v in example.items()}
+    if example is None:
+        return None
+    sample = torch.as_tensor(example).to(first.device)
+    dtype = next((p.dtype for p in net.parameters() if p.is_floating_point()), None)
+    return sample.to(dtype) if dtype is not None and sample.is_floating_point() else sample
+
+
+def tied_groups(net: nn.Module, split: plan.PipelineSplit, stage_ranks: Sequence[int], *, mesh: Any,
+                rank: int) -> list[tuple[tuple[str, ...], Any, bool]]:
+    """Tied parameters across stages (see :mod:`~lightning_dist.parallelize.pipeline_tied`), refused or grouped.
+
+    Collective when there are any (``new_group`` on every rank); the refusal comes first, on every rank.
+    """
+    from lightning_dist.mesh import TP
+
+    tied = plan.tied_stages(net, split)
+    problems = tied_problems(tied, stage_ranks, dp_size=mesh.dp_size, tp_size=mesh.size(TP))
+    if problems:
+        raise ValueError("Cannot pipeline tied parameters:\n  - " + "\n  - ".join(problems))
+    if tied:
+        rank_zero_info(f"pipeline: tied parameters {[list(n) for n, _ in tied]}: gradients summed over their stages")
+    return tied_gradient_groups(tied, stage_ranks, spec=mesh.spec, rank=rank) if tied else []
+
+
+def first_batch_problem(unsplit: nn.Module, sample: Tensor, device: Any) -> Optional[str]:
+    """The staged forward against the unsplit copy on the first micro-batch: one verdict for all ranks.
+
+    Returns the problem (a message) when any rank found one, on every rank; None when the stages agree.
+    """
+    dtype = next((p.dtype for p in unsplit.parameters() if p.is_floating_point()), None)
+    sample = sample.detach().cpu()
+    problem = plan.staged_forward_problem(unsplit, sample.to(dtype) if dtype and sample.is_floating_point() else sample)
+    flag = torch.tensor(float(problem is not None), device=device)
+    if torch.distributed.is_initialized():  # data-parallel ranks see different batches: one verdict for all
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    if flag.item():
+        return problem or ("The pipeline stages compute a different network than the model's forward on"
+                           " another rank's first micro-batch: its forward does work outside the child modules.")
+    return None
+
+
+__all__ = ["check_balanced_sample", "check_options", "first_batch_problem", "module_problems", "pipeline_sample", "resolve_split_mode",
+           "tied_groups"]
