@@ -71,11 +71,17 @@ def network_layout(net: nn.Module) -> NetworkLayout:
     found = [(name, mod) for name, mod in find_block_lists(net) if "." not in name]
     if len(found) != 1:
         what = "no" if not found else f"{len(found)} ({[n for n, _ in found]})"
+        nested = [n for n, _ in find_block_lists(net) if "." in n]
+        # a block list inside a child (litgpt's `transformer.h`): the stages would have to run the parent's
+        # forward from hidden states, which such a forward (it embeds its own input) does not allow
+        inner = (f" Its block list {nested[0]!r} sits inside a child module ({nested[0].rsplit('.', 1)[0]!r}):"
+                 " the model's own forward runs it and cannot start a later stage from hidden states." if nested else "")
         raise TypeError(
             f"Cannot split {type(net).__name__} into pipeline stages: it has {what} direct nn.ModuleList of blocks."
-            " Make it an nn.Sequential, or give it one nn.ModuleList of blocks (e.g. `self.blocks`) with the"
-            " layers before it (stem) and after it (head) registered as children in execution order. (Tried: a"
-            " HuggingFace causal LM's config.base_model_pp_plan - it is not one; nn.Sequential - it is not one.)"
+            f"{inner} Make it an nn.Sequential, or give it one nn.ModuleList of blocks (e.g. `self.blocks`) with"
+            " the layers before it (stem) and after it (head) registered as children in execution order. (Tried: a"
+            " HuggingFace causal LM's config.base_model_pp_plan - it is not one; nn.Sequential - it is not one;"
+            " a direct block list with stem and head children - none.)"
         )
     name, blocks = found[0]
     if any(True for _ in net.parameters(recurse=False)):

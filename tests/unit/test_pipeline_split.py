@@ -438,3 +438,16 @@ def test_tied_weights_on_two_stages_of_one_rank_are_refused_under_fsdp():
     assert tied_problems(tied, [0, 1, 0, 1], dp_size=2) == []  # interleaved: ranks 0 and 1 hold a copy each
     (problem,) = tied_problems(tied, [0, 1, 0, 1], dp_size=1, tp_size=2)
     assert "tied across pipeline stages [0, 3] and tp=2" in problem and "Untie it, or use tp=1" in problem
+
+
+def test_nested_block_list_is_refused_naming_it_and_what_was_tried():
+    class LitLike(nn.Module):  # litgpt's shape: lm_head first, the blocks inside a ModuleDict
+        def __init__(self):
+            super().__init__()
+            self.lm_head = nn.Linear(8, 10)
+            self.transformer = nn.ModuleDict(dict(wte=nn.Embedding(10, 8), ln_f=nn.LayerNorm(8),
+                                                  h=nn.ModuleList(nn.Linear(8, 8) for _ in range(4))))
+
+    with pytest.raises(TypeError) as err:
+        network_layout(LitLike())
+    assert "'transformer.h'" in str(err.value) and "base_model_pp_plan" in str(err.value)
