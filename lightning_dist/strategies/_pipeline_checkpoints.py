@@ -15,9 +15,12 @@ from typing_extensions import override
 
 from lightning_dist import checkpoint as ckpt
 from lightning_dist.parallelize.pipeline_tied import save_tied_once, tied_aliases
+from lightning_dist.strategies.base import MeshStrategy
 
 
-class PipelineCheckpointMixin:
+class PipelineCheckpointMixin(MeshStrategy):
+    # a MeshStrategy subclass, not a plain mixin: AutoParallelStrategy becomes the strategy it picks by
+    # assigning `__class__`, which Python allows only along the same chain of first bases
     """Checkpoint hooks of the pipeline strategy (placed before ``MeshStrategy`` in its bases)."""
 
     @override

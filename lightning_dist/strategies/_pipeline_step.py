@@ -25,13 +25,16 @@ from lightning_dist.parallelize.pipeline_hf import hf_labels_loss, labelled_toke
 from lightning_dist.parallelize.pipeline_schedule import global_grad_norm, grads_by_layout, returned_loss_gradients
 from lightning_dist.parallelize.pipeline_setup import first_batch_problem
 from lightning_dist.parallelize.pipeline_tied import sum_tied_gradients
+from lightning_dist.strategies.base import MeshStrategy
 
 _PENDING = object()  # training_step is running: the network call takes the target from its inputs or the batch
 # keyword inputs of a HF causal LM that every stage takes (split into micro-batches along dim 0)
 _HF_STAGE_INPUTS = frozenset({"attention_mask", "position_ids", "token_type_ids"})
 
 
-class PipelineStepMixin:
+class PipelineStepMixin(MeshStrategy):
+    # a MeshStrategy subclass, not a plain mixin: AutoParallelStrategy becomes the strategy it picks by
+    # assigning `__class__`, which Python allows only along the same chain of first bases
     """Network call, ``training_step``, ``backward`` and clipping of the pipeline strategy (its state: see
     ``PipelineStrategy.__init__``)."""
 

@@ -164,3 +164,15 @@ def test_auto_parallel_needs_device_memory_on_cpu(monkeypatch):
     strategy.cluster_environment = LightningEnvironment()
     with pytest.raises(ValueError, match="auto_parallel needs device_memory=... \\(e.g. '80GB'\\) on a non-CUDA device"):
         strategy.setup_environment()
+
+
+def test_auto_parallel_can_become_every_strategy_it_picks():
+    # AutoParallelStrategy turns itself into the chosen strategy by assigning `__class__`, which Python refuses
+    # ("object layout differs") for a class whose first bases do not run back to the same chain
+    from lightning_dist.strategies import FullyShardStrategy, HybridShardStrategy, PipelineStrategy, TensorParallelStrategy
+    from lightning_dist.strategies.auto_parallel import AutoParallelStrategy
+
+    for cls in (HybridShardStrategy, FullyShardStrategy, TensorParallelStrategy, PipelineStrategy):
+        obj = AutoParallelStrategy.__new__(AutoParallelStrategy)
+        obj.__class__ = cls
+        assert type(obj) is cls
