@@ -24,7 +24,11 @@ error prints the plan the structure suggests, for the user to paste and edit.
 GPT-2's ``c_attn`` keeps q, k and v in three blocks (``[q | k | v]``), so a contiguous split would not
 hold whole heads: ``auto`` gives it ``colwise_qkv`` (each rank the q, k and v columns of its own heads) with
 ``c_proj`` row-wise, when the layer's width is three times the attention's ``split_size``/``embed_dim`` (a
-self-attention; a cross-attention's ``c_attn`` holds k and v only and stays whole). GPT-NeoX's
+self-attention; a cross-attention's ``c_attn`` holds k and v only and stays whole). litgpt's ``qkv`` is
+``[q | k | v]`` too, with widths ``(n_head, n_query_groups, n_query_groups) * head_size`` read from its
+``config``: ``colwise_qkv`` when ``n_query_groups == n_head``; under grouped-query attention the blocks are
+unequal and ``auto`` refuses it by name. Its attention's forward takes ``(x, cos, sin, mask)``, so it gets no
+``region_input`` (that style lays out exactly one input) and its blocks no sequence parallelism. GPT-NeoX's
 ``query_key_value`` is head-major (each head's q, k, v together), so a plain ``colwise`` split is exact.
 """
 
