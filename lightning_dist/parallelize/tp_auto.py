@@ -24,7 +24,11 @@ error prints the plan the structure suggests, for the user to paste and edit.
 GPT-2's ``c_attn`` keeps q, k and v in three blocks (``[q | k | v]``), so a contiguous split would not
 hold whole heads: ``auto`` gives it ``colwise_qkv`` (each rank the q, k and v columns of its own heads) with
 ``c_proj`` row-wise, when the layer's width is three times the attention's ``split_size``/``embed_dim`` (a
-self-attention; a cross-attention's ``c_attn`` holds k and v only and stays whole). GPT-NeoX's
+self-attention; a cross-attention's ``c_attn`` holds k and v only and stays whole). litgpt's ``qkv`` is
+``[q | k | v]`` too, with widths ``(n_head, n_query_groups, n_query_groups) * head_size`` read from its
+``config``: ``colwise_qkv`` when ``n_query_groups == n_head``; under grouped-query attention the blocks are
+unequal and ``auto`` refuses it by name. Its attention's forward takes ``(x, cos, sin, mask)``, so it gets no
+``region_input`` (that style lays out exactly one input) and its blocks no sequence parallelism. GPT-NeoX's
 ``query_key_value`` is head-major (each head's q, k, v together), so a plain ``colwise`` split is exact.
 """
 
@@ -58,7 +62,8 @@ MLP_LAYOUTS: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
     (("gate_proj", "up_proj"), ("down_proj",)),
     (("up_proj",), ("down_proj",)),
     (("c_fc",), ("c_proj",)),
-    (("fc_1", "fc_2"), ("proj",)),
+    (("fc_1", "fc_2"), ("proj",)),  # litgpt LLaMAMLP
+    (("fc",), ("proj",)),  # litgpt GptNeoxMLP
     (("dense_h_to_4h",), ("dense_4h_to_h",)),
     (("w1", "w3"), ("w2",)),
     (("fc_in",), ("fc_out",)),
@@ -78,6 +83,21 @@ def _blocked_qkv(attn: nn.Module, name: str) -> bool:
     return isinstance(out, int) and width is not None and out == 3 * width
 
 
+def _config_qkv(attn: nn.Module, name: str) -> str | None:
+    """litgpt's fused qkv: ``[q | k | v]`` of widths ``(n_head, n_query_groups, n_query_groups) * head_size``,
+    the counts read from ``attn.config``. "mha" (three equal blocks: colwise_qkv splits it per head), "gqa"
+    (unequal blocks: no style of ours splits it exactly), or None (not this layout)."""
+    cfg, layer = attn.__dict__.get("config"), getattr(attn, name, None)
+    counts = [getattr(cfg, a, None) for a in ("n_head", "n_query_groups", "head_size")]
+    out = getattr(layer, "out_features", None)
+    if not all(isinstance(c, int) for c in counts) or not isinstance(out, int):
+        return None
+    nh, ng, hs = counts
+    if out != (nh + 2 * ng) * hs:
+        return None
+    return "mha" if ng == nh else "gqa"
+
+
 def _lin(module: nn.Module | None, name: str) -> bool:
     return _linear_like(getattr(module, name, None)) if module is not None and hasattr(module, name) else False
 
@@ -87,6 +107,15 @@ def _region(module: nn.Module, layouts) -> tuple[tuple[str, ...], str] | None:
         if any(c in BLOCKED_QKV for c in cols) and not all(_blocked_qkv(module, c) for c in cols):
             continue  # not three blocks of the attention's width (a cross-attention's k/v): stays whole
         if all(_lin(module, c) for c in cols):
+            gqa = [c for c in cols if c in FUSED_QKV and _config_qkv(module, c) == "gqa"]
+            if gqa:
+                cfg = module.config
+                raise ValueError(
+                    f"{type(module).__name__}.{gqa[0]} is a fused [q | k | v] projection with n_head={cfg.n_head} and"
+                    f" n_query_groups={cfg.n_query_groups} (config.n_query_groups, grouped-query attention): its q and"
+                    " k/v blocks have unequal widths, which plan='auto' cannot split per head exactly (colwise_qkv"
+                    " needs three equal blocks, a plain colwise split mixes q with k). Use n_query_groups == n_head,"
+                    " or pass a plan that leaves the attention replicated and splits the MLP and the head.")
             row = next((r for r in rows if _lin(module, r)), None)
             if row is not None:
                 return cols, row
@@ -114,10 +143,15 @@ def _block_plan(block: nn.Module) -> tuple[dict[str, str], list[str]]:
         if got is not None and not any(k.startswith(pre) for k in plan if name):
             cols, row = got
             for c in cols:
-                plan[f"{pre}{c}"] = "colwise_qkv" if c in BLOCKED_QKV else "colwise"
+                blocked = c in BLOCKED_QKV or (c in FUSED_QKV and _config_qkv(mod, c) == "mha")
+                plan[f"{pre}{c}"] = "colwise_qkv" if blocked else "colwise"
             plan[f"{pre}{row}"] = "rowwise"
-            if name:  # a region at the block itself (nn.TransformerEncoderLayer's linear1/linear2) shares its input
-                plan[name] = "region_input"  # with attention: no region_input there
+            # a region at the block itself (nn.TransformerEncoderLayer's linear1/linear2) shares its input with
+            # attention: no region_input there. Nor on a forward taking more than its input (litgpt's attention
+            # takes cos, sin, mask): region_input lays out exactly one input; its column-wise layers take the
+            # replicated input themselves, and such a block gets no sequence-parallel entries (see _single_input)
+            if name and _single_input(mod):
+                plan[name] = "region_input"
         elif name and _sequential_mlp(mod):
             plan[f"{name}.0"] = "colwise"
             plan[f"{name}.{len(mod) - 1}"] = "rowwise"
@@ -168,7 +202,9 @@ def transformer_plan(model: nn.Module, *, tp: int = 1) -> dict[str, str]:
                 raise ValueError(f"{list_name}.{i} differs in structure from {list_name}.0; write the plan by hand.")
         for key, style in first.items():
             plan[f"{list_name}.*.{key}"] = style
-        if not _single_input(blocks[0]):
+        if not _single_input(blocks[0]) or any(
+                not _single_input(blocks[0].get_submodule(k.rpartition(".")[0]))
+                for k, v in first.items() if v == "rowwise" and k.rpartition(".")[0]):
             continue  # sequence-parallel entries wrap the block's one input; HF blocks take masks, caches...
         for child, mod in blocks[0].named_children():
             if _is_norm(mod):

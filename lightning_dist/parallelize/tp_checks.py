@@ -165,8 +165,9 @@ def _head_dim(attn: nn.Module) -> int | None:
         if isinstance(getattr(attn, attr, None), int):
             return getattr(attn, attr)
     cfg = getattr(attn, "config", None)
-    if isinstance(getattr(cfg, "head_dim", None), int):
-        return cfg.head_dim
+    for attr in ("head_dim", "head_size"):  # head_size: litgpt's config
+        if isinstance(getattr(cfg, attr, None), int):
+            return getattr(cfg, attr)
     heads = next((getattr(attn, a) for a in _HEAD_ATTRS if isinstance(getattr(attn, a, None), int)), None)
     if heads is None:
         heads = next((getattr(cfg, a) for a in _HEAD_ATTRS if isinstance(getattr(cfg, a, None), int)), None)
@@ -200,6 +201,43 @@ def _kind(module: nn.Module) -> str:
     if is_conv1d(module):
         return "conv1d"
     return "linear" if isinstance(module, nn.Linear) else "embedding" if isinstance(module, nn.Embedding) else "other"
+
+
+# styles that lay out a module's inputs with torch's PrepareModuleInput, one layout: exactly one positional input
+ONE_INPUT_STYLES = ("region_input", "sp_enter", "sp_exit", "sp_region")
+
+
+def forward_inputs(module: nn.Module) -> list[str] | None:
+    """Names of the positional inputs `module`'s forward requires (no default), ``*args`` as ``*name``; None when
+    its signature cannot be read."""
+    import inspect
+
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
+    return names + [f"*{p.name}" for p in params if p.kind is p.VAR_POSITIONAL]
+
+
+def _input_problems(entries: list[TPEntry], modules: Mapping[str, nn.Module]) -> list[str]:
+    """A one-input style on a module whose forward takes several inputs: torch would fail at the first forward,
+    after the weights were distributed, with "module inputs and input_layouts should have same length!" (its
+    PrepareModuleInput gets one layout per positional input). Found here, in one process, before any collective."""
+    problems = []
+    for e in entries:
+        if e.style not in ONE_INPUT_STYLES or not e.active:
+            continue
+        names = forward_inputs(modules[e.fqn])
+        if names is not None and len(names) > 1:
+            problems.append(
+                f"{e.fqn} ({e.module_type}) is given {e.style!r}, which lays out exactly one input, but its forward"
+                f" takes {len(names)} inputs {names} (torch would fail with 'module inputs and input_layouts should have"
+                f" same length!'). Drop the {e.pattern!r} entry (its column-wise layers take a replicated input"
+                " themselves; no sequence parallelism around it), or put the style on a module whose forward takes"
+                " one tensor."
+            )
+    return problems
 
 
 def _region_problems(entries: list[TPEntry], modules: Mapping[str, nn.Module]) -> list[str]:

@@ -20,6 +20,7 @@ from torch import nn
 from lightning_dist.parallelize.shared import check_shared_tp, shared_parameters
 from lightning_dist.parallelize.tp_checks import (
     _divisibility,
+    _input_problems,
     _is_norm,
     _kind,
     _linear_like,
@@ -226,6 +227,7 @@ def resolve_plan(model: nn.Module, plan: Plan | str, *, tp: int, sequence_parall
                 )
             )
     problems += _region_problems(entries, modules)
+    problems += _input_problems(entries, modules)
     problems += _local_attr_problems(model, entries, tp)
     sharded = {e.fqn: shard_dims(modules[e.fqn], e.style) for e in entries if e.active}
     problems += check_shared_tp(shared_parameters(model), sharded)

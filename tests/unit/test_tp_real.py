@@ -319,3 +319,64 @@ def test_fused_qkv_layer_unsplit_copy_computes_the_original_layer(kind):
     layer.__class__ = type("FusedQKV" + type(layer).__name__, (_FusedQKVForward, type(layer)), {})
     assert is_conv1d(layer) == (kind == "conv1d")  # still recognized once its class is swapped
     torch.testing.assert_close(layer(x), expected, rtol=0, atol=0)
+
+
+class _TwoInputAttention(nn.Module):
+    """An attention whose forward takes more than its input (litgpt's: x, cos, sin, mask)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.o = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, cos, sin, mask=None):
+        return self.o(self.q(x) * cos + sin)
+
+
+def test_one_input_styles_on_a_multi_input_forward_are_refused_naming_module_inputs_and_fix():
+    # torch's PrepareModuleInput would fail at the first forward ("module inputs and input_layouts should have
+    # same length!"), after the weights were distributed; the plan check refuses it first, in one process
+    model = nn.Sequential(_TwoInputAttention())
+    plan = {"0": "region_input", "0.q": "colwise", "0.o": "rowwise"}
+    with pytest.raises(ValueError) as err:
+        resolve_plan(model, plan, tp=2)
+    msg = str(err.value)
+    assert "- 0 (_TwoInputAttention) is given 'region_input'" in msg and "['x', 'cos', 'sin']" in msg, msg
+    assert "same length" in msg and "Drop the '0' entry" in msg, msg
+    for style in ("sp_enter", "sp_region"):  # every style that lays out exactly one input
+        with pytest.raises(ValueError, match=f"given '{style}', which lays out exactly one input"):
+            resolve_plan(model, {"0": style, "0.q": "colwise", "0.o": "rowwise"}, tp=2, sequence_parallel=True)
+    # the same split without the one-input entry is accepted (the column-wise layer takes the replicated input)
+    assert {e.style for e in resolve_plan(model, {"0.q": "colwise", "0.o": "rowwise"}, tp=2)} == {"colwise", "rowwise"}
+
+
+def _litgpt(n_query_groups: int, mlp: str = "GptNeoxMLP"):
+    try:  # installed with --no-deps (make install): on an old torch its import may fail in other ways than ImportError
+        import litgpt
+    except Exception as err:  # noqa: BLE001
+        pytest.skip(f"litgpt is not importable ({type(err).__name__}: {err}); make install adds it with --no-deps")
+    cfg = litgpt.Config(block_size=8, vocab_size=64, padded_vocab_size=64, n_layer=2, n_head=4, n_embd=32,
+                        n_query_groups=n_query_groups, rotary_percentage=1.0, bias=False, mlp_class_name=mlp,
+                        intermediate_size=64)
+    return meta(lambda: litgpt.GPT(cfg))
+
+
+@pytest.mark.parametrize("mlp", ["GptNeoxMLP", "LLaMAMLP"])
+def test_auto_plan_on_litgpt_mha_splits_qkv_per_head_and_its_mlp(mlp):
+    entries = {e.fqn: e.style for e in resolve_plan(_litgpt(4, mlp), "auto", tp=2)}
+    mlp_cols = ["fc"] if mlp == "GptNeoxMLP" else ["fc_1", "fc_2"]
+    for i in range(2):
+        h = f"transformer.h.{i}"
+        assert entries[f"{h}.attn.qkv"] == "colwise_qkv" and entries[f"{h}.attn.proj"] == "rowwise", entries
+        assert all(entries[f"{h}.mlp.{c}"] == "colwise" for c in mlp_cols) and entries[f"{h}.mlp.proj"] == "rowwise"
+        assert f"{h}.attn" not in entries  # forward(x, cos, sin, ...): no region_input there
+        assert entries[f"{h}.mlp"] == "region_input"  # forward(x): one input
+    assert entries["lm_head"] == "colwise_gather"
+    assert not any(s.startswith("sp_") or s == "sequence_parallel" for s in entries.values())
+
+
+def test_auto_plan_on_litgpt_gqa_is_refused_naming_the_layout():
+    with pytest.raises(ValueError) as err:
+        resolve_plan(_litgpt(2, "LLaMAMLP"), "auto", tp=2)
+    msg = str(err.value)
+    assert "CausalSelfAttention.qkv is a fused [q | k | v] projection with n_head=4 and n_query_groups=2" in msg, msg
+    assert "Use n_query_groups == n_head" in msg, msg
