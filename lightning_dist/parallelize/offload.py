@@ -352,27 +352,6 @@ def to_cpu_adam(optimizer: torch.optim.Optimizer, lr_scheduler: Any = None) -> O
     return adam
 
 
-def resize_param_swap_buffers(swapper: Any, numel: int) -> None:
-    """Reallocate the page-locked buffers of DeepSpeed's parameter swapper for partitions of ``numel`` elements.
-
-    Only while every buffer is free (after ``zero.Init`` has written all partitions to NVMe); DeepSpeed 0.19's
-    ``AsyncPartitionedParameterSwapper`` keeps them as one tensor of ``buffer_count`` equal slices.
-    """
-    needed = ("buffers", "available_buffer_ids", "param_buffer_count", "param_id_to_swap_buffer", "inflight_params",
-              "elements_per_buffer", "aligned_elements_per_buffer", "aio_read_handle", "_io_aligned_numel")
-    if not all(hasattr(swapper, name) for name in needed):
-        return  # another DeepSpeed: keep its buffers
-    busy = (len(swapper.available_buffer_ids) != swapper.param_buffer_count or swapper.param_id_to_swap_buffer
-            or swapper.inflight_params)
-    aligned = swapper._io_aligned_numel(numel)
-    if busy or aligned == swapper.aligned_elements_per_buffer:
-        return
-    old = swapper.buffers
-    swapper.buffers = swapper.aio_read_handle.new_cpu_locked_tensor(aligned * swapper.param_buffer_count, old)
-    swapper.elements_per_buffer, swapper.aligned_elements_per_buffer = numel, aligned
-    swapper.aio_read_handle.free_cpu_locked_tensor(old)
-
-
 def training_dtype(config: dict) -> torch.dtype:
     """The dtype DeepSpeed trains the parameters in (``zero.Init``'s dtype for this config)."""
     if config.get("bf16", {}).get("enabled"):
