@@ -36,7 +36,8 @@ class TensorParallelStrategy(HybridShardStrategy):
         sequence_dim: the activation dim that sequence parallelism splits (``[B, T, C]``: 1).
         dp_replicate, dp_shard: data-parallel sizes (``"auto"``: shard inside a node, replicate across nodes).
         zero_stage: 3 or 2 (FSDP2 reshards parameters after forward or not); 1 needs ``tp=1``.
-        activation_checkpointing: True to recompute each block in backward, or block class names.
+        activation_checkpointing: ``True``/``"full"``, ``"selective"``, ``"every:N"`` or block class names
+            (as :class:`HybridShardStrategy`; with ``selective_ac_ops`` and ``offload_activations``).
         **kwargs: the other options of :class:`HybridShardStrategy` / :class:`MeshStrategy`.
     """
 
@@ -52,7 +53,7 @@ class TensorParallelStrategy(HybridShardStrategy):
         dp_replicate: Union[int, Literal["auto"]] = "auto",
         dp_shard: Union[int, Literal["auto"]] = "auto",
         zero_stage: Literal[1, 2, 3] = 3,
-        activation_checkpointing: Union[bool, Sequence[str]] = False,
+        activation_checkpointing: Union[bool, str, Sequence[str]] = False,
         **kwargs: Any,
     ) -> None:
         problems = []
