@@ -60,6 +60,16 @@ def test_pp2_parity(pp2, schedule, model):
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("tag", ("pp2_1f1b_llama_ac_selective", "pp2_interleaved_llama_ac_every2",
+                                 "pp2_1f1b_pack_gpt_tied_ac_selective"))
+def test_pp2_activation_checkpointing_modes_keep_parity(pp2, tag):
+    rows = pp2[tag]
+    _check(rows, world=2, pp=2)  # selective / every-2nd-block AC per stage: the single-device update
+    for r in rows:
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=TOL, abs=0)
+
+
+@pytest.mark.distributed
 @pytest.mark.parametrize("model", ("llama", "gpt2_tied"))
 def test_pp2_checkpoint_resumes_in_another_layout_and_loads_on_one_device(pp2, model):
     rows = pp2[f"resume_{model}"]

@@ -262,6 +262,12 @@ def main() -> None:
             run(f"pp4_interleaved_{kind}", kind, pp=4, schedule="interleaved_1f1b")
     if mode == "pp4":  # tensor parallelism inside the stages of an unmodified HF model (the built-in plan)
         run("pp2xtp2_1f1b_llama", "llama", pp=2, tp=2, schedule="1f1b")
+    if mode == "pp2":  # activation checkpointing modes per stage, HF Llama and the pack's GPT
+        run("pp2_1f1b_llama_ac_selective", "llama", pp=2, schedule="1f1b", activation_checkpointing="selective")
+        run("pp2_interleaved_llama_ac_every2", "llama", pp=2, schedule="interleaved_1f1b",
+            activation_checkpointing="every:2")
+        run("pp2_1f1b_pack_gpt_tied_ac_selective", "pack_gpt_tied", pp=2, schedule="1f1b",
+            activation_checkpointing="selective")
     if mode == "pp2":  # after the fits above: the process group they started is there for the temp-dir broadcast
         for kind in ("llama", "gpt2_tied"):
             resume(kind)

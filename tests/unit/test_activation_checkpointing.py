@@ -163,3 +163,41 @@ def test_planner_activation_bytes_per_mode():
     assert planner.activation_bytes(block, checkpointed="every:1", **kw) == full
     with pytest.raises(ValueError, match="every:N"):
         planner.activation_bytes(block, checkpointed="every:0", **kw)
+
+
+class _OffloadedGPT(pl.LightningModule):
+    """The GPT with every second block checkpointed and the others offloaded (host standing in for the device)."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = _gpt().float()
+
+    def configure_model(self):
+        checkpointed = apply_ac(self.model, every=2)
+        apply_offload_activations(self.model, skip=checkpointed, pin_memory=False, device_type="cpu")
+
+    def training_step(self, batch, batch_idx):
+        (idx,) = batch
+        return F.cross_entropy(self.model(idx).flatten(0, 1), idx.flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        data = torch.utils.data.TensorDataset(torch.randint(0, 17, (8, 16)))
+        return torch.utils.data.DataLoader(data, batch_size=4)
+
+
+def test_memory_report_shows_the_offloaded_activation_bytes(capsys):
+    from lightning_dist.callbacks import MemoryReport
+
+    memory = MemoryReport()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[memory])
+    module = _OffloadedGPT()
+    trainer.fit(module)
+    moved = offloaded_bytes(module.model)
+    assert memory.offloaded == moved and moved > 2 * 4 * 16 * 16 * 4  # two blocks' saved tensors, > 1 [B, T, C] each
+    assert trainer.callback_metrics["memory/offloaded_activation_bytes"].item() == moved
+    assert memory.rows[0]["offloaded_activation_bytes"] == moved
+    assert f"none / {moved:,}" in capsys.readouterr().out  # the default strategy has no activation_checkpointing
