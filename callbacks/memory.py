@@ -152,5 +152,5 @@ def format_memory(rows: list[dict[str, Any]], *, title: str = "Model-state bytes
                       f"{host:,} ({where})" + (" MISMATCH" if r.get("mismatches") else ""),
                       f"{ac} / {'-' if off is None else f'{off:,}'}", peak)
     buf = io.StringIO()
-    Console(file=buf, width=140, force_terminal=False).print(table)
+    Console(file=buf, width=170, force_terminal=False).print(table)
     return buf.getvalue()

@@ -98,7 +98,8 @@ class HybridShardStrategy(MeshStrategy):
 
     @override
     def validate_config(self, spec: MeshSpec) -> None:
-        check_offload_device(self.offload_activations, self.root_device)
+        if self.offload_activations:  # the root device is known only once Lightning set the devices
+            check_offload_device(True, self.root_device)
         if getattr(self.offload_policy, "pin_memory", False) and not CUDA_AVAILABLE:
             # FSDP2 would fail deep inside fully_shard ("Cannot access accelerator device")
             raise ValueError("offload_policy=CPUOffloadPolicy(pin_memory=True) needs a CUDA device (pinning host"

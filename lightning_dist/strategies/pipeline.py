@@ -196,7 +196,8 @@ class PipelineStrategy(PipelineStepMixin, PipelineCheckpointMixin, MeshStrategy)
 
     @override
     def validate_config(self, spec: MeshSpec) -> None:
-        check_offload_device(self.offload_activations, self.root_device)
+        if self.offload_activations:  # the root device is known only once Lightning set the devices
+            check_offload_device(True, self.root_device)
         pp, problems = spec.size(PP), []
         problems += schedule_problems(self.schedule, pp, self.n_microbatches, self.stages_per_rank)
         module = self.lightning_module
