@@ -201,3 +201,15 @@ def test_memory_report_shows_the_offloaded_activation_bytes(capsys):
     assert trainer.callback_metrics["memory/offloaded_activation_bytes"].item() == moved
     assert memory.rows[0]["offloaded_activation_bytes"] == moved
     assert f"none / {moved:,}" in capsys.readouterr().out  # the default strategy has no activation_checkpointing
+
+
+def test_auto_parallel_hands_the_activation_options_to_its_choice():
+    from lightning_dist.strategies.hsdp import FullyShardStrategy
+
+    s = AutoParallelStrategy(device_memory="1GB", activation_checkpointing="every:2", selective_ac_ops=None)
+    s._become(FullyShardStrategy, {})
+    assert type(s) is FullyShardStrategy and s.activation_checkpointing == "every:2"
+    assert s.parallelize_config().activation_checkpointing == "every:2"
+    s = AutoParallelStrategy(device_memory="1GB", activation_checkpointing="selective", selective_ac_ops=["aten.mm"])
+    s._become(PipelineStrategy, {"pp": 2})
+    assert s.activation_checkpointing == "selective" and s.selective_ac_ops == ["aten.mm"]
