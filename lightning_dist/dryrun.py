@@ -486,7 +486,8 @@ def plan_rank(strategy: Any, module: Any, cfg: Any, config: DryRunConfig, spec: 
             tokens=config.batch_size // m * seq, blocks=blocks, tp=T, bytes_per_element=act_bytes,
             residual_bytes=resid_bytes, micro_batches_held=held,
             stem=stage == 0, head=has_head, head_gathered=head_gathered, autocast=pipelined,
-            checkpointed=getattr(strategy, "activation_checkpointing", False) or False)
+            checkpointed=getattr(strategy, "activation_checkpointing", False) or False,
+            offloaded=bool(getattr(strategy, "offload_activations", False)))
     merged: dict[tuple[str, str], float] = {}
     for c in traffic:
         if c.group_size > 1:

@@ -49,6 +49,7 @@ def activation_bytes(
     block: BlockShape, *, tokens: int, blocks: int, tp: int = 1, bytes_per_element: float = 2,
     residual_bytes: float | None = None, micro_batches_held: int = 1, stem: bool = True, head: bool = True,
     head_gathered: bool = False, checkpointed: bool | str = False, autocast: bool = False,
+    offloaded: bool = False,
 ) -> float:
     """Peak activation bytes of one training step on one device (saved for backward + the backward's start).
 
@@ -74,7 +75,8 @@ def activation_bytes(
     ``f C + 4 a C / t + a H / t + 2 a C + 4 h / t`` (q, k, v and the attention output; fc1; the proj and fc2
     outputs, whole before their all-reduce), and the rest of one block is live again while it is recomputed;
     ``"every:N"``: ``blocks // N`` blocks are checkpointed in full, the others keep their full set; block class
-    names: as ``True``. The stem (``stem``) adds the embedding output ``a C`` (and the int64 token ids);
+    names: as ``True``. ``offloaded`` (``offload_activations=True``): the uncheckpointed blocks' sets are in host
+    memory, one of them on the device (the block being computed, or copied back in backward). The stem (``stem``) adds the embedding output ``a C`` (and the int64 token ids);
     the head (``head``) the final norm's input and output ``(f + a) C`` and, when backward starts, the
     cross-entropy's saved log-probabilities, their gradient and the logits' gradient in the loss dtype
     (``3 f V``; the loss runs in the residual dtype, float32 under autocast) plus the logits' gradient in
@@ -93,7 +95,9 @@ def activation_bytes(
     mode, every = _ac_mode(checkpointed)
     kept = {"full": f * C, "selective": f * C + 4 * a * C / t + a * H / t + 2 * a * C + 4 * h / t}.get(mode, full)
     n_ckpt = blocks // every if mode else 0  # blocks N, 2N, ... are checkpointed
-    saved = (blocks - n_ckpt) * full + n_ckpt * kept + (full - kept + f * C if n_ckpt else 0)  # one block recomputed (its input counted twice, as measured)
+    kept_blocks = blocks - n_ckpt  # blocks that keep their full set (on the host when offloaded)
+    saved = (min(kept_blocks, 1) if offloaded else kept_blocks) * full + n_ckpt * kept
+    saved += full - kept + f * C if n_ckpt else 0  # one block recomputed (its input counted twice, as measured)
     if stem:
         saved += a * C + 8
     weights = (blocks * block.params / t) * a if autocast else 0.0  # per micro-batch, not per token

@@ -213,3 +213,13 @@ def test_auto_parallel_hands_the_activation_options_to_its_choice():
     s = AutoParallelStrategy(device_memory="1GB", activation_checkpointing="selective", selective_ac_ops=["aten.mm"])
     s._become(PipelineStrategy, {"pp": 2})
     assert s.activation_checkpointing == "selective" and s.selective_ac_ops == ["aten.mm"]
+
+
+def test_planner_offloaded_blocks_leave_one_set_on_the_device():
+    block = planner.BlockShape(hidden=64, heads=4, mlp_hidden=256)
+    kw = dict(tokens=10, blocks=4, stem=False, head=False)
+    one = planner.activation_bytes(block, tokens=10, blocks=1, stem=False, head=False)
+    assert planner.activation_bytes(block, offloaded=True, **kw) == one
+    every2 = planner.activation_bytes(block, checkpointed="every:2", **kw)
+    # two checkpointed blocks keep their inputs, the two others go to host memory but one block's set
+    assert planner.activation_bytes(block, checkpointed="every:2", offloaded=True, **kw) == every2 - one
