@@ -38,7 +38,6 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 import lightning.pytorch as pl
-from lightning_dist._integrations.lightning import route_clip_grad_by_norm
 from lightning_dist.mesh import PP, TP, MeshSpec
 from lightning_dist.parallelize import pipeline as plan
 from lightning_dist.parallelize import ParallelizeConfig, pipeline_model
@@ -290,8 +289,6 @@ class PipelineStrategy(PipelineStepMixin, PipelineCheckpointMixin, MeshStrategy)
                 " `accumulate_grad_batches` for accumulation."
             )
         super().setup(trainer)
-        # Lightning clips each process's gradients alone; the norm must span every stage (and FSDP shard)
-        route_clip_grad_by_norm(self.precision_plugin, self._clip_grad_by_norm)
 
     @override
     def teardown(self) -> None:

@@ -394,7 +394,7 @@ def test_tp_plan_inside_stages_is_checked_on_the_whole_network():
 
 
 def test_global_grad_norm_of_plain_gradients_matches_torch():
-    from lightning_dist.parallelize.pipeline_schedule import global_grad_norm
+    from lightning_dist.grads import global_grad_norm
 
     grads = [torch.randn(3, 4, dtype=torch.float64), torch.randn(5, dtype=torch.float64)]
     want = torch.nn.utils.get_total_norm(grads)
