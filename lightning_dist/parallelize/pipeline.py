@@ -53,13 +53,14 @@ class NetworkLayout:
     pruned: tuple | None = None
     """``(child, block_list, stem, head)`` (qualified names) when the block list sits inside a child: the stages are
     the model with the parts they do not own taken out (:mod:`.pipeline_pruned`); None for the other shapes."""
-    hf: bool = False
-    """A HuggingFace causal LM (:func:`~.pipeline_hf.hf_parts`): hidden states in as ``inputs_embeds``, ``.logits`` out."""
+    hf: tuple | None = None
+    """A HuggingFace causal LM: the same parts (:func:`~.pipeline_hf.hf_parts`), its stages taking hidden states as
+    ``inputs_embeds`` and returning ``.logits``; None for any other model."""
 
     @property
     def convention(self) -> type:
         """The stage class of a pruned layout: HF's ``inputs_embeds`` or the forward's first input."""
-        if self.hf:
+        if self.hf is not None:
             from lightning_dist.parallelize.pipeline_hf import HFStageMixin
 
             return HFStageMixin
@@ -86,7 +87,7 @@ def network_layout(net: nn.Module) -> NetworkLayout:
         parts = hf_parts(net)
         _, block_list, stem, head = parts
         return NetworkLayout(stem=stem, block_list=block_list, blocks=tuple(net.get_submodule(block_list)._modules),
-                             head=head, pruned=parts, hf=True)
+                             head=head, pruned=parts, hf=parts)
     if isinstance(net, nn.Sequential):
         return NetworkLayout(stem=(), block_list=None, blocks=tuple(net._modules), head=())
     children = list(net.named_children())

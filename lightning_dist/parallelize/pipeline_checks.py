@@ -95,7 +95,7 @@ def staged_forward_problem(net: nn.Module, sample: torch.Tensor, *, rtol: float 
             net, [build_stage_module(net, one_each, [s]) for s in range(one_each.num_stages)], sample)
         if problem is None:
             return None
-        given = "as `inputs_embeds` (HF's config.base_model_pp_plan layout)" if layout.hf else "in place of its input"
+        given = "as `inputs_embeds` (HF's config.base_model_pp_plan layout)" if layout.hf is not None else "in place of its input"
         return (f"Cannot split {type(net).__name__} into pipeline stages: {problem}. Tried: a stage = the model"
                 f" with the blocks of {layout.block_list} it does not own taken out, hidden states passed {given}.")
     staged = build_stage_module(net, plan_split(net, 1, split="params"), [0])

@@ -455,7 +455,7 @@ def test_litgpt_gpt_splits_as_the_model_with_the_blocks_it_does_not_own_taken_ou
     net = _litgpt()
     lay = network_layout(net)  # the block list inside the ModuleDict `transformer`, lm_head registered first
     assert (lay.block_list, lay.blocks, lay.stem, lay.head, lay.hf) == (
-        "transformer.h", ("0", "1", "2", "3"), ("transformer.wte",), ("transformer.ln_f", "lm_head"), False)
+        "transformer.h", ("0", "1", "2", "3"), ("transformer.wte",), ("transformer.ln_f", "lm_head"), None)
     x = torch.randint(0, 64, (2, 8))
     assert staged_forward_problem(net, x) is None  # every block boundary handed over, against the model
     split = plan_split(net, 2, split="params")
