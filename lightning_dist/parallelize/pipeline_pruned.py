@@ -109,7 +109,11 @@ def nested_parts(net: nn.Module) -> tuple[tuple[str, str, tuple[str, ...], tuple
     lists = [n for n, _ in find_block_lists(net)]
     if not lists:
         return None, "it has no nn.ModuleList of blocks"
-    required = [p.name for p in list(inspect.signature(net.forward).parameters.values())
+    try:
+        params = list(inspect.signature(net.forward).parameters.values())
+    except (TypeError, ValueError):  # no readable signature: the staged-forward check on one micro-batch decides
+        params = []
+    required = [p.name for p in params
                 if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if len(lists) > 1:
         two = f" and its forward takes {len(required)} inputs ({', '.join(required)})" if len(required) > 1 else ""
@@ -121,7 +125,7 @@ def nested_parts(net: nn.Module) -> tuple[tuple[str, str, tuple[str, ...], tuple
         return None, f"its block list {name!r} is not inside a direct child (only `child.blocks` is cut out)"
     if getattr(type(net), "forward", None) is nn.Module.forward:
         return None, f"{type(net).__name__} defines no forward"
-    if len(required) != 1:
+    if len(required) > 1 or (params and not required):
         return None, (f"its forward takes {len(required)} required inputs ({', '.join(required) or 'none'}); a later"
                       " stage gets the boundary activation in place of one input")
     direct = [n for n, _ in net.named_parameters(recurse=False)]
