@@ -187,7 +187,7 @@ def _stage_inputs(strategy: Any, module: Any, batch: tuple[Any, Any]) -> list[An
 
     net = getattr(module, strategy.network)
     layout = plan.network_layout(net)
-    container = net if layout.block_list is None else getattr(net, layout.block_list)
+    container = net if layout.block_list is None else net.get_submodule(layout.block_list)
     shapes: list[Any] = [None] * len(layout.blocks)
     hooks = [container._modules[key].register_forward_pre_hook(
         lambda mod, args, i=i: shapes.__setitem__(i, (tuple(args[0].shape), args[0].dtype)))
