@@ -63,6 +63,18 @@ def _two_paths():
     return resolve_plan(module, {"head": "colwise_gather"}, tp=2)
 
 
+def _styles_swapped():
+    from lightning_dist.models import GPT
+    from lightning_dist.parallelize.tp import resolve_plan
+    from lightning_dist.parallelize.tp_probe import probe_output
+
+    model = GPT(n_layer=2, n_head=2, n_embd=32, block_size=16)
+    plan = {"blocks.*.attn.q": "rowwise", "blocks.*.attn.k": "rowwise", "blocks.*.attn.v": "colwise",
+            "blocks.*.attn.proj": "colwise", "blocks.*.mlp.fc1": "colwise", "blocks.*.mlp.fc2": "rowwise"}
+    entries = resolve_plan(model, plan, tp=2)  # structurally fine: each region has both kinds
+    return probe_output(model, torch.device("cpu"), entries)
+
+
 def _auto_no_plan():
     from lightning_dist.parallelize.tp import builtin_plan
 
@@ -272,6 +284,10 @@ CASES = {
                                         ["blocks.0.fc (Linear, rowwise) expects an input split", "'colwise'"]),
     "tp-plan-output-left-split": (lambda t: _plan({"head": "colwise"}), ValueError,
                                   ["head (Linear, colwise) leaves its output split", "colwise_gather"]),
+    "tp-plan-styles-swapped": (lambda t: _styles_swapped(), ValueError,
+                               ["blocks.0.attn (and 1 more like it", "['q', 'k'] 'rowwise' run(s) before",
+                                "['v', 'proj'] 'colwise' run(s) after", "'blocks.*.attn.q': 'colwise'",
+                                "'blocks.*.attn.v': 'colwise', 'blocks.*.attn.proj': 'rowwise'"]),
     "tp-plan-pattern-two-paths": (lambda t: _two_paths(), ValueError, ["'head'", "matches 2 paths", "write the full path"]),
     "tp-auto-no-plan": (lambda t: _auto_no_plan(), ValueError,
                         ["No built-in tensor-parallel plan matches", "A plan to start from", "rowwise"]),
