@@ -75,6 +75,24 @@ def _styles_swapped():
     return probe_output(model, torch.device("cpu"), entries)
 
 
+def _head_registered_first():
+    from lightning_dist.parallelize.pipeline_checks import check_staged_forward
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = nn.Linear(8, 16), nn.Linear(16, 4)  # head registered before the blocks
+            self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+
+        def forward(self, x):
+            x = self.emb(x)
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x)
+
+    return check_staged_forward(Net(), torch.randn(3, 8))
+
+
 def _auto_no_plan():
     from lightning_dist.parallelize.tp import builtin_plan
 
@@ -305,6 +323,10 @@ CASES = {
     "pipeline-microbatches-zero": (lambda t: _schedule("gpipe", 2, 0), ValueError,
                                    ["n_microbatches=0", "integer >= 1"]),
     "pipeline-zb-stages": (lambda t: _schedule("zero_bubble", 2, 4, 1), ValueError, ["stages_per_rank=2", "got 1"]),
+    "pipeline-head-registered-first": (lambda t: _head_registered_first(), ValueError,
+                                       ["registers its children in the order emb -> head -> blocks",
+                                        "runs them as emb -> blocks -> head", "registration order",
+                                        "assign emb then blocks then head"]),
     "pipeline-consolidated-file": (lambda t: PipelineStrategy(save_distributed_checkpoint=False), ValueError,
                                    ["save_distributed_checkpoint=True", "dcp_to_torch_save"]),
     "pipeline-tp-sharded-output": (lambda t: _pipeline_tp({"head": "colwise"}), ValueError,
