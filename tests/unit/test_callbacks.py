@@ -443,6 +443,23 @@ def test_mesh_sync_batchnorm_config_and_lifecycle_errors():
         _trainer(max_steps=1, callbacks=[MeshSyncBatchNorm()]).fit(LateBatchNorm(late=True))
 
 
+def test_mesh_sync_batchnorm_warns_once_on_a_model_without_batchnorm(recwarn):
+    """Without any BatchNorm the callback would do nothing: it says so once (issue 29: was a silent no-op)."""
+    class NoBatchNorm(LateBatchNorm):
+        def __init__(self):
+            super().__init__(late=False)
+            self.net = nn.Sequential(nn.Linear(2, 3), nn.LayerNorm(3))
+
+    callback = MeshSyncBatchNorm()
+    with pytest.warns(UserWarning, match=r"NoBatchNorm has no BatchNorm layer.*\(LayerNorm normalize.*Remove the"):
+        _trainer(max_steps=1, callbacks=[callback]).fit(NoBatchNorm())
+    recwarn.clear()
+    _trainer(max_steps=1, callbacks=[callback]).fit(NoBatchNorm())
+    assert not [w for w in recwarn if "no BatchNorm layer" in str(w.message)]  # once
+    _trainer(max_steps=1, callbacks=[MeshSyncBatchNorm()]).fit(LateBatchNorm(late=False))
+    assert not [w for w in recwarn if "no BatchNorm layer" in str(w.message)]  # a model with BatchNorm: silent
+
+
 def test_callbacks_from_a_cli_config():
     """LightningCLI builds callbacks with jsonargparse from `class_path`/`init_args`."""
     from jsonargparse import ArgumentParser
