@@ -266,7 +266,9 @@ class GradientParityCheck(Callback):
         ref = revert_sync_batchnorm(ref)
         ref.train()
         ref.zero_grad(set_to_none=True)
-        with trainer.precision_plugin.train_step_context():
+        with trainer.precision_plugin.train_step_context(), warnings.catch_warnings():
+            # the copy has no trainer, so its `self.log` is a no-op: Lightning's warning about that is not the user's
+            warnings.filterwarnings("ignore", message=r"You are trying to `self.log\(\)` but the `self.trainer`")
             for batch, batch_idx in batches:
                 batch = _to_device(batch, device)
                 if self.loss_fn is not None:
