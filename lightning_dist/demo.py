@@ -65,7 +65,7 @@ class DemoReport(pl.Callback):
                       soft_wrap=True)
         for r in self.parity.results:
             console.print(f"gradient at step {r['step']}, distributed vs one device on the same {r['global_batch']}"
-                          f" images: relative difference {r['rel_diff']:.1e} (tolerance {r['tolerance']:.0e};"
+                          f" images: relative difference {r['rel_diff']:.1e} ({trainer.precision} precision, tolerance {r['tolerance']:.0e};"
                           " BatchNorm statistics pooled over the ranks: MeshSyncBatchNorm)", soft_wrap=True)
         table = Table(title="model-state bytes per rank (local shards, measured before the last optimizer step)")
         for col in ("rank", "params", "grads", "optimizer", "total"):
@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--strategy", default="hsdp")
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--n-train", type=int, default=1536)
+    parser.add_argument("--precision", default="32-true", help="e.g. 64-true: the gradient difference drops to float64 rounding")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # 4 processes on a few cores: no oversubscription
     torch.set_num_threads(1)
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     log_dir = os.path.join(tempfile.gettempdir(), "lightning_dist_demo")
     parity = GradientParityCheck(steps=(0,))  # raises if the distributed step is not the single-device one
     trainer = pl.Trainer(
-        accelerator="cpu", devices=args.devices, strategy=args.strategy, max_epochs=args.epochs,
+        accelerator="cpu", devices=args.devices, strategy=args.strategy, max_epochs=args.epochs, precision=args.precision,
         logger=CSVLogger(log_dir), enable_checkpointing=False, enable_model_summary=False,
         callbacks=[MeshSyncBatchNorm(), ExactEvaluation(), parity, DemoReport(parity)], log_every_n_steps=5,
     )

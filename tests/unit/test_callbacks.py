@@ -526,6 +526,21 @@ def test_gradient_parity_catches_undivided_accumulation():
         _trainer(max_steps=1, precision="64-true", callbacks=[check]).fit(ParityModel(manual="undivided"))
 
 
+def test_gradient_parity_says_when_the_reference_loss_gives_no_gradient():
+    """A loss that does not reach the copy's parameters gives a zero reference gradient: the ratio over the 1e-30
+    floor is meaningless (issue 29's 1.430e+31 looked like a strategy bug), so the message says what happened."""
+    outside = ParityModel().double()  # a network the copy does not hold: the "loss" never touches the copy's parameters
+    check = GradientParityCheck(loss_fn=lambda m, b: outside.loss(b) if m is not live[0] else m.loss(b))
+    live = []
+
+    class Model(ParityModel):
+        def on_fit_start(self):
+            live.append(self)
+
+    with pytest.raises(GradientParityError, match=r"e\+\d\d.*gave no gradient at all.*Pass `loss_fn="):
+        _trainer(max_steps=1, precision="64-true", callbacks=[check]).fit(Model())
+
+
 def test_unsharded_clone_of_fsdp2_modules(one_rank_group):
     """The reference copy of FSDP2-sharded layers whose ``__init__`` needs arguments is the user's plain model,
     without FSDP state, picklable (pipeline stages are sent between ranks) and computing the same output."""
