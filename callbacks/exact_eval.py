@@ -338,7 +338,8 @@ class ExactEvaluation(Callback):
         if size > 1:
             dist.all_reduce(count, group=group)  # dp group only: every dp rank holds different samples
         if self.log_count and prefix is not None:
-            pl_module.log(f"{prefix}_samples", count.to(torch.float64).item(), sync_dist=False, reduce_fx="sum")
+            # already summed over dp and equal on every rank: "max" keeps it, and sync_dist spares Lightning's warning
+            pl_module.log(f"{prefix}_samples", count.to(torch.float64).item(), sync_dist=True, reduce_fx="max")
         self.last_count = int(count)
         self._count, self.mask, self._skip = None, None, False
 

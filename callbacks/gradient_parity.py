@@ -223,6 +223,11 @@ class GradientParityCheck(Callback):
             f"GradientParityCheck at step {trainer.global_step}: relative gradient difference {rel:.3e} vs the"
             f" single-device gradient (tolerance {tol:.1e} for {dtype}); largest in `{worst}`."
         )
+        if ref_sq == 0.0:  # the ratio above is then the distributed gradient's norm over the 1e-30 floor
+            msg += (" The single-device copy's loss gave no gradient at all (every reference gradient is zero), so"
+                    " this figure says nothing about the strategy: the loss of `training_step` (or `loss_fn`) on the"
+                    " copy does not depend on the copy's parameters, e.g. it calls a network held outside the"
+                    " LightningModule's modules, or detaches the loss. Pass `loss_fn=lambda module, batch: ...`.")
         if not params_equal:
             msg += " The parameters differ between ranks that should hold the same values."
         if same_batch:
@@ -266,7 +271,9 @@ class GradientParityCheck(Callback):
         ref = revert_sync_batchnorm(ref)
         ref.train()
         ref.zero_grad(set_to_none=True)
-        with trainer.precision_plugin.train_step_context():
+        with trainer.precision_plugin.train_step_context(), warnings.catch_warnings():
+            # the copy has no trainer, so its `self.log` is a no-op: Lightning's warning about that is not the user's
+            warnings.filterwarnings("ignore", message=r"You are trying to `self.log\(\)` but the `self.trainer`")
             for batch, batch_idx in batches:
                 batch = _to_device(batch, device)
                 if self.loss_fn is not None:

@@ -333,6 +333,7 @@ class MeshSyncBatchNorm(Callback):
         self.group_size = group_size
         """Sync over groups of this many consecutive data-parallel ranks; None: the whole ``dp`` group."""
         self._group: Any = None
+        self._warned = False
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -364,4 +365,15 @@ class MeshSyncBatchNorm(Callback):
                 " `configure_model`?) and are not synced. Create them in `__init__`, or call"
                 " `lightning_dist.callbacks.convert_sync_batchnorm(module, process_group=...)` in"
                 " `configure_model` before sharding."
+            )
+        if not self._warned and not any(isinstance(m, _BatchNorm) for m in pl_module.modules()):
+            self._warned = True  # once per callback, on rank 0: the same model on every rank
+            from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+            norms = sorted({type(m).__name__ for m in pl_module.modules()
+                            if type(m).__name__.endswith("Norm") and not any(True for _ in m.children())})
+            rank_zero_warn(
+                f"MeshSyncBatchNorm: {type(pl_module).__name__} has no BatchNorm layer, so there is nothing to"
+                " synchronize" + (f" ({', '.join(norms)} normalize each sample alone and need no sync)" if norms else "")
+                + ". Remove the callback, or add the BatchNorm layers in `__init__`."
             )

@@ -335,11 +335,11 @@ def load(
 
         check_sharded(path)
         reader = dcp.FileSystemReader(path)
-        saved = {
-            k[len(MODEL_KEY) + 1:]: md.size
-            for k, md in reader.read_metadata().state_dict_metadata.items()
-            if k.startswith(MODEL_KEY + ".") and hasattr(md, "size")
-        }
+        index = reader.read_metadata().state_dict_metadata
+        saved = {k[len(MODEL_KEY) + 1:]: md.size for k, md in index.items() if k.startswith(MODEL_KEY + ".") and hasattr(md, "size")}
+        meta = _torch_load(path / META, weights_only)
+        if aliases is None:  # a pipeline checkpoint saved each weight tied across stages once
+            aliases = meta.get(TIED_KEY)
         model_sd = model_state(model, full=False)
         alias = _usable_aliases(aliases, model_sd, saved)
         view = {alias.get(k, k): v for k, v in model_sd.items()}  # a tied copy reads the one saved entry
@@ -358,10 +358,13 @@ def load(
                     f"{path} holds sharded optimizer state from a ZeRO-2/3 run; a zero_stage=1 run cannot resume"
                     " from it. Resume with zero_stage 2 or 3, or load only the weights."
                 )
+            if _name_keyed_in(index, i):  # written by PipelineStrategy: optimizer state keyed by parameter name
+                _load_name_keyed_optimizer(path, i, model, optimizer, alias, index)
+                continue
             osd = get_optimizer_state_dict(model, optimizer)
             dcp.load({f"optimizer_{i}": osd}, checkpoint_id=path)
             set_optimizer_state_dict(model, optimizer, optim_state_dict=osd)
-        return _torch_load(path / META, weights_only)
+        return meta
 
     checkpoint = _torch_load(path, weights_only)
     state_dict = checkpoint.pop(MODEL_KEY)
@@ -425,15 +428,44 @@ def load_stage(
         raise ValueError(f"The checkpoint {path} has no entry for {missing[:3]}... of this pipeline stage:"
                          " it was written by a different model.")
     meta = load(path, model=model, optimizers=(), strict=False, weights_only=weights_only, aliases=alias)
+    index = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     for i, optimizer in enumerate(optimizers):
-        osd = name_keyed_optimizer_state(model, optimizer)
-        rename = _alias_flat_optimizer(osd, alias)
-        view = {rename[k]: v for k, v in osd.items()}
-        dcp.load({f"optimizer_{i}": view}, checkpoint_id=path)
-        osd = {k: view[rename[k]] for k in osd}
-        set_optimizer_state_dict(model, _unwrap(optimizer), optim_state_dict=osd,
-                                 options=StateDictOptions(flatten_optimizer_state_dict=True))
+        if not _name_keyed_in(index, i):
+            raise ValueError(f"The checkpoint {path} holds optimizer state keyed by parameter index (written by a"
+                             " data-parallel strategy), which a pipeline stage cannot pick its parameters from."
+                             " Resume it with the strategy that wrote it, or convert it with `lightning-dist consolidate`"
+                             " and load only the weights.")
+        _load_name_keyed_optimizer(path, i, model, optimizer, alias, index)
     return meta
+
+
+def _name_keyed_in(index: Mapping[str, Any], i: int) -> bool:
+    """Whether a sharded checkpoint's optimizer `i` is keyed by parameter name (``param_groups.<fqn>.<option>``,
+    as pipeline stages save it) rather than by group index (``param_groups.0.lr``)."""
+    groups = [k for k in index if k.startswith(f"optimizer_{i}.param_groups.")]
+    return bool(groups) and not any(k.endswith(".params") for k in groups)  # a nested group lists its `params`
+
+
+def _load_name_keyed_optimizer(path: Path, i: int, model: nn.Module, optimizer: Any, alias: Mapping[str, str],
+                               index: Mapping[str, Any]) -> None:
+    """Load optimizer `i` of a name-keyed checkpoint into `optimizer` (any strategy: the names are the model's).
+
+    Refuses, before the collective read, a checkpoint lacking this model's parameters' entries (ValueError)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    osd = name_keyed_optimizer_state(model, optimizer)
+    rename = _alias_flat_optimizer(osd, alias)
+    view = {rename[k]: v for k, v in osd.items()}
+    missing = [k for k in view if not any(n == f"optimizer_{i}.{k}" or n.startswith(f"optimizer_{i}.{k}.") for n in index)]
+    if missing:
+        raise ValueError(f"The checkpoint {path} has no optimizer entry {missing[0]!r} (of {len(missing)} missing): its"
+                         " optimizer was built over other parameters or by another `configure_optimizers`. Resume with"
+                         " the same model and optimizers, or load only the weights.")
+    dcp.load({f"optimizer_{i}": view}, checkpoint_id=path)
+    osd = {k: view[rename[k]] for k in osd}
+    set_optimizer_state_dict(model, _unwrap(optimizer), optim_state_dict=osd,
+                             options=StateDictOptions(flatten_optimizer_state_dict=True))
 
 
 def _load_full_optimizer(model: nn.Module, optimizer: Optimizer, osd: Mapping[str, Any]) -> None:

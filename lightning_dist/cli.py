@@ -39,7 +39,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         " offloading. The model is built on the meta device (no memory). Decimal units: 1 GB = 1e9 bytes.",
     )
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", metavar="CLASS_PATH", help="dotted path of a torch.nn.Module / LightningModule class")
+    src.add_argument("--model", metavar="CLASS_PATH", help="a torch.nn.Module / LightningModule class: dotted path"
+                     " (my_pkg.models.GPT; the working folder is searched too) or a file with it (./my_model.py:Net)")
     src.add_argument("--config", metavar="YAML", help="LightningCLI config with model.class_path / model.init_args")
     src.add_argument("--params", metavar="N", help="parameter count instead of a model, e.g. 1.5e9, 1.5B, 125M")
     p.add_argument("--init-args", metavar="JSON", default=None, help="keyword arguments of --model as a JSON object")
@@ -192,7 +193,8 @@ def _add_dry_run(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         " memory tracked and collectives recorded. Prints measured vs planned bytes. 1 GB = 1e9 B.",
     )
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", metavar="CLASS_PATH", help="dotted path of the LightningModule class")
+    src.add_argument("--model", metavar="CLASS_PATH", help="the LightningModule class: dotted path (my_pkg.models.GPT;"
+                     " the working folder is searched too) or a file with it (./my_model.py:Net)")
     src.add_argument("--config", metavar="YAML", help="LightningCLI config: model, trainer.strategy, trainer.precision")
     p.add_argument("--init-args", metavar="JSON", default=None, help="keyword arguments of --model as a JSON object")
     p.add_argument("--strategy", default=None, help="registered strategy name (default hsdp) or class path")

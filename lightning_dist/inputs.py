@@ -23,18 +23,90 @@ _COUNT_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
 
 # ---- models ---------------------------------------------------------------------------------------------
 def import_class(class_path: str) -> type:
-    """Import ``package.module.Class``; ValueError naming the path when it cannot be found."""
-    module_name, _, attr = class_path.rpartition(".")
-    if not module_name:
-        raise ValueError(f"Model class path {class_path!r} must be dotted, e.g. 'my_pkg.models.GPT'.")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(f"Cannot import module {module_name!r} of {class_path!r}: {err}") from err
+    """The class `class_path` names; ValueError naming the path and the accepted forms when it cannot be found.
+
+    Forms: ``package.module.Class`` (the working folder is searched after ``sys.path``, as for ``python
+    main.py`` run from it), ``module:Class``, a file with its class ``path/to/my_model.py:Net``, or a file alone
+    ``./my_model.py`` when it defines exactly one ``nn.Module`` subclass.
+    """
+    forms = ("a dotted path 'my_pkg.models.GPT' (importable, or a module in the working folder), 'module:Class',"
+             " or a file with the class, e.g. './my_model.py:Net'")
+    target, colon, attr = class_path.rpartition(":") if ":" in class_path else (class_path, "", "")
+    if target.endswith(".py") or "/" in target or "\\" in target:
+        module = _import_file(class_path, target, forms)
+        if not colon:
+            return _only_module_class(class_path, module)
+    elif colon:
+        module = _import_module(class_path, target, forms)
+    else:
+        target, _, attr = class_path.rpartition(".")
+        if not target:
+            raise ValueError(f"Model class path {class_path!r} must name a module and a class: {forms}.")
+        module = _import_module(class_path, target, forms)
     cls = getattr(module, attr, None)
     if not isinstance(cls, type):
-        raise ValueError(f"{class_path!r}: module {module_name!r} has no class {attr!r}.")
+        raise ValueError(f"{class_path!r}: module {module.__name__!r} has no class {attr!r}.")
     return cls
+
+
+def _import_module(class_path: str, name: str, forms: str) -> Any:
+    import os
+    import sys
+
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as err:
+        here = os.getcwd()
+        top = name.partition(".")[0]
+        if err.name != top or here in sys.path or "" in sys.path:
+            raise ValueError(f"Cannot import module {name!r} of {class_path!r}: {err}. Give {forms}.") from err
+        sys.path.append(here)  # console scripts do not search the working folder; LightningCLI's `python main.py` does
+        try:
+            return importlib.import_module(name)
+        except ModuleNotFoundError as err2:
+            raise ValueError(f"Cannot import module {name!r} of {class_path!r}: {err2} (searched sys.path and the"
+                             f" working folder {here}). Give {forms}.") from err2
+    except ImportError as err:
+        raise ValueError(f"Cannot import module {name!r} of {class_path!r}: {err}") from err
+
+
+def _import_file(class_path: str, file: str, forms: str) -> Any:
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(file).expanduser().resolve()
+    if not path.is_file() or path.suffix != ".py":
+        raise ValueError(f"Model class path {class_path!r}: {file!r} is not a Python file"
+                         f" ({'not found' if not path.exists() else 'not a .py file'}). Give {forms}.")
+    name = path.stem
+    loaded = sys.modules.get(name)
+    if loaded is not None and Path(getattr(loaded, "__file__", "") or "").resolve() == path:
+        return loaded
+    if str(path.parent) not in sys.path:
+        sys.path.append(str(path.parent))  # the file's own imports of its neighbours work, as under `python file.py`
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pickling look the module up by name
+    try:
+        spec.loader.exec_module(module)
+    except Exception:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def _only_module_class(class_path: str, module: Any) -> type:
+    from torch import nn
+
+    defined = [v for v in vars(module).values()
+               if isinstance(v, type) and issubclass(v, nn.Module) and v.__module__ == module.__name__]
+    if len(defined) != 1:
+        names = [c.__name__ for c in defined]
+        raise ValueError(f"{class_path!r} defines {len(defined)} nn.Module classes {names}; name the one to build:"
+                         f" '{class_path}:{names[-1] if names else 'Net'}'.")
+    return defined[0]
 
 
 def _instantiate(spec: Any) -> Any:

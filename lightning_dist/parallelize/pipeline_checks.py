@@ -99,26 +99,63 @@ def staged_forward_problem(net: nn.Module, sample: torch.Tensor, *, rtol: float 
         return (f"Cannot split {type(net).__name__} into pipeline stages: {problem}. Tried: a stage = the model"
                 f" with the blocks of {layout.block_list} it does not own taken out, hidden states passed {given}.")
     staged = build_stage_module(net, plan_split(net, 1, split="params"), [0])
+    registered = [*layout.stem, layout.block_list or "children", *layout.head]
     was_training = net.training
     net.eval()  # dropout & co. would draw different masks in the two runs
     try:
         with torch.no_grad():
-            expected, got = net(sample), staged.run_local(sample)
+            called, hooks = _record_call_order(net, layout)
+            try:
+                expected = net(sample)
+            finally:
+                for h in hooks:
+                    h.remove()
+            try:
+                got, crash = staged.run_local(sample), None
+            except (RuntimeError, ValueError, TypeError, IndexError) as err:  # e.g. a head run before the blocks
+                got, crash = None, err
     finally:
         net.train(was_training)
-    if isinstance(expected, torch.Tensor) and expected.shape == got.shape and torch.allclose(expected, got, rtol=rtol, atol=atol):
+    if crash is None and isinstance(expected, torch.Tensor) and expected.shape == got.shape and torch.allclose(
+            expected, got, rtol=rtol, atol=atol):
         return None
-    if isinstance(expected, torch.Tensor) and expected.shape == got.shape:
+    order = " -> ".join(registered)
+    if called and called != registered and set(called) == set(registered):
+        moved = [n for n in registered if called.index(n) != registered.index(n)]
+        return (f"{type(net).__name__} registers its children in the order {order}, but its forward runs them as"
+                f" {' -> '.join(called)}: the pipeline stages run the children in registration order (stem, block"
+                f" list, head), so they would run {moved} at the wrong place"
+                + (f" (the staged forward failed: {str(crash).splitlines()[0]})" if crash is not None else "")
+                + f". Register the children in execution order: in {type(net).__name__}.__init__ assign"
+                f" {' then '.join(called)}.")
+    if crash is not None:
+        what = f"the stages fail on one micro-batch: {type(crash).__name__}: {str(crash).splitlines()[0]}"
+    elif isinstance(expected, torch.Tensor) and expected.shape == got.shape:
         what = f"max abs difference {(expected - got).abs().max().item():.4g} on one micro-batch"
     else:
         what = f"output {tuple(getattr(expected, 'shape', ()))} vs the stages' {tuple(got.shape)}"
     ops = _work_outside_children(net)
     outside = f" It applies {', '.join(ops)} itself, outside the child modules (e.g. residual adds around blocks)." if ops else ""
-    order = " -> ".join([*layout.stem, layout.block_list or "children", *layout.head])
     return (f"{type(net).__name__}.forward is not its children applied in registration order ({order}): the pipeline"
             f" stages would compute a different network ({what}).{outside} Move that work into a child module (e.g. a"
             " block whose own forward adds its residual), register the layers in execution order, or express the"
             " network as an nn.Sequential.")
+
+
+def _record_call_order(net: nn.Module, layout) -> tuple[list[str], list]:
+    """Hooks recording the stem, block-list and head children of `net` in the order its forward first calls
+    them: (that list, filled as it runs; the hook handles to remove). Nothing for an nn.Sequential, which runs
+    its children in registration order by definition."""
+    order: list[str] = []
+    if layout.block_list is None:
+        return order, []
+    hooks = []
+    for name in [*layout.stem, layout.block_list, *layout.head]:
+        child = net.get_submodule(name)
+        for t in list(child.children()) if name == layout.block_list else [child]:  # a ModuleList is never called
+            hooks.append(t.register_forward_pre_hook(
+                lambda m, args, name=name: None if name in order else order.append(name)))
+    return order, hooks
 
 
 def host_copy(net: nn.Module) -> nn.Module:

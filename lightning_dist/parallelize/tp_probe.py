@@ -8,6 +8,12 @@ parallelism, in eval mode (no dropout), and refuses a difference beyond rounding
 The sample is the LightningModule's ``example_input_array``; without one, a made-up batch for the network
 it holds (its one child with parameters): two random rows when its first layer is an ``nn.Linear``, two rows
 of 4 token ids for its first ``nn.Embedding``, the first the network runs on; otherwise no check.
+
+The same unsplit forward also traces the order in which each region's planned layers run (:class:`_FlowTrace`):
+a row-wise layer that runs before any column-wise layer of its region is handed the replicated input, a
+column-wise layer that runs after the region's last row-wise layer leaves its output split. Refused there, in one
+process and before any collective, naming the layers (else the split forward fails with torch's
+``a and b must have same reduction dim``).
 """
 
 from __future__ import annotations
@@ -64,9 +70,86 @@ def _made_up(module: nn.Module) -> list[tuple[nn.Module, Any]]:
     return guesses
 
 
-def probe_output(module: nn.Module, device: torch.device) -> Optional[tuple[nn.Module, Any, Tensor]]:
+class _FlowTrace:
+    """Records, during one unsplit forward, the order in which each region's column-/row-wise layers run.
+
+    A region is the parent module of planned layers (as in ``tp_checks._region_problems``); each call of it is
+    one sequence. In a split region the data flows replicated -> column-wise (split) -> row-wise (replicated
+    again), so within one call a row-wise layer needs a column-wise one before it, and a column-wise layer a
+    row-wise one after it. Embeddings (vocab-parallel ``rowwise`` takes token ids) and dict entries stating an
+    ``input``/``output`` layout are left out (their author chose the layout).
+    """
+
+    def __init__(self, owner: nn.Module, entries: list) -> None:
+        planned = [e for e in entries if e.active and e.style in ("colwise", "colwise_qkv", "rowwise")
+                   and e.kind in ("linear", "conv1d") and not ({"input", "output"} & set(e.options))]
+        self.calls: dict[str, int] = {}  # region -> number of times it started
+        self.seen: list[tuple[str, int, str, str]] = []  # (region, call, fqn, "col"/"row")
+        self.entries = {e.fqn: e for e in planned}
+        modules = dict(owner.named_modules())
+        self.handles = []
+        for region in dict.fromkeys(e.fqn.rpartition(".")[0] for e in planned):
+            self.handles.append(modules[region].register_forward_pre_hook(
+                lambda m, args, region=region: self.calls.__setitem__(region, self.calls.get(region, 0) + 1)))
+        for e in planned:
+            kind = "row" if e.style == "rowwise" else "col"
+            region = e.fqn.rpartition(".")[0]
+            self.handles.append(modules[e.fqn].register_forward_pre_hook(
+                lambda m, args, region=region, fqn=e.fqn, kind=kind: self.seen.append(
+                    (region, self.calls.get(region, 0), fqn, kind))))
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def problems(self) -> list[str]:
+        by_call: dict[tuple[str, int], list[tuple[str, str]]] = {}
+        for region, call, fqn, kind in self.seen:
+            by_call.setdefault((region, call), []).append((fqn, kind))
+        found: dict[tuple, list[str]] = {}  # the same mistake in every block (one pattern) is reported once
+        for (region, _), order in by_call.items():
+            kinds = [k for _, k in order]
+            first_col = kinds.index("col") if "col" in kinds else len(kinds)
+            last_row = len(kinds) - 1 - kinds[::-1].index("row") if "row" in kinds else -1
+            rows = tuple(dict.fromkeys(f for i, (f, k) in enumerate(order) if k == "row" and i < first_col))
+            cols = tuple(dict.fromkeys(f for i, (f, k) in enumerate(order) if k == "col" and i > last_row))
+            if rows or cols:
+                ran = list(dict.fromkeys(f for f, _ in order))
+                key = tuple(self.entries[f].pattern for f in (*rows, "|", *cols, "|", *ran) if f != "|") + (len(rows), len(cols))
+                found.setdefault(key, [region, rows, cols, ran])
+                if region not in found[key]:
+                    found[key].append(region)
+        out = []
+        for region, rows, cols, ran, *also in found.values():
+            short = lambda names: [n[len(region) + 1:] if region else n for n in names]  # noqa: E731
+            what = []
+            if rows:
+                what.append(f"{short(rows)} 'rowwise' run(s) before any column-wise layer of the region, so it is handed"
+                            " the region's whole (replicated) input as if it were one shard")
+            if cols:
+                what.append(f"{short(cols)} 'colwise' run(s) after the region's last row-wise layer, so its split output"
+                            " leaves the region")
+            styles = {self.entries[f].pattern: "colwise" for f in ran[:-1]}
+            styles[self.entries[ran[-1]].pattern] = "rowwise"
+            where = (region or "the model root") + (f" (and {len(also)} more like it: {also[:2]})" if also else "")
+            out.append(
+                f"{where}: its planned layers run in the order {short(ran)}; " + "; ".join(what)
+                + " (the split forward would fail with torch's 'a and b must have same reduction dim' or 'mat1 and mat2"
+                " shapes cannot be multiplied'). In a split region the layers that read its input are 'colwise' and the"
+                f" one that writes its output is 'rowwise': here {styles}."
+            )
+        return out
+
+
+def probe_output(module: nn.Module, device: torch.device, entries: Optional[list] = None
+                 ) -> Optional[tuple[nn.Module, Any, Tensor]]:
     """(what ran, sample, output) of one sample through `module` in eval mode, or None when nothing can run
-    (no sample, weights on the meta device, a made-up sample the network does not take, no tensor out)."""
+    (no sample, weights on the meta device, a made-up sample the network does not take, no tensor out).
+
+    `entries`: the resolved plan (on `module`); the forward also traces its regions' layer order and raises
+    ``ValueError`` for a row-wise layer fed the replicated input or a column-wise layer whose split output
+    leaves its region (see :class:`_FlowTrace`). One process, no collective: the same verdict on every rank.
+    """
     params = list(module.parameters())
     if not params or any(p.is_meta for p in params):
         return None
@@ -74,11 +157,18 @@ def probe_output(module: nn.Module, device: torch.device) -> Optional[tuple[nn.M
     guesses = [(module, sample)] if sample is not None else _made_up(module)
     for net, sample in guesses:
         sample = _cast(sample, device, params[0].dtype)
+        trace = _FlowTrace(module, entries or [])
         try:
             out = _first_tensor(_run(net, sample))
         except Exception:  # a sample the forward does not take (other inputs or sizes, no forward): the next guess
             continue
+        finally:
+            trace.close()
         if out is not None:
+            problems = trace.problems()
+            if problems:
+                raise ValueError("Invalid tensor-parallel plan (found by running one sample through the unsplit"
+                                 " model):\n  - " + "\n  - ".join(problems))
             return net, sample, out.detach().clone()
     return None
 

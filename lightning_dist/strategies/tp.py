@@ -145,7 +145,7 @@ class TensorParallelStrategy(HybridShardStrategy):
             self.tp_entries = list(self._resolve(module, tp).entries)
             rank_zero_info(format_plan(self.tp_entries, tp=tp))
             # the unsplit model's output on one sample, to compare with the split one's (parallelize/tp_probe.py)
-            probe = probe_output(module, self.root_device)
+            probe = probe_output(module, self.root_device, self.tp_entries)
         super().parallelize(module)
         if probe is not None:
             self.tp_probe_diff = check_probe(*probe, describe=f"tensor-parallel plan (tp={tp})")

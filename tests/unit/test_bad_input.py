@@ -63,6 +63,36 @@ def _two_paths():
     return resolve_plan(module, {"head": "colwise_gather"}, tp=2)
 
 
+def _styles_swapped():
+    from lightning_dist.models import GPT
+    from lightning_dist.parallelize.tp import resolve_plan
+    from lightning_dist.parallelize.tp_probe import probe_output
+
+    model = GPT(n_layer=2, n_head=2, n_embd=32, block_size=16)
+    plan = {"blocks.*.attn.q": "rowwise", "blocks.*.attn.k": "rowwise", "blocks.*.attn.v": "colwise",
+            "blocks.*.attn.proj": "colwise", "blocks.*.mlp.fc1": "colwise", "blocks.*.mlp.fc2": "rowwise"}
+    entries = resolve_plan(model, plan, tp=2)  # structurally fine: each region has both kinds
+    return probe_output(model, torch.device("cpu"), entries)
+
+
+def _head_registered_first():
+    from lightning_dist.parallelize.pipeline_checks import check_staged_forward
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = nn.Linear(8, 16), nn.Linear(16, 4)  # head registered before the blocks
+            self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+
+        def forward(self, x):
+            x = self.emb(x)
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x)
+
+    return check_staged_forward(Net(), torch.randn(3, 8))
+
+
 def _auto_no_plan():
     from lightning_dist.parallelize.tp import builtin_plan
 
@@ -286,6 +316,10 @@ CASES = {
                                         ["blocks.0.fc (Linear, rowwise) expects an input split", "'colwise'"]),
     "tp-plan-output-left-split": (lambda t: _plan({"head": "colwise"}), ValueError,
                                   ["head (Linear, colwise) leaves its output split", "colwise_gather"]),
+    "tp-plan-styles-swapped": (lambda t: _styles_swapped(), ValueError,
+                               ["blocks.0.attn (and 1 more like it", "['q', 'k'] 'rowwise' run(s) before",
+                                "['v', 'proj'] 'colwise' run(s) after", "'blocks.*.attn.q': 'colwise'",
+                                "'blocks.*.attn.v': 'colwise', 'blocks.*.attn.proj': 'rowwise'"]),
     "tp-plan-pattern-two-paths": (lambda t: _two_paths(), ValueError, ["'head'", "matches 2 paths", "write the full path"]),
     "tp-auto-no-plan": (lambda t: _auto_no_plan(), ValueError,
                         ["No built-in tensor-parallel plan matches", "A plan to start from", "rowwise"]),
@@ -303,6 +337,10 @@ CASES = {
     "pipeline-microbatches-zero": (lambda t: _schedule("gpipe", 2, 0), ValueError,
                                    ["n_microbatches=0", "integer >= 1"]),
     "pipeline-zb-stages": (lambda t: _schedule("zero_bubble", 2, 4, 1), ValueError, ["stages_per_rank=2", "got 1"]),
+    "pipeline-head-registered-first": (lambda t: _head_registered_first(), ValueError,
+                                       ["registers its children in the order emb -> head -> blocks",
+                                        "runs them as emb -> blocks -> head", "registration order",
+                                        "assign emb then blocks then head"]),
     "pipeline-consolidated-file": (lambda t: PipelineStrategy(save_distributed_checkpoint=False), ValueError,
                                    ["save_distributed_checkpoint=True", "dcp_to_torch_save"]),
     "pipeline-tp-sharded-output": (lambda t: _pipeline_tp({"head": "colwise"}), ValueError,

@@ -443,6 +443,23 @@ def test_mesh_sync_batchnorm_config_and_lifecycle_errors():
         _trainer(max_steps=1, callbacks=[MeshSyncBatchNorm()]).fit(LateBatchNorm(late=True))
 
 
+def test_mesh_sync_batchnorm_warns_once_on_a_model_without_batchnorm(recwarn):
+    """Without any BatchNorm the callback would do nothing: it says so once (issue 29: was a silent no-op)."""
+    class NoBatchNorm(LateBatchNorm):
+        def __init__(self):
+            super().__init__(late=False)
+            self.net = nn.Sequential(nn.Linear(2, 3), nn.LayerNorm(3))
+
+    callback = MeshSyncBatchNorm()
+    with pytest.warns(UserWarning, match=r"NoBatchNorm has no BatchNorm layer.*\(LayerNorm normalize.*Remove the"):
+        _trainer(max_steps=1, callbacks=[callback]).fit(NoBatchNorm())
+    recwarn.clear()
+    _trainer(max_steps=1, callbacks=[callback]).fit(NoBatchNorm())
+    assert not [w for w in recwarn if "no BatchNorm layer" in str(w.message)]  # once
+    _trainer(max_steps=1, callbacks=[MeshSyncBatchNorm()]).fit(LateBatchNorm(late=False))
+    assert not [w for w in recwarn if "no BatchNorm layer" in str(w.message)]  # a model with BatchNorm: silent
+
+
 def test_callbacks_from_a_cli_config():
     """LightningCLI builds callbacks with jsonargparse from `class_path`/`init_args`."""
     from jsonargparse import ArgumentParser
@@ -507,6 +524,21 @@ def test_gradient_parity_catches_undivided_accumulation():
     check = GradientParityCheck(loss_fn=lambda m, b: m.loss(b))
     with pytest.raises(GradientParityError, match="relative gradient difference 1.000e\\+00"):
         _trainer(max_steps=1, precision="64-true", callbacks=[check]).fit(ParityModel(manual="undivided"))
+
+
+def test_gradient_parity_says_when_the_reference_loss_gives_no_gradient():
+    """A loss that does not reach the copy's parameters gives a zero reference gradient: the ratio over the 1e-30
+    floor is meaningless (issue 29's 1.430e+31 looked like a strategy bug), so the message says what happened."""
+    outside = ParityModel().double()  # a network the copy does not hold: the "loss" never touches the copy's parameters
+    check = GradientParityCheck(loss_fn=lambda m, b: outside.loss(b) if m is not live[0] else m.loss(b))
+    live = []
+
+    class Model(ParityModel):
+        def on_fit_start(self):
+            live.append(self)
+
+    with pytest.raises(GradientParityError, match=r"e\+\d\d.*gave no gradient at all.*Pass `loss_fn="):
+        _trainer(max_steps=1, precision="64-true", callbacks=[check]).fit(Model())
 
 
 def test_unsharded_clone_of_fsdp2_modules(one_rank_group):

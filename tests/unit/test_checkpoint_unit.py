@@ -203,3 +203,57 @@ def test_a_tied_weight_saved_once_loads_into_every_copy_and_consolidates_to_ever
     plain[1].weight = plain[0].weight
     plain.load_state_dict(state, strict=True)
     assert torch.equal(plain[1].weight, whole[0].weight)
+
+
+def test_a_pipeline_checkpoint_resumes_under_a_data_parallel_strategy(tmp_path):
+    """A pipeline checkpoint keys its optimizer state by parameter name (``param_groups.<name>.lr``) and holds a
+    weight tied across stages once; ``load`` (what hsdp/tp resume with) reads both into the plain model and its
+    optimizer (issue 29: was ``Missing key in checkpoint state_dict: optimizer_0.param_groups.0.lr``)."""
+    from lightning_dist.parallelize.pipeline_tied import save_tied_once
+
+    def tied_net():
+        net = nn.Module()
+        net.emb, net.mid, net.head = nn.Embedding(6, 4), nn.Linear(4, 4), nn.Linear(4, 6, bias=False)
+        net.head.weight = net.emb.weight
+        return net
+
+    def run(net, opt, steps):
+        for _ in range(steps):
+            opt.zero_grad()
+            net.head(net.mid(net.emb(torch.tensor([[1, 2, 3]])))).square().sum().backward()
+            opt.step()
+
+    torch.manual_seed(0)
+    net = tied_net()
+    opt = torch.optim.AdamW([{"params": [net.emb.weight]}, {"params": net.mid.parameters(), "lr": 0.02}], lr=0.01)
+    run(net, opt, 2)
+    keys = [("emb.weight", ("emb.weight", "head.weight"), True)]  # what the pipeline stages save of the tied weight
+    path = tmp_path / "pipe.ckpt"
+    ckpt.save({"state_dict": save_tied_once(ckpt.model_state(net, full=False), keys),
+               "optimizer_states": [save_tied_once(ckpt.name_keyed_optimizer_state(net, opt), keys, optimizer=True)],
+               ckpt.TIED_KEY: {"head.weight": "emb.weight"}, "epoch": 3}, path, sharded=True)
+
+    torch.manual_seed(1)
+    other = tied_net()
+    other_opt = torch.optim.AdamW([{"params": [other.emb.weight]}, {"params": other.mid.parameters(), "lr": 0.02}],
+                                  lr=0.01)
+    meta = ckpt.load(path, model=other, optimizers=[other_opt])
+    assert meta["epoch"] == 3
+    assert other.head.weight is other.emb.weight
+    for (name, p), q in zip(net.named_parameters(), other.parameters()):
+        assert torch.equal(p, q), name
+        for slot in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(opt.state[p][slot], other_opt.state[q][slot]), (name, slot)
+    assert [g["lr"] for g in other_opt.param_groups] == [0.01, 0.02]
+    run(net, opt, 1), run(other, other_opt, 1)  # the resumed run takes the same next step
+    assert all(torch.equal(p, q) for p, q in zip(net.parameters(), other.parameters()))
+
+
+def test_a_pipeline_checkpoint_with_another_optimizer_is_refused_naming_the_entry(tmp_path):
+    net = nn.Sequential(nn.Linear(3, 3))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    path = tmp_path / "pipe.ckpt"
+    ckpt.save({"state_dict": ckpt.model_state(net, full=False),
+               "optimizer_states": [ckpt.name_keyed_optimizer_state(net, opt)]}, path, sharded=True)
+    with pytest.raises(ValueError, match=r"no optimizer entry '[^']+' \(of \d+ missing\).*same model and optimizers"):
+        ckpt.load(path, model=net, optimizers=[torch.optim.Adam(net.parameters())])

@@ -436,6 +436,32 @@ def test_cli_plan_model_json(capsys):
     assert ddp["wire_bytes"] == pytest.approx(2 * 1 / 2 * 55 * 4)
 
 
+def test_cli_plan_model_from_a_file_or_the_working_folder(tmp_path):
+    """`--model ./my_model.py`, `./my_model.py:Net`, `my_model.Net` and `my_model:Net` from the folder holding the
+    file, as LightningCLI users type them (issue 29: 'the package argument is required' / 'No module named').
+    Run as the console script runs (`-P`: the working folder is not on sys.path by itself)."""
+    import subprocess
+    import sys
+
+    (tmp_path / "my_model.py").write_text(
+        "from torch import nn\n\nclass Net(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+        "        self.fc = nn.Linear(10, 5)\n")
+    (tmp_path / "two.py").write_text("from torch import nn\nclass A(nn.Linear): pass\nclass B(nn.Linear): pass\n")
+    code = ("import json, sys; from lightning_dist.cli import main;"
+            " sys.exit(main(['plan', '--model', sys.argv[1], '--world-size', '2', '--json']))")
+    for model in ("./my_model.py", "./my_model.py:Net", str(tmp_path / "my_model.py") + ":Net", "my_model.Net",
+                  "my_model:Net"):
+        run = subprocess.run([sys.executable, "-P", "-c", code, model], cwd=tmp_path, capture_output=True, text=True)
+        assert run.returncode == 0, (model, run.stderr)
+        assert json.loads(run.stdout)["params"] == 55, model
+    for model, needle in [("./two.py", "defines 2 nn.Module classes ['A', 'B']; name the one to build: './two.py:B'"),
+                          ("./absent.py:Net", "'./absent.py' is not a Python file (not found)"),
+                          ("absent.Net", "No module named 'absent' (searched sys.path and the working folder")]:
+        run = subprocess.run([sys.executable, "-P", "-c", code, model], cwd=tmp_path, capture_output=True, text=True)
+        assert run.returncode == 2 and needle in run.stderr, (model, run.stderr)
+        assert "./my_model.py:Net" in run.stderr or "two.py" in model  # the accepted forms are shown
+
+
 def test_cli_plan_config_and_plot(tmp_path, capsys):
     pytest.importorskip("matplotlib", reason="matplotlib (the `plot` extra) is not installed")
     cfg = tmp_path / "cli.yaml"
