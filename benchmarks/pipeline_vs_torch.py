@@ -18,7 +18,7 @@ per stage, stages 0, 2 on rank 0) and the same SGD, trained:
 Per (vocabulary, schedule) it prints the median step time of each side (steps after warm-up, the slower
 rank), their ratio pack / hand, and the bytes per op of one step on rank 0 from the pack's
 ``CommunicationLedger`` and from the same recorder around one hand step. The rounds alternate (hand,
-pack, hand, pack) so a slow moment of the machine hits both. ``--profile`` prints the cProfile top of one
+pack, pack, hand, ...) so a slow moment of the machine hits both. ``--profile`` prints the cProfile top of one
 step of each side on rank 0.
 """
 
@@ -230,12 +230,15 @@ def _worker(args: argparse.Namespace) -> None:
     for vocab in args.vocabs:
         for schedule in args.schedules:
             hand, pack, prof = [], [], {}
-            for r in range(args.rounds):  # alternating: a slow spell of the machine hits both sides
+            for r in range(args.rounds):  # alternating (hand, pack, pack, hand, ...): a slow spell hits both sides
                 last = args.profile and r == args.rounds - 1
-                times, hand_ops, prof["hand"] = _hand_times(vocab, schedule, args.steps, args.warmup, last)
-                hand += times
-                times, _, prof["pack"] = _pack_times(vocab, schedule, args.steps, args.warmup, last)
-                pack += times
+                for side in (("hand", "pack") if r % 2 == 0 else ("pack", "hand")):
+                    if side == "hand":
+                        times, hand_ops, prof["hand"] = _hand_times(vocab, schedule, args.steps, args.warmup, last)
+                        hand += times
+                    else:
+                        times, _, prof["pack"] = _pack_times(vocab, schedule, args.steps, args.warmup, last)
+                        pack += times
             _, pack_ops, _ = _pack_times(vocab, schedule, 2, 1, False, ledger=True)
             h, p = _slowest(statistics.median(hand)), _slowest(statistics.median(pack))
             row = {"vocab": vocab, "vocab_per_width": vocab / WIDTH, "schedule": schedule, "hand_ms": 1e3 * h,
@@ -262,7 +265,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=8, help="timed steps per round and side")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=2, help="alternating hand/pack rounds")
+    parser.add_argument("--rounds", type=int, default=4, help="alternating hand/pack rounds")
     parser.add_argument("--vocabs", type=int, nargs="+", default=[32 * WIDTH, 2 * WIDTH])
     parser.add_argument("--schedules", nargs="+", default=["1f1b", "interleaved_1f1b"])
     parser.add_argument("--profile", action="store_true")
