@@ -87,9 +87,10 @@ def build_schedule(
 class PipelineRunner:
     """This rank's pipeline stages and the schedules that run them: one per (training?, input shape, dtype, m).
 
-    ``step`` runs one schedule over a batch (forward and backward with a loss, forward only without) and
-    returns the last stage's output on every rank of the pp group; ``from_last_stage`` broadcasts any tensor
-    the last stage holds. The gradients stay in ``.grad`` of the stage parameters, averaged over micro-batches.
+    ``step`` runs one schedule over a batch (forward and backward with a loss, forward only without): the
+    output stays on the last stage's rank, the batch loss goes to every rank of the pp group (one scalar);
+    ``output_meta`` / ``from_last_stage`` give every rank the output's shape, or any tensor the last stage
+    holds. The gradients stay in ``.grad`` of the stage parameters, averaged over micro-batches.
     """
 
     def __init__(self, views: Sequence[nn.Module], local_stages: Sequence[int], stage_ranks: Sequence[int], *,
@@ -105,8 +106,10 @@ class PipelineRunner:
 
     def step(self, x: torch.Tensor, *, n_microbatches: int, loss_fn: Optional[Callable] = None, target: Any = None,
              timeline: Optional[list] = None, kwargs: Optional[dict] = None
-             ) -> tuple[torch.Tensor, Optional[torch.Tensor], dict]:
+             ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], dict]:
         """Run the schedule on `x` (used on the first stage's rank); returns (output, loss, record).
+
+        output: the network's output on the last stage's rank (the micro-batches' outputs joined), else None.
 
         kwargs: more inputs every stage takes (an attention mask, position ids): torch's schedule splits each
         tensor into the micro-batches along dim 0, like `x`, and passes every stage its micro-batch's values.
@@ -136,11 +139,24 @@ class PipelineRunner:
         out = sched.step(*((x,) if 0 in self.local_stages else ()), **kw, **kwargs)
         end = time.perf_counter()
         record = {"start": start, "end": end, "peak_held": {st.stage_index: st.peak_held for st in stages}}
-        out = self.from_last_stage(out, ("out", train, tuple(x.shape)))
+        out = out if has_last else None
         loss = None
         if train:
             loss = self.from_last_stage(torch.stack([l.detach() for l in losses]).sum() if losses else None, ("loss",))
         return out, loss, record
+
+    def output_meta(self, value: Optional[torch.Tensor], key: tuple) -> tuple[tuple[int, ...], torch.dtype]:
+        """(shape, dtype) of a tensor held by the last stage's rank, on every pp rank (one object broadcast per
+        `key`, then cached: shapes are fixed per input shape)."""
+        if self.group is None:
+            assert value is not None
+            return tuple(value.shape), value.dtype
+        if key not in self._meta:
+            meta = [(tuple(value.shape), value.dtype) if value is not None else None]
+            src = dist.get_global_rank(self.group, self.stage_ranks[-1])
+            dist.broadcast_object_list(meta, src=src, group=self.group, device=self.device)
+            self._meta[key] = meta[0]
+        return self._meta[key]
 
     def from_last_stage(self, value: Optional[torch.Tensor], key: tuple) -> torch.Tensor:
         """Broadcast a tensor held by the last stage's rank to the whole pp group (shapes cached per `key`)."""
@@ -148,11 +164,7 @@ class PipelineRunner:
             assert value is not None
             return value.detach()
         src = dist.get_global_rank(self.group, self.stage_ranks[-1])
-        if key not in self._meta:  # shapes are fixed per input shape: one object broadcast, then cached
-            meta = [(tuple(value.shape), value.dtype) if value is not None else None]
-            dist.broadcast_object_list(meta, src=src, group=self.group, device=self.device)
-            self._meta[key] = meta[0]
-        shape, dtype = self._meta[key]
+        shape, dtype = self.output_meta(value, key)
         buf = value.detach().contiguous() if value is not None else torch.empty(shape, dtype=dtype, device=self.device)
         dist.broadcast(buf, src=src, group=self.group)
         return buf

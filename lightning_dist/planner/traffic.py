@@ -29,7 +29,9 @@ calls) and its ring-algorithm *wire* bytes (what one device sends, = what it rec
   blocks are counted (not a vocabulary-parallel embedding or loss-parallel head).
 * Pipeline: per micro-batch, each stage boundary carries the activation forward and its gradient back;
   an interior stage sends ``2 m v A`` bytes per step (``A`` = activation bytes per micro-batch,
-  :func:`pipeline_p2p_traffic`). Idle (bubble) fraction of a step with equal stage times:
+  :func:`pipeline_p2p_traffic`): all the runtime sends, besides the batch loss (one scalar broadcast
+  from the last stage, left out). The network's output stays on the last stage (``broadcast_output=True``
+  would add its bytes per step to every pp rank; not planned). Idle (bubble) fraction of a step with equal stage times:
   GPipe and 1F1B ``(p - 1) / (m + p - 1)``; interleaved 1F1B ``(p - 1) / (v m + p - 1)``.
 
 "Per step" is one forward + backward + optimizer step; with ``k`` gradient-accumulation micro-steps FSDP
@@ -240,7 +242,8 @@ def pipeline_p2p_traffic(
 ) -> list[Collective]:
     """Stage-boundary traffic per step for an interior rank: each micro-batch's activation
     (``activation_bytes``) goes forward and its gradient back at each of the rank's ``v`` stages:
-    ``2 m v A`` bytes sent (and the same received). Empty for a single stage."""
+    ``2 m v A`` bytes sent (and the same received); the output is not broadcast (the loss is computed on the
+    last stage, every rank gets it as one scalar, left out here). Empty for a single stage."""
     _check_count("activation_bytes", activation_bytes)
     _check_size("micro_batches", micro_batches)
     _check_size("stages", stages)

@@ -1,11 +1,13 @@
 """The training-step side of :class:`~lightning_dist.strategies.pipeline.PipelineStrategy`.
 
-``training_step``/``validation_step``/``predict_step`` stay as they are: calling the network runs the
-whole schedule (forward and backward in training, forward only otherwise) and returns the last stage's
-output on every pipeline rank, so the loss computed from it, ``self.log`` and the progress bar see the
-single-device value. The gradients come from the schedule (the mean of ``pipeline_loss`` over the
-micro-batches); terms the returned loss adds on the parameters (a weight penalty) get their gradients in
-``backward``, and a loss that uses the output otherwise is refused on every rank. They are
+Calling the network inside ``training_step`` runs the whole schedule (forward and backward; forward only in
+evaluation). The output stays on the last stage; every pp rank gets the batch loss as one scalar and a
+:class:`~lightning_dist.parallelize.pipeline_output.PipelineOutput` stand-in that answers
+``self.pipeline_loss(out, target)`` (HF: ``out.loss``) with it and refuses any other use, on every rank
+(``broadcast_output=True``, and predict: the whole output broadcast instead). The gradients come from the
+schedule (the mean of ``pipeline_loss`` over the micro-batches); terms the returned loss adds on the
+parameters (a weight penalty) get their gradients in ``backward``, and a returned loss that does not hold
+exactly one copy of the pipeline's loss is refused on every rank (a check on the scalar). They are
 held aside during ``training_step`` and added to ``.grad`` in the strategy's ``backward``, so Lightning's
 closure (training_step -> zero_grad -> backward), gradient accumulation and manual optimization keep
 their meaning. Gradient-norm clipping uses the global norm across stages (and FSDP shards).
@@ -14,7 +16,7 @@ their meaning. Gradient-norm clipping uses the global norm across stages (and FS
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -22,10 +24,25 @@ from typing_extensions import override
 
 from lightning_dist.mesh import PP
 from lightning_dist.parallelize.pipeline_hf import hf_labels_loss, labelled_tokens
+from lightning_dist.parallelize.pipeline_output import (PipelineOutput, check_target, loss_leaf, output_term_problem,
+                                                     returned_loss_problem)
 from lightning_dist.parallelize.pipeline_schedule import returned_loss_gradients
 from lightning_dist.parallelize.pipeline_setup import first_batch_problem
 from lightning_dist.parallelize.pipeline_tied import sum_tied_gradients
 from lightning_dist.strategies.base import MeshStrategy
+
+class _Served(NamedTuple):
+    """One network call, for ``pipeline_loss`` and ``backward``: what the step saw, the last stage's output
+    (evaluation, on its rank), the batch loss (a leaf in training), the schedule's target, training or not."""
+
+    out: Any
+    local: Optional[Tensor]
+    loss: Optional[Tensor]
+    target: Any
+    train: bool
+    loss_fn: Any = None  # the schedule's per-micro-batch loss and micro-batch count (the opt-in's direct-use check)
+    m: int = 1
+
 
 _PENDING = object()  # training_step is running: the network call takes the target from its inputs or the batch
 # keyword inputs of a HF causal LM that every stage takes (split into micro-batches along dim 0)
@@ -59,7 +76,7 @@ class PipelineStepMixin(MeshStrategy):
         return x, {k: v for k, v in kwargs.items() if v is not None}, labels
 
     def _run(self, *args: Any, **kwargs: Any) -> Any:
-        """The pipelined network's call: the whole schedule, returning the last stage's output on every pp rank."""
+        """The pipelined network's call: the whole schedule; returns what every pp rank sees of the output."""
         x, extra, labels = self._inputs(args, kwargs)
         module = self.lightning_module
         train = self._target is not None and torch.is_grad_enabled() and module.training
@@ -88,24 +105,57 @@ class PipelineStepMixin(MeshStrategy):
                                               kwargs=extra)
         if train:
             sum_tied_gradients(self._tied)
-            if out.is_floating_point():
-                # a leaf: `backward` finds what training_step's loss did with the output (see `_extra_gradients`)
-                out = out.detach().requires_grad_()
-                self._returned = (out, target, m, loss_fn)
             self._target = None
             self._stash = [(p, p.grad) for p in params]
             for p, g in zip(params, held):
                 p.grad = g
             self.last_loss = loss
+            loss = loss_leaf(loss)  # `backward` reads through it how the returned loss used it
             if events is not None:
                 self.timelines.append({**record, "rank": self.mesh.local_rank(PP) if self.mesh.size(PP) > 1 else 0,
                                        "events": events, "n_microbatches": m})
+        shown = self._shown_output(out, train, key=("out", train, tuple(x.shape), m))
+        if not train and labels is not None:  # HF's eval loss: computed on the last stage, a scalar to every rank
+            loss = self._runner.from_last_stage(None if out is None else hf_labels_loss(out, labels), ("loss", "eval"))
+        self._served = _Served(shown, None if train else out, loss, target, train, loss_fn, m)
         if not self._hf:
-            return out
+            return shown
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         # HF's labels convention: the model's output carries the mean loss over the labelled tokens
-        return CausalLMOutputWithPast(loss=None if labels is None else hf_labels_loss(out, labels), logits=out)
+        return CausalLMOutputWithPast(loss=None if labels is None else loss, logits=shown)
+
+    def _shown_output(self, out: Optional[Tensor], train: bool, *, key: tuple) -> Tensor:
+        """What the step sees of the output: a stand-in (default), or the whole output broadcast (the opt-in, predict)."""
+        module = self.lightning_module
+        trainer = getattr(module, "_trainer", None)
+        predicting = trainer is not None and trainer.predicting
+        assert self._runner is not None
+        if self.broadcast_output or predicting:
+            whole = self._runner.from_last_stage(out, key)
+            # a leaf: `backward` finds what training_step's loss did with the output (see `_extra_gradients`)
+            return whole.requires_grad_() if train and whole.is_floating_point() else whole
+        shape, dtype = self._runner.output_meta(out, key)
+        self._calls += 1
+        where = "training_step" if train else "an evaluation step (validation_step / test_step)"
+        return PipelineOutput(shape, dtype, self.root_device, owner=type(module).__name__, where=where, step=self._calls)
+
+    def _serve_loss(self, output: Any, target: Any, original: Any) -> Optional[Tensor]:
+        """``pipeline_loss(out, target)`` on the network call's output: the batch loss (None: not that output)."""
+        served, owner = self._served, type(self.lightning_module).__name__
+        if isinstance(output, PipelineOutput) and (served is None or output is not served.out):
+            raise RuntimeError(f"{owner}.pipeline_loss got the output of an earlier call of the pipelined network:"
+                               " call the network and its loss in the same step.")
+        if served is None or output is not served.out:
+            return None
+        if served.train:
+            check_target(served.target, target, owner)
+            return served.loss
+        if not isinstance(output, PipelineOutput):  # the whole output is here (opt-in, predict): computed as usual
+            return None
+        assert self._runner is not None
+        value = None if served.local is None else original(served.local, target)  # the whole batch: one device's value
+        return self._runner.from_last_stage(value, ("loss", "eval"))
 
     def _loss_of_step(self, labels: Optional[Tensor], m: int) -> tuple[Any, Any]:
         """The schedule's target and per-micro-batch loss: HF ``labels``, or ``pipeline_target``/``pipeline_loss``."""
@@ -118,7 +168,8 @@ class PipelineStepMixin(MeshStrategy):
         if not callable(getattr(module, "pipeline_loss", None)):
             raise ValueError(f"{type(module).__name__} has no `pipeline_loss(output, target)` method and the network"
                              " call got no `labels`: the pipeline schedule needs a loss for each micro-batch.")
-        return self._pipeline_target(self._batch), module.pipeline_loss
+        loss = module.pipeline_loss
+        return self._pipeline_target(self._batch), getattr(loss, "__wrapped__", loss)  # the user's own, not the server
 
     def _pipeline_target(self, batch: Any) -> Tensor:
         module = self.lightning_module
@@ -171,31 +222,44 @@ class PipelineStepMixin(MeshStrategy):
     def _extra_gradients(self, loss: Tensor, scale: float) -> list[tuple[Tensor, Tensor]]:
         """Gradients of the terms of training_step's loss that the schedule did not back-propagate.
 
-        The schedule back-propagated the mean of ``pipeline_loss`` over the micro-batches. The returned loss
-        may add terms on the parameters (a weight penalty): their gradients, on the parameters this rank
-        holds, are returned here to be added. A loss that uses the network's output otherwise than that
-        mean (a scaled loss, a term on the output) would need another backward through every stage: refused,
-        on every rank (one flag all-reduced), before any gradient is applied.
+        The schedule back-propagated the mean of ``pipeline_loss`` over the micro-batches; the step's loss
+        (what ``pipeline_loss(out, target)`` / ``out.loss`` answered) is a leaf, so one backward through the
+        returned loss's own small graph gives its gradient on that leaf (it must be ``scale``: one copy of the
+        loss, as the schedule assumed; checked on the scalar, one verdict on every rank) and the gradients of
+        the other terms (weight penalties) on the parameters this rank holds. With ``broadcast_output=True``
+        a loss computed from the output directly is compared with the schedule's (a loss pass over the output).
         """
-        returned, self._returned = self._returned, None
-        if returned is None or not isinstance(loss, Tensor) or not loss.requires_grad:
+        served, self._served = self._served, None
+        if served is None or not served.train:
             return []
-        out, target, m, loss_fn = returned
-        differs, extra = returned_loss_gradients(
-            loss, out, target, n_microbatches=m, scale=scale, pipeline_loss=loss_fn,
-            params=[p for p in self.model.parameters() if p.requires_grad])
+        owner = type(self.lightning_module).__name__
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        direct = isinstance(served.out, Tensor) and not isinstance(served.out, PipelineOutput) and served.out.requires_grad
+        if not isinstance(loss, Tensor) or not loss.requires_grad:
+            raise ValueError(returned_loss_problem(None, scale, owner))
+        inputs = [served.loss, *([served.out] if direct else []), *params]
+        grads = list(torch.autograd.grad(loss, inputs, allow_unused=True, retain_graph=direct))
+        d_loss = grads.pop(0)
+        if direct and grads.pop(0) is not None:  # the opt-in output used outside pipeline_loss
+            if d_loss is not None:
+                raise ValueError(output_term_problem(owner))
+            return self._direct_output_gradients(loss, served, scale, params)
+        problem = returned_loss_problem(d_loss, scale, owner)
+        if problem is not None:
+            raise ValueError(problem)
+        return [(p, g) for p, g in zip(params, grads) if g is not None]
+
+    def _direct_output_gradients(self, loss: Tensor, served: "_Served", scale: float,
+                                 params: list[Tensor]) -> list[tuple[Tensor, Tensor]]:
+        """``broadcast_output=True`` and a loss computed from the output itself: its gradient on the output must be
+        the schedule's (one more loss pass over the output, on every rank; one flag all-reduced)."""
+        differs, extra = returned_loss_gradients(loss, served.out, served.target, n_microbatches=served.m, scale=scale,
+                                                 pipeline_loss=served.loss_fn, params=params)
         mismatch = torch.tensor(float(differs), device=self.root_device)
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(mismatch, op=torch.distributed.ReduceOp.MAX)
         if mismatch.item():
-            name = type(self.lightning_module).__name__
-            raise ValueError(
-                f"{name}.training_step returned a loss that uses the network's output differently from the mean of"
-                f" `pipeline_loss` over the micro-batches, which is all the pipeline schedule back-propagates through the"
-                " stages (e.g. a scaled loss, or an extra term on the output): that part of its gradient would be lost."
-                f" Put every term that depends on the output into `{name}.pipeline_loss(output, target)` (the mean loss"
-                " of one micro-batch); terms on the parameters alone (weight penalties) may stay in training_step."
-            )
+            raise ValueError(output_term_problem(type(self.lightning_module).__name__))
         return extra
 
     @override

@@ -20,8 +20,10 @@ What the LightningModule must provide (checked on every rank before the first co
 * a forward that is its children run in order: checked on ``example_input_array`` before any collective,
   else on the first micro-batch against a host copy of the unsplit network (one verdict for all ranks).
 
-``training_step``/``validation_step``/``predict_step`` stay as they are: calling the network runs the
-whole schedule and returns the last stage's output on every pipeline rank (see
+Calling the network in ``training_step``/``validation_step`` runs the whole schedule; only the boundary
+activations and their gradients cross the pp group, plus the batch loss as a scalar: every rank's step sees
+a stand-in output that answers ``self.pipeline_loss(out, target)`` / HF ``out.loss`` and refuses other uses
+(``broadcast_output=True`` gives the whole output; predict always does; see
 :mod:`~lightning_dist.strategies._pipeline_step`). Checkpoints are sharded, each stage writing its own keys,
 and load into any pipeline layout or, consolidated, into the plain single-device module (see
 :mod:`~lightning_dist.strategies._pipeline_checkpoints`).
@@ -44,6 +46,7 @@ from lightning_dist.parallelize import ParallelizeConfig, pipeline_model
 from lightning_dist.parallelize import pipeline_setup as checks
 from lightning_dist.parallelize.ac import ACOption, ac_problems, check_offload_device
 from lightning_dist.parallelize.pipeline_hf import is_hf_causal_lm
+from lightning_dist.parallelize.pipeline_output import serve_pipeline_loss, unserve_pipeline_loss
 from lightning_dist.parallelize.pipeline_schedule import SCHEDULES, PipelineRunner, schedule_problems
 from lightning_dist.parallelize.pipeline_tied import tied_checkpoint_keys
 from lightning_dist.parallelize.tp import TPEntry, format_plan, resolve_stage_plan
@@ -88,6 +91,11 @@ class PipelineStrategy(PipelineStepMixin, PipelineCheckpointMixin, MeshStrategy)
             :mod:`lightning_dist.parallelize.ac`).
         selective_ac_ops: the ops whose outputs ``"selective"`` keeps; default ``ac.SELECTIVE_AC_OPS``.
         offload_activations: the saved tensors of each (uncheckpointed) block to pinned host memory; CUDA only.
+        broadcast_output: give every pp rank the network's whole output in training and evaluation (it is
+            broadcast from the last stage each step: its bytes to every pp rank, plus, for a loss computed from
+            it directly, one loss pass over it to check the gradient). Default False: the steps see a stand-in
+            that answers ``pipeline_loss(out, target)`` / HF ``out.loss`` with the batch loss (a scalar) and
+            refuses any other use. Predict always broadcasts (its loop returns the values).
         **kwargs: mesh and checkpoint options of :class:`MeshStrategy` (``dp_replicate``, ``dp_shard``...).
     """
 
@@ -111,6 +119,7 @@ class PipelineStrategy(PipelineStepMixin, PipelineCheckpointMixin, MeshStrategy)
         activation_checkpointing: ACOption = False,
         selective_ac_ops: Optional[Sequence[str]] = None,
         offload_activations: bool = False,
+        broadcast_output: bool = False,
         **kwargs: Any,
     ) -> None:
         checks.check_options(type(self).__name__, schedule=schedule, compile=compile, tp_plan=tp_plan, options=kwargs)
@@ -121,6 +130,7 @@ class PipelineStrategy(PipelineStepMixin, PipelineCheckpointMixin, MeshStrategy)
         super().__init__(pp=1 if pp is None else pp, tp=tp, **kwargs)
         self.tp_plan = dict(tp_plan) if isinstance(tp_plan, Mapping) else tp_plan
         self.compile = compile
+        self.broadcast_output = bool(broadcast_output)
         self.activation_checkpointing = activation_checkpointing
         self.selective_ac_ops = selective_ac_ops
         self.offload_activations = offload_activations
@@ -149,7 +159,9 @@ class PipelineStrategy(PipelineStepMixin, PipelineCheckpointMixin, MeshStrategy)
         # (checkpoint key, keys of its copies, saved by this rank) of each tied parameter: saved once
         self._tied_keys: list[tuple[str, tuple[str, ...], bool]] = []
         self._stash: Optional[list[tuple[Tensor, Optional[Tensor]]]] = None
-        self._returned: Optional[tuple[Tensor, Any, int]] = None  # (output leaf, target, micro-batches) of the step
+        self._served: Any = None  # the last network call: what the step saw of the output, its loss (see `_run`)
+        self._calls = 0  # network calls so far: a stand-in names the call it came from
+        self._own_loss: Any = None  # the module's pipeline_loss while the strategy serves it (see `setup`)
         self._unsplit: Optional[nn.Module] = None  # CPU copy of the network until the first batch checked the stages
 
     # ---- configuration -------------------------------------------------------------------------
@@ -289,11 +301,18 @@ class PipelineStrategy(PipelineStepMixin, PipelineCheckpointMixin, MeshStrategy)
                 " `accumulate_grad_batches` for accumulation."
             )
         super().setup(trainer)
+        module = self.lightning_module
+        if getattr(module.__dict__.get("pipeline_loss"), "__wrapped__", None) is None:
+            # `self.pipeline_loss(out, target)` on the network call's output answers with the pipeline's batch loss
+            self._own_loss = serve_pipeline_loss(module, self._serve_loss)
 
     @override
     def teardown(self) -> None:
         if self._runner is not None:
             self._runner.clear()
+        if self.lightning_module is not None:
+            unserve_pipeline_loss(self.lightning_module, self._own_loss)
+        self._own_loss, self._served = None, None
         super().teardown()
 
 

@@ -158,6 +158,24 @@ def test_pp2_x_dp2_x_tp2_parity():
 
 
 @pytest.mark.distributed
+def test_pp2_ledger_pp_traffic_is_the_boundary_only(pp2):
+    """Issue 24: per step the pp group exchanges the boundary activations and gradients plus O(1) scalars;
+    the output (16 x 256 float64 = 32 kB here) crosses only with broadcast_output=True."""
+    rows = [r for r in pp2 if r["kind"] == "ledger"]
+    assert len(rows) == 2
+    for r in rows:
+        default, opt_in = r["rows"]["False"], r["rows"]["True"]
+        # 4 micro-batches of 4 x 16 float64: rank 0 sends activations and receives gradients, rank 1 the reverse
+        assert default["send/pp"] == default["recv/pp"] == r["boundary"] / 2, default
+        pp_total = sum(v for k, v in default.items() if k.endswith("/pp"))
+        assert pp_total - r["boundary"] < 1024, default
+        assert sum(v for k, v in opt_in.items() if k.endswith("/pp")) - r["boundary"] >= r["output"], opt_in
+    # the loss each rank logged (sync_dist) is the same value on both ranks, with or without the opt-in
+    assert rows[0]["rows"]["logged_False"] == rows[1]["rows"]["logged_False"] == pytest.approx(
+        rows[0]["rows"]["logged_True"], rel=1e-12)
+
+
+@pytest.mark.distributed
 def test_pp2_bubble_callback_records_the_timeline(pp2):
     rows = {(r["schedule"], r["rank"]): r for r in pp2 if r["kind"] == "bubble"}
     assert len(rows) == 6
@@ -188,7 +206,7 @@ def test_pp2_silent_cases_match_one_device_or_refuse_on_every_rank(pp2):
     for r in pp2:
         if r["kind"] == "silent":
             rows.setdefault(r["case"], []).append(r)
-    assert all(len(v) == 2 for v in rows.values()) and len(rows) == 5, {k: len(v) for k, v in rows.items()}
+    assert all(len(v) == 2 for v in rows.values()) and len(rows) == 9, {k: len(v) for k, v in rows.items()}
     # 1: residual adds in the network's own forward, with and without example_input_array: refused, naming the adds
     for case in ("residual_first_batch", "residual_example"):
         for r in rows[case]:
@@ -202,6 +220,21 @@ def test_pp2_silent_cases_match_one_device_or_refuse_on_every_rank(pp2):
     for r in rows["scaled_output_loss"]:
         assert r["type"] == "ValueError" and "uses the network's output differently" in r["message"], r
         assert "pipeline_loss(output, target)" in r["message"], r
+    # a term on the output outside pipeline_loss (the output exists on the last stage only): refused on every rank
+    for r in rows["output_term"]:
+        assert r["type"] == "ValueError" and "used the pipelined network's output (`pow`)" in r["message"], r
+        assert "pipeline_loss(output, target)" in r["message"] and "broadcast_output=True" in r["message"], r
+    # the output's values used by training_step (F.cross_entropy on it): refused on every rank, naming the opt-in ...
+    for r in rows["direct_use"]:
+        assert r["type"] == "ValueError" and "(`cross_entropy`) in training_step" in r["message"], r
+        assert "broadcast_output=True" in r["message"], r
+    # ... served with the opt-in (the output broadcast): one-device parity, the same logged loss on both ranks
+    assert rows["direct_broadcast"][0]["logged"] == rows["direct_broadcast"][1]["logged"]
+    for r in rows["direct_broadcast"]:
+        assert r["diff"] <= TOL, r
+    # ... where a scaled loss computed from the output is still refused
+    for r in rows["direct_scaled_broadcast"]:
+        assert r["type"] == "ValueError" and "uses the network's output differently" in r["message"], r
     # 7: the same nn.Linear used twice, both uses on stage 0 (split=[5]): trains as on one device
     for r in rows["shared_linear"]:
         assert r["diff"] <= TOL and r["split"] == [[0, 1, 2, 3, 4], [5, 6]], r

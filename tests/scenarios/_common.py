@@ -80,9 +80,12 @@ class Classifier(pl.LightningModule):
     def forward(self, x):
         return self.model(x)
 
+    def pipeline_loss(self, output, target):  # the loss of one batch (PipelineStrategy: of one micro-batch)
+        return F.cross_entropy(output, target)
+
     def training_step(self, batch, batch_idx):
         x, y = batch
-        loss = F.cross_entropy(self(x), y)
+        loss = self.pipeline_loss(self(x), y)  # PipelineStrategy serves it on every pp rank (a scalar)
         self.log("train_loss", loss, sync_dist=True)
         self.seen += len(x)
         return loss

@@ -338,8 +338,10 @@ def part_dropin_mesh(devices: int) -> dict:
 
     return {"hsdp": part_dropin(devices, lambda: HybridShardStrategy(shard_size=2)),
             "tp": part_dropin(devices, lambda: TensorParallelStrategy(tp=2)),
+                    # the steps compute metrics from the logits: the opt-in gives every pp rank the whole output
                     "pipeline": part_dropin(devices, lambda: PipelineStrategy(pp=2, n_microbatches=2, split="params",
-                                                                   network="net"), model_cls=PipeDropIn, pipeline=True)}
+                                                                   network="net", broadcast_output=True),
+                                            model_cls=PipeDropIn, pipeline=True)}
 
 
 # ---- SyncBatchNorm, directly on the process group ----------------------------------------------
@@ -717,8 +719,8 @@ class PipeParityModel(_PerturbLocal, ParityModel):
 def part_pipeline(devices: int) -> dict:
     from lightning_dist.strategies import PipelineStrategy
 
-    def pipe(**kwargs):
-        return PipelineStrategy(pp=2, n_microbatches=2, split="params", network="net", **kwargs)
+    def pipe(**kwargs):  # the models' steps use the output's values (metrics, a loss on it): the opt-in serves them
+        return PipelineStrategy(pp=2, n_microbatches=2, split="params", network="net", broadcast_output=True, **kwargs)
 
     # exact evaluation through the pipeline, 31 samples in batches of 6, the last one padded to 6 as well
     # (full_batches: one forward program for every step). pp2 x dp2: 16 per dp rank (one padding row on dp
@@ -727,7 +729,7 @@ def part_pipeline(devices: int) -> dict:
     loaders = {"train": DataLoader(ds, batch_size=4), "val": DataLoader(ds, batch_size=6), "test": None}
     out = {}
     for name, strategy, hidden in (("exact", pipe(), 1), ("exact_pp4", PipelineStrategy(
-            pp=4, n_microbatches=4, split="params", network="net"), 3)):
+            pp=4, n_microbatches=4, split="params", network="net", broadcast_output=True), 3)):
         model, cb = PipeEvalModel(loaders, hidden), ExactEvaluation(mode="mask", full_batches=True)
         plain = copy.deepcopy(model.net).double()  # lr 0: the weights the pipeline evaluates with
         t = trainer(devices, strategy=strategy, max_epochs=1, limit_train_batches=1, num_sanity_val_steps=0,

@@ -65,7 +65,7 @@ class Quiet(Classifier):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        return F.cross_entropy(self(x), y)
+        return self.pipeline_loss(self(x), y)
 
 
 def classifier() -> Classifier:

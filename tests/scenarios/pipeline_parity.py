@@ -45,13 +45,15 @@ class PipeClassifier(Classifier):
         return F.cross_entropy(output, target)
 
     def training_step(self, batch, batch_idx):
-        loss = super().training_step(batch, batch_idx)
+        x, y = batch  # the pattern every pp rank serves: the loss through pipeline_loss (a scalar on each rank)
+        loss = self.pipeline_loss(self(x), y)
+        self.log("train_loss", loss, sync_dist=True)
         self.step_losses.append(loss.item())
         return loss
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
-        self.log("val_loss", F.cross_entropy(self(x), y), sync_dist=True)
+        self.log("val_loss", self.pipeline_loss(self(x), y), sync_dist=True)
 
     def predict_step(self, batch, batch_idx):
         return self(batch)
@@ -235,7 +237,7 @@ def silent_cases():
     class Penalized(PipeClassifier):  # case 5: an L2 term on the parameters in training_step
         def training_step(self, batch, batch_idx):
             x, y = batch
-            return F.cross_entropy(self(x), y) + L2 * sum(p.pow(2).sum() for p in self.parameters())
+            return self.pipeline_loss(self(x), y) + L2 * sum(p.pow(2).sum() for p in self.parameters())
 
     torch.manual_seed(0)
     ref = single_device(MLP(depth=DEPTH), 3, l2=L2)
@@ -246,13 +248,42 @@ def silent_cases():
     class Scaled(PipeClassifier):  # a term on the output the schedule cannot back-propagate: refused
         def training_step(self, batch, batch_idx):
             x, y = batch
+            return 2 * self.pipeline_loss(self(x), y)
+
+    class OutputTerm(PipeClassifier):  # a term on the output outside pipeline_loss: refused on every rank
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            out = self(x)
+            return self.pipeline_loss(out, y) + 1e-3 * out.pow(2).mean()
+
+    class Direct(PipeClassifier):  # the loss computed from the output values: served only by broadcast_output=True
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = F.cross_entropy(self(x), y)
+            self.log("train_loss", loss, sync_dist=True)
+            return loss
+
+    class DirectScaled(PipeClassifier):
+        def training_step(self, batch, batch_idx):
+            x, y = batch
             return 2 * F.cross_entropy(self(x), y)
 
-    try:
-        fit(PipelineStrategy(pp=2, split="params"), 1, module=Scaled())
-        emit(kind="silent", case="scaled_output_loss", message=None)
-    except ValueError as err:
-        emit(kind="silent", case="scaled_output_loss", type=type(err).__name__, message=str(err))
+    for case, module, kw in (("scaled_output_loss", Scaled, {}), ("output_term", OutputTerm, {}),
+                             ("direct_use", Direct, {}), ("direct_scaled_broadcast", DirectScaled,
+                                                         {"broadcast_output": True})):
+        try:
+            fit(PipelineStrategy(pp=2, split="params", **kw), 1, module=module())
+            emit(kind="silent", case=case, message=None)
+        except ValueError as err:
+            emit(kind="silent", case=case, type=type(err).__name__, message=str(err))
+
+    # the opt-in: the whole output on every rank, a loss computed from its values, one-device parity
+    torch.manual_seed(0)
+    ref = single_device(MLP(depth=DEPTH), 3)
+    module, t = fit(PipelineStrategy(pp=2, schedule="1f1b", n_microbatches=4, split="params", broadcast_output=True), 3,
+                    module=Direct())
+    emit(kind="silent", case="direct_broadcast", diff=local_diff(module, ref)[0],
+         logged=t.callback_metrics["train_loss"].item())
 
     class Shared(PipeClassifier):  # case 7: one nn.Linear used twice, both uses on stage 0
         def __init__(self):
@@ -310,6 +341,25 @@ def bubble():
              summary={k: v for k, v in cb.summary().items() if k != "peak_held"}, peak_held=cb.steps[-1]["peak_held"],
              logged={k: t.callback_metrics[k].item() for k in t.callback_metrics if k.startswith("pipeline/")},
              png=os.path.exists(png) and os.path.getsize(png) if dist.get_rank() == 0 else None)
+
+
+def ledger():
+    """The pp traffic of a step with a wide head (256 outputs, 16x the width 16): boundary activations and their
+    gradients, the batch loss (a scalar); no output on the wire. Logged loss: the one-device value on both ranks."""
+    from lightning_dist.callbacks import CommunicationLedger
+
+    class Wide(PipeClassifier):
+        def __init__(self):
+            super().__init__(n_out=256)
+
+    rows = {}
+    for opt_in in (False, True):
+        cb = CommunicationLedger(planned=None, print_table=False, log=False)
+        module, t = fit(PipelineStrategy(pp=2, schedule="1f1b", n_microbatches=4, split="params",
+                                         broadcast_output=opt_in), 3, module=Wide(), callbacks=[cb])
+        rows[str(opt_in)] = {f"{op}/{dim}": nbytes for (op, dim), (_, nbytes) in cb.per_step().items()}
+        rows[f"logged_{opt_in}"] = t.callback_metrics["train_loss"].item()
+    emit(kind="ledger", rows=rows, boundary=2 * 4 * (16 // 4) * 16 * 8, output=16 * 256 * 8)
 
 
 def checkpoint_resume():
@@ -376,6 +426,7 @@ if __name__ == "__main__":
         parity("pp2_accum_clip_sched", PipelineStrategy(pp=2, schedule="1f1b", n_microbatches=2, split="params"),
                steps=3, accumulate_grad_batches=2, gradient_clip_val=0.05, lr_schedule=True)
         checkpoint_resume()
+        ledger()
         bubble()
         errors()
         silent_cases()

@@ -91,12 +91,17 @@ class Tokens(Dataset):
         return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
-def step_loss(model, batch, hf: bool):
+def step_loss(model, batch, hf: bool, loss=None):
+    """HF: `out.loss` of a call with labels; the pack's GPT: `loss(model(ids), target)` (a task's pipeline_loss)."""
     if hf:
         out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
         return out.loss
     ids, target = batch
-    return F.cross_entropy(model(ids).flatten(0, 1), target.flatten(0, 1))
+    return (loss or gpt_loss)(model(ids), target)
+
+
+def gpt_loss(out, target):
+    return F.cross_entropy(out.flatten(0, 1), target.flatten(0, 1))
 
 
 class Task(pl.LightningModule):
@@ -106,16 +111,16 @@ class Task(pl.LightningModule):
         self.model = build(kind)
         self.step_losses: list[float] = []
         if not self.hf:  # the pack's GPT: its own loss hook (HF models use their `labels`)
-            self.pipeline_loss = lambda out, tgt: F.cross_entropy(out.flatten(0, 1), tgt.flatten(0, 1))
+            self.pipeline_loss = gpt_loss
 
     def training_step(self, batch, batch_idx):
-        loss = step_loss(self.model, batch, self.hf)
+        loss = step_loss(self.model, batch, self.hf, getattr(self, "pipeline_loss", None))
         self.step_losses.append(loss.item())
         self.log("train_loss", loss, sync_dist=True)
         return loss
 
     def validation_step(self, batch, batch_idx):  # forward-only programs through the pipeline, kwargs included
-        self.log("val_loss", step_loss(self.model, batch, self.hf), sync_dist=True)
+        self.log("val_loss", step_loss(self.model, batch, self.hf, getattr(self, "pipeline_loss", None)), sync_dist=True)
 
     def val_dataloader(self):
         return self.train_dataloader()
