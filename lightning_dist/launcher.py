@@ -1,29 +1,40 @@
-"""Lightning's script launcher, with a job that ends with all of its processes and any rank's failure.
+"""Lightning's script launcher, with a job that ends with all of its processes and exits 1 when a rank failed.
 
 Lightning's ``SubprocessScriptLauncher`` runs rank 0 in the launching process and starts the other local
-ranks as child processes; a thread checks the children every 5 s. Three gaps, each filled here:
+ranks as child processes; a thread checks the children every 5 s. The gaps, each filled here:
 
 * rank 0 fails (an exception): Lightning re-raises and the launcher exits while its children still wait
   in a collective for the dead peer, until the collective timeout: they outlive the job, holding their
-  device and port. :class:`JobLauncher` kills them (SIGKILL: a rank blocked in a collective does not run
-  Python signal handlers) and waits for them before the exception leaves ``fit``.
-* a child fails: the observer kills the other children, *waits for them*, then kills rank 0 (the launcher
-  exits non-zero); it looks every 0.5 s, not 5 s.
+  device and port. :class:`JobLauncher` ends them (SIGKILL after a grace period: a rank blocked in a
+  collective does not run Python signal handlers) and waits for them before the exception leaves ``fit``.
+* a child fails: Lightning's observer SIGKILLs the launching process (exit 137, read as "out of memory").
+  Here a thread per child stamps the moment it exits; on the first failure the other children are ended
+  and reaped, and rank 0 exits with status 1 (``os._exit``: rank 0 may be blocked in a collective).
 * rank 0 finishes while a child failed (e.g. a rank that ran out of data early and died): Lightning's
   launcher exits 0. At interpreter exit rank 0 now waits for its children and exits 1 if any failed.
 
+In each case the launcher prints which rank failed first and its error: a child records its exception
+(:func:`record_rank_error`, from the strategy's ``on_exception``) in a folder the launcher reads. The first
+failure is the earliest of those not raised by a collective (a collective fails because a peer went away:
+the peer is the cause), else the earliest collective failure; a child that recorded nothing (a signal,
+``sys.exit``) counts at its exit, as not a collective's.
+
 Children also ask the kernel to kill them when the launcher dies (``PR_SET_PDEATHSIG`` on Linux), so a
 launcher killed from outside (SIGKILL, OOM) leaves no rank behind. Under torchrun or SLURM the agent owns
-the processes and none of this applies.
+the processes and only :func:`record_rank_error` applies: it writes torchelastic's error file, so that
+torchrun's summary shows the failed rank's error, not only its exit code.
 """
 
 from __future__ import annotations
 
 import atexit
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import Any, Callable, Optional
@@ -32,54 +43,152 @@ from typing_extensions import override
 
 from lightning_dist._integrations.lightning import SubprocessScriptLauncher, _set_num_threads_if_needed
 
-__all__ = ["JobLauncher", "die_with_launcher"]
+__all__ = ["JobLauncher", "die_with_launcher", "record_rank_error"]
 
 _LAUNCHER_PID = "LIGHTNING_DIST_LAUNCHER_PID"
 """Set by :class:`JobLauncher` in its children's environment: the pid they must not outlive."""
+_ERROR_DIR = "LIGHTNING_DIST_ERROR_DIR"
+"""Set by :class:`JobLauncher` in its children's environment: where a failing child records its error."""
 _GRACE_S = 2.0  # a child that failed first gets this long to finish printing its own error
-_POLL_S = 0.5
 
 
-def _kill_and_wait(procs: list[subprocess.Popen], grace_s: float) -> None:
-    """Let `procs` exit by themselves for up to `grace_s`, then SIGKILL the rest; return once all are reaped."""
-    deadline = time.monotonic() + grace_s
-    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-    for p in procs:
-        p.wait()
+class _Child:
+    """One child rank: its process, and when it exited (stamped by a thread blocked in ``wait``)."""
+
+    def __init__(self, proc: subprocess.Popen, rank: int, exited: threading.Event) -> None:
+        self.proc, self.rank = proc, rank
+        self.exited_at: Optional[float] = None
+        self.done = threading.Event()
+        self.ended = False  # killed by the launcher, not failed by itself
+        # a waiting thread rather than polling: the exit time orders a signal-killed child among recorded errors
+        threading.Thread(target=self._wait, args=(exited,), daemon=True, name=f"lightning-dist-rank{rank}").start()
+
+    def _wait(self, exited: threading.Event) -> None:
+        self.proc.wait()
+        self.exited_at = time.time()
+        self.done.set()
+        exited.set()
+
+    def failure(self, record: Optional[dict]) -> tuple[bool, float, int, str]:
+        """This child's failure as an ordering key: (raised by a collective, time, rank, error)."""
+        if record is None:
+            assert self.exited_at is not None
+            return (False, self.exited_at, self.rank, self.error(None))
+        return (record["collective"], record["time"], self.rank, record["error"])
+
+    @property
+    def failed(self) -> bool:
+        return self.done.is_set() and self.proc.returncode != 0 and not self.ended
+
+    def error(self, record: Optional[dict]) -> str:
+        if record is not None:
+            return record["error"]
+        code = self.proc.returncode
+        if code is not None and code < 0:
+            return f"killed by signal {signal.Signals(-code).name} (exit code {code})"
+        return f"exited with code {code}"
 
 
-class _Observer(threading.Thread):
-    """Watches the children: on the first failure, ends the others, then rank 0 itself (exit non-zero)."""
-
-    def __init__(self, procs: list[subprocess.Popen]) -> None:
-        super().__init__(daemon=True, name="lightning-dist-child-observer")
-        self.procs = procs
-        self.stopped = threading.Event()
-
-    def run(self) -> None:
-        while not self.stopped.wait(_POLL_S):
-            failed = [p for p in self.procs if p.poll() not in (None, 0)]
-            if failed and not self.stopped.is_set():
-                sys.stderr.write(f"lightning_dist: a rank process (pid {failed[0].pid}) exited with code"
-                                 f" {failed[0].returncode}; ending the job's other processes.\n")
-                sys.stderr.flush()
-                _kill_and_wait(self.procs, _GRACE_S)
-                os.kill(os.getpid(), signal.SIGKILL)  # rank 0 may be blocked in a collective: no gentler way
-            if all(p.poll() == 0 for p in self.procs):
-                return
-
-
-class _Children:
+class _Job:
     """The rank processes this process started (once per job: later Trainers' launchers find the ranks
-    already running, ``creates_processes_externally``), and their observer."""
+    already running, ``creates_processes_externally``), and what ends them."""
 
-    procs: list[subprocess.Popen] = []
-    observer: Optional[_Observer] = None
-    ended = False  # rank 0 failed and ended them itself
+    children: list[_Child] = []
+    error_dir: Optional[str] = None
+    exited = threading.Event()  # set whenever a child exits
+    ending = threading.Lock()  # held by whichever of rank 0's exception and the observer ends the job
+    ended = False  # the job's failure was already handled and reported
+
+
+def _records() -> dict[int, dict]:
+    """The errors the children recorded, by process id."""
+    found: dict[int, dict] = {}
+    if _Job.error_dir is None:
+        return found
+    for child in _Job.children:
+        try:
+            with open(os.path.join(_Job.error_dir, f"{child.proc.pid}.json")) as f:
+                found[child.proc.pid] = json.load(f)
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def _end_children(grace_s: float) -> None:
+    """Let the children exit by themselves for up to `grace_s`, then SIGKILL the rest; return once all are reaped."""
+    deadline = time.monotonic() + grace_s
+    for child in _Job.children:
+        child.done.wait(max(0.0, deadline - time.monotonic()))
+    for child in _Job.children:
+        if not child.done.is_set():
+            child.ended = True
+            child.proc.kill()
+    for child in _Job.children:
+        child.done.wait()
+
+
+def _from_collective(exception: BaseException) -> bool:
+    """Whether `exception` was raised inside torch.distributed (a collective or its store: a peer went away)."""
+    tb = exception.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and str(tb.tb_frame.f_globals.get("__name__", "")).startswith("torch.distributed")
+
+
+def _report(rank0_failure: Optional[tuple[bool, float, int, str]]) -> None:
+    """Print which rank failed first and its error, and what became of the others (all have exited)."""
+    records = _records()
+    failures = [] if rank0_failure is None else [rank0_failure]
+    failures += [child.failure(records.get(child.proc.pid)) for child in _Job.children if child.failed]
+    if not failures:
+        return
+    failures.sort()  # failures not raised by a collective first, each group by time
+    _, _, first, error = failures[0]
+    after = [f"rank {rank}: {error}" for _, _, rank, error in failures[1:]]
+    ended = [child.rank for child in _Job.children if child.ended]
+    lines = [f"lightning_dist: rank {first} failed first: {error}"]
+    if after:
+        lines.append(f"lightning_dist: failed after it: {'; '.join(after)}")
+    if ended:
+        lines.append(f"lightning_dist: ranks {ended} were ended by the launcher")
+    sys.stderr.write("\n".join(lines) + "\n")
+    sys.stderr.flush()
+
+
+def _exit_failed() -> None:
+    """End the process with status 1 from any thread, without interpreter shutdown (rank 0 may be blocked
+    in a collective, and other threads hold no lock this needs)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
+    _remove_error_dir()
+    os._exit(1)
+
+
+def _observe() -> None:
+    """On the first failed child: end the other children, report, exit 1 (rank 0 included)."""
+    while True:
+        _Job.exited.wait()
+        _Job.exited.clear()
+        if any(child.failed for child in _Job.children):
+            if not _Job.ending.acquire(blocking=False):
+                return  # rank 0's own exception is ending the job
+            if _Job.ended:
+                _Job.ending.release()
+                return
+            sys.stderr.write("lightning_dist: a rank failed; ending the job's other processes.\n")
+            _end_children(_GRACE_S)
+            _report(None)
+            _exit_failed()
+        if all(child.done.is_set() for child in _Job.children):
+            return
+
+
+def _remove_error_dir() -> None:
+    if _Job.error_dir is not None:
+        shutil.rmtree(_Job.error_dir, ignore_errors=True)
 
 
 class JobLauncher(SubprocessScriptLauncher):
@@ -90,40 +199,62 @@ class JobLauncher(SubprocessScriptLauncher):
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if not self.cluster_environment.creates_processes_externally:
             os.environ[_LAUNCHER_PID] = str(os.getpid())  # copied into the children's environment
+            _Job.error_dir = os.environ[_ERROR_DIR] = tempfile.mkdtemp(prefix="lightning-dist-errors-")
             self._call_children_scripts()
-            _Children.procs = self.procs
-            _Children.observer = _Observer(self.procs)
-            _Children.observer.start()
+            first = self.cluster_environment.node_rank() * self.num_processes + 1  # Lightning starts local ranks 1..
+            _Job.children = [_Child(p, first + i, _Job.exited) for i, p in enumerate(self.procs)]
+            threading.Thread(target=_observe, daemon=True, name="lightning-dist-child-observer").start()
             atexit.register(_exit_with_children)
         _set_num_threads_if_needed(num_processes=self.num_processes)
         try:
             return function(*args, **kwargs)
-        except BaseException:
-            # rank 0 failed: its children would wait in a collective for it until the timeout
-            _end_children()
+        except BaseException as exception:
+            if _Job.children:
+                # rank 0 failed, or saw a child's failure first: its children could wait in a collective until the timeout
+                failed_at = time.time()
+                with _Job.ending:  # when the observer holds it, it is ending the process: this waits for that
+                    if not _Job.ended:
+                        _Job.ended = True
+                        _end_children(_GRACE_S)
+                        _report((_from_collective(exception), failed_at, 0, _describe(exception)))
             raise
-
-
-def _end_children() -> None:
-    if _Children.observer is not None:
-        _Children.observer.stopped.set()  # the children killed below must not look like a failure to it
-    _Children.ended = True
-    _kill_and_wait(_Children.procs, _GRACE_S)
 
 
 def _exit_with_children() -> None:
     """At rank 0's interpreter exit: wait for the children; exit 1 when one of them failed."""
-    for p in _Children.procs:
-        p.wait()
-    if _Children.observer is not None:
-        _Children.observer.stopped.set()
-    failed = [p for p in _Children.procs if p.returncode != 0]
-    if failed and not _Children.ended:
-        sys.stderr.write(f"lightning_dist: rank process(es) {[p.pid for p in failed]} failed (exit codes"
-                         f" {[p.returncode for p in failed]}); the job exits 1.\n")
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)  # the only way to set the exit code from an exit handler
+    with _Job.ending:
+        for child in _Job.children:
+            child.done.wait()
+        if not _Job.ended and any(child.failed for child in _Job.children):
+            _Job.ended = True
+            _report(None)
+            _exit_failed()  # the only way to set the exit code from an exit handler
+        _remove_error_dir()
+
+
+def _describe(exception: BaseException) -> str:
+    return f"{type(exception).__name__}: {exception}"
+
+
+def record_rank_error(exception: BaseException, rank: int) -> None:
+    """Record this rank's failure for whoever reports the job's failure; call while handling `exception`.
+
+    Under :class:`JobLauncher` (a child rank): a small JSON file in the launcher's folder. Under torchrun:
+    torchelastic's error file (``TORCHELASTIC_ERROR_FILE``), which torchrun's failure summary prints.
+    """
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+        get_error_handler().record_exception(exception)
+        return
+    folder = os.environ.get(_ERROR_DIR)
+    if not folder or os.environ.get(_LAUNCHER_PID) == str(os.getpid()) or not os.path.isdir(folder):
+        return  # no launcher to read it, or this is the launcher (it reports its own exception)
+    record = {"rank": rank, "error": _describe(exception), "time": time.time(), "collective": _from_collective(exception)}
+    path = os.path.join(folder, f"{os.getpid()}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f)
+    os.replace(path + ".tmp", path)  # the launcher never reads half a record
 
 
 def die_with_launcher() -> None:

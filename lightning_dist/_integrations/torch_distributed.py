@@ -1,6 +1,9 @@
 """torch.distributed: process groups torn down at interpreter exit without a SIGABRT from gloo.
 
-* :func:`destroy_process_groups_for_exit`: flush each gloo worker thread, then ``destroy_process_group``.
+* :func:`destroy_process_groups_for_exit`: flush each gloo worker thread, then ``destroy_process_group``;
+  :func:`destroy_process_groups_at_exit` registers it with ``atexit`` once per process. Every strategy of the
+  pack calls it once its process group exists: the mesh strategies, and the DeepSpeed offload strategy
+  (DeepSpeed leaves its group to interpreter shutdown too).
 
 Reason: a gloo worker thread keeps the last collective it ran (and that collective's tensors) until it runs
 the next one. When that work is released during interpreter finalization (the process group is still
@@ -33,9 +36,10 @@ import torch.distributed as dist
 
 from lightning_dist._compat import TORCH_GROUP_REGISTRY
 
-__all__ = ["destroy_process_groups_for_exit", "gloo_groups"]
+__all__ = ["destroy_process_groups_at_exit", "destroy_process_groups_for_exit", "gloo_groups"]
 
 FLUSH_ROUNDS = 4
+_AT_EXIT: list[bool] = []  # registered already in this process
 
 
 def gloo_groups() -> list[Any]:
@@ -76,3 +80,17 @@ def destroy_process_groups_for_exit(*, rounds: int = FLUSH_ROUNDS) -> None:
         except Exception:  # noqa: BLE001 - a peer already gone: nothing left to flush with, destroy anyway
             pass
     dist.destroy_process_group()
+
+
+def destroy_process_groups_at_exit() -> None:
+    """Have :func:`destroy_process_groups_for_exit` run at interpreter exit, once per process.
+
+    Lightning keeps the process groups alive after fit (a later fit reuses them), and DeepSpeed never destroys
+    its own; left to interpreter shutdown, a gloo worker thread aborts the process after all work had finished
+    ("terminate called without an active exception", exit -6), failing a healthy job.
+    """
+    import atexit
+
+    if not _AT_EXIT:
+        atexit.register(destroy_process_groups_for_exit)
+        _AT_EXIT.append(True)

@@ -26,7 +26,8 @@ from lightning_dist._integrations.lightning import (
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
 )
-from lightning_dist.launcher import JobLauncher, die_with_launcher
+from lightning_dist._integrations.torch_distributed import destroy_process_groups_at_exit
+from lightning_dist.launcher import JobLauncher, die_with_launcher, record_rank_error
 from lightning_dist.rendezvous import job_store
 
 
@@ -98,7 +99,7 @@ class ProcessesMixin(ParallelStrategy):
         store = job_store(self.cluster_environment, timeout=self._timeout or default_pg_timeout)
         _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout,
                               device_id=device_id, store=store)
-        _destroy_process_group_at_exit()
+        destroy_process_groups_at_exit()  # a gloo worker thread would otherwise abort the exit of a healthy job
 
     @override
     def barrier(self, name: Optional[str] = None) -> None:
@@ -130,27 +131,13 @@ class ProcessesMixin(ParallelStrategy):
             yield
 
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        record_rank_error(exception, self.global_rank)  # the launcher (or torchrun) names this rank's error
+
+    @override
     def teardown(self) -> None:
         assert self.cluster_environment is not None and self.accelerator is not None
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
 
-
-_EXIT_HOOK: list[bool] = []
-
-
-def _destroy_process_group_at_exit() -> None:
-    """Tear the process groups down while Python still runs, once per process.
-
-    Lightning keeps them alive after fit (a later fit reuses them); left to interpreter shutdown, a gloo
-    worker thread aborts the process after all work had finished ("terminate called without an active
-    exception", exit -6), failing a healthy job. See :mod:`lightning_dist._integrations.torch_distributed`.
-    """
-    import atexit
-
-    from lightning_dist._integrations.torch_distributed import destroy_process_groups_for_exit
-
-    if not _EXIT_HOOK:
-        atexit.register(destroy_process_groups_for_exit)
-        _EXIT_HOOK.append(True)

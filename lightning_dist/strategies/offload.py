@@ -39,8 +39,9 @@ import lightning.pytorch as pl
 from lightning_dist._compat import CUDA_AVAILABLE
 from lightning_dist._integrations import deepspeed as ds_patches
 from lightning_dist._integrations import lightning as lightning_patches
+from lightning_dist._integrations.torch_distributed import destroy_process_groups_at_exit
 from lightning_dist.measure import bytes_by_place, cuda_memory
-from lightning_dist.launcher import JobLauncher, die_with_launcher
+from lightning_dist.launcher import JobLauncher, die_with_launcher, record_rank_error
 from lightning_dist.parallelize import offload as off
 from lightning_dist.atomic import swap_in
 from lightning_dist.strategies._offload_nvme import NvmeSwapMixin
@@ -179,6 +180,11 @@ class OffloadStrategy(OffloadReportMixin, NvmeSwapMixin, DeepSpeedStrategy):
             self, lambda: JobLauncher(self.cluster_environment, self.num_processes, self.num_nodes))
 
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        record_rank_error(exception, self.global_rank)  # the launcher (or torchrun) names this rank's error
+
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         from lightning_dist.callbacks.sync_batchnorm import sync_or_warn_batchnorm
 
@@ -209,11 +215,13 @@ class OffloadStrategy(OffloadReportMixin, NvmeSwapMixin, DeepSpeedStrategy):
         die_with_launcher()  # a child rank goes down with the launching process
         # Lightning validates CUDA device indices here; a CPU device has none
         if self.root_device.type != "cpu":
-            return super().setup_distributed()
-        ds_patches.use_cpu_accelerator()
-        reset_seed()
-        self.set_world_ranks()
-        self._init_deepspeed_distributed()
+            super().setup_distributed()
+        else:
+            ds_patches.use_cpu_accelerator()
+            reset_seed()
+            self.set_world_ranks()
+            self._init_deepspeed_distributed()
+        destroy_process_groups_at_exit()  # a gloo worker thread would otherwise abort the exit of a healthy job
 
     @override
     def _setup_model_and_optimizer(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],

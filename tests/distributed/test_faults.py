@@ -1,5 +1,6 @@
-"""Faults: a failing or killed rank ends the whole job promptly, leaves no process behind, and the job
-resumes from its last checkpoint (by hand, or by torchrun's ``--max-restarts``).
+"""Faults: a failing or killed rank ends the whole job promptly with exit status 1, the job's summary names
+the rank that failed first and its error, no process is left behind, and the job resumes from its last
+checkpoint (by hand, or by torchrun's ``--max-restarts``).
 
 Every launch carries a unique environment marker; after the launcher exits, no process on the machine
 may still carry it (psutil), which catches children re-parented to init as well as direct children.
@@ -57,6 +58,21 @@ def _fault_time(stdout: str, stderr: str = "") -> float:
     return min(times)
 
 
+def summary(stderr: str) -> str:
+    """The launcher's lines about the job's failure."""
+    return "\n".join(line for line in stderr.splitlines() if line.startswith("lightning_dist: "))
+
+
+def assert_first_failure(stderr: str, rank: int, error: str, torchrun: bool) -> None:
+    """The job's summary names `rank` as the first failure, with `error`."""
+    if torchrun:  # torchelastic's summary, with the error file the strategy wrote
+        root = stderr.split("Root Cause (first observed failure):", 1)[-1]
+        assert re.search(rf"rank\s*: {rank} \(local_rank: {rank}\)", root.split("[1]:")[0]) and error in root, stderr[-4000:]
+    else:
+        print(summary(stderr))
+        assert f"lightning_dist: rank {rank} failed first: {error}" in stderr, (summary(stderr), stderr[-2000:])
+
+
 CASES = [
     # (where, failing rank, torchrun, strategy, devices): under Lightning's launcher rank 0 is the launching
     # process, ranks 1.. its children. 4 ranks: the launcher must end children that wait for a dead rank 0,
@@ -85,10 +101,13 @@ CASES = [
 def test_raising_rank_ends_the_job(tmp_path, where, rank, torchrun, strategy, devices):
     rc, stdout, stderr, ended, survivors = launch(where, rank, tmp_path, torchrun=torchrun, strategy=strategy,
                                                   devices=devices)
-    assert rc != 0, stdout[-2000:]
+    # status 1 whichever rank failed (not 137: the launching rank 0 SIGKILLed by its own observer)
+    assert rc == 1, (rc, stderr[-4000:])
     assert "RESULT" not in stdout, "a rank finished training although its peer failed"
-    # the original error is shown, with its message
-    assert f"InjectedFault: injected failure in {where} on rank {rank}" in stderr, stderr[-4000:]
+    # the original error is shown, with its message, and the job's summary names the failed rank and its error
+    error = f"InjectedFault: injected failure in {where} on rank {rank}"
+    assert error in stderr, stderr[-4000:]
+    assert_first_failure(stderr, rank, error, torchrun)
     elapsed = ended - _fault_time(stdout, stderr)
     print(f"{strategy} {where} rank {rank} {'torchrun' if torchrun else 'lightning'}: all exited {elapsed:.1f} s after the fault")
     assert elapsed < BOUND_S, f"the job took {elapsed:.1f} s to end after the fault (bound {BOUND_S} s)"
@@ -100,7 +119,7 @@ def test_rank_out_of_data_early_fails_the_job(tmp_path, rank, torchrun):
     """An IterableDataset that yields fewer batches on one rank: every rank stops with the reason at the
     batch where its data ends (before the step's collectives), the job exits non-zero, nothing remains."""
     rc, stdout, stderr, ended, survivors = launch("short_data", rank, tmp_path, torchrun=torchrun)
-    assert rc != 0 and "RESULT" not in stdout, stdout[-2000:]
+    assert rc == 1 and "RESULT" not in stdout, (rc, stdout[-2000:])
     assert f"training data of data-parallel rank(s) [{rank}] ends after batch 0" in stderr, stderr[-4000:]
     assert not survivors, f"processes outlived the launcher: {survivors}"
 
@@ -110,13 +129,16 @@ def test_child_failing_after_rank0_finished_fails_the_job(tmp_path):
     launcher alone exits 0 here), after every rank has ended."""
     rc, stdout, stderr, ended, survivors = launch("exit_after_fit", 1, tmp_path)
     assert rc == 1, (rc, stderr[-3000:])
-    assert "failed (exit codes [3])" in stderr and '"rank": 0' in stdout
+    assert "lightning_dist: rank 1 failed first: exited with code 3" in stderr, summary(stderr)
+    assert '"rank": 0' in stdout
     assert not survivors, f"processes outlived the launcher: {survivors}"
 
 
 def test_sigkill_mid_step_then_resume_from_last(tmp_path):
     rc, stdout, stderr, ended, survivors = launch("sigkill", 1, tmp_path)
-    assert rc != 0
+    assert rc == 1, (rc, stderr[-3000:])
+    # the killed rank is the first failure, though its peer's collective failed (and recorded an error) after it
+    assert "lightning_dist: rank 1 failed first: killed by signal SIGKILL (exit code -9)" in stderr, summary(stderr)
     assert ended - _fault_time(stdout, stderr) < BOUND_S
     assert not survivors, f"processes left behind: {survivors}"
     assert (tmp_path / "step4.ckpt" / "meta.pt").exists() and not (tmp_path / "step6.ckpt").exists()
