@@ -42,12 +42,25 @@ def apply_compile(model: nn.Module, *, units: Union[str, Sequence[str], Sequence
     ``_orig_mod.`` prefix) and checkpoints load with or without compile. Call it after activation
     checkpointing (the checkpointed block is what gets compiled) and before ``fully_shard`` (FSDP2's hooks
     are skipped by dynamo and run eagerly between the compiled blocks).
+
+    A block holding tensor-parallel DTensor parameters is compiled with static shapes (``dynamic=False``,
+    unless `compile_kwargs` say otherwise): once an input size changes (a probe sample, a last short batch),
+    dynamo's automatic dynamic shapes retrace it with symbolic sizes, and AOT autograd's trace of the DTensor
+    backward then exceeds Python's recursion limit (torch 2.13, any model with attention). Static shapes
+    compile once per input shape instead (torch caps the recompiles and then runs the block eagerly).
     """
+    from torch.distributed.tensor import DTensor
+
     if not isinstance(units, str) and all(isinstance(u, nn.Module) for u in units):
         picked = list(units)
     else:
         picked = [module for _, module in select_units(model, units)]
+    static = 0
     for module in picked:
-        module.compile(**compile_kwargs)
-    log.info("compiled %d blocks with torch.compile", len(picked))
+        kwargs = dict(compile_kwargs)
+        if "dynamic" not in kwargs and any(isinstance(p, DTensor) for p in module.parameters()):
+            kwargs["dynamic"] = False  # see the docstring: symbolic sizes through DTensor's backward recurse
+            static += 1
+        module.compile(**kwargs)
+    log.info("compiled %d blocks with torch.compile (%d with static shapes: tensor-parallel parameters)", len(picked), static)
     return len(picked)
