@@ -69,26 +69,25 @@ class LogitsGuard(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if getattr(func, "__name__", "") == "__get__" or func in _NEUTRAL:  # attribute reads (.shape, .device)
-            return out
-        if not any(self._is_followed(a) for a in tree_flatten((args, kwargs))[0]):
-            return out
-        if func in _LAYOUT or func in _LOG_SOFTMAX:
-            self.follow(out)
-        elif func in _LOSSES:
-            self.served = True
-            # the replicated loss as a plain tensor (its gradient flows back into the DTensor graph): logging it and
-            # adding plain terms work as without loss_parallel
-            if isinstance(out, DTensor) and all(p.is_replicate() for p in out.placements):
-                out = out.to_local()
-        else:
+        neutral = getattr(func, "__name__", "") == "__get__" or func in _NEUTRAL  # attribute reads (.shape, .device)
+        if neutral or not any(self._is_followed(a) for a in tree_flatten((args, kwargs))[0]):
+            return func(*args, **kwargs)
+        if func not in _LAYOUT and func not in _LOG_SOFTMAX and func not in _LOSSES:  # refused before it runs
             raise ValueError(
                 f"loss_parallel=True keeps the logits of {self.head!r} sharded on the vocabulary, and torch's"
                 f" loss_parallel computes only cross-entropy on them; training_step used them in {_name(func)}. Compute"
                 " the loss with F.cross_entropy (or nn.CrossEntropyLoss) on the logits and class-index targets, or pass"
                 " loss_parallel=False (the default: the head's logits are all-gathered and any loss works)."
             )
+        out = func(*args, **kwargs)
+        if func in _LOSSES:
+            self.served = True
+            # the replicated loss as a plain tensor (its gradient flows back into the DTensor graph): logging it and
+            # adding plain terms work as without loss_parallel
+            if isinstance(out, DTensor) and all(p.is_replicate() for p in out.placements):
+                out = out.to_local()
+        else:
+            self.follow(out)
         return out
 
 
