@@ -47,12 +47,14 @@ def _check(rows: list[dict], world: int, mesh: list[int]) -> None:
 
 def _check_compile(rows: list[dict], world: int, mesh: list[int]) -> None:
     """compile=True under tp: a user GPT (nn.Sequential MLP, SDPA, made-up probe sample, sizes changing between steps;
-    inductor's RecursionError before DTensor blocks compiled with static shapes) and HF Llama, at float64 parity."""
+    inductor's RecursionError before DTensor blocks compiled with static shapes) runs compiled; HF Llama under its own
+    plan (column-wise layers fed plain tensors: compiled, 0.65 off at tp2 x dp2 and a crash at tp2) is left eager with
+    a warning. Both at float64 parity."""
     rows = [r for r in rows if r["kind"] == "tp_compile"]
     assert sorted(r["model"] for r in rows) == sorted(["user_gpt", "llama"] * world), rows
     for r in rows:
         assert r["diff"] <= TOL and r["mesh"] == mesh, r  # inductor (CPU) vs eager single device, 3 AdamW steps
-        assert r["compiled"] == [True, True], r  # both blocks run compiled, none left eager
+        assert r["compiled"] == ([True, True] if r["model"] == "user_gpt" else [False, False]), r
         assert r["probe_diff"] is not None and r["probe_diff"] <= 1e-12, r
 
 

@@ -117,9 +117,9 @@ def dist_world() -> int:
 
 def check(kind: str, refs: dict, **options) -> None:
     task = Task(kind)
-    heads = []  # the GPT head's output in training: its type and the shape this rank holds
+    heads = []  # the GPT head's output in training (after the TP style's hooks): its type and this rank's shape
     if kind == "gpt":
-        task.model.lm_head.register_forward_hook(lambda m, args, out: heads.append(
+        task.on_train_start = lambda: task.model.lm_head.register_forward_hook(lambda m, args, out: heads.append(
             [type(out).__name__, list(out.to_local().shape if hasattr(out, "to_local") else out.shape)]))
     task, t = fit(kind, task, **options)
     diff = max_rel_diff(full_params(task), refs[kind])
