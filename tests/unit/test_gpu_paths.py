@@ -274,6 +274,21 @@ def test_apply_compile_gives_tensor_parallel_blocks_static_shapes():
             dist.destroy_process_group()
 
 
+def test_tp_blocks_with_plain_input_column_layers_stay_eager():
+    """Under a TP plan, a block whose column-wise layers take plain tensors (no region_input: HF's own plans) is left
+    eager with a warning naming it; a block with a region input (the transformer plan) and one with no TP are compiled."""
+    from lightning_dist.parallelize.compile import apply_compile, tp_eager_blocks
+
+    net = _Net(depth=3)
+    b0, b1, b2 = net.blocks
+    styles = {b0[0]: "colwise", b1: "region_input", b1[0]: "colwise"}
+    eager = tp_eager_blocks(net, styles)
+    assert list(eager) == [b0] and "plain-tensor inputs (no region_input)" in eager[b0]
+    with pytest.warns(UserWarning, match=r"compile=True left 1 of 3 blocks eager \(blocks.0\).*region_input"):
+        assert apply_compile(net, eager=eager) == 2
+    assert [b._compiled_call_impl is not None for b in net.blocks] == [False, True, True]
+
+
 def test_compile_reaches_every_built_in_plan():
     from lightning_dist.strategies import (FSDP2OffloadStrategy, FullyShardStrategy, HybridShardStrategy,
                                            PipelineStrategy, TensorParallelStrategy)
