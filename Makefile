@@ -32,7 +32,7 @@ $(VENV)/.installed: $(VENV)/.base
 	test "$(AIO_OP)" = 0 || test -e /usr/include/libaio.h || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq libaio-dev; } \
 		|| echo "libaio-dev could not be installed: NVMe offload tests will be skipped"
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
-	# litgpt: a real model for the tensor-parallel tests (plan="auto" on its GPT). Installed without its
+	# litgpt: a real model for the tensor-parallel (plan="auto" on its GPT) and pipeline tests. Installed without its
 	# dependencies: it pins old jsonargparse/huggingface-hub that would downgrade ours; its GPT needs only torch and Lightning
 	$(PY) -m pip install -q --no-deps "litgpt==0.5.13"
 	# NVMe offload: compile DeepSpeed's async_io op once into $(TORCH_EXTENSIONS_DIR) (minutes), not in a test

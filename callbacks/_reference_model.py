@@ -12,7 +12,8 @@ from torchmetrics import Metric
 
 from lightning_dist._compat import fully_shard_api
 from lightning_dist.parallelize.pipeline import PipelineView, is_pipelined_module, join_stages
-from lightning_dist.parallelize.pipeline_hf import is_hf_causal_lm, model_class_copy, pipeline_loss_function
+from lightning_dist.parallelize.pipeline_hf import is_hf_causal_lm, pipeline_loss_function
+from lightning_dist.parallelize.pipeline_pruned import model_class_copy
 from lightning_dist.parallelize.tp import GLOBAL_ATTRS_KEY
 
 # the class FSDP2 mixes into the modules it shards (None without FSDP2)
@@ -80,7 +81,7 @@ def whole_pipeline_network(view: PipelineView, mesh: Any, local: nn.Module) -> n
     single-device gradient of the loss the pipeline trains, and a float64 check is not a false alarm.
     """
     assert view.split is not None
-    local = model_class_copy(local.to("cpu"))  # a HF stage's class is made at run time: not picklable
+    local = model_class_copy(local.to("cpu"))  # a pruned stage's class is made at run time: not picklable
     pieces = [local]
     if mesh.size("pp") > 1:
         pieces = [None] * mesh.size("pp")

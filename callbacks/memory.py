@@ -17,6 +17,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_dist.callbacks import _planned
 from lightning_dist.measure import cuda_memory, model_state_bytes, model_state_places, placement_mismatches
+from lightning_dist.parallelize.ac import offloaded_bytes
 
 _PARTS = ("params", "grads", "optimizer", "total")
 
@@ -49,6 +50,12 @@ class MemoryReport(Callback):
     where device and host memory are the same RAM). With DeepSpeed the strategy's offload report is the
     complete account (it reads DeepSpeed's own partitions and swap files).
 
+    Activations: each row names the strategy's ``activation_checkpointing`` mode and, with
+    ``offload_activations=True``, the bytes the blocks moved to host memory in the last step's forward
+    (measured by the offload hooks; logged as ``memory/offloaded_activation_bytes``). The planner's
+    activation bytes per mode are :func:`lightning_dist.planner.activation_bytes` (``checkpointed=``), checked
+    against torch's ``MemTracker`` by ``lightning-dist dry-run``.
+
     Args:
         log: log the figures through ``pl_module.log``.
         print_table: print the rank-0 table at the end of fit.
@@ -67,10 +74,12 @@ class MemoryReport(Callback):
         """Every rank's row, gathered at the end of fit (on every rank)."""
         self.places: dict[str, dict[str, int]] | None = None
         """This rank's bytes of each state by where they live (``{"params": {"device": .., "host": ..}, ...}``)."""
+        self.offloaded: int | None = None
+        """Activation bytes this rank's blocks moved to host memory in the last forward (None: no offload)."""
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.measured = self.planned = self.peak = self.places = None
+        self.measured = self.planned = self.peak = self.places = self.offloaded = None
         self.rows = []
 
     @override
@@ -79,6 +88,7 @@ class MemoryReport(Callback):
         self.measured = model_state_bytes(pl_module, trainer.optimizers)
         self.places = model_state_places(pl_module, trainer.optimizers)
         self.peak = peak_memory_bytes(trainer.strategy.root_device)
+        self.offloaded = offloaded_bytes(pl_module)
         if self.planned is None:
             planned = _planned.planned_memory(trainer, pl_module)
             self.planned = planned.to_dict() if planned is not None else None
@@ -87,6 +97,8 @@ class MemoryReport(Callback):
             pl_module.log("memory/peak_bytes", float(self.peak[0]), on_step=True, on_epoch=False)
             if self.planned is not None:
                 pl_module.log("memory/planned_bytes", float(self.planned["total"]), on_step=True, on_epoch=False)
+            if self.offloaded is not None:
+                pl_module.log("memory/offloaded_activation_bytes", float(self.offloaded), on_step=True, on_epoch=False)
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -96,7 +108,9 @@ class MemoryReport(Callback):
         row = {"rank": dist.get_rank() if initialized else 0, "measured": self.measured, "planned": self.planned,
                "peak_bytes": self.peak[0], "peak_what": self.peak[1],
                "ratio": (self.measured["total"] / self.planned["total"]) if self.planned and self.planned["total"]
-               else None}
+               else None,
+               "activation_checkpointing": getattr(trainer.strategy, "activation_checkpointing", False),
+               "offloaded_activation_bytes": self.offloaded}
         device = trainer.strategy.root_device
         planned_places = _planned.planned_places(trainer.strategy)
         row.update(places=self.places, planned_places=planned_places, cuda=cuda_memory(device),
@@ -122,7 +136,7 @@ def format_memory(rows: list[dict[str, Any]], *, title: str = "Model-state bytes
 
     table = Table(title=title)
     for col in ("rank", "params B", "grads B", "optimizer B", "total B", "planned B", "measured/planned",
-                "host B (planned places)", "peak B"):
+                "host B (planned places)", "AC / offloaded act. B", "peak B"):
         table.add_column(col, justify="right")
     for r in rows:
         m, p = r["measured"], r["planned"]
@@ -132,9 +146,11 @@ def format_memory(rows: list[dict[str, Any]], *, title: str = "Model-state bytes
         peak = f"{r['peak_bytes']:,} ({r['peak_what']})"
         if r.get("cuda"):
             peak += f"; allocated {r['cuda']['allocated']:,}"
+        ac, off = r.get("activation_checkpointing") or "none", r.get("offloaded_activation_bytes")
         table.add_row(str(r["rank"]), *(f"{m[k]:,}" for k in _PARTS), "-" if p is None else f"{p['total']:,.0f}",
                       "-" if r["ratio"] is None else f"{r['ratio']:.3f}",
-                      f"{host:,} ({where})" + (" MISMATCH" if r.get("mismatches") else ""), peak)
+                      f"{host:,} ({where})" + (" MISMATCH" if r.get("mismatches") else ""),
+                      f"{ac} / {'-' if off is None else f'{off:,}'}", peak)
     buf = io.StringIO()
-    Console(file=buf, width=140, force_terminal=False).print(table)
+    Console(file=buf, width=170, force_terminal=False).print(table)
     return buf.getvalue()

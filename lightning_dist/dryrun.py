@@ -187,7 +187,7 @@ def _stage_inputs(strategy: Any, module: Any, batch: tuple[Any, Any]) -> list[An
 
     net = getattr(module, strategy.network)
     layout = plan.network_layout(net)
-    container = net if layout.block_list is None else getattr(net, layout.block_list)
+    container = net if layout.block_list is None else net.get_submodule(layout.block_list)
     shapes: list[Any] = [None] * len(layout.blocks)
     hooks = [container._modules[key].register_forward_pre_hook(
         lambda mod, args, i=i: shapes.__setitem__(i, (tuple(args[0].shape), args[0].dtype)))
@@ -486,7 +486,8 @@ def plan_rank(strategy: Any, module: Any, cfg: Any, config: DryRunConfig, spec: 
             tokens=config.batch_size // m * seq, blocks=blocks, tp=T, bytes_per_element=act_bytes,
             residual_bytes=resid_bytes, micro_batches_held=held,
             stem=stage == 0, head=has_head, head_gathered=head_gathered, autocast=pipelined,
-            checkpointed=bool(getattr(strategy, "activation_checkpointing", False)))
+            checkpointed=getattr(strategy, "activation_checkpointing", False) or False,
+            offloaded=bool(getattr(strategy, "offload_activations", False)))
     merged: dict[tuple[str, str], float] = {}
     for c in traffic:
         if c.group_size > 1:

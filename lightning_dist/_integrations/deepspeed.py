@@ -6,6 +6,7 @@
 * :func:`resize_param_swap_buffers`: the parameter swapper's page-locked buffers sized to the real partitions;
 * :func:`repoint_lr_scheduler`: an LR scheduler moved onto ``DeepSpeedCPUAdam`` without torch's warning;
 * :func:`use_cpu_accelerator`: DeepSpeed's CPU accelerator on a machine that also has CUDA;
+* :func:`set_step_clip_norm`: the gradient-norm clipping of the ZeRO optimizer's next steps;
 * :func:`zero_state_tensors`: the tensors of DeepSpeed's ZeRO partitions (for the offload report);
 * :func:`param_partition_numels` / :func:`param_swappers`: ZeRO-3's per-parameter partitions and NVMe swappers.
 
@@ -29,6 +30,7 @@ __all__ = [
     "repoint_lr_scheduler",
     "resize_param_swap_buffers",
     "self_contained_nvme_checkpoints",
+    "set_step_clip_norm",
     "tolerate_missing_bit16_restore",
     "param_partition_numels",
     "param_swappers",
@@ -87,6 +89,23 @@ def use_cpu_accelerator() -> None:
         from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 
         set_accelerator(CPU_Accelerator())
+
+
+# ---- gradient clipping --------------------------------------------------------------------------------------
+def set_step_clip_norm(engine: Any, max_norm: float) -> None:
+    """Make the engine's ZeRO optimizer clip the global gradient norm to ``max_norm`` in its next steps (0: off).
+
+    Reason: DeepSpeed clips inside the ZeRO optimizer's step, by its ``clip_grad`` attribute (set once from
+    the config's ``gradient_clipping`` at ``deepspeed.initialize``); no API changes it. Lightning puts
+    ``Trainer(gradient_clip_val)`` in that config, but ``self.clip_gradients`` in manual optimization reaches
+    the engine no other way.
+    """
+    require_tested_deepspeed("ZeRO optimizer clip_grad (set_step_clip_norm)")
+    zero = getattr(engine, "optimizer", None)
+    if not hasattr(zero, "clip_grad"):
+        raise RuntimeError(f"DeepSpeed's optimizer {type(zero).__name__} has no `clip_grad`: gradient clipping cannot"
+                           " be set for its step (expected a ZeRO optimizer, stage 1-3).")
+    zero.clip_grad = float(max_norm)
 
 
 # ---- reading ZeRO's partitions ---------------------------------------------------------------------------

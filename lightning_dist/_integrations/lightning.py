@@ -1,7 +1,7 @@
 """Lightning: each change to (or reach into) its private parts, as one small named function.
 
 * :func:`set_module_device_mesh`: the mesh behind ``LightningModule.device_mesh`` (its private ``_device_mesh``);
-* :func:`route_clip_grad_by_norm`: a strategy's own gradient-norm clipping in place of the precision plugin's;
+* :func:`route_gradient_clipping`: a strategy's own clipping (by norm, by value) in place of the precision plugin's;
 * :func:`wrap_strategy_methods` / :func:`unwrap_strategy_methods`: a callback's wrappers around one strategy
   instance's ``process_dataloader`` and step methods, and their removal;
 * :data:`SubprocessScriptLauncher` and :func:`replace_default_launcher`: the pack's launcher in place of
@@ -37,7 +37,7 @@ from lightning_dist._compat import require_tested_lightning
 __all__ = [
     "SubprocessScriptLauncher",
     "replace_default_launcher",
-    "route_clip_grad_by_norm",
+    "route_gradient_clipping",
     "set_module_device_mesh",
     "unwrap_strategy_methods",
     "wrap_strategy_methods",
@@ -54,14 +54,26 @@ def set_module_device_mesh(module: Any, device_mesh: Any) -> None:
     module._device_mesh = device_mesh
 
 
-def route_clip_grad_by_norm(precision_plugin: Any, clip: Callable[[Any, float], None]) -> None:
-    """Make ``precision_plugin.clip_grad_by_norm(optimizer, clip_val)`` call ``clip`` (on this instance only).
+def route_gradient_clipping(precision_plugin: Any, *, by_norm: Callable[[Any, float], None],
+                            by_value: Callable[[Any, float], None]) -> None:
+    """Make ``precision_plugin.clip_gradients(optimizer, clip_val, algorithm)`` call ``by_norm`` or ``by_value``
+    (Lightning's base ``Precision.clip_gradients`` dispatch), on this instance only.
 
-    Reason: Lightning clips each process's gradients alone (``Precision.clip_grad_by_norm`` has no process
-    group) and gives a strategy no hook for it; a pipeline's norm must span every stage.
+    Reason: Lightning clips with torch's ``clip_grad_norm_``/``clip_grad_value_`` over each process's
+    gradients (``Precision`` has no process group) and gives a strategy no hook for it: a norm must span
+    every stage and shard, and those foreach calls refuse a mix of plain tensors and DTensors (tensor
+    parallelism). ``DeepSpeedPrecision.clip_gradients`` does nothing at all (DeepSpeed clips in its step
+    by the configured value), so ``self.clip_gradients`` in manual optimization would silently not clip:
+    there the base class's dispatch is put back.
+    ``clip_gradients`` serves ``Trainer(gradient_clip_val=...)`` and ``LightningModule.clip_gradients``.
     """
-    require_tested_lightning("Precision.clip_grad_by_norm replacement (route_clip_grad_by_norm)")
-    precision_plugin.clip_grad_by_norm = clip
+    from lightning.pytorch.plugins.precision import DeepSpeedPrecision, Precision
+
+    require_tested_lightning("Precision.clip_gradients/by_norm/by_value replacement (route_gradient_clipping)")
+    if isinstance(precision_plugin, DeepSpeedPrecision):  # others dispatch themselves (AMP checks its scaler first)
+        precision_plugin.clip_gradients = Precision.clip_gradients.__get__(precision_plugin)
+    precision_plugin.clip_grad_by_norm = by_norm
+    precision_plugin.clip_grad_by_value = by_value
 
 
 def wrap_strategy_methods(strategy: Any, wrappers: Mapping[str, Callable[[Callable], Callable]]) -> None:

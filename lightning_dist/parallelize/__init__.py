@@ -4,7 +4,8 @@ Order (each step changes the model in place and logs one line):
 
 1. tensor parallelism on ``tp`` (DTensor ``parallelize_module``): it rewrites Linear weights into
    DTensors, which must happen before anything wraps or checkpoints those modules;
-2. activation checkpointing per block: after TP (it recomputes TP-parallel code as is) and before
+2. activation checkpointing per block (``full``, ``selective``, ``every:N``; ``ac.py``), then activation
+   offload of the blocks left uncheckpointed: after TP (it recomputes TP-parallel code as is) and before
    FSDP (FSDP must see the checkpointed blocks as its units);
 3. ``torch.compile`` per block (``compile=True``): after AC, so the checkpointed block is compiled, and
    before FSDP, whose hooks then run eagerly around each compiled block;
@@ -35,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from torch import nn
 
 from lightning_dist.mesh import DP_REPLICATE, DP_SHARD, TP, DistMesh
-from lightning_dist.parallelize.ac import apply_ac
+from lightning_dist.parallelize.ac import ACOption, apply_ac, apply_offload_activations, parse_ac
 from lightning_dist.parallelize.compile import apply_compile, compile_units, tp_eager_blocks
 from lightning_dist.parallelize.fsdp import apply_fsdp, apply_replicate
 
@@ -50,8 +51,14 @@ class ParallelizeConfig:
     """3: parameters resharded after forward; 2: kept unsharded until backward; 1: replicated, optimizer sharded."""
     units: str | Sequence[str] = "auto"
     """FSDP units: ``"auto"`` (each block of the model's block list) or module class names."""
-    activation_checkpointing: bool | Sequence[str] = False
-    """True: checkpoint each block; or module class names to checkpoint."""
+    activation_checkpointing: ACOption = False
+    """True/"full", "selective", "every:N" or block class names (see ``parallelize.ac``)."""
+    selective_ac_ops: Sequence[Any] | None = None
+    """Ops whose outputs "selective" keeps; None: ``ac.SELECTIVE_AC_OPS``."""
+    offload_activations: bool = False
+    """Offload the tensors the uncheckpointed blocks save for backward to pinned host memory (CUDA)."""
+    blocks: Sequence[nn.Module] | None = None
+    """The blocks of `model` (a pipeline stage's); None: found from the model's block list."""
     mp_policy: Any | None = None
     """FSDP2 ``MixedPrecisionPolicy`` (derived from Lightning's precision flag by the strategy)."""
     offload_policy: Any | None = None
@@ -85,9 +92,14 @@ def parallelize_model(model: nn.Module, mesh: DistMesh, config: ParallelizeConfi
             tp_styles = {model.get_submodule(e.fqn): e.style for e in entries if e.active}
 
     # 2. activation checkpointing after TP and before FSDP, so FSDP's units are the checkpointed blocks
-    if config.activation_checkpointing:
-        ac_units = "auto" if config.activation_checkpointing is True else config.activation_checkpointing
-        apply_ac(model, units=ac_units)
+    ac = parse_ac(config.activation_checkpointing, ops=config.selective_ac_ops)
+    blocks: Any = list(config.blocks) if config.blocks is not None else "auto"
+    checkpointed: list[nn.Module] = []
+    if ac is not None:
+        checkpointed = apply_ac(model, units=blocks if ac.units == "auto" else ac.units, mode=ac.mode,
+                                every=ac.every, ops=ac.ops)
+    if config.offload_activations:  # the blocks AC left keep their saved tensors: those go to host memory
+        apply_offload_activations(model, units=blocks, skip=checkpointed)
 
     # 3. per-block compile after AC wrapping and before FSDP (tensor-parallel blocks torch compiles wrong stay eager)
     units = compile_units(config.compile)
@@ -155,14 +167,11 @@ def pipeline_model(
     for stage in stages:
         blocks = stage_blocks(stage)
         auto = lambda option: blocks if option is True or option == "auto" else option  # noqa: E731
-        stage_config = replace(
-            config, fsdp_root="model",
-            activation_checkpointing=auto(config.activation_checkpointing) if config.activation_checkpointing else False,
-            compile=auto(config.compile) if config.compile is not False else False,
-        )
+        stage_config = replace(config, fsdp_root="model", blocks=blocks,
+                               compile=auto(config.compile) if config.compile is not False else False)
         parallelize_model(stage, mesh, stage_config)
     log.info("pipeline: %d local stage(s) %s parallelized", len(stages), list(stage_indices))
     return container, stages
 
 
-__all__ = ["ParallelizeConfig", "parallelize_model", "pipeline_model", "apply_ac", "apply_compile", "apply_fsdp", "apply_replicate"]
+__all__ = ["ParallelizeConfig", "parallelize_model", "pipeline_model", "apply_ac", "apply_offload_activations", "apply_compile", "apply_fsdp", "apply_replicate"]

@@ -1,27 +1,275 @@
-"""Activation checkpointing per block (recompute the block's activations in backward)."""
+"""Activation checkpointing per block (``full``, ``selective``, ``every:N``) and activation offload to host memory.
+
+``activation_checkpointing=`` of every strategy takes:
+
+* ``False`` (default): autograd keeps every tensor a block saves for backward;
+* ``True`` or ``"full"``: each block keeps only its input and recomputes its whole forward in backward
+  (about one extra forward per step);
+* ``"selective"``: op-level selective checkpointing (torch's ``create_selective_checkpoint_contexts``, as
+  torchtitan's ``selective_ac_option="op"``): the outputs of the ops in ``selective_ac_ops``
+  (:data:`SELECTIVE_AC_OPS` by default: matmuls, attention kernels, collectives) are kept, everything else
+  (norms, activations, residual adds, reshapes) is recomputed from them in backward: most of full AC's
+  saving for a small fraction of its recompute, since the expensive ops are not run again;
+* ``"every:N"``: full checkpointing of every N-th block (blocks N, 2N, ... counted from 1, per pipeline
+  stage), as torchtitan's ``selective_ac_option="N"``; the blocks between keep their activations;
+* block class names (``["GPTBlock"]``): full checkpointing of the modules of those classes.
+
+``offload_activations=True`` moves the tensors each block saves for backward to pinned host memory in
+forward and back in backward (torch's ``save_on_cpu`` hooks, parameters left in place). It applies to the
+blocks that keep their activations, so it composes with no AC and with ``every:N`` (the blocks between the
+checkpointed ones); it needs a CUDA device.
+"""
 
 from __future__ import annotations
 
 import logging
+import types
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Union
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 from lightning_dist.parallelize.units import select_units
 
 log = logging.getLogger(__name__)
 
+ACOption = Union[bool, str, Sequence[str]]
 
-def apply_ac(model: nn.Module, *, units: str | Sequence[str] = "auto") -> int:
-    """Checkpoint each unit (each block by default); returns how many were wrapped.
+SELECTIVE_AC_OPS: tuple[str, ...] = (
+    # matmuls (nn.Linear lowers to mm / addmm, attention's math path to bmm)
+    "aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm",
+    # fused attention kernels (CUDA flash / memory-efficient / cuDNN, CPU flash)
+    "aten._scaled_dot_product_flash_attention", "aten._scaled_dot_product_efficient_attention",
+    "aten._scaled_dot_product_cudnn_attention", "aten._scaled_dot_product_flash_attention_for_cpu",
+    # collectives issued inside a block (functional collectives): recomputing them would communicate again
+    "_c10d_functional.all_reduce", "_c10d_functional.reduce_scatter_tensor",
+    "_c10d_functional.all_gather_into_tensor", "_c10d_functional.all_to_all_single",
+)
+"""Ops whose outputs ``activation_checkpointing="selective"`` keeps (``namespace.op`` under ``torch.ops``)."""
 
-    Uses torch's composable ``checkpoint`` (non-reentrant), which keeps the module's class and its
-    state-dict keys, so checkpoints stay loadable without AC. Call before ``apply_fsdp``.
+_FORMS = ('False, True / "full", "selective", "every:N" (N an integer >= 1) or block class names'
+          ' (e.g. ["GPTBlock"])')
+
+
+@dataclass(frozen=True, kw_only=True)
+class ACPlan:
+    """What :func:`apply_ac` does, parsed from an ``activation_checkpointing=`` value."""
+
+    mode: str
+    """``"full"`` or ``"selective"``."""
+    every: int = 1
+    """Checkpoint the blocks N, 2N, ... (counted from 1) of the units; 1: every unit."""
+    units: Union[str, tuple[str, ...]] = "auto"
+    """``"auto"`` (the model's blocks) or block class names."""
+    ops: tuple[str, ...] = SELECTIVE_AC_OPS
+    """Ops whose outputs selective AC keeps."""
+
+
+def resolve_ops(names: Sequence[Any]) -> list[Any]:
+    """The ``torch.ops`` op packets / overloads named by `names` (``"aten.mm"``, ``"aten.mm.default"``, or op
+    objects); ValueError naming the ones torch does not have."""
+    out, missing = [], []
+    for name in names:
+        if isinstance(name, (torch._ops.OpOverloadPacket, torch._ops.OpOverload)):
+            out.append(name)
+            continue
+        obj: Any = torch.ops
+        try:
+            for part in str(name).split("."):
+                obj = getattr(obj, part)
+        except (AttributeError, RuntimeError):
+            obj = None
+        if isinstance(obj, (torch._ops.OpOverloadPacket, torch._ops.OpOverload)):
+            out.append(obj)
+        elif name not in SELECTIVE_AC_OPS:  # a default kernel this build lacks is never called: not an error
+            missing.append(name)
+    if missing:
+        raise ValueError(f"`selective_ac_ops`: {missing} are not torch ops; name them as 'namespace.op' under"
+                         " torch.ops (e.g. 'aten.mm', 'aten._scaled_dot_product_flash_attention').")
+    return out
+
+
+def ac_problems(value: Any, *, selective_ops: Any = None, offload_activations: Any = False) -> list[str]:
+    """Problems with the activation options of a strategy (empty when valid); pure, same on every rank."""
+    problems = []
+    plan = None
+    try:
+        plan = parse_ac(value, ops=selective_ops)
+    except ValueError as err:
+        problems.append(str(err))
+    if selective_ops is not None and (plan is None or plan.mode != "selective"):
+        problems.append(f"`selective_ac_ops` is used by activation_checkpointing='selective' only; got"
+                        f" activation_checkpointing={value!r}.")
+    if not isinstance(offload_activations, bool):
+        problems.append(f"`offload_activations={offload_activations!r}` must be True or False.")
+    elif offload_activations and plan is not None and plan.every == 1:
+        problems.append(f"offload_activations=True with activation_checkpointing={value!r}: every block is"
+                        " checkpointed, so no block keeps activations to offload. Use activation_checkpointing="
+                        "'every:N' (the blocks between the checkpointed ones are offloaded) or False.")
+    return problems
+
+
+def check_offload_device(offload_activations: bool, device: Any) -> None:
+    """ValueError when activations would be offloaded from a device that is host memory already."""
+    if offload_activations and torch.device(device).type != "cuda":
+        raise ValueError(f"offload_activations=True needs a CUDA device: on {torch.device(device).type!r} the"
+                         " activations already are in host memory (there is nothing to offload them to). Pass"
+                         " offload_activations=False, or activation_checkpointing='selective' to save memory.")
+
+
+def parse_ac(value: Any, *, ops: Any = None) -> ACPlan | None:
+    """The :class:`ACPlan` of an ``activation_checkpointing=`` value (None: off); ValueError naming the value."""
+    if value is None or value is False:
+        return None
+    if value is True or value == "full":
+        return ACPlan(mode="full")
+    if value == "selective":
+        if ops is not None and (isinstance(ops, str) or not isinstance(ops, Sequence) or not ops):
+            raise ValueError(f"`selective_ac_ops={ops!r}` must be a non-empty list of op names (e.g. ['aten.mm']).")
+        if ops is not None:
+            resolve_ops(ops)
+        return ACPlan(mode="selective", ops=SELECTIVE_AC_OPS if ops is None else tuple(ops))
+    if isinstance(value, str) and value.startswith("every:"):
+        n = value[len("every:"):]
+        if n.isdigit() and int(n) >= 1:
+            return ACPlan(mode="full", every=int(n))
+        raise ValueError(f"`activation_checkpointing={value!r}`: N in 'every:N' must be an integer >= 1"
+                         " (e.g. 'every:2' checkpoints every second block).")
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) and v for v in value):
+        return ACPlan(mode="full", units=tuple(value))
+    raise ValueError(f"`activation_checkpointing={value!r}` must be one of {_FORMS}.")
+
+
+def _selective_context(ops: Sequence[Any]) -> Any:
+    """``context_fn`` for torch's checkpoint: keep the outputs of `ops`, recompute everything else."""
+    from functools import partial
+
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    resolved = resolve_ops(ops)
+    packets = {op for op in resolved if isinstance(op, torch._ops.OpOverloadPacket)}
+    overloads = {op for op in resolved if isinstance(op, torch._ops.OpOverload)}
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        keep = op in overloads or getattr(op, "overloadpacket", None) in packets
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return partial(create_selective_checkpoint_contexts, policy)
+
+
+def apply_ac(model: nn.Module, *, units: Union[str, Sequence[str], Sequence[nn.Module]] = "auto",
+             mode: str = "full", every: int = 1, ops: Sequence[Any] = SELECTIVE_AC_OPS) -> list[nn.Module]:
+    """Checkpoint each unit (each block by default; every `every`-th with ``every > 1``); returns the wrapped.
+
+    ``mode="full"``: torch's composable ``checkpoint`` (non-reentrant, hooks on the module);
+    ``mode="selective"``: ``torch.utils.checkpoint.checkpoint`` of the module's forward with a selective
+    ``context_fn`` keeping the outputs of `ops` (see :func:`_checkpoint_forward`). Both keep the module's class
+    and its state-dict keys, so checkpoints stay loadable without AC. Call before ``apply_compile`` and
+    ``apply_fsdp``.
     """
     from torch.distributed._composable import checkpoint
 
-    picked = select_units(model, units)
-    for _, module in picked:
-        checkpoint(module)
-    log.info("applied activation checkpointing to %d blocks", len(picked))
-    return len(picked)
+    if not isinstance(units, str) and units and all(isinstance(u, nn.Module) for u in units):
+        picked = list(units)
+    else:
+        picked = [module for _, module in select_units(model, units)]
+    wrapped = [m for i, m in enumerate(picked) if (i + 1) % every == 0]
+    context_fn = _selective_context(ops) if mode == "selective" else None
+    for module in wrapped:
+        if context_fn is None:
+            checkpoint(module)
+        else:
+            _checkpoint_forward(module, context_fn)
+    log.info("applied %s activation checkpointing to %d of %d blocks", mode, len(wrapped), len(picked))
+    return wrapped
+
+
+def _checkpoint_forward(module: nn.Module, context_fn: Any) -> None:
+    """Run `module`'s forward under ``torch.utils.checkpoint.checkpoint(..., context_fn=context_fn)``.
+
+    Through its ``forward`` (a bound method set on the instance, so ``deepcopy`` rebinds it to the copy; class
+    and state-dict keys unchanged) rather than the composable hooks: ``torch.compile`` of the block then
+    captures the checkpoint as one region with its selective policy, which it cannot do from hooks (the cached
+    outputs would be seen as mutated).
+    """
+    module._ld_ac_context_fn = context_fn
+    module.forward = types.MethodType(_selective_forward, module)
+
+
+def _selective_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(type(self).forward.__get__(self), *args, use_reentrant=False,
+                      context_fn=self._ld_ac_context_fn, **kwargs)
+
+
+class OffloadedActivations(torch.autograd.graph.saved_tensors_hooks):
+    """Saved tensors to (pinned) host memory in forward, back to their device in backward; parameters stay.
+
+    torch's ``save_on_cpu`` packing, except that parameters (kept alive by the module anyway) are not copied.
+    The device->host copy is queued on the current stream (``non_blocking`` into pinned memory), so it is
+    ordered after the op that produced the tensor and overlaps the compute queued after it. ``bytes`` counts
+    what was moved to host memory since the block's last forward started (measured, for ``MemoryReport``).
+    """
+
+    def __init__(self, *, pin_memory: bool, device_type: str = "cuda") -> None:
+        self.bytes = 0
+
+        def pack(t: Tensor) -> Any:
+            if isinstance(t, nn.Parameter) or t.device.type != device_type:
+                return t
+            host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, device="cpu", pin_memory=pin_memory)
+            host.copy_(t, non_blocking=pin_memory)
+            self.bytes += host.numel() * host.element_size()
+            return (t.device, host)
+
+        def unpack(packed: Any) -> Tensor:
+            if isinstance(packed, Tensor):
+                return packed
+            device, host = packed
+            return host.to(device, non_blocking=pin_memory)
+
+        super().__init__(pack, unpack)
+
+    def start(self, *_: Any) -> None:
+        self.bytes = 0
+        self.__enter__()
+
+    def stop(self, *_: Any) -> None:
+        self.__exit__(None, None, None)
+
+
+def apply_offload_activations(model: nn.Module, *, units: Union[str, Sequence[str], Sequence[nn.Module]] = "auto",
+                              skip: Sequence[nn.Module] = (), pin_memory: bool = True,
+                              device_type: str = "cuda") -> list[OffloadedActivations]:
+    """Offload the tensors each unit saves for backward from `device_type` to host memory (not those of `skip`:
+    the checkpointed blocks); returns one hook object per unit, also kept as ``unit._ld_offload``. The hooks
+    are entered and left around each unit's forward."""
+    if not isinstance(units, str) and units and all(isinstance(u, nn.Module) for u in units):
+        picked = list(units)
+    else:
+        picked = [module for _, module in select_units(model, units)]
+    skipped = {id(m) for m in skip}
+    out = []
+    for module in (m for m in picked if id(m) not in skipped):
+        hooks = OffloadedActivations(pin_memory=pin_memory, device_type=device_type)
+        module.register_forward_pre_hook(hooks.start)
+        module.register_forward_hook(hooks.stop, always_call=True)
+        module._ld_offload = hooks
+        out.append(hooks)
+    log.info("offloading the saved activations of %d blocks to %shost memory", len(out),
+             "pinned " if pin_memory else "")
+    return out
+
+
+def offloaded_bytes(model: nn.Module) -> int | None:
+    """Bytes the blocks of `model` moved to host memory in their last forward; None when nothing is offloaded."""
+    hooks = [m._ld_offload for m in model.modules() if isinstance(getattr(m, "_ld_offload", None), OffloadedActivations)]
+    return sum(h.bytes for h in hooks) if hooks else None
+
+
+__all__ = ["ACOption", "ACPlan", "OffloadedActivations", "SELECTIVE_AC_OPS", "ac_problems", "apply_ac",
+           "apply_offload_activations", "check_offload_device", "offloaded_bytes",
+           "parse_ac", "resolve_ops"]

@@ -1,15 +1,18 @@
 """Pipeline stage splitting: a plan as data (stage -> blocks -> params -> cost) and the stage modules.
 
-A pipelined network has one of three shapes:
+A pipelined network has one of four shapes (:func:`network_layout` tries them in this order):
 
-* an ``nn.Sequential``: its children are the blocks;
 * an unmodified HuggingFace causal LM: its ``config.base_model_pp_plan`` block list, the model itself
   running each stage with the parts it does not own taken out (see :mod:`.pipeline_hf`);
+* an ``nn.Sequential``: its children are the blocks;
 * a module with a **stem** (children registered before the block list), one ``nn.ModuleList`` of
   blocks (found by :func:`~lightning_dist.parallelize.units.find_block_lists`, a direct child) and a
   **head** (children registered after it). Its ``forward`` must equal applying the children in
   registration order (:func:`check_staged_forward` compares them on one micro-batch). A module used
-  twice (weight sharing) runs twice; a parameter shared across stages is held by each (:func:`tied_stages`).
+  twice (weight sharing) runs twice; a parameter shared across stages is held by each (:func:`tied_stages`);
+* any other model whose one block list sits inside a direct child and whose forward takes one input
+  (litgpt's ``GPT``: ``transformer.h``): like a HF model, a stage is the model with the blocks it does not own
+  taken out, the boundary activation passed in place of its input (see :mod:`.pipeline_pruned`).
 
 :func:`plan_split` returns a :class:`PipelineSplit` (pure data, printable with rich, unit-testable in
 one process): contiguous runs of blocks per stage, the stem on stage 0 and the head on the last stage.
@@ -47,9 +50,23 @@ class NetworkLayout:
     """Block keys, in order (``"0"``, ``"1"``, ...)."""
     head: tuple[str, ...]
     """Children run after the blocks (on the last stage)."""
+    pruned: tuple | None = None
+    """``(child, block_list, stem, head)`` (qualified names) when the block list sits inside a child: the stages are
+    the model with the parts they do not own taken out (:mod:`.pipeline_pruned`); None for the other shapes."""
     hf: tuple | None = None
-    """A HuggingFace causal LM: ``(base, block_list, stem, head)`` of :func:`~.pipeline_hf.hf_parts`; its stages
-    are the model with the parts they do not own taken out (:func:`~.pipeline_hf.build_hf_stage`)."""
+    """A HuggingFace causal LM: the same parts (:func:`~.pipeline_hf.hf_parts`), its stages taking hidden states as
+    ``inputs_embeds`` and returning ``.logits``; None for any other model."""
+
+    @property
+    def convention(self) -> type:
+        """The stage class of a pruned layout: HF's ``inputs_embeds`` or the forward's first input."""
+        if self.hf is not None:
+            from lightning_dist.parallelize.pipeline_hf import HFStageMixin
+
+            return HFStageMixin
+        from lightning_dist.parallelize.pipeline_pruned import ForwardStage
+
+        return ForwardStage
 
     def block_name(self, i: int) -> str:
         key = self.blocks[i]
@@ -57,42 +74,53 @@ class NetworkLayout:
 
 
 def network_layout(net: nn.Module) -> NetworkLayout:
-    """Find stem / blocks / head of `net`; TypeError when it has none of the shapes (the message says why)."""
+    """Find stem / blocks / head of `net`; TypeError when no route can split it (the message gives each route's reason).
+
+    Routes, in order: a HuggingFace causal LM (its ``config.base_model_pp_plan`` block list), an
+    ``nn.Sequential``, a direct ``nn.ModuleList`` of blocks between stem and head children, a block list inside
+    a direct child (litgpt's ``transformer.h``: the stages are the model with the blocks they do not own taken out).
+    """
     from lightning_dist.parallelize.pipeline_hf import hf_parts, is_hf_causal_lm
+    from lightning_dist.parallelize.pipeline_pruned import nested_parts
 
     if is_hf_causal_lm(net):
         parts = hf_parts(net)
         _, block_list, stem, head = parts
         return NetworkLayout(stem=stem, block_list=block_list, blocks=tuple(net.get_submodule(block_list)._modules),
-                             head=head, hf=parts)
+                             head=head, pruned=parts, hf=parts)
     if isinstance(net, nn.Sequential):
         return NetworkLayout(stem=(), block_list=None, blocks=tuple(net._modules), head=())
     children = list(net.named_children())
     found = [(name, mod) for name, mod in find_block_lists(net) if "." not in name]
-    if len(found) != 1:
-        what = "no" if not found else f"{len(found)} ({[n for n, _ in found]})"
-        nested = [n for n, _ in find_block_lists(net) if "." in n]
-        # a block list inside a child (litgpt's `transformer.h`): the stages would have to run the parent's
-        # forward from hidden states, which such a forward (it embeds its own input) does not allow
-        inner = (f" Its block list {nested[0]!r} sits inside a child module ({nested[0].rsplit('.', 1)[0]!r}):"
-                 " the model's own forward runs it and cannot start a later stage from hidden states." if nested else "")
-        raise TypeError(
-            f"Cannot split {type(net).__name__} into pipeline stages: it has {what} direct nn.ModuleList of blocks."
-            f"{inner} Make it an nn.Sequential, or give it one nn.ModuleList of blocks (e.g. `self.blocks`) with"
-            " the layers before it (stem) and after it (head) registered as children in execution order. (Tried: a"
-            " HuggingFace causal LM's config.base_model_pp_plan - it is not one; nn.Sequential - it is not one;"
-            " a direct block list with stem and head children - none.)"
-        )
-    name, blocks = found[0]
-    if any(True for _ in net.parameters(recurse=False)):
-        direct = [n for n, _ in net.named_parameters(recurse=False)]
-        raise TypeError(
-            f"{type(net).__name__} holds parameters directly ({direct}); a pipeline stage can only own whole"
-            " child modules. Move them into a child module registered before or after the block list."
-        )
-    names = [n for n, _ in children]
-    i = names.index(name)
-    return NetworkLayout(stem=tuple(names[:i]), block_list=name, blocks=tuple(blocks._modules), head=tuple(names[i + 1:]))
+    if len(found) == 1:
+        name, blocks = found[0]
+        if any(True for _ in net.parameters(recurse=False)):
+            direct = [n for n, _ in net.named_parameters(recurse=False)]
+            raise TypeError(
+                f"{type(net).__name__} holds parameters directly ({direct}); a pipeline stage can only own whole"
+                " child modules. Move them into a child module registered before or after the block list."
+            )
+        names = [n for n, _ in children]
+        i = names.index(name)
+        return NetworkLayout(stem=tuple(names[:i]), block_list=name, blocks=tuple(blocks._modules),
+                             head=tuple(names[i + 1:]))
+    parts, nested_why = nested_parts(net) if not found else (None, "it has several direct block lists")
+    if parts is not None:
+        _, block_list, stem, head = parts
+        return NetworkLayout(stem=stem, block_list=block_list, blocks=tuple(net.get_submodule(block_list)._modules),
+                             head=head, pruned=parts)
+    what = "none" if not found else f"{len(found)} ({[n for n, _ in found]})"
+    tried = [
+        "a HuggingFace causal LM (config.base_model_pp_plan): it is not one",
+        "an nn.Sequential (its children are the blocks): it is not one",
+        f"one direct nn.ModuleList of blocks between stem and head children: it has {what}",
+        f"the model with the blocks a stage does not own taken out of the child holding them: {nested_why}",
+    ]
+    raise TypeError(
+        f"Cannot split {type(net).__name__} into pipeline stages; routes tried:\n  - " + "\n  - ".join(tried)
+        + "\nMake it an nn.Sequential, or give it one nn.ModuleList of blocks (e.g. `self.blocks`) with the layers"
+        " before it (stem) and after it (head) registered as children in execution order, its forward taking one input."
+    )
 
 
 def _block(net: nn.Module, layout: NetworkLayout, i: int) -> nn.Module:
@@ -219,12 +247,12 @@ def profile_costs(
     """Measured forward+backward milliseconds of (stem, each block, head) on one sample micro-batch (best of `repeats`).
 
     The parts are assumed to compose to ``net`` (check that first with :func:`check_staged_forward`).
-    A HuggingFace causal LM is measured inside its own forward (`sample`: its keyword inputs).
+    A model split into pruned copies (HF, litgpt) is measured inside its own forward (HF `sample`: its keyword inputs).
     """
-    if layout.hf is not None:
-        from lightning_dist.parallelize.pipeline_hf import profile_hf
+    if layout.pruned is not None:  # measured inside the model's own forward (its blocks take extra inputs)
+        from lightning_dist.parallelize.pipeline_pruned import profile_pruned
 
-        return profile_hf(net, layout, sample, repeats=repeats)
+        return profile_pruned(net, layout, sample, convention=layout.convention, repeats=repeats)
     parts = [net.get_submodule(n) for n in layout.stem] + [_block(net, layout, i) for i in range(len(layout.blocks))] + [
         net.get_submodule(n) for n in layout.head
     ]

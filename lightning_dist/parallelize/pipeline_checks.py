@@ -87,17 +87,17 @@ def staged_forward_problem(net: nn.Module, sample: torch.Tensor, *, rtol: float 
     in another order, or transforms tensors between children computes something else.
     """
     layout = network_layout(net)
-    if layout.hf is not None:  # every block boundary is a stage boundary: each hand-over is checked
-        from lightning_dist.parallelize.pipeline_hf import check_hf_stages
+    if layout.pruned is not None:  # every block boundary is a stage boundary: each hand-over is checked
+        from lightning_dist.parallelize.pipeline_pruned import check_pruned_stages
 
         one_each = plan_split(net, len(layout.blocks), split=list(range(1, len(layout.blocks))))
-        problem = check_hf_stages(net, [build_stage_module(net, one_each, [s]) for s in range(one_each.num_stages)],
-                                  sample)
+        problem = check_pruned_stages(
+            net, [build_stage_module(net, one_each, [s]) for s in range(one_each.num_stages)], sample)
         if problem is None:
             return None
+        given = "as `inputs_embeds` (HF's config.base_model_pp_plan layout)" if layout.hf is not None else "in place of its input"
         return (f"Cannot split {type(net).__name__} into pipeline stages: {problem}. Tried: a stage = the model"
-                f" with the blocks of {layout.block_list} it does not own taken out, hidden states passed as"
-                " `inputs_embeds` (HF's config.base_model_pp_plan layout).")
+                f" with the blocks of {layout.block_list} it does not own taken out, hidden states passed {given}.")
     staged = build_stage_module(net, plan_split(net, 1, split="params"), [0])
     was_training = net.training
     net.eval()  # dropout & co. would draw different masks in the two runs

@@ -9,14 +9,16 @@ model's own ``forward`` runs each stage (rotary embeddings, the causal mask from
   original indices (``model.layers.5`` stays ``model.layers.5``);
 * the **stem** (first stage): the base model's children registered before the block list (embeddings,
   dropout). A later stage gets its input as ``inputs_embeds`` (every HF causal LM takes them in place of
-  ``input_ids``); a stem part it does not own becomes :class:`Absent`, which adds nothing (an absolute
+  ``input_ids``); a stem part it does not own becomes :class:`~.pipeline_pruned.Absent`, which adds nothing (an absolute
   position embedding) and passes hidden states through (an embedding dropout);
 * the **head** (last stage): the base model's children after the block list (the final norm) and the
   LM's own children (``lm_head``); a stage that does not own them has ``nn.Identity`` there, so the
   ``logits`` it returns are its hidden states.
 
 :func:`check_hf_stages` runs the stages one after the other on one micro-batch against the whole model
-before anything is split: a model whose forward does not tolerate this is refused, never mis-trained.
+before anything is split: a model whose forward does not tolerate this is refused, never mis-trained. The
+pruning itself is :mod:`.pipeline_pruned` (litgpt's ``GPT`` is split the same way); this module holds HF's
+part names, its input convention (:class:`HFStageMixin`), sample inputs and the ``labels`` loss.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_dist.parallelize.pipeline_pruned import PrunedStage, build_pruned_stage, check_pruned_stages, profile_pruned
 from lightning_dist.parallelize.units import BLOCK_LIST_NAMES
 
 
@@ -65,110 +68,31 @@ def _has_state(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
 
 
-class Absent(nn.Module):
-    """A stem part a later stage does not own: adds nothing to an embedding sum, passes hidden states through."""
-
-    def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.is_floating_point():
-            return x  # e.g. the embedding dropout: the first stage applied it
-        return torch.zeros((), dtype=torch.get_default_dtype())  # e.g. wpe(position_ids): x + 0 is x exactly
-
-
-def _shallow(module: nn.Module, cls: type | None = None) -> nn.Module:
-    """A new module object sharing `module`'s parameters, buffers, children and attributes, with its own
-    hook and child dicts (FSDP2 and PipelineStage register hooks on a stage: they must not reach the others)."""
-    out = (cls or type(module)).__new__(cls or type(module))
-    nn.Module.__init__(out)
-    fresh = set(out.__dict__)
-    out.__dict__.update({k: v for k, v in module.__dict__.items() if k not in fresh})
-    out._parameters = dict(module._parameters)
-    out._buffers = dict(module._buffers)
-    out._non_persistent_buffers_set = set(module._non_persistent_buffers_set)
-    out._modules = dict(module._modules)
-    out.training = module.training
-    return out
-
-
-class HFStageMixin(nn.Module):
+class HFStageMixin(PrunedStage):
     """Forward of a pipeline stage of a HF causal LM: ids (first stage) or hidden states in, logits or hidden out."""
-
-    _ld_first: bool = True
-    _ld_block_list: str | None = None
-    runner: Any = None
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-        if self.runner is not None:  # the LightningModule's copy: the call runs the whole schedule
-            return self.runner(*args, **kwargs)
-        return self.run_local(*args, **kwargs)
 
     def run_local(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         key = "input_ids" if self._ld_first else "inputs_embeds"
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
-        return super().forward(**{key: x}, **kwargs, use_cache=False).logits
+        return self._ld_model.forward(self, **{key: x}, **kwargs, use_cache=False).logits
+
+    @staticmethod
+    def whole_output(net: nn.Module, sample: Any) -> torch.Tensor:
+        return net(**sample, use_cache=False).logits
+
+    @staticmethod
+    def split_sample(sample: Any) -> tuple[Any, dict[str, Any]]:
+        return sample["input_ids"], {k: v for k, v in sample.items() if k != "input_ids"}
 
 
 def build_hf_stage(net: nn.Module, parts: tuple, blocks: Sequence[str], *, first: bool, last: bool) -> nn.Module:
     """`net` with only `blocks` of its block list, its stem when `first` and its head when `last` (shared modules)."""
-    prefix, block_list, stem, head = parts
-    cls = type(f"{type(net).__name__}Stage", (HFStageMixin, type(net)), {})
-    lm = _shallow(net, cls)
-    lm._ld_first = first
-    lm._ld_block_list = block_list
-    base = _shallow(net.get_submodule(prefix))
-    lm._modules[prefix] = base
-    full = net.get_submodule(block_list)
-    kept = nn.ModuleList()
-    kept._modules = {k: full._modules[k] for k in blocks}  # original indices: the single-device names
-    base._modules[block_list.split(".", 1)[1]] = kept
-    for name in stem if not first else ():
-        base._modules[name.split(".", 1)[1]] = Absent()
-    for name in head if not last else ():
-        owner, _, child = name.rpartition(".")
-        (base if owner == prefix else lm)._modules[child] = nn.Identity()
-    if hasattr(lm, "_tied_weights_keys"):  # the pruned copy never re-ties (the tie lives in the parameters)
-        lm.__dict__["_tied_weights_keys"] = None
-    return lm
-
-
-def model_class_copy(module: nn.Module) -> nn.Module:
-    """`module` with every HF stage in it (itself included) turned back into the model's own class (shared
-    parts): the stage classes are made per model at run time, so a stage cannot be pickled (e.g. gathered
-    with ``all_gather_object``) as it is."""
-    def plain(m: nn.Module) -> nn.Module:
-        return _shallow(m, type(m).__mro__[2]) if isinstance(m, HFStageMixin) else m
-
-    module = plain(module)
-    for m in [module, *module.modules()]:
-        for name, child in list(m._modules.items()):
-            if isinstance(child, HFStageMixin):
-                m._modules[name] = plain(child)
-    return module
+    return build_pruned_stage(net, parts, blocks, first=first, last=last, convention=HFStageMixin)
 
 
 def check_hf_stages(net: nn.Module, stages: Sequence[nn.Module], sample: dict[str, torch.Tensor]) -> str | None:
     """Why running `stages` one after the other does not give ``net(**sample).logits`` (None when it does)."""
-    was = net.training
-    net.eval()
-    for s in stages:
-        s.eval()
-    try:
-        with torch.no_grad():
-            expected = net(**sample, use_cache=False).logits
-            x, kw = sample["input_ids"], {k: v for k, v in sample.items() if k != "input_ids"}
-            for stage in stages:
-                x = stage.run_local(x, **kw)
-    except Exception as err:  # a forward that cannot run without the parts a stage does not own
-        return f"its forward fails on a stage without the parts it does not own ({type(err).__name__}: {err})"
-    finally:
-        net.train(was)
-        for s in stages:
-            s.train(was)
-    if x.shape != expected.shape:
-        return f"the stages return {tuple(x.shape)}, the model {tuple(expected.shape)}"
-    gap = (x - expected).abs().max().item()
-    if not torch.allclose(x, expected, rtol=1e-5, atol=1e-6):
-        return f"the stages compute another function (max abs difference {gap:.3g} on one micro-batch)"
-    return None
+    return check_pruned_stages(net, stages, sample)
 
 
 def hf_example_inputs(net: nn.Module, *, batch: int = 2, seq: int | None = None) -> dict[str, torch.Tensor]:
@@ -184,32 +108,8 @@ def hf_example_inputs(net: nn.Module, *, batch: int = 2, seq: int | None = None)
 
 def profile_hf(net: nn.Module, layout: Any, sample: dict[str, torch.Tensor], *, repeats: int = 5
                ) -> tuple[float, list[float], float]:
-    """Milliseconds of (stem, each block, head) in forward, inside the model's own forward (best of `repeats`).
-
-    Blocks need the model's extra inputs (mask, rotary embeddings), so they are timed by hooks during
-    ``net(**sample)``; the backward is taken as proportional to the forward (the split only needs ratios).
-    """
-    import time
-
-    names = [*layout.stem, *(f"{layout.block_list}.{k}" for k in layout.blocks), *layout.head]
-    best = [float("inf")] * len(names)
-    starts: dict[int, float] = {}
-    handles = []
-    for i, name in enumerate(names):
-        module = net.get_submodule(name)
-        handles.append(module.register_forward_pre_hook(lambda m, a, i=i: starts.__setitem__(i, time.perf_counter())))
-        handles.append(module.register_forward_hook(
-            lambda m, a, o, i=i: best.__setitem__(i, min(best[i], (time.perf_counter() - starts[i]) * 1e3))))
-    try:
-        with torch.no_grad():
-            for _ in range(repeats + 1):
-                net(**sample, use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
-    n_stem, n_head = len(layout.stem), len(layout.head)
-    best = [0.0 if b == float("inf") else b for b in best]  # a part the forward never calls costs nothing
-    return sum(best[:n_stem]), best[n_stem:len(best) - n_head], sum(best[len(best) - n_head:])
+    """Milliseconds of (stem, each block, head) in forward, inside the model's own forward (best of `repeats`)."""
+    return profile_pruned(net, layout, sample, convention=HFStageMixin, repeats=repeats)
 
 
 def hf_labels_loss(logits: torch.Tensor, labels: torch.Tensor, *, num_items: Any = None) -> torch.Tensor:
@@ -244,5 +144,5 @@ def labelled_tokens(labels: torch.Tensor) -> torch.Tensor:
     return (labels[..., 1:] != -100).sum()
 
 
-__all__ = ["Absent", "HFStageMixin", "build_hf_stage", "check_hf_stages", "hf_example_inputs", "hf_labels_loss",
-           "hf_parts", "profile_hf", "is_hf_causal_lm", "labelled_tokens", "model_class_copy", "pipeline_loss_function"]
+__all__ = ["HFStageMixin", "build_hf_stage", "check_hf_stages", "hf_example_inputs", "hf_labels_loss",
+           "hf_parts", "profile_hf", "is_hf_causal_lm", "labelled_tokens", "pipeline_loss_function"]

@@ -189,37 +189,6 @@ def returned_loss_gradients(
     return differs, [(p, g) for p, g in zip(params, grads[1:]) if g is not None]
 
 
-def grads_by_layout(grads: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """Gradients grouped by layout (plain tensors; DTensors per (mesh, placements)): torch's foreach kernels and
-    ``get_total_norm`` take one layout per call, and a pipeline stage with TP and FSDP mixes them."""
-    from torch.distributed.tensor import DTensor
-
-    groups: dict[Any, list[torch.Tensor]] = {}
-    for g in grads:
-        key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
-        groups.setdefault(key, []).append(g)
-    return list(groups.values())
-
-
-def global_grad_norm(grads: Sequence[torch.Tensor], pp_group: Optional[Any], *, device: torch.device) -> torch.Tensor:
-    """The 2-norm of all gradients of the model, across pipeline stages, FSDP shards and tensor-parallel shards.
-
-    Each layout group's norm is made whole with ``full_tensor()`` (one collective per group, not per
-    parameter), and the squares are summed over the pp group (stages hold distinct parameters).
-    """
-    from torch.distributed.tensor import DTensor
-
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    for group in grads_by_layout(grads):
-        norm = torch.nn.utils.get_total_norm(group, norm_type=2.0)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        total = total + norm.to(device=device, dtype=torch.float64) ** 2
-    if pp_group is not None:
-        dist.all_reduce(total, group=pp_group)
-    return total.sqrt()
-
-
 def bubble_theory(pp: int, n_microbatches: int, stages_per_rank: int = 1) -> float:
     """Idle fraction with equal stages and free communication: (p-1)/(v*m+p-1) for GPipe/1F1B (v=1) and
     interleaved 1F1B (v stages per rank, each 1/v of the work: the warm-up shrinks v times). Zero-bubble
@@ -227,4 +196,4 @@ def bubble_theory(pp: int, n_microbatches: int, stages_per_rank: int = 1) -> flo
     return (pp - 1) / (stages_per_rank * n_microbatches + pp - 1)
 
 
-__all__ = ["SCHEDULES", "PipelineRunner", "TimedStage", "bubble_theory", "build_schedule", "global_grad_norm", "grads_by_layout", "returned_loss_gradients", "schedule_problems"]
+__all__ = ["SCHEDULES", "PipelineRunner", "TimedStage", "bubble_theory", "build_schedule", "returned_loss_gradients", "schedule_problems"]

@@ -53,9 +53,9 @@ class StageModule(nn.Module):
 
 def is_pipelined_module(net: object) -> bool:
     """A stage module built by :func:`build_stage_module` (of either kind)."""
-    from lightning_dist.parallelize.pipeline_hf import HFStageMixin
+    from lightning_dist.parallelize.pipeline_pruned import PrunedStage
 
-    return isinstance(net, (StageModule, HFStageMixin))
+    return isinstance(net, (StageModule, PrunedStage))
 
 
 def build_stage_module(net: nn.Module, split: PipelineSplit, stage_indices: Sequence[int]) -> StageModule:
@@ -66,11 +66,11 @@ def build_stage_module(net: nn.Module, split: PipelineSplit, stage_indices: Sequ
     lay = split.layout
     chosen = [split.stages[i] for i in sorted(stage_indices)]
     block_ids = [b for s in chosen for b in s.blocks]
-    if lay.hf is not None:
-        from lightning_dist.parallelize.pipeline_hf import build_hf_stage
+    if lay.pruned is not None:
+        from lightning_dist.parallelize.pipeline_pruned import build_pruned_stage
 
-        return build_hf_stage(net, lay.hf, [lay.blocks[i] for i in block_ids], first=any(s.stem for s in chosen),
-                              last=any(s.head for s in chosen))
+        return build_pruned_stage(net, lay.pruned, [lay.blocks[i] for i in block_ids], first=any(s.stem for s in chosen),
+                                  last=any(s.head for s in chosen), convention=lay.convention)
     blocks = [(lay.blocks[i], _block(net, lay, i)) for i in block_ids]
     parts: list[tuple[str, nn.Module]] = []
     if any(s.stem for s in chosen):
@@ -84,9 +84,9 @@ def build_stage_module(net: nn.Module, split: PipelineSplit, stage_indices: Sequ
 
 def stage_blocks(stage: StageModule) -> list[nn.Module]:
     """The blocks a stage module holds: its block list's entries, or (a split ``nn.Sequential``) its children."""
-    hf_list = getattr(stage, "_ld_block_list", None)
-    if hf_list is not None:  # a HuggingFace stage: its slice of the block list
-        return list(stage.get_submodule(hf_list).children())
+    pruned_list = getattr(stage, "_ld_block_list", None)
+    if pruned_list is not None:  # a pruned copy of the model (HF, litgpt): its slice of the block list
+        return list(stage.get_submodule(pruned_list).children())
     lists = [child for child in stage.children() if isinstance(child, nn.ModuleDict)]
     if lists:
         return [block for blocks in lists for block in blocks.values()]
@@ -188,30 +188,15 @@ def pipeline_view(strategy: Any) -> PipelineView | None:
 def join_stages(split: PipelineSplit, pieces: Sequence[nn.Module]) -> nn.Module:
     """The whole single-device network from plain copies of every pipeline rank's stage module (pure).
 
-    Stem, blocks and head are put back in the split's order under their single-device names. A HuggingFace
-    stage is the model with the parts it does not own taken out: the parts are put back into the first
+    Stem, blocks and head are put back in the split's order under their single-device names. A pruned
+    stage (HF, litgpt) is the model with the parts it does not own taken out: the parts are put back into the first
     stage's copy.
     """
     layout = split.layout
-    if layout.hf is not None:
-        from lightning_dist.parallelize.pipeline_hf import HFStageMixin, _shallow
+    if layout.pruned is not None:
+        from lightning_dist.parallelize.pipeline_pruned import join_pruned
 
-        first = next(p for p in pieces if p.get_submodule(layout.stem[0]).__class__.__name__ != "Absent")
-        # the model's own class (a stage's class is (the stage class, the mixin, it); a piece may be one already)
-        whole = _shallow(first, type(first).__mro__[2] if isinstance(first, HFStageMixin) else type(first))
-        assert not isinstance(whole, HFStageMixin)
-        prefix = layout.hf[0]
-        base = _shallow(first.get_submodule(prefix))
-        whole._modules[prefix] = base
-        blocks = {k: m for p in pieces for k, m in p.get_submodule(layout.block_list)._modules.items()}
-        joined = nn.ModuleList()
-        joined._modules = {k: blocks[k] for k in layout.blocks}
-        base._modules[layout.block_list.split(".", 1)[1]] = joined
-        last = next(p for p in pieces if not isinstance(p.get_submodule(layout.head[-1]), nn.Identity))
-        for name in layout.head:
-            owner, _, child = name.rpartition(".")
-            (base if owner == prefix else whole)._modules[child] = last.get_submodule(name)
-        return whole
+        return join_pruned(layout.pruned, layout.blocks, pieces)
     parts: dict[str, nn.Module] = {}
     blocks: dict[str, nn.Module] = {}
     for piece in pieces:

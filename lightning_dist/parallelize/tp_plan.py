@@ -72,7 +72,7 @@ class TPEntry:
     module_type: str
     """Class name of the module."""
     shapes: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...] = ()
-    """(parameter, global shape, local shape on one tensor rank)."""
+    """(parameter, the model's shape, the shape held on one tensor rank: ``colwise_qkv`` holds ``[in, 3, E/tp]``)."""
     options: Mapping[str, Any] = field(default_factory=dict)
     """Layout overrides from the dict form (``input``, ``output``)."""
     active: bool = True
@@ -153,7 +153,10 @@ def _local_shapes(module: nn.Module, style: str, tp: int) -> tuple[tuple[str, tu
     out = []
     for name, p in module.named_parameters(recurse=False):
         shape, local = tuple(p.shape), list(p.shape)
-        if name in dims:
+        if name in dims and style == "colwise_qkv":  # held with [q | k | v] as a dim of its own (tp_styles.py)
+            d = dims[name]
+            local[d:d + 1] = [3, shape[d] // 3 // tp]
+        elif name in dims:
             local[dims[name]] //= tp
         out.append((name, shape, tuple(local)))
     return tuple(out)
@@ -244,11 +247,18 @@ def resolve_plan(model: nn.Module, plan: Plan | str, *, tp: int, sequence_parall
 
 
 def format_plan(entries: list[TPEntry], *, tp: int, title: str | None = None) -> str:
-    """The resolved plan as a rich table: module -> style -> global -> local shard shapes."""
+    """The resolved plan as a rich table: module -> style -> global (the model's) -> local (held per rank) shapes."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
-    table = Table(title=title or f"Tensor-parallel plan (tp={tp})")
+    fused = any(e.active and e.style == "colwise_qkv" for e in entries)
+    # colwise_qkv changes what named_parameters() shows: say so next to the shapes (README: "Plan styles")
+    caption = ("colwise_qkv: the parameter is held as [in, 3, E/tp] ([3, E/tp, in] for a Linear; bias [3, E/tp]) in"
+               " named_parameters() and the optimizer; state_dict, checkpoints and consolidation keep the model's"
+               " [in, 3E]") if fused else None
+    table = Table(title=title or f"Tensor-parallel plan (tp={tp})", caption=caption and escape(caption),
+                  caption_justify="left")
     for col in ("module", "type", "style", "global shape", "local shape"):
         table.add_column(col)
     for e in entries:

@@ -29,10 +29,27 @@ class BlockShape:
         return 2 * C * C + 2 * C * kv + 2 * C * self.mlp_hidden
 
 
+def _ac_mode(value: bool | str | object) -> tuple[str | None, int]:
+    """(``"full"``/``"selective"``/None, N) of an ``activation_checkpointing=`` value."""
+    if value is False or value is None:
+        return None, 1
+    if value == "selective":
+        return "selective", 1
+    if isinstance(value, str) and value.startswith("every:"):
+        n = value[len("every:"):]
+        if not n.isdigit() or int(n) < 1:
+            raise ValueError(f"checkpointed={value!r}: N in 'every:N' must be an integer >= 1.")
+        return "full", int(n)
+    if value is True or value == "full" or (isinstance(value, (list, tuple)) and value):
+        return "full", 1
+    raise ValueError(f"checkpointed={value!r} must be False, True/'full', 'selective', 'every:N' or class names.")
+
+
 def activation_bytes(
     block: BlockShape, *, tokens: int, blocks: int, tp: int = 1, bytes_per_element: float = 2,
     residual_bytes: float | None = None, micro_batches_held: int = 1, stem: bool = True, head: bool = True,
-    head_gathered: bool = False, checkpointed: bool = False, autocast: bool = False,
+    head_gathered: bool = False, checkpointed: bool | str = False, autocast: bool = False,
+    offloaded: bool = False,
 ) -> float:
     """Peak activation bytes of one training step on one device (saved for backward + the backward's start).
 
@@ -52,8 +69,14 @@ def activation_bytes(
     its input and its weight to the compute dtype itself and keeps both, so the q, k, v and fc1 inputs are
     four copies (``4 a C`` instead of ``2 a C``) and each block (and the head) keeps a compute-dtype copy of
     its tensor-parallel local weights per micro-batch (``a x params / t``, not per token).
-    ``checkpointed``: a block keeps only its input ``f C`` and one block's full set is live again while it is
-    recomputed. The stem (``stem``) adds the embedding output ``a C`` (and the int64 token ids);
+    ``checkpointed`` (the ``activation_checkpointing=`` option of the strategies): ``True``/``"full"``: a block
+    keeps only its input ``f C`` and one block's full set is live again while it is recomputed;
+    ``"selective"`` (the default op list): a block keeps its input and the outputs of its matmuls and attention
+    ``f C + 4 a C / t + a H / t + 2 a C + 4 h / t`` (q, k, v and the attention output; fc1; the proj and fc2
+    outputs, whole before their all-reduce), and the rest of one block is live again while it is recomputed;
+    ``"every:N"``: ``blocks // N`` blocks are checkpointed in full, the others keep their full set; block class
+    names: as ``True``. ``offloaded`` (``offload_activations=True``): the uncheckpointed blocks' sets are in host
+    memory, one of them on the device (the block being computed, or copied back in backward). The stem (``stem``) adds the embedding output ``a C`` (and the int64 token ids);
     the head (``head``) the final norm's input and output ``(f + a) C`` and, when backward starts, the
     cross-entropy's saved log-probabilities, their gradient and the logits' gradient in the loss dtype
     (``3 f V``; the loss runs in the residual dtype, float32 under autocast) plus the logits' gradient in
@@ -69,8 +92,12 @@ def activation_bytes(
     C, H, h, t = block.hidden, block.mlp_hidden, block.heads, tp
     copies = 4 if autocast else 2  # compute-dtype inputs of q, k, v and fc1 (one shared norm output without autocast)
     full = 2 * f * C + 16 + copies * a * C + 4 * a * C / t + a * C / t + 2 * a * H / t + 4 * h / t
-    per_block = f * C if checkpointed else full
-    saved = blocks * per_block + (full if checkpointed and blocks else 0)
+    mode, every = _ac_mode(checkpointed)
+    kept = {"full": f * C, "selective": f * C + 4 * a * C / t + a * H / t + 2 * a * C + 4 * h / t}.get(mode, full)
+    n_ckpt = blocks // every if mode else 0  # blocks N, 2N, ... are checkpointed
+    kept_blocks = blocks - n_ckpt  # blocks that keep their full set (on the host when offloaded)
+    saved = (min(kept_blocks, 1) if offloaded else kept_blocks) * full + n_ckpt * kept
+    saved += full - kept + f * C if n_ckpt else 0  # one block recomputed (its input counted twice, as measured)
     if stem:
         saved += a * C + 8
     weights = (blocks * block.params / t) * a if autocast else 0.0  # per micro-batch, not per token

@@ -14,7 +14,7 @@ their meaning. Gradient-norm clipping uses the global norm across stages (and FS
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -22,7 +22,7 @@ from typing_extensions import override
 
 from lightning_dist.mesh import PP
 from lightning_dist.parallelize.pipeline_hf import hf_labels_loss, labelled_tokens
-from lightning_dist.parallelize.pipeline_schedule import global_grad_norm, grads_by_layout, returned_loss_gradients
+from lightning_dist.parallelize.pipeline_schedule import returned_loss_gradients
 from lightning_dist.parallelize.pipeline_setup import first_batch_problem
 from lightning_dist.parallelize.pipeline_tied import sum_tied_gradients
 from lightning_dist.strategies.base import MeshStrategy
@@ -198,14 +198,16 @@ class PipelineStepMixin(MeshStrategy):
             )
         return extra
 
-    def _clip_grad_by_norm(self, optimizer: Any, clip_val: Union[int, float]) -> None:
-        skip = {id(p) for p, _, counted in self._tied if not counted}  # a tied copy counts once in the norm
-        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None and id(p) not in skip]
-        total = global_grad_norm(grads, self.mesh.group(PP) if self.mesh.size(PP) > 1 else None, device=self.root_device)
-        # torch's rule (coefficient max_norm / (norm + 1e-6), at most 1), one foreach call per gradient layout
-        coef = min(1.0, float(clip_val) / (total.item() + 1e-6))
-        for group in grads_by_layout(grads):
-            torch._foreach_mul_(group, coef)
+    @override
+    def optimizer_gradients(self, optimizer: Any) -> tuple[list[Tensor], list[Tensor]]:
+        grads, _ = super().optimizer_gradients(optimizer)
+        # a weight tied across stages has a copy (summed gradient) on each holder: all are clipped, one is counted
+        skip = {id(p.grad) for p, _, counted in self._tied if not counted and p.grad is not None}
+        return grads, [g for g in grads if id(g) not in skip]
+
+    @override
+    def grad_norm_group(self) -> Optional[Any]:
+        return self.mesh.group(PP) if self.mesh.size(PP) > 1 else None  # the stages hold distinct parameters
 
 
 __all__ = ["PipelineStepMixin"]

@@ -21,6 +21,7 @@ from typing_extensions import override
 
 from lightning_dist import inputs, planner
 from lightning_dist.mesh import DP_REPLICATE, DP_SHARD, PP, TP
+from lightning_dist.parallelize.ac import ACOption, ac_problems
 from lightning_dist.precision import precision_flag
 from lightning_dist.strategies.base import MeshStrategy
 
@@ -67,6 +68,8 @@ class AutoParallelStrategy(MeshStrategy):
             divide it are skipped (each data-parallel rank needs the same whole number of samples).
         optimizer: optimizer the planner sizes the state for (``"adamw"``, ``"adam"``, ``"sgd"``, ``"sgd-momentum"``).
         batch_size, seq_len: per data-parallel rank, for ``verify``'s dry run (default 8 samples, block size).
+        activation_checkpointing, selective_ac_ops, offload_activations: given to whichever strategy is chosen
+            (every choice takes them; see :mod:`lightning_dist.parallelize.ac`), checked here first.
         options: extra keyword arguments per chosen strategy class name, e.g.
             ``{"PipelineStrategy": {"n_microbatches": 4}, "TensorParallelStrategy": {"plan": "auto"}}``.
         **kwargs: :class:`MeshStrategy` options every choice takes (``timeout``, ``process_group_backend``...).
@@ -85,9 +88,13 @@ class AutoParallelStrategy(MeshStrategy):
         batch_size: int = 8,
         seq_len: Optional[int] = None,
         options: Optional[Mapping[str, Mapping[str, Any]]] = None,
+        activation_checkpointing: ACOption = False,
+        selective_ac_ops: Optional[Sequence[str]] = None,
+        offload_activations: bool = False,
         **kwargs: Any,
     ) -> None:
-        problems = []
+        problems = ac_problems(activation_checkpointing, selective_ops=selective_ac_ops,
+                               offload_activations=offload_activations)
         memory: Optional[int] = None
         if device_memory is not None:
             try:
@@ -112,6 +119,9 @@ class AutoParallelStrategy(MeshStrategy):
         self.global_batch, self.optimizer, self.batch_size, self.seq_len = global_batch, optimizer, batch_size, seq_len
         self.options = {k: dict(v) for k, v in (options or {}).items()}
         self._common = dict(kwargs)
+        self.activation_checkpointing, self.offload_activations = activation_checkpointing, offload_activations
+        self._common.update(activation_checkpointing=activation_checkpointing, selective_ac_ops=selective_ac_ops,
+                            offload_activations=offload_activations)
         self.choice: Optional[planner.Layout] = None
         """The chosen layout (set in ``setup_environment``)."""
 
@@ -149,7 +159,10 @@ class AutoParallelStrategy(MeshStrategy):
                 # hparams without LightningCLI's private entries (`_instantiator`, `_class_path`)
                 model=f"{cls.__module__}.{cls.__qualname__}",
                 init_args={k: v for k, v in module.hparams.items() if not k.startswith("_")},
-                strategy=f"{strategy_cls.__module__}.{strategy_cls.__qualname__}", strategy_args=kwargs,
+                # activations as the run will keep them (offload_activations needs CUDA, which the dry run is not)
+                strategy=f"{strategy_cls.__module__}.{strategy_cls.__qualname__}",
+                strategy_args={**kwargs, "activation_checkpointing": self._common["activation_checkpointing"],
+                               "selective_ac_ops": self._common["selective_ac_ops"]},
                 world_size=self.num_nodes * self.num_processes, devices_per_node=self.num_processes,
                 precision=str(self.precision_plugin.precision), batch_size=self.batch_size, seq_len=self.seq_len,
                 device_memory=self.device_memory))

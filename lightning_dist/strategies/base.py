@@ -31,7 +31,13 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 import lightning.pytorch as pl
-from lightning_dist._integrations.lightning import _optimizers_to_device, _sync_ddp_if_available, set_module_device_mesh
+from lightning_dist._integrations.lightning import (
+    _optimizers_to_device,
+    _sync_ddp_if_available,
+    route_gradient_clipping,
+    set_module_device_mesh,
+)
+from lightning_dist.grads import clip_grads_by_norm_, clip_grads_by_value_
 from lightning_dist.mesh import DIM_NAMES, DistMesh, MeshSpec
 from lightning_dist.parallelize.sync import broadcast_module_states, materialize_in_sync, shared_seed
 from lightning_dist.strategies._checkpoints import ShardedCheckpointMixin
@@ -228,6 +234,9 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+        # Lightning clips each process's gradients alone, with foreach calls that refuse plain tensors mixed with
+        # DTensors: the strategy's clipping spans every shard and stage (Trainer's clipping and self.clip_gradients)
+        route_gradient_clipping(self.precision_plugin, by_norm=self.clip_grad_by_norm, by_value=self.clip_grad_by_value)
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
@@ -249,6 +258,25 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
 
         self.model = sync_or_warn_batchnorm(self.model, sync=self._layer_sync is not None,
                                             group=self.mesh.dp_group, dp_size=self.mesh.dp_size)
+
+    # ---- gradient clipping (Trainer(gradient_clip_val=...), LightningModule.clip_gradients) -----------
+    def optimizer_gradients(self, optimizer: Any) -> tuple[list[Tensor], list[Tensor]]:
+        """(the gradients of ``optimizer``'s parameters this rank holds, those of them counted in the norm)."""
+        grads = list({id(p): p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None}.values())
+        return grads, grads
+
+    def grad_norm_group(self) -> Optional[Any]:
+        """The process group whose ranks hold distinct parameters (pipeline stages); None: every rank holds all."""
+        return None
+
+    def clip_grad_by_norm(self, optimizer: Any, clip_val: Union[int, float]) -> None:
+        """torch's ``clip_grad_norm_`` on the whole model: the global norm over every shard and stage."""
+        grads, counted = self.optimizer_gradients(optimizer)
+        clip_grads_by_norm_(grads, clip_val, counted=counted, group=self.grad_norm_group(), device=self.root_device)
+
+    def clip_grad_by_value(self, optimizer: Any, clip_val: Union[int, float]) -> None:
+        """torch's ``clip_grad_value_``: each rank clamps the gradient elements it holds."""
+        clip_grads_by_value_(self.optimizer_gradients(optimizer)[0], clip_val)
 
     # ---- memory at rest --------------------------------------------------------------------------
     def reshard(self) -> None:

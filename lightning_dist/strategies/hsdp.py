@@ -14,6 +14,7 @@ import lightning.pytorch as pl
 from lightning_dist._compat import CUDA_AVAILABLE, fully_shard_api
 from lightning_dist.mesh import MeshSpec
 from lightning_dist.parallelize import ParallelizeConfig, parallelize_model
+from lightning_dist.parallelize.ac import ACOption, ac_problems, check_offload_device
 from lightning_dist.parallelize.compile import check_compile_option
 from lightning_dist.precision import precision_dtypes
 from lightning_dist.strategies.base import MeshStrategy
@@ -31,7 +32,13 @@ class HybridShardStrategy(MeshStrategy):
             until backward (one all-gather fewer per step); ``1`` replicate parameters and gradients
             (all-reduce) and shard only the optimizer state (torch's ``ZeroRedundancyOptimizer``).
         units: FSDP units: ``"auto"`` (each block of the model's block list) or module class names.
-        activation_checkpointing: True to recompute each block in backward, or block class names.
+        activation_checkpointing: ``True``/``"full"`` recompute each block in backward; ``"selective"`` keep
+            the outputs of matmuls, attention and collectives and recompute the rest; ``"every:N"`` full
+            checkpointing of every N-th block; or block class names (see :mod:`lightning_dist.parallelize.ac`).
+        selective_ac_ops: the ops whose outputs ``"selective"`` keeps (``["aten.mm", ...]``); default
+            :data:`~lightning_dist.parallelize.ac.SELECTIVE_AC_OPS`.
+        offload_activations: move the tensors each block saves for backward to pinned host memory (CUDA only;
+            the blocks ``activation_checkpointing`` leaves uncheckpointed).
         offload_policy: an FSDP2 ``CPUOffloadPolicy`` (see ``OffloadStrategy`` for the managed version).
         compile: True to ``torch.compile`` each block (after activation checkpointing, before FSDP2, as
             torchtitan does), or block class names to compile; not with ``parallelize_fn`` (call
@@ -47,12 +54,16 @@ class HybridShardStrategy(MeshStrategy):
         shard_size: Union[int, Literal["auto", "full"]] = "auto",
         zero_stage: Literal[1, 2, 3] = 3,
         units: Union[str, Sequence[str]] = "auto",
-        activation_checkpointing: Union[bool, Sequence[str]] = False,
+        activation_checkpointing: ACOption = False,
+        selective_ac_ops: Optional[Sequence[str]] = None,
+        offload_activations: bool = False,
         offload_policy: Optional[Any] = None,
         compile: Union[bool, Sequence[str]] = False,
         **kwargs: Any,
     ) -> None:
         problems = check_compile_option(compile)
+        problems += ac_problems(activation_checkpointing, selective_ops=selective_ac_ops,
+                                offload_activations=offload_activations)
         if compile is not False and kwargs.get("parallelize_fn") is not None:
             problems.append("`compile` is applied by the built-in plan, which `parallelize_fn` replaces: call"
                             " `lightning_dist.parallelize.apply_compile(module)` inside your parallelize_fn"
@@ -80,11 +91,15 @@ class HybridShardStrategy(MeshStrategy):
         self.zero_stage = zero_stage
         self.units = units
         self.activation_checkpointing = activation_checkpointing
+        self.selective_ac_ops = selective_ac_ops
+        self.offload_activations = offload_activations
         self.offload_policy = offload_policy
         self.compile = compile
 
     @override
     def validate_config(self, spec: MeshSpec) -> None:
+        if self.offload_activations:  # the root device is known only once Lightning set the devices
+            check_offload_device(True, self.root_device)
         if getattr(self.offload_policy, "pin_memory", False) and not CUDA_AVAILABLE:
             # FSDP2 would fail deep inside fully_shard ("Cannot access accelerator device")
             raise ValueError("offload_policy=CPUOffloadPolicy(pin_memory=True) needs a CUDA device (pinning host"
@@ -110,6 +125,8 @@ class HybridShardStrategy(MeshStrategy):
             zero_stage=self.zero_stage,
             units=self.units,
             activation_checkpointing=self.activation_checkpointing,
+            selective_ac_ops=self.selective_ac_ops,
+            offload_activations=self.offload_activations,
             mp_policy=self.mp_policy(),
             offload_policy=self.offload_policy,
             compile=self.compile,

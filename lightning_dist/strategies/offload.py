@@ -47,6 +47,13 @@ from lightning_dist.strategies._offload_nvme import NvmeSwapMixin
 from lightning_dist.strategies._offload_report import OffloadReportMixin
 from lightning_dist.strategies._processes import as_timeout
 
+
+def _refuse_clip_by_value(optimizer: Any, clip_val: Any) -> None:
+    raise ValueError(f"OffloadStrategy clips gradients by norm only (DeepSpeed clips inside its step); got"
+                     f" clip_gradients(gradient_clip_val={clip_val!r}, gradient_clip_algorithm='value'). Use"
+                     " gradient_clip_algorithm='norm', or strategy='offload_fsdp2', which also clips by value.")
+
+
 class OffloadStrategy(OffloadReportMixin, NvmeSwapMixin, DeepSpeedStrategy):
     """Offload optimizer state and/or parameters to host memory or NVMe (``Trainer(strategy="offload")``).
 
@@ -150,6 +157,7 @@ class OffloadStrategy(OffloadReportMixin, NvmeSwapMixin, DeepSpeedStrategy):
         if parameters == "nvme":
             self._lean_nvme_params(None if user_config else chosen)
         self.report = report
+        self._configured_clip: Optional[float] = None  # DeepSpeed's gradient_clipping once fit is set up
 
     # ---- the three changes that let Lightning's DeepSpeedStrategy run on a CPU-only machine ---------
     @override
@@ -179,6 +187,22 @@ class OffloadStrategy(OffloadReportMixin, NvmeSwapMixin, DeepSpeedStrategy):
             sync_or_warn_batchnorm(self.lightning_module, sync=self._layer_sync is not None, group=group,
                                    dp_size=self.world_size)
         super().setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            # DeepSpeed clips by norm inside its step (Trainer(gradient_clip_val) is in its config); Lightning's
+            # DeepSpeed precision ignores `self.clip_gradients`: here it sets the norm of the next step
+            self._configured_clip = float(self.config.get("gradient_clipping") or 0.0)
+            lightning_patches.route_gradient_clipping(self.precision_plugin, by_norm=self._clip_next_step,
+                                                      by_value=_refuse_clip_by_value)
+
+    def _clip_next_step(self, optimizer: Any, clip_val: Any) -> None:
+        ds_patches.set_step_clip_norm(self.deepspeed_engine, clip_val)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._configured_clip is not None:  # a manual step's clipping (self.clip_gradients) lasts that step
+            ds_patches.set_step_clip_norm(self.deepspeed_engine, self._configured_clip)
+        return out
 
     @override
     def setup_distributed(self) -> None:

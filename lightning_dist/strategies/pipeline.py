@@ -38,11 +38,11 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 import lightning.pytorch as pl
-from lightning_dist._integrations.lightning import route_clip_grad_by_norm
 from lightning_dist.mesh import PP, TP, MeshSpec
 from lightning_dist.parallelize import pipeline as plan
 from lightning_dist.parallelize import ParallelizeConfig, pipeline_model
 from lightning_dist.parallelize import pipeline_setup as checks
+from lightning_dist.parallelize.ac import ACOption, ac_problems, check_offload_device
 from lightning_dist.parallelize.pipeline_hf import is_hf_causal_lm
 from lightning_dist.parallelize.pipeline_schedule import SCHEDULES, PipelineRunner, schedule_problems
 from lightning_dist.parallelize.pipeline_tied import tied_checkpoint_keys
@@ -82,8 +82,12 @@ class PipelineStrategy(PipelineStepMixin, PipelineCheckpointMixin, MeshStrategy)
             or block class names to compile. Not with the zero-bubble schedules: their split backward (input
             gradients first, weight gradients later) needs each block's autograd graph, which a compiled
             block replaces with one node.
-        activation_checkpointing: True to checkpoint each block of each stage (recompute its activations in
-            backward), or block class names.
+        activation_checkpointing: per block of each stage: ``True``/``"full"`` (recompute its activations in
+            backward), ``"selective"`` (keep matmul, attention and collective outputs, recompute the rest),
+            ``"every:N"`` (every N-th block of each stage), or block class names (see
+            :mod:`lightning_dist.parallelize.ac`).
+        selective_ac_ops: the ops whose outputs ``"selective"`` keeps; default ``ac.SELECTIVE_AC_OPS``.
+        offload_activations: the saved tensors of each (uncheckpointed) block to pinned host memory; CUDA only.
         **kwargs: mesh and checkpoint options of :class:`MeshStrategy` (``dp_replicate``, ``dp_shard``...).
     """
 
@@ -104,14 +108,22 @@ class PipelineStrategy(PipelineStepMixin, PipelineCheckpointMixin, MeshStrategy)
         tp: int = 1,
         tp_plan: Union[str, Mapping[str, Any]] = "auto",
         compile: Union[bool, Sequence[str]] = False,
-        activation_checkpointing: Union[bool, Sequence[str]] = False,
+        activation_checkpointing: ACOption = False,
+        selective_ac_ops: Optional[Sequence[str]] = None,
+        offload_activations: bool = False,
         **kwargs: Any,
     ) -> None:
         checks.check_options(type(self).__name__, schedule=schedule, compile=compile, tp_plan=tp_plan, options=kwargs)
+        problems = ac_problems(activation_checkpointing, selective_ops=selective_ac_ops,
+                               offload_activations=offload_activations)
+        if problems:
+            raise ValueError(f"Invalid {type(self).__name__} configuration:\n  - " + "\n  - ".join(problems))
         super().__init__(pp=1 if pp is None else pp, tp=tp, **kwargs)
         self.tp_plan = dict(tp_plan) if isinstance(tp_plan, Mapping) else tp_plan
         self.compile = compile
         self.activation_checkpointing = activation_checkpointing
+        self.selective_ac_ops = selective_ac_ops
+        self.offload_activations = offload_activations
         self.tp_entries: list[TPEntry] = []
         """The resolved tensor-parallel plan (on the whole LightningModule; filled in ``parallelize``)."""
         if schedule not in SCHEDULES:
@@ -183,6 +195,8 @@ class PipelineStrategy(PipelineStepMixin, PipelineCheckpointMixin, MeshStrategy)
 
     @override
     def validate_config(self, spec: MeshSpec) -> None:
+        if self.offload_activations:  # the root device is known only once Lightning set the devices
+            check_offload_device(True, self.root_device)
         pp, problems = spec.size(PP), []
         problems += schedule_problems(self.schedule, pp, self.n_microbatches, self.stages_per_rank)
         module = self.lightning_module
@@ -249,6 +263,7 @@ class PipelineStrategy(PipelineStepMixin, PipelineCheckpointMixin, MeshStrategy)
         # the same assembly as every strategy: split, then parallelize_model per stage (TP, AC, compile, FSDP2)
         config = ParallelizeConfig(zero_stage=3 if self.reshard_after_forward else 2,
                                    activation_checkpointing=self.activation_checkpointing, compile=self.compile,
+                                   selective_ac_ops=self.selective_ac_ops, offload_activations=self.offload_activations,
                                    tp_entries=entries, tp_owner=module)
         # before the split drops the rest of the network
         tied = checks.tied_groups(net, self.split, stage_ranks, mesh=self.mesh, rank=self.global_rank)
@@ -274,8 +289,6 @@ class PipelineStrategy(PipelineStepMixin, PipelineCheckpointMixin, MeshStrategy)
                 " `accumulate_grad_batches` for accumulation."
             )
         super().setup(trainer)
-        # Lightning clips each process's gradients alone; the norm must span every stage (and FSDP shard)
-        route_clip_grad_by_norm(self.precision_plugin, self._clip_grad_by_norm)
 
     @override
     def teardown(self) -> None:

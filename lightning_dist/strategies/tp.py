@@ -42,7 +42,8 @@ class TensorParallelStrategy(HybridShardStrategy):
             refused at the first step, naming the call). Needs a plan with exactly one ``colwise_gather`` layer (the head).
         dp_replicate, dp_shard: data-parallel sizes (``"auto"``: shard inside a node, replicate across nodes).
         zero_stage: 3 or 2 (FSDP2 reshards parameters after forward or not); 1 needs ``tp=1``.
-        activation_checkpointing: True to recompute each block in backward, or block class names.
+        activation_checkpointing: ``True``/``"full"``, ``"selective"``, ``"every:N"`` or block class names
+            (as :class:`HybridShardStrategy`; with ``selective_ac_ops`` and ``offload_activations``).
         **kwargs: the other options of :class:`HybridShardStrategy` / :class:`MeshStrategy`.
     """
 
@@ -59,7 +60,7 @@ class TensorParallelStrategy(HybridShardStrategy):
         dp_replicate: Union[int, Literal["auto"]] = "auto",
         dp_shard: Union[int, Literal["auto"]] = "auto",
         zero_stage: Literal[1, 2, 3] = 3,
-        activation_checkpointing: Union[bool, Sequence[str]] = False,
+        activation_checkpointing: Union[bool, str, Sequence[str]] = False,
         **kwargs: Any,
     ) -> None:
         problems = []

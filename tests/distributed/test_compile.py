@@ -11,7 +11,8 @@ KEYS = [f"model.blocks.{i}.{p}" for i in range(2) for p in ("fc.bias", "fc.weigh
 
 def test_compile_parity_hsdp_tp_pipeline_and_offload_with_dp_size_1():
     out = [r for r in results(run_script("compile_offload_parity.py", timeout=900)) if r["kind"] == "compile"]
-    assert sorted({r["case"] for r in out}) == ["hsdp", "hsdp_ac", "pipeline_1f1b", "tp", "tp_offload"]
+    assert sorted({r["case"] for r in out}) == ["hsdp", "hsdp_ac", "hsdp_sac", "pipeline_1f1b", "tp", "tp_offload",
+                                                  "tp_sac"]
     offload = [r for r in out if r["case"] == "tp_offload"]
     for r in offload:  # tp=2, dp=1: FSDP2 with the offload policy on every block and the root, same update
         assert r["diff"] <= 1e-12 and r["policies"] == ["CPUOffloadPolicy"] * 3, r

@@ -71,6 +71,19 @@ def _check_bf16(out: list[dict], combos: list[str]) -> None:
         assert r["vs_fp32_ref"] < 0.1, r  # bf16 rounding, not divergence
 
 
+def _check_clip(out: list[dict], combos: list[str]) -> None:
+    clip = [r for r in out if r["kind"] == "clip"]
+    assert sorted((r["combo"], r["manual"]) for r in clip) == sorted(2 * [(c, m) for c in combos for m in (False, True)])
+    for r in clip:
+        # Trainer(gradient_clip_val) and self.clip_gradients in manual optimization: DeepSpeed's step clips to the
+        # single-device clip_grad_norm_ (SGD, float32), which triggered on every step
+        assert all(r["triggered"]) and r["seen"] == 24, r
+        assert r["diff"] <= TOL and r["unclipped_diff"] > 1e-2, r
+    value = [r for r in out if r["kind"] == "clip_value"]
+    assert sorted(r["combo"] for r in value) == sorted(2 * combos)
+    assert all("clips gradients by norm only" in (r["error"] or "") for r in value), value
+
+
 def _check_reports(out: list[dict]) -> None:
     for r in (r for r in out if r["kind"] == "report"):
         stage, opt, par = r["combo"].split(":")
@@ -92,14 +105,16 @@ def test_offload_torchrun_all_combinations_and_resume(tmp_path):
     combos = CPU_COMBOS + NVME_COMBOS
     resume = ["3:cpu:cpu", "3:nvme:nvme"]
     bf16 = ["3:-:nvme", "3:nvme:nvme"]  # parameters on NVMe with bf16-mixed
+    clip = ["2:cpu:-", "3:cpu:cpu"]  # gradient-norm clipping: Trainer's and self.clip_gradients (manual)
     proc = run_torchrun("offload_parity.py", ",".join(combos), "--resume", ",".join(resume), "--bf16", ",".join(bf16),
-                        "--nvme-root", str(tmp_path), nproc=2, timeout=900, env=_env())
+                        "--clip", ",".join(clip), "--nvme-root", str(tmp_path), nproc=2, timeout=900, env=_env())
     out = results(proc)
     _check_parity(out, combos)
     _check_reports(out)
     assert "Offload report, start of fit" in proc.stdout and "Offload report, end of fit" in proc.stdout
     _check_resume(out, resume)
     _check_bf16(out, bf16)
+    _check_clip(out, clip)
 
 
 @needs_aio

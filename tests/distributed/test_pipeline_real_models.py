@@ -1,10 +1,13 @@
-"""Issue 14: PipelineStrategy on unmodified HF Llama, Qwen2 (GQA), GPT-2 (tied head) and the pack's tied GPT.
+"""Issue 14: PipelineStrategy on unmodified HF Llama, Qwen2 (GQA), GPT-2 (tied head) and the pack's tied GPT;
+issue 24: litgpt's GPT unchanged (its block list inside a child ModuleDict) at pp=2, 1F1B and interleaved.
 
 Two torchrun launches of tests/scenarios/pipeline_real_models.py (2 and 4 processes), float64, each rank
 against a single-device reference on the global batch trained in the same process.
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import pytest
 from _harness import results, run_torchrun
@@ -57,6 +60,31 @@ def test_pp2_parity(pp2, schedule, model):
     for r in rows:  # with no data parallelism every rank's training_step saw the global batch's loss
         assert r["losses"] == pytest.approx(r["ref_losses"], rel=TOL, abs=0)
         assert len(r["stages"]) == (2 if schedule == "interleaved" else 1)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("tag", ("pp2_1f1b_llama_ac_selective", "pp2_interleaved_llama_ac_every2",
+                                 "pp2_1f1b_pack_gpt_tied_ac_selective"))
+def test_pp2_activation_checkpointing_modes_keep_parity(pp2, tag):
+    rows = pp2[tag]
+    _check(rows, world=2, pp=2)  # selective / every-2nd-block AC per stage: the single-device update
+    for r in rows:
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=TOL, abs=0)
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(importlib.util.find_spec("litgpt") is None, reason="litgpt is not installed (make install adds it --no-deps)")
+@pytest.mark.parametrize("schedule", ("1f1b", "interleaved"))
+def test_pp2_parity_on_unmodified_litgpt(pp2, schedule):
+    rows = pp2[f"pp2_{schedule}_litgpt"]
+    _check(rows, world=2, pp=2)  # parameters, logged train loss and validation loss == one device (float64)
+    for r in rows:
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=TOL, abs=0)
+        assert len(r["stages"]) == (2 if schedule == "interleaved" else 1)
+        # the stages hold litgpt's own names: the embedding on the first stage, lm_head on the last
+        first = "model.transformer.wte.weight" in r["keys"]
+        assert first == (r["rank"] == 0) and ("model.lm_head.weight" in r["keys"]) == (r["rank"] == 1)
+    assert rows[0]["split"] == ([[0, 1], [2, 3]] if schedule == "1f1b" else [[0], [1], [2], [3]])
 
 
 @pytest.mark.distributed

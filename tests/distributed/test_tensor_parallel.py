@@ -73,6 +73,7 @@ def test_tp2_with_dp_shard_and_dp_replicate_on_4_processes_and_without_seed():
     seen = _check_parity(rows, 4)
     _check_loss_parallel(rows, 4, batch=4)
     expected = {("gpt", True, 2, 1, True)}  # + activation checkpointing and ZeRO-2
+    expected |= {("gpt", False, 2, 1, "selective"), ("gpt", False, 1, 2, "every:2")}
     for dp_shard, dp_rep in ((2, 1), (1, 2)):
         expected |= {("gpt", sp, dp_shard, dp_rep, False) for sp in (False, True)}
         expected |= {("vit", sp, dp_shard, dp_rep, False) for sp in (False, True)}

@@ -18,8 +18,9 @@ class Counting(Classifier):
         return super().training_step(batch, batch_idx)
 
 
-# 1. activation checkpointing + units by class name: same numbers as single-device training
-for kw in ({"activation_checkpointing": True}, {"units": ["Block"]}, {"activation_checkpointing": ["Block"]}):
+# 1. activation checkpointing (full, class names, selective, every 2nd block) + units by class name: same numbers as single-device training
+for kw in ({"activation_checkpointing": True}, {"units": ["Block"]}, {"activation_checkpointing": ["Block"]},
+           {"activation_checkpointing": "selective"}, {"activation_checkpointing": "every:2"}):
     module = Counting()
     t = trainer(HybridShardStrategy(dp_replicate=2, shard_size=2, **kw), devices=WORLD, steps=STEPS)
     t.fit(module)

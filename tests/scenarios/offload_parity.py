@@ -10,7 +10,9 @@ work), ``report`` (the offload report rows), ``resume`` per ``--resume`` combo (
 vs the straight one; the step-3 checkpoint consolidated and loaded on a single device), ``evaluate``
 per ``--evaluate`` combo (``validate`` and ``test`` alone, without ``fit``, and ``validate`` from a
 step-3 checkpoint in a new run, against the single-device loss), ``bf16`` per ``--bf16`` combo
-(``bf16-mixed`` training against the same run without offload, and against the float32 reference).
+(``bf16-mixed`` training against the same run without offload, and against the float32 reference),
+``clip`` per ``--clip`` combo (SGD with ``Trainer(gradient_clip_val=...)`` and with ``self.clip_gradients`` in
+manual optimization, against torch's ``clip_grad_norm_`` on one device; clipping by value refused clearly).
 """
 
 import argparse
@@ -35,6 +37,7 @@ parser.add_argument("--fsdp2", action="store_true")
 parser.add_argument("--no-ddp", action="store_true")
 parser.add_argument("--evaluate", default="", help="combos to validate/test without fit, and from a checkpoint")
 parser.add_argument("--bf16", default="", help="combos to train with bf16-mixed")
+parser.add_argument("--clip", default="", help="combos to train with gradient-norm clipping (Trainer's and manual)")
 args = parser.parse_args()
 devices = args.devices or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 nvme_root = args.nvme_root or tempfile.gettempdir()
@@ -206,3 +209,63 @@ for combo in filter(None, args.bf16.split(",")):
     emit(kind="bf16", combo=combo, dtype=str(next(iter(got.values())).dtype), seen=module.seen,
          vs_no_offload=max_rel_diff(got, bf16_base[key]),
          vs_fp32_ref=max_rel_diff(got, reference(STEPS, dtype=torch.float32, **model_kw)))
+
+
+CLIP_NORM = 0.3  # below every step's gradient norm: clipping triggers (the reference records it)
+
+
+class Clipped(Classifier):
+    """SGD (the update is the clipped gradient: a wrong norm shows); `manual`: manual optimization calling
+    ``self.clip_gradients(opt, CLIP_NORM, algorithm)``."""
+
+    def __init__(self, manual: str = "", **kw) -> None:
+        super().__init__(**kw)
+        self.manual = manual
+        self.automatic_optimization = not manual
+
+    def training_step(self, batch, batch_idx):
+        if not self.manual:
+            return super().training_step(batch, batch_idx)
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(F.cross_entropy(self(batch[0]), batch[1]))
+        self.clip_gradients(opt, gradient_clip_val=CLIP_NORM, gradient_clip_algorithm=self.manual)
+        opt.step()
+        self.seen += len(batch[0])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def clipped_reference(clip, **model_kw):
+    """One device, float32: torch's clip_grad_norm_ before each SGD step; whether it clipped, per step."""
+    torch.manual_seed(0)
+    model = MLP(**model_kw)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    data, triggered = dataset(96, dtype=torch.float32), []
+    for k in range(STEPS):
+        x, y = data[k * 16:(k + 1) * 16]
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        if clip:
+            triggered.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item() > clip)
+        opt.step()
+    return {f"model.{n}": p.detach().clone() for n, p in model.named_parameters()}, triggered
+
+
+if args.clip:
+    ref_clip, triggered = clipped_reference(CLIP_NORM)
+    ref_plain, _ = clipped_reference(None)
+for combo in filter(None, args.clip.split(",")):
+    for manual in ("", "norm"):
+        module = Clipped(manual=manual, dtype=torch.float32)
+        clip = {} if manual else {"gradient_clip_val": CLIP_NORM}
+        trainer(make(combo, "clip", report=False), devices=devices, steps=STEPS, precision="32-true", **clip).fit(module)
+        emit(kind="clip", combo=combo, manual=bool(manual), diff=max_rel_diff(whole_params(module), ref_clip),
+             triggered=triggered, unclipped_diff=max_rel_diff(ref_plain, ref_clip), seen=module.seen)
+    try:  # DeepSpeed clips by norm only: by value in manual optimization is refused on every rank
+        trainer(make(combo, "clip-value", report=False), devices=devices, steps=STEPS, precision="32-true").fit(
+            Clipped(manual="value", dtype=torch.float32))
+        emit(kind="clip_value", combo=combo, error=None)
+    except ValueError as err:
+        emit(kind="clip_value", combo=combo, error=str(err))

@@ -1,9 +1,10 @@
 """PipelineStrategy on unmodified real models against one device on the global batch, float64 (issue 14).
 
 Models: HF ``LlamaForCausalLM``, HF ``Qwen2ForCausalLM`` (grouped-query attention), HF ``GPT2LMHeadModel``
-(head tied to the token embedding) and the pack's ``GPT(tie_weights=True)``; 8 blocks each. HF models get
+(head tied to the token embedding) and the pack's ``GPT(tie_weights=True)``; 8 blocks each; at pp=2 also litgpt's
+``GPT`` (4 blocks in ``transformer.h`` inside a child ModuleDict, skipped when litgpt is not installed). HF models get
 dict batches (``input_ids``, ``attention_mask`` with right padding, ``labels`` with -100 on the padding)
-and return ``out.loss`` by HF's labels convention; the pack's GPT takes ``(ids, targets)`` and
+and return ``out.loss`` by HF's labels convention; the pack's GPT and litgpt's take ``(ids, targets)`` and
 ``pipeline_loss``. One micro-batch per sample, so micro-batches hold different numbers of labelled tokens.
 
 ``python -m torch.distributed.run --nproc-per-node=2 pipeline_real_models.py pp2``: 1F1B and interleaved at pp=2.
@@ -14,6 +15,7 @@ Each rank reports the max relative difference of the parameters it holds from th
 the same process, and the logged loss of the last step against the reference's.
 """
 
+import importlib.util
 import itertools
 import os
 import sys
@@ -32,6 +34,9 @@ from lightning_dist.strategies import PipelineStrategy
 WORLD = int(os.environ.get("WORLD_SIZE", "2"))
 STEPS, GLOBAL_BATCH, N, SEQ, VOCAB, LAYERS = 3, 8, 24, 8, 32, 8
 MODELS = ("llama", "qwen2_gqa", "gpt2_tied", "pack_gpt_tied")
+HF = ("llama", "qwen2_gqa", "gpt2_tied")
+# litgpt's GPT, unchanged: its block list `transformer.h` sits inside the ModuleDict `transformer` (pp=2 launch only)
+LITGPT = ("litgpt",) if importlib.util.find_spec("litgpt") is not None else ()
 PADS = (0, 1, 1, 0)  # right padding of sample i: i % 4 (each dp rank's batch holds as many labelled tokens)
 
 
@@ -39,6 +44,12 @@ def build(kind: str) -> torch.nn.Module:
     torch.manual_seed(0)  # identical initial weights on every rank and in the reference
     if kind == "pack_gpt_tied":
         model = GPT(vocab_size=VOCAB, block_size=SEQ, n_layer=LAYERS, n_head=2, n_embd=16, mlp_ratio=2, tie_weights=True)
+    elif kind == "litgpt":
+        import litgpt
+
+        # no biases: the key part of the fused qkv bias has zero gradient in exact arithmetic (see below)
+        model = litgpt.GPT(litgpt.Config(n_layer=4, n_head=2, n_embd=32, block_size=32, vocab_size=VOCAB,
+                                         padded_vocab_size=VOCAB, bias=False))
     else:
         import transformers as tf
 
@@ -91,7 +102,7 @@ def step_loss(model, batch, hf: bool):
 class Task(pl.LightningModule):
     def __init__(self, kind: str) -> None:
         super().__init__()
-        self.hf = kind != "pack_gpt_tied"
+        self.hf = kind in HF
         self.model = build(kind)
         self.step_losses: list[float] = []
         if not self.hf:  # the pack's GPT: its own loss hook (HF models use their `labels`)
@@ -120,7 +131,7 @@ class Task(pl.LightningModule):
 
 def reference(kind: str, steps: int = STEPS):
     """One device, the global batch, the same AdamW; the same loss (HF labels convention in float64)."""
-    model, hf = build(kind), kind != "pack_gpt_tied"
+    model, hf = build(kind), kind in HF
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     loader, losses = DataLoader(Tokens(hf), batch_size=GLOBAL_BATCH), []
     for batch in itertools.islice(itertools.chain.from_iterable(itertools.repeat(loader)), steps):
@@ -260,8 +271,17 @@ def main() -> None:
             run(f"pp2xdp2_1f1b_{kind}", kind, pp=2, dp_shard=2, schedule="1f1b")
             run(f"pp4_1f1b_{kind}", kind, pp=4, schedule="1f1b")
             run(f"pp4_interleaved_{kind}", kind, pp=4, schedule="interleaved_1f1b")
+    for kind in LITGPT if mode == "pp2" else ():  # unchanged litgpt GPT: 1F1B and interleaved (4 stages of 1 block)
+        run(f"pp2_1f1b_{kind}", kind, pp=2, schedule="1f1b")
+        run(f"pp2_interleaved_{kind}", kind, pp=2, schedule="interleaved_1f1b")
     if mode == "pp4":  # tensor parallelism inside the stages of an unmodified HF model (the built-in plan)
         run("pp2xtp2_1f1b_llama", "llama", pp=2, tp=2, schedule="1f1b")
+    if mode == "pp2":  # activation checkpointing modes per stage, HF Llama and the pack's GPT
+        run("pp2_1f1b_llama_ac_selective", "llama", pp=2, schedule="1f1b", activation_checkpointing="selective")
+        run("pp2_interleaved_llama_ac_every2", "llama", pp=2, schedule="interleaved_1f1b",
+            activation_checkpointing="every:2")
+        run("pp2_1f1b_pack_gpt_tied_ac_selective", "pack_gpt_tied", pp=2, schedule="1f1b",
+            activation_checkpointing="selective")
     if mode == "pp2":  # after the fits above: the process group they started is there for the temp-dir broadcast
         for kind in ("llama", "gpt2_tied"):
             resume(kind)

@@ -176,6 +176,10 @@ if world == 4 and "gpt" in kinds and not refused("gpt", sequence_parallel=True, 
                                                  zero_stage=2, **meshes[0]):
     # the full order TP -> activation checkpointing -> FSDP (ZeRO-2) on one mesh
     check("gpt", refs, sequence_parallel=True, activation_checkpointing=True, zero_stage=2, **meshes[0])
+if world == 4 and "gpt" in kinds:
+    # selective AC keeps the DTensor matmul / attention outputs across the tp x dp mesh; every:2 the plain blocks
+    check("gpt", refs, sequence_parallel=False, activation_checkpointing="selective", **meshes[0])
+    check("gpt", refs, sequence_parallel=False, activation_checkpointing="every:2", **meshes[1])
 
 if world == 2 and "gpt" in kinds:
     # checkpoint: tp=2 (sequence parallel) -> sharded dir -> tp=1 on 2 ranks, and -> one file on one device

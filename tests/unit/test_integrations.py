@@ -142,15 +142,34 @@ def test_module_device_mesh_is_set():
     assert module.device_mesh is mesh
 
 
-def test_clip_grad_by_norm_is_routed_on_the_instance_only():
+def test_gradient_clipping_is_routed_on_the_instance_only():
     from lightning.pytorch.plugins.precision import Precision
+    from lightning.pytorch.utilities import GradClipAlgorithmType
 
     calls = []
     plugin, other = Precision(), Precision()
-    lightning_patches.route_clip_grad_by_norm(plugin, lambda opt, clip: calls.append((opt, clip)))
-    plugin.clip_grad_by_norm("opt", 1.5)
-    assert calls == [("opt", 1.5)]
-    assert "clip_grad_by_norm" not in vars(other)
+    lightning_patches.route_gradient_clipping(plugin, by_norm=lambda opt, clip: calls.append(("norm", opt, clip)),
+                                              by_value=lambda opt, clip: calls.append(("value", opt, clip)))
+    # Lightning's own dispatch (Trainer(gradient_clip_val=...), LightningModule.clip_gradients) reaches both
+    plugin.clip_gradients("opt", 1.5, GradClipAlgorithmType.NORM)
+    plugin.clip_gradients("opt", 0.5, GradClipAlgorithmType.VALUE)
+    assert calls == [("norm", "opt", 1.5), ("value", "opt", 0.5)]
+    assert "clip_grad_by_norm" not in vars(other) and "clip_grad_by_value" not in vars(other)
+    # DeepSpeed's precision plugin ignores clip_gradients (its engine clips by the configured value): routed too
+    from lightning.pytorch.plugins.precision import DeepSpeedPrecision
+
+    ds = DeepSpeedPrecision("32-true")
+    lightning_patches.route_gradient_clipping(ds, by_norm=lambda opt, clip: calls.append(("ds", opt, clip)),
+                                              by_value=lambda opt, clip: None)
+    ds.clip_gradients("opt", 2.0, GradClipAlgorithmType.NORM)
+    ds.clip_gradients("opt", 0.0, GradClipAlgorithmType.NORM)  # 0: no clipping, as Lightning's
+    assert calls[-1] == ("ds", "opt", 2.0) and len(calls) == 3
+    # AMP's own clip_gradients (its fused-optimizer check first) is kept
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    amp = MixedPrecision("bf16-mixed", "cpu")
+    lightning_patches.route_gradient_clipping(amp, by_norm=lambda opt, clip: None, by_value=lambda opt, clip: None)
+    assert "clip_gradients" not in vars(amp) and "clip_gradients" in vars(ds)
 
 
 def test_strategy_methods_wrapped_and_unwrapped():

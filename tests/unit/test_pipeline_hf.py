@@ -129,8 +129,15 @@ def test_a_network_of_no_known_shape_is_refused_naming_what_was_tried():
             self.enc = nn.ModuleList(nn.Linear(2, 2) for _ in range(2))
             self.dec = nn.ModuleList(nn.Linear(2, 2) for _ in range(2))
 
-    with pytest.raises(TypeError, match=r"Cannot split TwoLists.*Tried: a HuggingFace causal LM"):
+    with pytest.raises(TypeError) as err:
         network_layout(TwoLists())
+    text = str(err.value)  # every route, each with its reason
+    assert text.startswith("Cannot split TwoLists into pipeline stages; routes tried:")
+    for reason in ("a HuggingFace causal LM (config.base_model_pp_plan): it is not one",
+                   "an nn.Sequential (its children are the blocks): it is not one",
+                   "one direct nn.ModuleList of blocks between stem and head children: it has 2 (['enc', 'dec'])",
+                   "the child holding them: it has several direct block lists"):
+        assert reason in text, (reason, text)
 
 
 @pytest.mark.parametrize("make", [_llama, _gpt2])

@@ -77,7 +77,7 @@ def test_layout_of_stem_blocks_head_and_sequential():
 
 
 def test_layout_refuses_unsplittable_networks():
-    with pytest.raises(TypeError, match="no direct nn.ModuleList of blocks"):
+    with pytest.raises(TypeError, match="one direct nn.ModuleList of blocks between stem and head children: it has none"):
         network_layout(nn.Linear(2, 2))
 
     class Direct(Net):
@@ -394,7 +394,7 @@ def test_tp_plan_inside_stages_is_checked_on_the_whole_network():
 
 
 def test_global_grad_norm_of_plain_gradients_matches_torch():
-    from lightning_dist.parallelize.pipeline_schedule import global_grad_norm
+    from lightning_dist.grads import global_grad_norm
 
     grads = [torch.randn(3, 4, dtype=torch.float64), torch.randn(5, dtype=torch.float64)]
     want = torch.nn.utils.get_total_norm(grads)
@@ -440,14 +440,84 @@ def test_tied_weights_on_two_stages_of_one_rank_are_refused_under_fsdp():
     assert "tied across pipeline stages [0, 3] and tp=2" in problem and "Untie it, or use tp=1" in problem
 
 
-def test_nested_block_list_is_refused_naming_it_and_what_was_tried():
-    class LitLike(nn.Module):  # litgpt's shape: lm_head first, the blocks inside a ModuleDict
+def _litgpt(**kw):
+    litgpt = pytest.importorskip("litgpt", reason="litgpt is not installed (make install adds it --no-deps)")
+    torch.manual_seed(0)
+    config = dict(n_layer=4, n_head=2, n_embd=32, block_size=32, vocab_size=64, padded_vocab_size=64)
+    return litgpt.GPT(litgpt.Config(**{**config, **kw})).double()
+
+
+def test_litgpt_gpt_splits_as_the_model_with_the_blocks_it_does_not_own_taken_out():
+    import copy
+
+    from lightning_dist.parallelize.pipeline import join_stages, staged_forward_problem
+
+    net = _litgpt()
+    lay = network_layout(net)  # the block list inside the ModuleDict `transformer`, lm_head registered first
+    assert (lay.block_list, lay.blocks, lay.stem, lay.head, lay.hf) == (
+        "transformer.h", ("0", "1", "2", "3"), ("transformer.wte",), ("transformer.ln_f", "lm_head"), None)
+    x = torch.randint(0, 64, (2, 8))
+    assert staged_forward_problem(net, x) is None  # every block boundary handed over, against the model
+    split = plan_split(net, 2, split="params")
+    first, last = (build_stage_module(net, split, [s]) for s in (0, 1))
+    # each stage holds its parts under the single-device names, nothing else
+    assert sorted({".".join(n.split(".")[:2]) for n, _ in first.named_parameters()}) == [
+        "transformer.h", "transformer.wte"]
+    assert [k for k in last.get_submodule("transformer.h")._modules] == ["2", "3"]
+    assert sorted(n for s in (first, last) for n, _ in s.named_parameters()) == sorted(n for n, _ in net.named_parameters())
+    with torch.no_grad():  # stage 0: ids in, hidden states out; stage 1: hidden states in, logits out
+        hidden = first.run_local(x)
+        assert hidden.shape == (2, 8, 32) and torch.equal(last.run_local(hidden), net(x))
+    whole = join_stages(split, [copy.deepcopy(first), copy.deepcopy(last)])  # what GradientParityCheck gathers
+    assert type(whole) is type(net) and torch.equal(whole(x), net(x))
+    stem, blocks, head = profile_costs(net, lay, x, repeats=1)  # split="balanced": timed inside its own forward
+    assert len(blocks) == 4 and all(b > 0 for b in blocks)
+
+
+def test_litgpt_forward_the_stages_cannot_reproduce_is_refused_with_the_difference():
+    from lightning_dist.parallelize.pipeline import staged_forward_problem
+
+    # Gemma's embedding scale: x * sqrt(n_embd) after the lookup would be applied again on every later stage
+    problem = staged_forward_problem(_litgpt(scale_embeddings=True), torch.randint(0, 64, (2, 8)))
+    assert problem is not None and "the stages compute another function (max abs difference" in problem
+    assert "blocks of transformer.h it does not own taken out, hidden states passed in place of its input" in problem
+
+
+def test_lightning_demo_transformer_is_refused_as_an_encoder_decoder_with_two_inputs():
+    from lightning.pytorch.demos import Transformer
+
+    with pytest.raises(TypeError) as err:
+        network_layout(Transformer(vocab_size=33, ninp=16, nhead=2, nhid=16, nlayers=2))
+    text = str(err.value)
+    assert "2 block lists ('transformer.encoder.layers', 'transformer.decoder.layers')" in text
+    assert "its forward takes 2 inputs (inputs, target): an encoder-decoder" in text
+    assert "one direct nn.ModuleList of blocks between stem and head children: it has none" in text
+
+
+def test_nested_block_list_refusals_name_the_route_and_why():
+    class NoForward(nn.Module):  # litgpt's shape without a forward
         def __init__(self):
             super().__init__()
             self.lm_head = nn.Linear(8, 10)
-            self.transformer = nn.ModuleDict(dict(wte=nn.Embedding(10, 8), ln_f=nn.LayerNorm(8),
-                                                  h=nn.ModuleList(nn.Linear(8, 8) for _ in range(4))))
+            self.transformer = nn.ModuleDict(dict(wte=nn.Embedding(10, 8), h=nn.ModuleList(nn.Linear(8, 8) for _ in range(4))))
 
-    with pytest.raises(TypeError) as err:
-        network_layout(LitLike())
-    assert "'transformer.h'" in str(err.value) and "base_model_pp_plan" in str(err.value)
+    class TwoInputs(NoForward):
+        def forward(self, ids, positions):
+            return self.lm_head(self.transformer.h[0](self.transformer.wte(ids + positions)))
+
+    class Deep(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Module()
+            self.body.inner = nn.Module()
+            self.body.inner.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+        def forward(self, x):
+            return x
+
+    for net, why in ((NoForward(), "NoForward defines no forward"),
+                     (TwoInputs(), "its forward takes 2 required inputs (ids, positions)"),
+                     (Deep(), "its block list 'body.inner.layers' is not inside a direct child")):
+        with pytest.raises(TypeError) as err:
+            network_layout(net)
+        assert f"taken out of the child holding them: {why}" in str(err.value), str(err.value)

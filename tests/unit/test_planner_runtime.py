@@ -25,6 +25,12 @@ def _hf_gpt2() -> torch.nn.Module:
     return transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=4, n_head=4))
 
 
+def _litgpt() -> torch.nn.Module:
+    litgpt = pytest.importorskip("litgpt", reason="litgpt is not installed (make install adds it --no-deps)")
+    # lm_head registered before `transformer`, the blocks in the ModuleDict's `h`: split as the model, pruned
+    return litgpt.GPT(litgpt.Config(n_layer=4, n_head=2, n_embd=32, block_size=32, vocab_size=64, padded_vocab_size=64))
+
+
 EXAMPLES = {
     "gpt": lambda: GPT(n_layer=6),
     "gpt_uneven": lambda: GPT(n_layer=5),
@@ -33,6 +39,7 @@ EXAMPLES = {
     "cnn": lambda: ShapesCNN(n_blocks=4),
     "hf_llama": _hf_llama,
     "hf_gpt2": _hf_gpt2,
+    "litgpt": _litgpt,
 }
 
 

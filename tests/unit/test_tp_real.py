@@ -292,7 +292,11 @@ def test_fused_qkv_split_checks_heads_and_blocks():
     model = gpt2()
     text = format_plan(resolve_plan(model, "auto", tp=2), tp=2)
     row = next(line for line in text.splitlines() if "transformer.h.0.attn.c_attn" in line)
-    assert "colwise_qkv" in row and "weight 32x96, bias 96" in row and "weight 32x48, bias 48" in row
+    # global: the model's [in, 3E]; local: what named_parameters() holds per rank, [in, 3, E/tp] (and says so)
+    assert "colwise_qkv" in row and "weight 32x96, bias 96" in row and "weight 32x3x16, bias 3x16" in row
+    assert "held as [in, 3, E/tp]" in " ".join(text.split()) and "keep the model's [in, 3E]" in " ".join(text.split())
+    assert "held as" not in format_plan(resolve_plan(model, {"transformer.h.*.mlp.c_fc": "colwise",
+                                                             "transformer.h.*.mlp.c_proj": "rowwise"}, tp=2), tp=2)
     with pytest.raises(ValueError, match=r"c_attn: the attention module has 4 heads, not divisible by tp=8"):
         resolve_plan(model, "auto", tp=8)
     with pytest.raises(ValueError, match=r"mlp.c_fc \(Conv1D, colwise_qkv\): 128 output features are not three equal"):
