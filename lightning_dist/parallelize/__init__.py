@@ -37,7 +37,7 @@ from torch import nn
 
 from lightning_dist.mesh import DP_REPLICATE, DP_SHARD, TP, DistMesh
 from lightning_dist.parallelize.ac import ACOption, apply_ac, apply_offload_activations, parse_ac
-from lightning_dist.parallelize.compile import apply_compile, compile_units
+from lightning_dist.parallelize.compile import apply_compile, compile_units, tp_eager_blocks
 from lightning_dist.parallelize.fsdp import apply_fsdp, apply_replicate
 
 log = logging.getLogger(__name__)
@@ -80,13 +80,16 @@ class ParallelizeConfig:
 def parallelize_model(model: nn.Module, mesh: DistMesh, config: ParallelizeConfig) -> nn.Module:
     """Apply TP, activation checkpointing, compile and data parallelism to `model` in place, in that order."""
     # 1. tensor parallelism first: it turns weights into DTensors on the `tp` mesh
+    tp_styles: dict[nn.Module, str] = {}  # {module: style} of the applied plan (compile leaves some blocks eager)
     if mesh.size(TP) > 1:
         from lightning_dist.parallelize.tp import apply_tp, apply_tp_entries
 
         if config.tp_entries is not None:  # a piece of a model (pipeline stage): the whole model's plan
             apply_tp_entries(model, mesh.get_mesh(TP), list(config.tp_entries), config.tp_owner)
+            tp_styles = {config.tp_owner.get_submodule(e.fqn): e.style for e in config.tp_entries if e.active}
         else:
-            apply_tp(model, mesh.get_mesh(TP), plan=config.tp_plan, **config.tp_options)
+            entries = apply_tp(model, mesh.get_mesh(TP), plan=config.tp_plan, **config.tp_options)
+            tp_styles = {model.get_submodule(e.fqn): e.style for e in entries if e.active}
 
     # 2. activation checkpointing after TP and before FSDP, so FSDP's units are the checkpointed blocks
     ac = parse_ac(config.activation_checkpointing, ops=config.selective_ac_ops)
@@ -98,10 +101,10 @@ def parallelize_model(model: nn.Module, mesh: DistMesh, config: ParallelizeConfi
     if config.offload_activations:  # the blocks AC left keep their saved tensors: those go to host memory
         apply_offload_activations(model, units=blocks, skip=checkpointed)
 
-    # 3. per-block compile after AC wrapping and before FSDP
+    # 3. per-block compile after AC wrapping and before FSDP (tensor-parallel blocks torch compiles wrong stay eager)
     units = compile_units(config.compile)
     if units is not None:
-        apply_compile(model, units=units)
+        apply_compile(model, units=units, eager=tp_eager_blocks(model, tp_styles, units) if tp_styles else None)
 
     # 4. data parallelism last, over what TP left
     dp_size = mesh.size(DP_REPLICATE) * mesh.size(DP_SHARD)

@@ -32,9 +32,9 @@ entries are no-ops when ``sequence_parallel=False``, so one plan serves both mod
 
 **Loss**: an output layer given ``colwise_gather`` returns the full logits on every tensor rank
 (``output_layouts=Replicate()``, ``use_local_output=True``), so any user loss is correct unchanged, at
-the cost of one all-gather of the logits per step. We chose this over torch's ``loss_parallel``, which
-saves that gather but needs the user's ``training_step`` to run inside a context manager and supports
-only ``cross_entropy``.
+the cost of one all-gather of the logits per step and a ``[tokens x vocab]`` tensor on every tp rank. That is the
+default. ``loss_parallel=True`` keeps that layer's logits sharded on the vocabulary and runs the step inside
+torch's ``loss_parallel``, which supports only cross-entropy (:mod:`.tp_loss`; other uses are refused).
 
 Built-in plans (``plan="auto"`` picks the first that matches; see :mod:`.tp_auto`): ``hf`` (a HuggingFace
 model's own plan), ``transformer`` (attention and MLP regions found from each block's structure) and
@@ -90,7 +90,7 @@ def _placement(layout: str | None, default: Any) -> Any:
     return Replicate() if kind == "replicate" else Shard(dim)
 
 
-def _to_style(entry: TPEntry, *, sequence_parallel: bool, sequence_dim: int) -> Any:
+def _to_style(entry: TPEntry, *, sequence_parallel: bool, sequence_dim: int, loss_parallel: bool = False) -> Any:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -110,8 +110,8 @@ def _to_style(entry: TPEntry, *, sequence_parallel: bool, sequence_dim: int) -> 
     if entry.kind == "conv1d" and entry.style in ("colwise", "colwise_gather", "rowwise"):
         from lightning_dist.parallelize.tp_styles import Conv1DParallel
 
-        if entry.style == "colwise_gather":
-            return Conv1DParallel("colwise", output_layout=rep)
+        if entry.style == "colwise_gather":  # loss_parallel: the logits stay a vocabulary-sharded DTensor
+            return Conv1DParallel("colwise", output_layout=Shard(-1) if loss_parallel else rep, use_local_output=not loss_parallel)
         kind = entry.style
         default_out = Shard(-1) if kind == "colwise" else (seq if sequence_parallel else rep)
         return Conv1DParallel(kind, input_layout=_placement(opts.get("input"), None),
@@ -123,6 +123,8 @@ def _to_style(entry: TPEntry, *, sequence_parallel: bool, sequence_dim: int) -> 
     if entry.style == "colwise":
         return ColwiseParallel(input_layouts=_placement(opts.get("input"), rep), output_layouts=_placement(opts.get("output"), Shard(-1)))
     if entry.style == "colwise_gather":
+        if loss_parallel:  # the logits stay a vocabulary-sharded DTensor for torch's loss_parallel (see tp_loss)
+            return ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
         return ColwiseParallel(output_layouts=rep, use_local_output=True)
     if entry.style == "rowwise":
         # with SP the output stays a sequence-sharded DTensor: the residual stream between regions is sharded
@@ -201,12 +203,15 @@ def apply_tp(
     plan: Plan | str | ResolvedPlan | None = "auto",
     sequence_parallel: bool = False,
     sequence_dim: int = 1,
+    loss_parallel: bool = False,
 ) -> list[TPEntry]:
     """Parallelize `model` in place over the 1-D `tp_mesh` following `plan`; returns the resolved entries.
 
     `plan`: a :class:`ResolvedPlan` (resolved once by the caller, e.g. the strategy), or a plan to resolve
     here. Either way it is validated before anything is sharded (same result on every rank, so a bad plan
     raises everywhere before any tensor-parallel collective). `sequence_dim`: the activation dim split by sequence parallelism.
+    `loss_parallel`: the plan's one ``colwise_gather`` layer (the output head) returns vocabulary-sharded DTensor
+    logits for torch's ``loss_parallel`` instead of gathered ones (see :mod:`.tp_loss`).
     Call before activation checkpointing and FSDP.
     """
     from torch.distributed.tensor.parallel import parallelize_module
@@ -217,7 +222,12 @@ def apply_tp(
         raise ValueError(f"apply_tp: the plan was resolved for tp={resolved.tp}, sequence_parallel={resolved.sequence_parallel}"
                          f" but the mesh has tp={tp} and sequence_parallel={sequence_parallel}; resolve it again.")
     entries = list(resolved.entries)
-    styles = {e.fqn: _to_style(e, sequence_parallel=sequence_parallel, sequence_dim=sequence_dim) for e in entries if e.active}
+    if loss_parallel:
+        from lightning_dist.parallelize.tp_loss import head_entry
+
+        head_entry(entries)  # exactly one colwise_gather layer, or a ValueError
+    styles = {e.fqn: _to_style(e, sequence_parallel=sequence_parallel, sequence_dim=sequence_dim, loss_parallel=loss_parallel)
+              for e in entries if e.active}
     ties = shared_parameters(model)  # found before sharding: parallelize_module gives each owner a new parameter
     parallelize_module(model, tp_mesh, styles)
     _repack_gathered(model, {e.fqn: e.style for e in entries if e.active})

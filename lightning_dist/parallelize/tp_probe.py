@@ -177,7 +177,9 @@ def _run(module: nn.Module, sample: Any) -> Any:
     training = module.training
     module.eval()
     try:
-        with torch.no_grad():
+        # eager even where blocks are compiled: the probe checks the plan, and a compile for its one sample
+        # (eval, no grad, its own sizes) would cost a compile and mark the sizes dynamic for training's
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
             if isinstance(sample, Mapping):
                 return module(**sample)
             return module(*sample) if isinstance(sample, tuple) else module(sample)

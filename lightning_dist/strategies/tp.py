@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, Optional, Union
@@ -14,6 +15,7 @@ from lightning_dist._compat import TP_SEQUENCE_PARALLEL_WITH_DP_HANGS
 from lightning_dist.mesh import TP, MeshSpec
 from lightning_dist.parallelize import ParallelizeConfig
 from lightning_dist.parallelize.tp import BUILTIN_PLANS, ResolvedPlan, TPEntry, format_plan, resolve_tp_plan
+from lightning_dist.parallelize.tp_loss import LogitsGuard, head_entry, loss_parallel_step
 from lightning_dist.strategies.hsdp import HybridShardStrategy
 
 
@@ -34,6 +36,10 @@ class TensorParallelStrategy(HybridShardStrategy):
         sequence_parallel: run norms/dropout between the parallel regions on sequence shards
             (reduce-scatter/all-gather instead of all-reduce; activations between regions are 1/tp).
         sequence_dim: the activation dim that sequence parallelism splits (``[B, T, C]``: 1).
+        loss_parallel: keep the output head's logits sharded on the vocabulary (no ``[tokens x vocab]`` tensor per
+            tp rank, no all-gather of them) and run the training, validation and test steps and the backward
+            inside torch's ``loss_parallel``; the loss must be cross-entropy on those logits (anything else is
+            refused at the first step, naming the call). Needs a plan with exactly one ``colwise_gather`` layer (the head).
         dp_replicate, dp_shard: data-parallel sizes (``"auto"``: shard inside a node, replicate across nodes).
         zero_stage: 3 or 2 (FSDP2 reshards parameters after forward or not); 1 needs ``tp=1``.
         activation_checkpointing: ``True``/``"full"``, ``"selective"``, ``"every:N"`` or block class names
@@ -50,6 +56,7 @@ class TensorParallelStrategy(HybridShardStrategy):
         plan: Union[str, Mapping[str, Any]] = "auto",
         sequence_parallel: bool = False,
         sequence_dim: int = 1,
+        loss_parallel: bool = False,
         dp_replicate: Union[int, Literal["auto"]] = "auto",
         dp_shard: Union[int, Literal["auto"]] = "auto",
         zero_stage: Literal[1, 2, 3] = 3,
@@ -67,6 +74,8 @@ class TensorParallelStrategy(HybridShardStrategy):
             problems.append(f"`sequence_parallel={sequence_parallel!r}` must be True or False.")
         if isinstance(sequence_dim, bool) or not isinstance(sequence_dim, int):
             problems.append(f"`sequence_dim={sequence_dim!r}` must be an integer (the activation dim to split).")
+        if not isinstance(loss_parallel, bool):
+            problems.append(f"`loss_parallel={loss_parallel!r}` must be True or False.")
         if problems:
             raise ValueError(f"Invalid {type(self).__name__} configuration:\n  - " + "\n  - ".join(problems))
         super().__init__(
@@ -77,6 +86,7 @@ class TensorParallelStrategy(HybridShardStrategy):
         self.plan = dict(plan) if isinstance(plan, Mapping) else plan
         self.sequence_parallel = sequence_parallel
         self.sequence_dim = sequence_dim
+        self.loss_parallel = loss_parallel
         self.tp_entries: list[TPEntry] = []
         """The resolved plan (filled in when the model is parallelized)."""
         self.tp_probe_diff: Optional[float] = None
@@ -121,7 +131,10 @@ class TensorParallelStrategy(HybridShardStrategy):
         ``configure_model`` may add layers between the config check and parallelizing)."""
         key = (id(module), tp, tuple(name for name, _ in module.named_modules()))
         if self._resolved is None or self._resolved[0] != key:
-            self._resolved = (key, resolve_tp_plan(module, self.plan, tp=tp, sequence_parallel=self.sequence_parallel))
+            resolved = resolve_tp_plan(module, self.plan, tp=tp, sequence_parallel=self.sequence_parallel)
+            if self.loss_parallel:
+                head_entry(resolved.entries)  # the one vocabulary-split head, or a ValueError (before any collective)
+            self._resolved = (key, resolved)
         return self._resolved[1]
 
     @override
@@ -132,7 +145,8 @@ class TensorParallelStrategy(HybridShardStrategy):
         return dataclasses.replace(
             super().parallelize_config(),
             tp_plan=plan,
-            tp_options={"sequence_parallel": self.sequence_parallel, "sequence_dim": self.sequence_dim},
+            tp_options={"sequence_parallel": self.sequence_parallel, "sequence_dim": self.sequence_dim,
+                        "loss_parallel": self.loss_parallel and tp > 1},
         )
 
     @override
@@ -151,8 +165,36 @@ class TensorParallelStrategy(HybridShardStrategy):
             self.tp_probe_diff = check_probe(*probe, describe=f"tensor-parallel plan (tp={tp})")
             self.reshard()  # a forward without backward leaves FSDP2 roots gathered: the optimizer must see shards
 
+    def _loss_parallel(self, step: bool = True) -> Any:
+        """torch's ``loss_parallel`` around a step (the logits' uses checked from the head on) or a backward."""
+        if not (self.loss_parallel and self.tp_entries):
+            return contextlib.nullcontext()
+        fqn = head_entry(self.tp_entries).fqn
+        return loss_parallel_step(self.lightning_module.get_submodule(fqn), LogitsGuard(fqn)) if step else loss_parallel_step(None, None)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._loss_parallel():
+            return super().training_step(*args, **kwargs)
+
+    @override
+    def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        with self._loss_parallel(step=False):  # torch: the backward of loss_parallel's cross-entropy runs inside it too
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._loss_parallel():
+            return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._loss_parallel():
+            return super().test_step(*args, **kwargs)
+
     def __repr__(self) -> str:
-        return f"{super().__repr__()[:-1]}, plan={self.plan if isinstance(self.plan, str) else 'custom'}, sequence_parallel={self.sequence_parallel})"
+        return (f"{super().__repr__()[:-1]}, plan={self.plan if isinstance(self.plan, str) else 'custom'},"
+                f" sequence_parallel={self.sequence_parallel}, loss_parallel={self.loss_parallel})")
 
 
 class SequenceParallelStrategy(TensorParallelStrategy):

@@ -14,6 +14,20 @@ pytestmark = pytest.mark.distributed
 TOL = 1e-12  # float64, 3 AdamW steps, vs single-device training computed in the same run
 
 
+def _check_loss_parallel(rows: list[dict], world: int, batch: int) -> None:
+    """loss_parallel=True on the GPT (sequence parallelism off and on): the same update as one device, and in
+    training each rank's head output is a DTensor holding [B, T, vocab / tp] (vocab 32), never the whole logits."""
+    lp = [r for r in rows if r["kind"] == "parity" and r["options"].get("loss_parallel")]
+    sps = [False] if world == 4 and TP_SEQUENCE_PARALLEL_WITH_DP_HANGS else [False, True]
+    assert sorted(r["options"]["sequence_parallel"] for r in lp) == sorted(sps * world), lp
+    for r in lp:
+        assert r["diff"] <= TOL and r["model"] == "gpt", r
+        assert r["head_output"] == ["DTensor", [batch, 8, 16]], r
+    # the default: the head's logits gathered, whole on every rank
+    assert all(r["head_output"] == ["Tensor", [batch, 8, 32]] for r in rows
+               if r["kind"] == "parity" and r["model"] == "gpt" and not r["options"].get("loss_parallel")), rows
+
+
 def _check_parity(rows: list[dict], world: int) -> set:
     parity = [r for r in rows if r["kind"] == "parity"]
     assert len(parity) == world * len({(r["model"], str(r["options"])) for r in parity})  # every rank reported
@@ -33,6 +47,11 @@ def _check_parity(rows: list[dict], world: int) -> set:
 def test_tp2_on_2_processes_parity_and_checkpoint():
     rows = results(run_torchrun("tp_parity.py", nproc=2, timeout=600))
     seen = _check_parity(rows, 2)
+    _check_loss_parallel(rows, 2, batch=8)
+    refusal = [r for r in rows if r["kind"] == "loss_parallel_refusal"]
+    # a softmax of the logits (not cross-entropy): refused at the first step on every rank, naming the call and the fix
+    assert len(refusal) == 2 and all(r["error"] and "used them in Tensor.softmax" in r["error"]
+                                     and "or pass loss_parallel=False" in r["error"] for r in refusal), refusal
     assert seen == {(m, sp, 1, 1, False) for m, sp in (("gpt", False), ("gpt", True), ("vit", False), ("vit", True), ("mlp", False))}
     for r in (r for r in rows if r["kind"] == "parity"):
         assert r["mesh"] == [1, 1, 1, 2]
@@ -52,6 +71,7 @@ def test_tp2_with_dp_shard_and_dp_replicate_on_4_processes_and_without_seed():
     meta = [r for r in rows if r["kind"] == "noseed_meta"]
     assert len(meta) == 4 and len({tuple(r["digest"]) for r in meta}) == 1, meta  # one model on the meta device too
     seen = _check_parity(rows, 4)
+    _check_loss_parallel(rows, 4, batch=4)
     expected = {("gpt", True, 2, 1, True)}  # + activation checkpointing and ZeRO-2
     expected |= {("gpt", False, 2, 1, "selective"), ("gpt", False, 1, 2, "every:2")}
     for dp_shard, dp_rep in ((2, 1), (1, 2)):

@@ -8,7 +8,8 @@ to the unsplit one's (checked by the strategy; a fused qkv laid out [q | k | v] 
 An attention reading its head count from a config shared by the layers (litgpt style) gets a local copy. The 2-process launch also trains each model with FSDP2
 (ZeRO-2) and checks with the CommunicationLedger that its units are the model's blocks: one all-gather per
 block plus one for the root per step, not one for the whole model. Both launches end with HuggingFace
-safetensors folders loaded into sharded models (tp, fsdp2, tp x dp_shard) and exported back, exactly.
+safetensors folders loaded into sharded models (tp, fsdp2, tp x dp_shard) and exported back, exactly. Both also
+train a user GPT and HF Llama with compile=True (per-block inductor) at float64 parity.
 """
 
 import importlib.util
@@ -44,6 +45,19 @@ def _check(rows: list[dict], world: int, mesh: list[int]) -> None:
     assert all("colwise_qkv" in r["styles"] for r in rows if r["model"] in ("gpt2_tied", "litgpt_mha")), rows
 
 
+def _check_compile(rows: list[dict], world: int, mesh: list[int]) -> None:
+    """compile=True under tp: a user GPT (nn.Sequential MLP, SDPA, made-up probe sample, sizes changing between steps;
+    inductor's RecursionError before DTensor blocks compiled with static shapes) runs compiled; HF Llama under its own
+    plan (column-wise layers fed plain tensors: compiled, 0.65 off at tp2 x dp2 and a crash at tp2) is left eager with
+    a warning. Both at float64 parity."""
+    rows = [r for r in rows if r["kind"] == "tp_compile"]
+    assert sorted(r["model"] for r in rows) == sorted(["user_gpt", "llama"] * world), rows
+    for r in rows:
+        assert r["diff"] <= TOL and r["mesh"] == mesh, r  # inductor (CPU) vs eager single device, 3 AdamW steps
+        assert r["compiled"] == ([True, True] if r["model"] == "user_gpt" else [False, False]), r
+        assert r["probe_diff"] is not None and r["probe_diff"] <= 1e-12, r
+
+
 def _check_fused_checkpoint(rows: list[dict], world: int) -> None:
     """GPT-2 with c_attn split per head through a sharded checkpoint: resume and single-device consolidation."""
     ck = [r for r in rows if r["kind"] == "fused_checkpoint"]
@@ -73,6 +87,7 @@ def test_auto_plan_on_real_models_tp2():
     rows = results(run_torchrun("tp_real_models.py", nproc=2, timeout=900))
     _ROWS_TP2[:] = rows
     _check(rows, 2, [1, 1, 1, 2])
+    _check_compile(rows, 2, [1, 1, 1, 2])
     _check_fused_checkpoint(rows, 2)
     _check_hf(rows, {(m, s) for m in ("gpt2_tied", "llama") for s in ("tp2", "fsdp2")}, 2)
     units = [r for r in rows if r["kind"] == "fsdp_units"]
@@ -114,5 +129,6 @@ def test_auto_plan_on_real_models_tp2_dp_shard2():
     pytest.importorskip("transformers")
     rows = results(run_torchrun("tp_real_models.py", nproc=4, timeout=900))
     _check(rows, 4, [1, 1, 2, 2])
+    _check_compile(rows, 4, [1, 1, 2, 2])
     _check_fused_checkpoint(rows, 4)
     _check_hf(rows, {("llama", "tp2_dp_shard2")}, 4)

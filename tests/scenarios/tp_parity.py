@@ -3,7 +3,8 @@
 2 processes: tp=2 for the example GPT and ViT (sequence parallelism off and on) and a plain MLP; the
 GPT checkpoint (sharded DCP dir) reloads on tp=1 (dp_shard=2) and, consolidated, on one device.
 4 processes: tp=2 x dp_shard=2 and tp=2 x dp_replicate=2 for the same models, and the GPT with
-sequence parallelism, activation checkpointing and ZeRO-2 together.
+sequence parallelism, activation checkpointing and ZeRO-2 together. Both: the GPT with ``loss_parallel=True``
+(logits kept vocabulary-sharded; 2 processes: a softmax loss it cannot serve is refused at the first step).
 Without a common seed (eager or meta-device init) every rank must start from one model.
 Every run also logs the number of samples with reduce_fx="sum": it must equal the global batch.
 """
@@ -103,8 +104,8 @@ def reference(kind: str, seed: int = 0) -> dict:
     return {f"model.{n}": p.detach().clone() for n, p in model.named_parameters()}
 
 
-def fit(kind: str, **options) -> tuple[Task, pl.Trainer]:
-    task = Task(kind)
+def fit(kind: str, task: Task | None = None, **options) -> tuple[Task, pl.Trainer]:
+    task = task or Task(kind)
     t = trainer(TensorParallelStrategy(**options), devices=dist_world(), steps=STEPS)
     t.fit(task)
     return task, t
@@ -115,10 +116,16 @@ def dist_world() -> int:
 
 
 def check(kind: str, refs: dict, **options) -> None:
-    task, t = fit(kind, **options)
+    task = Task(kind)
+    heads = []  # the GPT head's output in training (after the TP style's hooks): its type and this rank's shape
+    if kind == "gpt":
+        task.on_train_start = lambda: task.model.lm_head.register_forward_hook(lambda m, args, out: heads.append(
+            [type(out).__name__, list(out.to_local().shape if hasattr(out, "to_local") else out.shape)]))
+    task, t = fit(kind, task, **options)
     diff = max_rel_diff(full_params(task), refs[kind])
     emit(kind="parity", model=kind, options=options, diff=diff, samples=float(t.callback_metrics["samples"]),
-         mesh=list(t.strategy.mesh.spec.shape), n_tp_entries=len(t.strategy.tp_entries), probe_diff=t.strategy.tp_probe_diff)
+         mesh=list(t.strategy.mesh.spec.shape), n_tp_entries=len(t.strategy.tp_entries), probe_diff=t.strategy.tp_probe_diff,
+         head_output=heads[-1] if heads else None)
 
 
 world = dist_world()
@@ -144,6 +151,27 @@ for mesh in meshes:
         for sp in ((False,) if kind == "mlp" else (False, True)):
             if not refused(kind, sequence_parallel=sp, **mesh):
                 check(kind, refs, sequence_parallel=sp, **mesh)
+if "gpt" in kinds:
+    # loss_parallel=True: the head's logits stay sharded on the vocabulary (each rank holds [B, T, V / tp]) and the
+    # cross-entropy runs in torch's loss_parallel; the same update as one device
+    for sp in (False, True) if world == 2 or not TP_SEQUENCE_PARALLEL_WITH_DP_HANGS else (False,):
+        check("gpt", refs, sequence_parallel=sp, loss_parallel=True, **meshes[0])
+
+
+class SoftmaxLoss(Task):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        probs = self.model(x).softmax(-1)  # not cross-entropy on the logits: loss_parallel cannot serve it
+        return F.nll_loss(probs.log().flatten(0, 1), y.flatten())
+
+
+if world == 2 and "gpt" in kinds:
+    # a loss loss_parallel cannot serve: refused at the first step on every rank, naming the call and the fix
+    try:
+        fit("gpt", SoftmaxLoss("gpt"), tp=2, loss_parallel=True)
+        emit(kind="loss_parallel_refusal", error=None)
+    except ValueError as err:
+        emit(kind="loss_parallel_refusal", error=str(err))
 if world == 4 and "gpt" in kinds and not refused("gpt", sequence_parallel=True, activation_checkpointing=True,
                                                  zero_stage=2, **meshes[0]):
     # the full order TP -> activation checkpointing -> FSDP (ZeRO-2) on one mesh

@@ -145,10 +145,16 @@ def data() -> TensorDataset:
     return TensorDataset(torch.randint(0, VOCAB, (N, SEQ), generator=g), torch.randint(0, VOCAB, (N, SEQ), generator=g))
 
 
+def seq_len(step: int, crop: bool) -> int:
+    """The sequence length of `step`: with `crop`, the first step's sequences are shorter (new sizes at step 1)."""
+    return SEQ - 2 if crop and step % (N // GLOBAL_BATCH) == 0 else SEQ
+
+
 class Task(pl.LightningModule):
-    def __init__(self, kind: str, example: bool = True) -> None:
+    def __init__(self, kind: str, example: bool = True, crop: bool = False) -> None:
         super().__init__()
         self.model = build(kind)
+        self.crop = crop
         if example:  # the TP strategy checks split vs unsplit output on it (else on made-up token ids)
             self.example_input_array = data().tensors[0][:2]
 
@@ -156,7 +162,7 @@ class Task(pl.LightningModule):
         return logits(self.model, x)
 
     def training_step(self, batch, batch_idx):
-        x, y = batch
+        x, y = (t[:, :seq_len(batch_idx, self.crop)] for t in batch)
         return F.cross_entropy(logits(self.model, x).flatten(0, 1), y.flatten())
 
     def configure_optimizers(self):
@@ -168,13 +174,13 @@ class Task(pl.LightningModule):
         return DataLoader(sampler.dataset, batch_size=GLOBAL_BATCH // kw["num_replicas"], sampler=sampler)
 
 
-def reference(kind: str, steps: int = STEPS) -> dict:
+def reference(kind: str, steps: int = STEPS, crop: bool = False) -> dict:
     model = build(kind).double()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     ds = data()
     for k in range(steps):
         k %= N // GLOBAL_BATCH  # the next epoch sees the same batches (no shuffling)
-        x, y = ds[k * GLOBAL_BATCH:(k + 1) * GLOBAL_BATCH]
+        x, y = (t[:, :seq_len(k, crop)] for t in ds[k * GLOBAL_BATCH:(k + 1) * GLOBAL_BATCH])
         opt.zero_grad()
         F.cross_entropy(logits(model, x).flatten(0, 1), y.flatten()).backward()
         opt.step()
@@ -194,7 +200,8 @@ import importlib.util  # noqa: E402
 # litgpt (make test installs it without its pins: pip install --no-deps litgpt): its MHA GPT is one more model
 HAS_LITGPT = importlib.util.find_spec("litgpt") is not None
 mesh = {"tp": 2} if world == 2 else {"tp": 2, "dp_shard": 2, "dp_replicate": 1}
-kinds = sys.argv[1].split(",") if len(sys.argv) > 1 else [
+# argv[1]: the models to run (comma-separated), or "compile": only the compile section below
+kinds = [] if sys.argv[1:2] == ["compile"] else sys.argv[1].split(",") if len(sys.argv) > 1 else [
     "llama", "qwen2_gqa", "gpt2_tied", "gpt_neox", "user_gpt", "config_heads_gpt", "pack_gpt_tied", "lightning_demo"] + (["litgpt_mha"] if HAS_LITGPT else [])
 for kind in kinds:
     ref = reference(kind)
@@ -209,6 +216,29 @@ for kind in kinds:
          probe_diff=t.strategy.tp_probe_diff,
          n_split=sum(e.style in ("colwise", "rowwise", "colwise_gather") for e in entries),
          styles=sorted({e.style for e in entries}), tied=tied, mesh=list(t.strategy.mesh.spec.shape))
+
+# torch.compile of every block under tp=2 (2 processes) and tp=2 x dp_shard=2 (4): a user GPT (q, k, v, o Linear,
+# SDPA, nn.Sequential MLP) with no example_input_array (the probe runs made-up token ids of other sizes) whose first
+# step's sequences are shorter (sizes change between steps: DTensor blocks compile with static shapes, since
+# symbolic sizes made AOT autograd's backward trace exceed the recursion limit), and HF Llama
+if not kinds or "user_gpt" in kinds:
+    import time  # noqa: E402
+
+    from lightning_dist.parallelize.units import select_units as _units  # noqa: E402
+
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # the ranks share the test machine's cores
+    for kind, example, crop in (("user_gpt", False, True), ("llama", True, False)):
+        ref = reference(kind, crop=crop)
+        task = Task(kind, example=example, crop=crop)
+        start = time.perf_counter()
+        t = trainer(TensorParallelStrategy(plan="auto", compile=True, **mesh), devices=world, steps=STEPS)
+        t.fit(task)
+        blocks = [m for _, m in _units(task.model)]
+        emit(kind="tp_compile", model=kind, diff=max_rel_diff(full_params(task), ref), mesh=list(t.strategy.mesh.spec.shape),
+             compiled=[getattr(b, "_compiled_call_impl", None) is not None for b in blocks],
+             probe_diff=t.strategy.tp_probe_diff, seconds=time.perf_counter() - start)
+if sys.argv[1:2] == ["compile"]:
+    sys.exit(0)
 
 if "gpt2_tied" in kinds:
     # GPT-2's c_attn split per head (colwise_qkv) through a sharded DCP checkpoint: a resumed run starts from the

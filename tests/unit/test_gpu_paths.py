@@ -219,6 +219,76 @@ def test_apply_compile_keeps_classes_and_keys():
         apply_compile(_Net(), units=["GPTBlock"])
 
 
+def test_apply_compile_gives_tensor_parallel_blocks_static_shapes():
+    """A block holding DTensor parameters compiles with static shapes: a new input size recompiles with concrete
+    sizes (dynamo's automatic dynamic shapes would retrace it with symbolic ones, whose DTensor backward trace
+    exceeded the recursion limit); a plain block keeps torch's default and goes dynamic on the second size."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_module, distribute_tensor
+
+    from lightning_dist.parallelize import apply_compile
+    from tests._harness import free_port
+
+    created = not dist.is_initialized()
+    if created:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        symbolic: dict[str, list[bool]] = {"tp": [], "plain": []}
+
+        def backend(kind):
+            def compile_fn(gm, inputs):  # records whether the graph was traced with symbolic sizes
+                symbolic[kind].append(any(isinstance(n.meta.get("example_value"), torch.SymInt) for n in gm.graph.nodes
+                                          if n.op == "placeholder"))
+                return gm.forward
+            return compile_fn
+
+        class Block(nn.Module):  # a block class of a user file (dynamo skips torch.nn's own forwards)
+            def __init__(self) -> None:
+                super().__init__()
+                self.fc = nn.Linear(8, 8)
+
+            def forward(self, x):
+                return torch.tanh(self.fc(x))
+
+        for kind in symbolic:
+            torch._dynamo.reset()
+            net = _Net()
+            net.blocks = nn.ModuleList([Block(), Block()])
+            if kind == "tp":
+                for block in net.blocks:
+                    distribute_module(block, mesh, lambda name, m, mesh: [m.register_parameter(
+                        n, nn.Parameter(distribute_tensor(p, mesh, [Replicate()]))) for n, p in list(m.named_parameters(recurse=False))])
+            apply_compile(net, backend=backend(kind))
+            for rows in (2, 3):
+                x = torch.randn(rows, 8)
+                net.blocks[0](x if kind == "plain" else distribute_tensor(x, mesh, [Replicate()]))
+        assert symbolic == {"tp": [False, False], "plain": [False, True]}, symbolic
+    finally:
+        torch._dynamo.reset()
+        if created:
+            dist.destroy_process_group()
+
+
+def test_tp_blocks_with_plain_input_column_layers_stay_eager():
+    """Under a TP plan, a block whose column-wise layers take plain tensors (no region_input: HF's own plans) is left
+    eager with a warning naming it; a block with a region input (the transformer plan) and one with no TP are compiled."""
+    from lightning_dist.parallelize.compile import apply_compile, tp_eager_blocks
+
+    net = _Net(depth=3)
+    b0, b1, b2 = net.blocks
+    styles = {b0[0]: "colwise", b1: "region_input", b1[0]: "colwise"}
+    eager = tp_eager_blocks(net, styles)
+    assert list(eager) == [b0] and "plain-tensor inputs (no region_input)" in eager[b0]
+    with pytest.warns(UserWarning, match=r"compile=True left 1 of 3 blocks eager \(blocks.0\).*region_input"):
+        assert apply_compile(net, eager=eager) == 2
+    assert [b._compiled_call_impl is not None for b in net.blocks] == [False, True, True]
+
+
 def test_compile_reaches_every_built_in_plan():
     from lightning_dist.strategies import (FSDP2OffloadStrategy, FullyShardStrategy, HybridShardStrategy,
                                            PipelineStrategy, TensorParallelStrategy)

@@ -243,3 +243,51 @@ def test_a_plan_is_resolved_once_into_one_object():
     assert resolve_tp_plan(model, resolved, tp=2) is resolved  # already resolved: passed along as it is
     custom = resolve_tp_plan(model, {"0": "colwise", "2": "rowwise"}, tp=2)
     assert custom.name == "custom" and [e.style for e in custom.entries] == ["colwise", "rowwise"]
+
+
+def test_loss_parallel_needs_one_vocabulary_split_head_before_any_collective():
+    """loss_parallel=True keeps the plan's one colwise_gather layer (the head) sharded: a plan without one (the MLP
+    plan) or with several is refused by validate_config, before the mesh exists; the GPT's auto plan has one."""
+    with pytest.raises(ValueError, match="`loss_parallel='yes'` must be True or False"):
+        TensorParallelStrategy(loss_parallel="yes")
+    strategy = TensorParallelStrategy(tp=2, loss_parallel=True)
+    strategy.parallel_devices = [torch.device("cpu")] * 2
+    strategy.connect(Wrapped(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))))
+    with pytest.raises(ValueError, match="loss_parallel=True .* exactly one layer, the output head, style 'colwise_gather'; it has 0"):
+        strategy.validate_config(strategy.mesh_spec())
+    strategy = TensorParallelStrategy(tp=2, loss_parallel=True, plan={"0": "colwise_gather", "2": "colwise_gather"})
+    strategy.parallel_devices = [torch.device("cpu")] * 2
+    strategy.connect(Wrapped(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))))
+    with pytest.raises(ValueError, match=r"it has 2 \(\['model.0', 'model.2'\]\).*or pass loss_parallel=False"):
+        strategy.validate_config(strategy.mesh_spec())
+    strategy = TensorParallelStrategy(tp=2, loss_parallel=True)
+    strategy.parallel_devices = [torch.device("cpu")] * 2
+    strategy.connect(Wrapped(GPT(n_layer=1, n_head=2, n_embd=16)))
+    strategy.validate_config(strategy.mesh_spec())
+    assert "loss_parallel=True" in repr(strategy)
+
+
+def test_loss_parallel_guard_lets_only_cross_entropy_reach_the_logits():
+    """LogitsGuard follows the head's logits through views, casts and slices: cross-entropy (and log_softmax +
+    nll_loss) pass, metadata reads and detached copies pass, any other use is refused naming the call and the fix."""
+    import torch.nn.functional as F
+
+    from lightning_dist.parallelize.tp_loss import LogitsGuard
+
+    logits, target = torch.randn(2, 3, 5, requires_grad=True), torch.randint(0, 5, (2, 3))
+
+    def run(step):
+        guard = LogitsGuard("model.head")
+        guard.follow(logits)
+        with guard:
+            step(logits)
+        return guard.served
+
+    assert run(lambda z: F.cross_entropy(z.float().flatten(0, 1), target.flatten()))
+    assert run(lambda z: F.nll_loss(F.log_softmax(z[:, :-1].reshape(-1, z.size(-1)), -1), target[:, :-1].flatten()))
+    assert run(lambda z: (z.shape, z.device, z.detach().argmax(-1), F.cross_entropy(z.view(-1, 5), target.view(-1))))
+    for bad, name in ((lambda z: F.mse_loss(z, torch.zeros_like(z)), "mse_loss"), (lambda z: z.softmax(-1), "softmax"),
+                      (lambda z: F.cross_entropy(z.view(-1, 5) * 2, target.view(-1)), "mul")):
+        with pytest.raises(ValueError, match=f"loss_parallel=True keeps the logits of 'model.head' .* used them in .*{name}"
+                                             ".*F.cross_entropy .* or pass loss_parallel=False"):
+            run(bad)
