@@ -63,6 +63,9 @@ def test_checkpoint_resume_reshard_and_single_device(tmp_path):
     for r in background:  # async_checkpoint=True: same checkpoints, written in the background
         assert r["checkpointing_changes_nothing"] and r["bitwise"] and r["global_step"] == 6, r
         assert r["files"] == ["g3.ckpt", "g6.ckpt"] and r["staged"] > 0, r  # the step-6 save was waited for
+        # the staged copy: this rank's shards of parameters and AdamW state, as MemoryReport shows it
+        assert r["reported"] == r["staged"], r
+        assert abs(r["staged"] - r["params_optimizer"]) <= 0.01 * r["params_optimizer"], r  # step counters aside
     for r in saved:
         assert r["bitwise"] and r["diff"] == 0.0, r  # resume continues exactly (float64, same mesh)
         assert r["checkpointing_changes_nothing"] == 0.0, r
