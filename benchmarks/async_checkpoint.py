@@ -87,9 +87,9 @@ def _max_over_ranks(value: float) -> float:
 
 def run(async_checkpoint: bool, out: Path, width: int, depth: int) -> dict:
     timer = SaveTimer(out)
-    trainer = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=FullyShardStrategy(async_checkpoint=async_checkpoint),
-                         precision="32-true", max_steps=STEPS, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[timer])
+    strategy = FullyShardStrategy(async_checkpoint=async_checkpoint)
+    trainer = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, precision="32-true", max_steps=STEPS,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[timer])
     trainer.fit(Net(width, depth))
     after = [timer.steps[s + 1] for s in SAVE_AT]  # the step right after each save
     others = [t for s, t in timer.steps.items() if s > 1 and s - 1 not in SAVE_AT]
@@ -125,8 +125,8 @@ def main() -> None:
         }
     b, a = summary["blocking"], summary["async"]
     ratio = a["save_s"] / b["save_s"]
-    rows = [[name, m["save_s"] * 1e3, m["after_s"] * 1e3, m["step_s"] * 1e3, m["after_s"] / m["step_s"], m["staged_mib"]]
-            for name, m in summary.items()]
+    rows = [[name, m["save_s"] * 1e3, m["after_s"] * 1e3, m["step_s"] * 1e3, m["after_s"] / m["step_s"],
+             m["staged_mib"]] for name, m in summary.items()]
     rows.append(["async / blocking save", ratio, "", "", "", "goal <= 0.10"])
     print_table(f"Sharded save, fsdp2 x{WORLD}, width {args.width} depth {args.depth} (median of"
                 f" {args.rounds * len(SAVE_AT)} saves each)",

@@ -160,7 +160,8 @@ def save(checkpoint: dict[str, Any], path: str | os.PathLike, *, sharded: bool,
     path = Path(path)
     if writer is not None:
         if not sharded:
-            raise ValueError("A background checkpoint save needs sharded checkpoints (save_distributed_checkpoint=True).")
+            raise ValueError("A background checkpoint save needs sharded checkpoints"
+                             " (save_distributed_checkpoint=True).")
         writer.wait()  # one save in flight: the previous one is committed before this one starts
     tmp = path.with_name(path.name + ".tmp")
     rank = _rank()

@@ -109,7 +109,8 @@ class BackgroundWriter:
     def wait(self, *, raise_errors: bool = True) -> None:
         """Block until the pending save is written and committed, then run the deferred actions.
 
-        Every rank calls this at the same point (a barrier on the writer's group follows a finished save).
+        Every rank calls this at the same point (a barrier on the writer's group follows a finished save, unless
+        `raise_errors` is False).
         `raise_errors=False` (a run that already failed): a failed or timed-out save is logged, not raised.
         """
         pending, after = self._pending, self._after
@@ -129,8 +130,10 @@ class BackgroundWriter:
         finally:
             self.path = None
         # rank 0 commits after its own write finished, maybe after the other ranks' writes returned: no rank
-        # goes on (to read the checkpoint, or to end the job) before the rename is done
-        dist.barrier(group=self._group)
+        # goes on (to read the checkpoint, or to end the job) before the rename is done. Not in a failed run,
+        # where a peer may be gone
+        if raise_errors:
+            dist.barrier(group=self._group)
         for action in after:
             action()
 

@@ -74,8 +74,9 @@ class ShardedCheckpointMixin(ParallelStrategy):
     def remove_checkpoint(self, filepath: _PATH) -> None:
         # ModelCheckpoint drops an older checkpoint right after starting a newer save: keep it until that one is
         # committed, so a crash mid-write still leaves it
-        if self._writer is None or not self._writer.defer(lambda: super(ShardedCheckpointMixin, self).remove_checkpoint(filepath)):
-            super().remove_checkpoint(filepath)
+        remove = super().remove_checkpoint
+        if self._writer is None or not self._writer.defer(lambda: remove(filepath)):
+            remove(filepath)
 
     @override
     def on_exception(self, exception: BaseException) -> None:

@@ -58,7 +58,8 @@ if mode == "save":
     ph = full_params(h6)
     emit(kind="async", checkpointing_changes_nothing=all(torch.equal(pa[k], pg[k]) for k in pa),
          bitwise=all(torch.equal(pa[k], ph[k]) for k in pa), global_step=th.global_step, files=g_files,
-         staged=tg.strategy.checkpoint_writer().staging_bytes, reported=memory.rows[torch.distributed.get_rank()]["checkpoint_staging_bytes"],
+         staged=tg.strategy.checkpoint_writer().staging_bytes,
+         reported=memory.rows[torch.distributed.get_rank()]["checkpoint_staging_bytes"],
          params_optimizer=memory.measured["params"] + memory.measured["optimizer"])
     emit(kind="resume", bitwise=all(torch.equal(pa[k], pc[k]) for k in pa), diff=max_rel_diff(pc, pa),
          checkpointing_changes_nothing=max_rel_diff(full_params(b6), pa), global_step=tc.global_step,

@@ -113,10 +113,12 @@ if "torchdata" in LOADERS and name != "offload":
     stateful = dict(td_checkpointing_changes_nothing=same(g, a2), td_from4=same(h, a2), td_from8=same(i, a2),
                     td_steps=[th.global_step, ti.global_step], td_order=mh.order, td_order_a=ma2.order[4:],
                     td_same_order_as_a=ma2.order == ma.order,
-                    td_epochs_differ=ma2.order[:3] != ma2.order[6:9],  # the sampler's epoch was set td_loader=type(loader).__name__,
+                    td_epochs_differ=ma2.order[:3] != ma2.order[6:9],  # the sampler's epoch was set
+                    td_loader=type(loader).__name__,
                     # Lightning rebuilds torchdata's own BatchSampler around the DistributedSampler
                     td_sampler=type(loader.batch_sampler.sampler).__name__)
-emit(kind="resume", **stateful, strategy=name, checkpointing_changes_nothing=same(b), from4=same(c), from8=same(d), plain_loader=same(e),
+emit(kind="resume", **stateful, strategy=name, checkpointing_changes_nothing=same(b), from4=same(c), from8=same(d),
+     plain_loader=same(e),
      no_rng=same(f), steps=[tc.global_step, td.global_step], sampler=type(ta.train_dataloader.sampler).__name__,
      shuffle=bool(getattr(ta.train_dataloader.sampler, "shuffle", False)), order_a=ma.order[4:], order_c=mc.order,
      order_e=me.order, lr=tc.optimizers[0].param_groups[0]["lr"], lr_a=ta.optimizers[0].param_groups[0]["lr"])

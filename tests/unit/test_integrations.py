@@ -275,7 +275,8 @@ def test_stateful_dataloader_gets_a_plain_distributed_sampler_and_resumes_mid_ep
         return loader
 
     # Lightning's own function for this test (a strategy set up earlier in this process may have patched it)
-    lightning_own = getattr(data_connector._get_distributed_sampler, "__wrapped__", data_connector._get_distributed_sampler)
+    current = data_connector._get_distributed_sampler
+    lightning_own = getattr(current, "__wrapped__", current)
     monkeypatch.setattr(data_connector, "_get_distributed_sampler", lightning_own)
     assert type(injected(0).batch_sampler.sampler).__name__ == "DistributedSamplerWrapper"  # Lightning alone
     lightning_patches.distributed_sampler_for_stateful_loaders()
