@@ -89,7 +89,8 @@ def run(async_checkpoint: bool, out: Path, width: int, depth: int) -> dict:
     timer = SaveTimer(out)
     strategy = FullyShardStrategy(async_checkpoint=async_checkpoint)
     trainer = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, precision="32-true", max_steps=STEPS,
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[timer])
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[timer])
     trainer.fit(Net(width, depth))
     after = [timer.steps[s + 1] for s in SAVE_AT]  # the step right after each save
     others = [t for s, t in timer.steps.items() if s > 1 and s - 1 not in SAVE_AT]
