@@ -76,9 +76,9 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path, mode):
 
 
 def test_kill_during_background_write_keeps_previous_checkpoint_and_last_resumes(tmp_path):
-    """async_checkpoint=True: rank 1 is killed while its background writer writes the step-4 save (rank 0 has
-    written its shards and waits for rank 1's): nothing is renamed, `last.ckpt` stays the step-2 checkpoint,
-    and `ckpt_path="last"` resumes from it to step 6 equal to single-device training."""
+    """async_checkpoint=True: rank 1 is killed while its background writer writes the step-6 save (rank 0 has
+    written its shards and waits for rank 1's): nothing is renamed, `last.ckpt` stays the step-4 checkpoint,
+    and `ckpt_path="last"` resumes from it to step 8 equal to single-device training."""
     sys.path.insert(0, str(SCENARIOS))
     from _common import Classifier, max_rel_diff, reference
 
@@ -96,18 +96,18 @@ def test_kill_during_background_write_keeps_previous_checkpoint_and_last_resumes
     finally:
         torch.set_default_dtype(torch.float32)
     meta = ckpt.load(last, model=module, weights_only=True)
-    assert meta["global_step"] == 2, meta["global_step"]
+    assert meta["global_step"] == 4, meta["global_step"]
     params = {n: p.detach() for n, p in module.named_parameters()}
-    assert max_rel_diff(params, reference(2, n=64, schedule=True, width=64)) <= 1e-12
+    assert max_rel_diff(params, reference(4, n=64, schedule=True, width=64)) <= 1e-12
 
     rows = [r for r in results(run_script("fault_save.py", "async_resume", str(tmp_path), timeout=300))
             if r.get("kind") == "async_resume"]
     assert len(rows) == 2, rows
-    for r in rows:  # resumed from step 2 (the newest complete one), trained to 6 with async saves
-        assert r["global_step"] == 6 and r["diff"] <= 1e-12, r
+    for r in rows:  # resumed from step 4 (the newest complete one), trained to 8 with async saves
+        assert r["global_step"] == 8 and r["diff"] <= 1e-12, r
         assert "last.ckpt" in r["files"] and "last.ckpt.tmp" not in r["files"], r  # the end of fit waited
     meta = ckpt.load(last, model=module, weights_only=True)
-    assert meta["global_step"] == 6
+    assert meta["global_step"] == 8
 
 
 def test_rendezvous_listens_on_loopback_only(tmp_path):

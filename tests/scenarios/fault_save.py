@@ -8,9 +8,10 @@ with SIGKILL. MODE:
   ``dir_write``:  sharded directory; stalls in the fsync of ``meta.pt`` (shards already in ``.tmp``);
   ``dir_swap``:   sharded directory; stalls between the two renames of the swap (old one moved aside);
   ``file_write``: consolidated file; stalls in the fsync of the temporary file.
-  ``async_write``: ``async_checkpoint=True``; rank 1 (not rank 0, who commits) stalls in the fsync of its
-                  shard file of the step-4 save, on the background writer thread, while training goes on;
-  ``async_resume``: no kill: ``ckpt_path="last"`` after ``async_write``, trained to step 6 (async saves).
+  ``async_write``: ``async_checkpoint=True``, 8 steps; rank 1 (not rank 0, who commits) stalls in the fsync
+                  of its shard file of the step-6 save, on the background writer thread, while training goes on;
+  ``async_resume``: no kill: ``ckpt_path="last"`` after ``async_write`` (the step-4 checkpoint, an epoch
+                  boundary: the plain loader restarts the epoch), trained to step 8 (async saves).
   ``listen``:     no kill: every rank reports MASTER_ADDR and the addresses its sockets listen on.
 """
 
@@ -57,7 +58,7 @@ def slow_fsync(fd):
     if mode == "async_write" and threading.current_thread() is not threading.main_thread():
         if os.readlink(f"/proc/self/fd/{fd}").endswith(".distcp"):  # this rank's shard file, one per save
             saves["shards"] += 1
-            if saves["shards"] == 2:  # the step-4 save
+            if saves["shards"] == 3:  # the step-6 save
                 stall()
 
 
@@ -87,11 +88,12 @@ if int(os.environ.get("LOCAL_RANK", "0")) == (1 if mode == "async_write" else 0)
 strategy = HybridShardStrategy(timeout=timedelta(seconds=30), save_distributed_checkpoint=mode != "file_write",
                                async_checkpoint=mode.startswith("async"))
 callback = CountSaves(dirpath=out, save_top_k=0, save_last=True, every_n_train_steps=2)
-t = trainer(strategy, devices=2, steps=6, enable_checkpointing=True, callbacks=[callback])
+steps = 8 if mode.startswith("async") else 6
+t = trainer(strategy, devices=2, steps=steps, enable_checkpointing=True, callbacks=[callback])
 module = Classifier(**KW)
 t.fit(module, ckpt_path="last" if mode == "async_resume" else None)
 if mode == "async_resume":
-    emit(kind="async_resume", global_step=t.global_step, diff=max_rel_diff(full_params(module), reference(6, **KW)),
+    emit(kind="async_resume", global_step=t.global_step, diff=max_rel_diff(full_params(module), reference(8, **KW)),
          files=sorted(p.name for p in out.iterdir()))
     sys.exit(0)
 print("RESULT {\"finished\": true}")  # never reached: the save at step 4 is killed
