@@ -27,6 +27,7 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 
 # Lightning's private helpers, called as Lightning's own strategies call them (no public equivalent)
 from lightning.fabric.strategies.launchers.subprocess_script import _set_num_threads_if_needed  # noqa: F401
+from lightning.fabric.utilities.data import _set_sampler_epoch  # noqa: F401
 from lightning.fabric.utilities.distributed import (  # noqa: F401
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,

@@ -33,6 +33,7 @@ from typing_extensions import override
 import lightning.pytorch as pl
 from lightning_dist._integrations.lightning import (
     _optimizers_to_device,
+    _set_sampler_epoch,
     _sync_ddp_if_available,
     distributed_sampler_for_stateful_loaders,
     set_module_device_mesh,
@@ -187,6 +188,15 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group if group is not None else self.mesh.dp_group, reduce_op)
         return tensor
+
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        # a loader restored mid-epoch that fast-forwards its sampler when iterated (torchdata's StatefulDataLoader)
+        # is iterated before Lightning sets the resumed epoch: give the sampler that epoch now (Lightning's value)
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING and hasattr(dataloader, "load_state_dict"):
+            _set_sampler_epoch(dataloader, trainer.fit_loop.epoch_progress.current.processed)
+        return dataloader
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
