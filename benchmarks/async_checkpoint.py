@@ -36,7 +36,7 @@ from lightning_dist.strategies import FullyShardStrategy  # noqa: E402
 WORLD, STEPS, SAVE_AT = 2, 12, (4, 8)
 
 
-class Net(pl.LightningModule):
+class MLP(nn.Module):
     def __init__(self, width: int, depth: int) -> None:
         super().__init__()
         self.stem = nn.Linear(64, width)
@@ -49,9 +49,15 @@ class Net(pl.LightningModule):
             x = x + b(x)
         return self.head(x)
 
+
+class Net(pl.LightningModule):
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        self.model = MLP(width, depth)
+
     def training_step(self, batch, batch_idx):
         x, y = batch
-        return F.cross_entropy(self(x), y)
+        return F.cross_entropy(self.model(x), y)
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
