@@ -115,6 +115,9 @@ class MemoryReport(Callback):
         planned_places = _planned.planned_places(trainer.strategy)
         row.update(places=self.places, planned_places=planned_places, cuda=cuda_memory(device),
                    mismatches=placement_mismatches(self.places or {}, planned_places, device_type=device.type))
+        # async_checkpoint=True: the host copy of this rank's shards that background saves stage (kept for reuse)
+        writer = trainer.strategy.checkpoint_writer() if hasattr(trainer.strategy, "checkpoint_writer") else None
+        row["checkpoint_staging_bytes"] = writer.staging_bytes if writer is not None else 0
         if initialized:
             rows: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(rows, row)

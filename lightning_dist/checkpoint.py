@@ -8,6 +8,10 @@
   states keyed by parameter index), so a plain single-device Lightning run can
   ``load_from_checkpoint`` or resume from it.
 
+With a :class:`~lightning_dist.checkpoint_async.BackgroundWriter` (``async_checkpoint=True``) a sharded save
+stages the state in host memory and returns; the shards are written in the background and the directory
+is renamed into place once every rank has written (the next save first waits for the pending one).
+
 Writes are atomic: everything goes to ``<path>.tmp`` first and is swapped in by renames, so a crash
 mid-save never leaves a half-written checkpoint where the last good one was (if the crash falls
 between the two renames of a directory swap, the previous checkpoint is found at ``<path>.old`` and
@@ -22,7 +26,7 @@ import shutil
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -31,6 +35,9 @@ from torch.optim import Optimizer
 
 from lightning_dist.atomic import atomic_write
 from lightning_dist.atomic import swap_in as _swap_in  # a module global: tests/scenarios/fault_save.py wraps it
+
+if TYPE_CHECKING:
+    from lightning_dist.checkpoint_async import BackgroundWriter
 
 META = "meta.pt"
 MODEL_KEY = "state_dict"
@@ -142,13 +149,20 @@ def _atomic_torch_save(obj: Any, path: Path) -> None:
     atomic_write(path, lambda f: torch.save(obj, f))
 
 
-def save(checkpoint: dict[str, Any], path: str | os.PathLike, *, sharded: bool) -> None:
+def save(checkpoint: dict[str, Any], path: str | os.PathLike, *, sharded: bool,
+         writer: BackgroundWriter | None = None) -> None:
     """Write a Lightning checkpoint dict atomically; every rank must call this (collectives inside).
 
     `checkpoint` is what Lightning's ``dump_checkpoint`` built from :func:`model_state` and
-    :func:`optimizer_state` with the same `sharded` choice.
+    :func:`optimizer_state` with the same `sharded` choice. `writer` (sharded only): wait for its pending
+    save, then stage this one and return while it writes (``meta.pt`` and ZeRO-1 files are written now).
     """
     path = Path(path)
+    if writer is not None:
+        if not sharded:
+            raise ValueError("A background checkpoint save needs sharded checkpoints"
+                             " (save_distributed_checkpoint=True).")
+        writer.wait()  # one save in flight: the previous one is committed before this one starts
     tmp = path.with_name(path.name + ".tmp")
     rank = _rank()
     if not sharded:
@@ -176,6 +190,14 @@ def save(checkpoint: dict[str, Any], path: str | os.PathLike, *, sharded: bool) 
             zero_states[i] = osd[ZERO_KEY]
         else:
             state[f"optimizer_{i}"] = osd
+    if writer is not None:
+        if rank == 0:  # small, and Lightning's objects in them may change while training goes on: written now
+            for i, osd in zero_states.items():
+                _atomic_torch_save(osd, tmp / f"optimizer_{i}.pt")
+            _atomic_torch_save(checkpoint, tmp / META)
+        # `_swap_in` looked up at commit time (tests/scenarios/fault_save.py wraps the module global)
+        writer.start(state, tmp, path, commit=(lambda: _swap_in(tmp, path)) if rank == 0 else None)
+        return
     dcp.save(state, checkpoint_id=tmp)
     if rank == 0:
         for i, osd in zero_states.items():

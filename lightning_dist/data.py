@@ -23,6 +23,15 @@ Example::
 
 Limits: sized map-style datasets; the sampler's order must depend only on its seed and epoch
 (``DistributedSampler``, ``RandomSampler`` with a seeded generator are fine).
+
+torchdata's ``StatefulDataLoader`` (``torchdata.stateful_dataloader``) is the general tool and works with the
+pack the same way (Lightning keeps its class around the injected ``DistributedSampler``, saves and restores its
+``state_dict``, and the pack makes Lightning inject its plain ``DistributedSampler`` for ``shuffle=True``;
+bitwise mid-epoch resume with ``ResumeRNG`` is tested under hsdp, tp and pipelines): use it for
+worker processes that keep state, iterable or stateful datasets, and stateful samplers. This class remains for
+what that loader does not give: no extra dependency, and a run that is bitwise the run of a plain ``DataLoader``
+(for ``shuffle=True`` ``StatefulDataLoader`` builds its own ``RandomSampler``, which draws a seed from the torch
+RNG when the loader is built, so dropout masks and augmentations change when a project switches to it).
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@
   instance's ``process_dataloader`` and step methods, and their removal;
 * :data:`SubprocessScriptLauncher` and :func:`replace_default_launcher`: the pack's launcher in place of
   Lightning's (its base class is private);
+* :func:`distributed_sampler_for_stateful_loaders`: torchdata's ``StatefulDataLoader(shuffle=True)`` gets
+  Lightning's plain ``DistributedSampler``, as a ``DataLoader`` does;
 * the private Lightning helpers the pack calls because there is no public one (process-group start,
   ``sync_dist`` reduction, optimizer-state moves, thread setup), imported here under their own names so
   that every reach into Lightning's private modules is listed in this file.
@@ -16,6 +18,7 @@ Each refuses a Lightning release outside :data:`lightning_dist._compat.LIGHTNING
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -24,6 +27,7 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 
 # Lightning's private helpers, called as Lightning's own strategies call them (no public equivalent)
 from lightning.fabric.strategies.launchers.subprocess_script import _set_num_threads_if_needed  # noqa: F401
+from lightning.fabric.utilities.data import _set_sampler_epoch  # noqa: F401
 from lightning.fabric.utilities.distributed import (  # noqa: F401
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
@@ -36,6 +40,7 @@ from lightning_dist._compat import require_tested_lightning
 
 __all__ = [
     "SubprocessScriptLauncher",
+    "distributed_sampler_for_stateful_loaders",
     "replace_default_launcher",
     "route_gradient_clipping",
     "set_module_device_mesh",
@@ -103,3 +108,42 @@ def replace_default_launcher(strategy: Any, make_launcher: Callable[[], Any]) ->
     require_tested_lightning("Strategy._launcher replacement (replace_default_launcher)")
     if type(strategy._launcher) is SubprocessScriptLauncher:
         strategy._launcher = make_launcher()
+
+
+def distributed_sampler_for_stateful_loaders() -> None:
+    """Make Lightning inject its plain ``DistributedSampler`` into torchdata's ``StatefulDataLoader(shuffle=True)``
+    (once per process; nothing without torchdata).
+
+    Reason: Lightning's private ``data_connector._get_distributed_sampler`` builds a ``DistributedSampler`` only
+    when ``loader.sampler`` is torch's ``RandomSampler``/``SequentialSampler``. For ``shuffle=True`` torchdata's
+    loader holds its own (stateful) ``RandomSampler``, which Lightning wraps in ``DistributedSamplerWrapper``: the
+    order then follows that sampler's generator, seeded from the torch RNG when the loader is built and saved
+    nowhere (the wrapper has no state), so a resumed run shuffles differently. Treated as torch's sampler, the
+    order depends only on Lightning's seed and the epoch, and the loader's own state_dict resumes it exactly.
+    """
+    from lightning_dist._compat import module_available
+
+    if not module_available("torchdata"):
+        return
+    require_tested_lightning("data_connector._get_distributed_sampler (distributed_sampler_for_stateful_loaders)")
+    from lightning.pytorch.trainer.connectors import data_connector
+    from lightning.pytorch.trainer.states import RunningStage
+    from torch.utils.data import DistributedSampler
+    from torchdata.stateful_dataloader.sampler import RandomSampler as StatefulRandomSampler
+
+    original = data_connector._get_distributed_sampler
+    if getattr(original, "_lightning_dist_patch", False):
+        return
+
+    def get_distributed_sampler(dataloader: Any, shuffle: bool, overfit_batches: Any, mode: Any = None,
+                                **kwargs: Any) -> Any:
+        if mode != RunningStage.PREDICTING and isinstance(getattr(dataloader, "sampler", None), StatefulRandomSampler):
+            # Lightning's own branch for torch's RandomSampler (same seed and shuffle rule)
+            kwargs["shuffle"] = shuffle and not overfit_batches
+            kwargs.setdefault("seed", int(os.getenv("PL_GLOBAL_SEED", 0)))
+            return DistributedSampler(dataloader.dataset, **kwargs)
+        return original(dataloader, shuffle, overfit_batches, mode, **kwargs)
+
+    get_distributed_sampler._lightning_dist_patch = True  # type: ignore[attr-defined]
+    get_distributed_sampler.__wrapped__ = original  # type: ignore[attr-defined]
+    data_connector._get_distributed_sampler = get_distributed_sampler

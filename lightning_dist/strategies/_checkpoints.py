@@ -1,7 +1,10 @@
 """The checkpoint side of :class:`~lightning_dist.strategies.base.MeshStrategy`: sharded states, any mesh.
 
 Lightning's checkpoint hooks routed to :mod:`lightning_dist.checkpoint`: atomic sharded (DCP) or
-consolidated files, loaded with ``weights_only=True`` into the parallelized model after ``setup``.
+consolidated files, loaded with ``weights_only=True`` into the parallelized model after ``setup``. With
+``async_checkpoint=True`` a sharded save returns once the state is staged in host memory
+(:mod:`lightning_dist.checkpoint_async`); the next save, ``teardown`` (end of fit, or a failure) and the
+loading of a checkpoint wait for it, and checkpoint removals wait until it is committed.
 """
 
 from __future__ import annotations
@@ -15,12 +18,16 @@ from lightning.pytorch.strategies import ParallelStrategy
 from typing_extensions import override
 
 from lightning_dist import checkpoint as ckpt
+from lightning_dist.checkpoint_async import BackgroundWriter
 
 
 class ShardedCheckpointMixin(ParallelStrategy):
     """Checkpoint hooks of a mesh strategy (expects ``_save_distributed_checkpoint``, set by ``MeshStrategy``)."""
 
     _save_distributed_checkpoint: bool
+    _async_checkpoint: bool = False
+    _writer: Optional[BackgroundWriter] = None
+    _failed: bool = False
 
     @property
     @override
@@ -47,13 +54,41 @@ class ShardedCheckpointMixin(ParallelStrategy):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options (no CheckpointIO).")
         path = self.broadcast(filepath)  # rank 0 decides the path
-        ckpt.save(checkpoint, path, sharded=self._save_distributed_checkpoint)
+        ckpt.save(checkpoint, path, sharded=self._save_distributed_checkpoint, writer=self.checkpoint_writer())
+
+    def checkpoint_writer(self) -> Optional[BackgroundWriter]:
+        """The background writer of ``async_checkpoint=True`` (None: saves block until written)."""
+        if self._async_checkpoint and self._writer is None:
+            self._writer = BackgroundWriter(timeout=getattr(self, "_timeout", None),
+                                            pinned=self.root_device.type == "cuda")
+        return self._writer if self._async_checkpoint else None
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until a background save is written and committed (no-op without one). After a failure of the
+        run, a save that cannot finish is logged instead of raised (the original error stays the one shown)."""
+        if self._writer is not None:
+            self._writer.wait(raise_errors=not self._failed)
+        self._failed = False  # a later fit starts clean
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        # ModelCheckpoint drops an older checkpoint right after starting a newer save: keep it until that one is
+        # committed, so a crash mid-write still leaves it
+        remove = super().remove_checkpoint
+        if self._writer is None or not self._writer.defer(lambda: remove(filepath)):
+            remove(filepath)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._failed = True
+        super().on_exception(exception)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Load model and optimizer states into the parallelized model (any mesh); return Lightning's metadata."""
         path = self.broadcast(checkpoint_path)
         assert self.model is not None and self.lightning_module is not None
+        self.wait_for_checkpoint()  # it may be the one being written
         return ckpt.load(
             path,
             model=self.model,

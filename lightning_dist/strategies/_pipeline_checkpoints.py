@@ -26,6 +26,7 @@ class PipelineCheckpointMixin(MeshStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         assert self.model is not None
+        self.wait_for_checkpoint()  # it may be the one being written
         fitting = self.lightning_module.trainer.state.fn == "fit"
         return ckpt.load_stage(self.broadcast(checkpoint_path), model=self.model,
                                optimizers=self.optimizers if fitting else (),

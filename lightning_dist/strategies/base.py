@@ -33,7 +33,9 @@ from typing_extensions import override
 import lightning.pytorch as pl
 from lightning_dist._integrations.lightning import (
     _optimizers_to_device,
+    _set_sampler_epoch,
     _sync_ddp_if_available,
+    distributed_sampler_for_stateful_loaders,
     route_gradient_clipping,
     set_module_device_mesh,
 )
@@ -76,6 +78,8 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
         parallelize_fn: ``fn(model, mesh)`` that parallelizes the LightningModule in place, replacing the
             strategy's built-in plan (for models the built-in plans do not cover).
         save_distributed_checkpoint: True: sharded DCP directory; False: one consolidated file.
+        async_checkpoint: True: a (sharded) save stages the state in host memory and returns; the shards are
+            written in the background and committed once every rank has written (``lightning_dist.checkpoint_async``).
         process_group_backend: ``"gloo"``/``"nccl"``; default from the device (cpu -> gloo, cuda -> nccl).
         timeout: collective timeout, seconds (a number) or a ``datetime.timedelta``; a failing rank makes the
             others exit after at most this long (under the pack's launcher add up to 3 s: it polls its children
@@ -92,6 +96,7 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
         allow_cross_node_tp: bool = False,
         parallelize_fn: Optional[ParallelizeFn] = None,
         save_distributed_checkpoint: bool = True,
+        async_checkpoint: bool = False,
         process_group_backend: Optional[str] = None,
         timeout: Union[float, timedelta, None] = default_pg_timeout,
     ) -> None:
@@ -99,6 +104,9 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
         super().__init__()
         problems = _check_size("pp", pp, False) + _check_size("tp", tp, False)
         problems += _check_size("dp_replicate", dp_replicate, True) + _check_size("dp_shard", dp_shard, True)
+        if async_checkpoint and not save_distributed_checkpoint:
+            problems.append("`async_checkpoint=True` writes sharded checkpoints in the background; it needs"
+                            " `save_distributed_checkpoint=True` (a consolidated file is gathered on rank 0 first).")
         if parallelize_fn is not None and not callable(parallelize_fn):
             problems.append(f"`parallelize_fn={parallelize_fn!r}` must be callable as fn(model, mesh).")
         if problems:
@@ -109,6 +117,7 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
         self._mesh: Optional[DistMesh] = None
         self._device_mesh = None
         self._save_distributed_checkpoint = save_distributed_checkpoint
+        self._async_checkpoint = bool(async_checkpoint)
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self.num_nodes = 1
@@ -149,6 +158,7 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
         spec = self.mesh_spec()
         self.validate_config(spec)
         ParallelStrategy.setup_environment(self)
+        distributed_sampler_for_stateful_loaders()  # before Lightning builds the training loader
         self._setup_distributed()
         self.use_mesh(DistMesh.build(spec, self.root_device.type))
         rank_zero_info(spec.format_plan())
@@ -180,6 +190,15 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group if group is not None else self.mesh.dp_group, reduce_op)
         return tensor
+
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        # a loader restored mid-epoch that fast-forwards its sampler when iterated (torchdata's StatefulDataLoader)
+        # is iterated before Lightning sets the resumed epoch: give the sampler that epoch now (Lightning's value)
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING and hasattr(dataloader, "load_state_dict"):
+            _set_sampler_epoch(dataloader, trainer.fit_loop.epoch_progress.current.processed)
+        return dataloader
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -287,6 +306,11 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
             for module in self.model.modules():
                 if isinstance(module, FSDPModule):
                     module.reshard()
+
+    @override
+    def teardown(self) -> None:
+        self.wait_for_checkpoint()  # the end of fit (or a failure) waits for a background save
+        super().teardown()
 
     @override
     def on_validation_end(self) -> None:

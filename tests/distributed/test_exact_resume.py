@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from _harness import results, run_script
+from lightning_dist._compat import module_available
 
 pytestmark = pytest.mark.distributed
 
@@ -33,3 +34,13 @@ def test_mid_epoch_resume_is_bitwise_identical(tmp_path, strategy):
         # controls: a plain DataLoader restarts the epoch; without ResumeRNG the dropout masks differ
         assert not r["plain_loader"] and r["order_e"] != r["order_a"], r
         assert not r["no_rng"], r
+        if strategy == "offload":
+            continue
+        # torchdata's StatefulDataLoader: Lightning keeps its class around the injected sampler and saves and
+        # restores its own state_dict; with ResumeRNG the resume equals its uninterrupted run bitwise
+        if not module_available("torchdata"):
+            pytest.skip("torchdata (the `test` extra) is not installed: the StatefulDataLoader cases did not run")
+        assert r["td_loader"] == "StatefulDataLoader" and r["td_sampler"] == "DistributedSampler", r
+        assert r["td_checkpointing_changes_nothing"] and r["td_from4"] and r["td_from8"], r
+        assert r["td_steps"] == [9, 9] and r["td_order"] == r["td_order_a"] and r["td_same_order_as_a"], r
+        assert r["td_epochs_differ"], r

@@ -55,8 +55,17 @@ def test_checkpoint_resume_reshard_and_single_device(tmp_path):
     sys.path.insert(0, str(SCENARIOS))
     from _common import Classifier, full_params, max_rel_diff
 
-    saved = results(run_script("hsdp_checkpoint.py", "save", str(tmp_path), timeout=600))
+    rows = results(run_script("hsdp_checkpoint.py", "save", str(tmp_path), timeout=600))
+    saved = [r for r in rows if r["kind"] == "resume"]
     assert len(saved) == 4
+    background = [r for r in rows if r["kind"] == "async"]
+    assert len(background) == 4
+    for r in background:  # async_checkpoint=True: same checkpoints, written in the background
+        assert r["checkpointing_changes_nothing"] and r["bitwise"] and r["global_step"] == 6, r
+        assert r["files"] == ["g3.ckpt", "g6.ckpt"] and r["staged"] > 0, r  # the step-6 save was waited for
+        # the staged copy: this rank's shards of parameters and AdamW state, as MemoryReport shows it
+        assert r["reported"] == r["staged"], r
+        assert abs(r["staged"] - r["params_optimizer"]) <= 0.01 * r["params_optimizer"], r  # step counters aside
     for r in saved:
         assert r["bitwise"] and r["diff"] == 0.0, r  # resume continues exactly (float64, same mesh)
         assert r["checkpointing_changes_nothing"] == 0.0, r
@@ -65,7 +74,7 @@ def test_checkpoint_resume_reshard_and_single_device(tmp_path):
 
     resharded = results(run_script("hsdp_checkpoint.py", "reshard", str(tmp_path), timeout=600))
     loads = [r for r in resharded if r["kind"] == "load"]
-    assert {r["source"] for r in loads} == {"b3.ckpt", "f3.ckpt"} and len(loads) == 4
+    assert {r["source"] for r in loads} == {"b3.ckpt", "f3.ckpt", "g3.ckpt"} and len(loads) == 6
     for r in loads:
         assert r["equal"] and r["shape"] == [1, 1, 2, 1] and r["global_step"] == 3, r
     for r in (r for r in resharded if r["kind"] == "reshard_resume"):

@@ -75,6 +75,41 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path, mode):
     assert max_rel_diff(params, reference(2, n=64, schedule=True, width=64)) <= 1e-12
 
 
+def test_kill_during_background_write_keeps_previous_checkpoint_and_last_resumes(tmp_path):
+    """async_checkpoint=True: rank 1 is killed while its background writer writes the step-6 save (rank 0 has
+    written its shards and waits for rank 1's): nothing is renamed, `last.ckpt` stays the step-4 checkpoint,
+    and `ckpt_path="last"` resumes from it to step 8 equal to single-device training."""
+    sys.path.insert(0, str(SCENARIOS))
+    from _common import Classifier, max_rel_diff, reference
+
+    from lightning_dist import checkpoint as ckpt
+
+    ended, survivors = _kill_while_saving("async_write", tmp_path)
+    print(f"async_write: the job ended {ended:.1f} s after rank 1 was killed mid-write")
+    assert not survivors, f"processes left behind: {survivors}"
+    assert ended < 60
+    last = tmp_path / "last.ckpt"
+    assert last.is_dir() and (tmp_path / "last.ckpt.tmp").is_dir()  # the interrupted save never renamed
+    torch.set_default_dtype(torch.float64)
+    try:
+        module = Classifier(n=64, schedule=True, width=64)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    meta = ckpt.load(last, model=module, weights_only=True)
+    assert meta["global_step"] == 4, meta["global_step"]
+    params = {n: p.detach() for n, p in module.named_parameters()}
+    assert max_rel_diff(params, reference(4, n=64, schedule=True, width=64)) <= 1e-12
+
+    rows = [r for r in results(run_script("fault_save.py", "async_resume", str(tmp_path), timeout=300))
+            if r.get("kind") == "async_resume"]
+    assert len(rows) == 2, rows
+    for r in rows:  # resumed from step 4 (the newest complete one), trained to 8 with async saves
+        assert r["global_step"] == 8 and r["diff"] <= 1e-12, r
+        assert "last.ckpt" in r["files"] and "last.ckpt.tmp" not in r["files"], r  # the end of fit waited
+    meta = ckpt.load(last, model=module, weights_only=True)
+    assert meta["global_step"] == 8
+
+
 def test_rendezvous_listens_on_loopback_only(tmp_path):
     """Lightning's launcher defaults MASTER_ADDR to 127.0.0.1; every listening socket of the job is loopback."""
     proc = run_script("fault_save.py", "listen", str(tmp_path), env={"MASTER_ADDR": ""}, timeout=300)

@@ -8,6 +8,10 @@ with SIGKILL. MODE:
   ``dir_write``:  sharded directory; stalls in the fsync of ``meta.pt`` (shards already in ``.tmp``);
   ``dir_swap``:   sharded directory; stalls between the two renames of the swap (old one moved aside);
   ``file_write``: consolidated file; stalls in the fsync of the temporary file.
+  ``async_write``: ``async_checkpoint=True``, 8 steps; rank 1 (not rank 0, who commits) stalls in the fsync
+                  of its shard file of the step-6 save, on the background writer thread, while training goes on;
+  ``async_resume``: no kill: ``ckpt_path="last"`` after ``async_write`` (the step-4 checkpoint, an epoch
+                  boundary: the plain loader restarts the epoch), trained to step 8 (async saves).
   ``listen``:     no kill: every rank reports MASTER_ADDR and the addresses its sockets listen on.
 """
 
@@ -17,8 +21,10 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import threading
+
 import psutil
-from _common import Classifier, emit, trainer
+from _common import Classifier, emit, full_params, max_rel_diff, reference, trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 import lightning_dist.checkpoint as ckpt
@@ -33,7 +39,7 @@ def stall() -> None:
     time.sleep(600)  # the test kills this process here
 
 
-saves = {"n": 0, "step": 0}
+saves = {"n": 0, "step": 0, "shards": 0}
 real_swap, real_fsync = ckpt._swap_in, os.fsync
 
 
@@ -49,6 +55,11 @@ def slow_fsync(fd):
     real_fsync(fd)
     if mode in ("dir_write", "file_write") and saves["step"] == 4:
         stall()
+    if mode == "async_write" and threading.current_thread() is not threading.main_thread():
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".distcp"):  # this rank's shard file, one per save
+            saves["shards"] += 1
+            if saves["shards"] == 3:  # the step-6 save
+                stall()
 
 
 class CountSaves(ModelCheckpoint):
@@ -70,11 +81,19 @@ if mode == "listen":
     trainer(HybridShardStrategy(), devices=2, steps=1, callbacks=[Listening()]).fit(Classifier())
     sys.exit(0)
 
-if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+if int(os.environ.get("LOCAL_RANK", "0")) == (1 if mode == "async_write" else 0):
     ckpt._swap_in = counting_swap
     ckpt.os.fsync = slow_fsync  # `os` is the module `ckpt` uses; only this scenario process is affected
 
-strategy = HybridShardStrategy(timeout=timedelta(seconds=30), save_distributed_checkpoint=mode != "file_write")
+strategy = HybridShardStrategy(timeout=timedelta(seconds=30), save_distributed_checkpoint=mode != "file_write",
+                               async_checkpoint=mode.startswith("async"))
 callback = CountSaves(dirpath=out, save_top_k=0, save_last=True, every_n_train_steps=2)
-trainer(strategy, devices=2, steps=6, enable_checkpointing=True, callbacks=[callback]).fit(Classifier(**KW))
+steps = 8 if mode.startswith("async") else 6
+t = trainer(strategy, devices=2, steps=steps, enable_checkpointing=True, callbacks=[callback])
+module = Classifier(**KW)
+t.fit(module, ckpt_path="last" if mode == "async_resume" else None)
+if mode == "async_resume":
+    emit(kind="async_resume", global_step=t.global_step, diff=max_rel_diff(full_params(module), reference(8, **KW)),
+         files=sorted(p.name for p in out.iterdir()))
+    sys.exit(0)
 print("RESULT {\"finished\": true}")  # never reached: the save at step 4 is killed

@@ -11,6 +11,11 @@ every 4 steps (4: mid-epoch 0, 8: mid-epoch 1); C = resume from step 4 to 9, D =
 both must equal A bitwise. The model applies dropout, so the RNG streams matter; StepLR every 2 steps.
 Controls (must differ from A, showing what each piece fixes): E = plain DataLoader resumed from step 4,
 F = ResumableDataLoader without ResumeRNG resumed from step 4 (E resumes from a plain-loader checkpoint).
+With torchdata installed (not under offload), the same with torchdata's StatefulDataLoader: A2 = 9 steps
+uninterrupted, G = with checkpoints every 4 steps, H / I = resume from its steps 4 / 8; G, H, I must equal A2
+bitwise. A2 is its own reference: the batches come in A's order, but for `shuffle=True` the loader builds
+torchdata's RandomSampler (replaced by Lightning's DistributedSampler), which draws a seed from the torch RNG
+when the loader is built, so the dropout masks (and parameters) differ from A's.
 """
 
 import sys
@@ -23,6 +28,7 @@ from lightning.pytorch import seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
+from lightning_dist._compat import module_available
 from lightning_dist.callbacks import ResumeRNG
 from lightning_dist.data import ResumableDataLoader
 from lightning_dist.strategies import HybridShardStrategy, OffloadStrategy, PipelineStrategy
@@ -42,7 +48,7 @@ DTYPE = torch.float64 if PRECISION == "64-true" else torch.float32
 
 
 class Shuffled(Classifier):
-    def __init__(self, *, resumable: bool = True, **kw) -> None:
+    def __init__(self, *, resumable="ours", **kw) -> None:
         super().__init__(n=96, schedule=True, dtype=DTYPE, **kw)
         self.resumable = resumable
         self.order = []
@@ -58,13 +64,20 @@ class Shuffled(Classifier):
         return F.cross_entropy(output, target)
 
     def train_dataloader(self):
-        cls = ResumableDataLoader if self.resumable else DataLoader
+        cls = LOADERS[self.resumable]
         # Lightning replaces the shuffle with a DistributedSampler(shuffle=True) over the dp ranks
         replicas = self.trainer.strategy.distributed_sampler_kwargs["num_replicas"]
         return cls(dataset(self.n, dtype=DTYPE), batch_size=self.global_batch // replicas, shuffle=True)
 
 
-def fit(steps, *, ckpt_path=None, every=None, resumable=True, rng=True, prefix="s"):
+LOADERS = {"ours": ResumableDataLoader, "plain": DataLoader}
+if module_available("torchdata"):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    LOADERS["torchdata"] = StatefulDataLoader
+
+
+def fit(steps, *, ckpt_path=None, every=None, resumable="ours", rng=True, prefix="s"):
     seed_everything(0)
     module = Shuffled(resumable=resumable)
     callbacks = [ResumeRNG()] if rng else []
@@ -81,16 +94,31 @@ a, ta, ma = fit(9)
 b, _, _ = fit(9, every=4)
 c, tc, mc = fit(9, ckpt_path=out / "s4.ckpt")
 d, td, _ = fit(9, ckpt_path=out / "s8.ckpt")
-fit(9, every=4, resumable=False, prefix="plain")  # Lightning refuses loader state for a plain loader
-e, _, me = fit(9, ckpt_path=out / "plain4.ckpt", resumable=False)
+fit(9, every=4, resumable="plain", prefix="plain")  # Lightning refuses loader state for a plain loader
+e, _, me = fit(9, ckpt_path=out / "plain4.ckpt", resumable="plain")
 f, _, _ = fit(9, ckpt_path=out / "s4.ckpt", rng=False)
 
 
-def same(x):
-    return all(torch.equal(x[k], a[k]) for k in a)
+def same(x, ref=a):
+    return all(torch.equal(x[k], ref[k]) for k in ref)
 
 
-emit(kind="resume", strategy=name, checkpointing_changes_nothing=same(b), from4=same(c), from8=same(d), plain_loader=same(e),
+stateful = {}
+if "torchdata" in LOADERS and name != "offload":
+    a2, _, ma2 = fit(9, resumable="torchdata")
+    g, tg, _ = fit(9, every=4, resumable="torchdata", prefix="td")
+    h, th, mh = fit(9, ckpt_path=out / "td4.ckpt", resumable="torchdata")
+    i, ti, _ = fit(9, ckpt_path=out / "td8.ckpt", resumable="torchdata")
+    loader = tg.train_dataloader
+    stateful = dict(td_checkpointing_changes_nothing=same(g, a2), td_from4=same(h, a2), td_from8=same(i, a2),
+                    td_steps=[th.global_step, ti.global_step], td_order=mh.order, td_order_a=ma2.order[4:],
+                    td_same_order_as_a=ma2.order == ma.order,
+                    td_epochs_differ=ma2.order[:3] != ma2.order[6:9],  # the sampler's epoch was set
+                    td_loader=type(loader).__name__,
+                    # Lightning rebuilds torchdata's own BatchSampler around the DistributedSampler
+                    td_sampler=type(loader.batch_sampler.sampler).__name__)
+emit(kind="resume", **stateful, strategy=name, checkpointing_changes_nothing=same(b), from4=same(c), from8=same(d),
+     plain_loader=same(e),
      no_rng=same(f), steps=[tc.global_step, td.global_step], sampler=type(ta.train_dataloader.sampler).__name__,
      shuffle=bool(getattr(ta.train_dataloader.sampler, "shuffle", False)), order_a=ma.order[4:], order_c=mc.order,
      order_e=me.order, lr=tc.optimizers[0].param_groups[0]["lr"], lr_a=ta.optimizers[0].param_groups[0]["lr"])

@@ -343,6 +343,9 @@ CASES = {
                                         "assign emb then blocks then head"]),
     "pipeline-consolidated-file": (lambda t: PipelineStrategy(save_distributed_checkpoint=False), ValueError,
                                    ["save_distributed_checkpoint=True", "dcp_to_torch_save"]),
+    "async-checkpoint-consolidated": (
+        lambda t: HybridShardStrategy(async_checkpoint=True, save_distributed_checkpoint=False), ValueError,
+        ["async_checkpoint=True", "save_distributed_checkpoint=True"]),
     "pipeline-tp-sharded-output": (lambda t: _pipeline_tp({"head": "colwise"}), ValueError,
                                    ["model.head (Linear, colwise)", "leaves its output split", "colwise_gather"]),
     "offload-tier": (lambda t: _offload(optimizer="gpu"), ValueError, ["optimizer='gpu'", '"cpu", "nvme" or None']),

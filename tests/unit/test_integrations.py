@@ -266,3 +266,49 @@ def test_exit_flush_barriers_each_gloo_backend_before_destroying(monkeypatch):
     monkeypatch.setattr(td.sys, "last_value", RuntimeError("boom"), raising=False)
     td.destroy_process_groups_for_exit(rounds=2)
     assert events == [("destroy",)]
+
+
+@pytest.mark.skipif(not _compat.module_available("torchdata"), reason="torchdata (the `test` extra) is not installed")
+def test_stateful_dataloader_gets_a_plain_distributed_sampler_and_resumes_mid_epoch(monkeypatch):
+    """Lightning's injection, as its data connector runs it: without the patch torchdata's own RandomSampler
+    ends up inside a DistributedSamplerWrapper (order from an unsaved generator); with it, a DistributedSampler,
+    and the loader's state_dict resumes the interrupted epoch at the next batch."""
+    import warnings
+
+    from lightning.fabric.utilities.data import _replace_dunder_methods, _set_sampler_epoch
+    from lightning.pytorch.trainer.connectors import data_connector
+    from lightning.pytorch.utilities.data import _is_dataloader_shuffled, _update_dataloader
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    warnings.filterwarnings("ignore", message=".*set_vital.*")
+    data = TensorDataset(torch.arange(40.0))
+
+    def injected(rank):
+        with _replace_dunder_methods(DataLoader, "dataset"):  # what Lightning does around `train_dataloader()`
+            loader = StatefulDataLoader(data, batch_size=3, shuffle=True)
+        sampler = data_connector._get_distributed_sampler(loader, shuffle=_is_dataloader_shuffled(loader),
+                                                          overfit_batches=0, num_replicas=2, rank=rank)
+        loader = _update_dataloader(loader, sampler)
+        _set_sampler_epoch(loader, 1)
+        return loader
+
+    # Lightning's own function for this test (a strategy set up earlier in this process may have patched it)
+    current = data_connector._get_distributed_sampler
+    lightning_own = getattr(current, "__wrapped__", current)
+    monkeypatch.setattr(data_connector, "_get_distributed_sampler", lightning_own)
+    assert type(injected(0).batch_sampler.sampler).__name__ == "DistributedSamplerWrapper"  # Lightning alone
+    lightning_patches.distributed_sampler_for_stateful_loaders()
+    patched = data_connector._get_distributed_sampler
+    lightning_patches.distributed_sampler_for_stateful_loaders()
+    assert data_connector._get_distributed_sampler is patched  # once per process
+    loader = injected(0)
+    assert type(loader.batch_sampler.sampler) is DistributedSampler and loader.batch_sampler.sampler.shuffle
+    whole = [b[0].tolist() for b in loader]
+    assert sorted(sum(whole, [])) != sorted(sum([b[0].tolist() for b in injected(1)], []))  # ranks differ
+    it = iter(loader)
+    head = [next(it)[0].tolist() for _ in range(2)]
+    state = loader.state_dict()
+    resumed = injected(0)
+    resumed.load_state_dict(state)
+    assert head + [b[0].tolist() for b in resumed] == whole

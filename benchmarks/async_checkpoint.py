@@ -1,0 +1,146 @@
+"""Benchmark: blocking vs background (``async_checkpoint=True``) sharded saves, side by side in one run.
+
+    python benchmarks/async_checkpoint.py [--json out.json] [--width 1024] [--depth 8] [--rounds 2]
+
+fsdp2 over 2 CPU processes, AdamW, float32; each fit trains 12 steps and saves at steps 4 and 8 through
+``trainer.save_checkpoint`` (what ModelCheckpoint calls). Blocking and async fits alternate (B A B A) so
+machine noise hits both alike. Per save it measures:
+
+* the save call: how long after the save the next step starts (blocking: the whole write; async: staging
+  the state in host memory plus ``meta.pt``). Goal: async <= 10% of the blocking save;
+* the step right after the save (async: the shards are being written in the background meanwhile) relative
+  to the median of the other steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import print_table  # noqa: E402
+
+from lightning_dist.strategies import FullyShardStrategy  # noqa: E402
+
+WORLD, STEPS, SAVE_AT = 2, 12, (4, 8)
+
+
+class MLP(nn.Module):
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        self.stem = nn.Linear(64, width)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(depth))
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for b in self.blocks:
+            x = x + b(x)
+        return self.head(x)
+
+
+class Net(pl.LightningModule):
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        self.model = MLP(width, depth)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.model(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        data = TensorDataset(torch.randn(32 * STEPS, 64, generator=g), torch.randint(0, 10, (32 * STEPS,), generator=g))
+        return DataLoader(data, batch_size=32 // WORLD)
+
+
+class SaveTimer(pl.Callback):
+    """Saves at SAVE_AT; records each save call's duration and every step's wall time."""
+
+    def __init__(self, out: Path) -> None:
+        self.out, self.save_s, self.steps, self._t0 = out, [], {}, 0.0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.steps[trainer.global_step] = time.perf_counter() - self._t0
+        if trainer.global_step in SAVE_AT:
+            t0 = time.perf_counter()
+            trainer.save_checkpoint(self.out / f"step{trainer.global_step}.ckpt")
+            self.save_s.append(time.perf_counter() - t0)
+
+
+def _max_over_ranks(value: float) -> float:
+    t = torch.tensor(value, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def run(async_checkpoint: bool, out: Path, width: int, depth: int) -> dict:
+    timer = SaveTimer(out)
+    strategy = FullyShardStrategy(async_checkpoint=async_checkpoint)
+    trainer = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, precision="32-true", max_steps=STEPS,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[timer])
+    trainer.fit(Net(width, depth))
+    after = [timer.steps[s + 1] for s in SAVE_AT]  # the step right after each save
+    others = [t for s, t in timer.steps.items() if s > 1 and s - 1 not in SAVE_AT]
+    writer = trainer.strategy.checkpoint_writer()
+    return {"save_s": [_max_over_ranks(s) for s in timer.save_s], "after_s": [_max_over_ranks(s) for s in after],
+            "step_s": _max_over_ranks(statistics.median(others)),
+            "staged_mib": (writer.staging_bytes / 2**20) if writer is not None else 0.0}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--depth", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--dir", default=None, help="where checkpoints are written (default: a temporary folder)")
+    args = parser.parse_args()
+    pl.seed_everything(0)
+    # one folder on every rank (Lightning's launcher re-runs this script per rank; rank 0 names the path anyway)
+    base = Path(args.dir or Path(tempfile.gettempdir()) / "lightning_dist_async_checkpoint_bench")
+    results = {False: [], True: []}
+    for r in range(args.rounds):
+        for mode in (False, True):
+            out = base / f"{'async' if mode else 'blocking'}{r}"
+            results[mode].append(run(mode, out, args.width, args.depth))
+    summary = {}
+    for mode, runs in results.items():
+        summary["async" if mode else "blocking"] = {
+            "save_s": statistics.median(s for x in runs for s in x["save_s"]),
+            "after_s": statistics.median(s for x in runs for s in x["after_s"]),
+            "step_s": statistics.median(x["step_s"] for x in runs),
+            "staged_mib": runs[-1]["staged_mib"],
+        }
+    b, a = summary["blocking"], summary["async"]
+    ratio = a["save_s"] / b["save_s"]
+    rows = [[name, m["save_s"] * 1e3, m["after_s"] * 1e3, m["step_s"] * 1e3, m["after_s"] / m["step_s"],
+             m["staged_mib"]] for name, m in summary.items()]
+    rows.append(["async / blocking save", ratio, "", "", "", "goal <= 0.10"])
+    print_table(f"Sharded save, fsdp2 x{WORLD}, width {args.width} depth {args.depth} (median of"
+                f" {args.rounds * len(SAVE_AT)} saves each)",
+                ["mode", "save call ms", "step after ms", "other steps ms", "after / other", "staged MiB/rank"], rows,
+                args.json, {"summary": summary, "runs": {k: results[k == "async"] for k in ("blocking", "async")},
+                            "async_over_blocking_save": ratio})
+
+
+if __name__ == "__main__":
+    main()

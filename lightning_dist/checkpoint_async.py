@@ -1,0 +1,146 @@
+"""Sharded checkpoints written in the background: the save stages the state in host memory and returns.
+
+:class:`BackgroundWriter` runs one ``torch.distributed.checkpoint.async_save`` at a time (torchtitan's
+approach): the state is copied into host memory (pinned on CUDA) on the calling thread, then a worker thread
+plans and writes the shards and, on rank 0, commits the checkpoint. The worker's collectives run on a
+process group of their own (gloo), so they never interleave with training's collectives on the same group.
+
+Commit rule: rank 0's DCP future completes only after DCP gathered every rank's write result and wrote the
+``.metadata`` index (``_DistWrapper.all_reduce``), so the commit (the atomic rename of ``<path>.tmp``) runs
+only once every rank has finished writing. A rank that dies mid-write leaves rank 0 waiting in that gather:
+nothing is renamed and the previous checkpoint stays where it was.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+
+def local_tensor_bytes(state: Any) -> int:
+    """Bytes of the tensors this rank holds in `state` (a DTensor counts its local shard): the staging copy."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(state, DTensor):
+        state = state.to_local()
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, Mapping):
+        return sum(local_tensor_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(local_tensor_bytes(v) for v in state)
+    return 0
+
+
+class BackgroundWriter:
+    """One sharded checkpoint save at a time, in the background; every rank owns one (see the module doc).
+
+    Args:
+        timeout: the collective timeout of the writer's process group (the strategy's ``timeout``).
+        pinned: stage into pinned host memory (CUDA: faster device-to-host copies).
+    """
+
+    def __init__(self, *, timeout: Optional[timedelta] = None, pinned: bool = False) -> None:
+        self._timeout = timeout
+        self._pinned = pinned
+        self._group: Optional[dist.ProcessGroup] = None
+        self._stager: Any = None
+        self._pending: Optional[Future] = None
+        self._after: list[Callable[[], None]] = []
+        self.path: Optional[Path] = None
+        """The checkpoint being written (None when nothing is pending)."""
+        self.staging_bytes = 0
+        """Host bytes of the last staged state (this rank's shards): held until its write finished."""
+
+    @property
+    def pending(self) -> bool:
+        return self._pending is not None
+
+    def start(self, state: dict[str, Any], tmp: Path, path: Path, commit: Optional[Callable[[], None]]) -> None:
+        """Stage `state` and write it to `tmp` in the background; then call `commit` (rank 0: the rename).
+
+        Every rank calls this, in the same order (the first call creates the writer's process group).
+        """
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        if self._pending is not None:
+            raise RuntimeError("BackgroundWriter.start: the previous save is still pending; call `wait()` first.")
+        if self._group is None:
+            # the worker thread's collectives get their own group: never interleaved with training's
+            self._group = dist.new_group(backend="gloo", timeout=self._timeout)
+        if self._stager is None:
+            # one stager for every save: with pinned memory its host buffers are reused, not re-pinned each time
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=self._pinned, use_shared_memory=False,
+                                                        use_async_staging=False, use_non_blocking_copy=False))
+        self.staging_bytes = local_tensor_bytes(state)
+        response = dcp.async_save(state, checkpoint_id=tmp, process_group=self._group, async_stager=self._stager)
+        upload: Future = getattr(response, "upload_completion", response)  # a Future, or AsyncSaveResponse
+        done: Future = Future()
+
+        def finish(written: Future) -> None:  # runs on DCP's worker thread once every rank has written
+            try:
+                written.result()
+                if commit is not None:
+                    commit()
+                done.set_result(None)
+            except BaseException as err:  # handed to whoever waits
+                done.set_exception(err)
+
+        self._pending, self.path = done, path
+        upload.add_done_callback(finish)
+
+    def defer(self, action: Callable[[], None]) -> bool:
+        """Run `action` after the pending save has been committed (False, and nothing kept, when none is)."""
+        if self._pending is None:
+            return False
+        self._after.append(action)
+        return True
+
+    def wait(self, *, raise_errors: bool = True) -> None:
+        """Block until the pending save is written and committed, then run the deferred actions.
+
+        Every rank calls this at the same point (a barrier on the writer's group follows a finished save, unless
+        `raise_errors` is False).
+        `raise_errors=False` (a run that already failed): a failed or timed-out save is logged, not raised.
+        """
+        pending, after = self._pending, self._after
+        if pending is None:
+            return
+        self._pending, self._after = None, []
+        seconds = self._timeout.total_seconds() if self._timeout is not None else None
+        try:
+            pending.result(timeout=seconds)
+        except BaseException as err:
+            if raise_errors:
+                raise RuntimeError(f"The background checkpoint save of {self.path} failed ({type(err).__name__}:"
+                                   f" {err}); the previous checkpoint was kept.") from err
+            log.warning("The background checkpoint save of %s did not finish (%s); the previous checkpoint was kept.",
+                        self.path, err)
+            return
+        finally:
+            self.path = None
+        # rank 0 commits after its own write finished, maybe after the other ranks' writes returned: no rank
+        # goes on (to read the checkpoint, or to end the job) before the rename is done. Not in a failed run,
+        # where a peer may be gone
+        if raise_errors:
+            dist.barrier(group=self._group)
+        for action in after:
+            action()
+
+    def close(self) -> None:
+        """Wait for the pending save and free the staging buffers."""
+        self.wait()
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+        self.staging_bytes = 0
