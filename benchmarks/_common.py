@@ -1,4 +1,4 @@
-"""Shared pieces of the benchmarks: a step timer and table/JSON output."""
+"""Shared pieces of the benchmarks: a residual MLP, a step timer and table/JSON output."""
 
 from __future__ import annotations
 
@@ -9,6 +9,23 @@ import time
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from torch import nn
+
+
+class ResidualMLP(nn.Module):
+    """stem -> `depth` residual Linear+GELU blocks (the FSDP2 units) -> a 10-way head; 64 input features."""
+
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        self.stem = nn.Linear(64, width)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(depth))
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for b in self.blocks:
+            x = x + b(x)
+        return self.head(x)
 
 
 class StepTimer(pl.Callback):

@@ -25,35 +25,21 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import print_table  # noqa: E402
+from _common import ResidualMLP, print_table  # noqa: E402
 
 from lightning_dist.strategies import FullyShardStrategy  # noqa: E402
 
 WORLD, STEPS, SAVE_AT = 2, 12, (4, 8)
 
 
-class MLP(nn.Module):
-    def __init__(self, width: int, depth: int) -> None:
-        super().__init__()
-        self.stem = nn.Linear(64, width)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(depth))
-        self.head = nn.Linear(width, 10)
-
-    def forward(self, x):
-        x = self.stem(x)
-        for b in self.blocks:
-            x = x + b(x)
-        return self.head(x)
-
 
 class Net(pl.LightningModule):
     def __init__(self, width: int, depth: int) -> None:
         super().__init__()
-        self.model = MLP(width, depth)
+        self.model = ResidualMLP(width, depth)
 
     def training_step(self, batch, batch_idx):
         x, y = batch

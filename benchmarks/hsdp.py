@@ -23,11 +23,10 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import StepTimer, print_table  # noqa: E402
+from _common import ResidualMLP, StepTimer, print_table  # noqa: E402
 
 import lightning_dist  # noqa: E402,F401
 from lightning_dist import planner  # noqa: E402
@@ -37,25 +36,12 @@ from lightning_dist.strategies import FullyShardStrategy, HybridShardStrategy  #
 WORLD = 4
 
 
-class Net(nn.Module):
-    def __init__(self, width: int, depth: int) -> None:
-        super().__init__()
-        self.stem = nn.Linear(64, width)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(depth))
-        self.head = nn.Linear(width, 10)
-
-    def forward(self, x):
-        x = self.stem(x)
-        for b in self.blocks:
-            x = x + b(x)
-        return self.head(x)
-
 
 class Module(pl.LightningModule):
     def __init__(self, width: int, depth: int, steps: int, by_hand: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.model = Net(width, depth)
+        self.model = ResidualMLP(width, depth)
         self.steps, self.by_hand = steps, by_hand
         self.measured = None
 
