@@ -27,6 +27,10 @@ PIPELINE_INIT_P2P_TO_SELF = not TORCH_GE_2_13
 # torch < 2.13: with data parallelism around it, sequence parallelism deadlocks in a backward all-gather of the
 # sequence shards under gloo (seen: tp2 x dp_shard2, ViT with 17 tokens); TensorParallelStrategy refuses the mix.
 TP_SEQUENCE_PARALLEL_WITH_DP_HANGS = not TORCH_GE_2_13
+# torch < 2.13: DefaultStager closes its StateDictStager after every stage (clearing its copy dispatch table), so a
+# second async save through the same stager fails ("KeyError: <class 'type'>" on the optimizer's defaultdict);
+# checkpoint_async.py builds a new stager per save there (the host buffers are then not reused).
+DCP_STAGER_SINGLE_USE = not TORCH_GE_2_13
 
 # torch's private list of this process's process groups (`distributed_c10d._world.pg_map`, in creation order):
 # the exit flush of gloo's worker threads needs it (_integrations/torch_distributed.py). Tested 2.11-2.14; on

@@ -23,6 +23,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from lightning_dist._compat import DCP_STAGER_SINGLE_USE
+
 log = logging.getLogger(__name__)
 
 
@@ -78,7 +80,7 @@ class BackgroundWriter:
         if self._group is None:
             # the worker thread's collectives get their own group: never interleaved with training's
             self._group = dist.new_group(backend="gloo", timeout=self._timeout)
-        if self._stager is None:
+        if self._stager is None or DCP_STAGER_SINGLE_USE:
             # one stager for every save: with pinned memory its host buffers are reused, not re-pinned each time
             self._stager = DefaultStager(StagingOptions(use_pinned_memory=self._pinned, use_shared_memory=False,
                                                         use_async_staging=False, use_non_blocking_copy=False))
