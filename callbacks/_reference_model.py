@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import types
 from typing import Any
 
 import torch.distributed as dist
@@ -36,7 +37,7 @@ def _unsharded_clone(module: nn.Module, full_by_id: dict[int, Tensor], memo: dic
     dicts and no hooks, FSDP2's generated classes are turned back into the user's classes, parameters
     are replaced by their gathered whole values (``full_by_id``; one copy per tensor in `memo`, so parameters
     shared between modules stay shared), head counts a tensor-parallel plan made local are restored,
-    buffers are replaced by clones, and torchmetrics
+    buffers are replaced by clones, methods of a module kept in its instance dict are bound to its copy, and torchmetrics
     metrics are deep-copied without their process group so updates never touch the real states.
     """
     if isinstance(module, Metric):
@@ -51,6 +52,10 @@ def _unsharded_clone(module: nn.Module, full_by_id: dict[int, Tensor], memo: dic
     for key, value in vars(module).items():
         if key.startswith(_COMPOSABLE_STATE) or key.startswith("_fsdp") or key == "_is_fsdp_managed_module":
             continue  # FSDP2/composable state (process groups, streams): neither needed nor picklable
+        if isinstance(value, types.MethodType) and value.__self__ is module:
+            # a method of the original kept in the instance dict (Lightning's _ForwardRedirection leaves
+            # `forward` there under ddp): bound to the copy, else the copy's forward runs the real model
+            value = types.MethodType(value.__func__, new)
         new.__dict__[key] = type(value)() if "hooks" in key and isinstance(value, dict) else value  # no hooks
     new.__dict__.update(new.__dict__.pop(GLOBAL_ATTRS_KEY, {}))  # e.g. num_heads as before tensor parallelism
     new._parameters = {}

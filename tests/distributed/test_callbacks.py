@@ -27,7 +27,7 @@ def _by_part(proc, world: int) -> dict[str, list[dict]]:
 @pytest.fixture(scope="module")
 def ddp4() -> dict[str, list[dict]]:
     proc = run_script(SCENARIO, "--devices", "4", "--parts",
-                      "exact,dropin,dropin_mesh,syncflag,syncbn,parity,sampler,hsdp,tp,pipeline",
+                      "exact,dropin,dropin_mesh,syncflag,syncbn,parity,parity_tied_gpt,sampler,hsdp,tp,pipeline",
                       timeout=900)
     return _by_part(proc, 4)
 
@@ -177,6 +177,20 @@ def test_gradient_parity_check(ddp4):
         # every rank trained on the same rows (use_distributed_sampler=False, no sampler of its own)
         assert out["bug_unsharded_data"]["same_batch_on_all_ranks"] is True
     assert len({str(out) for out in ddp4["parity"]}) == 1  # one verdict on every rank
+
+
+def test_gradient_parity_check_forward_redirection(ddp4):
+    """A tied GPT whose training_step calls ``self(idx)``: under Lightning's ddp the module's instance dict holds
+    the ``forward`` that Lightning's forward redirection left there; the reference copy must run its own
+    parameters (before: no reference gradient, a false alarm of ~1e31 on ``model.norm.weight``)."""
+    for out in ddp4["parity_tied_gpt"]:
+        ok, bug = out["correct_tied_gpt_forward"], out["bug_tied_grad_scaled_on_one_rank"]
+        assert ok["ok"] and ok["rel_diff"] <= 1e-12, ok
+        assert ok["real_grad_changed_by_check"] == 0.0 and ok["params_spread_after_step"] == 0.0, ok
+        assert not bug["ok"] and bug["rel_diff"] > 1e-2, bug  # the doubled tied gradient on one rank is caught
+        assert bug["real_grad_changed_by_check"] == 0.0, bug
+    assert len({(o["correct_tied_gpt_forward"]["rel_diff"], o["bug_tied_grad_scaled_on_one_rank"]["rel_diff"])
+                for o in ddp4["parity_tied_gpt"]}) == 1  # one verdict on every rank
 
 
 @pytest.mark.compat

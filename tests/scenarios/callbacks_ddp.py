@@ -37,6 +37,7 @@ from lightning_dist.callbacks import (
 )
 from lightning_dist.callbacks.sync_batchnorm import _partition_group
 from lightning_dist.mesh import data_parallel_info
+from lightning_dist.models.gpt import CharGPT
 
 warnings.filterwarnings("ignore")
 
@@ -487,6 +488,51 @@ def part_parity(devices: int) -> dict:
     return out
 
 
+class TiedGPTParity(CharGPT):
+    """The pack's CharGPT with tied embedding/head; its training_step calls ``self(idx)``, which under Lightning's
+    ddp is the ``forward`` that Lightning's forward redirection leaves in the instance dict (a bound method of the
+    real module: a copy that kept it ran the real model, so the reference had no gradient, 1.2e31).
+    ``scale_grad_rank``: planted bug, the tied weight's gradient doubled on that rank after the all-reduce."""
+
+    def __init__(self, scale_grad_rank: int = -1):
+        torch.manual_seed(5)
+        super().__init__(tie_weights=True, n_layer=1, n_head=2, n_embd=16, block_size=8)
+        self.scale_grad_rank = scale_grad_rank
+
+    def on_after_backward(self):
+        if self.global_rank == self.scale_grad_rank:
+            self.model.lm_head.weight.grad.mul_(2.0)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(6)
+        idx = torch.randint(0, self.model.config.vocab_size, (32, 9), generator=g)
+        return DataLoader(TensorDataset(idx[:, :-1], idx[:, 1:]), batch_size=4)
+
+
+class _GradSnapshot(pl.Callback):
+    """The real gradients at on_before_optimizer_step (placed before and after the check)."""
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.flat = torch.cat([p.grad.detach().flatten().clone() for p in pl_module.parameters()])
+
+
+def part_parity_tied_gpt(devices: int) -> dict:
+    out = {}
+    for name, bug_rank, expect_ok in (("correct_tied_gpt_forward", -1, True), ("bug_tied_grad_scaled_on_one_rank", 1, False)):
+        model = TiedGPTParity(scale_grad_rank=bug_rank)
+        check, before, after = GradientParityCheck(steps=(0,), on_mismatch="warn"), _GradSnapshot(), _GradSnapshot()
+        trainer(devices, max_steps=1, limit_val_batches=0, callbacks=[before, check, after]).fit(model)
+        r = check.results[0]
+        keys = ("ok", "rel_diff", "tolerance", "params_equal", "same_batch_on_all_ranks", "global_batch", "worst")
+        out[name] = {"expect_ok": expect_ok, **{k: r[k] for k in keys}}
+        # the check's reference backward must not touch the real gradients, and the ranks agree after the step
+        out[name]["real_grad_changed_by_check"] = float((after.flat - before.flat).abs().max())
+        flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+        gathered = _gather(flat)
+        out[name]["params_spread_after_step"] = max(float((g - gathered[0]).abs().max()) for g in gathered)
+    return out
+
+
 # ---- SamplerEpoch -------------------------------------------------------------------------------
 class EpochBatchSampler(BatchSampler):
     """A custom batch sampler over a wrapped DistributedSampler that shuffles batches by epoch itself."""
@@ -754,7 +800,7 @@ def part_pipeline(devices: int) -> dict:
     return out
 
 
-PARTS = {"exact": part_exact, "dropin": part_dropin, "dropin_mesh": part_dropin_mesh, "syncflag": part_syncflag, "syncbn": part_syncbn, "parity": part_parity, "sampler": part_sampler, "hsdp": part_hsdp,
+PARTS = {"exact": part_exact, "dropin": part_dropin, "dropin_mesh": part_dropin_mesh, "syncflag": part_syncflag, "syncbn": part_syncbn, "parity": part_parity, "parity_tied_gpt": part_parity_tied_gpt, "sampler": part_sampler, "hsdp": part_hsdp,
          "tp": part_tp, "pipeline": part_pipeline}
 
 

@@ -571,3 +571,24 @@ def test_gradient_parity_config_errors():
         GradientParityCheck(steps=())
     with pytest.raises(ValueError, match="loss_fn"):
         _trainer(max_steps=1, callbacks=[GradientParityCheck()]).fit(ParityModel(manual="divided"))
+
+
+def test_reference_clone_rebinds_methods_left_in_the_instance_dict():
+    """Lightning's forward redirection (ddp) leaves ``forward`` bound to the real module in its instance dict:
+    the reference copy must run its own parameters, never the real ones."""
+    from lightning_dist.callbacks._reference_model import _unsharded_clone
+
+    class Net(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 1)
+
+        def forward(self, x):
+            return self.lin(x)
+
+    real = Net()
+    real.forward = real.forward  # what _ForwardRedirection's unpatch leaves behind
+    ref = _unsharded_clone(real, {id(p): p.detach() for p in real.parameters()}, {})
+    ref(torch.randn(4, 3)).sum().backward()
+    assert all(p.grad is None for p in real.parameters())  # the real gradients untouched
+    assert all(p.grad is not None for p in ref.parameters())
