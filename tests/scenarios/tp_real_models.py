@@ -337,6 +337,7 @@ class Loaded(Task):
         import transformers as tf
 
         pl.LightningModule.__init__(self)
+        self.crop = False  # Task.training_step reads it: full-length sequences
         with init_empty_weights():  # parameters on meta, buffers (rotary frequencies) real
             self.model = tf.AutoModelForCausalLM.from_config(tf.AutoConfig.from_pretrained(str(folder)))
 
