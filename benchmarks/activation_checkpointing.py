@@ -102,28 +102,51 @@ def main() -> None:
     for mode in MODES:
         act, act_temp = memory[mode]
         med = statistics.median(times[mode])
-        planned = planner.activation_bytes(shape, tokens=args.batch * args.seq, blocks=args.layers,
-                                           bytes_per_element=size, checkpointed=False if mode == "none" else mode)
-        diff = max(((g - r).abs().max() / r.abs().max().clamp_min(1e-30)).item()
-                   for g, r in zip(grads[mode], grads["none"]))
-        rows.append({"mode": mode, "activation_bytes": act, "activation_plus_temp_bytes": act_temp,
-                     "activation_ratio": act / none_act, "step_s": med, "time_ratio": med / none_time,
-                     "planned_activation_bytes": planned, "planned_over_measured": planned / act,
-                     "grad_rel_diff_vs_none": diff})
-    print(f"GPT {args.layers} blocks x width {args.width}, {args.heads} heads, batch {args.batch} x seq {args.seq},"
-          f" {args.dtype}; parameters {params / 2**20:.1f} MiB; {args.steps} timed rounds (median)")
-    header = (f"{'mode':<10} {'activations':>12} {'+temp':>12} {'act/none':>9} {'step s':>8} {'time/none':>10}"
-              f" {'planned':>12} {'plan/meas':>10} {'grad diff':>10}")
+        planned = planner.activation_bytes(
+            shape,
+            tokens=args.batch * args.seq,
+            blocks=args.layers,
+            bytes_per_element=size,
+            checkpointed=False if mode == "none" else mode,
+        )
+        diff = max(
+            ((g - r).abs().max() / r.abs().max().clamp_min(1e-30)).item() for g, r in zip(grads[mode], grads["none"])
+        )
+        rows.append(
+            {
+                "mode": mode,
+                "activation_bytes": act,
+                "activation_plus_temp_bytes": act_temp,
+                "activation_ratio": act / none_act,
+                "step_s": med,
+                "time_ratio": med / none_time,
+                "planned_activation_bytes": planned,
+                "planned_over_measured": planned / act,
+                "grad_rel_diff_vs_none": diff,
+            }
+        )
+    print(
+        f"GPT {args.layers} blocks x width {args.width}, {args.heads} heads, batch {args.batch} x seq {args.seq},"
+        f" {args.dtype}; parameters {params / 2**20:.1f} MiB; {args.steps} timed rounds (median)"
+    )
+    header = (
+        f"{'mode':<10} {'activations':>12} {'+temp':>12} {'act/none':>9} {'step s':>8} {'time/none':>10}"
+        f" {'planned':>12} {'plan/meas':>10} {'grad diff':>10}"
+    )
     print(header)
     for r in rows:
-        print(f"{r['mode']:<10} {r['activation_bytes'] / 2**20:>10.1f}Mi {r['activation_plus_temp_bytes'] / 2**20:>10.1f}Mi"
-              f" {r['activation_ratio']:>9.3f} {r['step_s']:>8.3f} {r['time_ratio']:>10.3f}"
-              f" {r['planned_activation_bytes'] / 2**20:>10.1f}Mi {r['planned_over_measured']:>10.3f}"
-              f" {r['grad_rel_diff_vs_none']:>10.1e}")
+        print(
+            f"{r['mode']:<10} {r['activation_bytes'] / 2**20:>10.1f}Mi {r['activation_plus_temp_bytes'] / 2**20:>10.1f}Mi"
+            f" {r['activation_ratio']:>9.3f} {r['step_s']:>8.3f} {r['time_ratio']:>10.3f}"
+            f" {r['planned_activation_bytes'] / 2**20:>10.1f}Mi {r['planned_over_measured']:>10.3f}"
+            f" {r['grad_rel_diff_vs_none']:>10.1e}"
+        )
     sel = next(r for r in rows if r["mode"] == "selective")
     goal = sel["activation_ratio"] <= 0.60 and sel["time_ratio"] <= 1.15
-    print(f"goal (selective <= 0.60 x activations at <= 1.15 x step time): {'met' if goal else 'NOT met'}"
-          f" ({sel['activation_ratio']:.3f}, {sel['time_ratio']:.3f})")
+    print(
+        f"goal (selective <= 0.60 x activations at <= 1.15 x step time): {'met' if goal else 'NOT met'}"
+        f" ({sel['activation_ratio']:.3f}, {sel['time_ratio']:.3f})"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": vars(args), "rows": rows, "goal_met": goal}, f, indent=2)

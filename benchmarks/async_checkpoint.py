@@ -35,7 +35,6 @@ from lightning_dist.strategies import FullyShardStrategy  # noqa: E402
 WORLD, STEPS, SAVE_AT = 2, 12, (4, 8)
 
 
-
 class Net(pl.LightningModule):
     def __init__(self, width: int, depth: int) -> None:
         super().__init__()
@@ -80,16 +79,28 @@ def _max_over_ranks(value: float) -> float:
 def run(async_checkpoint: bool, out: Path, width: int, depth: int) -> dict:
     timer = SaveTimer(out)
     strategy = FullyShardStrategy(async_checkpoint=async_checkpoint)
-    trainer = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, precision="32-true", max_steps=STEPS,
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[timer])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=WORLD,
+        strategy=strategy,
+        precision="32-true",
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[timer],
+    )
     trainer.fit(Net(width, depth))
     after = [timer.steps[s + 1] for s in SAVE_AT]  # the step right after each save
     others = [t for s, t in timer.steps.items() if s > 1 and s - 1 not in SAVE_AT]
     writer = trainer.strategy.checkpoint_writer()
-    return {"save_s": [_max_over_ranks(s) for s in timer.save_s], "after_s": [_max_over_ranks(s) for s in after],
-            "step_s": _max_over_ranks(statistics.median(others)),
-            "staged_mib": (writer.staging_bytes / 2**20) if writer is not None else 0.0}
+    return {
+        "save_s": [_max_over_ranks(s) for s in timer.save_s],
+        "after_s": [_max_over_ranks(s) for s in after],
+        "step_s": _max_over_ranks(statistics.median(others)),
+        "staged_mib": (writer.staging_bytes / 2**20) if writer is not None else 0.0,
+    }
 
 
 def main() -> None:
@@ -118,14 +129,23 @@ def main() -> None:
         }
     b, a = summary["blocking"], summary["async"]
     ratio = a["save_s"] / b["save_s"]
-    rows = [[name, m["save_s"] * 1e3, m["after_s"] * 1e3, m["step_s"] * 1e3, m["after_s"] / m["step_s"],
-             m["staged_mib"]] for name, m in summary.items()]
+    rows = [
+        [name, m["save_s"] * 1e3, m["after_s"] * 1e3, m["step_s"] * 1e3, m["after_s"] / m["step_s"], m["staged_mib"]]
+        for name, m in summary.items()
+    ]
     rows.append(["async / blocking save", ratio, "", "", "", "goal <= 0.10"])
-    print_table(f"Sharded save, fsdp2 x{WORLD}, width {args.width} depth {args.depth} (median of"
-                f" {args.rounds * len(SAVE_AT)} saves each)",
-                ["mode", "save call ms", "step after ms", "other steps ms", "after / other", "staged MiB/rank"], rows,
-                args.json, {"summary": summary, "runs": {k: results[k == "async"] for k in ("blocking", "async")},
-                            "async_over_blocking_save": ratio})
+    print_table(
+        f"Sharded save, fsdp2 x{WORLD}, width {args.width} depth {args.depth} (median of"
+        f" {args.rounds * len(SAVE_AT)} saves each)",
+        ["mode", "save call ms", "step after ms", "other steps ms", "after / other", "staged MiB/rank"],
+        rows,
+        args.json,
+        {
+            "summary": summary,
+            "runs": {k: results[k == "async"] for k in ("blocking", "async")},
+            "async_over_blocking_save": ratio,
+        },
+    )
 
 
 if __name__ == "__main__":

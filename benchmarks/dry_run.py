@@ -21,8 +21,16 @@ import time
 
 from lightning_dist.dryrun import DryRunConfig, dry_run
 
-LLAMA3_8B_SHAPE = {"vocab_size": 128256, "block_size": 8192, "n_layer": 32, "n_head": 32, "n_kv_head": 8,
-                   "n_embd": 4096, "mlp_ratio": 4, "bias": False}
+LLAMA3_8B_SHAPE = {
+    "vocab_size": 128256,
+    "block_size": 8192,
+    "n_layer": 32,
+    "n_head": 32,
+    "n_kv_head": 8,
+    "n_embd": 4096,
+    "mlp_ratio": 4,
+    "bias": False,
+}
 
 
 def main() -> None:
@@ -33,10 +41,16 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="write the report as JSON here")
     args = parser.parse_args()
     config = DryRunConfig(
-        model="lightning_dist.models.gpt.CharGPT", init_args=LLAMA3_8B_SHAPE, strategy="pipeline",
+        model="lightning_dist.models.gpt.CharGPT",
+        init_args=LLAMA3_8B_SHAPE,
+        strategy="pipeline",
         strategy_args={"pp": 4, "dp_replicate": 4, "dp_shard": 8, "tp": 8, "split": "params"},
-        world_size=1024, devices_per_node=8, precision="bf16-mixed", batch_size=args.batch_size,
-        seq_len=args.seq_len, device_memory=80e9,
+        world_size=1024,
+        devices_per_node=8,
+        precision="bf16-mixed",
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        device_memory=80e9,
         ranks=tuple(int(r) for r in args.ranks.split(",")) if args.ranks else None,
     )
     start = time.perf_counter()
@@ -46,11 +60,15 @@ def main() -> None:
     for r in report.ranks:
         comm = report.collective_ratios(r)
         worst = max((abs(m / p - 1), op, dim) for (op, dim), (m, p) in comm.items() if p)
-        row = {"rank": r["rank"], "seconds": round(r["seconds"], 1),
-               "states_measured_over_planned": r["states"]["total"] / r["planned"]["states"]["total"],
-               "activation_measured_over_planned": r["peak_activation_bytes"] / r["planned"]["peak_activation_bytes"],
-               "worst_collective_deviation": worst[0], "worst_collective": f"{worst[1]} on {worst[2]}",
-               "fits_80GB": report.fits(r)}
+        row = {
+            "rank": r["rank"],
+            "seconds": round(r["seconds"], 1),
+            "states_measured_over_planned": r["states"]["total"] / r["planned"]["states"]["total"],
+            "activation_measured_over_planned": r["peak_activation_bytes"] / r["planned"]["peak_activation_bytes"],
+            "worst_collective_deviation": worst[0],
+            "worst_collective": f"{worst[1]} on {worst[2]}",
+            "fits_80GB": report.fits(r),
+        }
         summary.append(row)
         print(json.dumps(row))
     print(f"total {time.perf_counter() - start:.0f} s for {len(report.ranks)} ranks")

@@ -42,15 +42,30 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-PACK_RUNS = ["torch", "lightning_auto", "hsdp", "fsdp2", "tp", "pipeline_1f1b", "hsdp_compile", "fsdp2_compile",
-             "tp_compile", "offload", "offload_zero2", "offload_fsdp2", "offload_fsdp2_compile"]
+PACK_RUNS = [
+    "torch",
+    "lightning_auto",
+    "hsdp",
+    "fsdp2",
+    "tp",
+    "pipeline_1f1b",
+    "hsdp_compile",
+    "fsdp2_compile",
+    "tp_compile",
+    "offload",
+    "offload_zero2",
+    "offload_fsdp2",
+    "offload_fsdp2_compile",
+]
 ANCHOR_RUNS = ["anchor_deepspeed_zero_offload", "anchor_fsdp2_offload_by_hand", "anchor_torch_compile"]
 EXTRA_RUNS = ["syncbn"]  # the synchronized BatchNorm of the issue: the pack's path on CUDA vs torch's function
 # dense bf16 peak FLOP/s by device-name fragment (NVIDIA data sheets, SXM parts)
 PEAK_BF16 = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10G": 70e12}
-NO_CUDA = ("benchmarks/gpu.py measures the pack on a CUDA GPU, and torch.cuda.is_available() is False here"
-           " (torch {version}). Run it on a machine with an NVIDIA GPU (see benchmarks/gpu_smoke.sh);"
-           " on CPU use benchmarks/offload.py, hsdp.py, pipeline.py or tensor_parallel.py.")
+NO_CUDA = (
+    "benchmarks/gpu.py measures the pack on a CUDA GPU, and torch.cuda.is_available() is False here"
+    " (torch {version}). Run it on a machine with an NVIDIA GPU (see benchmarks/gpu_smoke.sh);"
+    " on CPU use benchmarks/offload.py, hsdp.py, pipeline.py or tensor_parallel.py."
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -101,8 +116,15 @@ def peak_flops(device_name: str, override_tflops: float | None) -> float | None:
 def _gpt(args: argparse.Namespace):
     from lightning_dist.models import GPT
 
-    return GPT(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
-               n_embd=args.width, bias=True, tie_weights=False)
+    return GPT(
+        vocab_size=args.vocab,
+        block_size=args.seq,
+        n_layer=args.layers,
+        n_head=args.heads,
+        n_embd=args.width,
+        bias=True,
+        tie_weights=False,
+    )
 
 
 def _batches(args: argparse.Namespace, n: int, device: str = "cpu"):
@@ -130,8 +152,7 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _manual_loop(args: argparse.Namespace, model, optimizer, *, autocast: bool = True,
-                 engine=None) -> list[float]:
+def _manual_loop(args: argparse.Namespace, model, optimizer, *, autocast: bool = True, engine=None) -> list[float]:
     """Step times (s) of a hand-written training loop (``engine``: DeepSpeed's, which owns backward/step)."""
     import torch
 
@@ -170,8 +191,14 @@ def _single_process_group(device: str) -> None:
 
 
 def _strategy(name: str):
-    from lightning_dist.strategies import (FSDP2OffloadStrategy, FullyShardStrategy, HybridShardStrategy,
-                                           OffloadStrategy, PipelineStrategy, TensorParallelStrategy)
+    from lightning_dist.strategies import (
+        FSDP2OffloadStrategy,
+        FullyShardStrategy,
+        HybridShardStrategy,
+        OffloadStrategy,
+        PipelineStrategy,
+        TensorParallelStrategy,
+    )
 
     compile_ = name.endswith("_compile")
     base = name.removesuffix("_compile")
@@ -224,12 +251,23 @@ def _lightning_run(args: argparse.Namespace, name: str, strategy=None) -> list[f
             self.times.append(time.perf_counter() - self._start)
 
     device = _device(args)
-    module = BenchGPT(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
-                      n_embd=args.width, lr=3e-4)
+    module = BenchGPT(
+        vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads, n_embd=args.width, lr=3e-4
+    )
     timer = Timer()
-    trainer = pl.Trainer(accelerator=device, devices=1, strategy=strategy or _strategy(name), precision="bf16-mixed",
-                         max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[timer], num_sanity_val_steps=0)
+    trainer = pl.Trainer(
+        accelerator=device,
+        devices=1,
+        strategy=strategy or _strategy(name),
+        precision="bf16-mixed",
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[timer],
+        num_sanity_val_steps=0,
+    )
     trainer.fit(module)
     return timer.times
 
@@ -255,8 +293,10 @@ def worker(args: argparse.Namespace) -> dict:
 
         _single_process_group(device)
         model = _gpt(args).to(device)
-        kw = dict(offload_policy=CPUOffloadPolicy(pin_memory=device == "cuda"),
-                  mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+        kw = dict(
+            offload_policy=CPUOffloadPolicy(pin_memory=device == "cuda"),
+            mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+        )
         for block in model.blocks:
             fully_shard(block, **kw)
         fully_shard(model, **kw)
@@ -268,27 +308,42 @@ def worker(args: argparse.Namespace) -> dict:
 
         _single_process_group(device)
         model = _gpt(args)
-        config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
-                  "bf16": {"enabled": True},
-                  "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True},
-                                        "overlap_comm": True, "contiguous_gradients": True}}
+        config = {
+            "train_micro_batch_size_per_gpu": args.batch,
+            "gradient_accumulation_steps": 1,
+            "bf16": {"enabled": True},
+            "zero_optimization": {
+                "stage": 2,
+                "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                "overlap_comm": True,
+                "contiguous_gradients": True,
+            },
+        }
         optimizer = DeepSpeedCPUAdam(model.parameters(), lr=3e-4, adamw_mode=True)
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
-                                               dist_init_required=False)
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=config, dist_init_required=False
+        )
         times = _manual_loop(args, model, None, autocast=False, engine=engine)
     else:
         times = _lightning_run(args, name)
-    steady = times[args.warmup:] or times
+    steady = times[args.warmup :] or times
     step = statistics.median(steady)
     tokens = args.batch * args.seq / step
     chip = torch.cuda.get_device_name(0) if device == "cuda" else "cpu (dry run)"
     peak = peak_flops(chip, args.peak_tflops)
     fpt = flops_per_token(n_params, layers=args.layers, width=args.width, seq=args.seq)
-    return {"run": name, "step_ms": step * 1e3, "tokens_per_s": tokens,
-            "mfu": tokens * fpt / peak if peak else None,
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0,
-            "params": n_params, "flops_per_token": fpt, "steps_timed": len(steady), "device": chip,
-            "torch": torch.__version__}
+    return {
+        "run": name,
+        "step_ms": step * 1e3,
+        "tokens_per_s": tokens,
+        "mfu": tokens * fpt / peak if peak else None,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0,
+        "params": n_params,
+        "flops_per_token": fpt,
+        "steps_timed": len(steady),
+        "device": chip,
+        "torch": torch.__version__,
+    }
 
 
 def syncbn(args: argparse.Namespace) -> dict:
@@ -308,8 +363,9 @@ def syncbn(args: argparse.Namespace) -> dict:
     device = _device(args)
     _single_process_group(device)
     shape = (8, 16, 8, 8) if args.dry_run_cpu else (64, 256, 56, 56)
-    x = torch.randn(shape, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32,
-                    requires_grad=True)
+    x = torch.randn(
+        shape, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32, requires_grad=True
+    )
     dy = torch.randn_like(x)
     bn = DataParallelBatchNorm(shape[1], process_group=dist.group.WORLD, device=device)
     fns = {"hand-written (CPU/gloo path)": _SyncBatchNormFn}
@@ -326,7 +382,7 @@ def syncbn(args: argparse.Namespace) -> dict:
             y.backward(dy)
             _sync(device)
             times.append(time.perf_counter() - start)
-        out[name] = statistics.median(times[args.warmup:]) * 1e3
+        out[name] = statistics.median(times[args.warmup :]) * 1e3
     return {"run": "syncbn", "shape": list(shape), "ms": out, "dispatch_on_this_device": uses_torch_kernels(x.device)}
 
 
@@ -337,8 +393,19 @@ def smoke(args: argparse.Namespace) -> dict:
     import lightning_dist  # noqa: F401  (registers the strategies)
     from lightning_dist.strategies import REGISTERED
 
-    tiny = argparse.Namespace(**{**vars(args), "layers": 2, "width": 64, "heads": 4, "vocab": 128, "seq": 32,
-                                 "batch": 4, "steps": 3, "warmup": 0})
+    tiny = argparse.Namespace(
+        **{
+            **vars(args),
+            "layers": 2,
+            "width": 64,
+            "heads": 4,
+            "vocab": 128,
+            "seq": 32,
+            "batch": 4,
+            "steps": 3,
+            "warmup": 0,
+        }
+    )
     out = {}
     for name in REGISTERED:
         if name == "offload_nvme" and not os.path.isdir("/local_nvme"):
@@ -382,13 +449,18 @@ def goals(rows: dict[str, dict]) -> dict[str, dict]:
         return ra[key] / rb[key] if ra.get(key) and rb.get(key) else None
 
     checks = {
-        "offload_zero2 step / DeepSpeed ZeRO-Offload step <= 1.05": ratio("offload_zero2", "anchor_deepspeed_zero_offload",
-                                                                          "step_ms"),
-        "offload_fsdp2 step / FSDP2-offload-by-hand step <= 1.05": ratio("offload_fsdp2", "anchor_fsdp2_offload_by_hand",
-                                                                         "step_ms"),
-        "offload_fsdp2 peak / FSDP2-offload-by-hand peak <= 1.02": ratio("offload_fsdp2", "anchor_fsdp2_offload_by_hand",
-                                                                         "peak_gib"),
-        "hsdp_compile step / compiled plain loop step <= 1.00": ratio("hsdp_compile", "anchor_torch_compile", "step_ms"),
+        "offload_zero2 step / DeepSpeed ZeRO-Offload step <= 1.05": ratio(
+            "offload_zero2", "anchor_deepspeed_zero_offload", "step_ms"
+        ),
+        "offload_fsdp2 step / FSDP2-offload-by-hand step <= 1.05": ratio(
+            "offload_fsdp2", "anchor_fsdp2_offload_by_hand", "step_ms"
+        ),
+        "offload_fsdp2 peak / FSDP2-offload-by-hand peak <= 1.02": ratio(
+            "offload_fsdp2", "anchor_fsdp2_offload_by_hand", "peak_gib"
+        ),
+        "hsdp_compile step / compiled plain loop step <= 1.00": ratio(
+            "hsdp_compile", "anchor_torch_compile", "step_ms"
+        ),
     }
     limits = [1.05, 1.05, 1.02, 1.00]
     return {k: {"ratio": v, "met": None if v is None else v <= limit} for (k, v), limit in zip(checks.items(), limits)}
@@ -404,8 +476,10 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(result, f)
         return 0
     # the worker processes get the sizes, not the driver's own options
-    passthrough = [f"--{k}={getattr(args, k.replace('-', '_'))}"
-                   for k in ("steps", "warmup", "layers", "width", "heads", "vocab", "seq", "batch")]
+    passthrough = [
+        f"--{k}={getattr(args, k.replace('-', '_'))}"
+        for k in ("steps", "warmup", "layers", "width", "heads", "vocab", "seq", "batch")
+    ]
     if args.peak_tflops:
         passthrough.append(f"--peak-tflops={args.peak_tflops}")
     if args.dry_run_cpu:
@@ -418,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
         table = Table(title="CUDA smoke of every registered strategy (tiny GPT, 3 steps, bf16-mixed)")
         table.add_column("strategy")
         table.add_column("result")
-        for name, status in (result.items() if "error" not in result else [("all", result["error"])]):
+        for name, status in result.items() if "error" not in result else [("all", result["error"])]:
             table.add_row(name, status)
         Console().print(table)
         payload = {"smoke": result}
@@ -431,10 +505,13 @@ def main(argv: list[str] | None = None) -> int:
             if args.json:  # after every run: a job stopped half-way still leaves what it measured
                 with open(args.json, "w") as f:
                     json.dump({"rows": rows, "goals": goals(rows)}, f, indent=2)
-        for title, group in (("The pack on one GPU", [n for n in names if not n.startswith("anchor_")
-                                                      and n not in EXTRA_RUNS]),
-                             ("Anchors: the same model without the pack", [n for n in names if n.startswith("anchor_")])):
-            table = Table(title=f"{title} ({args.layers} layers, width {args.width}, seq {args.seq}, batch {args.batch})")
+        for title, group in (
+            ("The pack on one GPU", [n for n in names if not n.startswith("anchor_") and n not in EXTRA_RUNS]),
+            ("Anchors: the same model without the pack", [n for n in names if n.startswith("anchor_")]),
+        ):
+            table = Table(
+                title=f"{title} ({args.layers} layers, width {args.width}, seq {args.seq}, batch {args.batch})"
+            )
             for col in ("run", "step ms", "tokens/s", "MFU", "peak GiB"):
                 table.add_column(col, justify="right")
             for name in group:
@@ -442,13 +519,20 @@ def main(argv: list[str] | None = None) -> int:
                 if "error" in r:
                     table.add_row(name, "error", r["error"].strip().splitlines()[-1][:60] if r["error"] else "", "", "")
                 else:
-                    table.add_row(name, f"{r['step_ms']:.1f}", f"{r['tokens_per_s']:,.0f}",
-                                  "-" if r["mfu"] is None else f"{r['mfu']:.3f}", f"{r['peak_gib']:.2f}")
+                    table.add_row(
+                        name,
+                        f"{r['step_ms']:.1f}",
+                        f"{r['tokens_per_s']:,.0f}",
+                        "-" if r["mfu"] is None else f"{r['mfu']:.3f}",
+                        f"{r['peak_gib']:.2f}",
+                    )
             Console().print(table)
         if "syncbn" in rows:
             r = rows["syncbn"]
-            print("synchronized BatchNorm, forward+backward ms:",
-                  r.get("error", "").strip().splitlines()[-1:] or json.dumps(r["ms"]))
+            print(
+                "synchronized BatchNorm, forward+backward ms:",
+                r.get("error", "").strip().splitlines()[-1:] or json.dumps(r["ms"]),
+            )
         payload = {"rows": rows, "goals": goals(rows)}
         for goal, v in payload["goals"].items():
             figure = "-" if v["ratio"] is None else f"{v['ratio']:.3f}"

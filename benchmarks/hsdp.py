@@ -36,7 +36,6 @@ from lightning_dist.strategies import FullyShardStrategy, HybridShardStrategy  #
 WORLD = 4
 
 
-
 class Module(pl.LightningModule):
     def __init__(self, width: int, depth: int, steps: int, by_hand: bool = False) -> None:
         super().__init__()
@@ -76,9 +75,17 @@ class Module(pl.LightningModule):
 def run(strategy, args, by_hand=False):
     module = Module(args.width, args.depth, args.steps, by_hand)
     timer = StepTimer(warmup=3)
-    pl.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, max_steps=args.steps, logger=False,
-               enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-               callbacks=[timer]).fit(module)
+    pl.Trainer(
+        accelerator="cpu",
+        devices=WORLD,
+        strategy=strategy,
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[timer],
+    ).fit(module)
     return timer.result(), module
 
 
@@ -90,8 +97,9 @@ def expected_bytes(module: Module, *, shard_size: int, zero_stage: int) -> int:
     state = planner.state_bytes(precision="32-true", optimizer="adamw")
     if zero_stage == 1:  # ZeroRedundancyOptimizer partitions whole parameters over all data-parallel ranks
         shard_size, zero_stage = WORLD, 1
-    mb = planner.fsdp2_state_bytes(shapes, shard_size=shard_size, rank=rank % shard_size, state=state,
-                                   zero_stage=zero_stage)
+    mb = planner.fsdp2_state_bytes(
+        shapes, shard_size=shard_size, rank=rank % shard_size, state=state, zero_stage=zero_stage
+    )
     return int(mb.total)
 
 
@@ -110,8 +118,10 @@ def main() -> None:
     pairs = {
         "hsdp shard_size=1 / DDPStrategy": (lambda: HybridShardStrategy(shard_size=1), lambda: DDPStrategy(), False),
         "fsdp2 / ModelParallelStrategy+fully_shard": (
-            lambda: FullyShardStrategy(), lambda: ModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1),
-            True),
+            lambda: FullyShardStrategy(),
+            lambda: ModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1),
+            True,
+        ),
     }
     timing_rows, payload = [], {"timing": {}, "memory": {}}
     for name, (ours, theirs, by_hand) in pairs.items():
@@ -122,8 +132,13 @@ def main() -> None:
         a, b = min(t_ours), min(t_theirs)
         timing_rows.append([name, a * 1e3, b * 1e3, a / b, "yes" if a / b <= 1.05 else "no"])
         payload["timing"][name] = {"ours_s": a, "theirs_s": b, "ratio": a / b}
-    print_table("step time (ms, best of interleaved repeats, max over ranks)",
-                ["pair", "ours", "Lightning", "ratio", "<= 1.05"], timing_rows, None, payload)
+    print_table(
+        "step time (ms, best of interleaved repeats, max over ranks)",
+        ["pair", "ours", "Lightning", "ratio", "<= 1.05"],
+        timing_rows,
+        None,
+        payload,
+    )
 
     mem_rows = []
     for label, strategy, shard, stage in [
@@ -139,13 +154,28 @@ def main() -> None:
         both = torch.tensor([measured, expected], dtype=torch.float64)
         worst = torch.tensor([abs(measured / expected - 1)], dtype=torch.float64)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-        mem_rows.append([label, int(both[0]), int(both[1]), measured / expected, worst.item(),
-                         "yes" if worst.item() <= 0.01 else "no"])
-        payload["memory"][label] = {"rank0_measured": int(both[0]), "rank0_expected": int(both[1]),
-                                    "worst_rel_err": worst.item()}
-    print_table("model-state bytes per rank: measured live shards vs closed form (rank 0 shown)",
-                ["layout", "measured", "closed form", "ratio", "worst |ratio-1| over ranks", "<= 1%"],
-                mem_rows, args.json, payload)
+        mem_rows.append(
+            [
+                label,
+                int(both[0]),
+                int(both[1]),
+                measured / expected,
+                worst.item(),
+                "yes" if worst.item() <= 0.01 else "no",
+            ]
+        )
+        payload["memory"][label] = {
+            "rank0_measured": int(both[0]),
+            "rank0_expected": int(both[1]),
+            "worst_rel_err": worst.item(),
+        }
+    print_table(
+        "model-state bytes per rank: measured live shards vs closed form (rank 0 shown)",
+        ["layout", "measured", "closed form", "ratio", "worst |ratio-1| over ranks", "<= 1%"],
+        mem_rows,
+        args.json,
+        payload,
+    )
 
 
 if __name__ == "__main__":

@@ -95,14 +95,26 @@ def worker(args: argparse.Namespace) -> None:
         os.makedirs(nvme, exist_ok=True)
     strategy = OffloadStrategy(
         # the NVMe swap buffers of the parameters are the strategy's default: sized to the largest partition
-        **config, zero_stage=3, nvme_path=nvme if uses_nvme else None, sub_group_size=args.sub_group, report=False,
+        **config,
+        zero_stage=3,
+        nvme_path=nvme if uses_nvme else None,
+        sub_group_size=args.sub_group,
+        report=False,
         # Lightning's 200M-element communication buckets would dominate the RSS of a 50M-parameter model
-        reduce_bucket_size=args.bucket, allgather_bucket_size=args.bucket,
+        reduce_bucket_size=args.bucket,
+        allgather_bucket_size=args.bucket,
     )
     timer = Timer()
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, precision="32-true", max_steps=args.steps,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        precision="32-true",
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
         callbacks=[timer],
     )
     model = Model()
@@ -111,9 +123,13 @@ def worker(args: argparse.Namespace) -> None:
     # whole run: the set-up peak (before the reset) or the high-water mark since (ru_maxrss, Linux reports KiB)
     peak = max(timer.setup_peak, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     row = {
-        "config": args.worker, "rank": trainer.global_rank, "params": n_params, "peak_rss_all": peak,
+        "config": args.worker,
+        "rank": trainer.global_rank,
+        "params": n_params,
+        "peak_rss_all": peak,
         "peak_rss": timer.train_peak,
-        "disk": timer.disk, "step_s": sum(timer.times[1:]) / max(1, len(timer.times) - 1),
+        "disk": timer.disk,
+        "step_s": sum(timer.times[1:]) / max(1, len(timer.times) - 1),
         "optimizer_state_bytes": -(-n_params // trainer.world_size) * 12,  # fp32 master + 2 Adam moments
     }
     with open(f"{args.out}.rank{trainer.global_rank}", "w") as f:
@@ -143,10 +159,33 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=args.nvme_root) as tmp:
         for name in CONFIGS:
             out = os.path.join(tmp, "result")
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
-                   f"--master-port={_free_port()}", __file__, "--worker", name, "--out", out, "--nvme-root", tmp,
-                   "--steps", str(args.steps), "--width", str(args.width), "--depth", str(args.depth),
-                   "--batch", str(args.batch), "--sub-group", str(args.sub_group), "--bucket", str(args.bucket)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc-per-node=2",
+                "--master-addr=127.0.0.1",
+                f"--master-port={_free_port()}",
+                __file__,
+                "--worker",
+                name,
+                "--out",
+                out,
+                "--nvme-root",
+                tmp,
+                "--steps",
+                str(args.steps),
+                "--width",
+                str(args.width),
+                "--depth",
+                str(args.depth),
+                "--batch",
+                str(args.batch),
+                "--sub-group",
+                str(args.sub_group),
+                "--bucket",
+                str(args.bucket),
+            ]
             env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
             env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
             print(f"running {name} ...", file=sys.stderr, flush=True)
@@ -165,17 +204,33 @@ def _report(rows: list[dict], json_path: str | None) -> None:
 
     base = {r["rank"]: r for r in rows if r["config"] == "no offload"}
     table = Table(title="Offload benchmark (DeepSpeed ZeRO-3, 2 CPU processes, float32)")
-    for col in ("config", "rank", "params", "peak RSS (whole run)", "peak RSS (training)",
-                "training RSS saved / optimizer state", "on disk (both ranks)", "step", "step ratio"):
+    for col in (
+        "config",
+        "rank",
+        "params",
+        "peak RSS (whole run)",
+        "peak RSS (training)",
+        "training RSS saved / optimizer state",
+        "on disk (both ranks)",
+        "step",
+        "step ratio",
+    ):
         table.add_column(col, justify="left" if col == "config" else "right")
     for r in rows:
         b = base[r["rank"]]
         r["rss_saved_fraction_of_optimizer_state"] = (b["peak_rss"] - r["peak_rss"]) / r["optimizer_state_bytes"]
         r["step_ratio"] = r["step_s"] / b["step_s"]
-        table.add_row(r["config"], str(r["rank"]), f"{r['params'] / 1e6:.1f}M", f"{r['peak_rss_all'] / 2**20:.0f} MiB",
-                      f"{r['peak_rss'] / 2**20:.0f} MiB",
-                      f"{r['rss_saved_fraction_of_optimizer_state']:.0%}", f"{r['disk'] / 2**20:.0f} MiB",
-                      f"{r['step_s']:.2f} s", f"{r['step_ratio']:.2f}x")
+        table.add_row(
+            r["config"],
+            str(r["rank"]),
+            f"{r['params'] / 1e6:.1f}M",
+            f"{r['peak_rss_all'] / 2**20:.0f} MiB",
+            f"{r['peak_rss'] / 2**20:.0f} MiB",
+            f"{r['rss_saved_fraction_of_optimizer_state']:.0%}",
+            f"{r['disk'] / 2**20:.0f} MiB",
+            f"{r['step_s']:.2f} s",
+            f"{r['step_ratio']:.2f}x",
+        )
     Console(width=150).print(table)
     if json_path:
         with open(json_path, "w") as f:

@@ -39,13 +39,29 @@ from pathlib import Path
 
 import torch
 
-CONFIGS = [("1f1b", 2), ("1f1b", 4), ("1f1b", 8), ("gpipe", 2), ("gpipe", 4), ("gpipe", 8),
-           ("zero_bubble", 4), ("zero_bubble", 8)]
+CONFIGS = [
+    ("1f1b", 2),
+    ("1f1b", 4),
+    ("1f1b", 8),
+    ("gpipe", 2),
+    ("gpipe", 4),
+    ("gpipe", 8),
+    ("zero_bubble", 4),
+    ("zero_bubble", 8),
+]
 
 
 def _launch(argv: list[str]) -> int:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
-           f"--master-port={29500 + os.getpid() % 1000}", __file__, *argv]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        "--master-addr=127.0.0.1",
+        f"--master-port={29500 + os.getpid() % 1000}",
+        __file__,
+        *argv,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     return subprocess.call(cmd, env=env)
 
@@ -121,32 +137,64 @@ def _worker(args: argparse.Namespace) -> None:
             self.times.append(time.perf_counter() - self._t)
 
     def trainer(strategy, callbacks):
-        return pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=args.steps, logger=False,
-                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                          use_distributed_sampler=False, callbacks=callbacks)
+        return pl.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=strategy,
+            max_steps=args.steps,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            use_distributed_sampler=False,
+            callbacks=callbacks,
+        )
 
     rows = []
     for schedule, m in CONFIGS:
-        bubble = PipelineBubble(warmup_steps=2, log=False,
-                                gantt_path=Path(args.gantt) / f"{schedule}_m{m}.png" if args.gantt else None)
+        bubble = PipelineBubble(
+            warmup_steps=2, log=False, gantt_path=Path(args.gantt) / f"{schedule}_m{m}.png" if args.gantt else None
+        )
         timer = StepTimer()
         strategy = PipelineStrategy(pp=2, schedule=schedule, n_microbatches=m, split="params")
         trainer(strategy, [bubble, timer]).fit(Module(args.micro * m))
         s = bubble.summary()
-        rows.append({"schedule": schedule, "m": m, "idle": s["idle_best"], "idle_mean": s["idle_fraction"],
-                     "idle_median": s["idle_median"], "theory": s["idle_theory"],
-                     "ratio": s["ratio_best"], "ratio_mean": s["ratio"], "idle_replay": s["idle_replay"],
-                     "ratio_replay": s["ratio_replay"], "peak_held_stage0": s["peak_held"].get(0, 0),
-                     "peak_held": {str(k): v for k, v in s["peak_held"].items()},
-                     "step_s": statistics.median(timer.times[2:]), "costs": _action_costs(bubble.last_records)})
+        rows.append(
+            {
+                "schedule": schedule,
+                "m": m,
+                "idle": s["idle_best"],
+                "idle_mean": s["idle_fraction"],
+                "idle_median": s["idle_median"],
+                "theory": s["idle_theory"],
+                "ratio": s["ratio_best"],
+                "ratio_mean": s["ratio"],
+                "idle_replay": s["idle_replay"],
+                "ratio_replay": s["ratio_replay"],
+                "peak_held_stage0": s["peak_held"].get(0, 0),
+                "peak_held": {str(k): v for k, v in s["peak_held"].items()},
+                "step_s": statistics.median(timer.times[2:]),
+                "costs": _action_costs(bubble.last_records),
+            }
+        )
     ddp = []
     for m in (4, 8):
         timer = StepTimer()
         trainer("ddp", [timer]).fit(Module(args.micro * m))
         ddp.append({"m": m, "step_s": statistics.median(timer.times[2:])})
     if int(os.environ.get("RANK", "0")) == 0:
-        Path(args.out).write_text(json.dumps({"pipeline": rows, "ddp": ddp, "loadavg": os.getloadavg(),
-                                              "micro": args.micro, "depth": DEPTH, "width": WIDTH}))
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "pipeline": rows,
+                    "ddp": ddp,
+                    "loadavg": os.getloadavg(),
+                    "micro": args.micro,
+                    "depth": DEPTH,
+                    "width": WIDTH,
+                }
+            )
+        )
 
 
 def _action_costs(records: list[dict]) -> dict[str, dict[str, float]]:
@@ -166,27 +214,54 @@ def _report(data: dict, json_path: str | None) -> None:
     from rich.table import Table
 
     rows, ddp = data["pipeline"], {d["m"]: d["step_s"] for d in data["ddp"]}
-    table = Table(title=f"Pipeline bubble, p=2 on 2 CPU processes (MLP {data['depth']}x{data['width']},"
-                        f" micro-batch {data['micro']})")
-    for col in ("schedule", "m", "theory", "wall idle best", "wall idle median", "wall ratio best",
-                "replay idle", "replay ratio", "peak held s0", "step (ms)", "DDP (ms)"):
+    table = Table(
+        title=f"Pipeline bubble, p=2 on 2 CPU processes (MLP {data['depth']}x{data['width']},"
+        f" micro-batch {data['micro']})"
+    )
+    for col in (
+        "schedule",
+        "m",
+        "theory",
+        "wall idle best",
+        "wall idle median",
+        "wall ratio best",
+        "replay idle",
+        "replay ratio",
+        "peak held s0",
+        "step (ms)",
+        "DDP (ms)",
+    ):
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(r["schedule"], str(r["m"]), f"{r['theory']:.3f}", f"{r['idle']:.3f}", f"{r['idle_median']:.3f}",
-                      f"{r['ratio']:.2f}", f"{r['idle_replay']:.3f}", f"{r['ratio_replay']:.2f}",
-                      str(r["peak_held_stage0"]), f"{r['step_s'] * 1e3:.1f}",
-                      f"{ddp[r['m']] * 1e3:.1f}" if r["m"] in ddp else "-")
+        table.add_row(
+            r["schedule"],
+            str(r["m"]),
+            f"{r['theory']:.3f}",
+            f"{r['idle']:.3f}",
+            f"{r['idle_median']:.3f}",
+            f"{r['ratio']:.2f}",
+            f"{r['idle_replay']:.3f}",
+            f"{r['ratio_replay']:.2f}",
+            str(r["peak_held_stage0"]),
+            f"{r['step_s'] * 1e3:.1f}",
+            f"{ddp[r['m']] * 1e3:.1f}" if r["m"] in ddp else "-",
+        )
     Console(width=160).print(table)
-    Console().print(f"load average during the run: {data['loadavg']} on {os.cpu_count()} CPUs (wall idle best ="
-                    " the step with the least idle after warm-up; replay = measured CPU times, instant messages)")
+    Console().print(
+        f"load average during the run: {data['loadavg']} on {os.cpu_count()} CPUs (wall idle best ="
+        " the step with the least idle after warm-up; replay = measured CPU times, instant messages)"
+    )
     by = {(r["schedule"], r["m"]): r for r in rows}
     pipes = [r for r in rows if r["schedule"] in ("1f1b", "gpipe")]
     checks = {
         "1F1B/GPipe wall ratio <= 1.10 (best step)": all(r["ratio"] <= 1.10 for r in pipes),
         "1F1B/GPipe replay ratio <= 1.10": all(r["ratio_replay"] <= 1.10 for r in pipes),
-        "zero-bubble idle < 1F1B idle (wall)": all(by[("zero_bubble", m)]["idle"] < by[("1f1b", m)]["idle"] for m in (4, 8)),
+        "zero-bubble idle < 1F1B idle (wall)": all(
+            by[("zero_bubble", m)]["idle"] < by[("1f1b", m)]["idle"] for m in (4, 8)
+        ),
         "zero-bubble idle < 1F1B idle (replay)": all(
-            by[("zero_bubble", m)]["idle_replay"] < by[("1f1b", m)]["idle_replay"] for m in (4, 8)),
+            by[("zero_bubble", m)]["idle_replay"] < by[("1f1b", m)]["idle_replay"] for m in (4, 8)
+        ),
         "1F1B peak held <= p": all(r["peak_held_stage0"] <= 2 for r in rows if r["schedule"] == "1f1b"),
         "GPipe peak held = m": all(r["peak_held_stage0"] == r["m"] for r in rows if r["schedule"] == "gpipe"),
     }
@@ -214,8 +289,19 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        argv = ["--worker", "--out", out, "--steps", str(args.steps), "--micro", str(args.micro),
-                "--depth", str(args.depth), "--width", str(args.width)] + (["--gantt", args.gantt] if args.gantt else [])
+        argv = [
+            "--worker",
+            "--out",
+            out,
+            "--steps",
+            str(args.steps),
+            "--micro",
+            str(args.micro),
+            "--depth",
+            str(args.depth),
+            "--width",
+            str(args.width),
+        ] + (["--gantt", args.gantt] if args.gantt else [])
         if _launch(argv) != 0:
             sys.exit("benchmark workers failed")
         _report(json.loads(Path(out).read_text()), args.json)

@@ -40,8 +40,16 @@ WIDTH, BLOCKS, SEQ, BATCH, MICRO, HEADS = 128, 4, 64, 16, 4, 4
 
 
 def _launch(argv: list[str]) -> int:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
-           f"--master-port={29500 + os.getpid() % 1000}", __file__, *argv]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        "--master-addr=127.0.0.1",
+        f"--master-port={29500 + os.getpid() % 1000}",
+        __file__,
+        *argv,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     return subprocess.call(cmd, env=env)
 
@@ -149,8 +157,9 @@ def _profiled(fn) -> str:
     return buf.getvalue()
 
 
-def _pack_times(vocab: int, schedule: str, steps: int, warmup: int, profile: bool,
-                ledger: bool = False) -> tuple[list[float], dict, str]:
+def _pack_times(
+    vocab: int, schedule: str, steps: int, warmup: int, profile: bool, ledger: bool = False
+) -> tuple[list[float], dict, str]:
     """The pack's step times; with `ledger`, the CommunicationLedger's bytes per op instead (its dispatch mode
     sees every op of the step: a separate fit, not timed)."""
     import lightning.pytorch as pl
@@ -192,15 +201,24 @@ def _pack_times(vocab: int, schedule: str, steps: int, warmup: int, profile: boo
     split = [2] if schedule == "1f1b" else [1, 2, 3]
     timer = Timer()
     recorder = CommunicationLedger(skip_steps=warmup, planned=None, log=False, print_table=False)
-    trainer = pl.Trainer(accelerator="cpu", devices=2, precision="32-true", max_steps=total, logger=False,
-                         strategy=PipelineStrategy(pp=2, n_microbatches=MICRO, schedule=schedule, split=split),
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         use_distributed_sampler=False, callbacks=[recorder] if ledger else [timer],
-                         num_sanity_val_steps=0,
-                         limit_val_batches=0)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        precision="32-true",
+        max_steps=total,
+        logger=False,
+        strategy=PipelineStrategy(pp=2, n_microbatches=MICRO, schedule=schedule, split=split),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=[recorder] if ledger else [timer],
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
     trainer.fit(task, loader)
     ops: dict[str, int] = {}
-    for (op, dim), (_, nbytes) in (recorder.per_step().items() if ledger else ()):
+    for (op, dim), (_, nbytes) in recorder.per_step().items() if ledger else ():
         ops[f"{op}/{dim}"] = ops.get(f"{op}/{dim}", 0) + int(nbytes)
     text = ""
     if timer.prof is not None:
@@ -232,7 +250,7 @@ def _worker(args: argparse.Namespace) -> None:
             hand, pack, prof = [], [], {}
             for r in range(args.rounds):  # alternating (hand, pack, pack, hand, ...): a slow spell hits both sides
                 last = args.profile and r == args.rounds - 1
-                for side in (("hand", "pack") if r % 2 == 0 else ("pack", "hand")):
+                for side in ("hand", "pack") if r % 2 == 0 else ("pack", "hand"):
                     if side == "hand":
                         times, hand_ops, prof["hand"] = _hand_times(vocab, schedule, args.steps, args.warmup, last)
                         hand += times
@@ -241,12 +259,23 @@ def _worker(args: argparse.Namespace) -> None:
                         pack += times
             _, pack_ops, _ = _pack_times(vocab, schedule, 2, 1, False, ledger=True)
             h, p = _slowest(statistics.median(hand)), _slowest(statistics.median(pack))
-            row = {"vocab": vocab, "vocab_per_width": vocab / WIDTH, "schedule": schedule, "hand_ms": 1e3 * h,
-                   "pack_ms": 1e3 * p, "ratio": p / h, "hand_bytes": hand_ops, "pack_bytes": pack_ops}
+            row = {
+                "vocab": vocab,
+                "vocab_per_width": vocab / WIDTH,
+                "schedule": schedule,
+                "hand_ms": 1e3 * h,
+                "pack_ms": 1e3 * p,
+                "ratio": p / h,
+                "hand_bytes": hand_ops,
+                "pack_bytes": pack_ops,
+            }
             results.append(row)
             if rank == 0:
-                print(f"vocab {vocab} (vocab/width {vocab / WIDTH:g}) {schedule}: hand {1e3 * h:.1f} ms,"
-                      f" pack {1e3 * p:.1f} ms, pack/hand {p / h:.3f}", flush=True)
+                print(
+                    f"vocab {vocab} (vocab/width {vocab / WIDTH:g}) {schedule}: hand {1e3 * h:.1f} ms,"
+                    f" pack {1e3 * p:.1f} ms, pack/hand {p / h:.3f}",
+                    flush=True,
+                )
                 print(f"  bytes per step on rank 0: hand {hand_ops}; pack {pack_ops}", flush=True)
                 if args.profile:
                     for side in ("hand", "pack"):
@@ -255,8 +284,10 @@ def _worker(args: argparse.Namespace) -> None:
         print("\n| vocab | vocab/width | schedule | hand (ms) | pack (ms) | pack/hand |")
         print("| --- | --- | --- | --- | --- | --- |")
         for r in results:
-            print(f"| {r['vocab']} | {r['vocab_per_width']:g} | {r['schedule']} | {r['hand_ms']:.1f} |"
-                  f" {r['pack_ms']:.1f} | {r['ratio']:.3f} |")
+            print(
+                f"| {r['vocab']} | {r['vocab_per_width']:g} | {r['schedule']} | {r['hand_ms']:.1f} |"
+                f" {r['pack_ms']:.1f} | {r['ratio']:.3f} |"
+            )
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=2))
 

@@ -75,9 +75,17 @@ def measure(kind: str, layout: str, steps: int) -> tuple[list[dict], list[dict],
     ledger, memory = CommunicationLedger(print_table=False, log=False), MemoryReport(print_table=False, log=False)
     task = Task(kind, steps)
     n_params = sum(p.numel() for p in task.parameters())
-    pl.Trainer(accelerator="cpu", devices=WORLD, strategy=LAYOUTS[layout](), max_steps=steps, logger=False,
-               enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-               callbacks=[ledger, memory]).fit(task)
+    pl.Trainer(
+        accelerator="cpu",
+        devices=WORLD,
+        strategy=LAYOUTS[layout](),
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[ledger, memory],
+    ).fit(task)
     return memory.rows, ledger.summary, n_params
 
 
@@ -101,21 +109,39 @@ def main() -> None:
             # every rank's comm rows: the worst ratio over ranks goes in the table
             all_comm: list = [None] * dist.get_world_size()
             dist.all_gather_object(all_comm, comm)
-            payload.append({"model": MODELS[kind][0], "layout": layout, "params": n_params, "memory": memory,
-                            "comm": all_comm})
+            payload.append(
+                {"model": MODELS[kind][0], "layout": layout, "params": n_params, "memory": memory, "comm": all_comm}
+            )
             ratios = [r["ratio"] for r in memory if r["ratio"] is not None]
             worst = max(ratios, key=lambda v: abs(v - 1)) if ratios else None
             r0 = memory[0]
-            mem_rows.append([MODELS[kind][0], layout, f"{r0['measured']['total']:,}",
-                             "-" if r0["planned"] is None else f"{r0['planned']['total']:,.0f}",
-                             "-" if worst is None else f"{worst:.3f}"])
+            mem_rows.append(
+                [
+                    MODELS[kind][0],
+                    layout,
+                    f"{r0['measured']['total']:,}",
+                    "-" if r0["planned"] is None else f"{r0['planned']['total']:,.0f}",
+                    "-" if worst is None else f"{worst:.3f}",
+                ]
+            )
             for row in comm:
-                worst_c = [c["ratio"] for rank_rows in all_comm for c in rank_rows
-                           if (c["op"], c["dim"]) == (row["op"], row["dim"]) and c["ratio"] is not None]
-                comm_rows.append([MODELS[kind][0], layout, f"{row['op']} / {row['dim']}", f"{row['count']:.0f}",
-                                  f"{row['bytes']:,.0f}",
-                                  "-" if row["planned_bytes"] is None else f"{row['planned_bytes']:,.0f}",
-                                  "-" if not worst_c else f"{max(worst_c, key=lambda v: abs(v - 1)):.3f}"])
+                worst_c = [
+                    c["ratio"]
+                    for rank_rows in all_comm
+                    for c in rank_rows
+                    if (c["op"], c["dim"]) == (row["op"], row["dim"]) and c["ratio"] is not None
+                ]
+                comm_rows.append(
+                    [
+                        MODELS[kind][0],
+                        layout,
+                        f"{row['op']} / {row['dim']}",
+                        f"{row['count']:.0f}",
+                        f"{row['bytes']:,.0f}",
+                        "-" if row["planned_bytes"] is None else f"{row['planned_bytes']:,.0f}",
+                        "-" if not worst_c else f"{max(worst_c, key=lambda v: abs(v - 1)):.3f}",
+                    ]
+                )
 
     if dist.get_rank() != 0:
         return

@@ -25,7 +25,6 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import psutil
-import torch
 import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,8 +71,11 @@ def run(args, out: Path | None):
     probe = Probe(args.warmup)
     callbacks = [probe]
     if out is not None:
-        callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=out, every_n_train_steps=args.every, save_top_k=2,
-                                                      monitor="step", mode="max", filename="{step}"))
+        callbacks.append(
+            pl.callbacks.ModelCheckpoint(
+                dirpath=out, every_n_train_steps=args.every, save_top_k=2, monitor="step", mode="max", filename="{step}"
+            )
+        )
     strategy = HybridShardStrategy(dp_replicate=2, shard_size=2, timeout=timedelta(seconds=120))
     t = trainer(strategy, devices=4, steps=args.steps, enable_checkpointing=out is not None, callbacks=callbacks)
     start = time.perf_counter()
@@ -104,15 +106,31 @@ def main() -> int:
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     checkpoints = sorted(p.name for p in out.iterdir()) if dist.get_rank() == 0 else []
-    ok = all(r["growth_pct"] <= 5 and r["fds"][1] <= r["fds"][0] and r["children"][1] <= r["children"][0]
-             for r in everyone) and diff == 0.0
-    rows = [[r["rank"], f"{r['rss_warm_mb']:.1f}", f"{r['rss_end_mb']:.1f}", f"{r['growth_pct']:+.2f}%",
-             f"{r['fds'][0]} -> {r['fds'][1]}", f"{r['children'][0]} -> {r['children'][1]}"] for r in everyone]
+    ok = (
+        all(
+            r["growth_pct"] <= 5 and r["fds"][1] <= r["fds"][0] and r["children"][1] <= r["children"][0]
+            for r in everyone
+        )
+        and diff == 0.0
+    )
+    rows = [
+        [
+            r["rank"],
+            f"{r['rss_warm_mb']:.1f}",
+            f"{r['rss_end_mb']:.1f}",
+            f"{r['growth_pct']:+.2f}%",
+            f"{r['fds'][0]} -> {r['fds'][1]}",
+            f"{r['children'][0]} -> {r['children'][1]}",
+        ]
+        for r in everyone
+    ]
     _print_table(
         f"Soak: hsdp 2x2, {args.steps} steps, checkpoint every {args.every} (warm-up {args.warmup});"
         f" max |param diff| vs no checkpoints = {diff:.3g}; {t_ckpt:.0f} s with / {t_plain:.0f} s without;"
         f" left on disk: {checkpoints}; {'PASS' if ok else 'FAIL'}",
-        ["rank", "RSS warm MB", "RSS end MB", "growth", "fds", "child procs"], rows, args.json,
+        ["rank", "RSS warm MB", "RSS end MB", "growth", "fds", "child procs"],
+        rows,
+        args.json,
         {"ranks": everyone, "param_diff": diff, "seconds": [t_ckpt, t_plain], "ok": ok, "checkpoints": checkpoints},
     )
     return 0 if ok else 1

@@ -46,8 +46,16 @@ WARMUP = 3
 
 
 def _launch(argv: list[str]) -> int:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4", "--master-addr=127.0.0.1",
-           f"--master-port={29500 + os.getpid() % 1000}", __file__, *argv]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=4",
+        "--master-addr=127.0.0.1",
+        f"--master-port={29500 + os.getpid() % 1000}",
+        __file__,
+        *argv,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     return subprocess.call(cmd, env=env)
 
@@ -75,7 +83,10 @@ def collective_mode():
             if getattr(func, "namespace", "") == "_c10d_functional" and func._overloadpacket.__name__ != "wait_tensor":
                 name = func._overloadpacket.__name__.rstrip("_")
                 kwargs = kwargs or {}
-                named = {a.name: (args[i] if i < len(args) else kwargs.get(a.name)) for i, a in enumerate(func._schema.arguments)}
+                named = {
+                    a.name: (args[i] if i < len(args) else kwargs.get(a.name))
+                    for i, a in enumerate(func._schema.arguments)
+                }
                 if "group_name" not in named:  # helpers of the namespace that move no data
                     return out
                 pg = c10d._resolve_process_group(named["group_name"])
@@ -83,8 +94,11 @@ def collective_mode():
                 group, p = tuple(c10d.get_process_group_ranks(pg)), pg.size()
                 f = (p - 1) / p
                 size = args[0].numel() * args[0].element_size()
-                wire = {"all_reduce": 2 * f * size, "all_gather_into_tensor": f * size * p,
-                        "reduce_scatter_tensor": f * size}.get(name, size)
+                wire = {
+                    "all_reduce": 2 * f * size,
+                    "all_gather_into_tensor": f * size * p,
+                    "reduce_scatter_tensor": f * size,
+                }.get(name, size)
                 self.records.append({"op": name, "group": group, "bytes": wire})
             return out
 
@@ -175,12 +189,24 @@ def gpt_module(hand_written: bool):
             )
 
             tp_mesh, dp_mesh = self.device_mesh["tensor_parallel"], self.device_mesh["data_parallel"]
-            region = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),), use_local_output=False)
+            region = PrepareModuleInput(
+                input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),), use_local_output=False
+            )
             for block in self.model.blocks:
-                parallelize_module(block, tp_mesh, {
-                    "attn": region, "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
-                    "attn.proj": RowwiseParallel(), "mlp": region, "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel(),
-                })
+                parallelize_module(
+                    block,
+                    tp_mesh,
+                    {
+                        "attn": region,
+                        "attn.q": ColwiseParallel(),
+                        "attn.k": ColwiseParallel(),
+                        "attn.v": ColwiseParallel(),
+                        "attn.proj": RowwiseParallel(),
+                        "mlp": region,
+                        "mlp.fc1": ColwiseParallel(),
+                        "mlp.fc2": RowwiseParallel(),
+                    },
+                )
             parallelize_module(self.model, tp_mesh, {"lm_head": ColwiseParallel(output_layouts=Replicate())})
             for block in self.model.blocks:
                 fully_shard(block, mesh=dp_mesh)
@@ -207,7 +233,9 @@ def run(label: str, steps: int) -> dict:
 
     ours = label != "lightning"
     if ours:
-        strategy = TensorParallelStrategy(tp=2, dp_shard=2, dp_replicate=1, plan="transformer", sequence_parallel=label == "tp_sp")
+        strategy = TensorParallelStrategy(
+            tp=2, dp_shard=2, dp_replicate=1, plan="transformer", sequence_parallel=label == "tp_sp"
+        )
 
         def tp_group(trainer):
             return tuple(dist.get_process_group_ranks(trainer.strategy.mesh.group("tp")))
@@ -219,14 +247,22 @@ def run(label: str, steps: int) -> dict:
 
     measure = make_callback(steps, tp_group)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=4, strategy=strategy, precision="32-true", max_steps=WARMUP + steps + 1,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=4,
+        strategy=strategy,
+        precision="32-true",
+        max_steps=WARMUP + steps + 1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
         callbacks=[measure],
     )
     trainer.fit(gpt_module(hand_written=not ours), train_dataloaders=loader())
     rows: list = [None] * dist.get_world_size()
-    dist.all_gather_object(rows, {"times": measure.times, "bytes": measure.tp_bytes, "ops": measure.ops,
-                                  "other": measure.other_groups})
+    dist.all_gather_object(
+        rows, {"times": measure.times, "bytes": measure.tp_bytes, "ops": measure.ops, "other": measure.other_groups}
+    )
     return {
         "step_times": [max(step) for step in zip(*(r["times"] for r in rows))],  # the slowest rank per step
         "tp_bytes": rows[0]["bytes"],
@@ -264,8 +300,18 @@ def main() -> None:
         r["expected_tp_bytes"] = expected_tp_bytes(sequence_parallel=label == "tp_sp")
         r["bytes_ratio"] = r["tp_bytes"] / r["expected_tp_bytes"]
     summary = {
-        "config": {"world": 4, "tp": 2, "dp_shard": 2, "batch_per_dp_rank": B, "seq": T, "dim": D, "vocab": V, "blocks": L,
-                   "dtype": "float32", "timed_steps": args.steps},
+        "config": {
+            "world": 4,
+            "tp": 2,
+            "dp_shard": 2,
+            "batch_per_dp_rank": B,
+            "seq": T,
+            "dim": D,
+            "vocab": V,
+            "blocks": L,
+            "dtype": "float32",
+            "timed_steps": args.steps,
+        },
         "runs": results,
         "step_time_ratio": results["tp"]["step_s"] / results["lightning"]["step_s"],
         "step_time_ratio_min": results["tp"]["step_s_min"] / results["lightning"]["step_s_min"],
@@ -275,18 +321,35 @@ def main() -> None:
 
     names = {"tp": 'strategy="tp"', "tp_sp": 'strategy="tp_sp" (SP)', "lightning": "ModelParallelStrategy + hand plan"}
     table = Table(title="Tensor parallel, tp=2 x dp_shard=2, 4 CPU processes, GPT float32")
-    for col in ("run", "steps", "median ms", "min ms", "vs Lightning", "tp KiB/step", "expected KiB", "measured/expected", "tp collectives"):
+    for col in (
+        "run",
+        "steps",
+        "median ms",
+        "min ms",
+        "vs Lightning",
+        "tp KiB/step",
+        "expected KiB",
+        "measured/expected",
+        "tp collectives",
+    ):
         table.add_column(col, justify="right" if col != "run" else "left")
     for label, r in results.items():
         table.add_row(
-            names[label], str(len(r["step_times"])), f"{1e3 * r['step_s']:.1f}", f"{1e3 * r['step_s_min']:.1f}",
+            names[label],
+            str(len(r["step_times"])),
+            f"{1e3 * r['step_s']:.1f}",
+            f"{1e3 * r['step_s_min']:.1f}",
             f"{r['step_s'] / results['lightning']['step_s']:.3f}",
-            f"{r['tp_bytes'] / 1024:.1f}", f"{r['expected_tp_bytes'] / 1024:.1f}", f"{r['bytes_ratio']:.4f}",
+            f"{r['tp_bytes'] / 1024:.1f}",
+            f"{r['expected_tp_bytes'] / 1024:.1f}",
+            f"{r['bytes_ratio']:.4f}",
             ", ".join(f"{_SHORT.get(k, k)} x{v}" for k, v in sorted(r["tp_ops"].items())),
         )
     Console(width=160).print(table)
-    print(f"step time ratio tp / ModelParallelStrategy: median {summary['step_time_ratio']:.3f},"
-          f" min {summary['step_time_ratio_min']:.3f} (goal <= 1.05)")
+    print(
+        f"step time ratio tp / ModelParallelStrategy: median {summary['step_time_ratio']:.3f},"
+        f" min {summary['step_time_ratio_min']:.3f} (goal <= 1.05)"
+    )
     if args.json:
         args.json.write_text(json.dumps(summary, indent=2))
 

@@ -14,8 +14,8 @@
 """
 
 from lightning_dist.callbacks.exact_eval import ExactBatchSampler, ExactEvaluation, ExactMetric, exact_eval_mask
-from lightning_dist.callbacks.guards import FiniteLossGuard, TrainDataGuard
 from lightning_dist.callbacks.gradient_parity import GradientParityCheck, GradientParityError, default_tolerance
+from lightning_dist.callbacks.guards import FiniteLossGuard, TrainDataGuard
 from lightning_dist.callbacks.hf_weights import HFPretrained
 from lightning_dist.callbacks.ledger import CollectiveRecorder, CommunicationLedger
 from lightning_dist.callbacks.memory import MemoryReport
@@ -27,13 +27,13 @@ from lightning_dist.callbacks.sampler_epoch import (
     find_epoch_holders,
     set_epoch_everywhere,
 )
-from lightning_dist.callbacks.throughput import ThroughputSummary, format_summary
 from lightning_dist.callbacks.sync_batchnorm import (
     DataParallelBatchNorm,
     MeshSyncBatchNorm,
     convert_sync_batchnorm,
     revert_sync_batchnorm,
 )
+from lightning_dist.callbacks.throughput import ThroughputSummary, format_summary
 
 __all__ = [
     "HFPretrained",

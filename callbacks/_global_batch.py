@@ -21,7 +21,11 @@ def _to_cpu(batch: Any) -> Any:
     if isinstance(batch, Mapping):
         return {k: _to_cpu(v) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):
-        return type(batch)(_to_cpu(v) for v in batch) if not hasattr(batch, "_fields") else type(batch)(*(_to_cpu(v) for v in batch))
+        return (
+            type(batch)(_to_cpu(v) for v in batch)
+            if not hasattr(batch, "_fields")
+            else type(batch)(*(_to_cpu(v) for v in batch))
+        )
     return batch
 
 

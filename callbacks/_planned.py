@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from lightning_dist import planner
-from lightning_dist.mesh import DP, DP_REPLICATE, DP_SHARD, DIM_NAMES, PP, TP, DistMesh
+from lightning_dist.mesh import DP, DP_REPLICATE, DP_SHARD, PP, TP, DistMesh
 from lightning_dist.precision import precision_flag as lightning_precision_flag
 
 # Preferred names when one group spans several dims (1x4 FSDP: dp_shard == dp): elementary dims first.
@@ -84,16 +84,29 @@ def run_layout(strategy: Any) -> RunLayout | None:
         # same rule as parallelize_model: nothing to shard -> DDP's all-reduce (ZeRO-1 adds a sharded optimizer)
         if not offload and (stage == 1 or (shard == 1 and mesh.size(TP) == 1)):
             if stage == 1:
-                return RunLayout(mode="replicate", zero_stage=1, shard_size=dp, shard_rank=mesh.dp_rank,
-                                 replicate_size=1, dp_size=dp)
+                return RunLayout(
+                    mode="replicate", zero_stage=1, shard_size=dp, shard_rank=mesh.dp_rank, replicate_size=1, dp_size=dp
+                )
             return RunLayout(mode="replicate", zero_stage=0, shard_size=1, shard_rank=0, replicate_size=1, dp_size=dp)
-        return RunLayout(mode="fsdp", zero_stage=stage, shard_size=shard, shard_rank=mesh.local_rank(DP_SHARD),
-                         replicate_size=rep, dp_size=dp)
+        return RunLayout(
+            mode="fsdp",
+            zero_stage=stage,
+            shard_size=shard,
+            shard_rank=mesh.local_rank(DP_SHARD),
+            replicate_size=rep,
+            dp_size=dp,
+        )
     name = type(strategy).__name__
     if name in ("DDPStrategy", "SingleDeviceStrategy"):
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        return RunLayout(mode="replicate" if world > 1 else "single", zero_stage=0, shard_size=1, shard_rank=0,
-                         replicate_size=1, dp_size=world)
+        return RunLayout(
+            mode="replicate" if world > 1 else "single",
+            zero_stage=0,
+            shard_size=1,
+            shard_rank=0,
+            replicate_size=1,
+            dp_size=world,
+        )
     return None
 
 
@@ -182,8 +195,9 @@ def planned_memory(trainer: Any, module: nn.Module) -> planner.MemoryBreakdown |
         return None
     state = planner.state_bytes(precision=precision_flag(trainer), optimizer=opt)
     shapes = [tp_local_shape(p) for p in module.parameters()]
-    return planner.fsdp2_state_bytes(shapes, shard_size=layout.shard_size, rank=layout.shard_rank, state=state,
-                                     zero_stage=layout.zero_stage)
+    return planner.fsdp2_state_bytes(
+        shapes, shard_size=layout.shard_size, rank=layout.shard_rank, state=state, zero_stage=layout.zero_stage
+    )
 
 
 def planned_places(strategy: Any) -> dict[str, str]:
@@ -195,13 +209,18 @@ def planned_places(strategy: Any) -> dict[str, str]:
 
     plan = getattr(strategy, "plan", None)  # (TensorParallelStrategy.plan is its TP plan: checked by type)
     if isinstance(plan, OffloadPlan):
-        return {"params": plan.place("parameters"), "grads": plan.place("gradients"),
-                "optimizer": plan.place("optimizer")}
+        return {
+            "params": plan.place("parameters"),
+            "grads": plan.place("gradients"),
+            "optimizer": plan.place("optimizer"),
+        }
     where = "host" if isinstance(getattr(strategy, "offload_policy", None), CPUOffloadPolicy) else "device"
     return dict.fromkeys(("params", "grads", "optimizer"), where)
 
 
-def planned_traffic(trainer: Any, module: nn.Module, *, activation: dict | None = None) -> list[planner.Collective] | None:
+def planned_traffic(
+    trainer: Any, module: nn.Module, *, activation: dict | None = None
+) -> list[planner.Collective] | None:
     """The planner's collectives per step for this run (data-parallel, plus tensor-parallel activations when
     `activation` = ``{"batch", "seq", "hidden", "bytes", "blocks", "row_parallel_per_block"}`` is known)."""
     layout = run_layout(trainer.strategy)
@@ -213,18 +232,30 @@ def planned_traffic(trainer: Any, module: nn.Module, *, activation: dict | None 
     out: list[planner.Collective] = []
     if layout.mode == "replicate":
         num = sum(math.prod(tp_local_shape(p)) for p in module.parameters() if p.requires_grad)
-        out += planner.data_parallel_traffic(num, state=state, zero_stage=layout.zero_stage,
-                                             shard_size=layout.dp_size, replicate_size=1)
+        out += planner.data_parallel_traffic(
+            num, state=state, zero_stage=layout.zero_stage, shard_size=layout.dp_size, replicate_size=1
+        )
     elif layout.mode == "fsdp":
         twice, once = fsdp_units(module)
         # zero_stage=3 here: which units gather twice was read off FSDP2 itself (ZeRO-2 ones are in `once`)
-        out += planner.fsdp2_traffic(twice, root_shapes=once, shard_size=layout.shard_size,
-                                     replicate_size=layout.replicate_size, state=state, zero_stage=3)
+        out += planner.fsdp2_traffic(
+            twice,
+            root_shapes=once,
+            shard_size=layout.shard_size,
+            replicate_size=layout.replicate_size,
+            state=state,
+            zero_stage=3,
+        )
     if activation is not None and mesh is not None and mesh.size(TP) > 1:
         out += planner.tp_activation_traffic(
-            batch=activation["batch"], seq=activation["seq"], hidden=activation["hidden"],
-            blocks=activation["blocks"], tp=mesh.size(TP), bytes_per_element=activation["bytes"],
+            batch=activation["batch"],
+            seq=activation["seq"],
+            hidden=activation["hidden"],
+            blocks=activation["blocks"],
+            tp=mesh.size(TP),
+            bytes_per_element=activation["bytes"],
             row_parallel_per_block=activation["row_parallel_per_block"],
             sequence_parallel=bool(getattr(trainer.strategy, "sequence_parallel", False)),
-            gathered=activation.get("gathered", ()))
+            gathered=activation.get("gathered", ()),
+        )
     return out

@@ -65,7 +65,9 @@ def _unsharded_clone(module: nn.Module, full_by_id: dict[int, Tensor], memo: dic
             memo[id(p)] = nn.Parameter(whole.clone(), requires_grad=p.requires_grad)
         new._parameters[name] = None if p is None else memo[id(p)]
     new._buffers = {name: None if b is None else _full(b).clone() for name, b in module._buffers.items()}
-    new._modules = {name: None if c is None else _unsharded_clone(c, full_by_id, memo) for name, c in module._modules.items()}
+    new._modules = {
+        name: None if c is None else _unsharded_clone(c, full_by_id, memo) for name, c in module._modules.items()
+    }
     if is_pipelined_module(new):
         new.runner = None  # the copy runs its own layers, never the strategy's pipeline schedule
     if isinstance(new, LightningModule):

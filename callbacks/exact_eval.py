@@ -57,8 +57,16 @@ class ExactBatchSampler(Sampler[list[int]]):
     ranks): see :meth:`empty_anywhere`.
     """
 
-    def __init__(self, *, num_samples: int, num_replicas: int, rank: int, batch_size: int, full_batches: bool = False,
-                 trim: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        num_samples: int,
+        num_replicas: int,
+        rank: int,
+        batch_size: int,
+        full_batches: bool = False,
+        trim: bool = False,
+    ) -> None:
         if batch_size < 1:
             raise ValueError(f"`batch_size={batch_size}` must be >= 1.")
         if not 0 <= rank < num_replicas:
@@ -109,9 +117,13 @@ class ExactBatchSampler(Sampler[list[int]]):
 
     def mask(self, batch_idx: int) -> Tensor:
         """Bool tensor over the rows of batch `batch_idx`: True for real samples, False for padding."""
-        return torch.tensor([
-            j < self.per_rank and self.rank + j * self.num_replicas < self.num_samples for j in self._positions(batch_idx)
-        ], dtype=torch.bool)
+        return torch.tensor(
+            [
+                j < self.per_rank and self.rank + j * self.num_replicas < self.num_samples
+                for j in self._positions(batch_idx)
+            ],
+            dtype=torch.bool,
+        )
 
 
 class _EmptyBatchCollate:
@@ -127,8 +139,16 @@ class _EmptyBatchCollate:
         return apply_to_collection(self.collate_fn([self.dataset[0]]), Tensor, lambda t: t[:0])
 
 
-def _exact_loader(dl: Any, *, num_replicas: int, rank: int, full_batches: bool = False, trim: bool = False,
-                  may_skip: bool = True, same_sizes: bool = False) -> DataLoader:
+def _exact_loader(
+    dl: Any,
+    *,
+    num_replicas: int,
+    rank: int,
+    full_batches: bool = False,
+    trim: bool = False,
+    may_skip: bool = True,
+    same_sizes: bool = False,
+) -> DataLoader:
     """`dl` rebuilt with an :class:`ExactBatchSampler` (same dataset, collate function and workers)."""
     if type(dl) is not DataLoader:
         raise TypeError(
@@ -148,8 +168,12 @@ def _exact_loader(dl: Any, *, num_replicas: int, rank: int, full_batches: bool =
             f" {type(dl.batch_sampler).__name__}); build it with `DataLoader(dataset, batch_size=...)`."
         )
     sampler = ExactBatchSampler(
-        num_samples=len(dataset), num_replicas=num_replicas, rank=rank, batch_size=batch_size,
-        full_batches=full_batches, trim=trim,
+        num_samples=len(dataset),
+        num_replicas=num_replicas,
+        rank=rank,
+        batch_size=batch_size,
+        full_batches=full_batches,
+        trim=trim,
     )
     if trim and len(dataset) < num_replicas:
         # a rank without any sample would log no key, and the epoch-end sync of `self.log` would hang
@@ -175,11 +199,18 @@ def _exact_loader(dl: Any, *, num_replicas: int, rank: int, full_batches: bool =
         )
     collate = _EmptyBatchCollate(dl.collate_fn, dataset) if trim else dl.collate_fn
     return DataLoader(
-        dataset, batch_sampler=sampler, num_workers=dl.num_workers, collate_fn=collate,
-        pin_memory=dl.pin_memory, timeout=dl.timeout, worker_init_fn=dl.worker_init_fn,
-        multiprocessing_context=dl.multiprocessing_context, generator=dl.generator,
+        dataset,
+        batch_sampler=sampler,
+        num_workers=dl.num_workers,
+        collate_fn=collate,
+        pin_memory=dl.pin_memory,
+        timeout=dl.timeout,
+        worker_init_fn=dl.worker_init_fn,
+        multiprocessing_context=dl.multiprocessing_context,
+        generator=dl.generator,
         prefetch_factor=dl.prefetch_factor if dl.num_workers > 0 else None,
-        persistent_workers=dl.persistent_workers, pin_memory_device=dl.pin_memory_device,
+        persistent_workers=dl.persistent_workers,
+        pin_memory_device=dl.pin_memory_device,
     )
 
 
@@ -282,7 +313,8 @@ class ExactEvaluation(Callback):
             # sampler injection and before iteration; wrapped on this strategy instance only
             # Lightning's DDP runs no collective in an eval forward, so a rank may skip an empty batch
             may_skip = isinstance(strategy, (DDPStrategy, SingleDeviceStrategy)) and not isinstance(
-                strategy, DeepSpeedStrategy)
+                strategy, DeepSpeedStrategy
+            )
             # a pipeline splits a batch into as many micro-batches as its size allows: dp replicas must agree
             same_sizes = pipeline_view(strategy) is not None
 
@@ -291,18 +323,30 @@ class ExactEvaluation(Callback):
                     dataloader = original(dataloader)
                     if trainer.state.stage in _EVAL_STAGES:
                         _, size, rank = self._dp
-                        dataloader = _exact_loader(dataloader, num_replicas=size, rank=rank,
-                                                   full_batches=self.full_batches, trim=self.mode == "trim",
-                                                   may_skip=may_skip, same_sizes=same_sizes)
+                        dataloader = _exact_loader(
+                            dataloader,
+                            num_replicas=size,
+                            rank=rank,
+                            full_batches=self.full_batches,
+                            trim=self.mode == "trim",
+                            may_skip=may_skip,
+                            same_sizes=same_sizes,
+                        )
                     return dataloader
 
                 return process_dataloader
 
             # an empty batch (trim mode): the strategy's step is not run, the hooks around it are
-            wrap_strategy_methods(strategy, {
-                "process_dataloader": exact_loaders, "validation_step": self._skipping,
-                "test_step": self._skipping, "predict_step": self._skipping, "reduce": _float_mean,
-            })
+            wrap_strategy_methods(
+                strategy,
+                {
+                    "process_dataloader": exact_loaders,
+                    "validation_step": self._skipping,
+                    "test_step": self._skipping,
+                    "predict_step": self._skipping,
+                    "reduce": _float_mean,
+                },
+            )
             self._strategy = strategy
 
     def _skipping(self, step: Any) -> Any:
@@ -424,7 +468,9 @@ class ExactMetric(WrapperMetric):
         if mask is None:
             return args, kwargs
         mask = mask.to(torch.bool)
-        pick = lambda a: a[mask.to(a.device)] if isinstance(a, Tensor) and a.dim() > 0 and a.shape[0] == mask.shape[0] else a
+        pick = lambda a: (
+            a[mask.to(a.device)] if isinstance(a, Tensor) and a.dim() > 0 and a.shape[0] == mask.shape[0] else a
+        )
         return tuple(pick(a) for a in args), {k: pick(v) for k, v in kwargs.items()}
 
     def update(self, *args: Any, mask: Optional[Tensor] = None, **kwargs: Any) -> None:

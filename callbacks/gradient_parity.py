@@ -21,7 +21,14 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_dist.callbacks._global_batch import (
-    _concat, _padding_keep_mask, _rows, _same, _select_rows, _to_cpu, _to_device)
+    _concat,
+    _padding_keep_mask,
+    _rows,
+    _same,
+    _select_rows,
+    _to_cpu,
+    _to_device,
+)
 from lightning_dist.callbacks._reference_model import _full, _unsharded_clone, whole_pipeline_network
 from lightning_dist.callbacks.sync_batchnorm import revert_sync_batchnorm
 from lightning_dist.mesh import DistMesh, data_parallel_info
@@ -212,9 +219,16 @@ class GradientParityCheck(Callback):
         tol = self.tolerance if self.tolerance is not None else default_tolerance(dtype)
         ok = rel <= tol and params_equal and not same_batch
         self.results.append(
-            {"step": trainer.global_step, "rel_diff": rel, "tolerance": tol, "ok": ok, "worst": worst,
-             "params_equal": params_equal, "same_batch_on_all_ranks": same_batch,
-             "global_batch": sum(_rows(b) for b, _ in global_batches)}
+            {
+                "step": trainer.global_step,
+                "rel_diff": rel,
+                "tolerance": tol,
+                "ok": ok,
+                "worst": worst,
+                "params_equal": params_equal,
+                "same_batch_on_all_ranks": same_batch,
+                "global_batch": sum(_rows(b) for b, _ in global_batches),
+            }
         )
         pl_module.log("grad_parity/rel_diff", rel, on_step=True, on_epoch=False, sync_dist=False)
         if ok:
@@ -224,10 +238,12 @@ class GradientParityCheck(Callback):
             f" single-device gradient (tolerance {tol:.1e} for {dtype}); largest in `{worst}`."
         )
         if ref_sq == 0.0:  # the ratio above is then the distributed gradient's norm over the 1e-30 floor
-            msg += (" The single-device copy's loss gave no gradient at all (every reference gradient is zero), so"
-                    " this figure says nothing about the strategy: the loss of `training_step` (or `loss_fn`) on the"
-                    " copy does not depend on the copy's parameters, e.g. it calls a network held outside the"
-                    " LightningModule's modules, or detaches the loss. Pass `loss_fn=lambda module, batch: ...`.")
+            msg += (
+                " The single-device copy's loss gave no gradient at all (every reference gradient is zero), so"
+                " this figure says nothing about the strategy: the loss of `training_step` (or `loss_fn`) on the"
+                " copy does not depend on the copy's parameters, e.g. it calls a network held outside the"
+                " LightningModule's modules, or detaches the loss. Pass `loss_fn=lambda module, batch: ...`."
+            )
         if not params_equal:
             msg += " The parameters differ between ranks that should hold the same values."
         if same_batch:
@@ -263,7 +279,9 @@ class GradientParityCheck(Callback):
         strategy = trainer.strategy
         view = pipeline_view(strategy)
         if view is not None:  # this rank holds its stages only: join every stage's copy into the network
-            setattr(ref, view.network, whole_pipeline_network(view, strategy.mesh, getattr(ref, view.network)).to(device))
+            setattr(
+                ref, view.network, whole_pipeline_network(view, strategy.mesh, getattr(ref, view.network)).to(device)
+            )
         # tied as the user built the model (setup), else as the parallelized model still is
         ties = self._ties if self._ties is not None else shared_parameters(pl_module)
         present = dict(ref.named_parameters(remove_duplicate=False))
@@ -282,7 +300,9 @@ class GradientParityCheck(Callback):
                     out = ref.training_step(batch, batch_idx)
                     loss = out["loss"] if isinstance(out, Mapping) else out
                 if not isinstance(loss, Tensor):
-                    raise TypeError(f"GradientParityCheck needs a loss tensor, the step returned {type(loss).__name__}.")
+                    raise TypeError(
+                        f"GradientParityCheck needs a loss tensor, the step returned {type(loss).__name__}."
+                    )
                 (loss / len(batches)).backward()  # the mean over micro-batches, like Lightning's accumulation
         # every name of a tied parameter gives the one (summed) gradient: a strategy that broke the tie holds
         # two parameters whose gradients are each a part of it, and fails the comparison

@@ -36,19 +36,25 @@ def train_data_problems(loader: Any, *, dp_size: int) -> list[str]:
     n = len(dataset)
     name = type(dataset).__name__
     if n == 0:
-        return [f"The training dataset ({name}) is empty: len(dataset)=0. Check the data path/filters of"
-                " `train_dataloader`, or do not call `fit`."]
+        return [
+            f"The training dataset ({name}) is empty: len(dataset)=0. Check the data path/filters of"
+            " `train_dataloader`, or do not call `fit`."
+        ]
     if n < dp_size:
-        return [f"The training dataset ({name}) has {n} samples but there are {dp_size} data-parallel ranks:"
-                f" the DistributedSampler would pad it with copies, so ranks train on duplicated samples. Use at"
-                f" most {n} data-parallel ranks (devices x nodes / (tp x pp)) or a dataset of >= {dp_size} samples."]
+        return [
+            f"The training dataset ({name}) has {n} samples but there are {dp_size} data-parallel ranks:"
+            f" the DistributedSampler would pad it with copies, so ranks train on duplicated samples. Use at"
+            f" most {n} data-parallel ranks (devices x nodes / (tp x pp)) or a dataset of >= {dp_size} samples."
+        ]
     batch_size = getattr(loader, "batch_size", None)
     if getattr(loader, "drop_last", False) and batch_size:
         per_rank = samples_per_rank(n, dp_size, drop_last=getattr(loader.sampler, "drop_last", False))
         if per_rank < batch_size:
-            return [f"The training dataset ({name}) has {n} samples, {per_rank} per data-parallel rank over"
-                    f" {dp_size} ranks, fewer than batch_size={batch_size} with drop_last=True: no batch would"
-                    f" run. Lower batch_size to <= {per_rank}, set drop_last=False, or use more data."]
+            return [
+                f"The training dataset ({name}) has {n} samples, {per_rank} per data-parallel rank over"
+                f" {dp_size} ranks, fewer than batch_size={batch_size} with drop_last=True: no batch would"
+                f" run. Lower batch_size to <= {per_rank}, set drop_last=False, or use more data."
+            ]
     return []
 
 
@@ -76,8 +82,10 @@ class TrainDataGuard(Callback):
         # an empty loader makes Lightning skip the epoch loop (no `on_train_start`) with only a warning
         if trainer.num_training_batches == 0 and trainer.global_step == 0 and trainer.limit_train_batches != 0:
             self._check(trainer)
-            raise ValueError("TrainDataGuard: the training dataloader gave 0 batches on every rank; check"
-                             " `train_dataloader` (dataset size, batch_size, drop_last, limit_train_batches).")
+            raise ValueError(
+                "TrainDataGuard: the training dataloader gave 0 batches on every rank; check"
+                " `train_dataloader` (dataset size, batch_size, drop_last, limit_train_batches)."
+            )
 
 
 class FiniteLossGuard(Callback):
@@ -132,4 +140,3 @@ def check_data_runs_out_together(trainer: Trainer, batch_idx: int, *, group: Any
             " number of items on every rank (e.g. cut each shard to the shortest, or pad it), or use a"
             " map-style dataset, which the DistributedSampler splits evenly."
         )
-

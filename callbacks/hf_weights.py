@@ -28,8 +28,9 @@ class HFPretrained(Callback):
         Trainer(strategy="tp", callbacks=[HFPretrained(folder, export_to="out/")]).fit(Wrapper(model))
     """
 
-    def __init__(self, path: Union[str, os.PathLike], *, export_to: Optional[Union[str, os.PathLike]] = None,
-                 strict: bool = True) -> None:
+    def __init__(
+        self, path: Union[str, os.PathLike], *, export_to: Optional[Union[str, os.PathLike]] = None, strict: bool = True
+    ) -> None:
         self.path = Path(path)
         """The safetensors folder to start from."""
         self.export_to = None if export_to is None else Path(export_to)

@@ -33,22 +33,38 @@ from lightning_dist.callbacks import _planned
 # c10d op name -> (ledger op, argument holding the payload tensor(s): the output of gathers, input of scatters)
 # c10d ops: the process group is a positional ScriptObject; functional ops: a group name (or object) last.
 _C10D = {
-    "allreduce_": ("all_reduce", 0), "allreduce_coalesced_": ("all_reduce", 0),
-    "_allgather_base_": ("all_gather", 0), "allgather_": ("all_gather", 0),
-    "allgather_into_tensor_coalesced_": ("all_gather", 0), "allgather_coalesced_": ("all_gather", 0),
-    "_reduce_scatter_base_": ("reduce_scatter", 1), "reduce_scatter_": ("reduce_scatter", 1),
+    "allreduce_": ("all_reduce", 0),
+    "allreduce_coalesced_": ("all_reduce", 0),
+    "_allgather_base_": ("all_gather", 0),
+    "allgather_": ("all_gather", 0),
+    "allgather_into_tensor_coalesced_": ("all_gather", 0),
+    "allgather_coalesced_": ("all_gather", 0),
+    "_reduce_scatter_base_": ("reduce_scatter", 1),
+    "reduce_scatter_": ("reduce_scatter", 1),
     "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
-    "broadcast_": ("broadcast", 0), "reduce_": ("reduce", 0),
-    "alltoall_base_": ("all_to_all", 1), "alltoall_": ("all_to_all", 1),
-    "gather_": ("gather", 1), "scatter_": ("scatter", 0),
-    "send": ("send", 0), "recv_": ("recv", 0), "recv_any_source_": ("recv", 0),
+    "broadcast_": ("broadcast", 0),
+    "reduce_": ("reduce", 0),
+    "alltoall_base_": ("all_to_all", 1),
+    "alltoall_": ("all_to_all", 1),
+    "gather_": ("gather", 1),
+    "scatter_": ("scatter", 0),
+    "send": ("send", 0),
+    "recv_": ("recv", 0),
+    "recv_any_source_": ("recv", 0),
 }
 _FUNCTIONAL = {
-    "all_reduce": "all_reduce", "all_reduce_": "all_reduce", "all_reduce_coalesced": "all_reduce",
-    "all_reduce_coalesced_": "all_reduce", "all_gather_into_tensor": "all_gather",
-    "all_gather_into_tensor_out": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
-    "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
-    "all_to_all_single": "all_to_all", "broadcast": "broadcast", "broadcast_": "broadcast",
+    "all_reduce": "all_reduce",
+    "all_reduce_": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "all_reduce_coalesced_": "all_reduce",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_out": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "all_to_all_single": "all_to_all",
+    "broadcast": "broadcast",
+    "broadcast_": "broadcast",
 }
 
 
@@ -132,14 +148,23 @@ class CommunicationLedger(Callback):
         print_table: print the rank-0 table at the end of fit.
     """
 
-    def __init__(self, *, skip_steps: int = 1, planned: str | Sequence[planner.Collective] | None = "auto",
-                 log: bool = True, print_table: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        skip_steps: int = 1,
+        planned: str | Sequence[planner.Collective] | None = "auto",
+        log: bool = True,
+        print_table: bool = True,
+    ) -> None:
         if planned is not None and not isinstance(planned, str):
             planned = list(planned)
         if isinstance(skip_steps, bool) or not isinstance(skip_steps, int) or skip_steps < 0:
             raise ValueError(f"`skip_steps={skip_steps!r}` must be an integer >= 0.")
-        if not (planned is None or planned == "auto" or (not isinstance(planned, str) and all(
-                isinstance(c, planner.Collective) for c in planned))):
+        if not (
+            planned is None
+            or planned == "auto"
+            or (not isinstance(planned, str) and all(isinstance(c, planner.Collective) for c in planned))
+        ):
             raise ValueError(f"`planned={planned!r}` must be 'auto', None or a sequence of planner.Collective.")
         # not `self.log`: Lightning sets every callback's `log` attribute to `pl_module.log` at fit start
         self.skip_steps, self.planned_arg, self.log_figures, self.print_table = skip_steps, planned, log, print_table
@@ -180,8 +205,14 @@ class CommunicationLedger(Callback):
         def hook(module, args):
             x = args[0]
             seq = x.shape[1] if x.dim() == 3 else 1
-            self._activation = {"batch": x.shape[0], "seq": seq, "hidden": x.shape[-1], "bytes": x.element_size(),
-                                "blocks": blocks, "row_parallel_per_block": max(1, rows // blocks)}
+            self._activation = {
+                "batch": x.shape[0],
+                "seq": seq,
+                "hidden": x.shape[-1],
+                "bytes": x.element_size(),
+                "blocks": blocks,
+                "row_parallel_per_block": max(1, rows // blocks),
+            }
             self._hook.remove()
 
         self._hook = first.register_forward_pre_hook(hook)
@@ -191,22 +222,29 @@ class CommunicationLedger(Callback):
         self._gathered = {}
         for e in entries:
             if e.active and e.style == "colwise_gather" and e.fqn in modules:
+
                 def gather_hook(module, args, out, fqn=e.fqn):
                     if isinstance(args[0], torch.Tensor) and isinstance(out, torch.Tensor):
-                        self._gathered[fqn] = (args[0].numel() * args[0].element_size(), out.numel() * out.element_size())
+                        self._gathered[fqn] = (
+                            args[0].numel() * args[0].element_size(),
+                            out.numel() * out.element_size(),
+                        )
                         self._gather_hooks.pop(fqn).remove()
+
                 self._gather_hooks[e.fqn] = modules[e.fqn].register_forward_hook(gather_hook)
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._step_at_start = trainer.global_step
         self._recorder = CollectiveRecorder()
         self._recorder.__enter__()
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self._recorder is None:
             return
         rec, self._recorder = self._recorder, None
@@ -236,13 +274,16 @@ class CommunicationLedger(Callback):
     @staticmethod
     def _where(trainer: pl.Trainer) -> tuple[Any, int, int]:
         initialized = dist.is_available() and dist.is_initialized()
-        return (_planned.strategy_mesh(trainer.strategy), dist.get_rank() if initialized else 0,
-                dist.get_world_size() if initialized else 1)
+        return (
+            _planned.strategy_mesh(trainer.strategy),
+            dist.get_rank() if initialized else 0,
+            dist.get_world_size() if initialized else 1,
+        )
 
     # ---- summary -------------------------------------------------------------------------------
     def per_step(self) -> dict[tuple[str, str], tuple[float, float]]:
         """Mean (count, payload bytes) per step for each (op, dim), after the first ``skip_steps`` steps."""
-        steps = self.steps[self.skip_steps:] or self.steps
+        steps = self.steps[self.skip_steps :] or self.steps
         out: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0.0])
         for step in steps:
             for key, (count, nbytes) in step.items():
@@ -254,7 +295,9 @@ class CommunicationLedger(Callback):
         if self.planned_arg is None:
             return None
         if self.planned_arg == "auto":
-            activation = None if self._activation is None else {**self._activation, "gathered": list(self._gathered.values())}
+            activation = (
+                None if self._activation is None else {**self._activation, "gathered": list(self._gathered.values())}
+            )
             collectives = _planned.planned_traffic(trainer, pl_module, activation=activation)
             if collectives is None:
                 return None
@@ -280,16 +323,34 @@ class CommunicationLedger(Callback):
             count, got = measured.get((op, dim), (0.0, 0.0))
             want = planned.get((op, dim))
             group_size = self.group_sizes.get(dim, world)
-            wire = planner.Collective(op=op, dim=dim, group_size=group_size, payload_bytes=got).wire_bytes \
-                if op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast") else got
-            self.summary.append({"op": op, "dim": dim, "count": count, "bytes": got, "wire_bytes": wire,
-                                 "planned_bytes": want, "ratio": (got / want) if want else None})
+            wire = (
+                planner.Collective(op=op, dim=dim, group_size=group_size, payload_bytes=got).wire_bytes
+                if op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+                else got
+            )
+            self.summary.append(
+                {
+                    "op": op,
+                    "dim": dim,
+                    "count": count,
+                    "bytes": got,
+                    "wire_bytes": wire,
+                    "planned_bytes": want,
+                    "ratio": (got / want) if want else None,
+                }
+            )
         if self.print_table:
             rows = _gather(self.summary)
             if rank == 0:
-                print(format_ledger(rows, title=f"Communication per step ({type(trainer.strategy).__name__},"
-                                                f" mean of {len(self.steps[self.skip_steps:] or self.steps)}"
-                                                " steps, payload bytes)"), flush=True)
+                print(
+                    format_ledger(
+                        rows,
+                        title=f"Communication per step ({type(trainer.strategy).__name__},"
+                        f" mean of {len(self.steps[self.skip_steps :] or self.steps)}"
+                        " steps, payload bytes)",
+                    ),
+                    flush=True,
+                )
 
 
 def _gather(rows: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
@@ -310,9 +371,16 @@ def format_ledger(per_rank: list[list[dict[str, Any]]], *, title: str = "Communi
         table.add_column(col, justify="left" if col in ("op", "dim") else "right")
     for rank, rows in enumerate(per_rank):
         for r in rows:
-            table.add_row(str(rank), r["op"], r["dim"], f"{r['count']:.1f}", f"{r['bytes']:,.0f}",
-                          f"{r['wire_bytes']:,.0f}", "-" if r["planned_bytes"] is None else f"{r['planned_bytes']:,.0f}",
-                          "-" if r["ratio"] is None else f"{r['ratio']:.3f}")
+            table.add_row(
+                str(rank),
+                r["op"],
+                r["dim"],
+                f"{r['count']:.1f}",
+                f"{r['bytes']:,.0f}",
+                f"{r['wire_bytes']:,.0f}",
+                "-" if r["planned_bytes"] is None else f"{r['planned_bytes']:,.0f}",
+                "-" if r["ratio"] is None else f"{r['ratio']:.3f}",
+            )
     buf = io.StringIO()
     Console(file=buf, width=120, force_terminal=False).print(table)
     return buf.getvalue()

@@ -11,9 +11,8 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
-from typing_extensions import override
-
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from typing_extensions import override
 
 from lightning_dist.callbacks import _planned
 from lightning_dist.measure import cuda_memory, model_state_bytes, model_state_places, placement_mismatches
@@ -83,8 +82,9 @@ class MemoryReport(Callback):
         self.rows = []
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self.measured = model_state_bytes(pl_module, trainer.optimizers)
         self.places = model_state_places(pl_module, trainer.optimizers)
         self.peak = peak_memory_bytes(trainer.strategy.root_device)
@@ -105,16 +105,26 @@ class MemoryReport(Callback):
         if self.measured is None:
             return
         initialized = dist.is_available() and dist.is_initialized()
-        row = {"rank": dist.get_rank() if initialized else 0, "measured": self.measured, "planned": self.planned,
-               "peak_bytes": self.peak[0], "peak_what": self.peak[1],
-               "ratio": (self.measured["total"] / self.planned["total"]) if self.planned and self.planned["total"]
-               else None,
-               "activation_checkpointing": getattr(trainer.strategy, "activation_checkpointing", False),
-               "offloaded_activation_bytes": self.offloaded}
+        row = {
+            "rank": dist.get_rank() if initialized else 0,
+            "measured": self.measured,
+            "planned": self.planned,
+            "peak_bytes": self.peak[0],
+            "peak_what": self.peak[1],
+            "ratio": (self.measured["total"] / self.planned["total"])
+            if self.planned and self.planned["total"]
+            else None,
+            "activation_checkpointing": getattr(trainer.strategy, "activation_checkpointing", False),
+            "offloaded_activation_bytes": self.offloaded,
+        }
         device = trainer.strategy.root_device
         planned_places = _planned.planned_places(trainer.strategy)
-        row.update(places=self.places, planned_places=planned_places, cuda=cuda_memory(device),
-                   mismatches=placement_mismatches(self.places or {}, planned_places, device_type=device.type))
+        row.update(
+            places=self.places,
+            planned_places=planned_places,
+            cuda=cuda_memory(device),
+            mismatches=placement_mismatches(self.places or {}, planned_places, device_type=device.type),
+        )
         # async_checkpoint=True: the host copy of this rank's shards that background saves stage (kept for reuse)
         writer = trainer.strategy.checkpoint_writer() if hasattr(trainer.strategy, "checkpoint_writer") else None
         row["checkpoint_staging_bytes"] = writer.staging_bytes if writer is not None else 0
@@ -128,8 +138,9 @@ class MemoryReport(Callback):
         if wrong:
             rank_zero_warn("MemoryReport: model states not where the strategy plans them:\n  - " + "\n  - ".join(wrong))
         if self.print_table and row["rank"] == 0:
-            print(format_memory(rows, title=f"Model-state bytes per rank ({type(trainer.strategy).__name__})"),
-                  flush=True)
+            print(
+                format_memory(rows, title=f"Model-state bytes per rank ({type(trainer.strategy).__name__})"), flush=True
+            )
 
 
 def format_memory(rows: list[dict[str, Any]], *, title: str = "Model-state bytes per rank") -> str:
@@ -138,8 +149,18 @@ def format_memory(rows: list[dict[str, Any]], *, title: str = "Model-state bytes
     from rich.table import Table
 
     table = Table(title=title)
-    for col in ("rank", "params B", "grads B", "optimizer B", "total B", "planned B", "measured/planned",
-                "host B (planned places)", "AC / offloaded act. B", "peak B"):
+    for col in (
+        "rank",
+        "params B",
+        "grads B",
+        "optimizer B",
+        "total B",
+        "planned B",
+        "measured/planned",
+        "host B (planned places)",
+        "AC / offloaded act. B",
+        "peak B",
+    ):
         table.add_column(col, justify="right")
     for r in rows:
         m, p = r["measured"], r["planned"]
@@ -150,10 +171,15 @@ def format_memory(rows: list[dict[str, Any]], *, title: str = "Model-state bytes
         if r.get("cuda"):
             peak += f"; allocated {r['cuda']['allocated']:,}"
         ac, off = r.get("activation_checkpointing") or "none", r.get("offloaded_activation_bytes")
-        table.add_row(str(r["rank"]), *(f"{m[k]:,}" for k in _PARTS), "-" if p is None else f"{p['total']:,.0f}",
-                      "-" if r["ratio"] is None else f"{r['ratio']:.3f}",
-                      f"{host:,} ({where})" + (" MISMATCH" if r.get("mismatches") else ""),
-                      f"{ac} / {'-' if off is None else f'{off:,}'}", peak)
+        table.add_row(
+            str(r["rank"]),
+            *(f"{m[k]:,}" for k in _PARTS),
+            "-" if p is None else f"{p['total']:,.0f}",
+            "-" if r["ratio"] is None else f"{r['ratio']:.3f}",
+            f"{host:,} ({where})" + (" MISMATCH" if r.get("mismatches") else ""),
+            f"{ac} / {'-' if off is None else f'{off:,}'}",
+            peak,
+        )
     buf = io.StringIO()
     Console(file=buf, width=170, force_terminal=False).print(table)
     return buf.getvalue()

@@ -22,6 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional, Union
 
+import lightning.pytorch as pl
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
@@ -29,8 +30,6 @@ from typing_extensions import override
 from lightning_dist._compat import matplotlib_available
 from lightning_dist.parallelize.pipeline import pipeline_view
 from lightning_dist.parallelize.pipeline_schedule import bubble_theory
-
-import lightning.pytorch as pl
 
 COLORS = {"F": "#4C72B0", "B": "#55A868", "I": "#DD8452", "W": "#8172B3"}
 
@@ -50,9 +49,17 @@ def bubble_stats(records: list[dict], pp: int) -> dict[str, Any]:
             peak[int(stage)] = max(peak.get(int(stage), 0), held)
     theory = bubble_theory(pp, m)  # the GPipe/1F1B reference, whatever the schedule (the one formula)
     mean_idle = sum(idle.values()) / len(idle)
-    return {"idle_fraction": mean_idle, "idle_by_rank": idle, "idle_theory": theory, "idle_replay": replay_idle(records),
-            "ratio": mean_idle / theory if theory > 0 else float("nan"), "span_s": span,
-            "peak_held": dict(sorted(peak.items())), "n_microbatches": m, "pp": pp}
+    return {
+        "idle_fraction": mean_idle,
+        "idle_by_rank": idle,
+        "idle_theory": theory,
+        "idle_replay": replay_idle(records),
+        "ratio": mean_idle / theory if theory > 0 else float("nan"),
+        "span_s": span,
+        "peak_held": dict(sorted(peak.items())),
+        "n_microbatches": m,
+        "pp": pp,
+    }
 
 
 def _cost(event: tuple, cpu: bool) -> float:
@@ -125,8 +132,13 @@ def save_gantt(records: list[dict], path: Union[str, Path], *, title: str = "") 
     for r in records:
         for stage, kind, mb, t0, t1, *_ in r["events"]:
             y = stages.index(stage)
-            ax.broken_barh([((t0 - start) * 1e3, (t1 - t0) * 1e3)], (y - 0.4, 0.8),
-                           facecolors=COLORS.get(kind, "grey"), edgecolor="black", linewidth=0.4)
+            ax.broken_barh(
+                [((t0 - start) * 1e3, (t1 - t0) * 1e3)],
+                (y - 0.4, 0.8),
+                facecolors=COLORS.get(kind, "grey"),
+                edgecolor="black",
+                linewidth=0.4,
+            )
             ax.text((t0 + t1 - 2 * start) / 2 * 1e3, y, str(mb), ha="center", va="center", fontsize=7, color="white")
     ax.set_yticks(range(len(stages)), [f"stage {s} (rank {stage_rank[s]})" for s in stages])
     ax.invert_yaxis()
@@ -154,12 +166,16 @@ class PipelineBubble(Callback):
     gathered per-rank action records of the last one, and :meth:`summary` their means.
     """
 
-    def __init__(self, *, gantt_path: Optional[Union[str, Path]] = None, log: bool = True, warmup_steps: int = 1) -> None:
+    def __init__(
+        self, *, gantt_path: Optional[Union[str, Path]] = None, log: bool = True, warmup_steps: int = 1
+    ) -> None:
         if gantt_path is not None and not matplotlib_available():
             # checked here, on every rank, so a missing extra never surfaces after a step's collectives
-            raise ModuleNotFoundError(f"PipelineBubble(gantt_path={str(gantt_path)!r}) draws the chart with matplotlib,"
-                                      " which is not installed: pip install 'lightning-dist[plot]', or pass"
-                                      " gantt_path=None.")
+            raise ModuleNotFoundError(
+                f"PipelineBubble(gantt_path={str(gantt_path)!r}) draws the chart with matplotlib,"
+                " which is not installed: pip install 'lightning-dist[plot]', or pass"
+                " gantt_path=None."
+            )
         self.gantt_path = gantt_path
         self.log_figures = log  # not `self.log`: Lightning overwrites that attribute with pl_module.log
         self.warmup_steps = warmup_steps
@@ -171,13 +187,15 @@ class PipelineBubble(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         view = pipeline_view(trainer.strategy)
         if view is None:
-            raise TypeError(f"PipelineBubble needs Trainer(strategy=PipelineStrategy(...)); got"
-                            f" {type(trainer.strategy).__name__}.")
+            raise TypeError(
+                f"PipelineBubble needs Trainer(strategy=PipelineStrategy(...)); got {type(trainer.strategy).__name__}."
+            )
         view.record_timeline = True
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         strategy = trainer.strategy
         view = pipeline_view(strategy)
         mine = view.pop_timelines() if view is not None else []
@@ -203,10 +221,13 @@ class PipelineBubble(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.gantt_path is not None and self.last_records and trainer.is_global_zero:
             stats = bubble_stats(self.last_records, len(self.last_records))  # one record per pp rank
-            save_gantt(self.last_records, self.gantt_path,
-                       title=f"{type(trainer.strategy).__name__} {getattr(trainer.strategy, 'schedule', '')}:"
-                             f" p={stats['pp']}, m={stats['n_microbatches']}, idle {stats['idle_fraction']:.3f}"
-                             f" (theory {stats['idle_theory']:.3f})")
+            save_gantt(
+                self.last_records,
+                self.gantt_path,
+                title=f"{type(trainer.strategy).__name__} {getattr(trainer.strategy, 'schedule', '')}:"
+                f" p={stats['pp']}, m={stats['n_microbatches']}, idle {stats['idle_fraction']:.3f}"
+                f" (theory {stats['idle_theory']:.3f})",
+            )
 
     def summary(self) -> dict[str, Any]:
         """Means over the recorded steps (after warm-up)."""
@@ -222,11 +243,19 @@ class PipelineBubble(Callback):
         theory = self.steps[0]["idle_theory"]
         # the step with the least idle (as timeit reports its minimum) and the median: shared machines are noisy
         replay = sorted(s["idle_replay"] for s in self.steps)[n // 2]
-        return {"idle_fraction": idle, "idle_median": idles[n // 2], "idle_best": best, "idle_theory": theory,
-                "idle_replay": replay, "ratio_replay": replay / theory if theory else float("nan"),
-                "ratio": idle / theory if theory else float("nan"),
-                "ratio_best": best / theory if theory else float("nan"),
-                "span_s": sum(s["span_s"] for s in self.steps) / n, "peak_held": peak, "steps": n}
+        return {
+            "idle_fraction": idle,
+            "idle_median": idles[n // 2],
+            "idle_best": best,
+            "idle_theory": theory,
+            "idle_replay": replay,
+            "ratio_replay": replay / theory if theory else float("nan"),
+            "ratio": idle / theory if theory else float("nan"),
+            "ratio_best": best / theory if theory else float("nan"),
+            "span_s": sum(s["span_s"] for s in self.steps) / n,
+            "peak_held": peak,
+            "steps": n,
+        }
 
 
 __all__ = ["PipelineBubble", "bubble_stats", "replay_idle", "save_gantt"]

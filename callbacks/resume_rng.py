@@ -75,8 +75,10 @@ class ResumeRNG(Callback):
         ranks = state_dict["ranks"]
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         if len(ranks) != (dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1):
-            raise ValueError(f"ResumeRNG: the checkpoint holds RNG states of {len(ranks)} ranks but this job has"
-                             " a different world size; resume with the same number of processes, or drop ResumeRNG.")
+            raise ValueError(
+                f"ResumeRNG: the checkpoint holds RNG states of {len(ranks)} ranks but this job has"
+                " a different world size; resume with the same number of processes, or drop ResumeRNG."
+            )
         self._restore = ranks[rank]
 
     @override

@@ -54,7 +54,9 @@ def _children(obj: Any) -> list:
 
 def _worth_visiting(value: Any) -> bool:
     # samplers, datasets and anything that can take an epoch; never tensors, arrays or strings
-    return isinstance(value, (Sampler, BatchSampler, Dataset, DataLoader)) or callable(getattr(value, "set_epoch", None))
+    return isinstance(value, (Sampler, BatchSampler, Dataset, DataLoader)) or callable(
+        getattr(value, "set_epoch", None)
+    )
 
 
 def find_epoch_holders(loaders: Any) -> list:

@@ -117,9 +117,7 @@ class _SyncBatchNormFn(Function):
             mean_dy, mean_dy_xmu = sums[0] / n, sums[1] / n
             scale = invstd if weight is None else invstd * weight.to(stat_dtype)
             grad_x = (
-                dys
-                - _channel_view(mean_dy, x.dim())
-                - xmu * _channel_view(invstd.pow(2) * mean_dy_xmu, x.dim())
+                dys - _channel_view(mean_dy, x.dim()) - xmu * _channel_view(invstd.pow(2) * mean_dy_xmu, x.dim())
             ) * _channel_view(scale, x.dim())
             grad_x = grad_x.to(x.dtype)
         return grad_x, grad_w, grad_b, None, None, None, None, None, None
@@ -143,7 +141,9 @@ class DataParallelBatchNorm(_BatchNorm):
     rank) it behaves exactly like plain BatchNorm. Build it with :func:`convert_sync_batchnorm`.
     """
 
-    def __init__(self, num_features: int, *, process_group: Any = None, plain_class: str = "BatchNorm2d", **kwargs: Any):
+    def __init__(
+        self, num_features: int, *, process_group: Any = None, plain_class: str = "BatchNorm2d", **kwargs: Any
+    ):
         super().__init__(num_features, **kwargs)
         self.process_group = process_group
         """The group statistics are pooled over (``None``: no sync)."""
@@ -177,8 +177,14 @@ class DataParallelBatchNorm(_BatchNorm):
         # torch's CUDA kernels (2x faster than the hand-written path on GPU); the hand-written path for CPU/gloo
         sync_fn = torch_sync_batchnorm_function() if uses_torch_kernels(input.device) else _SyncBatchNormFn
         return sync_fn.apply(
-            input, self.weight, self.bias, self.running_mean if self.track_running_stats else None,
-            self.running_var if self.track_running_stats else None, self.eps, factor, self.process_group,
+            input,
+            self.weight,
+            self.bias,
+            self.running_mean if self.track_running_stats else None,
+            self.running_var if self.track_running_stats else None,
+            self.eps,
+            factor,
+            self.process_group,
             group_size,
         )
 
@@ -223,8 +229,13 @@ def convert_sync_batchnorm(module: nn.Module, *, process_group: Any) -> nn.Modul
         if isinstance(m, _BatchNorm):
             plain = type(m).__name__ if type(m).__name__ in _PLAIN_BN else "BatchNorm2d"
             new = DataParallelBatchNorm(
-                m.num_features, eps=m.eps, momentum=m.momentum, affine=m.affine,
-                track_running_stats=m.track_running_stats, process_group=process_group, plain_class=plain,
+                m.num_features,
+                eps=m.eps,
+                momentum=m.momentum,
+                affine=m.affine,
+                track_running_stats=m.track_running_stats,
+                process_group=process_group,
+                plain_class=plain,
                 device="meta",  # every tensor is replaced by the original one just below
             )
             return _copy_state(m, new)
@@ -241,8 +252,12 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
         if not isinstance(m, DataParallelBatchNorm):
             return None
         new = _PLAIN_BN[m.plain_class](
-            m.num_features, eps=m.eps, momentum=m.momentum, affine=m.affine,
-            track_running_stats=m.track_running_stats, device="meta",
+            m.num_features,
+            eps=m.eps,
+            momentum=m.momentum,
+            affine=m.affine,
+            track_running_stats=m.track_running_stats,
+            device="meta",
         )
         return _copy_state(m, new)
 
@@ -251,8 +266,13 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
 
 def unsynced_batchnorm(module: nn.Module) -> list[str]:
     """Names of the BatchNorm layers of `module` that keep per-rank statistics (not synced over a group)."""
-    return [n for n, m in module.named_modules() if isinstance(m, _BatchNorm) and m.track_running_stats
-            and not isinstance(m, (DataParallelBatchNorm, nn.SyncBatchNorm))]
+    return [
+        n
+        for n, m in module.named_modules()
+        if isinstance(m, _BatchNorm)
+        and m.track_running_stats
+        and not isinstance(m, (DataParallelBatchNorm, nn.SyncBatchNorm))
+    ]
 
 
 def warn_unsynced_batchnorm(module: nn.Module, *, dp_size: int) -> bool:
@@ -299,7 +319,7 @@ def _partition_group(group: Any, dp_size: int, group_size: int) -> Any:
     result = None
     for ranks in dp_groups:
         for start in range(0, dp_size, group_size):
-            chunk = list(ranks[start:start + group_size])
+            chunk = list(ranks[start : start + group_size])
             pg = dist.new_group(chunk)
             if dist.get_rank() in chunk:
                 result = pg
@@ -328,7 +348,9 @@ class MeshSyncBatchNorm(Callback):
     """
 
     def __init__(self, *, group_size: Optional[int] = None) -> None:
-        if group_size is not None and (not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1):
+        if group_size is not None and (
+            not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1
+        ):
             raise ValueError(f"`group_size={group_size!r}` must be None (the whole dp group) or an integer >= 1.")
         self.group_size = group_size
         """Sync over groups of this many consecutive data-parallel ranks; None: the whole ``dp`` group."""
@@ -357,8 +379,11 @@ class MeshSyncBatchNorm(Callback):
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        plain = [n for n, m in pl_module.named_modules() if isinstance(m, _BatchNorm)
-                 and not isinstance(m, DataParallelBatchNorm)]
+        plain = [
+            n
+            for n, m in pl_module.named_modules()
+            if isinstance(m, _BatchNorm) and not isinstance(m, DataParallelBatchNorm)
+        ]
         if plain:
             raise RuntimeError(
                 f"MeshSyncBatchNorm: BatchNorm layers {plain[:5]} were created after `setup` (in"
@@ -370,10 +395,16 @@ class MeshSyncBatchNorm(Callback):
             self._warned = True  # once per callback, on rank 0: the same model on every rank
             from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-            norms = sorted({type(m).__name__ for m in pl_module.modules()
-                            if type(m).__name__.endswith("Norm") and not any(True for _ in m.children())})
+            norms = sorted(
+                {
+                    type(m).__name__
+                    for m in pl_module.modules()
+                    if type(m).__name__.endswith("Norm") and not any(True for _ in m.children())
+                }
+            )
             rank_zero_warn(
                 f"MeshSyncBatchNorm: {type(pl_module).__name__} has no BatchNorm layer, so there is nothing to"
-                " synchronize" + (f" ({', '.join(norms)} normalize each sample alone and need no sync)" if norms else "")
+                " synchronize"
+                + (f" ({', '.join(norms)} normalize each sample alone and need no sync)" if norms else "")
                 + ". Remove the callback, or add the BatchNorm layers in `__init__`."
             )

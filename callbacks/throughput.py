@@ -48,8 +48,15 @@ class ThroughputSummary(Callback):
         print_table: print the rank-0 summary table at the end of fit.
     """
 
-    def __init__(self, *, window_size: int = 10, skip_steps: int = 1,
-                 batch_size_fn: Callable[[Any], int] | None = None, log: bool = True, print_table: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        window_size: int = 10,
+        skip_steps: int = 1,
+        batch_size_fn: Callable[[Any], int] | None = None,
+        log: bool = True,
+        print_table: bool = True,
+    ) -> None:
         problems = []
         if isinstance(window_size, bool) or not isinstance(window_size, int) or window_size < 2:
             problems.append(f"`window_size={window_size!r}` must be an integer >= 2 (steps in the sliding window).")
@@ -76,15 +83,17 @@ class ThroughputSummary(Callback):
         self._t0, self._batches, self._samples, self._skip_mark, self.summary = None, 0, 0, None, {}
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self._t0 is None:  # time the steps, not the set-up before the first batch
             _synchronize(trainer.strategy.root_device)
             self._t0 = time.perf_counter()
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self._throughput is None or self._t0 is None:
             return
         _synchronize(trainer.strategy.root_device)
@@ -108,27 +117,46 @@ class ThroughputSummary(Callback):
         elapsed = time.perf_counter() - self._t0
         _, dp_size, dp_rank = data_parallel_info(trainer.strategy)
         mark_time, mark_samples = self._skip_mark or (0.0, 0)
-        row = {"rank": _rank(), "dp_rank": dp_rank, "samples": self._samples, "time": elapsed,
-               "timed_samples": self._samples - mark_samples, "timed_time": elapsed - mark_time,
-               "memory": _memory_figures(trainer), "comm": _comm_figures(trainer)}
+        row = {
+            "rank": _rank(),
+            "dp_rank": dp_rank,
+            "samples": self._samples,
+            "time": elapsed,
+            "timed_samples": self._samples - mark_samples,
+            "timed_time": elapsed - mark_time,
+            "memory": _memory_figures(trainer),
+            "comm": _comm_figures(trainer),
+        }
         rows = _gather(row)
         by_dp = {r["dp_rank"]: r for r in rows}  # tp/pp peers of a dp rank saw the same samples: count them once
         samples = sum(r["samples"] for r in by_dp.values())
         timed = sum(r["timed_samples"] for r in by_dp.values())
         slowest = max(r["timed_time"] for r in rows)
         self.summary = {
-            "strategy": type(trainer.strategy).__name__, "world_size": len(rows), "dp_size": dp_size,
-            "steps": trainer.global_step, "samples": samples, "time_s": max(r["time"] for r in rows),
+            "strategy": type(trainer.strategy).__name__,
+            "world_size": len(rows),
+            "dp_size": dp_size,
+            "steps": trainer.global_step,
+            "samples": samples,
+            "time_s": max(r["time"] for r in rows),
             "samples_per_sec": timed / slowest if slowest > 0 else float("nan"),
-            "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()
-                        if not k.startswith(_OWN_PREFIXES)  # the pack's figures have rows of their own
-                        and (isinstance(v, (int, float)) or (isinstance(v, torch.Tensor) and v.numel() == 1))},
+            "metrics": {
+                k: float(v)
+                for k, v in trainer.callback_metrics.items()
+                if not k.startswith(_OWN_PREFIXES)  # the pack's figures have rows of their own
+                and (isinstance(v, (int, float)) or (isinstance(v, torch.Tensor) and v.numel() == 1))
+            },
             "ranks": rows,
         }
         if self.log_figures:
             for logger in trainer.loggers:  # loggers write on rank 0 only (rank_zero_only)
-                logger.log_metrics({"throughput/fit_samples_per_sec": self.summary["samples_per_sec"],
-                                    "throughput/fit_samples": float(samples)}, step=trainer.global_step)
+                logger.log_metrics(
+                    {
+                        "throughput/fit_samples_per_sec": self.summary["samples_per_sec"],
+                        "throughput/fit_samples": float(samples),
+                    },
+                    step=trainer.global_step,
+                )
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -164,9 +192,12 @@ def _memory_figures(trainer: pl.Trainer) -> dict[str, Any] | None:
     report = _find(trainer, "MemoryReport")
     if report is None or report.measured is None:
         return None
-    return {"model_state_bytes": report.measured["total"],
-            "planned_bytes": None if report.planned is None else report.planned["total"],
-            "peak_bytes": report.peak[0] if report.peak else None, "peak_what": report.peak[1] if report.peak else ""}
+    return {
+        "model_state_bytes": report.measured["total"],
+        "planned_bytes": None if report.planned is None else report.planned["total"],
+        "peak_bytes": report.peak[0] if report.peak else None,
+        "peak_what": report.peak[1] if report.peak else "",
+    }
 
 
 def _comm_figures(trainer: pl.Trainer) -> dict[str, float] | None:
@@ -185,8 +216,10 @@ def format_summary(summary: dict[str, Any]) -> str:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"Fit summary ({summary['strategy']}, {summary['world_size']} processes,"
-                        f" data-parallel size {summary['dp_size']})")
+    table = Table(
+        title=f"Fit summary ({summary['strategy']}, {summary['world_size']} processes,"
+        f" data-parallel size {summary['dp_size']})"
+    )
     table.add_column("figure")
     table.add_column("value", justify="right")
     table.add_row("optimizer steps", f"{summary['steps']:,}")

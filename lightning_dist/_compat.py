@@ -57,16 +57,24 @@ def check_versions() -> None:
     import lightning
 
     if not compare_version("torch", lambda a, b: a >= b, TORCH_MIN):
-        raise ImportError(f"lightning-dist needs torch>={TORCH_MIN} (FSDP2, DTensor tensor parallelism and pipelining"
-                          f" as tested); found torch {torch.__version__}. Upgrade: pip install 'torch>={TORCH_MIN}'.")
+        raise ImportError(
+            f"lightning-dist needs torch>={TORCH_MIN} (FSDP2, DTensor tensor parallelism and pipelining"
+            f" as tested); found torch {torch.__version__}. Upgrade: pip install 'torch>={TORCH_MIN}'."
+        )
     lo, hi = LIGHTNING_RANGE
-    if not (compare_version("lightning", lambda a, b: a >= b, lo) and compare_version("lightning", lambda a, b: a < b, hi)):
-        raise ImportError(f"lightning-dist supports lightning>={lo},<{hi}; found lightning {lightning.__version__}."
-                          f" Install a supported release: pip install 'lightning>={lo},<{hi}'.")
+    if not (
+        compare_version("lightning", lambda a, b: a >= b, lo) and compare_version("lightning", lambda a, b: a < b, hi)
+    ):
+        raise ImportError(
+            f"lightning-dist supports lightning>={lo},<{hi}; found lightning {lightning.__version__}."
+            f" Install a supported release: pip install 'lightning>={lo},<{hi}'."
+        )
     if compare_version("torch", lambda a, b: a >= b, _next_minor(TORCH_MAX_TESTED)):
-        warnings.warn(f"lightning-dist is tested on torch {TORCH_MIN} to {TORCH_MAX_TESTED}.x; torch {torch.__version__}"
-                      " is newer and untested: run `make test-compat TORCH_SPEC=torch==<version>` before relying on it.",
-                      stacklevel=2)
+        warnings.warn(
+            f"lightning-dist is tested on torch {TORCH_MIN} to {TORCH_MAX_TESTED}.x; torch {torch.__version__}"
+            " is newer and untested: run `make test-compat TORCH_SPEC=torch==<version>` before relying on it.",
+            stacklevel=2,
+        )
 
 
 def _next_minor(version: str) -> str:
@@ -100,7 +108,8 @@ def torch_pipelining_tested() -> bool:
     """True on the torch releases the pipelining patches were tested on (``TORCH_PIPELINING_TESTED``)."""
     low, high = TORCH_PIPELINING_TESTED
     return compare_version("torch", lambda a, b: a >= b, f"{low}.0") and compare_version(
-        "torch", lambda a, b: a < b, _next_minor(high))
+        "torch", lambda a, b: a < b, _next_minor(high)
+    )
 
 
 def check_torch_pipelining(patch: str) -> None:
@@ -110,7 +119,8 @@ def check_torch_pipelining(patch: str) -> None:
         raise RuntimeError(
             f"lightning-dist's pipeline patch `{patch}` uses torch.distributed.pipelining internals tested on torch"
             f" {low} to {high}.x; found torch {torch.__version__}. Install a tested torch, or run"
-            " tests/unit/test_torch_pipelining_patches.py on this release and extend TORCH_PIPELINING_TESTED.")
+            " tests/unit/test_torch_pipelining_patches.py on this release and extend TORCH_PIPELINING_TESTED."
+        )
 
 
 def deepspeed_available() -> bool:
@@ -192,7 +202,9 @@ def init_fake_process_group(*, rank: int, world_size: int) -> None:
     import torch.distributed as dist
 
     if not HAS_FAKE_PROCESS_GROUP:
-        raise ImportError(f"The dry run needs torch's fake process-group backend (torch>=2.11); found {torch.__version__}.")
+        raise ImportError(
+            f"The dry run needs torch's fake process-group backend (torch>=2.11); found {torch.__version__}."
+        )
     # importing the module registers the backend and its store; init_process_group("fake") does the same
     # import itself when no store is given, so this is the one place the private path is named
     from torch.testing._internal.distributed.fake_pg import FakeStore

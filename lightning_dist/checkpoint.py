@@ -120,9 +120,7 @@ def index_to_fqn(osd: Mapping[str, Any], template: Mapping[str, Any]) -> dict[st
             f"The checkpoint's optimizer has {n_saved} parameters but the live optimizer has {len(order)};"
             " the checkpoint was written by a different model or `configure_optimizers`."
         )
-    groups = [
-        {**g, "params": [order[i] for i in g["params"]]} for g in osd["param_groups"]
-    ]
+    groups = [{**g, "params": [order[i] for i in g["params"]]} for g in osd["param_groups"]]
     return {"state": {order[int(i)]: s for i, s in osd["state"].items()}, "param_groups": groups}
 
 
@@ -149,8 +147,9 @@ def _atomic_torch_save(obj: Any, path: Path) -> None:
     atomic_write(path, lambda f: torch.save(obj, f))
 
 
-def save(checkpoint: dict[str, Any], path: str | os.PathLike, *, sharded: bool,
-         writer: BackgroundWriter | None = None) -> None:
+def save(
+    checkpoint: dict[str, Any], path: str | os.PathLike, *, sharded: bool, writer: BackgroundWriter | None = None
+) -> None:
     """Write a Lightning checkpoint dict atomically; every rank must call this (collectives inside).
 
     `checkpoint` is what Lightning's ``dump_checkpoint`` built from :func:`model_state` and
@@ -160,8 +159,9 @@ def save(checkpoint: dict[str, Any], path: str | os.PathLike, *, sharded: bool,
     path = Path(path)
     if writer is not None:
         if not sharded:
-            raise ValueError("A background checkpoint save needs sharded checkpoints"
-                             " (save_distributed_checkpoint=True).")
+            raise ValueError(
+                "A background checkpoint save needs sharded checkpoints (save_distributed_checkpoint=True)."
+            )
         writer.wait()  # one save in flight: the previous one is committed before this one starts
     tmp = path.with_name(path.name + ".tmp")
     rank = _rank()
@@ -228,12 +228,18 @@ def _torch_load(path: Path, weights_only: bool) -> Any:
     except Exception as err:
         if _read_magic(path) != _ZIP_MAGIC or "zip archive" in str(err):
             # torch's own message for a damaged file can advise weights_only=False: name the damage instead
-            raise ValueError(f"{path} is damaged (truncated or overwritten: not a file torch.save wrote). Copy it again"
-                             " from where it was written, or load another checkpoint.") from None
+            raise ValueError(
+                f"{path} is damaged (truncated or overwritten: not a file torch.save wrote). Copy it again"
+                " from where it was written, or load another checkpoint."
+            ) from None
         if weights_only and "weights_only" in str(err):  # pickle.UnpicklingError under weights_only: name the way out
             # torch's message advises weights_only=False (arbitrary code execution): keep only its diagnosis
-            why = " ".join(line.strip() for line in str(err).splitlines()
-                           if "Unsupported global" in line or "GLOBAL" in line) or "a class outside torch's allow-list"
+            why = (
+                " ".join(
+                    line.strip() for line in str(err).splitlines() if "Unsupported global" in line or "GLOBAL" in line
+                )
+                or "a class outside torch's allow-list"
+            )
             raise RuntimeError(
                 f"{path} holds objects that `torch.load(weights_only=True)` refuses ({why}). If you trust the file,"
                 " allow those classes with `torch.serialization.add_safe_globals([...])`."
@@ -258,13 +264,17 @@ def check_sharded(path: str | os.PathLike, *, need_meta: bool = True) -> None:
     import torch.distributed.checkpoint as dcp
 
     path = Path(path)
-    fix = (" Copy the whole checkpoint directory again from where it was written (every file of it), or load"
-           " another checkpoint.")
+    fix = (
+        " Copy the whole checkpoint directory again from where it was written (every file of it), or load"
+        " another checkpoint."
+    )
     if not (path / ".metadata").is_file():
         found = sorted(p.name for p in path.iterdir())[:5] if path.is_dir() else []
-        raise ValueError(f"{path} is not a sharded checkpoint of lightning-dist: it has no `.metadata` file (the index"
-                         f" torch.distributed.checkpoint writes last; found {found or 'nothing'}). Pass the checkpoint"
-                         " directory itself (e.g. `epoch=0-step=10.ckpt`)." + fix)
+        raise ValueError(
+            f"{path} is not a sharded checkpoint of lightning-dist: it has no `.metadata` file (the index"
+            f" torch.distributed.checkpoint writes last; found {found or 'nothing'}). Pass the checkpoint"
+            " directory itself (e.g. `epoch=0-step=10.ckpt`)." + fix
+        )
     try:
         metadata = dcp.FileSystemReader(path).read_metadata()
     except Exception as err:
@@ -297,7 +307,9 @@ def check_sharded(path: str | os.PathLike, *, need_meta: bool = True) -> None:
 
 
 def check_compatible(
-    saved_shapes: Mapping[str, Sequence[int]], model: nn.Module, strict: bool = True,
+    saved_shapes: Mapping[str, Sequence[int]],
+    model: nn.Module,
+    strict: bool = True,
     live_state: Mapping[str, Any] | None = None,
 ) -> None:
     """Raise ValueError naming the first parameter whose name or shape differs between checkpoint and model.
@@ -358,7 +370,11 @@ def load(
         check_sharded(path)
         reader = dcp.FileSystemReader(path)
         index = reader.read_metadata().state_dict_metadata
-        saved = {k[len(MODEL_KEY) + 1:]: md.size for k, md in index.items() if k.startswith(MODEL_KEY + ".") and hasattr(md, "size")}
+        saved = {
+            k[len(MODEL_KEY) + 1 :]: md.size
+            for k, md in index.items()
+            if k.startswith(MODEL_KEY + ".") and hasattr(md, "size")
+        }
         meta = _torch_load(path / META, weights_only)
         if aliases is None:  # a pipeline checkpoint saved each weight tied across stages once
             aliases = meta.get(TIED_KEY)
@@ -410,7 +426,7 @@ def _alias_flat_optimizer(osd: Mapping[str, Any], alias: Mapping[str, str]) -> d
     for k in osd:
         kind, _, rest = k.partition(".")
         name = next((n for n in alias if rest.startswith(n + ".")), None)
-        out[k] = k if name is None else f"{kind}.{alias[name]}{rest[len(name):]}"
+        out[k] = k if name is None else f"{kind}.{alias[name]}{rest[len(name) :]}"
     return out
 
 
@@ -421,11 +437,17 @@ def name_keyed_optimizer_state(model: nn.Module, optimizer: Any) -> dict[str, An
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    return get_optimizer_state_dict(model, _unwrap(optimizer), options=StateDictOptions(flatten_optimizer_state_dict=True))
+    return get_optimizer_state_dict(
+        model, _unwrap(optimizer), options=StateDictOptions(flatten_optimizer_state_dict=True)
+    )
 
 
 def load_stage(
-    path: str | os.PathLike, *, model: nn.Module, optimizers: Sequence[Any] = (), weights_only: bool = True,
+    path: str | os.PathLike,
+    *,
+    model: nn.Module,
+    optimizers: Sequence[Any] = (),
+    weights_only: bool = True,
     aliases: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """Load the part of a checkpoint that one pipeline rank holds (its stages' parameters and optimizer states).
@@ -435,28 +457,34 @@ def load_stage(
     `aliases`: ``{model key: checkpoint key}`` of weights tied across stages, saved once (see :func:`load`).
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     path = resolve_path(path)
     if not path.is_dir():  # a consolidated file: weights only (its optimizer state is in single-device layout)
         return load(path, model=model, optimizers=(), strict=False, weights_only=weights_only)
     check_sharded(path)
-    saved = {k[len(MODEL_KEY) + 1:] for k in dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-             if k.startswith(MODEL_KEY + ".")}
+    saved = {
+        k[len(MODEL_KEY) + 1 :]
+        for k in dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        if k.startswith(MODEL_KEY + ".")
+    }
     live = model_state_shapes(model)
     alias = _usable_aliases(aliases, live, saved)
     missing = sorted({alias.get(k, k) for k in live} - saved)
     if missing:
-        raise ValueError(f"The checkpoint {path} has no entry for {missing[:3]}... of this pipeline stage:"
-                         " it was written by a different model.")
+        raise ValueError(
+            f"The checkpoint {path} has no entry for {missing[:3]}... of this pipeline stage:"
+            " it was written by a different model."
+        )
     meta = load(path, model=model, optimizers=(), strict=False, weights_only=weights_only, aliases=alias)
     index = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     for i, optimizer in enumerate(optimizers):
         if not _name_keyed_in(index, i):
-            raise ValueError(f"The checkpoint {path} holds optimizer state keyed by parameter index (written by a"
-                             " data-parallel strategy), which a pipeline stage cannot pick its parameters from."
-                             " Resume it with the strategy that wrote it, or convert it with `lightning-dist consolidate`"
-                             " and load only the weights.")
+            raise ValueError(
+                f"The checkpoint {path} holds optimizer state keyed by parameter index (written by a"
+                " data-parallel strategy), which a pipeline stage cannot pick its parameters from."
+                " Resume it with the strategy that wrote it, or convert it with `lightning-dist consolidate`"
+                " and load only the weights."
+            )
         _load_name_keyed_optimizer(path, i, model, optimizer, alias, index)
     return meta
 
@@ -468,8 +496,9 @@ def _name_keyed_in(index: Mapping[str, Any], i: int) -> bool:
     return bool(groups) and not any(k.endswith(".params") for k in groups)  # a nested group lists its `params`
 
 
-def _load_name_keyed_optimizer(path: Path, i: int, model: nn.Module, optimizer: Any, alias: Mapping[str, str],
-                               index: Mapping[str, Any]) -> None:
+def _load_name_keyed_optimizer(
+    path: Path, i: int, model: nn.Module, optimizer: Any, alias: Mapping[str, str], index: Mapping[str, Any]
+) -> None:
     """Load optimizer `i` of a name-keyed checkpoint into `optimizer` (any strategy: the names are the model's).
 
     Refuses, before the collective read, a checkpoint lacking this model's parameters' entries (ValueError)."""
@@ -479,15 +508,20 @@ def _load_name_keyed_optimizer(path: Path, i: int, model: nn.Module, optimizer: 
     osd = name_keyed_optimizer_state(model, optimizer)
     rename = _alias_flat_optimizer(osd, alias)
     view = {rename[k]: v for k, v in osd.items()}
-    missing = [k for k in view if not any(n == f"optimizer_{i}.{k}" or n.startswith(f"optimizer_{i}.{k}.") for n in index)]
+    missing = [
+        k for k in view if not any(n == f"optimizer_{i}.{k}" or n.startswith(f"optimizer_{i}.{k}.") for n in index)
+    ]
     if missing:
-        raise ValueError(f"The checkpoint {path} has no optimizer entry {missing[0]!r} (of {len(missing)} missing): its"
-                         " optimizer was built over other parameters or by another `configure_optimizers`. Resume with"
-                         " the same model and optimizers, or load only the weights.")
+        raise ValueError(
+            f"The checkpoint {path} has no optimizer entry {missing[0]!r} (of {len(missing)} missing): its"
+            " optimizer was built over other parameters or by another `configure_optimizers`. Resume with"
+            " the same model and optimizers, or load only the weights."
+        )
     dcp.load({f"optimizer_{i}": view}, checkpoint_id=path)
     osd = {k: view[rename[k]] for k in osd}
-    set_optimizer_state_dict(model, _unwrap(optimizer), optim_state_dict=osd,
-                             options=StateDictOptions(flatten_optimizer_state_dict=True))
+    set_optimizer_state_dict(
+        model, _unwrap(optimizer), optim_state_dict=osd, options=StateDictOptions(flatten_optimizer_state_dict=True)
+    )
 
 
 def _load_full_optimizer(model: nn.Module, optimizer: Optimizer, osd: Mapping[str, Any]) -> None:
@@ -503,12 +537,16 @@ def _load_full_optimizer(model: nn.Module, optimizer: Optimizer, osd: Mapping[st
         return
     template = get_optimizer_state_dict(model, optimizer)
     set_optimizer_state_dict(
-        model, optimizer, optim_state_dict=index_to_fqn(osd, template),
+        model,
+        optimizer,
+        optim_state_dict=index_to_fqn(osd, template),
         options=StateDictOptions(full_state_dict=True),
     )
 
 
-def consolidate(src: str | os.PathLike, dst: str | os.PathLike, *, progress: Callable[[str], None] | None = None) -> Path:
+def consolidate(
+    src: str | os.PathLike, dst: str | os.PathLike, *, progress: Callable[[str], None] | None = None
+) -> Path:
     """Turn a sharded checkpoint directory into one Lightning checkpoint file (no process group needed).
 
     The result loads with ``LightningModule.load_from_checkpoint`` on a single device. ZeRO-1 optimizer

@@ -82,8 +82,14 @@ class BackgroundWriter:
             self._group = dist.new_group(backend="gloo", timeout=self._timeout)
         if self._stager is None or DCP_STAGER_SINGLE_USE:
             # one stager for every save: with pinned memory its host buffers are reused, not re-pinned each time
-            self._stager = DefaultStager(StagingOptions(use_pinned_memory=self._pinned, use_shared_memory=False,
-                                                        use_async_staging=False, use_non_blocking_copy=False))
+            self._stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=self._pinned,
+                    use_shared_memory=False,
+                    use_async_staging=False,
+                    use_non_blocking_copy=False,
+                )
+            )
         self.staging_bytes = local_tensor_bytes(state)
         response = dcp.async_save(state, checkpoint_id=tmp, process_group=self._group, async_stager=self._stager)
         upload: Future = getattr(response, "upload_completion", response)  # a Future, or AsyncSaveResponse
@@ -124,10 +130,15 @@ class BackgroundWriter:
             pending.result(timeout=seconds)
         except BaseException as err:
             if raise_errors:
-                raise RuntimeError(f"The background checkpoint save of {self.path} failed ({type(err).__name__}:"
-                                   f" {err}); the previous checkpoint was kept.") from err
-            log.warning("The background checkpoint save of %s did not finish (%s); the previous checkpoint was kept.",
-                        self.path, err)
+                raise RuntimeError(
+                    f"The background checkpoint save of {self.path} failed ({type(err).__name__}:"
+                    f" {err}); the previous checkpoint was kept."
+                ) from err
+            log.warning(
+                "The background checkpoint save of %s did not finish (%s); the previous checkpoint was kept.",
+                self.path,
+                err,
+            )
             return
         finally:
             self.path = None

@@ -39,22 +39,43 @@ def _add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         " offloading. The model is built on the meta device (no memory). Decimal units: 1 GB = 1e9 bytes.",
     )
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", metavar="CLASS_PATH", help="a torch.nn.Module / LightningModule class: dotted path"
-                     " (my_pkg.models.GPT; the working folder is searched too) or a file with it (./my_model.py:Net)")
+    src.add_argument(
+        "--model",
+        metavar="CLASS_PATH",
+        help="a torch.nn.Module / LightningModule class: dotted path"
+        " (my_pkg.models.GPT; the working folder is searched too) or a file with it (./my_model.py:Net)",
+    )
     src.add_argument("--config", metavar="YAML", help="LightningCLI config with model.class_path / model.init_args")
     src.add_argument("--params", metavar="N", help="parameter count instead of a model, e.g. 1.5e9, 1.5B, 125M")
     p.add_argument("--init-args", metavar="JSON", default=None, help="keyword arguments of --model as a JSON object")
     p.add_argument("--world-size", type=int, required=True, help="number of processes (devices)")
     p.add_argument("--devices-per-node", type=int, default=None, help="devices per node (default: the world size)")
     p.add_argument("--device-memory", default=None, help="memory per device, e.g. 80GB (1e9 B), 24GiB (2**30 B), bytes")
-    p.add_argument("--precision", default="bf16-mixed", choices=sorted(PRECISIONS), metavar="PRECISION",
-                   help=f"Lightning precision flag (default bf16-mixed): {', '.join(sorted(PRECISIONS))}")
-    p.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_SLOTS), metavar="OPTIMIZER",
-                   help=f"optimizer (default adamw): {', '.join(sorted(OPTIMIZER_SLOTS))}")
-    p.add_argument("--master-weights", action="store_true",
-                   help="ZeRO/DeepSpeed convention: 16-bit params and grads + fp32 master copy (Adam: 2 + 2 + 12)")
-    p.add_argument("--optimizer-state-bytes", type=float, default=None,
-                   help="optimizer-state bytes per parameter, overriding --optimizer's")
+    p.add_argument(
+        "--precision",
+        default="bf16-mixed",
+        choices=sorted(PRECISIONS),
+        metavar="PRECISION",
+        help=f"Lightning precision flag (default bf16-mixed): {', '.join(sorted(PRECISIONS))}",
+    )
+    p.add_argument(
+        "--optimizer",
+        default="adamw",
+        choices=sorted(OPTIMIZER_SLOTS),
+        metavar="OPTIMIZER",
+        help=f"optimizer (default adamw): {', '.join(sorted(OPTIMIZER_SLOTS))}",
+    )
+    p.add_argument(
+        "--master-weights",
+        action="store_true",
+        help="ZeRO/DeepSpeed convention: 16-bit params and grads + fp32 master copy (Adam: 2 + 2 + 12)",
+    )
+    p.add_argument(
+        "--optimizer-state-bytes",
+        type=float,
+        default=None,
+        help="optimizer-state bytes per parameter, overriding --optimizer's",
+    )
     p.add_argument("--micro-batches", type=int, default=8, help="pipeline micro-batches per step (default 8)")
     p.add_argument("--schedule", default="1f1b", choices=SCHEDULES[:2], help="pipeline schedule (default 1f1b)")
     p.add_argument("--batch-size", type=int, default=None, help="samples per data-parallel rank per step (activations)")
@@ -85,31 +106,52 @@ def _plan_counts(args: argparse.Namespace):
 def run_plan(args: argparse.Namespace) -> int:
     from lightning_dist import inputs, planner
 
-    state = planner.state_bytes(precision=args.precision, optimizer=args.optimizer,
-                                master_weights=args.master_weights, optimizer_state_bytes=args.optimizer_state_bytes)
+    state = planner.state_bytes(
+        precision=args.precision,
+        optimizer=args.optimizer,
+        master_weights=args.master_weights,
+        optimizer_state_bytes=args.optimizer_state_bytes,
+    )
     device_memory = inputs.parse_bytes(args.device_memory) if args.device_memory is not None else None
     activation = None
     if (args.batch_size is None) != (args.hidden_size is None):
-        raise ValueError("Give --batch-size and --hidden-size together to count activation traffic"
-                         f" (got batch_size={args.batch_size}, hidden_size={args.hidden_size}).")
+        raise ValueError(
+            "Give --batch-size and --hidden-size together to count activation traffic"
+            f" (got batch_size={args.batch_size}, hidden_size={args.hidden_size})."
+        )
     if args.batch_size is not None:
-        activation = planner.ActivationShape(batch=args.batch_size, seq=args.seq_len, hidden=args.hidden_size,
-                                             bytes_per_element=state.gather)
+        activation = planner.ActivationShape(
+            batch=args.batch_size, seq=args.seq_len, hidden=args.hidden_size, bytes_per_element=state.gather
+        )
     counts, label = _plan_counts(args)
     layouts = planner.candidate_layouts(
-        counts, world_size=args.world_size, devices_per_node=args.devices_per_node or args.world_size,
-        state=state, device_memory=device_memory, activation=activation, micro_batches=args.micro_batches,
+        counts,
+        world_size=args.world_size,
+        devices_per_node=args.devices_per_node or args.world_size,
+        state=state,
+        device_memory=device_memory,
+        activation=activation,
+        micro_batches=args.micro_batches,
         schedule=args.schedule,
     )
     best = planner.recommend(layouts)
     if args.json:
-        print(json.dumps({
-            "model": label, "params": counts.total, "tp_sharded_params": counts.tp_sharded_params,
-            "world_size": args.world_size, "devices_per_node": args.devices_per_node or args.world_size,
-            "device_memory": device_memory, "state_bytes": dataclasses.asdict(state),
-            "layouts": [layout.to_dict() for layout in layouts],
-            "recommended": best.name if best else None,
-        }, indent=2))
+        print(
+            json.dumps(
+                {
+                    "model": label,
+                    "params": counts.total,
+                    "tp_sharded_params": counts.tp_sharded_params,
+                    "world_size": args.world_size,
+                    "devices_per_node": args.devices_per_node or args.world_size,
+                    "device_memory": device_memory,
+                    "state_bytes": dataclasses.asdict(state),
+                    "layouts": [layout.to_dict() for layout in layouts],
+                    "recommended": best.name if best else None,
+                },
+                indent=2,
+            )
+        )
     else:
         _print_plan(layouts, best, label=label, counts=counts, state=state, device_memory=device_memory)
     if args.plot:
@@ -123,15 +165,18 @@ def _print_plan(layouts, best, *, label, counts, state, device_memory) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    scale, unit = _unit(max(max(lay.memory.total + lay.memory.host + lay.memory.nvme for lay in layouts),
-                            device_memory or 0))
+    scale, unit = _unit(
+        max(max(lay.memory.total + lay.memory.host + lay.memory.nvme for lay in layouts), device_memory or 0)
+    )
     mem = f", device memory {device_memory / scale:.3g} {unit}" if device_memory else ""
-    table = Table(title=f"{label}: {counts.total:,} params, {state.param:g} + {state.grad:g} + {state.optimizer:g}"
-                        f" bytes/param{mem}; memory and traffic in {unit}",
-                  caption=f"{unit} per device (1 kB = 1e3 B, model states only). traffic: {unit} one device sends"
-                          " per step"
-                          " (ring collectives); +act: tensor/pipeline activations not counted (give --batch-size"
-                          " and --hidden-size). mesh: pp x dp_replicate x dp_shard x tp. * = recommended.")
+    table = Table(
+        title=f"{label}: {counts.total:,} params, {state.param:g} + {state.grad:g} + {state.optimizer:g}"
+        f" bytes/param{mem}; memory and traffic in {unit}",
+        caption=f"{unit} per device (1 kB = 1e3 B, model states only). traffic: {unit} one device sends"
+        " per step"
+        " (ring collectives); +act: tensor/pipeline activations not counted (give --batch-size"
+        " and --hidden-size). mesh: pp x dp_replicate x dp_shard x tp. * = recommended.",
+    )
     for col in ("layout", "mesh", "params", "grads", "optim", "device", "host", "traffic", "idle", "fits"):
         table.add_column(col, justify="left" if col in ("layout", "mesh") else "right", no_wrap=True)
     for lay in layouts:
@@ -139,10 +184,15 @@ def _print_plan(layouts, best, *, label, counts, state, device_memory) -> None:
         mark = " *" if best is not None and lay.name == best.name else ""
         traffic = f"{lay.wire_bytes / scale:.3g}" + ("" if lay.activations_counted else " +act")
         fits = "-" if lay.fits is None else ("yes" if lay.fits else "no")
-        table.add_row(lay.name + mark, "x".join(str(v) for v in lay.mesh.values()), *(
-            f"{v / scale:.3g}" for v in (m.params, m.grads, m.optimizer, m.total, m.host + m.nvme)),
-            traffic, f"{lay.idle_fraction:.1%}" if lay.idle_fraction else "", fits,
-            style="bold green" if mark else None)
+        table.add_row(
+            lay.name + mark,
+            "x".join(str(v) for v in lay.mesh.values()),
+            *(f"{v / scale:.3g}" for v in (m.params, m.grads, m.optimizer, m.total, m.host + m.nvme)),
+            traffic,
+            f"{lay.idle_fraction:.1%}" if lay.idle_fraction else "",
+            fits,
+            style="bold green" if mark else None,
+        )
     console = Console() if sys.stdout.isatty() else Console(width=120)  # pipes/files: don't squeeze to 80 columns
     console.print(table)
     if best is None:
@@ -193,16 +243,27 @@ def _add_dry_run(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         " memory tracked and collectives recorded. Prints measured vs planned bytes. 1 GB = 1e9 B.",
     )
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", metavar="CLASS_PATH", help="the LightningModule class: dotted path (my_pkg.models.GPT;"
-                     " the working folder is searched too) or a file with it (./my_model.py:Net)")
+    src.add_argument(
+        "--model",
+        metavar="CLASS_PATH",
+        help="the LightningModule class: dotted path (my_pkg.models.GPT;"
+        " the working folder is searched too) or a file with it (./my_model.py:Net)",
+    )
     src.add_argument("--config", metavar="YAML", help="LightningCLI config: model, trainer.strategy, trainer.precision")
     p.add_argument("--init-args", metavar="JSON", default=None, help="keyword arguments of --model as a JSON object")
     p.add_argument("--strategy", default=None, help="registered strategy name (default hsdp) or class path")
-    p.add_argument("--strategy-args", metavar="JSON", default=None, help='strategy arguments, e.g. \'{"pp": 4, "tp": 8}\'')
+    p.add_argument(
+        "--strategy-args", metavar="JSON", default=None, help='strategy arguments, e.g. \'{"pp": 4, "tp": 8}\''
+    )
     p.add_argument("--world-size", type=int, required=True, help="number of ranks of the simulated job")
     p.add_argument("--devices-per-node", type=int, required=True, help="devices per node")
-    p.add_argument("--precision", default=None, choices=sorted(PRECISIONS), metavar="PRECISION",
-                   help="Lightning precision flag (default: the config's, else bf16-mixed)")
+    p.add_argument(
+        "--precision",
+        default=None,
+        choices=sorted(PRECISIONS),
+        metavar="PRECISION",
+        help="Lightning precision flag (default: the config's, else bf16-mixed)",
+    )
     p.add_argument("--batch-size", type=int, default=8, help="samples per data-parallel rank per step (default 8)")
     p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the model's block_size)")
     p.add_argument("--device-memory", default=None, help="memory per device, e.g. 80GB (1e9 B), 24GiB (2**30 B)")
@@ -243,9 +304,15 @@ def dry_run_config(args: argparse.Namespace):
         if not isinstance(strategy_args, dict):
             raise ValueError(f"--strategy-args must be a JSON object; got {args.strategy_args!r}.")
     return DryRunConfig(
-        model=class_path, init_args=init_args, strategy=strategy, strategy_args=strategy_args,
-        world_size=args.world_size, devices_per_node=args.devices_per_node, precision=args.precision or precision,
-        batch_size=args.batch_size, seq_len=args.seq_len,
+        model=class_path,
+        init_args=init_args,
+        strategy=strategy,
+        strategy_args=strategy_args,
+        world_size=args.world_size,
+        devices_per_node=args.devices_per_node,
+        precision=args.precision or precision,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
         device_memory=inputs.parse_bytes(args.device_memory) if args.device_memory is not None else None,
         ranks=tuple(int(r) for r in args.ranks.split(",")) if args.ranks else None,
     )

@@ -40,7 +40,6 @@ import itertools
 from collections.abc import Iterator
 from typing import Any
 
-import torch
 from torch.utils.data import DataLoader
 
 __all__ = ["ResumableDataLoader", "samples_per_rank"]

@@ -55,18 +55,26 @@ class DemoReport(pl.Callback):
         strategy = trainer.strategy
         shape = " x ".join(f"{n}={s}" for n, s in zip(lightning_dist.DIM_NAMES, strategy.mesh.spec.shape))
         console = Console()
-        console.print(f"\n[bold]lightning-dist demo[/bold]: strategy={type(strategy).__name__}"
-                      f" (zero_stage={getattr(strategy, 'zero_stage', '-')}), mesh {shape},"
-                      f" {trainer.world_size} processes, {time.monotonic() - self.start:.0f} s", soft_wrap=True)
-        console.print(f"final train_loss {metrics.get('train_loss', float('nan')):.4f}   "
-                      f"val_loss {metrics.get('val_loss', float('nan')):.4f}   "
-                      f"val_acc {metrics.get('val_acc', float('nan')):.3f}   (chance 0.333; every one of"
-                      f" {int(metrics.get('val_samples', 0))} validation images scored once: ExactEvaluation)",
-                      soft_wrap=True)
+        console.print(
+            f"\n[bold]lightning-dist demo[/bold]: strategy={type(strategy).__name__}"
+            f" (zero_stage={getattr(strategy, 'zero_stage', '-')}), mesh {shape},"
+            f" {trainer.world_size} processes, {time.monotonic() - self.start:.0f} s",
+            soft_wrap=True,
+        )
+        console.print(
+            f"final train_loss {metrics.get('train_loss', float('nan')):.4f}   "
+            f"val_loss {metrics.get('val_loss', float('nan')):.4f}   "
+            f"val_acc {metrics.get('val_acc', float('nan')):.3f}   (chance 0.333; every one of"
+            f" {int(metrics.get('val_samples', 0))} validation images scored once: ExactEvaluation)",
+            soft_wrap=True,
+        )
         for r in self.parity.results:
-            console.print(f"gradient at step {r['step']}, distributed vs one device on the same {r['global_batch']}"
-                          f" images: relative difference {r['rel_diff']:.1e} ({trainer.precision} precision, tolerance {r['tolerance']:.0e};"
-                          " BatchNorm statistics pooled over the ranks: MeshSyncBatchNorm)", soft_wrap=True)
+            console.print(
+                f"gradient at step {r['step']}, distributed vs one device on the same {r['global_batch']}"
+                f" images: relative difference {r['rel_diff']:.1e} ({trainer.precision} precision, tolerance {r['tolerance']:.0e};"
+                " BatchNorm statistics pooled over the ranks: MeshSyncBatchNorm)",
+                soft_wrap=True,
+            )
         table = Table(title="model-state bytes per rank (local shards, measured before the last optimizer step)")
         for col in ("rank", "params", "grads", "optimizer", "total"):
             table.add_column(col, justify="right")
@@ -74,8 +82,11 @@ class DemoReport(pl.Callback):
             table.add_row(str(r), *(f"{row[k]:,}" for k in ("params", "grads", "optimizer", "total")))
         n_params = sum(p.numel() for p in trainer.lightning_module.parameters())
         console.print(table)
-        console.print(f"unsharded: {n_params:,} parameters = {n_params * 4 * 4:,} bytes of params+grads+AdamW state"
-                      " on every rank under plain DDP", soft_wrap=True)
+        console.print(
+            f"unsharded: {n_params:,} parameters = {n_params * 4 * 4:,} bytes of params+grads+AdamW state"
+            " on every rank under plain DDP",
+            soft_wrap=True,
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -84,7 +95,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--strategy", default="hsdp")
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--n-train", type=int, default=1536)
-    parser.add_argument("--precision", default="32-true", help="e.g. 64-true: the gradient difference drops to float64 rounding")
+    parser.add_argument(
+        "--precision", default="32-true", help="e.g. 64-true: the gradient difference drops to float64 rounding"
+    )
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # 4 processes on a few cores: no oversubscription
     torch.set_num_threads(1)
@@ -94,9 +107,16 @@ def main(argv: list[str] | None = None) -> None:
     log_dir = os.path.join(tempfile.gettempdir(), "lightning_dist_demo")
     parity = GradientParityCheck(steps=(0,))  # raises if the distributed step is not the single-device one
     trainer = pl.Trainer(
-        accelerator="cpu", devices=args.devices, strategy=args.strategy, max_epochs=args.epochs, precision=args.precision,
-        logger=CSVLogger(log_dir), enable_checkpointing=False, enable_model_summary=False,
-        callbacks=[MeshSyncBatchNorm(), ExactEvaluation(), parity, DemoReport(parity)], log_every_n_steps=5,
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=args.strategy,
+        max_epochs=args.epochs,
+        precision=args.precision,
+        logger=CSVLogger(log_dir),
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        callbacks=[MeshSyncBatchNorm(), ExactEvaluation(), parity, DemoReport(parity)],
+        log_every_n_steps=5,
     )
     trainer.fit(module, datamodule=data)
 

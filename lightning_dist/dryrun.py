@@ -81,8 +81,9 @@ class DryRunConfig:
     """Ranks to simulate (default: :func:`representative_ranks`)."""
 
     def to_json(self) -> str:
-        return json.dumps({**dataclasses.asdict(self), "init_args": dict(self.init_args),
-                           "strategy_args": dict(self.strategy_args)})
+        return json.dumps(
+            {**dataclasses.asdict(self), "init_args": dict(self.init_args), "strategy_args": dict(self.strategy_args)}
+        )
 
     @classmethod
     def from_json(cls, text: str) -> "DryRunConfig":
@@ -98,8 +99,10 @@ def check_cluster(world_size: int, devices_per_node: int) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"`{name}={value!r}` must be an integer >= 1.")
     if world_size > devices_per_node and world_size % devices_per_node:
-        raise ValueError(f"world_size={world_size} is not divisible by devices_per_node={devices_per_node}:"
-                         " nodes must be full; pick a world size that is a multiple of the devices per node.")
+        raise ValueError(
+            f"world_size={world_size} is not divisible by devices_per_node={devices_per_node}:"
+            " nodes must be full; pick a world size that is a multiple of the devices per node."
+        )
 
 
 def representative_ranks(spec: MeshSpec) -> list[int]:
@@ -136,8 +139,9 @@ def _strategy_class(config: DryRunConfig) -> type:
         return StrategyRegistry[config.strategy]["strategy"]
     if "." in config.strategy:
         return inputs.import_class(config.strategy)
-    raise ValueError(f"Unknown strategy {config.strategy!r}: use a registered name ({sorted(StrategyRegistry)})"
-                     " or a class path.")
+    raise ValueError(
+        f"Unknown strategy {config.strategy!r}: use a registered name ({sorted(StrategyRegistry)}) or a class path."
+    )
 
 
 def _uses_ddp_replicate(model: Any) -> bool:
@@ -152,9 +156,11 @@ def _check_replayable(cls: type) -> None:
 
     if not isinstance(cls, type) or not issubclass(cls, MeshStrategy) or issubclass(cls, AutoParallelStrategy):
         name = getattr(cls, "__name__", repr(cls))
-        raise ValueError(f"The dry run replays the pack's mesh strategies; {name} is not one (the DeepSpeed offload"
-                         " engine communicates on its own; auto_parallel picks one: dry-run that one). Plan it with"
-                         " `lightning-dist plan`.")
+        raise ValueError(
+            f"The dry run replays the pack's mesh strategies; {name} is not one (the DeepSpeed offload"
+            " engine communicates on its own; auto_parallel picks one: dry-run that one). Plan it with"
+            " `lightning-dist plan`."
+        )
 
 
 def _batch_maker(module: Any, config: DryRunConfig) -> Any:
@@ -167,9 +173,11 @@ def _batch_maker(module: Any, config: DryRunConfig) -> Any:
         return lambda n: hook(n, config.seq_len)
     cfg = _model_config(module)
     if cfg is None:
-        raise TypeError(f"{type(module).__name__}: the dry run builds token batches for models with"
-                        " `self.model.config.vocab_size` (the pack's GPT family); define"
-                        " `dry_run_batch(batch_size, seq_len) -> batch` on the LightningModule for other models.")
+        raise TypeError(
+            f"{type(module).__name__}: the dry run builds token batches for models with"
+            " `self.model.config.vocab_size` (the pack's GPT family); define"
+            " `dry_run_batch(batch_size, seq_len) -> batch` on the LightningModule for other models."
+        )
     seq = config.seq_len or cfg.block_size
     return lambda n: (torch.randint(0, cfg.vocab_size, (n, seq)), torch.randint(0, cfg.vocab_size, (n, seq)))
 
@@ -189,9 +197,12 @@ def _stage_inputs(strategy: Any, module: Any, batch: tuple[Any, Any]) -> list[An
     layout = plan.network_layout(net)
     container = net if layout.block_list is None else net.get_submodule(layout.block_list)
     shapes: list[Any] = [None] * len(layout.blocks)
-    hooks = [container._modules[key].register_forward_pre_hook(
-        lambda mod, args, i=i: shapes.__setitem__(i, (tuple(args[0].shape), args[0].dtype)))
-        for i, key in enumerate(layout.blocks)]
+    hooks = [
+        container._modules[key].register_forward_pre_hook(
+            lambda mod, args, i=i: shapes.__setitem__(i, (tuple(args[0].shape), args[0].dtype))
+        )
+        for i, key in enumerate(layout.blocks)
+    ]
     try:
         with torch.no_grad():
             net(batch[0].to("meta"))
@@ -203,6 +214,7 @@ def _stage_inputs(strategy: Any, module: Any, batch: tuple[Any, Any]) -> list[An
 
 def simulate_rank(config: DryRunConfig, rank: int) -> dict[str, Any]:
     """One training step of ``rank`` on the fake process group (call in a fresh process; see the module doc)."""
+    import lightning.pytorch as pl
     import torch
     import torch.distributed as dist
     from lightning.fabric.utilities.init import _materialize_distributed_module
@@ -210,7 +222,6 @@ def simulate_rank(config: DryRunConfig, rank: int) -> dict[str, Any]:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    import lightning.pytorch as pl
     from lightning_dist import inputs, measure
     from lightning_dist._compat import init_fake_process_group
     from lightning_dist.mesh import DistMesh
@@ -222,17 +233,34 @@ def simulate_rank(config: DryRunConfig, rank: int) -> dict[str, Any]:
     nodes = max(1, config.world_size // config.devices_per_node)
     per_node = min(config.devices_per_node, config.world_size)
     # the cluster environment Lightning reads (processes started externally, as under torchrun / SLURM)
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank % per_node), "NODE_RANK": str(rank // per_node),
-                       "WORLD_SIZE": str(config.world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"})
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank % per_node),
+            "NODE_RANK": str(rank // per_node),
+            "WORLD_SIZE": str(config.world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": "1",
+        }
+    )
     _check_replayable(_strategy_class(config))
     strategy = _strategy(config)
     torch.manual_seed(0)
     module = inputs.build_meta_model(config.model, dict(config.init_args))
     if not isinstance(module, pl.LightningModule):
         raise TypeError(f"{config.model!r} is not a LightningModule; the dry run runs its training_step.")
-    trainer = pl.Trainer(accelerator="cpu", devices=per_node, num_nodes=nodes, strategy=strategy,
-                         precision=config.precision, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, max_steps=1)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=per_node,
+        num_nodes=nodes,
+        strategy=strategy,
+        precision=config.precision,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        max_steps=1,
+    )
     trainer.state.fn = TrainerFn.FITTING
     strategy.connect(module)
     module.trainer = trainer
@@ -256,16 +284,19 @@ def simulate_rank(config: DryRunConfig, rank: int) -> dict[str, Any]:
         # the strategy's real set-up order: dtype, parallelize (TP, pipeline split, AC, FSDP2) on meta, materialize
         strategy.model = strategy.precision_plugin.convert_module(strategy.model)
         shapes = {name: tuple(p.shape) for name, p in module.named_parameters()}
-        in_blocks = {f"{list_name}.{n}" for list_name, blocks in find_block_lists(module)
-                     for n, _ in blocks.named_parameters()}
+        in_blocks = {
+            f"{list_name}.{n}" for list_name, blocks in find_block_lists(module) for n, _ in blocks.named_parameters()
+        }
         strategy.apply_parallelism()
         if _uses_ddp_replicate(strategy.model):
             # torch's DDP reducer (composable `replicate`) compares real parameter storages across processes at
             # its first forward, which fake tensors on a fake process group do not have
-            raise ValueError(f"The dry run cannot replay DDP-style replication ({type(strategy).__name__} with a shard"
-                             " group of 1 or zero_stage=1): torch's reducer checks real tensors across ranks. Every rank"
-                             " holds the whole model there, so `lightning-dist plan` gives its model-state bytes exactly;"
-                             " dry-run a sharded layout (shard_size > 1, zero_stage 2/3) to simulate the step.")
+            raise ValueError(
+                f"The dry run cannot replay DDP-style replication ({type(strategy).__name__} with a shard"
+                " group of 1 or zero_stage=1): torch's reducer checks real tensors across ranks. Every rank"
+                " holds the whole model there, so `lightning-dist plan` gives its model-state bytes exactly;"
+                " dry-run a sharded layout (shard_size > 1, zero_stage 2/3) to simulate the step."
+            )
         built = time.perf_counter()
         planned = plan_rank(strategy, module, cfg, config, spec, shapes, in_blocks, boundaries)
         fake = FakeTensorMode(allow_non_fake_inputs=True)
@@ -287,8 +318,9 @@ def simulate_rank(config: DryRunConfig, rank: int) -> dict[str, Any]:
                 tracker.__enter__()
                 try:
                     if pipelined:
-                        _pipeline_step(strategy, module, make_batch, config, spec, rank, boundaries, micro,
-                                       stop_tracking)
+                        _pipeline_step(
+                            strategy, module, make_batch, config, spec, rank, boundaries, micro, stop_tracking
+                        )
                     else:
                         batch = make_batch(config.batch_size)
                         with strategy.precision_plugin.train_step_context():
@@ -306,12 +338,18 @@ def simulate_rank(config: DryRunConfig, rank: int) -> dict[str, Any]:
         dev = next(iter(peak.values())) if peak else {}
         cat = {str(getattr(k, "value", k)): v for k, v in dev.items()}
         return {
-            "rank": rank, "coords": spec.coords(rank), "mesh": dict(zip(DIM_NAMES, spec.shape)),
-            "states": states, "peak_total_bytes": cat.get("Total", 0),
+            "rank": rank,
+            "coords": spec.coords(rank),
+            "mesh": dict(zip(DIM_NAMES, spec.shape)),
+            "states": states,
+            "peak_total_bytes": cat.get("Total", 0),
             # activations saved for backward and the temporaries live with them at the step's peak
             "peak_activation_bytes": cat.get("Activation", 0) + cat.get("Temp", 0),
-            "peak_breakdown": cat, "collectives": recorder.rows(), "planned": planned,
-            "seconds": time.perf_counter() - start, "build_seconds": built - start,
+            "peak_breakdown": cat,
+            "collectives": recorder.rows(),
+            "planned": planned,
+            "seconds": time.perf_counter() - start,
+            "build_seconds": built - start,
             "stages": list(strategy.local_stages) if pipelined else None,
         }
     finally:
@@ -334,8 +372,17 @@ def _fresh_parent(module: Any) -> Any:
     return Call()
 
 
-def _pipeline_step(strategy: Any, module: Any, make_batch: Any, config: DryRunConfig, spec: MeshSpec, rank: int,
-                   boundaries: list[Any], micro: int, stop_tracking: Any) -> None:
+def _pipeline_step(
+    strategy: Any,
+    module: Any,
+    make_batch: Any,
+    config: DryRunConfig,
+    spec: MeshSpec,
+    rank: int,
+    boundaries: list[Any],
+    micro: int,
+    stop_tracking: Any,
+) -> None:
     """This rank's stage through one step of its schedule (see the module doc), with the boundary traffic.
 
     Memory is tracked over the whole step: stopping after the first one or two backwards (torch's MemTracker
@@ -346,8 +393,10 @@ def _pipeline_step(strategy: Any, module: Any, make_batch: Any, config: DryRunCo
     import torch.distributed as dist
 
     if strategy.stages_per_rank != 1:
-        raise ValueError("The dry run steps one stage per rank (1F1B / GPipe); interleaved and zero-bubble"
-                         " schedules are planned by `lightning-dist plan`.")
+        raise ValueError(
+            "The dry run steps one stage per rank (1F1B / GPipe); interleaved and zero-bubble"
+            " schedules are planned by `lightning-dist plan`."
+        )
     split, (stage,) = strategy.split, strategy.local_stages
     p, last = split.num_stages, split.num_stages - 1
     view = strategy.pipeline_view().stage_modules[0]  # the FSDP2-wrapped stage module the schedule would run
@@ -405,8 +454,16 @@ def _pipeline_step(strategy: Any, module: Any, make_batch: Any, config: DryRunCo
     stop_tracking()
 
 
-def plan_rank(strategy: Any, module: Any, cfg: Any, config: DryRunConfig, spec: MeshSpec,
-              shapes: Mapping[str, tuple[int, ...]], in_blocks: set[str], boundaries: Optional[list]) -> dict[str, Any]:
+def plan_rank(
+    strategy: Any,
+    module: Any,
+    cfg: Any,
+    config: DryRunConfig,
+    spec: MeshSpec,
+    shapes: Mapping[str, tuple[int, ...]],
+    in_blocks: set[str],
+    boundaries: Optional[list],
+) -> dict[str, Any]:
     """The planner's prediction for this rank, from the model's shapes and the plan the strategy chose.
 
     Parameters this rank holds ``P``: those of its pipeline stage, at their tensor-parallel local shape
@@ -430,8 +487,9 @@ def plan_rank(strategy: Any, module: Any, cfg: Any, config: DryRunConfig, spec: 
     resid_bytes = planner.PRECISIONS[config.precision][0] if pipelined else act_bytes
     if pipelined:
         state = dataclasses.replace(state, gather=state.param)
-    local_shape = {f"{e.fqn}.{name}": local for e in getattr(strategy, "tp_entries", []) if e.active
-                   for name, _, local in e.shapes}
+    local_shape = {
+        f"{e.fqn}.{name}": local for e in getattr(strategy, "tp_entries", []) if e.active for name, _, local in e.shapes
+    }
     names = [n for n, _ in module.named_parameters() if n in shapes] or list(shapes)
     numel = {n: math.prod(local_shape.get(n, shapes[n])) for n in names}
     P = sum(numel.values())
@@ -442,59 +500,112 @@ def plan_rank(strategy: Any, module: Any, cfg: Any, config: DryRunConfig, spec: 
     dp = R * S
     if replicate_only:
         memory = planner.model_state_bytes(P, state=state, zero_stage=zero if zero == 1 else 0, shard_size=dp)
-        traffic = planner.data_parallel_traffic(P, state=state, zero_stage=zero if zero == 1 else 0,
-                                                shard_size=S, replicate_size=R) if dp > 1 else []
+        traffic = (
+            planner.data_parallel_traffic(
+                P, state=state, zero_stage=zero if zero == 1 else 0, shard_size=S, replicate_size=R
+            )
+            if dp > 1
+            else []
+        )
     else:  # FSDP2 keeps only the dim-0 shards at rest for stages 2 and 3
         memory = planner.model_state_bytes(P, state=state, zero_stage=3 if dp > 1 else 0, shard_size=S)
-        traffic = planner.data_parallel_traffic(P, state=state, zero_stage=zero, shard_size=S, replicate_size=R,
-                                                root_params=root) if dp > 1 else []
+        traffic = (
+            planner.data_parallel_traffic(
+                P, state=state, zero_stage=zero, shard_size=S, replicate_size=R, root_params=root
+            )
+            if dp > 1
+            else []
+        )
     seq = config.seq_len or getattr(cfg, "block_size", 1)
     hidden, vocab = getattr(cfg, "n_embd", None), getattr(cfg, "vocab_size", None)
     stage = strategy.local_stages[0] if pipelined else 0
     stages = strategy.split.num_stages if pipelined else 1
     m = strategy.n_microbatches if pipelined else 1
-    blocks = len(strategy.split.stages[stage].blocks) if pipelined else sum(
-        len(b) for _, b in find_block_lists(module))
-    has_head = (stage == stages - 1)
-    head_gathered = any(e.style == "colwise_gather" and e.active for e in getattr(strategy, "tp_entries", [])
-                        if not pipelined or e.fqn.endswith("lm_head"))
+    blocks = len(strategy.split.stages[stage].blocks) if pipelined else sum(len(b) for _, b in find_block_lists(module))
+    has_head = stage == stages - 1
+    head_gathered = any(
+        e.style == "colwise_gather" and e.active
+        for e in getattr(strategy, "tp_entries", [])
+        if not pipelined or e.fqn.endswith("lm_head")
+    )
     if T > 1 and hidden is not None:
         # half the all-reduces are forward outputs (compute dtype), half backward input gradients (residual dtype)
-        traffic += planner.tp_activation_traffic(batch=config.batch_size, seq=seq, hidden=hidden, blocks=blocks, tp=T,
-                                                 bytes_per_element=(act_bytes + resid_bytes) / 2,
-                                                 sequence_parallel=getattr(strategy, "sequence_parallel", False))
-        if has_head and head_gathered and vocab is not None:  # the colwise_gather head: logits gathered, input grad reduced
+        traffic += planner.tp_activation_traffic(
+            batch=config.batch_size,
+            seq=seq,
+            hidden=hidden,
+            blocks=blocks,
+            tp=T,
+            bytes_per_element=(act_bytes + resid_bytes) / 2,
+            sequence_parallel=getattr(strategy, "sequence_parallel", False),
+        )
+        if (
+            has_head and head_gathered and vocab is not None
+        ):  # the colwise_gather head: logits gathered, input grad reduced
             tokens = config.batch_size * seq
-            traffic.append(planner.Collective(op="all_gather", dim=TP, group_size=T,
-                                              payload_bytes=tokens * vocab * act_bytes, what="logits"))
-            traffic.append(planner.Collective(op="all_reduce", dim=TP, group_size=T,
-                                              payload_bytes=tokens * hidden * resid_bytes, what="head input gradient"))
+            traffic.append(
+                planner.Collective(
+                    op="all_gather", dim=TP, group_size=T, payload_bytes=tokens * vocab * act_bytes, what="logits"
+                )
+            )
+            traffic.append(
+                planner.Collective(
+                    op="all_reduce",
+                    dim=TP,
+                    group_size=T,
+                    payload_bytes=tokens * hidden * resid_bytes,
+                    what="head input gradient",
+                )
+            )
     if pipelined and stages > 1 and boundaries is not None:
         shape, dtype = boundaries[strategy.split.stages[min(stage + 1, stages - 1)].blocks[0]]
         import torch
 
         a = config.batch_size // m * math.prod(shape[1:]) * torch.empty((), dtype=dtype).element_size()
         sends = (stage > 0) + (stage < stages - 1)
-        traffic.append(planner.Collective(op="send_recv", dim=PP, group_size=stages, payload_bytes=sends * m * a,
-                                          what="activations + their gradients"))
+        traffic.append(
+            planner.Collective(
+                op="send_recv",
+                dim=PP,
+                group_size=stages,
+                payload_bytes=sends * m * a,
+                what="activations + their gradients",
+            )
+        )
     activation = None
     if hidden is not None and cfg is not None:
         held = (m if strategy.schedule == "gpipe" else min(stages - stage, m)) if pipelined else 1
         activation = planner.activation_bytes(
-            planner.BlockShape(hidden=hidden, heads=cfg.n_head, mlp_hidden=cfg.mlp_ratio * hidden, vocab=vocab,
-                               kv_heads=getattr(cfg, "n_kv_head", None)),
-            tokens=config.batch_size // m * seq, blocks=blocks, tp=T, bytes_per_element=act_bytes,
-            residual_bytes=resid_bytes, micro_batches_held=held,
-            stem=stage == 0, head=has_head, head_gathered=head_gathered, autocast=pipelined,
+            planner.BlockShape(
+                hidden=hidden,
+                heads=cfg.n_head,
+                mlp_hidden=cfg.mlp_ratio * hidden,
+                vocab=vocab,
+                kv_heads=getattr(cfg, "n_kv_head", None),
+            ),
+            tokens=config.batch_size // m * seq,
+            blocks=blocks,
+            tp=T,
+            bytes_per_element=act_bytes,
+            residual_bytes=resid_bytes,
+            micro_batches_held=held,
+            stem=stage == 0,
+            head=has_head,
+            head_gathered=head_gathered,
+            autocast=pipelined,
             checkpointed=getattr(strategy, "activation_checkpointing", False) or False,
-            offloaded=bool(getattr(strategy, "offload_activations", False)))
+            offloaded=bool(getattr(strategy, "offload_activations", False)),
+        )
     merged: dict[tuple[str, str], float] = {}
     for c in traffic:
         if c.group_size > 1:
             merged[(c.op, c.dim)] = merged.get((c.op, c.dim), 0.0) + c.payload_bytes
-    return {"states": {**memory.to_dict()}, "collectives": [{"op": o, "dim": d, "payload_bytes": v}
-                                                            for (o, d), v in sorted(merged.items())],
-            "peak_activation_bytes": activation, "params_local": P}
+    return {
+        "states": {**memory.to_dict()},
+        "collectives": [{"op": o, "dim": d, "payload_bytes": v} for (o, d), v in sorted(merged.items())],
+        "peak_activation_bytes": activation,
+        "params_local": P,
+    }
 
 
 # ---- the driver: one process per representative rank -------------------------------------------------------
@@ -511,19 +622,32 @@ def dry_run(config: DryRunConfig, *, timeout: float = 600.0, python: str = sys.e
     _check_replayable(_strategy_class(config))
     strategy_sizes = {k: v for k, v in dict(config.strategy_args).items() if k in DIM_NAMES}
     if all(isinstance(v, int) for v in strategy_sizes.values()) and strategy_sizes:
-        MeshSpec(world_size=config.world_size, devices_per_node=min(config.devices_per_node, config.world_size),
-                 **{"dp_replicate": "auto", "dp_shard": "auto", **strategy_sizes})
+        MeshSpec(
+            world_size=config.world_size,
+            devices_per_node=min(config.devices_per_node, config.world_size),
+            **{"dp_replicate": "auto", "dp_shard": "auto", **strategy_sizes},
+        )
     ranks = list(config.ranks) if config.ranks is not None else _representative_for(config)
     env = {k: v for k, v in os.environ.items() if not k.startswith(_JOB_ENV)}
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for rank in ranks:
             out = os.path.join(tmp, f"rank{rank}.json")
-            cmd = [python, "-m", "lightning_dist.dryrun", "--config", config.to_json(), "--out", out, "--rank", str(rank)]
+            cmd = [
+                python,
+                "-m",
+                "lightning_dist.dryrun",
+                "--config",
+                config.to_json(),
+                "--out",
+                out,
+                "--rank",
+                str(rank),
+            ]
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
             data = json.load(open(out)) if os.path.exists(out) else None
             if data is None or "error" in data:
-                kind, message = (data["error"] if data else ("RuntimeError", proc.stderr[-4000:]))
+                kind, message = data["error"] if data else ("RuntimeError", proc.stderr[-4000:])
                 exc = {"ValueError": ValueError, "TypeError": TypeError}.get(kind, RuntimeError)
                 raise exc(message)
             results.append(data)
@@ -570,8 +694,21 @@ def _representative_for(config: DryRunConfig) -> list[int]:
 
 # launcher and scheduler variables of the calling job (a torchrun / SLURM rank running auto_parallel's
 # verification): the simulated rank sets its own, and must not be taken for a rank of that job
-_JOB_ENV = ("TORCHELASTIC_", "SLURM_", "GROUP_", "ROLE_", "LOCAL_WORLD_SIZE", "RANK", "LOCAL_RANK", "WORLD_SIZE",
-            "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "OMPI_", "PMI_")
+_JOB_ENV = (
+    "TORCHELASTIC_",
+    "SLURM_",
+    "GROUP_",
+    "ROLE_",
+    "LOCAL_WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "NODE_RANK",
+    "OMPI_",
+    "PMI_",
+)
 
 
 if __name__ == "__main__":

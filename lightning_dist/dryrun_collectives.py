@@ -27,16 +27,26 @@ class CollectiveRecorder:
         c10d, fn = torch.ops.c10d, torch.ops._c10d_functional
         # op -> (planner op name, how to get (payload tensor, is the payload the tensor times the group size))
         self._ops = {
-            c10d._allgather_base_.default: ("all_gather", 0), c10d.allgather_.default: ("all_gather", 0),
-            c10d._reduce_scatter_base_.default: ("reduce_scatter", 1), c10d.reduce_scatter_.default: ("reduce_scatter", 1),
-            c10d.allreduce_.default: ("all_reduce", 0), c10d.broadcast_.default: ("broadcast", 0),
+            c10d._allgather_base_.default: ("all_gather", 0),
+            c10d.allgather_.default: ("all_gather", 0),
+            c10d._reduce_scatter_base_.default: ("reduce_scatter", 1),
+            c10d.reduce_scatter_.default: ("reduce_scatter", 1),
+            c10d.allreduce_.default: ("all_reduce", 0),
+            c10d.broadcast_.default: ("broadcast", 0),
             c10d.send.default: ("send_recv", 0),
-            fn.all_reduce.default: ("all_reduce", 0), fn.all_reduce_.default: ("all_reduce", 0),
-            fn.all_gather_into_tensor.default: ("all_gather", 0), fn.reduce_scatter_tensor.default: ("reduce_scatter", 0),
+            fn.all_reduce.default: ("all_reduce", 0),
+            fn.all_reduce_.default: ("all_reduce", 0),
+            fn.all_gather_into_tensor.default: ("all_gather", 0),
+            fn.reduce_scatter_tensor.default: ("reduce_scatter", 0),
             fn.broadcast.default: ("broadcast", 0),
         }
-        self._functional = {fn.all_reduce.default, fn.all_reduce_.default, fn.all_gather_into_tensor.default,
-                            fn.reduce_scatter_tensor.default, fn.broadcast.default}
+        self._functional = {
+            fn.all_reduce.default,
+            fn.all_reduce_.default,
+            fn.all_gather_into_tensor.default,
+            fn.reduce_scatter_tensor.default,
+            fn.broadcast.default,
+        }
         self._mode = None
 
     def _group_ranks(self, func: Any, args: tuple) -> frozenset:
@@ -59,8 +69,14 @@ class CollectiveRecorder:
         ranks = self._group_ranks(func, args)
         dim = self.dims.get(ranks, f"group{sorted(ranks)[:4]}")
         tensors = [t for a in args for t in (a if isinstance(a, (list, tuple)) else [a]) if isinstance(t, torch.Tensor)]
-        nested = [t for a in args if isinstance(a, (list, tuple)) for x in a
-                  for t in (x if isinstance(x, (list, tuple)) else [x]) if isinstance(t, torch.Tensor)]
+        nested = [
+            t
+            for a in args
+            if isinstance(a, (list, tuple))
+            for x in a
+            for t in (x if isinstance(x, (list, tuple)) else [x])
+            if isinstance(t, torch.Tensor)
+        ]
         size = len(ranks)
         if func in self._functional:
             inp = tensors[0]

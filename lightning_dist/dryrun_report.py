@@ -46,22 +46,41 @@ class DryRunReport:
         console = Console(file=buf, width=width, force_terminal=False)
         mesh = " x ".join(f"{k}={v}" for k, v in self.ranks[0]["mesh"].items()) if self.ranks else ""
         mem = f", device memory {cfg.device_memory / 1e9:.4g} GB" if cfg.device_memory else ""
-        table = Table(title=f"Dry run: {cfg.model.rsplit('.', 1)[-1]} on {cfg.world_size} ranks ({mesh},"
-                            f" {cfg.devices_per_node}/node), strategy {cfg.strategy}, {cfg.precision}{mem}",
-                      caption="bytes per rank, measured on fake tensors / planned (lightning_dist.planner);"
-                              " activations: peak saved activations + backward temporaries. 1 GB = 1e9 B.")
-        for col in ("rank", "coords", "params", "grads", "optim", "states m/p", "peak act", "act m/p", "total",
-                    "fits", "time"):
+        table = Table(
+            title=f"Dry run: {cfg.model.rsplit('.', 1)[-1]} on {cfg.world_size} ranks ({mesh},"
+            f" {cfg.devices_per_node}/node), strategy {cfg.strategy}, {cfg.precision}{mem}",
+            caption="bytes per rank, measured on fake tensors / planned (lightning_dist.planner);"
+            " activations: peak saved activations + backward temporaries. 1 GB = 1e9 B.",
+        )
+        for col in (
+            "rank",
+            "coords",
+            "params",
+            "grads",
+            "optim",
+            "states m/p",
+            "peak act",
+            "act m/p",
+            "total",
+            "fits",
+            "time",
+        ):
             table.add_column(col, justify="left" if col == "coords" else "right", no_wrap=True)
         for r in self.ranks:
             m, p = r["states"], r["planned"]["states"]
             act, act_p = r["peak_activation_bytes"], r["planned"]["peak_activation_bytes"]
             fits = self.fits(r)
-            table.add_row(str(r["rank"]), " ".join(f"{k}{v}" for k, v in r["coords"].items() if k != DP),
-                          *(format_bytes(m[k]) for k in ("params", "grads", "optimizer")),
-                          f"{m['total'] / p['total']:.3f}" if p["total"] else "-", format_bytes(act),
-                          f"{act / act_p:.2f}" if act_p else "-", format_bytes(m["total"] + act),
-                          "-" if fits is None else ("yes" if fits else "NO"), f"{r['seconds']:.0f} s")
+            table.add_row(
+                str(r["rank"]),
+                " ".join(f"{k}{v}" for k, v in r["coords"].items() if k != DP),
+                *(format_bytes(m[k]) for k in ("params", "grads", "optimizer")),
+                f"{m['total'] / p['total']:.3f}" if p["total"] else "-",
+                format_bytes(act),
+                f"{act / act_p:.2f}" if act_p else "-",
+                format_bytes(m["total"] + act),
+                "-" if fits is None else ("yes" if fits else "NO"),
+                f"{r['seconds']:.0f} s",
+            )
         console.print(table)
         comm = Table(title="Collective payload bytes per step (measured / planned)")
         for col in ("rank", "op", "dim", "calls", "measured", "planned", "m/p"):
@@ -69,8 +88,15 @@ class DryRunReport:
         for r in self.ranks:
             calls = {(c["op"], c["dim"]): c["calls"] for c in r["collectives"]}
             for (op, dim), (meas, plan) in self.collective_ratios(r).items():
-                comm.add_row(str(r["rank"]), op, dim, str(calls.get((op, dim), 0)), format_bytes(meas), format_bytes(plan),
-                             f"{meas / plan:.3f}" if plan else "-")
+                comm.add_row(
+                    str(r["rank"]),
+                    op,
+                    dim,
+                    str(calls.get((op, dim), 0)),
+                    format_bytes(meas),
+                    format_bytes(plan),
+                    f"{meas / plan:.3f}" if plan else "-",
+                )
         console.print(comm)
         return buf.getvalue()
 

@@ -54,9 +54,14 @@ def global_grad_norm(grads: Sequence[Tensor], group: Optional[Any] = None, *, de
     return total.sqrt()
 
 
-def clip_grads_by_norm_(grads: Sequence[Tensor], max_norm: Union[int, float], *,
-                        counted: Optional[Sequence[Tensor]] = None, group: Optional[Any] = None,
-                        device: torch.device) -> Tensor:
+def clip_grads_by_norm_(
+    grads: Sequence[Tensor],
+    max_norm: Union[int, float],
+    *,
+    counted: Optional[Sequence[Tensor]] = None,
+    group: Optional[Any] = None,
+    device: torch.device,
+) -> Tensor:
     """Scale ``grads`` in place by torch's rule (``max_norm / (norm + 1e-6)``, at most 1); returns the global norm.
 
     ``counted``: the gradients that make up the norm when not all of ``grads`` (a weight tied across pipeline

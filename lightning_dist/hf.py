@@ -58,13 +58,15 @@ def find_hf_model(module: nn.Module) -> tuple[str, nn.Module]:
     for name, sub in module.named_modules():
         if hasattr(sub, "config") and callable(getattr(sub, "save_pretrained", None)):
             return name, sub
-    raise TypeError(f"{type(module).__name__} holds no HuggingFace model (a module with `config` and `save_pretrained`).")
+    raise TypeError(
+        f"{type(module).__name__} holds no HuggingFace model (a module with `config` and `save_pretrained`)."
+    )
 
 
 def _strip(prefix: str, key: str) -> str | None:
     if not prefix:
         return key
-    return key[len(prefix) + 1:] if key.startswith(prefix + ".") else None
+    return key[len(prefix) + 1 :] if key.startswith(prefix + ".") else None
 
 
 def save_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -97,19 +99,25 @@ def load_hf_weights(module: nn.Module, path: str | os.PathLike, *, strict: bool 
     prefix, hf = find_hf_model(module)
     meta_buffers = [n for n, b in module.named_buffers() if b.device.type == "meta"]
     if meta_buffers:
-        raise ValueError(f"buffers {meta_buffers[:4]} are still on the meta device and are not stored in the folder;"
-                         " build the model under `lightning_dist.hf.init_empty_weights()`, which keeps buffers real.")
+        raise ValueError(
+            f"buffers {meta_buffers[:4]} are still on the meta device and are not stored in the folder;"
+            " build the model under `lightning_dist.hf.init_empty_weights()`, which keeps buffers real."
+        )
     full = get_model_state_dict(module)
     keys = {k: _strip(prefix, k) for k in full}
     keys = {k: v for k, v in keys.items() if v is not None}
     stored = _stored_keys(path)
     aliases = {n for names in shared_parameters(hf) for n in names}
     groups = {n: names for names in shared_parameters(hf) for n in names}
-    missing = [v for v in keys.values() if v not in stored and not (v in aliases and any(a in stored for a in groups[v]))]
+    missing = [
+        v for v in keys.values() if v not in stored and not (v in aliases and any(a in stored for a in groups[v]))
+    ]
     unexpected = sorted(set(stored) - set(keys.values()))
     if strict and (missing or unexpected):
-        raise ValueError(f"{path} does not match {type(hf).__name__}: missing {missing[:6]}, unexpected {unexpected[:6]}"
-                         " (pass strict=False to load the common tensors only).")
+        raise ValueError(
+            f"{path} does not match {type(hf).__name__}: missing {missing[:6]}, unexpected {unexpected[:6]}"
+            " (pass strict=False to load the common tensors only)."
+        )
     wanted = {v: full[k] for k, v in keys.items() if v in stored}
     if HAS_DCP_HF_READER:
         from torch.distributed.checkpoint import HuggingFaceStorageReader
@@ -187,4 +195,11 @@ def save_hf_pretrained(module: nn.Module, path: str | os.PathLike, *, dtype: tor
     return out
 
 
-__all__ = ["find_hf_model", "init_empty_weights", "load_hf_weights", "restore_buffers", "save_buffers", "save_hf_pretrained"]
+__all__ = [
+    "find_hf_model",
+    "init_empty_weights",
+    "load_hf_weights",
+    "restore_buffers",
+    "save_buffers",
+    "save_hf_pretrained",
+]

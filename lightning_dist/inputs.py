@@ -29,8 +29,10 @@ def import_class(class_path: str) -> type:
     main.py`` run from it), ``module:Class``, a file with its class ``path/to/my_model.py:Net``, or a file alone
     ``./my_model.py`` when it defines exactly one ``nn.Module`` subclass.
     """
-    forms = ("a dotted path 'my_pkg.models.GPT' (importable, or a module in the working folder), 'module:Class',"
-             " or a file with the class, e.g. './my_model.py:Net'")
+    forms = (
+        "a dotted path 'my_pkg.models.GPT' (importable, or a module in the working folder), 'module:Class',"
+        " or a file with the class, e.g. './my_model.py:Net'"
+    )
     target, colon, attr = class_path.rpartition(":") if ":" in class_path else (class_path, "", "")
     if target.endswith(".py") or "/" in target or "\\" in target:
         module = _import_file(class_path, target, forms)
@@ -64,8 +66,10 @@ def _import_module(class_path: str, name: str, forms: str) -> Any:
         try:
             return importlib.import_module(name)
         except ModuleNotFoundError as err2:
-            raise ValueError(f"Cannot import module {name!r} of {class_path!r}: {err2} (searched sys.path and the"
-                             f" working folder {here}). Give {forms}.") from err2
+            raise ValueError(
+                f"Cannot import module {name!r} of {class_path!r}: {err2} (searched sys.path and the"
+                f" working folder {here}). Give {forms}."
+            ) from err2
     except ImportError as err:
         raise ValueError(f"Cannot import module {name!r} of {class_path!r}: {err}") from err
 
@@ -77,8 +81,10 @@ def _import_file(class_path: str, file: str, forms: str) -> Any:
 
     path = Path(file).expanduser().resolve()
     if not path.is_file() or path.suffix != ".py":
-        raise ValueError(f"Model class path {class_path!r}: {file!r} is not a Python file"
-                         f" ({'not found' if not path.exists() else 'not a .py file'}). Give {forms}.")
+        raise ValueError(
+            f"Model class path {class_path!r}: {file!r} is not a Python file"
+            f" ({'not found' if not path.exists() else 'not a .py file'}). Give {forms}."
+        )
     name = path.stem
     loaded = sys.modules.get(name)
     if loaded is not None and Path(getattr(loaded, "__file__", "") or "").resolve() == path:
@@ -100,12 +106,17 @@ def _import_file(class_path: str, file: str, forms: str) -> Any:
 def _only_module_class(class_path: str, module: Any) -> type:
     from torch import nn
 
-    defined = [v for v in vars(module).values()
-               if isinstance(v, type) and issubclass(v, nn.Module) and v.__module__ == module.__name__]
+    defined = [
+        v
+        for v in vars(module).values()
+        if isinstance(v, type) and issubclass(v, nn.Module) and v.__module__ == module.__name__
+    ]
     if len(defined) != 1:
         names = [c.__name__ for c in defined]
-        raise ValueError(f"{class_path!r} defines {len(defined)} nn.Module classes {names}; name the one to build:"
-                         f" '{class_path}:{names[-1] if names else 'Net'}'.")
+        raise ValueError(
+            f"{class_path!r} defines {len(defined)} nn.Module classes {names}; name the one to build:"
+            f" '{class_path}:{names[-1] if names else 'Net'}'."
+        )
     return defined[0]
 
 
@@ -157,8 +168,10 @@ def model_spec_from_config(path: str) -> tuple[str, dict[str, Any]]:
         config = yaml.safe_load(f) or {}
     model = config.get("model") if isinstance(config, Mapping) else None
     if not isinstance(model, Mapping) or "class_path" not in model:
-        raise ValueError(f"{path}: expected a `model:` section with `class_path:` (and optional `init_args:`),"
-                         " as LightningCLI writes it; or pass --model CLASS_PATH.")
+        raise ValueError(
+            f"{path}: expected a `model:` section with `class_path:` (and optional `init_args:`),"
+            " as LightningCLI writes it; or pass --model CLASS_PATH."
+        )
     return str(model["class_path"]), dict(model.get("init_args") or {})
 
 
@@ -171,8 +184,10 @@ def parse_bytes(text: str | int | float) -> int:
         match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
         unit = match.group(2).lower() if match else None
         if match is None or (unit and unit not in _DECIMAL and unit not in _BINARY):
-            raise ValueError(f"Cannot parse memory size {text!r}; write e.g. 80GB (1e9 bytes), 24GiB (2**30 bytes),"
-                             " 512MiB or a number of bytes.")
+            raise ValueError(
+                f"Cannot parse memory size {text!r}; write e.g. 80GB (1e9 bytes), 24GiB (2**30 bytes),"
+                " 512MiB or a number of bytes."
+            )
         value = float(match.group(1)) * ({**_DECIMAL, **_BINARY}.get(unit, 1))
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"Memory size {text!r} must be a positive number of bytes.")

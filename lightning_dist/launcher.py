@@ -250,7 +250,12 @@ def record_rank_error(exception: BaseException, rank: int) -> None:
     folder = os.environ.get(_ERROR_DIR)
     if not folder or os.environ.get(_LAUNCHER_PID) == str(os.getpid()) or not os.path.isdir(folder):
         return  # no launcher to read it, or this is the launcher (it reports its own exception)
-    record = {"rank": rank, "error": _describe(exception), "time": time.time(), "collective": _from_collective(exception)}
+    record = {
+        "rank": rank,
+        "error": _describe(exception),
+        "time": time.time(),
+        "collective": _from_collective(exception),
+    }
     path = os.path.join(folder, f"{os.getpid()}.json")
     with open(path + ".tmp", "w") as f:
         json.dump(record, f)

@@ -32,7 +32,10 @@ def model_state_bytes(module: nn.Module, optimizers: Iterable[Any] = ()) -> dict
     params = sum(local_bytes(p) for p in module.parameters())
     grads = sum(local_bytes(p.grad) for p in module.parameters() if p.grad is not None)
     optim = sum(
-        local_bytes(v) for opt in optimizers for state in _optimizer_states(opt) for v in state.values()
+        local_bytes(v)
+        for opt in optimizers
+        for state in _optimizer_states(opt)
+        for v in state.values()
         if isinstance(v, torch.Tensor) and v.dim() > 0  # scalar `step` counters are bookkeeping, not state
     )
     return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}
@@ -75,8 +78,9 @@ def bytes_by_place(tensors: Iterable[Any]) -> dict[str, int]:
     return out
 
 
-def placement_mismatches(measured: Mapping[str, Mapping[str, int]], planned: Mapping[str, str], *,
-                         device_type: str) -> list[str]:
+def placement_mismatches(
+    measured: Mapping[str, Mapping[str, int]], planned: Mapping[str, str], *, device_type: str
+) -> list[str]:
     """One line per state whose bytes mostly live elsewhere than planned (empty when all agree).
 
     `measured[state]` = bytes by place (:func:`bytes_by_place`); `planned[state]` = ``"device"``, ``"host"``
@@ -90,21 +94,32 @@ def placement_mismatches(measured: Mapping[str, Mapping[str, int]], planned: Map
         row = measured.get(state, {})
         on_device, in_host = int(row.get("device", 0)), int(row.get("host", 0))
         if where == "device" and in_host > on_device:
-            out.append(f"{state}: planned on the device, but {in_host:,} B of {in_host + on_device:,} B are in"
-                       " host memory")
+            out.append(
+                f"{state}: planned on the device, but {in_host:,} B of {in_host + on_device:,} B are in host memory"
+            )
         elif where in ("host", "nvme") and on_device > in_host:
-            out.append(f"{state}: planned {_PLACE_NAMES[where]} (offloaded), but {on_device:,} B of"
-                       f" {in_host + on_device:,} B are on the device: it is not offloaded")
+            out.append(
+                f"{state}: planned {_PLACE_NAMES[where]} (offloaded), but {on_device:,} B of"
+                f" {in_host + on_device:,} B are on the device: it is not offloaded"
+            )
     return out
 
 
 def model_state_places(module: nn.Module, optimizers: Iterable[Any] = ()) -> dict[str, dict[str, int]]:
     """Bytes of parameters, gradients and optimizer state by where they live (local shards, ``tensor.device``)."""
     params = list(module.parameters())
-    states = [v for opt in optimizers for state in _optimizer_states(opt) for v in state.values()
-              if isinstance(v, torch.Tensor) and v.dim() > 0]
-    return {"params": bytes_by_place(params), "grads": bytes_by_place(p.grad for p in params),
-            "optimizer": bytes_by_place(states)}
+    states = [
+        v
+        for opt in optimizers
+        for state in _optimizer_states(opt)
+        for v in state.values()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    ]
+    return {
+        "params": bytes_by_place(params),
+        "grads": bytes_by_place(p.grad for p in params),
+        "optimizer": bytes_by_place(states),
+    }
 
 
 def cuda_memory(device: torch.device) -> Optional[dict[str, int]]:

@@ -59,9 +59,7 @@ class MeshSpec:
     def __post_init__(self) -> None:
         problems = self._problems()
         if problems:
-            raise ValueError(
-                "Invalid device mesh " + self._describe() + ":\n  - " + "\n  - ".join(problems)
-            )
+            raise ValueError("Invalid device mesh " + self._describe() + ":\n  - " + "\n  - ".join(problems))
 
     # ---- arithmetic and validation -------------------------------------------------------------
     def _describe(self) -> str:
@@ -193,8 +191,9 @@ class MeshSpec:
         for col in ("rank", "node", *DIM_NAMES, DP):
             table.add_column(col, justify="right")
         for row in self.plan_rows():
-            table.add_row(str(row["rank"]), str(row["rank"] // self.devices_per_node),
-                          *(str(row[c]) for c in (*DIM_NAMES, DP)))
+            table.add_row(
+                str(row["rank"]), str(row["rank"] // self.devices_per_node), *(str(row[c]) for c in (*DIM_NAMES, DP))
+            )
         buf = io.StringIO()
         Console(file=buf, width=100, force_terminal=False).print(table)
         return buf.getvalue()

@@ -37,11 +37,16 @@ class PrecisionDtypes:
 
 # Lightning's flags and their short aliases ("bf16" == "bf16-mixed", as Lightning accepts them)
 PRECISION_DTYPES: dict[str, PrecisionDtypes] = {
-    "64-true": PrecisionDtypes(torch.float64, torch.float64), "64": PrecisionDtypes(torch.float64, torch.float64),
-    "32-true": PrecisionDtypes(torch.float32, torch.float32), "32": PrecisionDtypes(torch.float32, torch.float32),
-    "bf16-mixed": PrecisionDtypes(torch.float32, torch.bfloat16), "bf16": PrecisionDtypes(torch.float32, torch.bfloat16),
-    "16-mixed": PrecisionDtypes(torch.float32, torch.float16), "16": PrecisionDtypes(torch.float32, torch.float16),
-    "bf16-true": PrecisionDtypes(torch.bfloat16, torch.bfloat16), "16-true": PrecisionDtypes(torch.float16, torch.float16),
+    "64-true": PrecisionDtypes(torch.float64, torch.float64),
+    "64": PrecisionDtypes(torch.float64, torch.float64),
+    "32-true": PrecisionDtypes(torch.float32, torch.float32),
+    "32": PrecisionDtypes(torch.float32, torch.float32),
+    "bf16-mixed": PrecisionDtypes(torch.float32, torch.bfloat16),
+    "bf16": PrecisionDtypes(torch.float32, torch.bfloat16),
+    "16-mixed": PrecisionDtypes(torch.float32, torch.float16),
+    "16": PrecisionDtypes(torch.float32, torch.float16),
+    "bf16-true": PrecisionDtypes(torch.bfloat16, torch.bfloat16),
+    "16-true": PrecisionDtypes(torch.float16, torch.float16),
 }
 
 

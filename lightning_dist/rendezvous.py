@@ -15,13 +15,12 @@ addresses: "Connection refused"). :func:`attempt_store` gives each attempt its o
 from __future__ import annotations
 
 import ipaddress
+import os
 import socket
 from datetime import timedelta
 from typing import Optional
 
 import torch.distributed as dist
-import os
-
 from lightning.fabric.plugins.environments import ClusterEnvironment, LightningEnvironment, TorchElasticEnvironment
 
 __all__ = ["attempt_store", "is_loopback", "job_store", "loopback_store"]

@@ -22,8 +22,12 @@ from lightning_dist._compat import deepspeed_available, matplotlib_available
 ROOT = Path(__file__).resolve().parents[1]
 
 # optional dependencies (extras): tests that need one skip with the reason where it is not installed
-needs_deepspeed = pytest.mark.skipif(not deepspeed_available(), reason="DeepSpeed (the `deepspeed` extra) is not installed")
-needs_matplotlib = pytest.mark.skipif(not matplotlib_available(), reason="matplotlib (the `plot` extra) is not installed")
+needs_deepspeed = pytest.mark.skipif(
+    not deepspeed_available(), reason="DeepSpeed (the `deepspeed` extra) is not installed"
+)
+needs_matplotlib = pytest.mark.skipif(
+    not matplotlib_available(), reason="matplotlib (the `plot` extra) is not installed"
+)
 SCENARIOS = ROOT / "tests" / "scenarios"
 
 
@@ -64,15 +68,15 @@ def _report(what: str, proc: subprocess.CompletedProcess) -> str:
     """Failure text: the first error lines (usually the root cause) and the tail of both streams."""
     first = [i for i, line in enumerate(proc.stderr.splitlines()) if "Error" in line or "Traceback" in line][:1]
     lines = proc.stderr.splitlines()
-    head = "\n".join(lines[max(0, first[0] - 5):first[0] + 40]) if first else ""
-    return (f"{what} exited {proc.returncode}\n--- first error\n{head}\n--- stdout (tail)\n{proc.stdout[-4000:]}"
-            f"\n--- stderr (tail)\n{proc.stderr[-6000:]}")
+    head = "\n".join(lines[max(0, first[0] - 5) : first[0] + 40]) if first else ""
+    return (
+        f"{what} exited {proc.returncode}\n--- first error\n{head}\n--- stdout (tail)\n{proc.stdout[-4000:]}"
+        f"\n--- stderr (tail)\n{proc.stderr[-6000:]}"
+    )
 
 
 def _run(cmd: list[str], timeout: float, env: dict | None, cwd: Path | None) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        cmd, cwd=cwd or ROOT, env=_env(env), capture_output=True, text=True, timeout=timeout
-    )
+    proc = subprocess.run(cmd, cwd=cwd or ROOT, env=_env(env), capture_output=True, text=True, timeout=timeout)
     return proc
 
 
@@ -119,8 +123,15 @@ def run_torchrun(
     path = scenario_path(script)
     port = free_port()
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-        "--master-addr=127.0.0.1", f"--master-port={port}", *extra_torchrun, str(path), *args,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        "--master-addr=127.0.0.1",
+        f"--master-port={port}",
+        *extra_torchrun,
+        str(path),
+        *args,
     ]
     proc = _run(cmd, timeout, env, cwd)
     if expect_ok and proc.returncode != 0:
@@ -142,11 +153,20 @@ def run_torchrun_nodes(
     procs = []
     for node_rank in range(nnodes):
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
-            f"--node-rank={node_rank}", "--master-addr=127.0.0.1", f"--master-port={port}", str(path), *args,
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nnodes={nnodes}",
+            f"--nproc-per-node={nproc}",
+            f"--node-rank={node_rank}",
+            "--master-addr=127.0.0.1",
+            f"--master-port={port}",
+            str(path),
+            *args,
         ]
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
+        procs.append(
+            subprocess.Popen(cmd, cwd=ROOT, env=_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
     done = []
     for p in procs:
         try:

@@ -25,8 +25,9 @@ class CharGPTCLI(LightningCLI):
 
 def main(args: list[str] | None = None) -> LightningCLI:
     """Run the CLI on ``args`` (default: the command line) and return it (its ``trainer`` and ``model``)."""
-    return CharGPTCLI(CharGPT, CharDataModule, seed_everything_default=0, save_config_kwargs={"overwrite": True},
-                      args=args)
+    return CharGPTCLI(
+        CharGPT, CharDataModule, seed_everything_default=0, save_config_kwargs={"overwrite": True}, args=args
+    )
 
 
 if __name__ == "__main__":

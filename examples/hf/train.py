@@ -35,8 +35,15 @@ class CausalLM(LightningModule):
         lr: AdamW learning rate.
     """
 
-    def __init__(self, model_type: str = "llama", config: Optional[dict[str, Any]] = None, vocab_size: int = 64,
-                 pretrained: Optional[str] = None, export_to: Optional[str] = None, lr: float = 1e-3) -> None:
+    def __init__(
+        self,
+        model_type: str = "llama",
+        config: Optional[dict[str, Any]] = None,
+        vocab_size: int = 64,
+        pretrained: Optional[str] = None,
+        export_to: Optional[str] = None,
+        lr: float = 1e-3,
+    ) -> None:
         super().__init__()
         import transformers as tf
 
@@ -75,8 +82,9 @@ class CausalLMCLI(LightningCLI):
 
 def main(args: list[str] | None = None) -> LightningCLI:
     """Run the CLI on ``args`` (default: the command line) and return it."""
-    return CausalLMCLI(CausalLM, CharDataModule, seed_everything_default=0, save_config_kwargs={"overwrite": True},
-                       args=args)
+    return CausalLMCLI(
+        CausalLM, CharDataModule, seed_everything_default=0, save_config_kwargs={"overwrite": True}, args=args
+    )
 
 
 if __name__ == "__main__":

@@ -17,8 +17,9 @@ from lightning_dist.models import ShapesClassifier, ShapesDataModule
 
 def main(args: list[str] | None = None) -> LightningCLI:
     """Run the CLI on ``args`` (default: the command line) and return it (its ``trainer`` and ``model``)."""
-    return LightningCLI(ShapesClassifier, ShapesDataModule, seed_everything_default=0,
-                        save_config_kwargs={"overwrite": True}, args=args)
+    return LightningCLI(
+        ShapesClassifier, ShapesDataModule, seed_everything_default=0, save_config_kwargs={"overwrite": True}, args=args
+    )
 
 
 if __name__ == "__main__":

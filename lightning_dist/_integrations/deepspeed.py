@@ -103,8 +103,10 @@ def set_step_clip_norm(engine: Any, max_norm: float) -> None:
     require_tested_deepspeed("ZeRO optimizer clip_grad (set_step_clip_norm)")
     zero = getattr(engine, "optimizer", None)
     if not hasattr(zero, "clip_grad"):
-        raise RuntimeError(f"DeepSpeed's optimizer {type(zero).__name__} has no `clip_grad`: gradient clipping cannot"
-                           " be set for its step (expected a ZeRO optimizer, stage 1-3).")
+        raise RuntimeError(
+            f"DeepSpeed's optimizer {type(zero).__name__} has no `clip_grad`: gradient clipping cannot"
+            " be set for its step (expected a ZeRO optimizer, stage 1-3)."
+        )
     zero.clip_grad = float(max_norm)
 
 
@@ -119,8 +121,11 @@ def zero_state_tensors(engine: Any) -> dict[str, list[Any]]:
     require_tested_deepspeed("ZeRO partition attributes (zero_state_tensors)")
     zero_opt = engine.optimizer
     params = list(engine.module.parameters())
-    masters = list(getattr(zero_opt, "fp32_partitioned_groups_flat", None)
-                   or getattr(zero_opt, "single_partition_of_fp32_groups", None) or [])
+    masters = list(
+        getattr(zero_opt, "fp32_partitioned_groups_flat", None)
+        or getattr(zero_opt, "single_partition_of_fp32_groups", None)
+        or []
+    )
     inner = getattr(zero_opt, "optimizer", zero_opt)
     states = [t for s in inner.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     grads = [p.grad for p in params] + [m.grad for m in masters]
@@ -128,8 +133,11 @@ def zero_state_tensors(engine: Any) -> dict[str, list[Any]]:
     for group in getattr(zero_opt, "averaged_gradients", {}).values():  # ZeRO-1/2's reduced gradients
         grads.extend(group or [])
     # ZeRO-3 parameter partitions (`ds_tensor`), fp32 master partitions, gradient partitions, optimizer moments
-    return {"parameters": [*params, *(getattr(p, "ds_tensor", None) for p in params)], "gradients": grads,
-            "optimizer": [*masters, *states]}
+    return {
+        "parameters": [*params, *(getattr(p, "ds_tensor", None) for p in params)],
+        "gradients": grads,
+        "optimizer": [*masters, *states],
+    }
 
 
 def param_partition_numels(model: Any, world_size: int) -> list[int]:
@@ -137,8 +145,10 @@ def param_partition_numels(model: Any, world_size: int) -> list[int]:
 
     Reason: ZeRO-3 stores the partition as the parameter's ``ds_tensor`` attribute (``ds_numel`` elements).
     """
-    return [p.ds_tensor.ds_numel if getattr(p, "ds_tensor", None) is not None else -(-p.numel() // world_size)
-            for p in model.parameters()]
+    return [
+        p.ds_tensor.ds_numel if getattr(p, "ds_tensor", None) is not None else -(-p.numel() // world_size)
+        for p in model.parameters()
+    ]
 
 
 def param_swappers(model: Any) -> list[Any]:
@@ -176,12 +186,24 @@ def resize_param_swap_buffers(swapper: Any, numel: int) -> None:
     DeepSpeed has no call to resize them (page-locked, resident all the time).
     """
     require_tested_deepspeed("parameter swap-buffer resize (resize_param_swap_buffers)")
-    needed = ("buffers", "available_buffer_ids", "param_buffer_count", "param_id_to_swap_buffer", "inflight_params",
-              "elements_per_buffer", "aligned_elements_per_buffer", "aio_read_handle", "_io_aligned_numel")
+    needed = (
+        "buffers",
+        "available_buffer_ids",
+        "param_buffer_count",
+        "param_id_to_swap_buffer",
+        "inflight_params",
+        "elements_per_buffer",
+        "aligned_elements_per_buffer",
+        "aio_read_handle",
+        "_io_aligned_numel",
+    )
     if not all(hasattr(swapper, name) for name in needed):
         return  # another DeepSpeed: keep its buffers
-    busy = (len(swapper.available_buffer_ids) != swapper.param_buffer_count or swapper.param_id_to_swap_buffer
-            or swapper.inflight_params)
+    busy = (
+        len(swapper.available_buffer_ids) != swapper.param_buffer_count
+        or swapper.param_id_to_swap_buffer
+        or swapper.inflight_params
+    )
     aligned = swapper._io_aligned_numel(numel)
     if busy or aligned == swapper.aligned_elements_per_buffer:
         return
@@ -269,8 +291,9 @@ def _nvme_rigid_state_dict(self: Any) -> dict:
         try:
             flats[i] = flat.detach().clone()
             if flat in self.optimizer.state:
-                state[index] = {k: v.detach().clone() if torch.is_tensor(v) else v
-                                for k, v in self.optimizer.state[flat].items()}
+                state[index] = {
+                    k: v.detach().clone() if torch.is_tensor(v) else v for k, v in self.optimizer.state[flat].items()
+                }
         finally:
             self._release_swap_buffers(i)  # back to placeholders, nothing rewritten to disk
     sd[FP32_FLAT_GROUPS] = flats
@@ -328,8 +351,10 @@ def _swap_in_without_reading(self: Any, flat: torch.Tensor, *, fp32: torch.Tenso
     aligned = swapper._io_aligned_numel(info.numel())
     buffers = swapper.swap_buffer_manager.allocate(num_elems=aligned, count=info.num_tensors(), dtype=flat.dtype)
     if buffers is None:
-        raise RuntimeError(f"Not enough NVMe swap buffers for {info.num_tensors()} optimizer tensors: raise"
-                           " `offload_optimizer.buffer_count` in the DeepSpeed config.")
+        raise RuntimeError(
+            f"Not enough NVMe swap buffers for {info.num_tensors()} optimizer tensors: raise"
+            " `offload_optimizer.buffer_count` in the DeepSpeed config."
+        )
     info.swap_buffers = buffers.copy()
     info.set_swap_buffers(buffers, aligned)
     for tensor, value in zip(info.get_compute_tensors(), values):

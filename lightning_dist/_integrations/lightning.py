@@ -22,9 +22,6 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-# Lightning's script launcher (re-runs the command per rank); the pack's JobLauncher extends it
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher as SubprocessScriptLauncher
-
 # Lightning's private helpers, called as Lightning's own strategies call them (no public equivalent)
 from lightning.fabric.strategies.launchers.subprocess_script import _set_num_threads_if_needed  # noqa: F401
 from lightning.fabric.utilities.data import _set_sampler_epoch  # noqa: F401
@@ -35,6 +32,11 @@ from lightning.fabric.utilities.distributed import (  # noqa: F401
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.optimizer import _optimizers_to_device  # noqa: F401
+
+# Lightning's script launcher (re-runs the command per rank); the pack's JobLauncher extends it
+from lightning.pytorch.strategies.launchers.subprocess_script import (
+    _SubprocessScriptLauncher as SubprocessScriptLauncher,
+)
 
 from lightning_dist._compat import require_tested_lightning
 
@@ -59,8 +61,9 @@ def set_module_device_mesh(module: Any, device_mesh: Any) -> None:
     module._device_mesh = device_mesh
 
 
-def route_gradient_clipping(precision_plugin: Any, *, by_norm: Callable[[Any, float], None],
-                            by_value: Callable[[Any, float], None]) -> None:
+def route_gradient_clipping(
+    precision_plugin: Any, *, by_norm: Callable[[Any, float], None], by_value: Callable[[Any, float], None]
+) -> None:
     """Make ``precision_plugin.clip_gradients(optimizer, clip_val, algorithm)`` call ``by_norm`` or ``by_value``
     (Lightning's base ``Precision.clip_gradients`` dispatch), on this instance only.
 
@@ -135,8 +138,9 @@ def distributed_sampler_for_stateful_loaders() -> None:
     if getattr(original, "_lightning_dist_patch", False):
         return
 
-    def get_distributed_sampler(dataloader: Any, shuffle: bool, overfit_batches: Any, mode: Any = None,
-                                **kwargs: Any) -> Any:
+    def get_distributed_sampler(
+        dataloader: Any, shuffle: bool, overfit_batches: Any, mode: Any = None, **kwargs: Any
+    ) -> Any:
         if mode != RunningStage.PREDICTING and isinstance(getattr(dataloader, "sampler", None), StatefulRandomSampler):
             # Lightning's own branch for torch's RandomSampler (same seed and shuffle rule)
             kwargs["shuffle"] = shuffle and not overfit_batches

@@ -67,7 +67,9 @@ class TimedStage(PipelineStage):
 
     def _record(self, kind: str, mb: int, start: float, cpu_start: float) -> None:
         if self.timeline is not None:  # (stage, kind, micro-batch, wall start, wall end, thread CPU seconds)
-            self.timeline.append((self.stage_index, kind, mb, start, time.perf_counter(), time.thread_time() - cpu_start))
+            self.timeline.append(
+                (self.stage_index, kind, mb, start, time.perf_counter(), time.thread_time() - cpu_start)
+            )
 
     def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
         start, cpu = self._clock()
@@ -78,7 +80,9 @@ class TimedStage(PipelineStage):
 
     def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
         start, cpu = self._clock()
-        out = super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
+        out = super().backward_one_chunk(
+            bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward
+        )
         self._record("B" if full_backward else "I", bwd_chunk_id, start, cpu)
         return out
 
@@ -89,6 +93,7 @@ class TimedStage(PipelineStage):
         return out
 
     if PIPELINE_INIT_P2P_TO_SELF:
+
         def _get_init_p2p_neighbors_ops(self):
             return drop_p2p_to_self(super()._get_init_p2p_neighbors_ops(), self.group_rank)
 

@@ -80,8 +80,9 @@ class _SplitDataModule(LightningDataModule):
     @override
     def train_dataloader(self) -> DataLoader:
         # drop_last keeps every step's batch full, which pipeline micro-batching relies on
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True,
-                          num_workers=self.num_workers)
+        return DataLoader(
+            self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True, num_workers=self.num_workers
+        )
 
     @override
     def val_dataloader(self) -> DataLoader:
@@ -131,9 +132,12 @@ class ShapesDataModule(_SplitDataModule):
     @override
     def setup(self, stage: str) -> None:
         if self.train_set is None:
-            self.train_set = TensorDataset(*make_shapes(self.n_train, image_size=self.image_size, seed=self.seed, noise=self.noise))
-            self.val_set = TensorDataset(*make_shapes(self.n_val, image_size=self.image_size, seed=self.seed + 1, noise=self.noise))
-
+            self.train_set = TensorDataset(
+                *make_shapes(self.n_train, image_size=self.image_size, seed=self.seed, noise=self.noise)
+            )
+            self.val_set = TensorDataset(
+                *make_shapes(self.n_val, image_size=self.image_size, seed=self.seed + 1, noise=self.noise)
+            )
 
 
 # Character corpus -------------------------------------------------------------------------------------
@@ -145,10 +149,38 @@ CHAR_VOCAB_SIZE = len(CHAR_VOCAB)
 _WORDS = {
     "det": ["the", "a", "every", "one", "that", "no"],
     "adj": ["small", "quiet", "bright", "old", "green", "heavy", "quick", "lazy", "clever", "broken", "warm", "silver"],
-    "noun": ["cat", "river", "engine", "garden", "teacher", "window", "lantern", "fox", "machine", "village", "tree",
-             "student", "ship", "mountain", "letter", "clock"],
-    "verb": ["sees", "builds", "follows", "carries", "paints", "watches", "finds", "opens", "remembers", "moves",
-             "counts", "hears"],
+    "noun": [
+        "cat",
+        "river",
+        "engine",
+        "garden",
+        "teacher",
+        "window",
+        "lantern",
+        "fox",
+        "machine",
+        "village",
+        "tree",
+        "student",
+        "ship",
+        "mountain",
+        "letter",
+        "clock",
+    ],
+    "verb": [
+        "sees",
+        "builds",
+        "follows",
+        "carries",
+        "paints",
+        "watches",
+        "finds",
+        "opens",
+        "remembers",
+        "moves",
+        "counts",
+        "hears",
+    ],
     "adv": ["slowly", "today", "again", "quietly", "at night", "in the rain", "with care", "before dawn"],
     "conj": ["and", "but", "while", "because"],
 }
@@ -193,7 +225,9 @@ def encode(text: str) -> Tensor:
     lookup = {c: i for i, c in enumerate(CHAR_VOCAB)}
     unknown = sorted(set(text) - lookup.keys())
     if unknown:
-        raise ValueError(f"Characters {unknown!r} are not in CHAR_VOCAB={CHAR_VOCAB!r}; lower-case the text or filter them.")
+        raise ValueError(
+            f"Characters {unknown!r} are not in CHAR_VOCAB={CHAR_VOCAB!r}; lower-case the text or filter them."
+        )
     return torch.tensor([lookup[c] for c in text], dtype=torch.long)
 
 
@@ -246,7 +280,12 @@ class CharDataModule(_SplitDataModule):
             raise ValueError(f"num_workers={num_workers} must be >= 0.")
         self.save_hyperparameters()
         self.n_chars, self.block_size, self.batch_size = n_chars, block_size, batch_size
-        self.val_fraction, self.stride, self.seed, self.num_workers = val_fraction, stride or block_size, seed, num_workers
+        self.val_fraction, self.stride, self.seed, self.num_workers = (
+            val_fraction,
+            stride or block_size,
+            seed,
+            num_workers,
+        )
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
 
@@ -261,4 +300,3 @@ class CharDataModule(_SplitDataModule):
             n_val = int(self.n_chars * self.val_fraction)
             self.train_set = self._windows(ids[: self.n_chars - n_val])
             self.val_set = self._windows(ids[self.n_chars - n_val :])
-

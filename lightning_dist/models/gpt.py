@@ -48,8 +48,11 @@ class GPTConfig:
         problems = [f"{k}={v!r} must be an integer >= 1" for k, v in sizes.items() if not isinstance(v, int) or v < 1]
         if not problems and self.n_embd % self.n_head:
             problems.append(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
-        if not problems and self.n_kv_head is not None and (
-                not isinstance(self.n_kv_head, int) or self.n_kv_head < 1 or self.n_head % self.n_kv_head):
+        if (
+            not problems
+            and self.n_kv_head is not None
+            and (not isinstance(self.n_kv_head, int) or self.n_kv_head < 1 or self.n_head % self.n_kv_head)
+        ):
             problems.append(f"n_kv_head={self.n_kv_head!r} must be an integer >= 1 dividing n_head={self.n_head}")
         if problems:
             raise ValueError("Invalid GPTConfig: " + "; ".join(problems) + ".")
@@ -107,15 +110,24 @@ class GPT(nn.Module):
     ) -> None:
         super().__init__()
         self.config = cfg = GPTConfig(
-            vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
-            mlp_ratio=mlp_ratio, bias=bias, tie_weights=tie_weights, n_kv_head=n_kv_head,
+            vocab_size=vocab_size,
+            block_size=block_size,
+            n_layer=n_layer,
+            n_head=n_head,
+            n_embd=n_embd,
+            mlp_ratio=mlp_ratio,
+            bias=bias,
+            tie_weights=tie_weights,
+            n_kv_head=n_kv_head,
         )
         with deferred_init(self):
             self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
             self.pos_emb = PositionEmbedding(block_size=cfg.block_size, dim=cfg.n_embd)
             self.blocks = nn.ModuleList(
-                GPTBlock(dim=cfg.n_embd, n_heads=cfg.n_head, mlp_ratio=cfg.mlp_ratio, bias=cfg.bias,
-                         n_kv_heads=cfg.n_kv_head) for _ in range(cfg.n_layer)
+                GPTBlock(
+                    dim=cfg.n_embd, n_heads=cfg.n_head, mlp_ratio=cfg.mlp_ratio, bias=cfg.bias, n_kv_heads=cfg.n_kv_head
+                )
+                for _ in range(cfg.n_layer)
             )
             self.norm = nn.LayerNorm(cfg.n_embd)
             self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
@@ -176,8 +188,15 @@ class CharGPT(LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.model = GPT(
-            vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
-            mlp_ratio=mlp_ratio, bias=bias, tie_weights=tie_weights, n_kv_head=n_kv_head,
+            vocab_size=vocab_size,
+            block_size=block_size,
+            n_layer=n_layer,
+            n_head=n_head,
+            n_embd=n_embd,
+            mlp_ratio=mlp_ratio,
+            bias=bias,
+            tie_weights=tie_weights,
+            n_kv_head=n_kv_head,
         )
         self.lr, self.weight_decay = lr, weight_decay
 

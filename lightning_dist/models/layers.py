@@ -16,7 +16,9 @@ from torch import Tensor, nn
 
 def _check_heads(dim: int, n_heads: int) -> int:
     if dim < 1 or n_heads < 1 or dim % n_heads:
-        raise ValueError(f"dim={dim} must be a positive multiple of n_heads={n_heads}; choose sizes with dim % n_heads == 0.")
+        raise ValueError(
+            f"dim={dim} must be a positive multiple of n_heads={n_heads}; choose sizes with dim % n_heads == 0."
+        )
     return dim // n_heads
 
 
@@ -36,8 +38,9 @@ class Attention(nn.Module):
             ``n_heads``; each key/value head serves ``n_heads / n_kv_heads`` query heads.
     """
 
-    def __init__(self, *, dim: int, n_heads: int, causal: bool = False, bias: bool = True,
-                 n_kv_heads: int | None = None) -> None:
+    def __init__(
+        self, *, dim: int, n_heads: int, causal: bool = False, bias: bool = True, n_kv_heads: int | None = None
+    ) -> None:
         super().__init__()
         self.head_dim = _check_heads(dim, n_heads)
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
@@ -54,8 +57,9 @@ class Attention(nn.Module):
         q, k, v = self.q(x), self.k(x), self.v(x)
         # local heads from the (possibly tensor-parallel sharded) width, not from self.n_heads
         n_local, n_local_kv = q.shape[-1] // self.head_dim, k.shape[-1] // self.head_dim
-        q, k, v = (t.unflatten(-1, (t.shape[-1] // self.head_dim, self.head_dim)).transpose(1, 2)
-                   for t in (q, k, v))  # [B, H, T, D]
+        q, k, v = (
+            t.unflatten(-1, (t.shape[-1] // self.head_dim, self.head_dim)).transpose(1, 2) for t in (q, k, v)
+        )  # [B, H, T, D]
         if n_local_kv != n_local:  # grouped-query attention: each key/value head serves a group of query heads
             k, v = (t.repeat_interleave(n_local // n_local_kv, dim=1) for t in (k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
@@ -80,8 +84,9 @@ class TransformerBlock(nn.Module):
 
     causal: bool = False
 
-    def __init__(self, *, dim: int, n_heads: int, mlp_ratio: int = 4, bias: bool = True,
-                 n_kv_heads: int | None = None) -> None:
+    def __init__(
+        self, *, dim: int, n_heads: int, mlp_ratio: int = 4, bias: bool = True, n_kv_heads: int | None = None
+    ) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(dim)
         self.attn = Attention(dim=dim, n_heads=n_heads, causal=self.causal, bias=bias, n_kv_heads=n_kv_heads)

@@ -54,7 +54,10 @@ class ShapesCNN(nn.Module):
         _check_positive(in_channels=in_channels, width=width, n_blocks=n_blocks, num_classes=num_classes)
         with deferred_init(self):
             self.stem = nn.Sequential(
-                nn.Conv2d(in_channels, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU(), nn.MaxPool2d(2)
+                nn.Conv2d(in_channels, width, 3, padding=1, bias=False),
+                nn.BatchNorm2d(width),
+                nn.ReLU(),
+                nn.MaxPool2d(2),
             )
             self.blocks = nn.ModuleList(ConvBlock(channels=width) for _ in range(n_blocks))
             # global max-pool: 'is this corner/edge present' features; an average-pooled head drifted with BatchNorm's running stats
@@ -135,8 +138,14 @@ class ViT(nn.Module):
     ) -> None:
         super().__init__()
         _check_positive(
-            image_size=image_size, patch_size=patch_size, in_channels=in_channels, dim=dim, depth=depth,
-            n_heads=n_heads, mlp_ratio=mlp_ratio, num_classes=num_classes,
+            image_size=image_size,
+            patch_size=patch_size,
+            in_channels=in_channels,
+            dim=dim,
+            depth=depth,
+            n_heads=n_heads,
+            mlp_ratio=mlp_ratio,
+            num_classes=num_classes,
         )
         with deferred_init(self):
             self.embed = PatchEmbed(image_size=image_size, patch_size=patch_size, in_channels=in_channels, dim=dim)

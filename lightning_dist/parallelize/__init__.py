@@ -96,8 +96,9 @@ def parallelize_model(model: nn.Module, mesh: DistMesh, config: ParallelizeConfi
     blocks: Any = list(config.blocks) if config.blocks is not None else "auto"
     checkpointed: list[nn.Module] = []
     if ac is not None:
-        checkpointed = apply_ac(model, units=blocks if ac.units == "auto" else ac.units, mode=ac.mode,
-                                every=ac.every, ops=ac.ops)
+        checkpointed = apply_ac(
+            model, units=blocks if ac.units == "auto" else ac.units, mode=ac.mode, every=ac.every, ops=ac.ops
+        )
     if config.offload_activations:  # the blocks AC left keep their saved tensors: those go to host memory
         apply_offload_activations(model, units=blocks, skip=checkpointed)
 
@@ -119,9 +120,14 @@ def parallelize_model(model: nn.Module, mesh: DistMesh, config: ParallelizeConfi
         if dp_size > 1 or offload:
             from lightning_dist.parallelize.pipeline import apply_fsdp_to_stage
 
-            apply_fsdp_to_stage(model, mesh.fsdp_mesh(), units=config.units,
-                                reshard_after_forward=config.zero_stage == 3,
-                                mp_policy=config.mp_policy, offload_policy=config.offload_policy)
+            apply_fsdp_to_stage(
+                model,
+                mesh.fsdp_mesh(),
+                units=config.units,
+                reshard_after_forward=config.zero_stage == 3,
+                mp_policy=config.mp_policy,
+                offload_policy=config.offload_policy,
+            )
         return model
     replicate_only = not offload and (config.zero_stage == 1 or (mesh.size(DP_SHARD) == 1 and mesh.size(TP) == 1))
     if replicate_only:
@@ -167,11 +173,24 @@ def pipeline_model(
     for stage in stages:
         blocks = stage_blocks(stage)
         auto = lambda option: blocks if option is True or option == "auto" else option  # noqa: E731
-        stage_config = replace(config, fsdp_root="model", blocks=blocks,
-                               compile=auto(config.compile) if config.compile is not False else False)
+        stage_config = replace(
+            config,
+            fsdp_root="model",
+            blocks=blocks,
+            compile=auto(config.compile) if config.compile is not False else False,
+        )
         parallelize_model(stage, mesh, stage_config)
     log.info("pipeline: %d local stage(s) %s parallelized", len(stages), list(stage_indices))
     return container, stages
 
 
-__all__ = ["ParallelizeConfig", "parallelize_model", "pipeline_model", "apply_ac", "apply_offload_activations", "apply_compile", "apply_fsdp", "apply_replicate"]
+__all__ = [
+    "ParallelizeConfig",
+    "parallelize_model",
+    "pipeline_model",
+    "apply_ac",
+    "apply_offload_activations",
+    "apply_compile",
+    "apply_fsdp",
+    "apply_replicate",
+]

@@ -39,18 +39,24 @@ ACOption = Union[bool, str, Sequence[str]]
 
 SELECTIVE_AC_OPS: tuple[str, ...] = (
     # matmuls (nn.Linear lowers to mm / addmm, attention's math path to bmm)
-    "aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm",
+    "aten.mm",
+    "aten.addmm",
+    "aten.bmm",
+    "aten.baddbmm",
     # fused attention kernels (CUDA flash / memory-efficient / cuDNN, CPU flash)
-    "aten._scaled_dot_product_flash_attention", "aten._scaled_dot_product_efficient_attention",
-    "aten._scaled_dot_product_cudnn_attention", "aten._scaled_dot_product_flash_attention_for_cpu",
+    "aten._scaled_dot_product_flash_attention",
+    "aten._scaled_dot_product_efficient_attention",
+    "aten._scaled_dot_product_cudnn_attention",
+    "aten._scaled_dot_product_flash_attention_for_cpu",
     # collectives issued inside a block (functional collectives): recomputing them would communicate again
-    "_c10d_functional.all_reduce", "_c10d_functional.reduce_scatter_tensor",
-    "_c10d_functional.all_gather_into_tensor", "_c10d_functional.all_to_all_single",
+    "_c10d_functional.all_reduce",
+    "_c10d_functional.reduce_scatter_tensor",
+    "_c10d_functional.all_gather_into_tensor",
+    "_c10d_functional.all_to_all_single",
 )
 """Ops whose outputs ``activation_checkpointing="selective"`` keeps (``namespace.op`` under ``torch.ops``)."""
 
-_FORMS = ('False, True / "full", "selective", "every:N" (N an integer >= 1) or block class names'
-          ' (e.g. ["GPTBlock"])')
+_FORMS = 'False, True / "full", "selective", "every:N" (N an integer >= 1) or block class names (e.g. ["GPTBlock"])'
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,8 +92,10 @@ def resolve_ops(names: Sequence[Any]) -> list[Any]:
         elif name not in SELECTIVE_AC_OPS:  # a default kernel this build lacks is never called: not an error
             missing.append(name)
     if missing:
-        raise ValueError(f"`selective_ac_ops`: {missing} are not torch ops; name them as 'namespace.op' under"
-                         " torch.ops (e.g. 'aten.mm', 'aten._scaled_dot_product_flash_attention').")
+        raise ValueError(
+            f"`selective_ac_ops`: {missing} are not torch ops; name them as 'namespace.op' under"
+            " torch.ops (e.g. 'aten.mm', 'aten._scaled_dot_product_flash_attention')."
+        )
     return out
 
 
@@ -100,23 +108,29 @@ def ac_problems(value: Any, *, selective_ops: Any = None, offload_activations: A
     except ValueError as err:
         problems.append(str(err))
     if selective_ops is not None and (plan is None or plan.mode != "selective"):
-        problems.append(f"`selective_ac_ops` is used by activation_checkpointing='selective' only; got"
-                        f" activation_checkpointing={value!r}.")
+        problems.append(
+            f"`selective_ac_ops` is used by activation_checkpointing='selective' only; got"
+            f" activation_checkpointing={value!r}."
+        )
     if not isinstance(offload_activations, bool):
         problems.append(f"`offload_activations={offload_activations!r}` must be True or False.")
     elif offload_activations and plan is not None and plan.every == 1:
-        problems.append(f"offload_activations=True with activation_checkpointing={value!r}: every block is"
-                        " checkpointed, so no block keeps activations to offload. Use activation_checkpointing="
-                        "'every:N' (the blocks between the checkpointed ones are offloaded) or False.")
+        problems.append(
+            f"offload_activations=True with activation_checkpointing={value!r}: every block is"
+            " checkpointed, so no block keeps activations to offload. Use activation_checkpointing="
+            "'every:N' (the blocks between the checkpointed ones are offloaded) or False."
+        )
     return problems
 
 
 def check_offload_device(offload_activations: bool, device: Any) -> None:
     """ValueError when activations would be offloaded from a device that is host memory already."""
     if offload_activations and torch.device(device).type != "cuda":
-        raise ValueError(f"offload_activations=True needs a CUDA device: on {torch.device(device).type!r} the"
-                         " activations already are in host memory (there is nothing to offload them to). Pass"
-                         " offload_activations=False, or activation_checkpointing='selective' to save memory.")
+        raise ValueError(
+            f"offload_activations=True needs a CUDA device: on {torch.device(device).type!r} the"
+            " activations already are in host memory (there is nothing to offload them to). Pass"
+            " offload_activations=False, or activation_checkpointing='selective' to save memory."
+        )
 
 
 def parse_ac(value: Any, *, ops: Any = None) -> ACPlan | None:
@@ -132,11 +146,13 @@ def parse_ac(value: Any, *, ops: Any = None) -> ACPlan | None:
             resolve_ops(ops)
         return ACPlan(mode="selective", ops=SELECTIVE_AC_OPS if ops is None else tuple(ops))
     if isinstance(value, str) and value.startswith("every:"):
-        n = value[len("every:"):]
+        n = value[len("every:") :]
         if n.isdigit() and int(n) >= 1:
             return ACPlan(mode="full", every=int(n))
-        raise ValueError(f"`activation_checkpointing={value!r}`: N in 'every:N' must be an integer >= 1"
-                         " (e.g. 'every:2' checkpoints every second block).")
+        raise ValueError(
+            f"`activation_checkpointing={value!r}`: N in 'every:N' must be an integer >= 1"
+            " (e.g. 'every:2' checkpoints every second block)."
+        )
     if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) and v for v in value):
         return ACPlan(mode="full", units=tuple(value))
     raise ValueError(f"`activation_checkpointing={value!r}` must be one of {_FORMS}.")
@@ -159,8 +175,14 @@ def _selective_context(ops: Sequence[Any]) -> Any:
     return partial(create_selective_checkpoint_contexts, policy)
 
 
-def apply_ac(model: nn.Module, *, units: Union[str, Sequence[str], Sequence[nn.Module]] = "auto",
-             mode: str = "full", every: int = 1, ops: Sequence[Any] = SELECTIVE_AC_OPS) -> list[nn.Module]:
+def apply_ac(
+    model: nn.Module,
+    *,
+    units: Union[str, Sequence[str], Sequence[nn.Module]] = "auto",
+    mode: str = "full",
+    every: int = 1,
+    ops: Sequence[Any] = SELECTIVE_AC_OPS,
+) -> list[nn.Module]:
     """Checkpoint each unit (each block by default; every `every`-th with ``every > 1``); returns the wrapped.
 
     ``mode="full"``: torch's composable ``checkpoint`` (non-reentrant, hooks on the module);
@@ -201,8 +223,9 @@ def _checkpoint_forward(module: nn.Module, context_fn: Any) -> None:
 def _selective_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     from torch.utils.checkpoint import checkpoint
 
-    return checkpoint(type(self).forward.__get__(self), *args, use_reentrant=False,
-                      context_fn=self._ld_ac_context_fn, **kwargs)
+    return checkpoint(
+        type(self).forward.__get__(self), *args, use_reentrant=False, context_fn=self._ld_ac_context_fn, **kwargs
+    )
 
 
 class OffloadedActivations(torch.autograd.graph.saved_tensors_hooks):
@@ -241,9 +264,14 @@ class OffloadedActivations(torch.autograd.graph.saved_tensors_hooks):
         self.__exit__(None, None, None)
 
 
-def apply_offload_activations(model: nn.Module, *, units: Union[str, Sequence[str], Sequence[nn.Module]] = "auto",
-                              skip: Sequence[nn.Module] = (), pin_memory: bool = True,
-                              device_type: str = "cuda") -> list[OffloadedActivations]:
+def apply_offload_activations(
+    model: nn.Module,
+    *,
+    units: Union[str, Sequence[str], Sequence[nn.Module]] = "auto",
+    skip: Sequence[nn.Module] = (),
+    pin_memory: bool = True,
+    device_type: str = "cuda",
+) -> list[OffloadedActivations]:
     """Offload the tensors each unit saves for backward from `device_type` to host memory (not those of `skip`:
     the checkpointed blocks); returns one hook object per unit, also kept as ``unit._ld_offload``. The hooks
     are entered and left around each unit's forward."""
@@ -259,17 +287,30 @@ def apply_offload_activations(model: nn.Module, *, units: Union[str, Sequence[st
         module.register_forward_hook(hooks.stop, always_call=True)
         module._ld_offload = hooks
         out.append(hooks)
-    log.info("offloading the saved activations of %d blocks to %shost memory", len(out),
-             "pinned " if pin_memory else "")
+    log.info(
+        "offloading the saved activations of %d blocks to %shost memory", len(out), "pinned " if pin_memory else ""
+    )
     return out
 
 
 def offloaded_bytes(model: nn.Module) -> int | None:
     """Bytes the blocks of `model` moved to host memory in their last forward; None when nothing is offloaded."""
-    hooks = [m._ld_offload for m in model.modules() if isinstance(getattr(m, "_ld_offload", None), OffloadedActivations)]
+    hooks = [
+        m._ld_offload for m in model.modules() if isinstance(getattr(m, "_ld_offload", None), OffloadedActivations)
+    ]
     return sum(h.bytes for h in hooks) if hooks else None
 
 
-__all__ = ["ACOption", "ACPlan", "OffloadedActivations", "SELECTIVE_AC_OPS", "ac_problems", "apply_ac",
-           "apply_offload_activations", "check_offload_device", "offloaded_bytes",
-           "parse_ac", "resolve_ops"]
+__all__ = [
+    "ACOption",
+    "ACPlan",
+    "OffloadedActivations",
+    "SELECTIVE_AC_OPS",
+    "ac_problems",
+    "apply_ac",
+    "apply_offload_activations",
+    "check_offload_device",
+    "offloaded_bytes",
+    "parse_ac",
+    "resolve_ops",
+]

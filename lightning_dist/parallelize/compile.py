@@ -17,8 +17,11 @@ CompileOption = Union[bool, str, Sequence[str]]
 
 def check_compile_option(value: Any) -> list[str]:
     """Problems with a strategy's ``compile=`` value (empty when valid)."""
-    if isinstance(value, bool) or (isinstance(value, str) and value) or (
-            isinstance(value, (list, tuple)) and value and all(isinstance(v, str) and v for v in value)):
+    if (
+        isinstance(value, bool)
+        or (isinstance(value, str) and value)
+        or (isinstance(value, (list, tuple)) and value and all(isinstance(v, str) and v for v in value))
+    ):
         return []
     return [f"`compile={value!r}` must be True/False or block class names (e.g. ['GPTBlock'])."]
 
@@ -30,8 +33,9 @@ def compile_units(value: CompileOption) -> Union[str, Sequence[str], None]:
     return "auto" if value is True else value
 
 
-def tp_eager_blocks(model: nn.Module, styles: Mapping[nn.Module, str],
-                    units: Union[str, Sequence[str], Sequence[nn.Module]] = "auto") -> dict[nn.Module, str]:
+def tp_eager_blocks(
+    model: nn.Module, styles: Mapping[nn.Module, str], units: Union[str, Sequence[str], Sequence[nn.Module]] = "auto"
+) -> dict[nn.Module, str]:
     """Blocks that a tensor-parallel plan's `styles` ({module: style}) leave eager under compile, with the reason.
 
     A block whose column-wise layers take plain tensors (no ``region_input`` in the block: HuggingFace's own plans)
@@ -47,8 +51,13 @@ def tp_eager_blocks(model: nn.Module, styles: Mapping[nn.Module, str],
     return eager
 
 
-def apply_compile(model: nn.Module, *, units: Union[str, Sequence[str], Sequence[nn.Module]] = "auto",
-                  eager: Mapping[nn.Module, str] | None = None, **compile_kwargs: Any) -> int:
+def apply_compile(
+    model: nn.Module,
+    *,
+    units: Union[str, Sequence[str], Sequence[nn.Module]] = "auto",
+    eager: Mapping[nn.Module, str] | None = None,
+    **compile_kwargs: Any,
+) -> int:
     """``torch.compile`` each unit (each block by default) in place; returns how many were compiled.
 
     `units`: ``"auto"`` (each block of the model's block list), block class names, or the block modules.
@@ -79,10 +88,12 @@ def apply_compile(model: nn.Module, *, units: Union[str, Sequence[str], Sequence
         from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
         names = {id(m): n for n, m in model.named_modules()}
-        rank_zero_warn(f"compile=True left {len(left)} of {len(picked)} blocks eager ({', '.join(names.get(id(m), type(m).__name__) for m in left[:4])}"
-                       f"{', ...' if len(left) > 4 else ''}): {eager[left[0]]}; torch.compile trains such tensor-parallel blocks"
-                       " wrong on this torch. Give the block's attention/MLP modules 'region_input' in the plan (plan='transformer')"
-                       " to compile them.")
+        rank_zero_warn(
+            f"compile=True left {len(left)} of {len(picked)} blocks eager ({', '.join(names.get(id(m), type(m).__name__) for m in left[:4])}"
+            f"{', ...' if len(left) > 4 else ''}): {eager[left[0]]}; torch.compile trains such tensor-parallel blocks"
+            " wrong on this torch. Give the block's attention/MLP modules 'region_input' in the plan (plan='transformer')"
+            " to compile them."
+        )
         picked = [m for m in picked if m not in eager]
     static = 0
     for module in picked:
@@ -91,5 +102,7 @@ def apply_compile(model: nn.Module, *, units: Union[str, Sequence[str], Sequence
             kwargs["dynamic"] = False  # see the docstring: symbolic sizes through DTensor's backward recurse
             static += 1
         module.compile(**kwargs)
-    log.info("compiled %d blocks with torch.compile (%d with static shapes: tensor-parallel parameters)", len(picked), static)
+    log.info(
+        "compiled %d blocks with torch.compile (%d with static shapes: tensor-parallel parameters)", len(picked), static
+    )
     return len(picked)

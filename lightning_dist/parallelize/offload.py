@@ -263,8 +263,14 @@ def offload_report(
         table[kind] = row
     planned = {kind: plan.place(kind) for kind in KINDS}
     mismatches = placement_mismatches(table, planned, device_type=device_type)
-    return {"rank": rank, "table": table, "planned": planned, "measured_places": measured,
-            "mismatches": mismatches, "cuda": dict(cuda) if cuda else None}
+    return {
+        "rank": rank,
+        "table": table,
+        "planned": planned,
+        "measured_places": measured,
+        "mismatches": mismatches,
+        "cuda": dict(cuda) if cuda else None,
+    }
 
 
 def render_report(rows: Sequence[Mapping[str, Any]], *, title: str) -> Any:
@@ -276,8 +282,9 @@ def render_report(rows: Sequence[Mapping[str, Any]], *, title: str) -> Any:
         caption.append("CPU device: device and host memory are the same RAM, bytes shown where planned")
     for row in rows:
         if row.get("cuda"):
-            caption.append(f"rank {row['rank']}: CUDA allocated {_fmt(row['cuda']['allocated'])},"
-                           f" peak {_fmt(row['cuda']['peak'])}")
+            caption.append(
+                f"rank {row['rank']}: CUDA allocated {_fmt(row['cuda']['allocated'])}, peak {_fmt(row['cuda']['peak'])}"
+            )
     table = Table(title=title, caption="; ".join(caption) or None)
     table.add_column("rank", justify="right")
     table.add_column("state")
@@ -290,8 +297,9 @@ def render_report(rows: Sequence[Mapping[str, Any]], *, title: str) -> Any:
         for kind in KINDS:
             cells = row["table"][kind]
             check = "MISMATCH" if kind in bad else ("ok" if row.get("measured_places", True) else "-")
-            table.add_row(str(row["rank"]), kind, row.get("planned", {}).get(kind, "?"),
-                          *(_fmt(cells[p]) for p in PLACES), check)
+            table.add_row(
+                str(row["rank"]), kind, row.get("planned", {}).get(kind, "?"), *(_fmt(cells[p]) for p in PLACES), check
+            )
     return table
 
 
@@ -305,8 +313,15 @@ def _fmt(n: float) -> str:
 
 # ---- DeepSpeed's compiled CPU Adam ------------------------------------------------------------------
 # per-parameter-group keys of torch's Adam/AdamW that DeepSpeedCPUAdam has no use for (its own flags are per optimizer)
-_TORCH_ADAM_ONLY_KEYS = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused",
-                         "decoupled_weight_decay")
+_TORCH_ADAM_ONLY_KEYS = (
+    "amsgrad",
+    "maximize",
+    "foreach",
+    "capturable",
+    "differentiable",
+    "fused",
+    "decoupled_weight_decay",
+)
 
 
 def cpu_adam_options(optimizer: Any) -> tuple[Optional[dict], str]:
@@ -327,8 +342,14 @@ def cpu_adam_options(optimizer: Any) -> tuple[Optional[dict], str]:
         return None, f"{cls.__name__} has already stepped (its state would be lost)"
     decoupled = cls is torch.optim.AdamW or bool(optimizer.defaults.get("decoupled_weight_decay", False))
     d = optimizer.defaults
-    return {"lr": float(d["lr"]), "betas": tuple(d["betas"]), "eps": d["eps"], "weight_decay": d["weight_decay"],
-            "adamw_mode": decoupled, "bias_correction": True}, "Adam/AdamW"
+    return {
+        "lr": float(d["lr"]),
+        "betas": tuple(d["betas"]),
+        "eps": d["eps"],
+        "weight_decay": d["weight_decay"],
+        "adamw_mode": decoupled,
+        "bias_correction": True,
+    }, "Adam/AdamW"
 
 
 def to_cpu_adam(optimizer: torch.optim.Optimizer, lr_scheduler: Any = None) -> Optional[torch.optim.Optimizer]:

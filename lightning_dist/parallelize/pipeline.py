@@ -86,8 +86,14 @@ def network_layout(net: nn.Module) -> NetworkLayout:
     if is_hf_causal_lm(net):
         parts = hf_parts(net)
         _, block_list, stem, head = parts
-        return NetworkLayout(stem=stem, block_list=block_list, blocks=tuple(net.get_submodule(block_list)._modules),
-                             head=head, pruned=parts, hf=parts)
+        return NetworkLayout(
+            stem=stem,
+            block_list=block_list,
+            blocks=tuple(net.get_submodule(block_list)._modules),
+            head=head,
+            pruned=parts,
+            hf=parts,
+        )
     if isinstance(net, nn.Sequential):
         return NetworkLayout(stem=(), block_list=None, blocks=tuple(net._modules), head=())
     children = list(net.named_children())
@@ -102,13 +108,19 @@ def network_layout(net: nn.Module) -> NetworkLayout:
             )
         names = [n for n, _ in children]
         i = names.index(name)
-        return NetworkLayout(stem=tuple(names[:i]), block_list=name, blocks=tuple(blocks._modules),
-                             head=tuple(names[i + 1:]))
+        return NetworkLayout(
+            stem=tuple(names[:i]), block_list=name, blocks=tuple(blocks._modules), head=tuple(names[i + 1 :])
+        )
     parts, nested_why = nested_parts(net) if not found else (None, "it has several direct block lists")
     if parts is not None:
         _, block_list, stem, head = parts
-        return NetworkLayout(stem=stem, block_list=block_list, blocks=tuple(net.get_submodule(block_list)._modules),
-                             head=head, pruned=parts)
+        return NetworkLayout(
+            stem=stem,
+            block_list=block_list,
+            blocks=tuple(net.get_submodule(block_list)._modules),
+            head=head,
+            pruned=parts,
+        )
     what = "none" if not found else f"{len(found)} ({[n for n, _ in found]})"
     tried = [
         "a HuggingFace causal LM (config.base_model_pp_plan): it is not one",
@@ -117,7 +129,8 @@ def network_layout(net: nn.Module) -> NetworkLayout:
         f"the model with the blocks a stage does not own taken out of the child holding them: {nested_why}",
     ]
     raise TypeError(
-        f"Cannot split {type(net).__name__} into pipeline stages; routes tried:\n  - " + "\n  - ".join(tried)
+        f"Cannot split {type(net).__name__} into pipeline stages; routes tried:\n  - "
+        + "\n  - ".join(tried)
         + "\nMake it an nn.Sequential, or give it one nn.ModuleList of blocks (e.g. `self.blocks`) with the layers"
         " before it (stem) and after it (head) registered as children in execution order, its forward taking one input."
     )
@@ -176,10 +189,15 @@ class PipelineSplit:
         """One row per stage: ``{"stage", "blocks", "params", "cost"}`` with readable block names."""
         out = []
         for s in self.stages:
-            parts = (["stem"] if s.stem and self.layout.stem else []) + (
-                [f"{self.layout.block_name(s.blocks[0])}..{self.layout.blocks[s.blocks[-1]]}"]
-                if len(s.blocks) > 1 else [self.layout.block_name(s.blocks[0])]
-            ) + (["head"] if s.head and self.layout.head else [])
+            parts = (
+                (["stem"] if s.stem and self.layout.stem else [])
+                + (
+                    [f"{self.layout.block_name(s.blocks[0])}..{self.layout.blocks[s.blocks[-1]]}"]
+                    if len(s.blocks) > 1
+                    else [self.layout.block_name(s.blocks[0])]
+                )
+                + (["head"] if s.head and self.layout.head else [])
+            )
             out.append({"stage": s.index, "blocks": " + ".join(parts), "params": s.params, "cost": s.cost})
         return out
 
@@ -194,8 +212,16 @@ class PipelineSplit:
         from rich.console import Console
         from rich.table import Table
 
-        table = Table(title=f"Pipeline split ({self.method}, {self.num_stages} stages, imbalance {self.imbalance():.2f})")
-        for col in ("stage", *(("rank",) if stage_ranks is not None else ()), "blocks", "params", f"cost ({self.cost_unit})"):
+        table = Table(
+            title=f"Pipeline split ({self.method}, {self.num_stages} stages, imbalance {self.imbalance():.2f})"
+        )
+        for col in (
+            "stage",
+            *(("rank",) if stage_ranks is not None else ()),
+            "blocks",
+            "params",
+            f"cost ({self.cost_unit})",
+        ):
             table.add_column(col, justify="left" if col == "blocks" else "right")
         for row in self.rows():
             rank = (str(stage_ranks[row["stage"]]),) if stage_ranks is not None else ()
@@ -253,9 +279,11 @@ def profile_costs(
         from lightning_dist.parallelize.pipeline_pruned import profile_pruned
 
         return profile_pruned(net, layout, sample, convention=layout.convention, repeats=repeats)
-    parts = [net.get_submodule(n) for n in layout.stem] + [_block(net, layout, i) for i in range(len(layout.blocks))] + [
-        net.get_submodule(n) for n in layout.head
-    ]
+    parts = (
+        [net.get_submodule(n) for n in layout.stem]
+        + [_block(net, layout, i) for i in range(len(layout.blocks))]
+        + [net.get_submodule(n) for n in layout.head]
+    )
     times: list[float] = []
     x = sample
     for part in parts:
@@ -272,7 +300,7 @@ def profile_costs(
             x = part(x)
     net.zero_grad(set_to_none=True)
     n_stem, n_head = len(layout.stem), len(layout.head)
-    return sum(times[:n_stem]), times[n_stem:len(times) - n_head], sum(times[len(times) - n_head:])
+    return sum(times[:n_stem]), times[n_stem : len(times) - n_head], sum(times[len(times) - n_head :])
 
 
 def plan_split(
@@ -336,11 +364,16 @@ def plan_split(
     for s in range(num_stages):
         idx = tuple(range(bounds[s], bounds[s + 1]))
         is_first, is_last = s == 0, s == num_stages - 1
-        stages.append(StagePlan(
-            index=s, blocks=idx, stem=is_first, head=is_last,
-            params=sum(params[i] for i in idx) + (stem_p if is_first else 0) + (head_p if is_last else 0),
-            cost=sum(block_costs[i] for i in idx) + (first if is_first else 0.0) + (last if is_last else 0.0),
-        ))
+        stages.append(
+            StagePlan(
+                index=s,
+                blocks=idx,
+                stem=is_first,
+                head=is_last,
+                params=sum(params[i] for i in idx) + (stem_p if is_first else 0) + (head_p if is_last else 0),
+                cost=sum(block_costs[i] for i in idx) + (first if is_first else 0.0) + (last if is_last else 0.0),
+            )
+        )
     return PipelineSplit(layout=layout, stages=tuple(stages), method=method, cost_unit=unit)
 
 
@@ -357,15 +390,31 @@ def stage_ranks(num_stages: int, pp: int, style: Literal["loop", "v"] = "loop") 
     return out
 
 
-
 # The checks and the stage modules live in their own modules (pipeline_checks, pipeline_stages), which import
 # this one; they are still reachable here, as before, looked up on first use (PEP 562) so that neither module
 # imports the other at load time.
 _MOVED = {
-    "pipeline_checks": ("_work_outside_children", "batchnorm_modules", "check_splittable", "check_staged_forward", "host_copy",
-                        "shared_across_stages", "staged_forward_problem", "tied_stages"),
-    "pipeline_stages": ("PipelineView", "StageModule", "_unshared", "apply_fsdp_to_stage", "build_stage_module",
-                        "is_pipelined_module", "join_stages", "pipeline_view", "stage_blocks"),
+    "pipeline_checks": (
+        "_work_outside_children",
+        "batchnorm_modules",
+        "check_splittable",
+        "check_staged_forward",
+        "host_copy",
+        "shared_across_stages",
+        "staged_forward_problem",
+        "tied_stages",
+    ),
+    "pipeline_stages": (
+        "PipelineView",
+        "StageModule",
+        "_unshared",
+        "apply_fsdp_to_stage",
+        "build_stage_module",
+        "is_pipelined_module",
+        "join_stages",
+        "pipeline_view",
+        "stage_blocks",
+    ),
 }
 
 
@@ -379,10 +428,27 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "NetworkLayout", "PipelineSplit", "PipelineView", "join_stages", "pipeline_view", "StagePlan", "StageModule", "apply_fsdp_to_stage", "batchnorm_modules",
+    "NetworkLayout",
+    "PipelineSplit",
+    "PipelineView",
+    "join_stages",
+    "pipeline_view",
+    "StagePlan",
+    "StageModule",
+    "apply_fsdp_to_stage",
+    "batchnorm_modules",
     "stage_blocks",
-    "check_splittable", "tied_stages", "is_pipelined_module",
-    "build_stage_module", "check_staged_forward", "host_copy", "staged_forward_problem",
-    "network_layout", "partition", "plan_split", "profile_costs", "shared_across_stages", "stage_ranks",
+    "check_splittable",
+    "tied_stages",
+    "is_pipelined_module",
+    "build_stage_module",
+    "check_staged_forward",
+    "host_copy",
+    "staged_forward_problem",
+    "network_layout",
+    "partition",
+    "plan_split",
+    "profile_costs",
+    "shared_across_stages",
+    "stage_ranks",
 ]
-

@@ -14,8 +14,10 @@ from lightning_dist.parallelize.pipeline_stages import build_stage_module
 # ---- what cannot be split ----------------------------------------------------------------------
 def _part_names(split: PipelineSplit, stage: StagePlan) -> list[str]:
     lay = split.layout
-    return (list(lay.stem) if stage.stem else []) + [lay.block_name(i) for i in stage.blocks] + (
-        list(lay.head) if stage.head else []
+    return (
+        (list(lay.stem) if stage.stem else [])
+        + [lay.block_name(i) for i in stage.blocks]
+        + (list(lay.head) if stage.head else [])
     )
 
 
@@ -59,8 +61,10 @@ def check_splittable(net: nn.Module, split: PipelineSplit, *, allow_batchnorm: b
     trained as one parameter (see :func:`tied_stages`)."""
     bn = batchnorm_modules(net)
     if bn and not allow_batchnorm:
-        raise ValueError(f"BatchNorm layers {bn} would normalize each micro-batch with its own statistics, unlike"
-                         " single-device training. Use LayerNorm/GroupNorm, or pass allow_batchnorm=True.")
+        raise ValueError(
+            f"BatchNorm layers {bn} would normalize each micro-batch with its own statistics, unlike"
+            " single-device training. Use LayerNorm/GroupNorm, or pass allow_batchnorm=True."
+        )
     if bn:
         from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
@@ -75,11 +79,15 @@ def _work_outside_children(net: nn.Module) -> list[str]:
         graph = torch.fx.symbolic_trace(net).graph
     except Exception:  # data-dependent control flow etc.: the numeric comparison still decides
         return []
-    ops = Counter(str(getattr(n.target, "__name__", n.target)) for n in graph.nodes if n.op in ("call_function", "call_method"))
+    ops = Counter(
+        str(getattr(n.target, "__name__", n.target)) for n in graph.nodes if n.op in ("call_function", "call_method")
+    )
     return [f"{count} x {op}" if count > 1 else op for op, count in ops.items()]
 
 
-def staged_forward_problem(net: nn.Module, sample: torch.Tensor, *, rtol: float = 1e-5, atol: float = 1e-6) -> str | None:
+def staged_forward_problem(
+    net: nn.Module, sample: torch.Tensor, *, rtol: float = 1e-5, atol: float = 1e-6
+) -> str | None:
     """Why the pipeline stages would not compute ``net(sample)``, or None when they do.
 
     The stages run only the network's children (stem, blocks, head) one after the other (what
@@ -92,12 +100,19 @@ def staged_forward_problem(net: nn.Module, sample: torch.Tensor, *, rtol: float 
 
         one_each = plan_split(net, len(layout.blocks), split=list(range(1, len(layout.blocks))))
         problem = check_pruned_stages(
-            net, [build_stage_module(net, one_each, [s]) for s in range(one_each.num_stages)], sample)
+            net, [build_stage_module(net, one_each, [s]) for s in range(one_each.num_stages)], sample
+        )
         if problem is None:
             return None
-        given = "as `inputs_embeds` (HF's config.base_model_pp_plan layout)" if layout.hf is not None else "in place of its input"
-        return (f"Cannot split {type(net).__name__} into pipeline stages: {problem}. Tried: a stage = the model"
-                f" with the blocks of {layout.block_list} it does not own taken out, hidden states passed {given}.")
+        given = (
+            "as `inputs_embeds` (HF's config.base_model_pp_plan layout)"
+            if layout.hf is not None
+            else "in place of its input"
+        )
+        return (
+            f"Cannot split {type(net).__name__} into pipeline stages: {problem}. Tried: a stage = the model"
+            f" with the blocks of {layout.block_list} it does not own taken out, hidden states passed {given}."
+        )
     staged = build_stage_module(net, plan_split(net, 1, split="params"), [0])
     registered = [*layout.stem, layout.block_list or "children", *layout.head]
     was_training = net.training
@@ -116,18 +131,24 @@ def staged_forward_problem(net: nn.Module, sample: torch.Tensor, *, rtol: float 
                 got, crash = None, err
     finally:
         net.train(was_training)
-    if crash is None and isinstance(expected, torch.Tensor) and expected.shape == got.shape and torch.allclose(
-            expected, got, rtol=rtol, atol=atol):
+    if (
+        crash is None
+        and isinstance(expected, torch.Tensor)
+        and expected.shape == got.shape
+        and torch.allclose(expected, got, rtol=rtol, atol=atol)
+    ):
         return None
     order = " -> ".join(registered)
     if called and called != registered and set(called) == set(registered):
         moved = [n for n in registered if called.index(n) != registered.index(n)]
-        return (f"{type(net).__name__} registers its children in the order {order}, but its forward runs them as"
-                f" {' -> '.join(called)}: the pipeline stages run the children in registration order (stem, block"
-                f" list, head), so they would run {moved} at the wrong place"
-                + (f" (the staged forward failed: {str(crash).splitlines()[0]})" if crash is not None else "")
-                + f". Register the children in execution order: in {type(net).__name__}.__init__ assign"
-                f" {' then '.join(called)}.")
+        return (
+            f"{type(net).__name__} registers its children in the order {order}, but its forward runs them as"
+            f" {' -> '.join(called)}: the pipeline stages run the children in registration order (stem, block"
+            f" list, head), so they would run {moved} at the wrong place"
+            + (f" (the staged forward failed: {str(crash).splitlines()[0]})" if crash is not None else "")
+            + f". Register the children in execution order: in {type(net).__name__}.__init__ assign"
+            f" {' then '.join(called)}."
+        )
     if crash is not None:
         what = f"the stages fail on one micro-batch: {type(crash).__name__}: {str(crash).splitlines()[0]}"
     elif isinstance(expected, torch.Tensor) and expected.shape == got.shape:
@@ -135,11 +156,17 @@ def staged_forward_problem(net: nn.Module, sample: torch.Tensor, *, rtol: float 
     else:
         what = f"output {tuple(getattr(expected, 'shape', ()))} vs the stages' {tuple(got.shape)}"
     ops = _work_outside_children(net)
-    outside = f" It applies {', '.join(ops)} itself, outside the child modules (e.g. residual adds around blocks)." if ops else ""
-    return (f"{type(net).__name__}.forward is not its children applied in registration order ({order}): the pipeline"
-            f" stages would compute a different network ({what}).{outside} Move that work into a child module (e.g. a"
-            " block whose own forward adds its residual), register the layers in execution order, or express the"
-            " network as an nn.Sequential.")
+    outside = (
+        f" It applies {', '.join(ops)} itself, outside the child modules (e.g. residual adds around blocks)."
+        if ops
+        else ""
+    )
+    return (
+        f"{type(net).__name__}.forward is not its children applied in registration order ({order}): the pipeline"
+        f" stages would compute a different network ({what}).{outside} Move that work into a child module (e.g. a"
+        " block whose own forward adds its residual), register the layers in execution order, or express the"
+        " network as an nn.Sequential."
+    )
 
 
 def _record_call_order(net: nn.Module, layout) -> tuple[list[str], list]:
@@ -153,8 +180,9 @@ def _record_call_order(net: nn.Module, layout) -> tuple[list[str], list]:
     for name in [*layout.stem, layout.block_list, *layout.head]:
         child = net.get_submodule(name)
         for t in list(child.children()) if name == layout.block_list else [child]:  # a ModuleList is never called
-            hooks.append(t.register_forward_pre_hook(
-                lambda m, args, name=name: None if name in order else order.append(name)))
+            hooks.append(
+                t.register_forward_pre_hook(lambda m, args, name=name: None if name in order else order.append(name))
+            )
     return order, hooks
 
 

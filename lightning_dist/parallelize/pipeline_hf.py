@@ -29,15 +29,24 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_dist.parallelize.pipeline_pruned import PrunedStage, build_pruned_stage, check_pruned_stages, profile_pruned
+from lightning_dist.parallelize.pipeline_pruned import (
+    PrunedStage,
+    build_pruned_stage,
+    check_pruned_stages,
+    profile_pruned,
+)
 from lightning_dist.parallelize.units import BLOCK_LIST_NAMES
 
 
 def is_hf_causal_lm(net: nn.Module) -> bool:
     """A HuggingFace ``PreTrainedModel`` with a base model and a config (what :func:`hf_layout` reads)."""
     config = getattr(net, "config", None)
-    return (config is not None and hasattr(type(config), "base_model_pp_plan") and hasattr(net, "base_model")
-            and hasattr(net, "get_output_embeddings"))
+    return (
+        config is not None
+        and hasattr(type(config), "base_model_pp_plan")
+        and hasattr(net, "base_model")
+        and hasattr(net, "get_output_embeddings")
+    )
 
 
 def hf_parts(net: nn.Module) -> tuple[str, str, tuple[str, ...], tuple[str, ...]]:
@@ -58,7 +67,9 @@ def hf_parts(net: nn.Module) -> tuple[str, str, tuple[str, ...], tuple[str, ...]
     names = list(base._modules)
     i = names.index(lists[0])
     stem = tuple(f"{prefix}.{n}" for n in names[:i] if base._modules[n] is not None)
-    head = tuple(f"{prefix}.{n}" for n in names[i + 1:] if base._modules[n] is not None and _has_state(base._modules[n]))
+    head = tuple(
+        f"{prefix}.{n}" for n in names[i + 1 :] if base._modules[n] is not None and _has_state(base._modules[n])
+    )
     head += tuple(n for n, m in net.named_children() if m is not base and m is not None)
     return prefix, f"{prefix}.{lists[0]}", stem, head
 
@@ -106,8 +117,9 @@ def hf_example_inputs(net: nn.Module, *, batch: int = 2, seq: int | None = None)
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
-def profile_hf(net: nn.Module, layout: Any, sample: dict[str, torch.Tensor], *, repeats: int = 5
-               ) -> tuple[float, list[float], float]:
+def profile_hf(
+    net: nn.Module, layout: Any, sample: dict[str, torch.Tensor], *, repeats: int = 5
+) -> tuple[float, list[float], float]:
     """Milliseconds of (stem, each block, head) in forward, inside the model's own forward (best of `repeats`)."""
     return profile_pruned(net, layout, sample, convention=HFStageMixin, repeats=repeats)
 
@@ -127,8 +139,9 @@ def hf_labels_loss(logits: torch.Tensor, labels: torch.Tensor, *, num_items: Any
     return loss / (labelled_tokens(labels) if num_items is None else num_items)
 
 
-def pipeline_loss_function(logits: torch.Tensor, labels: torch.Tensor, vocab_size: Any = None,
-                           num_items_in_batch: Any = None, **kwargs: Any) -> torch.Tensor:
+def pipeline_loss_function(
+    logits: torch.Tensor, labels: torch.Tensor, vocab_size: Any = None, num_items_in_batch: Any = None, **kwargs: Any
+) -> torch.Tensor:
     """HF's ``model.loss_function`` signature with the pipeline's loss math (:func:`hf_labels_loss`).
 
     For a single-device reference of a pipelined HF model (``GradientParityCheck``): set as the joined
@@ -144,5 +157,15 @@ def labelled_tokens(labels: torch.Tensor) -> torch.Tensor:
     return (labels[..., 1:] != -100).sum()
 
 
-__all__ = ["HFStageMixin", "build_hf_stage", "check_hf_stages", "hf_example_inputs", "hf_labels_loss",
-           "hf_parts", "profile_hf", "is_hf_causal_lm", "labelled_tokens", "pipeline_loss_function"]
+__all__ = [
+    "HFStageMixin",
+    "build_hf_stage",
+    "check_hf_stages",
+    "hf_example_inputs",
+    "hf_labels_loss",
+    "hf_parts",
+    "profile_hf",
+    "is_hf_causal_lm",
+    "labelled_tokens",
+    "pipeline_loss_function",
+]

@@ -23,19 +23,30 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-_ALLOWED = {Tensor.shape.__get__, Tensor.dtype.__get__, Tensor.device.__get__, Tensor.ndim.__get__, Tensor.size,
-            Tensor.dim, Tensor.requires_grad.__get__, Tensor.is_floating_point, Tensor.__len__,
-            Tensor.layout.__get__}
+_ALLOWED = {
+    Tensor.shape.__get__,
+    Tensor.dtype.__get__,
+    Tensor.device.__get__,
+    Tensor.ndim.__get__,
+    Tensor.size,
+    Tensor.dim,
+    Tensor.requires_grad.__get__,
+    Tensor.is_floating_point,
+    Tensor.__len__,
+    Tensor.layout.__get__,
+}
 
 
 def refusal(owner: str, what: str, where: str) -> str:
-    return (f"{owner} used the pipelined network's output ({what}) in {where}: under PipelineStrategy the output"
-            " exists only on the last pipeline stage, one micro-batch at a time; every rank receives the loss as"
-            " a scalar. Compute the loss with `loss = self.pipeline_loss(out, target)` (a HuggingFace model:"
-            " `out = self.model(input_ids, labels=labels); loss = out.loss`) and put every other term on the"
-            f" output into `{owner}.pipeline_loss(output, target)`; or pass `PipelineStrategy(broadcast_output=True)`"
-            " to broadcast the whole output from the last stage to every pipeline rank each step (its bytes to"
-            " each pp rank per step: at a language model's vocabulary, more than the pipeline itself).")
+    return (
+        f"{owner} used the pipelined network's output ({what}) in {where}: under PipelineStrategy the output"
+        " exists only on the last pipeline stage, one micro-batch at a time; every rank receives the loss as"
+        " a scalar. Compute the loss with `loss = self.pipeline_loss(out, target)` (a HuggingFace model:"
+        " `out = self.model(input_ids, labels=labels); loss = out.loss`) and put every other term on the"
+        f" output into `{owner}.pipeline_loss(output, target)`; or pass `PipelineStrategy(broadcast_output=True)`"
+        " to broadcast the whole output from the last stage to every pipeline rank each step (its bytes to"
+        " each pp rank per step: at a language model's vocabulary, more than the pipeline itself)."
+    )
 
 
 class PipelineOutput(Tensor):
@@ -80,16 +91,20 @@ def loss_leaf(loss: Tensor) -> Tensor:
 
 
 def _fix(owner: str) -> str:
-    return (f" Put every term that depends on the output into `{owner}.pipeline_loss(output, target)` (the mean loss"
-            " of one micro-batch); terms on the parameters alone (weight penalties) may stay in training_step.")
+    return (
+        f" Put every term that depends on the output into `{owner}.pipeline_loss(output, target)` (the mean loss"
+        " of one micro-batch); terms on the parameters alone (weight penalties) may stay in training_step."
+    )
 
 
 def output_term_problem(owner: str) -> str:
     """The refusal of a returned loss whose gradient on the (broadcast) output differs from the schedule's."""
-    return (f"{owner}.training_step returned a loss that uses the network's output differently from the mean of"
-            " `pipeline_loss` over the micro-batches, which is all the pipeline schedule back-propagates through the"
-            " stages (e.g. a scaled loss, or an extra term on the output): that part of its gradient would be lost."
-            + _fix(owner))
+    return (
+        f"{owner}.training_step returned a loss that uses the network's output differently from the mean of"
+        " `pipeline_loss` over the micro-batches, which is all the pipeline schedule back-propagates through the"
+        " stages (e.g. a scaled loss, or an extra term on the output): that part of its gradient would be lost."
+        + _fix(owner)
+    )
 
 
 def returned_loss_problem(d_loss: Optional[Tensor], scale: float, owner: str) -> Optional[str]:
@@ -101,15 +116,19 @@ def returned_loss_problem(d_loss: Optional[Tensor], scale: float, owner: str) ->
     """
     fix = _fix(owner)
     if d_loss is None:
-        return (f"{owner}.training_step returned a loss that does not contain the pipeline's loss (the value of"
-                " `self.pipeline_loss(out, target)` or HF's `out.loss`), whose gradient the schedule already"
-                " back-propagated through the stages." + fix)
+        return (
+            f"{owner}.training_step returned a loss that does not contain the pipeline's loss (the value of"
+            " `self.pipeline_loss(out, target)` or HF's `out.loss`), whose gradient the schedule already"
+            " back-propagated through the stages." + fix
+        )
     got = float(d_loss)
     if abs(got - scale) > 1e-6 * abs(scale):
-        return (f"{owner}.training_step returned a loss that uses the network's output differently from the mean of"
-                f" `pipeline_loss` over the micro-batches (its gradient on that loss is {got / scale:g} x, not 1 x),"
-                " which is all the pipeline schedule back-propagates through the stages (e.g. a scaled loss, or"
-                " the loss used twice): that part of its gradient would be lost." + fix)
+        return (
+            f"{owner}.training_step returned a loss that uses the network's output differently from the mean of"
+            f" `pipeline_loss` over the micro-batches (its gradient on that loss is {got / scale:g} x, not 1 x),"
+            " which is all the pipeline schedule back-propagates through the stages (e.g. a scaled loss, or"
+            " the loss used twice): that part of its gradient would be lost." + fix
+        )
     return None
 
 
@@ -117,12 +136,18 @@ def check_target(served: Any, given: Any, owner: str) -> None:
     """``pipeline_loss(out, target)`` answers with the schedule's loss: only for the target the schedule used."""
     if given is served:
         return
-    same = (isinstance(given, Tensor) and isinstance(served, Tensor) and given.shape == served.shape
-            and torch.equal(given.to(served.device), served))
+    same = (
+        isinstance(given, Tensor)
+        and isinstance(served, Tensor)
+        and given.shape == served.shape
+        and torch.equal(given.to(served.device), served)
+    )
     if not same:
-        raise ValueError(f"{owner}.pipeline_loss(out, target) was called with a target other than the one the pipeline"
-                         " schedule computed the loss with (`pipeline_target(batch)`, by default `batch[1]`): define"
-                         f" `{owner}.pipeline_target(batch)` to return the target training_step passes.")
+        raise ValueError(
+            f"{owner}.pipeline_loss(out, target) was called with a target other than the one the pipeline"
+            " schedule computed the loss with (`pipeline_target(batch)`, by default `batch[1]`): define"
+            f" `{owner}.pipeline_target(batch)` to return the target training_step passes."
+        )
 
 
 def serve_pipeline_loss(module: Any, serve: Callable[[Any, Any, Callable], Optional[Tensor]]) -> Optional[Callable]:
@@ -154,5 +179,13 @@ def unserve_pipeline_loss(module: Any, original: Optional[Callable]) -> None:
         object.__setattr__(module, "pipeline_loss", original)
 
 
-__all__ = ["PipelineOutput", "check_target", "loss_leaf", "output_term_problem", "refusal", "returned_loss_problem", "serve_pipeline_loss",
-           "unserve_pipeline_loss"]
+__all__ = [
+    "PipelineOutput",
+    "check_target",
+    "loss_leaf",
+    "output_term_problem",
+    "refusal",
+    "returned_loss_problem",
+    "serve_pipeline_loss",
+    "unserve_pipeline_loss",
+]

@@ -113,21 +113,28 @@ def nested_parts(net: nn.Module) -> tuple[tuple[str, str, tuple[str, ...], tuple
         params = list(inspect.signature(net.forward).parameters.values())
     except (TypeError, ValueError):  # no readable signature: the staged-forward check on one micro-batch decides
         params = []
-    required = [p.name for p in params
-                if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [
+        p.name
+        for p in params
+        if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
     if len(lists) > 1:
         two = f" and its forward takes {len(required)} inputs ({', '.join(required)})" if len(required) > 1 else ""
-        return None, (f"it has {len(lists)} block lists ({', '.join(map(repr, lists))}){two}: an encoder-decoder's"
-                      " decoder blocks need the encoder's output and a second input beside the activation a stage"
-                      " hands to the next, which a pipeline of one activation cannot carry")
+        return None, (
+            f"it has {len(lists)} block lists ({', '.join(map(repr, lists))}){two}: an encoder-decoder's"
+            " decoder blocks need the encoder's output and a second input beside the activation a stage"
+            " hands to the next, which a pipeline of one activation cannot carry"
+        )
     name = lists[0]
     if name.count(".") != 1:
         return None, f"its block list {name!r} is not inside a direct child (only `child.blocks` is cut out)"
     if getattr(type(net), "forward", None) is nn.Module.forward:
         return None, f"{type(net).__name__} defines no forward"
     if len(required) > 1 or (params and not required):
-        return None, (f"its forward takes {len(required)} required inputs ({', '.join(required) or 'none'}); a later"
-                      " stage gets the boundary activation in place of one input")
+        return None, (
+            f"its forward takes {len(required)} required inputs ({', '.join(required) or 'none'}); a later"
+            " stage gets the boundary activation in place of one input"
+        )
     direct = [n for n, _ in net.named_parameters(recurse=False)]
     if direct:
         return None, f"it holds parameters directly ({direct}), which every stage would hold"
@@ -136,13 +143,20 @@ def nested_parts(net: nn.Module) -> tuple[tuple[str, str, tuple[str, ...], tuple
     names = [n for n, m in child._modules.items() if m is not None]
     i = names.index(list_name)
     stem = tuple(f"{prefix}.{n}" for n in names[:i])
-    head = tuple(f"{prefix}.{n}" for n in names[i + 1:])
+    head = tuple(f"{prefix}.{n}" for n in names[i + 1 :])
     head += tuple(n for n, m in net.named_children() if n != prefix)
     return (prefix, name, stem, head), ""
 
 
-def build_pruned_stage(net: nn.Module, parts: tuple, blocks: Sequence[str], *, first: bool, last: bool,
-                       convention: type[PrunedStage] = ForwardStage) -> nn.Module:
+def build_pruned_stage(
+    net: nn.Module,
+    parts: tuple,
+    blocks: Sequence[str],
+    *,
+    first: bool,
+    last: bool,
+    convention: type[PrunedStage] = ForwardStage,
+) -> nn.Module:
     """`net` with only `blocks` of its block list, its stem when `first` and its head when `last` (shared modules)."""
     prefix, block_list, stem, head = parts
     cls = type(f"{type(net).__name__}Stage", (convention, type(net)), {"_ld_model": type(net)})
@@ -188,6 +202,7 @@ def model_class_copy(module: nn.Module) -> nn.Module:
     """`module` with every pruned stage in it (itself included) turned back into the model's own class (shared
     parts): the stage classes are made per model at run time, so a stage cannot be pickled (e.g. gathered
     with ``all_gather_object``) as it is."""
+
     def plain(m: nn.Module) -> nn.Module:
         return _shallow(m, model_class(m)) if isinstance(m, PrunedStage) else m
 
@@ -230,8 +245,9 @@ def check_pruned_stages(net: nn.Module, stages: Sequence[nn.Module], sample: Any
     return None
 
 
-def profile_pruned(net: nn.Module, layout: Any, sample: Any, *, convention: type[PrunedStage], repeats: int = 5
-                   ) -> tuple[float, list[float], float]:
+def profile_pruned(
+    net: nn.Module, layout: Any, sample: Any, *, convention: type[PrunedStage], repeats: int = 5
+) -> tuple[float, list[float], float]:
     """Milliseconds of (stem, each block, head) in forward, inside the model's own forward (best of `repeats`).
 
     Blocks need the model's extra inputs (mask, rotary tables), so they are timed by hooks during the model's
@@ -246,8 +262,11 @@ def profile_pruned(net: nn.Module, layout: Any, sample: Any, *, convention: type
     for i, name in enumerate(names):
         module = net.get_submodule(name)
         handles.append(module.register_forward_pre_hook(lambda m, a, i=i: starts.__setitem__(i, time.perf_counter())))
-        handles.append(module.register_forward_hook(
-            lambda m, a, o, i=i: best.__setitem__(i, min(best[i], (time.perf_counter() - starts[i]) * 1e3))))
+        handles.append(
+            module.register_forward_hook(
+                lambda m, a, o, i=i: best.__setitem__(i, min(best[i], (time.perf_counter() - starts[i]) * 1e3))
+            )
+        )
     try:
         with torch.no_grad():
             for _ in range(repeats + 1):
@@ -257,8 +276,18 @@ def profile_pruned(net: nn.Module, layout: Any, sample: Any, *, convention: type
             h.remove()
     n_stem, n_head = len(layout.stem), len(layout.head)
     best = [0.0 if b == float("inf") else b for b in best]  # a part the forward never calls costs nothing
-    return sum(best[:n_stem]), best[n_stem:len(best) - n_head], sum(best[len(best) - n_head:])
+    return sum(best[:n_stem]), best[n_stem : len(best) - n_head], sum(best[len(best) - n_head :])
 
 
-__all__ = ["Absent", "ForwardStage", "PrunedStage", "build_pruned_stage", "check_pruned_stages", "join_pruned",
-           "model_class", "model_class_copy", "nested_parts", "profile_pruned"]
+__all__ = [
+    "Absent",
+    "ForwardStage",
+    "PrunedStage",
+    "build_pruned_stage",
+    "check_pruned_stages",
+    "join_pruned",
+    "model_class",
+    "model_class_copy",
+    "nested_parts",
+    "profile_pruned",
+]

@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+
 from lightning_dist._integrations.torch_pipelining import TimedStage, install_forward_only_program
 
 # name -> (torch schedule class, default stages per rank, stage -> rank style)
@@ -36,8 +37,10 @@ def schedule_problems(schedule: str, pp: int, n_microbatches: int, stages_per_ra
         return [f"`n_microbatches={n_microbatches!r}` must be an integer >= 1."]
     multi = SCHEDULES[schedule][1] > 1
     if not multi and stages_per_rank != 1:
-        out.append(f"schedule={schedule!r} runs one stage per rank; got stages_per_rank={stages_per_rank}."
-                   " Use 'interleaved_1f1b' or 'zero_bubble' for several.")
+        out.append(
+            f"schedule={schedule!r} runs one stage per rank; got stages_per_rank={stages_per_rank}."
+            " Use 'interleaved_1f1b' or 'zero_bubble' for several."
+        )
     if schedule == "zero_bubble" and stages_per_rank != 2:
         out.append(f"schedule='zero_bubble' (ZBV) needs stages_per_rank=2; got {stages_per_rank}.")
     if schedule != "gpipe" and n_microbatches < pp:
@@ -46,8 +49,10 @@ def schedule_problems(schedule: str, pp: int, n_microbatches: int, stages_per_ra
         out.append(f"schedule='zero_bubble' (ZBV) needs n_microbatches >= 2*pp-1 = {2 * pp - 1}; got {n_microbatches}.")
     if multi and n_microbatches % max(1, n_microbatches // pp):
         rounds = max(1, n_microbatches // pp)
-        out.append(f"schedule={schedule!r} needs n_microbatches to be a multiple of the rounds n_microbatches // pp"
-                   f" = {rounds}; got {n_microbatches} (use a multiple of pp={pp}).")
+        out.append(
+            f"schedule={schedule!r} needs n_microbatches to be a multiple of the rounds n_microbatches // pp"
+            f" = {rounds}; got {n_microbatches} (use a multiple of pp={pp})."
+        )
     return out
 
 
@@ -77,8 +82,9 @@ def build_schedule(
     train = loss_fn is not None
     name = SCHEDULES[schedule][0] if train or len(stages) > 1 else "ScheduleGPipe"
     single = name in ("ScheduleGPipe", "Schedule1F1B") and len(stages) == 1
-    sched = getattr(pipelining, name)(stages[0] if single else stages, n_microbatches=n_microbatches,
-                                      loss_fn=loss_fn, scale_grads=False)
+    sched = getattr(pipelining, name)(
+        stages[0] if single else stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False
+    )
     if not train and not single:
         install_forward_only_program(sched, stage_ranks, n_microbatches)
     return sched, stages
@@ -93,8 +99,16 @@ class PipelineRunner:
     holds. The gradients stay in ``.grad`` of the stage parameters, averaged over micro-batches.
     """
 
-    def __init__(self, views: Sequence[nn.Module], local_stages: Sequence[int], stage_ranks: Sequence[int], *,
-                 schedule: str, device: torch.device, group: Optional[Any]) -> None:
+    def __init__(
+        self,
+        views: Sequence[nn.Module],
+        local_stages: Sequence[int],
+        stage_ranks: Sequence[int],
+        *,
+        schedule: str,
+        device: torch.device,
+        group: Optional[Any],
+    ) -> None:
         self.views, self.local_stages, self.stage_ranks = list(views), list(local_stages), list(stage_ranks)
         self.schedule, self.device, self.group = schedule, device, group
         self._schedules: dict[tuple, tuple[Any, list[TimedStage]]] = {}
@@ -104,9 +118,16 @@ class PipelineRunner:
     def num_stages(self) -> int:
         return len(self.stage_ranks)
 
-    def step(self, x: torch.Tensor, *, n_microbatches: int, loss_fn: Optional[Callable] = None, target: Any = None,
-             timeline: Optional[list] = None, kwargs: Optional[dict] = None
-             ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], dict]:
+    def step(
+        self,
+        x: torch.Tensor,
+        *,
+        n_microbatches: int,
+        loss_fn: Optional[Callable] = None,
+        target: Any = None,
+        timeline: Optional[list] = None,
+        kwargs: Optional[dict] = None,
+    ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], dict]:
         """Run the schedule on `x` (used on the first stage's rank); returns (output, loss, record).
 
         output: the network's output on the last stage's rank (the micro-batches' outputs joined), else None.
@@ -126,9 +147,16 @@ class PipelineRunner:
         if key not in self._schedules:
             # each micro-batch's share of the batch mean: the accumulated gradients are the mean's
             share = (lambda out, tgt: self._loss_fn(out, tgt) / m) if train else None
-            self._schedules[key] = build_schedule(self.views, self.local_stages, self.stage_ranks,
-                                                  schedule=self.schedule, n_microbatches=m, device=self.device,
-                                                  group=self.group, loss_fn=share)
+            self._schedules[key] = build_schedule(
+                self.views,
+                self.local_stages,
+                self.stage_ranks,
+                schedule=self.schedule,
+                n_microbatches=m,
+                device=self.device,
+                group=self.group,
+                loss_fn=share,
+            )
         sched, stages = self._schedules[key]
         has_last = self.num_stages - 1 in self.local_stages
         losses: list[torch.Tensor] = []
@@ -175,8 +203,14 @@ class PipelineRunner:
 
 
 def returned_loss_gradients(
-    loss: torch.Tensor, out: torch.Tensor, target: Any, *, n_microbatches: int, scale: float,
-    pipeline_loss: Callable, params: Sequence[torch.Tensor],
+    loss: torch.Tensor,
+    out: torch.Tensor,
+    target: Any,
+    *,
+    n_microbatches: int,
+    scale: float,
+    pipeline_loss: Callable,
+    params: Sequence[torch.Tensor],
 ) -> tuple[bool, list[tuple[torch.Tensor, torch.Tensor]]]:
     """What a returned loss adds to the schedule's gradients: (uses the output otherwise, [(param, grad)]).
 
@@ -208,4 +242,12 @@ def bubble_theory(pp: int, n_microbatches: int, stages_per_rank: int = 1) -> flo
     return (pp - 1) / (stages_per_rank * n_microbatches + pp - 1)
 
 
-__all__ = ["SCHEDULES", "PipelineRunner", "TimedStage", "bubble_theory", "build_schedule", "returned_loss_gradients", "schedule_problems"]
+__all__ = [
+    "SCHEDULES",
+    "PipelineRunner",
+    "TimedStage",
+    "bubble_theory",
+    "build_schedule",
+    "returned_loss_gradients",
+    "schedule_problems",
+]

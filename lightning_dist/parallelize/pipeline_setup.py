@@ -26,44 +26,59 @@ def check_options(name: str, *, schedule: str, compile: Any, tp_plan: Any, optio
     """The strategy's constructor options that cannot work together (ValueError), or a wrong type (TypeError)."""
     problems = check_compile_option(compile)
     if compile is not False and "zero_bubble" in schedule:
-        problems.append(f"`compile` with schedule={schedule!r} is not supported: the zero-bubble split backward"
-                        " needs each block's autograd graph; use schedule='1f1b' or 'interleaved_1f1b'.")
+        problems.append(
+            f"`compile` with schedule={schedule!r} is not supported: the zero-bubble split backward"
+            " needs each block's autograd graph; use schedule='1f1b' or 'interleaved_1f1b'."
+        )
     if compile is not False and options.get("parallelize_fn") is not None:
         problems.append("`compile` is applied by the built-in pipeline plan, which `parallelize_fn` replaces.")
     if problems:
         raise ValueError(f"Invalid {name} configuration:\n  - " + "\n  - ".join(problems))
     if options.get("save_distributed_checkpoint") is False:
-        raise ValueError("PipelineStrategy writes sharded checkpoints (save_distributed_checkpoint=True): each"
-                         " stage saves its own parameters. For one file, convert the directory with `lightning-dist"
-                         " consolidate` (torch's `torch.distributed.checkpoint.format_utils.dcp_to_torch_save` gives"
-                         " the weights under 'state_dict' too, but a weight tied across stages under one name only).")
+        raise ValueError(
+            "PipelineStrategy writes sharded checkpoints (save_distributed_checkpoint=True): each"
+            " stage saves its own parameters. For one file, convert the directory with `lightning-dist"
+            " consolidate` (torch's `torch.distributed.checkpoint.format_utils.dcp_to_torch_save` gives"
+            " the weights under 'state_dict' too, but a weight tied across stages under one name only)."
+        )
     if not isinstance(tp_plan, (str, Mapping)):
-        raise TypeError(f"`tp_plan` must be 'auto', a built-in plan name or a mapping of pattern -> style;"
-                        f" got {type(tp_plan).__name__}.")
+        raise TypeError(
+            f"`tp_plan` must be 'auto', a built-in plan name or a mapping of pattern -> style;"
+            f" got {type(tp_plan).__name__}."
+        )
 
 
 def module_problems(module: Any, network: str, net: Any) -> list[str]:
     """What keeps `module.<network>` from being pipelined (pure): not a module, split already, no loss."""
     problems = []
     if plan.is_pipelined_module(net):
-        problems.append(f"{type(module).__name__}.{network} was already split by another PipelineStrategy;"
-                        " build a fresh module (or load a checkpoint into one) for a new Trainer.")
+        problems.append(
+            f"{type(module).__name__}.{network} was already split by another PipelineStrategy;"
+            " build a fresh module (or load a checkpoint into one) for a new Trainer."
+        )
     elif not isinstance(net, nn.Module):
-        problems.append(f"{type(module).__name__}.{network} must be the network to pipeline (an nn.Module);"
-                        f" got {type(net).__name__}. Set `network=` to the attribute that holds it.")
+        problems.append(
+            f"{type(module).__name__}.{network} must be the network to pipeline (an nn.Module);"
+            f" got {type(net).__name__}. Set `network=` to the attribute that holds it."
+        )
     if not callable(getattr(module, "pipeline_loss", None)) and not (
-            isinstance(net, nn.Module) and is_hf_causal_lm(net)):  # HF models: the `labels` convention
-        problems.append(f"{type(module).__name__} has no `pipeline_loss(output, target)` method: the pipeline"
-                        " schedule computes the loss of each micro-batch on the last stage with it.")
+        isinstance(net, nn.Module) and is_hf_causal_lm(net)
+    ):  # HF models: the `labels` convention
+        problems.append(
+            f"{type(module).__name__} has no `pipeline_loss(output, target)` method: the pipeline"
+            " schedule computes the loss of each micro-batch on the last stage with it."
+        )
     return problems
 
 
 def check_balanced_sample(module: Any, net: nn.Module, mode: Any) -> None:
     """``split="balanced"`` measures the blocks on a sample: ``example_input_array``, or a HF model's config."""
     if mode == "balanced" and getattr(module, "example_input_array", None) is None and not is_hf_causal_lm(net):
-        raise ValueError(f'split="balanced" profiles each block on a sample micro-batch: set'
-                         f" `{type(module).__name__}.example_input_array` to one micro-batch of inputs,"
-                         ' or pass split="params".')
+        raise ValueError(
+            f'split="balanced" profiles each block on a sample micro-batch: set'
+            f" `{type(module).__name__}.example_input_array` to one micro-batch of inputs,"
+            ' or pass split="params".'
+        )
 
 
 def resolve_split_mode(split_option: Any, module: Any, network: str) -> Any:
@@ -71,7 +86,8 @@ def resolve_split_mode(split_option: Any, module: Any, network: str) -> Any:
     if isinstance(split_option, str) and split_option == "auto":
         net = getattr(module, network, None)
         has_sample = getattr(module, "example_input_array", None) is not None or (
-            isinstance(net, nn.Module) and is_hf_causal_lm(net))  # HF: a sample from the config
+            isinstance(net, nn.Module) and is_hf_causal_lm(net)
+        )  # HF: a sample from the config
         return "balanced" if has_sample else "params"
     return split_option
 
@@ -98,8 +114,9 @@ def pipeline_sample(module: Any, net: nn.Module) -> Any:
     return sample.to(dtype) if dtype is not None and sample.is_floating_point() else sample
 
 
-def tied_groups(net: nn.Module, split: plan.PipelineSplit, stage_ranks: Sequence[int], *, mesh: Any,
-                rank: int) -> list[tuple[tuple[str, ...], Any, bool]]:
+def tied_groups(
+    net: nn.Module, split: plan.PipelineSplit, stage_ranks: Sequence[int], *, mesh: Any, rank: int
+) -> list[tuple[tuple[str, ...], Any, bool]]:
     """Tied parameters across stages (see :mod:`~lightning_dist.parallelize.pipeline_tied`), refused or grouped.
 
     Collective when there are any (``new_group`` on every rank); the refusal comes first, on every rank.
@@ -127,10 +144,19 @@ def first_batch_problem(unsplit: nn.Module, sample: Tensor, device: Any) -> Opti
     if torch.distributed.is_initialized():  # data-parallel ranks see different batches: one verdict for all
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
     if flag.item():
-        return problem or ("The pipeline stages compute a different network than the model's forward on"
-                           " another rank's first micro-batch: its forward does work outside the child modules.")
+        return problem or (
+            "The pipeline stages compute a different network than the model's forward on"
+            " another rank's first micro-batch: its forward does work outside the child modules."
+        )
     return None
 
 
-__all__ = ["check_balanced_sample", "check_options", "first_batch_problem", "module_problems", "pipeline_sample", "resolve_split_mode",
-           "tied_groups"]
+__all__ = [
+    "check_balanced_sample",
+    "check_options",
+    "first_batch_problem",
+    "module_problems",
+    "pipeline_sample",
+    "resolve_split_mode",
+    "tied_groups",
+]

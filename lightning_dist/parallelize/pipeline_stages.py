@@ -19,8 +19,9 @@ class StageModule(nn.Module):
     original block indices, or the Sequential's own keys), head parts. ``forward`` applies them in order.
     """
 
-    def __init__(self, parts: Sequence[tuple[str, nn.Module]], block_list: str | None,
-                 blocks: Sequence[tuple[str, nn.Module]]) -> None:
+    def __init__(
+        self, parts: Sequence[tuple[str, nn.Module]], block_list: str | None, blocks: Sequence[tuple[str, nn.Module]]
+    ) -> None:
         super().__init__()
         self._block_list = block_list
         for name, module in parts:
@@ -69,8 +70,14 @@ def build_stage_module(net: nn.Module, split: PipelineSplit, stage_indices: Sequ
     if lay.pruned is not None:
         from lightning_dist.parallelize.pipeline_pruned import build_pruned_stage
 
-        return build_pruned_stage(net, lay.pruned, [lay.blocks[i] for i in block_ids], first=any(s.stem for s in chosen),
-                                  last=any(s.head for s in chosen), convention=lay.convention)
+        return build_pruned_stage(
+            net,
+            lay.pruned,
+            [lay.blocks[i] for i in block_ids],
+            first=any(s.stem for s in chosen),
+            last=any(s.head for s in chosen),
+            convention=lay.convention,
+        )
     blocks = [(lay.blocks[i], _block(net, lay, i)) for i in block_ids]
     parts: list[tuple[str, nn.Module]] = []
     if any(s.stem for s in chosen):

@@ -22,26 +22,36 @@ from torch import nn
 from lightning_dist.mesh import PP
 
 
-def tied_problems(tied: Sequence[tuple[tuple[str, ...], tuple[int, ...]]], stage_ranks: Sequence[int], *,
-                  dp_size: int, tp_size: int = 1) -> list[str]:
+def tied_problems(
+    tied: Sequence[tuple[tuple[str, ...], tuple[int, ...]]],
+    stage_ranks: Sequence[int],
+    *,
+    dp_size: int,
+    tp_size: int = 1,
+) -> list[str]:
     """What cannot be trained (pure): a tied parameter held by two stages of one rank under FSDP2, or by
     stages whose tensor-parallel plans may shard it differently (an embedding and a head: the holders'
     gradient shards would not line up, so their sum would be wrong)."""
     out = []
     for names, stages in tied:
         if tp_size > 1 and len({stage_ranks[s] for s in stages}) > 1:
-            out.append(f"{list(names)} is tied across pipeline stages {list(stages)} and tp={tp_size}: each stage's"
-                       " tensor-parallel plan shards it on its own. Untie it, or use tp=1 with the pipeline.")
+            out.append(
+                f"{list(names)} is tied across pipeline stages {list(stages)} and tp={tp_size}: each stage's"
+                " tensor-parallel plan shards it on its own. Untie it, or use tp=1 with the pipeline."
+            )
             continue
         ranks = [stage_ranks[s] for s in stages]
         if len(set(ranks)) < len(ranks) and dp_size > 1:
-            out.append(f"{list(names)} is held by stages {list(stages)}, two of them on one rank: FSDP2 would shard it"
-                       " once per stage. Use another schedule or split, or no data parallelism.")
+            out.append(
+                f"{list(names)} is held by stages {list(stages)}, two of them on one rank: FSDP2 would shard it"
+                " once per stage. Use another schedule or split, or no data parallelism."
+            )
     return out
 
 
-def tied_gradient_groups(tied: Sequence[tuple[tuple[str, ...], tuple[int, ...]]], stage_ranks: Sequence[int], *,
-                         spec: Any, rank: int) -> list[tuple[tuple[str, ...], Any, bool]]:
+def tied_gradient_groups(
+    tied: Sequence[tuple[tuple[str, ...], tuple[int, ...]]], stage_ranks: Sequence[int], *, spec: Any, rank: int
+) -> list[tuple[tuple[str, ...], Any, bool]]:
     """For each tied parameter this rank holds on several pp ranks: (names, group of its holders, counted in norms).
 
     ``torch.distributed.new_group`` is collective: every rank makes every pipeline's group, in one order.
@@ -63,9 +73,14 @@ def tied_gradient_groups(tied: Sequence[tuple[tuple[str, ...], tuple[int, ...]]]
     return out
 
 
-def tied_checkpoint_keys(net: nn.Module, tied: Sequence[tuple[tuple[str, ...], tuple[int, ...]]],
-                         stage_ranks: Sequence[int], *, pp_rank: int, prefix: str = ""
-                         ) -> list[tuple[str, tuple[str, ...], bool]]:
+def tied_checkpoint_keys(
+    net: nn.Module,
+    tied: Sequence[tuple[tuple[str, ...], tuple[int, ...]]],
+    stage_ranks: Sequence[int],
+    *,
+    pp_rank: int,
+    prefix: str = "",
+) -> list[tuple[str, tuple[str, ...], bool]]:
     """For each tied parameter: (its checkpoint key, every key of its copies, whether this pp rank saves it).
 
     The checkpoint key is the unsplit model's name for it (the first in ``named_parameters()``, which is
@@ -86,8 +101,9 @@ def tied_aliases(keys: Sequence[tuple[str, tuple[str, ...], bool]]) -> dict[str,
     return {name: key for key, names, _ in keys for name in names if name != key}
 
 
-def save_tied_once(state: dict[str, Any], keys: Sequence[tuple[str, tuple[str, ...], bool]], *,
-                   optimizer: bool = False) -> dict[str, Any]:
+def save_tied_once(
+    state: dict[str, Any], keys: Sequence[tuple[str, tuple[str, ...], bool]], *, optimizer: bool = False
+) -> dict[str, Any]:
     """This rank's model (or flattened optimizer) state with each tied parameter under its checkpoint key once.
 
     The saving rank renames its copy to the checkpoint key; the other holders drop theirs (equal values:
@@ -97,13 +113,16 @@ def save_tied_once(state: dict[str, Any], keys: Sequence[tuple[str, tuple[str, .
     out = dict(state)
     for key, names, saves in keys:
         for name in names:
-            pattern = [(f"{kind}.{name}.", f"{kind}.{key}.") for kind in ("state", "param_groups")] \
-                if optimizer else [(name, key)]
+            pattern = (
+                [(f"{kind}.{name}.", f"{kind}.{key}.") for kind in ("state", "param_groups")]
+                if optimizer
+                else [(name, key)]
+            )
             for old, new in pattern:
                 for k in [k for k in out if (k.startswith(old) if optimizer else k == old)]:
                     value = out.pop(k)
                     if saves:
-                        out.setdefault(new + k[len(old):], value)
+                        out.setdefault(new + k[len(old) :], value)
     return out
 
 
@@ -118,5 +137,11 @@ def sum_tied_gradients(tied: Sequence[tuple[torch.Tensor, Any, bool]]) -> None:
         dist.all_reduce(grad, group=group)
 
 
-__all__ = ["save_tied_once", "sum_tied_gradients", "tied_aliases", "tied_checkpoint_keys", "tied_gradient_groups",
-           "tied_problems"]
+__all__ = [
+    "save_tied_once",
+    "sum_tied_gradients",
+    "tied_aliases",
+    "tied_checkpoint_keys",
+    "tied_gradient_groups",
+    "tied_problems",
+]

@@ -50,7 +50,9 @@ def check_shared_tp(groups: Iterable[tuple[str, ...]], sharded_dims: Mapping[str
         dims = {n: sharded_dims.get(_split(n)[0], {}).get(_split(n)[1]) for n in names}
         if len(set(dims.values())) <= 1:
             continue
-        how = ", ".join(f"{n}: " + ("replicated (not in the plan)" if d is None else f"split on dim {d}") for n, d in dims.items())
+        how = ", ".join(
+            f"{n}: " + ("replicated (not in the plan)" if d is None else f"split on dim {d}") for n, d in dims.items()
+        )
         problems.append(
             f"parameters {list(names)} are one tied tensor, but the plan shards its owners differently ({how}):"
             " they would become separate parameters and train apart. Shard every owner the same way, e.g. a tied"

@@ -59,7 +59,12 @@ from torch import nn
 
 from lightning_dist._compat import DTENSOR_UNEVEN_GATHER_STRIDED
 from lightning_dist.parallelize.shared import retie, shared_parameters
-from lightning_dist.parallelize.tp_auto import BUILTIN_PLANS, builtin_plan, mlp_plan, transformer_plan  # public here too
+from lightning_dist.parallelize.tp_auto import (
+    BUILTIN_PLANS,
+    builtin_plan,
+    mlp_plan,
+    transformer_plan,
+)  # public here too
 from lightning_dist.parallelize.tp_checks import GLOBAL_ATTRS_KEY, is_conv1d, set_local_attrs  # noqa: F401  (public here too)
 from lightning_dist.parallelize.tp_plan import (  # noqa: F401  (the plan API, public here too)
     COLWISE,
@@ -79,6 +84,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 log = logging.getLogger(__name__)
+
 
 # ---- applying ----------------------------------------------------------------------------------
 def _placement(layout: str | None, default: Any) -> Any:
@@ -111,17 +117,26 @@ def _to_style(entry: TPEntry, *, sequence_parallel: bool, sequence_dim: int, los
         from lightning_dist.parallelize.tp_styles import Conv1DParallel
 
         if entry.style == "colwise_gather":  # loss_parallel: the logits stay a vocabulary-sharded DTensor
-            return Conv1DParallel("colwise", output_layout=Shard(-1) if loss_parallel else rep, use_local_output=not loss_parallel)
+            return Conv1DParallel(
+                "colwise", output_layout=Shard(-1) if loss_parallel else rep, use_local_output=not loss_parallel
+            )
         kind = entry.style
         default_out = Shard(-1) if kind == "colwise" else (seq if sequence_parallel else rep)
-        return Conv1DParallel(kind, input_layout=_placement(opts.get("input"), None),
-                              output_layout=_placement(opts.get("output"), default_out),
-                              use_local_output=kind == "colwise" or not sequence_parallel)
+        return Conv1DParallel(
+            kind,
+            input_layout=_placement(opts.get("input"), None),
+            output_layout=_placement(opts.get("output"), default_out),
+            use_local_output=kind == "colwise" or not sequence_parallel,
+        )
     if entry.kind == "embedding" and entry.style == "rowwise":
         # vocab-parallel embedding (Megatron): token ids replicated in, the partial lookups summed to whole rows
-        return RowwiseParallel(input_layouts=_placement(opts.get("input"), rep), output_layouts=_placement(opts.get("output"), rep))
+        return RowwiseParallel(
+            input_layouts=_placement(opts.get("input"), rep), output_layouts=_placement(opts.get("output"), rep)
+        )
     if entry.style == "colwise":
-        return ColwiseParallel(input_layouts=_placement(opts.get("input"), rep), output_layouts=_placement(opts.get("output"), Shard(-1)))
+        return ColwiseParallel(
+            input_layouts=_placement(opts.get("input"), rep), output_layouts=_placement(opts.get("output"), Shard(-1))
+        )
     if entry.style == "colwise_gather":
         if loss_parallel:  # the logits stay a vocabulary-sharded DTensor for torch's loss_parallel (see tp_loss)
             return ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
@@ -129,8 +144,11 @@ def _to_style(entry: TPEntry, *, sequence_parallel: bool, sequence_dim: int, los
     if entry.style == "rowwise":
         # with SP the output stays a sequence-sharded DTensor: the residual stream between regions is sharded
         output = _placement(opts.get("output"), seq if sequence_parallel else rep)
-        return RowwiseParallel(input_layouts=_placement(opts.get("input"), Shard(-1)), output_layouts=output,
-                               use_local_output=not sequence_parallel)
+        return RowwiseParallel(
+            input_layouts=_placement(opts.get("input"), Shard(-1)),
+            output_layouts=output,
+            use_local_output=not sequence_parallel,
+        )
     if entry.style == "sequence_parallel":
         return SequenceParallel(sequence_dim=sequence_dim, use_local_output=False)
     # DTensors (not local shards) flow between regions: uneven sequence lengths keep their true global shape
@@ -138,13 +156,17 @@ def _to_style(entry: TPEntry, *, sequence_parallel: bool, sequence_dim: int, los
         return PrepareModuleInput(input_layouts=(rep,), desired_input_layouts=(seq,), use_local_output=False)
     if entry.style == "region_input":
         # a DTensor, not a local tensor: q/k/v input gradients add up as Partial and are reduced once
-        return PrepareModuleInput(input_layouts=(seq if sequence_parallel else rep,), desired_input_layouts=(rep,),
-                                  use_local_output=False)
+        return PrepareModuleInput(
+            input_layouts=(seq if sequence_parallel else rep,), desired_input_layouts=(rep,), use_local_output=False
+        )
     if entry.style == "sp_exit":
         return PrepareModuleOutput(output_layouts=(seq,), desired_output_layouts=(rep,), use_local_output=True)
     assert entry.style == "sp_region", entry.style
     return PrepareModuleInputOutput(
-        input_layouts=(rep,), desired_input_layouts=(seq,), output_layouts=(seq,), desired_output_layouts=(rep,),
+        input_layouts=(rep,),
+        desired_input_layouts=(seq,),
+        output_layouts=(seq,),
+        desired_output_layouts=(rep,),
         use_local_output=True,
     )
 
@@ -157,8 +179,9 @@ def _repack(x: Any) -> Any:
         local = x.to_local()
         if local.is_contiguous():
             return x
-        return DTensor.from_local(local.contiguous(), x.device_mesh, x.placements, run_check=False,
-                                  shape=x.shape, stride=x.stride())
+        return DTensor.from_local(
+            local.contiguous(), x.device_mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride()
+        )
     return x.contiguous() if isinstance(x, torch.Tensor) else x
 
 
@@ -219,22 +242,32 @@ def apply_tp(
     tp = tp_mesh.size()
     resolved = resolve_tp_plan(model, plan, tp=tp, sequence_parallel=sequence_parallel)
     if (resolved.tp, resolved.sequence_parallel) != (tp, sequence_parallel):
-        raise ValueError(f"apply_tp: the plan was resolved for tp={resolved.tp}, sequence_parallel={resolved.sequence_parallel}"
-                         f" but the mesh has tp={tp} and sequence_parallel={sequence_parallel}; resolve it again.")
+        raise ValueError(
+            f"apply_tp: the plan was resolved for tp={resolved.tp}, sequence_parallel={resolved.sequence_parallel}"
+            f" but the mesh has tp={tp} and sequence_parallel={sequence_parallel}; resolve it again."
+        )
     entries = list(resolved.entries)
     if loss_parallel:
         from lightning_dist.parallelize.tp_loss import head_entry
 
         head_entry(entries)  # exactly one colwise_gather layer, or a ValueError
-    styles = {e.fqn: _to_style(e, sequence_parallel=sequence_parallel, sequence_dim=sequence_dim, loss_parallel=loss_parallel)
-              for e in entries if e.active}
+    styles = {
+        e.fqn: _to_style(e, sequence_parallel=sequence_parallel, sequence_dim=sequence_dim, loss_parallel=loss_parallel)
+        for e in entries
+        if e.active
+    }
     ties = shared_parameters(model)  # found before sharding: parallelize_module gives each owner a new parameter
     parallelize_module(model, tp_mesh, styles)
     _repack_gathered(model, {e.fqn: e.style for e in entries if e.active})
     retie(model, ties)  # resolve_plan checked that every owner is sharded alike: one DTensor serves all
     set_local_attrs(model, entries, tp)  # forwards that read a head count attribute see their local heads
-    log.info("applied tensor parallelism (plan %s, tp=%d, sequence_parallel=%s) to %d modules",
-             resolved.name, tp, sequence_parallel, len(styles))
+    log.info(
+        "applied tensor parallelism (plan %s, tp=%d, sequence_parallel=%s) to %d modules",
+        resolved.name,
+        tp,
+        sequence_parallel,
+        len(styles),
+    )
     return entries
 
 
@@ -249,9 +282,11 @@ def resolve_stage_plan(owner: nn.Module, net: nn.Module, plan: Plan | str, *, tp
     names = {n for n, m in owner.named_modules() if leaves and m is leaves[-1]}
     last = next((e for e in entries if e.fqn in names), None)
     if last is not None and last.style == "colwise" and "output" not in last.options:
-        raise ValueError(f"tp_plan gives the network's last layer {last.fqn!r} style 'colwise': its output would"
-                         " stay sharded over the tensor ranks, but pipeline_loss needs whole outputs. Use"
-                         " 'colwise_gather' for it (or leave it out of the plan).")
+        raise ValueError(
+            f"tp_plan gives the network's last layer {last.fqn!r} style 'colwise': its output would"
+            " stay sharded over the tensor ranks, but pipeline_loss needs whole outputs. Use"
+            " 'colwise_gather' for it (or leave it out of the plan)."
+        )
     return entries
 
 
@@ -273,18 +308,35 @@ def apply_tp_entries(
 
     modules = dict(owner.named_modules())
     by_id = {id(modules[e.fqn]): e for e in entries if e.active}
-    styles = {name: _to_style(by_id[id(m)], sequence_parallel=False, sequence_dim=sequence_dim)
-              for name, m in part.named_modules() if name and id(m) in by_id}
+    styles = {
+        name: _to_style(by_id[id(m)], sequence_parallel=False, sequence_dim=sequence_dim)
+        for name, m in part.named_modules()
+        if name and id(m) in by_id
+    }
     if styles:
         ties = shared_parameters(part)
         parallelize_module(part, tp_mesh, styles)
-        _repack_gathered(part, {name: by_id[id(m)].style for name, m in part.named_modules() if name and id(m) in by_id})
+        _repack_gathered(
+            part, {name: by_id[id(m)].style for name, m in part.named_modules() if name and id(m) in by_id}
+        )
         retie(part, ties)
         set_local_attrs(owner, entries, tp_mesh.size(), within=part)
     return len(styles)
 
 
 __all__ = [
-    "BUILTIN_PLANS", "STYLES", "Plan", "ResolvedPlan", "TPEntry", "apply_tp", "apply_tp_entries", "builtin_plan", "format_plan", "mlp_plan",
-    "resolve_plan", "resolve_stage_plan", "resolve_tp_plan", "transformer_plan",
+    "BUILTIN_PLANS",
+    "STYLES",
+    "Plan",
+    "ResolvedPlan",
+    "TPEntry",
+    "apply_tp",
+    "apply_tp_entries",
+    "builtin_plan",
+    "format_plan",
+    "mlp_plan",
+    "resolve_plan",
+    "resolve_stage_plan",
+    "resolve_tp_plan",
+    "transformer_plan",
 ]

@@ -44,8 +44,13 @@ from lightning_dist.parallelize.tp_plan import _matches, _roots
 from lightning_dist.parallelize.units import find_block_lists
 
 # HuggingFace style name -> ours; styles HF has and we lack are refused by name
-HF_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "colwise_gather_output": "colwise_gather",
-             "embedding_rowwise": "rowwise", "rowwise_replicate": "rowwise"}
+HF_STYLES = {
+    "colwise": "colwise",
+    "rowwise": "rowwise",
+    "colwise_gather_output": "colwise_gather",
+    "embedding_rowwise": "rowwise",
+    "rowwise_replicate": "rowwise",
+}
 
 # (column-wise names, row-wise names) of an attention region; fused names must be head-major
 ATTENTION_LAYOUTS: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
@@ -79,7 +84,9 @@ def _blocked_qkv(attn: nn.Module, name: str) -> bool:
     """True when `attn.<name>` is a self-attention's fused [q | k | v] projection: three blocks of its width."""
     layer = getattr(attn, name, None)
     out = getattr(layer, "nf", None) or getattr(layer, "out_features", None)
-    width = next((getattr(attn, a) for a in ("split_size", "embed_dim") if isinstance(getattr(attn, a, None), int)), None)
+    width = next(
+        (getattr(attn, a) for a in ("split_size", "embed_dim") if isinstance(getattr(attn, a, None), int)), None
+    )
     return isinstance(out, int) and width is not None and out == 3 * width
 
 
@@ -115,7 +122,8 @@ def _region(module: nn.Module, layouts) -> tuple[tuple[str, ...], str] | None:
                     f" n_query_groups={cfg.n_query_groups} (config.n_query_groups, grouped-query attention): its q and"
                     " k/v blocks have unequal widths, which plan='auto' cannot split per head exactly (colwise_qkv"
                     " needs three equal blocks, a plain colwise split mixes q with k). Use n_query_groups == n_head,"
-                    " or pass a plan that leaves the attention replicated and splits the MLP and the head.")
+                    " or pass a plan that leaves the attention replicated and splits the MLP and the head."
+                )
             row = next((r for r in rows if _lin(module, r)), None)
             if row is not None:
                 return cols, row
@@ -127,8 +135,11 @@ def _sequential_mlp(module: nn.Module) -> bool:
     if not isinstance(module, nn.Sequential) or len(module) < 3:
         return False
     kids = list(module)
-    return (isinstance(kids[0], nn.Linear) and isinstance(kids[-1], nn.Linear)
-            and not any(any(True for _ in k.parameters()) for k in kids[1:-1]))
+    return (
+        isinstance(kids[0], nn.Linear)
+        and isinstance(kids[-1], nn.Linear)
+        and not any(any(True for _ in k.parameters()) for k in kids[1:-1])
+    )
 
 
 def _block_plan(block: nn.Module) -> tuple[dict[str, str], list[str]]:
@@ -203,8 +214,10 @@ def transformer_plan(model: nn.Module, *, tp: int = 1) -> dict[str, str]:
         for key, style in first.items():
             plan[f"{list_name}.*.{key}"] = style
         if not _single_input(blocks[0]) or any(
-                not _single_input(blocks[0].get_submodule(k.rpartition(".")[0]))
-                for k, v in first.items() if v == "rowwise" and k.rpartition(".")[0]):
+            not _single_input(blocks[0].get_submodule(k.rpartition(".")[0]))
+            for k, v in first.items()
+            if v == "rowwise" and k.rpartition(".")[0]
+        ):
             continue  # sequence-parallel entries wrap the block's one input; HF blocks take masks, caches...
         for child, mod in blocks[0].named_children():
             if _is_norm(mod):
@@ -231,7 +244,8 @@ def mlp_plan(model: nn.Module, *, tp: int = 1) -> dict[str, str]:
     parameters.
     """
     others = [
-        f"{n} ({type(m).__name__})" for n, m in model.named_modules()
+        f"{n} ({type(m).__name__})"
+        for n, m in model.named_modules()
         if any(True for _ in m.parameters(recurse=False)) and not isinstance(m, nn.Linear)
     ]
     if others:
@@ -248,8 +262,11 @@ def mlp_plan(model: nn.Module, *, tp: int = 1) -> dict[str, str]:
 
 def hf_plan(model: nn.Module, *, tp: int = 1) -> dict[str, str]:
     """The tensor-parallel plan a HuggingFace model carries (``_tp_plan``), mapped to the pack's styles."""
-    found = [(n, m) for n, m in model.named_modules() if isinstance(getattr(m, "_tp_plan", None), Mapping)
-             and getattr(m, "_tp_plan") and hasattr(m, "config")]
+    found = [
+        (n, m)
+        for n, m in model.named_modules()
+        if isinstance(getattr(m, "_tp_plan", None), Mapping) and getattr(m, "_tp_plan") and hasattr(m, "config")
+    ]
     if not found:
         raise ValueError("no HuggingFace module with a `_tp_plan` (config.base_model_tp_plan)")
     prefix, owner = found[0]  # the outermost: its plan includes its base model's
@@ -300,7 +317,9 @@ def tie_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
 def builtin_plan(model: nn.Module, name: str, *, tp: int = 1) -> tuple[str, dict[str, str]]:
     """(name, plan) of the built-in plan `name` for `model`; ``"auto"`` picks the first that matches."""
     if name != "auto" and name not in BUILTIN_PLANS:
-        raise ValueError(f"Unknown tensor-parallel plan {name!r}; pass 'auto', one of {sorted(BUILTIN_PLANS)} or a mapping.")
+        raise ValueError(
+            f"Unknown tensor-parallel plan {name!r}; pass 'auto', one of {sorted(BUILTIN_PLANS)} or a mapping."
+        )
     failures = []
     for candidate in BUILTIN_PLANS if name == "auto" else (name,):
         try:
@@ -309,7 +328,8 @@ def builtin_plan(model: nn.Module, name: str, *, tp: int = 1) -> tuple[str, dict
             failures.append(f"{candidate}: {err}")
     raise ValueError(
         f"No built-in tensor-parallel plan {'matches' if name == 'auto' else 'named ' + repr(name) + ' fits'}"
-        f" {type(model).__name__}:\n  - " + "\n  - ".join(failures)
+        f" {type(model).__name__}:\n  - "
+        + "\n  - ".join(failures)
         + "\nPass plan={pattern: style, ...} naming its layers (see lightning_dist.parallelize.tp)."
         + suggest_plan(model)
     )
@@ -326,8 +346,19 @@ def suggest_plan(model: nn.Module) -> str:
             lines.append(f"  {name + '.' if name else ''}{row}: rowwise")
     if not lines:
         return ""
-    return ("\nA plan to start from (each module's last Linear row-wise, the others column-wise; check it against"
-            " your forward):\nplan:\n" + "\n".join(lines[:24]) + ("\n  ..." if len(lines) > 24 else ""))
+    return (
+        "\nA plan to start from (each module's last Linear row-wise, the others column-wise; check it against"
+        " your forward):\nplan:\n" + "\n".join(lines[:24]) + ("\n  ..." if len(lines) > 24 else "")
+    )
 
 
-__all__ = ["BUILTIN_PLANS", "HF_STYLES", "builtin_plan", "hf_plan", "mlp_plan", "suggest_plan", "tie_plan", "transformer_plan"]
+__all__ = [
+    "BUILTIN_PLANS",
+    "HF_STYLES",
+    "builtin_plan",
+    "hf_plan",
+    "mlp_plan",
+    "suggest_plan",
+    "tie_plan",
+    "transformer_plan",
+]

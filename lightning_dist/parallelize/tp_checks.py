@@ -24,13 +24,14 @@ def is_conv1d(module: nn.Module) -> bool:
     Recognized by shape rather than imported, so the pack does not import ``transformers``.
     """
     named = any(c.__name__ == "Conv1D" for c in type(module).__mro__)  # also once split per head (colwise_qkv)
-    return named and isinstance(getattr(module, "nf", None), int) and isinstance(
-        getattr(module, "nx", None), int)
+    return named and isinstance(getattr(module, "nf", None), int) and isinstance(getattr(module, "nx", None), int)
 
 
 def _is_norm(module: nn.Module) -> bool:
     # HF models bring their own RMSNorm classes (LlamaRMSNorm...): a norm is anything named *Norm with a weight
-    return isinstance(module, _NORMS) or (type(module).__name__.endswith("Norm") and not any(True for _ in module.children()))
+    return isinstance(module, _NORMS) or (
+        type(module).__name__.endswith("Norm") and not any(True for _ in module.children())
+    )
 
 
 def _linear_like(module: nn.Module) -> bool:
@@ -40,13 +41,29 @@ def _linear_like(module: nn.Module) -> bool:
 _HEAD_ATTRS = ("n_heads", "num_heads", "n_head", "num_attention_heads")
 # head counts an attention module may read in its forward: set to the local count on a split region (as
 # torchtitan sets n_heads // tp); kept as they were in GLOBAL_ATTRS_KEY for single-device copies
-LOCAL_ATTRS = (*_HEAD_ATTRS, "num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_head", "all_head_size",
-               "split_size", "embed_dim")  # GPT-2's attention splits c_attn's output by split_size (= embed_dim)
+LOCAL_ATTRS = (
+    *_HEAD_ATTRS,
+    "num_key_value_heads",
+    "num_kv_heads",
+    "n_kv_heads",
+    "n_kv_head",
+    "all_head_size",
+    "split_size",
+    "embed_dim",
+)  # GPT-2's attention splits c_attn's output by split_size (= embed_dim)
 GLOBAL_ATTRS_KEY = "_tp_global_attrs"
 # the same counts read from a `config` object (litgpt: self.config.n_head, n_query_groups): the split module
 # gets its own shallow copy of the config with the local counts (the config is shared by every layer)
-CONFIG_ATTRS = ("n_head", "n_heads", "num_heads", "num_attention_heads", "num_key_value_heads", "n_query_groups",
-                "num_kv_heads", "n_kv_heads")
+CONFIG_ATTRS = (
+    "n_head",
+    "n_heads",
+    "num_heads",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "n_query_groups",
+    "num_kv_heads",
+    "n_kv_heads",
+)
 
 
 def _config_counts(module: nn.Module) -> tuple[object | None, dict[str, int]]:
@@ -126,11 +143,17 @@ def _divisibility(fqn: str, module: nn.Module, style: str, tp: int, parent: nn.M
         return _fused_problems(fqn, module, tp, parent)
     if style in ("colwise", "colwise_gather", "rowwise"):
         if isinstance(module, nn.Linear):
-            size, what = (module.in_features, "in_features") if style == "rowwise" else (module.out_features, "out_features")
+            size, what = (
+                (module.in_features, "in_features") if style == "rowwise" else (module.out_features, "out_features")
+            )
         elif is_conv1d(module):
             size, what = (module.nx, "nx (in features)") if style == "rowwise" else (module.nf, "nf (out features)")
         else:
-            size, what = (module.num_embeddings, "num_embeddings") if style == "rowwise" else (module.embedding_dim, "embedding_dim")
+            size, what = (
+                (module.num_embeddings, "num_embeddings")
+                if style == "rowwise"
+                else (module.embedding_dim, "embedding_dim")
+            )
         if size % tp:
             problems.append(
                 f"{fqn} ({type(module).__name__}, {style}): {what}={size} is not divisible by tp={tp};"
@@ -145,17 +168,23 @@ def _fused_problems(fqn: str, module: nn.Module, tp: int, parent: nn.Module | No
     """A fused [q | k | v] projection: three equal blocks, each split into whole heads over `tp`."""
     out = module.nf if is_conv1d(module) else module.out_features
     if out % 3:
-        return [f"{fqn} ({type(module).__name__}, colwise_qkv): {out} output features are not three equal [q | k | v]"
-                " blocks; colwise_qkv is for a fused q/k/v projection (a head-major one takes 'colwise')."]
+        return [
+            f"{fqn} ({type(module).__name__}, colwise_qkv): {out} output features are not three equal [q | k | v]"
+            " blocks; colwise_qkv is for a fused q/k/v projection (a head-major one takes 'colwise')."
+        ]
     block = out // 3
     head_dim = _head_dim(parent) if parent is not None else None
     heads = block // head_dim if head_dim and block % head_dim == 0 else None
     if heads is not None and heads % tp:
-        return [f"{fqn}: the attention module has {heads} heads, not divisible by tp={tp}; heads are split over"
-                f" tensor ranks, so choose a tp that divides {heads}."]
+        return [
+            f"{fqn}: the attention module has {heads} heads, not divisible by tp={tp}; heads are split over"
+            f" tensor ranks, so choose a tp that divides {heads}."
+        ]
     if block % tp:
-        return [f"{fqn} ({type(module).__name__}, colwise_qkv): each q/k/v block has {block} features, not divisible"
-                f" by tp={tp}; choose a tp that divides {block}."]
+        return [
+            f"{fqn} ({type(module).__name__}, colwise_qkv): each q/k/v block has {block} features, not divisible"
+            f" by tp={tp}; choose a tp that divides {block}."
+        ]
     return []
 
 
@@ -191,10 +220,11 @@ def _head_problems(fqn: str, module: nn.Module, tp: int, parent: nn.Module) -> l
             heads //= 3  # head-major fused q, k, v
     if heads % tp == 0:
         return []
-    kind = "key/value heads" if name in (
-        "k", "v", "k_proj", "v_proj", "key", "value") else "heads"
-    return [f"{fqn}: the attention module has {heads} {kind}, not divisible by tp={tp}; heads are split over tensor"
-            f" ranks, so choose a tp that divides {heads}."]
+    kind = "key/value heads" if name in ("k", "v", "k_proj", "v_proj", "key", "value") else "heads"
+    return [
+        f"{fqn}: the attention module has {heads} {kind}, not divisible by tp={tp}; heads are split over tensor"
+        f" ranks, so choose a tp that divides {heads}."
+    ]
 
 
 def _kind(module: nn.Module) -> str:

@@ -33,15 +33,37 @@ _LOSSES = {F.cross_entropy, F.nll_loss}
 _LOG_SOFTMAX = {F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax}  # still sharded: nll_loss follows
 # layout-only functions of the logits: their results are followed like the logits themselves
 _LAYOUT = {
-    torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.flatten, torch.flatten,
-    torch.Tensor.float, torch.Tensor.double, torch.Tensor.to, torch.Tensor.contiguous, torch.Tensor.__getitem__,
-    torch.Tensor.transpose, torch.transpose, torch.Tensor.permute, torch.Tensor.squeeze, torch.Tensor.unsqueeze,
-    torch.Tensor.type_as, torch.Tensor.narrow,
+    torch.Tensor.view,
+    torch.Tensor.reshape,
+    torch.reshape,
+    torch.Tensor.flatten,
+    torch.flatten,
+    torch.Tensor.float,
+    torch.Tensor.double,
+    torch.Tensor.to,
+    torch.Tensor.contiguous,
+    torch.Tensor.__getitem__,
+    torch.Tensor.transpose,
+    torch.transpose,
+    torch.Tensor.permute,
+    torch.Tensor.squeeze,
+    torch.Tensor.unsqueeze,
+    torch.Tensor.type_as,
+    torch.Tensor.narrow,
 }
 # reading metadata or detaching (logging, metrics outside the loss): no compute on the sharded values
-_NEUTRAL = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.detach, torch.Tensor.requires_grad_,
-            torch.Tensor.register_hook, torch.Tensor.retain_grad, torch.zeros_like, torch.ones_like, torch.empty_like,
-            torch.full_like}
+_NEUTRAL = {
+    torch.Tensor.size,
+    torch.Tensor.dim,
+    torch.Tensor.detach,
+    torch.Tensor.requires_grad_,
+    torch.Tensor.register_hook,
+    torch.Tensor.retain_grad,
+    torch.zeros_like,
+    torch.ones_like,
+    torch.empty_like,
+    torch.full_like,
+}
 
 
 def _name(func: Any) -> str:
@@ -98,6 +120,7 @@ def loss_parallel_step(head: nn.Module | None, guard: LogitsGuard | None) -> Ite
 
     handle, entered = None, []
     if guard is not None and head is not None:
+
         def start(module: nn.Module, args: Any, out: Any) -> None:
             guard.follow(out)
             if not entered:  # from the head on: the compiled blocks before it never trace under the mode

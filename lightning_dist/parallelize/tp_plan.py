@@ -32,6 +32,7 @@ from lightning_dist.parallelize.tp_checks import (
 PlanValue = Union[str, Mapping[str, Any]]
 Plan = Mapping[str, PlanValue]
 
+
 @dataclass(frozen=True)
 class _Style:
     description: str
@@ -47,18 +48,30 @@ def _any(module: nn.Module) -> bool:
 
 _SHARDABLE = "['Linear', 'Conv1D', 'Embedding']"
 STYLES: dict[str, _Style] = {
-    "colwise": _Style("column-wise sharded (output features)", lambda m: _linear_like(m) or isinstance(m, nn.Embedding),
-                      _SHARDABLE, layouts=True),
-    "rowwise": _Style("row-wise sharded (input features; vocab-parallel for an Embedding)",
-                      lambda m: _linear_like(m) or isinstance(m, nn.Embedding), _SHARDABLE, layouts=True),
+    "colwise": _Style(
+        "column-wise sharded (output features)",
+        lambda m: _linear_like(m) or isinstance(m, nn.Embedding),
+        _SHARDABLE,
+        layouts=True,
+    ),
+    "rowwise": _Style(
+        "row-wise sharded (input features; vocab-parallel for an Embedding)",
+        lambda m: _linear_like(m) or isinstance(m, nn.Embedding),
+        _SHARDABLE,
+        layouts=True,
+    ),
     "colwise_gather": _Style("column-wise, output gathered to full", _linear_like, "['Linear', 'Conv1D']"),
-    "colwise_qkv": _Style("column-wise per head of a fused [q | k | v] projection", _linear_like, "['Linear', 'Conv1D']"),
+    "colwise_qkv": _Style(
+        "column-wise per head of a fused [q | k | v] projection", _linear_like, "['Linear', 'Conv1D']"
+    ),
     "sequence_parallel": _Style("runs on sequence shards", _is_norm, "norms and dropout", sp_only=True),
     "sp_enter": _Style("input split into sequence shards", _any, "any module", sp_only=True),
     "region_input": _Style("input replicated (gathered with SP)", _any, "any module"),
     "sp_exit": _Style("output gathered from sequence shards", _any, "any module", sp_only=True),
     "sp_region": _Style("input split, output gathered", _any, "any module", sp_only=True),
 }
+
+
 @dataclass(frozen=True)
 class TPEntry:
     """One module of a resolved plan."""
@@ -155,7 +168,7 @@ def _local_shapes(module: nn.Module, style: str, tp: int) -> tuple[tuple[str, tu
         shape, local = tuple(p.shape), list(p.shape)
         if name in dims and style == "colwise_qkv":  # held with [q | k | v] as a dim of its own (tp_styles.py)
             d = dims[name]
-            local[d:d + 1] = [3, shape[d] // 3 // tp]
+            local[d : d + 1] = [3, shape[d] // 3 // tp]
         elif name in dims:
             local[dims[name]] //= tp
         out.append((name, shape, tuple(local)))
@@ -177,7 +190,9 @@ def resolve_plan(model: nn.Module, plan: Plan | str, *, tp: int, sequence_parall
 
         plan = builtin_plan(model, plan, tp=tp)[1]
     if not isinstance(plan, Mapping):
-        raise TypeError(f"A tensor-parallel plan must be a mapping of pattern -> style or a name; got {type(plan).__name__}.")
+        raise TypeError(
+            f"A tensor-parallel plan must be a mapping of pattern -> style or a name; got {type(plan).__name__}."
+        )
     problems: list[str] = []
     parsed: dict[str, tuple[str, dict[str, Any]]] = {}
     for pattern, value in plan.items():
@@ -199,7 +214,11 @@ def resolve_plan(model: nn.Module, plan: Plan | str, *, tp: int, sequence_parall
             problems.append(
                 f"plan pattern {pattern!r} ({style}) matches no module of {type(model).__name__}; a plan entry"
                 " must not be a silent no-op. Patterns match from the root (the model, or a LightningModule's direct children), "
-                + (f"and it only names deeper paths {deeper}: write the full path." if deeper else f"and module names look like {near}.")
+                + (
+                    f"and it only names deeper paths {deeper}: write the full path."
+                    if deeper
+                    else f"and module names look like {near}."
+                )
             )
             continue
         if len(hits) > 1 and not any(c in pattern for c in "*?["):
@@ -218,15 +237,22 @@ def resolve_plan(model: nn.Module, plan: Plan | str, *, tp: int, sequence_parall
                 continue
             claimed[fqn] = f"{pattern!r} -> {style!r}"
             if not STYLES[style].accepts(module):
-                problems.append(f"module {fqn!r} is a {type(module).__name__}; style {style!r} supports only {STYLES[style].kinds}.")
+                problems.append(
+                    f"module {fqn!r} is a {type(module).__name__}; style {style!r} supports only {STYLES[style].kinds}."
+                )
                 continue
             parent = modules.get(fqn.rpartition(".")[0])
             problems += _divisibility(fqn, module, style, tp, parent)
             entries.append(
                 TPEntry(
-                    fqn=fqn, style=style, pattern=pattern, module_type=type(module).__name__,
-                    shapes=_local_shapes(module, style, tp), options=options,
-                    active=sequence_parallel or not STYLES[style].sp_only, kind=_kind(module),
+                    fqn=fqn,
+                    style=style,
+                    pattern=pattern,
+                    module_type=type(module).__name__,
+                    shapes=_local_shapes(module, style, tp),
+                    options=options,
+                    active=sequence_parallel or not STYLES[style].sp_only,
+                    kind=_kind(module),
                 )
             )
     problems += _region_problems(entries, modules)
@@ -254,11 +280,18 @@ def format_plan(entries: list[TPEntry], *, tp: int, title: str | None = None) ->
 
     fused = any(e.active and e.style == "colwise_qkv" for e in entries)
     # colwise_qkv changes what named_parameters() shows: say so next to the shapes (README: "Plan styles")
-    caption = ("colwise_qkv: the parameter is held as [in, 3, E/tp] ([3, E/tp, in] for a Linear; bias [3, E/tp]) in"
-               " named_parameters() and the optimizer; state_dict, checkpoints and consolidation keep the model's"
-               " [in, 3E]") if fused else None
-    table = Table(title=title or f"Tensor-parallel plan (tp={tp})", caption=caption and escape(caption),
-                  caption_justify="left")
+    caption = (
+        (
+            "colwise_qkv: the parameter is held as [in, 3, E/tp] ([3, E/tp, in] for a Linear; bias [3, E/tp]) in"
+            " named_parameters() and the optimizer; state_dict, checkpoints and consolidation keep the model's"
+            " [in, 3E]"
+        )
+        if fused
+        else None
+    )
+    table = Table(
+        title=title or f"Tensor-parallel plan (tp={tp})", caption=caption and escape(caption), caption_justify="left"
+    )
     for col in ("module", "type", "style", "global shape", "local shape"):
         table.add_column(col)
     for e in entries:
@@ -285,7 +318,9 @@ class ResolvedPlan:
     """Whether the sequence-parallel entries are active."""
 
 
-def resolve_tp_plan(model: nn.Module, plan: Plan | str | None, *, tp: int, sequence_parallel: bool = False) -> ResolvedPlan:
+def resolve_tp_plan(
+    model: nn.Module, plan: Plan | str | None, *, tp: int, sequence_parallel: bool = False
+) -> ResolvedPlan:
     """Pick the plan (``"auto"``/``None``: the first built-in plan that matches; a built-in name; a mapping), match
     it against `model` and check it (:func:`resolve_plan`): the one resolution that everything downstream uses."""
     if isinstance(plan, ResolvedPlan):
@@ -299,5 +334,15 @@ def resolve_tp_plan(model: nn.Module, plan: Plan | str | None, *, tp: int, seque
     return ResolvedPlan(name=name, entries=tuple(entries), tp=tp, sequence_parallel=sequence_parallel)
 
 
-__all__ = ["COLWISE", "STYLES", "Plan", "PlanValue", "ResolvedPlan", "TPEntry", "format_plan", "resolve_plan",
-           "resolve_tp_plan", "shard_dims"]
+__all__ = [
+    "COLWISE",
+    "STYLES",
+    "Plan",
+    "PlanValue",
+    "ResolvedPlan",
+    "TPEntry",
+    "format_plan",
+    "resolve_plan",
+    "resolve_tp_plan",
+    "shard_dims",
+]

@@ -81,22 +81,35 @@ class _FlowTrace:
     """
 
     def __init__(self, owner: nn.Module, entries: list) -> None:
-        planned = [e for e in entries if e.active and e.style in ("colwise", "colwise_qkv", "rowwise")
-                   and e.kind in ("linear", "conv1d") and not ({"input", "output"} & set(e.options))]
+        planned = [
+            e
+            for e in entries
+            if e.active
+            and e.style in ("colwise", "colwise_qkv", "rowwise")
+            and e.kind in ("linear", "conv1d")
+            and not ({"input", "output"} & set(e.options))
+        ]
         self.calls: dict[str, int] = {}  # region -> number of times it started
         self.seen: list[tuple[str, int, str, str]] = []  # (region, call, fqn, "col"/"row")
         self.entries = {e.fqn: e for e in planned}
         modules = dict(owner.named_modules())
         self.handles = []
         for region in dict.fromkeys(e.fqn.rpartition(".")[0] for e in planned):
-            self.handles.append(modules[region].register_forward_pre_hook(
-                lambda m, args, region=region: self.calls.__setitem__(region, self.calls.get(region, 0) + 1)))
+            self.handles.append(
+                modules[region].register_forward_pre_hook(
+                    lambda m, args, region=region: self.calls.__setitem__(region, self.calls.get(region, 0) + 1)
+                )
+            )
         for e in planned:
             kind = "row" if e.style == "rowwise" else "col"
             region = e.fqn.rpartition(".")[0]
-            self.handles.append(modules[e.fqn].register_forward_pre_hook(
-                lambda m, args, region=region, fqn=e.fqn, kind=kind: self.seen.append(
-                    (region, self.calls.get(region, 0), fqn, kind))))
+            self.handles.append(
+                modules[e.fqn].register_forward_pre_hook(
+                    lambda m, args, region=region, fqn=e.fqn, kind=kind: self.seen.append(
+                        (region, self.calls.get(region, 0), fqn, kind)
+                    )
+                )
+            )
 
     def close(self) -> None:
         for h in self.handles:
@@ -115,25 +128,33 @@ class _FlowTrace:
             cols = tuple(dict.fromkeys(f for i, (f, k) in enumerate(order) if k == "col" and i > last_row))
             if rows or cols:
                 ran = list(dict.fromkeys(f for f, _ in order))
-                key = tuple(self.entries[f].pattern for f in (*rows, "|", *cols, "|", *ran) if f != "|") + (len(rows), len(cols))
+                key = tuple(self.entries[f].pattern for f in (*rows, "|", *cols, "|", *ran) if f != "|") + (
+                    len(rows),
+                    len(cols),
+                )
                 found.setdefault(key, [region, rows, cols, ran])
                 if region not in found[key]:
                     found[key].append(region)
         out = []
         for region, rows, cols, ran, *also in found.values():
-            short = lambda names: [n[len(region) + 1:] if region else n for n in names]  # noqa: E731
+            short = lambda names: [n[len(region) + 1 :] if region else n for n in names]  # noqa: E731
             what = []
             if rows:
-                what.append(f"{short(rows)} 'rowwise' run(s) before any column-wise layer of the region, so it is handed"
-                            " the region's whole (replicated) input as if it were one shard")
+                what.append(
+                    f"{short(rows)} 'rowwise' run(s) before any column-wise layer of the region, so it is handed"
+                    " the region's whole (replicated) input as if it were one shard"
+                )
             if cols:
-                what.append(f"{short(cols)} 'colwise' run(s) after the region's last row-wise layer, so its split output"
-                            " leaves the region")
+                what.append(
+                    f"{short(cols)} 'colwise' run(s) after the region's last row-wise layer, so its split output"
+                    " leaves the region"
+                )
             styles = {self.entries[f].pattern: "colwise" for f in ran[:-1]}
             styles[self.entries[ran[-1]].pattern] = "rowwise"
             where = (region or "the model root") + (f" (and {len(also)} more like it: {also[:2]})" if also else "")
             out.append(
-                f"{where}: its planned layers run in the order {short(ran)}; " + "; ".join(what)
+                f"{where}: its planned layers run in the order {short(ran)}; "
+                + "; ".join(what)
                 + " (the split forward would fail with torch's 'a and b must have same reduction dim' or 'mat1 and mat2"
                 " shapes cannot be multiplied'). In a split region the layers that read its input are 'colwise' and the"
                 f" one that writes its output is 'rowwise': here {styles}."
@@ -141,8 +162,9 @@ class _FlowTrace:
         return out
 
 
-def probe_output(module: nn.Module, device: torch.device, entries: Optional[list] = None
-                 ) -> Optional[tuple[nn.Module, Any, Tensor]]:
+def probe_output(
+    module: nn.Module, device: torch.device, entries: Optional[list] = None
+) -> Optional[tuple[nn.Module, Any, Tensor]]:
     """(what ran, sample, output) of one sample through `module` in eval mode, or None when nothing can run
     (no sample, weights on the meta device, a made-up sample the network does not take, no tensor out).
 
@@ -167,8 +189,10 @@ def probe_output(module: nn.Module, device: torch.device, entries: Optional[list
         if out is not None:
             problems = trace.problems()
             if problems:
-                raise ValueError("Invalid tensor-parallel plan (found by running one sample through the unsplit"
-                                 " model):\n  - " + "\n  - ".join(problems))
+                raise ValueError(
+                    "Invalid tensor-parallel plan (found by running one sample through the unsplit"
+                    " model):\n  - " + "\n  - ".join(problems)
+                )
             return net, sample, out.detach().clone()
     return None
 

@@ -43,7 +43,9 @@ class Conv1DParallel(ParallelStyle):
         use_local_output: hand the next module a plain local tensor (else the DTensor).
     """
 
-    def __init__(self, kind: str, *, input_layout: Any = None, output_layout: Any = None, use_local_output: bool = True) -> None:
+    def __init__(
+        self, kind: str, *, input_layout: Any = None, output_layout: Any = None, use_local_output: bool = True
+    ) -> None:
         super().__init__()
         assert kind in ("colwise", "rowwise"), kind
         self.kind = kind
@@ -85,7 +87,7 @@ FUSED_SHAPES_KEY = "_tp_fused_shapes"
 
 
 def _fused_shape(shape: tuple[int, ...], dim: int, parts: int) -> tuple[int, ...]:
-    return (*shape[:dim], parts, shape[dim] // parts, *shape[dim + 1:])
+    return (*shape[:dim], parts, shape[dim] // parts, *shape[dim + 1 :])
 
 
 class _FusedQKVForward:
@@ -141,7 +143,9 @@ class FusedQKVParallel(ParallelStyle):
             dim = (1 if conv else 0) if pname == "weight" else 0  # the output-feature dim
             shapes[pname] = tuple(param.shape)
             fused = param.detach().reshape(_fused_shape(tuple(param.shape), dim, self.parts))
-            dparam = nn.Parameter(distribute_tensor(fused, device_mesh, [Shard(dim + 1)]), requires_grad=param.requires_grad)
+            dparam = nn.Parameter(
+                distribute_tensor(fused, device_mesh, [Shard(dim + 1)]), requires_grad=param.requires_grad
+            )
             module.register_parameter(pname, dparam)
         module.__dict__[FUSED_SHAPES_KEY] = shapes
         cls = type(module)
@@ -162,8 +166,9 @@ def _original_shape_state_dict(module: nn.Module, state_dict: dict, prefix: str,
         value = state_dict.get(key)
         if isinstance(value, DTensor):
             whole = value.full_tensor().reshape(shape)
-            state_dict[key] = DTensor.from_local(whole, value.device_mesh, [Replicate()] * value.device_mesh.ndim,
-                                                 run_check=False)
+            state_dict[key] = DTensor.from_local(
+                whole, value.device_mesh, [Replicate()] * value.device_mesh.ndim, run_check=False
+            )
         elif isinstance(value, torch.Tensor):
             state_dict[key] = value.reshape(shape)
 

@@ -26,12 +26,16 @@ def find_block_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
     return [
         (name, mod)
         for name, mod in model.named_modules()
-        if isinstance(mod, nn.ModuleList) and len(mod) > 1 and len({type(c) for c in mod}) == 1
+        if isinstance(mod, nn.ModuleList)
+        and len(mod) > 1
+        and len({type(c) for c in mod}) == 1
         and next(mod.parameters(), None) is not None
     ]
 
 
-def select_units(model: nn.Module, units: str | Sequence[str] | Sequence[nn.Module] = "auto") -> list[tuple[str, nn.Module]]:
+def select_units(
+    model: nn.Module, units: str | Sequence[str] | Sequence[nn.Module] = "auto"
+) -> list[tuple[str, nn.Module]]:
     """The modules to treat as units, outermost first.
 
     `units` is ``"auto"`` (each child of the model's block lists), module class names

@@ -27,6 +27,5 @@ def _check_divides(what: str, part: int, whole: int, whole_name: str = "world_si
         raise ValueError(f"`{what}={part}` does not divide {whole_name}={whole}; pick one of {divisors}.")
 
 
-
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]

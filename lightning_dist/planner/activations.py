@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from lightning_dist.planner._checks import _check_count, _check_size
 
+
 @dataclass(frozen=True, kw_only=True)
 class BlockShape:
     """Sizes of a pre-norm transformer block (the pack's GPT family) for :func:`activation_bytes`."""
@@ -36,7 +37,7 @@ def _ac_mode(value: bool | str | object) -> tuple[str | None, int]:
     if value == "selective":
         return "selective", 1
     if isinstance(value, str) and value.startswith("every:"):
-        n = value[len("every:"):]
+        n = value[len("every:") :]
         if not n.isdigit() or int(n) < 1:
             raise ValueError(f"checkpointed={value!r}: N in 'every:N' must be an integer >= 1.")
         return "full", int(n)
@@ -46,9 +47,19 @@ def _ac_mode(value: bool | str | object) -> tuple[str | None, int]:
 
 
 def activation_bytes(
-    block: BlockShape, *, tokens: int, blocks: int, tp: int = 1, bytes_per_element: float = 2,
-    residual_bytes: float | None = None, micro_batches_held: int = 1, stem: bool = True, head: bool = True,
-    head_gathered: bool = False, checkpointed: bool | str = False, autocast: bool = False,
+    block: BlockShape,
+    *,
+    tokens: int,
+    blocks: int,
+    tp: int = 1,
+    bytes_per_element: float = 2,
+    residual_bytes: float | None = None,
+    micro_batches_held: int = 1,
+    stem: bool = True,
+    head: bool = True,
+    head_gathered: bool = False,
+    checkpointed: bool | str = False,
+    autocast: bool = False,
     offloaded: bool = False,
 ) -> float:
     """Peak activation bytes of one training step on one device (saved for backward + the backward's start).

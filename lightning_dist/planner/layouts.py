@@ -38,6 +38,7 @@ from lightning_dist.planner.traffic import (
 # Least parallelism first: the recommendation walks this order.
 KIND_ORDER: tuple[str, ...] = ("ddp", "zero1", "zero2", "hsdp", "fsdp", "tp", "pp", "offload")
 
+
 @dataclass(frozen=True, kw_only=True)
 class ActivationShape:
     """Activation size, for tensor- and pipeline-parallel traffic (optional)."""
@@ -97,11 +98,19 @@ class Layout:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "name": self.name, "kind": self.kind, "mesh": dict(self.mesh), "zero_stage": self.zero_stage,
-            "offload": asdict(self.offload), "memory": self.memory.to_dict(),
-            "traffic": [c.to_dict() for c in self.traffic], "wire_bytes": self.wire_bytes,
-            "wire_bytes_by_dim": self.wire_bytes_by_dim(), "idle_fraction": self.idle_fraction,
-            "fits": self.fits, "activations_counted": self.activations_counted, "note": self.note,
+            "name": self.name,
+            "kind": self.kind,
+            "mesh": dict(self.mesh),
+            "zero_stage": self.zero_stage,
+            "offload": asdict(self.offload),
+            "memory": self.memory.to_dict(),
+            "traffic": [c.to_dict() for c in self.traffic],
+            "wire_bytes": self.wire_bytes,
+            "wire_bytes_by_dim": self.wire_bytes_by_dim(),
+            "idle_fraction": self.idle_fraction,
+            "fits": self.fits,
+            "activations_counted": self.activations_counted,
+            "note": self.note,
         }
 
 
@@ -135,8 +144,10 @@ def candidate_layouts(
     _check_size("micro_batches", micro_batches)
     schedule = _check_schedule(schedule, 1)
     if world_size > devices_per_node and world_size % devices_per_node:
-        raise ValueError(f"world_size={world_size} is not divisible by devices_per_node={devices_per_node}:"
-                         " nodes must be full; pick a world size that is a multiple of the devices per node.")
+        raise ValueError(
+            f"world_size={world_size} is not divisible by devices_per_node={devices_per_node}:"
+            " nodes must be full; pick a world size that is a multiple of the devices per node."
+        )
     if device_memory is not None:
         _check_count("device_memory", device_memory, minimum=1)
     P, W = counts.total, world_size
@@ -144,44 +155,79 @@ def candidate_layouts(
     out: list[Layout] = []
 
     def dp_layout(name, kind, stage, shard, rep, note, offload=None):
-        mem = model_state_bytes(P, state=state, zero_stage=stage, shard_size=shard if stage >= 2 else shard * rep,
-                                offload=offload)
+        mem = model_state_bytes(
+            P, state=state, zero_stage=stage, shard_size=shard if stage >= 2 else shard * rep, offload=offload
+        )
         traffic = data_parallel_traffic(P, state=state, zero_stage=stage, shard_size=shard, replicate_size=rep)
-        out.append(Layout(name=name, kind=kind, mesh=_mesh(rep=rep, shard=shard), zero_stage=stage, memory=mem,
-                          traffic=tuple(traffic), offload=offload or OffloadTiers(), note=note))
+        out.append(
+            Layout(
+                name=name,
+                kind=kind,
+                mesh=_mesh(rep=rep, shard=shard),
+                zero_stage=stage,
+                memory=mem,
+                traffic=tuple(traffic),
+                offload=offload or OffloadTiers(),
+                note=note,
+            )
+        )
 
     dp_layout("ddp", "ddp", 0, 1, W, "replicate everything, all-reduce gradients")
     if W > 1:
         dp_layout("zero1", "zero1", 1, W, 1, "shard optimizer state over all ranks")
         dp_layout("zero2", "zero2", 2, W, 1, "shard optimizer state and gradients")
         for s in _divisors(W)[1:-1]:
-            dp_layout(f"hsdp-{s}", "hsdp", 3, s, W // s,
-                      f"shard over groups of {s}, replicate x{W // s}" + (" (one node)" if s == per_node else ""))
+            dp_layout(
+                f"hsdp-{s}",
+                "hsdp",
+                3,
+                s,
+                W // s,
+                f"shard over groups of {s}, replicate x{W // s}" + (" (one node)" if s == per_node else ""),
+            )
         dp_layout("fsdp", "fsdp", 3, W, 1, "shard everything over all ranks (ZeRO-3)")
 
     # tensor parallel x data parallel
     for t in (d for d in _divisors(W)[1:] if d <= per_node and per_node % d == 0):
         dp = W // t
-        local = tp_local_params(tp_sharded_params=counts.tp_sharded_params,
-                                replicated_params=P - counts.tp_sharded_params, tp=t)
+        local = tp_local_params(
+            tp_sharded_params=counts.tp_sharded_params, replicated_params=P - counts.tp_sharded_params, tp=t
+        )
         act = []
         if activation is not None and counts.layer_params:
-            act = tp_activation_traffic(batch=activation.batch, seq=activation.seq, hidden=activation.hidden,
-                                        blocks=len(counts.layer_params), tp=t,
-                                        bytes_per_element=activation.bytes_per_element)
+            act = tp_activation_traffic(
+                batch=activation.batch,
+                seq=activation.seq,
+                hidden=activation.hidden,
+                blocks=len(counts.layer_params),
+                tp=t,
+                bytes_per_element=activation.bytes_per_element,
+            )
         for stage, label in ((0, "ddp"), (3, "fsdp")):
             if stage == 3 and dp == 1:
                 continue
             mem = model_state_bytes(local, state=state, zero_stage=stage, shard_size=dp)
             traffic = [*act]
             if dp > 1:
-                traffic += data_parallel_traffic(local, state=state, zero_stage=stage,
-                                                 shard_size=dp if stage else 1, replicate_size=1 if stage else dp)
-            out.append(Layout(name=f"tp{t}-{label}{dp}" if dp > 1 else f"tp{t}", kind="tp",
-                              mesh=_mesh(shard=dp if stage else 1, rep=1 if stage else dp, tp=t), zero_stage=stage,
-                              memory=mem, traffic=tuple(traffic), activations_counted=bool(act),
-                              note=f"tensor parallel x{t} in a node, dp x{dp} "
-                                   + ("sharded" if stage else "replicated")))
+                traffic += data_parallel_traffic(
+                    local,
+                    state=state,
+                    zero_stage=stage,
+                    shard_size=dp if stage else 1,
+                    replicate_size=1 if stage else dp,
+                )
+            out.append(
+                Layout(
+                    name=f"tp{t}-{label}{dp}" if dp > 1 else f"tp{t}",
+                    kind="tp",
+                    mesh=_mesh(shard=dp if stage else 1, rep=1 if stage else dp, tp=t),
+                    zero_stage=stage,
+                    memory=mem,
+                    traffic=tuple(traffic),
+                    activations_counted=bool(act),
+                    note=f"tensor parallel x{t} in a node, dp x{dp} " + ("sharded" if stage else "replicated"),
+                )
+            )
 
     # pipeline x data parallel
     max_stages = len(counts.layer_params) if counts.layer_params else W
@@ -189,24 +235,57 @@ def candidate_layouts(
         dp, m = W // p, max(micro_batches, p)
         stages = counts.stage_params(p)
         mem = max(pipeline_bytes(stages, state=state), key=lambda b: b.total)
-        traffic = data_parallel_traffic(max(stages), state=state, zero_stage=0, shard_size=1, replicate_size=dp) \
-            if dp > 1 else []
+        traffic = (
+            data_parallel_traffic(max(stages), state=state, zero_stage=0, shard_size=1, replicate_size=dp)
+            if dp > 1
+            else []
+        )
         if activation is not None:
             a_bytes = activation.batch / m * activation.seq * activation.hidden * activation.bytes_per_element
             traffic += pipeline_p2p_traffic(activation_bytes=a_bytes, micro_batches=m, stages=p)
-        out.append(Layout(name=f"pp{p}-ddp{dp}" if dp > 1 else f"pp{p}", kind="pp", mesh=_mesh(pp=p, rep=dp),
-                          zero_stage=0, memory=mem, traffic=tuple(traffic), activations_counted=activation is not None,
-                          idle_fraction=pipeline_idle_fraction(stages=p, micro_batches=m, schedule=schedule),
-                          note=f"{p} pipeline stages ({schedule}, {m} micro-batches), dp x{dp} replicated"))
+        out.append(
+            Layout(
+                name=f"pp{p}-ddp{dp}" if dp > 1 else f"pp{p}",
+                kind="pp",
+                mesh=_mesh(pp=p, rep=dp),
+                zero_stage=0,
+                memory=mem,
+                traffic=tuple(traffic),
+                activations_counted=activation is not None,
+                idle_fraction=pipeline_idle_fraction(stages=p, micro_batches=m, schedule=schedule),
+                note=f"{p} pipeline stages ({schedule}, {m} micro-batches), dp x{dp} replicated",
+            )
+        )
 
     if W > 1:
-        dp_layout("zero-offload", "offload", 2, W, 1, "ZeRO-2, optimizer state and gradients on host",
-                  offload=OffloadTiers(grads="host", optimizer="host"))
-        dp_layout("fsdp-offload", "offload", 3, W, 1, "ZeRO-3, params, grads and optimizer state on host",
-                  offload=OffloadTiers(params="host", grads="host", optimizer="host"))
+        dp_layout(
+            "zero-offload",
+            "offload",
+            2,
+            W,
+            1,
+            "ZeRO-2, optimizer state and gradients on host",
+            offload=OffloadTiers(grads="host", optimizer="host"),
+        )
+        dp_layout(
+            "fsdp-offload",
+            "offload",
+            3,
+            W,
+            1,
+            "ZeRO-3, params, grads and optimizer state on host",
+            offload=OffloadTiers(params="host", grads="host", optimizer="host"),
+        )
     else:
-        dp_layout("offload", "offload", 0, 1, 1, "single device, optimizer state on host",
-                  offload=OffloadTiers(optimizer="host"))
+        dp_layout(
+            "offload",
+            "offload",
+            0,
+            1,
+            1,
+            "single device, optimizer state on host",
+            offload=OffloadTiers(optimizer="host"),
+        )
 
     if device_memory is not None:
         out = [replace(layout, fits=layout.memory.total <= device_memory) for layout in out]
@@ -233,7 +312,10 @@ AUTO_KINDS: tuple[str, ...] = ("ddp", "hsdp", "fsdp", "tp", "pp", "offload")
 
 
 def rank_layouts(
-    layouts: Sequence[Layout], *, global_batch: int | None = None, prefer: Sequence[str] | str = (),
+    layouts: Sequence[Layout],
+    *,
+    global_batch: int | None = None,
+    prefer: Sequence[str] | str = (),
 ) -> list[Layout]:
     """The runnable layouts that fit, best first: what ``strategy="auto_parallel"`` picks from.
 

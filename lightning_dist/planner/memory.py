@@ -33,8 +33,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from lightning_dist.measure import PLACES
-from lightning_dist.precision import PRECISION_DTYPES
 from lightning_dist.planner._checks import _check_count, _check_divides, _check_size, _check_zero_stage
+from lightning_dist.precision import PRECISION_DTYPES
 
 TIERS: tuple[str, ...] = PLACES  # where each part lives: one vocabulary with the offload plan and report
 
@@ -109,16 +109,20 @@ def state_bytes(
     if precision not in PRECISIONS:
         raise ValueError(f"Unknown precision {precision!r}; use one of {sorted(PRECISIONS)}.")
     if optimizer not in OPTIMIZER_SLOTS:
-        raise ValueError(f"Unknown optimizer {optimizer!r}; use one of {sorted(OPTIMIZER_SLOTS)},"
-                         " or pass optimizer_state_bytes for another optimizer.")
+        raise ValueError(
+            f"Unknown optimizer {optimizer!r}; use one of {sorted(OPTIMIZER_SLOTS)},"
+            " or pass optimizer_state_bytes for another optimizer."
+        )
     if optimizer_state_bytes is not None and optimizer_state_bytes < 0:
         raise ValueError(f"optimizer_state_bytes={optimizer_state_bytes!r} must be >= 0.")
     stored, compute = PRECISIONS[precision]
     slots = OPTIMIZER_SLOTS[optimizer]
     if master_weights:
         if compute >= 4:
-            raise ValueError(f"master_weights=True needs a 16-bit precision (bf16-mixed, 16-mixed, bf16-true,"
-                             f" 16-true); {precision!r} already trains in {compute * 8}-bit.")
+            raise ValueError(
+                f"master_weights=True needs a 16-bit precision (bf16-mixed, 16-mixed, bf16-true,"
+                f" 16-true); {precision!r} already trains in {compute * 8}-bit."
+            )
         # 16-bit working params/grads; the optimizer keeps fp32 master weights + fp32 states.
         param = grad = reduce = compute
         opt = 4 + 4 * slots
@@ -219,7 +223,12 @@ def zero_bytes(
 
 
 def hsdp_bytes(
-    num_params: float, *, shard_size: int, world_size: int, state: StateBytes, zero_stage: int = 3,
+    num_params: float,
+    *,
+    shard_size: int,
+    world_size: int,
+    state: StateBytes,
+    zero_stage: int = 3,
     offload: OffloadTiers | None = None,
 ) -> MemoryBreakdown:
     """Hybrid sharding: sharded over the ``shard_size`` ranks of a shard group, replicated across
@@ -239,8 +248,13 @@ def tp_local_params(*, tp_sharded_params: float, replicated_params: float, tp: i
 
 
 def tp_bytes(
-    *, tp_sharded_params: float, replicated_params: float, tp: int, state: StateBytes,
-    zero_stage: int = 0, dp_shard: int = 1,
+    *,
+    tp_sharded_params: float,
+    replicated_params: float,
+    tp: int,
+    state: StateBytes,
+    zero_stage: int = 0,
+    dp_shard: int = 1,
 ) -> MemoryBreakdown:
     """Tensor parallel over ``tp`` ranks, then ZeRO ``zero_stage`` over the ``dp_shard`` data-parallel ranks."""
     local = tp_local_params(tp_sharded_params=tp_sharded_params, replicated_params=replicated_params, tp=tp)
@@ -259,8 +273,9 @@ def split_stages(layer_params: Sequence[int], stages: int, *, pre_params: int = 
 
     _check_size("stages", stages)
     if len(layer_params) < stages:
-        raise ValueError(f"Cannot split {len(layer_params)} blocks into stages={stages}; use at most"
-                         f" {len(layer_params)} stages.")
+        raise ValueError(
+            f"Cannot split {len(layer_params)} blocks into stages={stages}; use at most {len(layer_params)} stages."
+        )
     for i, n in enumerate(layer_params):
         _check_count(f"layer_params[{i}]", n)
     _check_count("pre_params", pre_params)

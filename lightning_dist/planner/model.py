@@ -11,6 +11,7 @@ from lightning_dist.planner.memory import split_stages
 if TYPE_CHECKING:
     from torch import nn
 
+
 @dataclass(frozen=True, kw_only=True)
 class ParamCounts:
     """What the planner needs to know of a model (:func:`count_params` fills it from a module)."""

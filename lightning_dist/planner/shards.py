@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from lightning_dist.planner._checks import _check_count, _check_size, _check_zero_stage
 from lightning_dist.planner.memory import MemoryBreakdown, StateBytes
 
+
 def fsdp2_local_numel(shape: Sequence[int], world_size: int, rank: int, *, padded: bool = False) -> int:
     """Elements rank ``rank`` holds of a parameter of ``shape`` under FSDP2's dim-0 sharding.
 
@@ -67,8 +68,14 @@ def zero_redundancy_partition(numels: Sequence[int], world_size: int) -> list[in
 
 
 def fsdp2_state_bytes(
-    shapes: Iterable[Sequence[int]], *, shard_size: int, rank: int = 0, state: StateBytes,
-    zero_stage: int = 3, padded: bool = False, step_bytes: float = 0,
+    shapes: Iterable[Sequence[int]],
+    *,
+    shard_size: int,
+    rank: int = 0,
+    state: StateBytes,
+    zero_stage: int = 3,
+    padded: bool = False,
+    step_bytes: float = 0,
 ) -> MemoryBreakdown:
     """Live model-state bytes on ``rank`` of a shard group, as the pack's FSDP2 strategies hold them at rest.
 
@@ -89,8 +96,9 @@ def fsdp2_state_bytes(
     steps = len(shapes) * step_bytes
     if zero_stage >= 2:
         local = sum(fsdp2_local_numel(s, shard_size, rank, padded=padded) for s in shapes)
-        return MemoryBreakdown(params=local * state.param, grads=local * state.grad,
-                               optimizer=local * state.optimizer + steps)
+        return MemoryBreakdown(
+            params=local * state.param, grads=local * state.grad, optimizer=local * state.optimizer + steps
+        )
     opt = total
     if zero_stage == 1:
         _check_size("shard_size", shard_size)
@@ -100,5 +108,6 @@ def fsdp2_state_bytes(
         owners = zero_redundancy_owners(numels, shard_size)
         opt = sum(n for n, r in zip(numels, owners) if r == rank)
         steps = sum(1 for r in owners if r == rank) * step_bytes
-    return MemoryBreakdown(params=total * state.param, grads=total * state.grad,
-                           optimizer=opt * state.optimizer + steps)
+    return MemoryBreakdown(
+        params=total * state.param, grads=total * state.grad, optimizer=opt * state.optimizer + steps
+    )

@@ -45,10 +45,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from lightning_dist.mesh import DP, DP_REPLICATE, DP_SHARD, PP, TP
+from lightning_dist.parallelize.pipeline_schedule import SCHEDULES as _RUNTIME_SCHEDULES
 from lightning_dist.planner._checks import _check_count, _check_size, _check_zero_stage
 from lightning_dist.planner.memory import StateBytes
 from lightning_dist.planner.shards import fsdp2_local_numel
-from lightning_dist.parallelize.pipeline_schedule import SCHEDULES as _RUNTIME_SCHEDULES
 
 # The runtime's schedule table (name -> torch schedule class, default stages per rank, stage placement), so the
 # planner knows exactly the schedules PipelineStrategy(schedule=...) runs, spelled the same way.
@@ -106,7 +106,12 @@ def ring_all_gather_bytes(size_bytes: float, world_size: int) -> float:
 
 
 def data_parallel_traffic(
-    num_params: float, *, state: StateBytes, zero_stage: int, shard_size: int, replicate_size: int = 1,
+    num_params: float,
+    *,
+    state: StateBytes,
+    zero_stage: int,
+    shard_size: int,
+    replicate_size: int = 1,
     root_params: float = 0,
 ) -> list[Collective]:
     """Data-parallel collectives per step for ``num_params`` on this device (see the module docstring).
@@ -125,24 +130,48 @@ def data_parallel_traffic(
     if zero_stage <= 1:
         out = [Collective(op="all_reduce", dim=DP, group_size=dp, payload_bytes=grads, what="gradients")]
         if zero_stage == 1:  # ZeroRedundancyOptimizer: each rank broadcasts its updated partition
-            out.append(Collective(op="broadcast", dim=DP, group_size=dp, payload_bytes=num_params * state.param,
-                                  what="updated parameters"))
+            out.append(
+                Collective(
+                    op="broadcast",
+                    dim=DP,
+                    group_size=dp,
+                    payload_bytes=num_params * state.param,
+                    what="updated parameters",
+                )
+            )
         return out
     gathers = 2 * num_params - min(root_params, num_params) if zero_stage == 3 else num_params
     out = [
-        Collective(op="all_gather", dim=DP_SHARD, group_size=shard_size, payload_bytes=gathers * state.gather,
-                   what="parameters"),
+        Collective(
+            op="all_gather",
+            dim=DP_SHARD,
+            group_size=shard_size,
+            payload_bytes=gathers * state.gather,
+            what="parameters",
+        ),
         Collective(op="reduce_scatter", dim=DP_SHARD, group_size=shard_size, payload_bytes=grads, what="gradients"),
     ]
     if replicate_size > 1:
-        out.append(Collective(op="all_reduce", dim=DP_REPLICATE, group_size=replicate_size,
-                              payload_bytes=grads / shard_size, what="gradient shards"))
+        out.append(
+            Collective(
+                op="all_reduce",
+                dim=DP_REPLICATE,
+                group_size=replicate_size,
+                payload_bytes=grads / shard_size,
+                what="gradient shards",
+            )
+        )
     return out
 
 
 def fsdp2_traffic(
-    unit_shapes: Iterable[Sequence[int]], *, root_shapes: Iterable[Sequence[int]] = (), shard_size: int,
-    replicate_size: int = 1, state: StateBytes, zero_stage: int = 3,
+    unit_shapes: Iterable[Sequence[int]],
+    *,
+    root_shapes: Iterable[Sequence[int]] = (),
+    shard_size: int,
+    replicate_size: int = 1,
+    state: StateBytes,
+    zero_stage: int = 3,
 ) -> list[Collective]:
     """Exact FSDP2 collectives per step (one forward + backward), padding included.
 
@@ -165,20 +194,44 @@ def fsdp2_traffic(
     units, root = padded(unit_shapes), padded(root_shapes)
     gathered = (2 if zero_stage == 3 else 1) * units + root
     out = [
-        Collective(op="all_gather", dim=DP_SHARD, group_size=shard_size, payload_bytes=gathered * state.gather,
-                   what="parameters (padded shards)"),
-        Collective(op="reduce_scatter", dim=DP_SHARD, group_size=shard_size,
-                   payload_bytes=(units + root) * state.reduce, what="gradients (padded)"),
+        Collective(
+            op="all_gather",
+            dim=DP_SHARD,
+            group_size=shard_size,
+            payload_bytes=gathered * state.gather,
+            what="parameters (padded shards)",
+        ),
+        Collective(
+            op="reduce_scatter",
+            dim=DP_SHARD,
+            group_size=shard_size,
+            payload_bytes=(units + root) * state.reduce,
+            what="gradients (padded)",
+        ),
     ]
     if replicate_size > 1:
-        out.append(Collective(op="all_reduce", dim=DP_REPLICATE, group_size=replicate_size,
-                              payload_bytes=(units + root) / shard_size * state.reduce, what="gradient shards"))
+        out.append(
+            Collective(
+                op="all_reduce",
+                dim=DP_REPLICATE,
+                group_size=replicate_size,
+                payload_bytes=(units + root) / shard_size * state.reduce,
+                what="gradient shards",
+            )
+        )
     return out
 
 
 def tp_activation_traffic(
-    *, batch: int, seq: int, hidden: int, blocks: int, tp: int, bytes_per_element: float,
-    row_parallel_per_block: int = 2, sequence_parallel: bool = False,
+    *,
+    batch: int,
+    seq: int,
+    hidden: int,
+    blocks: int,
+    tp: int,
+    bytes_per_element: float,
+    row_parallel_per_block: int = 2,
+    sequence_parallel: bool = False,
     gathered: Sequence[tuple[float, float]] = (),
 ) -> list[Collective]:
     """Tensor-parallel activation collectives per step (Megatron-style blocks, see the module docstring).
@@ -190,8 +243,14 @@ def tp_activation_traffic(
     of each ``colwise_gather`` layer (an output head): its output all-gathered in the forward, its input
     gradient all-reduced in the backward.
     """
-    for name, value in (("batch", batch), ("seq", seq), ("hidden", hidden), ("blocks", blocks), ("tp", tp),
-                        ("row_parallel_per_block", row_parallel_per_block)):
+    for name, value in (
+        ("batch", batch),
+        ("seq", seq),
+        ("hidden", hidden),
+        ("blocks", blocks),
+        ("tp", tp),
+        ("row_parallel_per_block", row_parallel_per_block),
+    ):
         _check_size(name, value)
     _check_count("bytes_per_element", bytes_per_element)
     payload = 2 * row_parallel_per_block * blocks * batch * seq * hidden * bytes_per_element
@@ -217,8 +276,9 @@ def _check_schedule(schedule: str, virtual_stages: int) -> str:
         raise ValueError(f"Unknown pipeline schedule {schedule!r}; use one of {SCHEDULES}.")
     _check_size("virtual_stages", virtual_stages)
     if _RUNTIME_SCHEDULES[schedule][1] == 1 and virtual_stages != 1:  # a one-stage-per-rank schedule
-        raise ValueError(f"virtual_stages={virtual_stages} needs schedule='interleaved_1f1b' ({schedule!r} runs"
-                         " one stage per rank).")
+        raise ValueError(
+            f"virtual_stages={virtual_stages} needs schedule='interleaved_1f1b' ({schedule!r} runs one stage per rank)."
+        )
     return schedule
 
 
@@ -251,5 +311,8 @@ def pipeline_p2p_traffic(
     if stages == 1:
         return []
     payload = 2 * micro_batches * virtual_stages * activation_bytes
-    return [Collective(op="send_recv", dim=PP, group_size=stages, payload_bytes=payload,
-                       what="activations + their gradients")]
+    return [
+        Collective(
+            op="send_recv", dim=PP, group_size=stages, payload_bytes=payload, what="activations + their gradients"
+        )
+    ]

@@ -50,7 +50,9 @@ class ShardedCheckpointMixin(ParallelStrategy):
         return ckpt.optimizer_state(self.model, optimizer, full=not self._save_distributed_checkpoint)
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
+    ) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options (no CheckpointIO).")
         path = self.broadcast(filepath)  # rank 0 decides the path
@@ -59,8 +61,9 @@ class ShardedCheckpointMixin(ParallelStrategy):
     def checkpoint_writer(self) -> Optional[BackgroundWriter]:
         """The background writer of ``async_checkpoint=True`` (None: saves block until written)."""
         if self._async_checkpoint and self._writer is None:
-            self._writer = BackgroundWriter(timeout=getattr(self, "_timeout", None),
-                                            pinned=self.root_device.type == "cuda")
+            self._writer = BackgroundWriter(
+                timeout=getattr(self, "_timeout", None), pinned=self.root_device.type == "cuda"
+            )
         return self._writer if self._async_checkpoint else None
 
     def wait_for_checkpoint(self) -> None:

@@ -37,8 +37,9 @@ class OffloadReportMixin:
             _print_table(off.render_report(rows, title=f"Offload report, {title} ({describe_plan(self.plan)})"))
             wrong = [f"rank {row['rank']}: {line}" for row in rows for line in row["mismatches"]]
             if wrong:
-                rank_zero_warn(f"Offload report ({title}): states not where the plan puts them:\n  - "
-                               + "\n  - ".join(wrong))
+                rank_zero_warn(
+                    f"Offload report ({title}): states not where the plan puts them:\n  - " + "\n  - ".join(wrong)
+                )
         return rows
 
 

@@ -28,10 +28,13 @@ class PipelineCheckpointMixin(MeshStrategy):
         assert self.model is not None
         self.wait_for_checkpoint()  # it may be the one being written
         fitting = self.lightning_module.trainer.state.fn == "fit"
-        return ckpt.load_stage(self.broadcast(checkpoint_path), model=self.model,
-                               optimizers=self.optimizers if fitting else (),
-                               weights_only=True if weights_only is None else weights_only,
-                               aliases=tied_aliases(self._tied_keys))
+        return ckpt.load_stage(
+            self.broadcast(checkpoint_path),
+            model=self.model,
+            optimizers=self.optimizers if fitting else (),
+            weights_only=True if weights_only is None else weights_only,
+            aliases=tied_aliases(self._tied_keys),
+        )
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:

@@ -24,12 +24,18 @@ from typing_extensions import override
 
 from lightning_dist.mesh import PP
 from lightning_dist.parallelize.pipeline_hf import hf_labels_loss, labelled_tokens
-from lightning_dist.parallelize.pipeline_output import (PipelineOutput, check_target, loss_leaf, output_term_problem,
-                                                     returned_loss_problem)
+from lightning_dist.parallelize.pipeline_output import (
+    PipelineOutput,
+    check_target,
+    loss_leaf,
+    output_term_problem,
+    returned_loss_problem,
+)
 from lightning_dist.parallelize.pipeline_schedule import returned_loss_gradients
 from lightning_dist.parallelize.pipeline_setup import first_batch_problem
 from lightning_dist.parallelize.pipeline_tied import sum_tied_gradients
 from lightning_dist.strategies.base import MeshStrategy
+
 
 class _Served(NamedTuple):
     """One network call, for ``pipeline_loss`` and ``backward``: what the step saw, the last stage's output
@@ -64,15 +70,19 @@ class PipelineStepMixin(MeshStrategy):
             return args[0], {}, None
         kwargs = dict(kwargs)
         if len(args) > 1 or (args and "input_ids" in kwargs):
-            raise TypeError("A pipelined HuggingFace model takes `input_ids` (positionally or by name) and keyword inputs.")
+            raise TypeError(
+                "A pipelined HuggingFace model takes `input_ids` (positionally or by name) and keyword inputs."
+            )
         x = args[0] if args else kwargs.pop("input_ids", None)
         labels = kwargs.pop("labels", None)
         for key in ("use_cache", "return_dict"):  # the stages never cache; the call returns a ModelOutput anyway
             kwargs.pop(key, None)
         unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in _HF_STAGE_INPUTS)
         if not isinstance(x, Tensor) or unknown:
-            raise TypeError(f"A pipelined HuggingFace model takes `input_ids` (a tensor) and the keyword inputs"
-                            f" {sorted(_HF_STAGE_INPUTS)} and `labels`; got {type(x).__name__} and {unknown or 'no others'}.")
+            raise TypeError(
+                f"A pipelined HuggingFace model takes `input_ids` (a tensor) and the keyword inputs"
+                f" {sorted(_HF_STAGE_INPUTS)} and `labels`; got {type(x).__name__} and {unknown or 'no others'}."
+            )
         return x, {k: v for k, v in kwargs.items() if v is not None}, labels
 
     def _run(self, *args: Any, **kwargs: Any) -> Any:
@@ -83,8 +93,10 @@ class PipelineStepMixin(MeshStrategy):
         m, batch = self.n_microbatches, x.shape[0]
         if batch % m:
             if train:
-                raise ValueError(f"The batch of {batch} samples does not divide into n_microbatches={m} micro-batches;"
-                                 f" use a batch size (per data-parallel rank) that is a multiple of {m}.")
+                raise ValueError(
+                    f"The batch of {batch} samples does not divide into n_microbatches={m} micro-batches;"
+                    f" use a batch size (per data-parallel rank) that is a multiple of {m}."
+                )
             m = max(d for d in range(1, m + 1) if batch % d == 0)  # forward-only programs take any count
         assert self._runner is not None
         if self._unsplit is not None:  # once: the staged forward against the unsplit copy (one verdict for all)
@@ -101,8 +113,9 @@ class PipelineStepMixin(MeshStrategy):
             for p in params:
                 p.grad = None
         events: Optional[list] = [] if self.record_timeline and train else None
-        out, loss, record = self._runner.step(x, n_microbatches=m, loss_fn=loss_fn, target=target, timeline=events,
-                                              kwargs=extra)
+        out, loss, record = self._runner.step(
+            x, n_microbatches=m, loss_fn=loss_fn, target=target, timeline=events, kwargs=extra
+        )
         if train:
             sum_tied_gradients(self._tied)
             self._target = None
@@ -112,8 +125,14 @@ class PipelineStepMixin(MeshStrategy):
             self.last_loss = loss
             loss = loss_leaf(loss)  # `backward` reads through it how the returned loss used it
             if events is not None:
-                self.timelines.append({**record, "rank": self.mesh.local_rank(PP) if self.mesh.size(PP) > 1 else 0,
-                                       "events": events, "n_microbatches": m})
+                self.timelines.append(
+                    {
+                        **record,
+                        "rank": self.mesh.local_rank(PP) if self.mesh.size(PP) > 1 else 0,
+                        "events": events,
+                        "n_microbatches": m,
+                    }
+                )
         shown = self._shown_output(out, train, key=("out", train, tuple(x.shape), m))
         if not train and labels is not None:  # HF's eval loss: computed on the last stage, a scalar to every rank
             loss = self._runner.from_last_stage(None if out is None else hf_labels_loss(out, labels), ("loss", "eval"))
@@ -138,14 +157,18 @@ class PipelineStepMixin(MeshStrategy):
         shape, dtype = self._runner.output_meta(out, key)
         self._calls += 1
         where = "training_step" if train else "an evaluation step (validation_step / test_step)"
-        return PipelineOutput(shape, dtype, self.root_device, owner=type(module).__name__, where=where, step=self._calls)
+        return PipelineOutput(
+            shape, dtype, self.root_device, owner=type(module).__name__, where=where, step=self._calls
+        )
 
     def _serve_loss(self, output: Any, target: Any, original: Any) -> Optional[Tensor]:
         """``pipeline_loss(out, target)`` on the network call's output: the batch loss (None: not that output)."""
         served, owner = self._served, type(self.lightning_module).__name__
         if isinstance(output, PipelineOutput) and (served is None or output is not served.out):
-            raise RuntimeError(f"{owner}.pipeline_loss got the output of an earlier call of the pipelined network:"
-                               " call the network and its loss in the same step.")
+            raise RuntimeError(
+                f"{owner}.pipeline_loss got the output of an earlier call of the pipelined network:"
+                " call the network and its loss in the same step."
+            )
         if served is None or output is not served.out:
             return None
         if served.train:
@@ -166,8 +189,10 @@ class PipelineStepMixin(MeshStrategy):
             share = labelled_tokens(labels).clamp_min(1) / m
             return labels, lambda out, tgt: hf_labels_loss(out, tgt, num_items=share)
         if not callable(getattr(module, "pipeline_loss", None)):
-            raise ValueError(f"{type(module).__name__} has no `pipeline_loss(output, target)` method and the network"
-                             " call got no `labels`: the pipeline schedule needs a loss for each micro-batch.")
+            raise ValueError(
+                f"{type(module).__name__} has no `pipeline_loss(output, target)` method and the network"
+                " call got no `labels`: the pipeline schedule needs a loss for each micro-batch."
+            )
         loss = module.pipeline_loss
         return self._pipeline_target(self._batch), getattr(loss, "__wrapped__", loss)  # the user's own, not the server
 
@@ -178,8 +203,10 @@ class PipelineStepMixin(MeshStrategy):
             return hook(batch)
         if isinstance(batch, (tuple, list)) and len(batch) >= 2:
             return batch[1]
-        raise TypeError(f"Cannot find the target in a batch of type {type(batch).__name__}: batches must be"
-                        f" (inputs, target, ...), or define `{type(module).__name__}.pipeline_target(batch)`.")
+        raise TypeError(
+            f"Cannot find the target in a batch of type {type(batch).__name__}: batches must be"
+            f" (inputs, target, ...), or define `{type(module).__name__}.pipeline_target(batch)`."
+        )
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -193,15 +220,19 @@ class PipelineStepMixin(MeshStrategy):
             raise
         if self._target is not None:
             self._target = None
-            raise RuntimeError(f"training_step did not call self.{self.network}(inputs): under PipelineStrategy"
-                               " the network call runs the pipeline's forward and backward.")
+            raise RuntimeError(
+                f"training_step did not call self.{self.network}(inputs): under PipelineStrategy"
+                " the network call runs the pipeline's forward and backward."
+            )
         return out
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Any], *args: Any, **kwargs: Any) -> Tensor:
         if self._stash is None:
-            raise RuntimeError("PipelineStrategy.backward was called without a pipeline step: under this strategy the"
-                               f" network call self.{self.network}(inputs) in training_step runs forward and backward.")
+            raise RuntimeError(
+                "PipelineStrategy.backward was called without a pipeline step: under this strategy the"
+                f" network call self.{self.network}(inputs) in training_step runs forward and backward."
+            )
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
         # Lightning divides the loss by accumulate_grad_batches before backward; scale the schedule's grads alike
@@ -234,7 +265,9 @@ class PipelineStepMixin(MeshStrategy):
             return []
         owner = type(self.lightning_module).__name__
         params = [p for p in self.model.parameters() if p.requires_grad]
-        direct = isinstance(served.out, Tensor) and not isinstance(served.out, PipelineOutput) and served.out.requires_grad
+        direct = (
+            isinstance(served.out, Tensor) and not isinstance(served.out, PipelineOutput) and served.out.requires_grad
+        )
         if not isinstance(loss, Tensor) or not loss.requires_grad:
             raise ValueError(returned_loss_problem(None, scale, owner))
         inputs = [served.loss, *([served.out] if direct else []), *params]
@@ -249,12 +282,20 @@ class PipelineStepMixin(MeshStrategy):
             raise ValueError(problem)
         return [(p, g) for p, g in zip(params, grads) if g is not None]
 
-    def _direct_output_gradients(self, loss: Tensor, served: "_Served", scale: float,
-                                 params: list[Tensor]) -> list[tuple[Tensor, Tensor]]:
+    def _direct_output_gradients(
+        self, loss: Tensor, served: "_Served", scale: float, params: list[Tensor]
+    ) -> list[tuple[Tensor, Tensor]]:
         """``broadcast_output=True`` and a loss computed from the output itself: its gradient on the output must be
         the schedule's (one more loss pass over the output, on every rank; one flag all-reduced)."""
-        differs, extra = returned_loss_gradients(loss, served.out, served.target, n_microbatches=served.m, scale=scale,
-                                                 pipeline_loss=served.loss_fn, params=params)
+        differs, extra = returned_loss_gradients(
+            loss,
+            served.out,
+            served.target,
+            n_microbatches=served.m,
+            scale=scale,
+            pipeline_loss=served.loss_fn,
+            params=params,
+        )
         mismatch = torch.tensor(float(differs), device=self.root_device)
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(mismatch, op=torch.distributed.ReduceOp.MAX)

@@ -40,12 +40,16 @@ def as_timeout(value: Any, owner: str) -> Optional[timedelta]:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float, timedelta)):
-        raise TypeError(f"{owner}(timeout={value!r}): the collective timeout must be seconds as a number or a"
-                        f" datetime.timedelta, not {type(value).__name__}. E.g. timeout=1800 or timedelta(minutes=30).")
+        raise TypeError(
+            f"{owner}(timeout={value!r}): the collective timeout must be seconds as a number or a"
+            f" datetime.timedelta, not {type(value).__name__}. E.g. timeout=1800 or timedelta(minutes=30)."
+        )
     seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
     if not 0 < seconds < float("inf"):
-        raise ValueError(f"{owner}(timeout={value!r}): the collective timeout must be a positive, finite number of"
-                         " seconds (e.g. timeout=1800), or None for torch's default.")
+        raise ValueError(
+            f"{owner}(timeout={value!r}): the collective timeout must be a positive, finite number of"
+            " seconds (e.g. timeout=1800), or None for torch's default."
+        )
     return value if isinstance(value, timedelta) else timedelta(seconds=seconds)
 
 
@@ -97,8 +101,13 @@ class ProcessesMixin(ParallelStrategy):
         device_id = self.root_device if self.root_device.type != "cpu" else None
         # loopback-only store on one machine; per-attempt keys under torchrun restarts (None: env://)
         store = job_store(self.cluster_environment, timeout=self._timeout or default_pg_timeout)
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout,
-                              device_id=device_id, store=store)
+        _init_dist_connection(
+            self.cluster_environment,
+            self._process_group_backend,
+            timeout=self._timeout,
+            device_id=device_id,
+            store=store,
+        )
         destroy_process_groups_at_exit()  # a gloo worker thread would otherwise abort the exit of a healthy job
 
     @override
@@ -127,7 +136,7 @@ class ProcessesMixin(ParallelStrategy):
     @override
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
         # with empty_init the model is built on the meta device and materialized after parallelizing
-        with (torch.device("meta") if empty_init else nullcontext()), self.precision_plugin.tensor_init_context():
+        with torch.device("meta") if empty_init else nullcontext(), self.precision_plugin.tensor_init_context():
             yield
 
     @override
@@ -140,4 +149,3 @@ class ProcessesMixin(ParallelStrategy):
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
-

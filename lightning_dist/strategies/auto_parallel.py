@@ -26,9 +26,22 @@ from lightning_dist.precision import precision_flag
 from lightning_dist.strategies.base import MeshStrategy
 
 # what Lightning's connector and launcher set on a strategy: kept when the strategy becomes its choice
-_LIGHTNING_STATE = ("_accelerator", "_checkpoint_io", "_forward_redirection", "_launcher", "_layer_sync",
-                    "_lightning_module", "_lightning_optimizers", "_model", "_optimizers", "_parallel_devices",
-                    "_precision_plugin", "cluster_environment", "lr_scheduler_configs", "num_nodes")
+_LIGHTNING_STATE = (
+    "_accelerator",
+    "_checkpoint_io",
+    "_forward_redirection",
+    "_launcher",
+    "_layer_sync",
+    "_lightning_module",
+    "_lightning_optimizers",
+    "_model",
+    "_optimizers",
+    "_parallel_devices",
+    "_precision_plugin",
+    "cluster_environment",
+    "lr_scheduler_configs",
+    "num_nodes",
+)
 
 
 def strategy_for(layout: planner.Layout) -> tuple[type, dict[str, Any]]:
@@ -49,7 +62,10 @@ def strategy_for(layout: planner.Layout) -> tuple[type, dict[str, Any]]:
     if layout.kind == "offload":  # FSDP2OffloadStrategy's policy; its report mixin cannot be swapped into
         from lightning_dist._compat import CUDA_AVAILABLE, fully_shard_api
 
-        return HybridShardStrategy, {"shard_size": "full", "offload_policy": fully_shard_api()[2](pin_memory=CUDA_AVAILABLE)}
+        return HybridShardStrategy, {
+            "shard_size": "full",
+            "offload_policy": fully_shard_api()[2](pin_memory=CUDA_AVAILABLE),
+        }
     raise ValueError(f"auto_parallel does not run layouts of kind {layout.kind!r}; kinds: {planner.AUTO_KINDS}.")
 
 
@@ -93,8 +109,9 @@ class AutoParallelStrategy(MeshStrategy):
         offload_activations: bool = False,
         **kwargs: Any,
     ) -> None:
-        problems = ac_problems(activation_checkpointing, selective_ops=selective_ac_ops,
-                               offload_activations=offload_activations)
+        problems = ac_problems(
+            activation_checkpointing, selective_ops=selective_ac_ops, offload_activations=offload_activations
+        )
         memory: Optional[int] = None
         if device_memory is not None:
             try:
@@ -107,8 +124,9 @@ class AutoParallelStrategy(MeshStrategy):
             problems.append(f"`prefer={list(prefer)!r}`: {bad} are not layout kinds; use some of {planner.AUTO_KINDS}.")
         if not isinstance(verify, bool):
             problems.append(f"`verify={verify!r}` must be True or False.")
-        if global_batch is not None and (isinstance(global_batch, bool) or not isinstance(global_batch, int)
-                                         or global_batch < 1):
+        if global_batch is not None and (
+            isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1
+        ):
             problems.append(f"`global_batch={global_batch!r}` must be an integer >= 1.")
         if optimizer not in planner.OPTIMIZER_SLOTS:
             problems.append(f"`optimizer={optimizer!r}` must be one of {sorted(planner.OPTIMIZER_SLOTS)}.")
@@ -120,8 +138,11 @@ class AutoParallelStrategy(MeshStrategy):
         self.options = {k: dict(v) for k, v in (options or {}).items()}
         self._common = dict(kwargs)
         self.activation_checkpointing, self.offload_activations = activation_checkpointing, offload_activations
-        self._common.update(activation_checkpointing=activation_checkpointing, selective_ac_ops=selective_ac_ops,
-                            offload_activations=offload_activations)
+        self._common.update(
+            activation_checkpointing=activation_checkpointing,
+            selective_ac_ops=selective_ac_ops,
+            offload_activations=offload_activations,
+        )
         self.choice: Optional[planner.Layout] = None
         """The chosen layout (set in ``setup_environment``)."""
 
@@ -129,12 +150,15 @@ class AutoParallelStrategy(MeshStrategy):
     def candidates(self) -> list[planner.Layout]:
         """The planner's fitting, runnable layouts for the attached model, best first (pure arithmetic)."""
         assert self.lightning_module is not None
-        state = planner.state_bytes(precision=precision_flag(self.precision_plugin),
-                                    optimizer=self.optimizer)
+        state = planner.state_bytes(precision=precision_flag(self.precision_plugin), optimizer=self.optimizer)
         world = self.num_nodes * self.num_processes
-        layouts = planner.candidate_layouts(planner.count_params(self.lightning_module), world_size=world,
-                                            devices_per_node=self.num_processes, state=state,
-                                            device_memory=self.device_memory)
+        layouts = planner.candidate_layouts(
+            planner.count_params(self.lightning_module),
+            world_size=world,
+            devices_per_node=self.num_processes,
+            state=state,
+            device_memory=self.device_memory,
+        )
         return planner.rank_layouts(layouts, global_batch=self.global_batch, prefer=self.prefer)
 
     def _verified(self, ranked: list[planner.Layout], *, max_runs: int = 4) -> list[planner.Layout]:
@@ -155,17 +179,26 @@ class AutoParallelStrategy(MeshStrategy):
                 continue
             strategy_cls, kwargs = strategy_for(layout)
             runs += 1
-            report = dry_run(DryRunConfig(
-                # hparams without LightningCLI's private entries (`_instantiator`, `_class_path`)
-                model=f"{cls.__module__}.{cls.__qualname__}",
-                init_args={k: v for k, v in module.hparams.items() if not k.startswith("_")},
-                # activations as the run will keep them (offload_activations needs CUDA, which the dry run is not)
-                strategy=f"{strategy_cls.__module__}.{strategy_cls.__qualname__}",
-                strategy_args={**kwargs, "activation_checkpointing": self._common["activation_checkpointing"],
-                               "selective_ac_ops": self._common["selective_ac_ops"]},
-                world_size=self.num_nodes * self.num_processes, devices_per_node=self.num_processes,
-                precision=str(self.precision_plugin.precision), batch_size=self.batch_size, seq_len=self.seq_len,
-                device_memory=self.device_memory))
+            report = dry_run(
+                DryRunConfig(
+                    # hparams without LightningCLI's private entries (`_instantiator`, `_class_path`)
+                    model=f"{cls.__module__}.{cls.__qualname__}",
+                    init_args={k: v for k, v in module.hparams.items() if not k.startswith("_")},
+                    # activations as the run will keep them (offload_activations needs CUDA, which the dry run is not)
+                    strategy=f"{strategy_cls.__module__}.{strategy_cls.__qualname__}",
+                    strategy_args={
+                        **kwargs,
+                        "activation_checkpointing": self._common["activation_checkpointing"],
+                        "selective_ac_ops": self._common["selective_ac_ops"],
+                    },
+                    world_size=self.num_nodes * self.num_processes,
+                    devices_per_node=self.num_processes,
+                    precision=str(self.precision_plugin.precision),
+                    batch_size=self.batch_size,
+                    seq_len=self.seq_len,
+                    device_memory=self.device_memory,
+                )
+            )
             if all(report.fits(r) for r in report.ranks):
                 kept.append(layout)
                 found = True
@@ -178,8 +211,10 @@ class AutoParallelStrategy(MeshStrategy):
         # the world process group first (to agree on one choice), then become the chosen strategy
         if self.device_memory is None:
             if self.root_device.type != "cuda":
-                raise ValueError("auto_parallel needs device_memory=... (e.g. '80GB') on a non-CUDA device: it picks"
-                                 " the least parallelism that fits that memory.")
+                raise ValueError(
+                    "auto_parallel needs device_memory=... (e.g. '80GB') on a non-CUDA device: it picks"
+                    " the least parallelism that fits that memory."
+                )
             import torch
 
             self.device_memory = torch.cuda.get_device_properties(self.root_device).total_memory
@@ -200,10 +235,12 @@ class AutoParallelStrategy(MeshStrategy):
         type(self).setup_environment(self)
 
     def _nothing_fits(self) -> str:
-        return (f"auto_parallel: no layout fits device_memory={self.device_memory or 0:,} bytes"
-                f"{f' with global_batch={self.global_batch}' if self.global_batch else ''} on"
-                f" {self.num_nodes * self.num_processes} devices, not even with everything offloaded to host memory."
-                " Use more devices, a smaller model, or `lightning-dist plan` to see what each layout needs.")
+        return (
+            f"auto_parallel: no layout fits device_memory={self.device_memory or 0:,} bytes"
+            f"{f' with global_batch={self.global_batch}' if self.global_batch else ''} on"
+            f" {self.num_nodes * self.num_processes} devices, not even with everything offloaded to host memory."
+            " Use more devices, a smaller model, or `lightning-dist plan` to see what each layout needs."
+        )
 
     def _become(self, cls: type, kwargs: dict[str, Any]) -> None:
         """Turn this object into ``cls(**kwargs)``, keeping what Lightning set (devices, precision, model...)."""
@@ -228,14 +265,28 @@ def format_choice(ranked: Sequence[planner.Layout], *, device_memory: float) -> 
     from lightning_dist.dryrun import format_bytes
 
     table = Table(title=f"auto_parallel: least parallelism that fits {format_bytes(device_memory)} per device")
-    for col in ("", "layout", "strategy", "mesh pp x dp_rep x dp_shard x tp", "device bytes", "host bytes",
-                "traffic/step"):
+    for col in (
+        "",
+        "layout",
+        "strategy",
+        "mesh pp x dp_rep x dp_shard x tp",
+        "device bytes",
+        "host bytes",
+        "traffic/step",
+    ):
         table.add_column(col, justify="left" if col in ("", "layout", "strategy") else "right", no_wrap=True)
     for label, layout in zip(("choice", "runner-up"), ranked):
         cls, _ = strategy_for(layout)
         m = layout.memory
-        table.add_row(label, layout.name, cls.__name__, " x ".join(str(v) for v in layout.mesh.values()),
-                      format_bytes(m.total), format_bytes(m.host + m.nvme), format_bytes(layout.wire_bytes))
+        table.add_row(
+            label,
+            layout.name,
+            cls.__name__,
+            " x ".join(str(v) for v in layout.mesh.values()),
+            format_bytes(m.total),
+            format_bytes(m.host + m.nvme),
+            format_bytes(layout.wire_bytes),
+        )
     buf = io.StringIO()
     Console(file=buf, width=130, force_terminal=False).print(table)
     return buf.getvalue()

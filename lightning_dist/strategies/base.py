@@ -21,7 +21,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
 
-import torch
+import lightning.pytorch as pl
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies import ParallelStrategy
@@ -30,7 +30,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
-import lightning.pytorch as pl
 from lightning_dist._integrations.lightning import (
     _optimizers_to_device,
     _set_sampler_epoch,
@@ -105,8 +104,10 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
         problems = _check_size("pp", pp, False) + _check_size("tp", tp, False)
         problems += _check_size("dp_replicate", dp_replicate, True) + _check_size("dp_shard", dp_shard, True)
         if async_checkpoint and not save_distributed_checkpoint:
-            problems.append("`async_checkpoint=True` writes sharded checkpoints in the background; it needs"
-                            " `save_distributed_checkpoint=True` (a consolidated file is gathered on rank 0 first).")
+            problems.append(
+                "`async_checkpoint=True` writes sharded checkpoints in the background; it needs"
+                " `save_distributed_checkpoint=True` (a consolidated file is gathered on rank 0 first)."
+            )
         if parallelize_fn is not None and not callable(parallelize_fn):
             problems.append(f"`parallelize_fn={parallelize_fn!r}` must be callable as fn(model, mesh).")
         if problems:
@@ -206,8 +207,9 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
 
         # iterable data that ends on some dp ranks only: refuse on every rank before the step's collectives
         assert self.lightning_module is not None
-        check_data_runs_out_together(self.lightning_module.trainer, batch_idx, group=self.mesh.dp_group,
-                                     dp_size=self.mesh.dp_size)
+        check_data_runs_out_together(
+            self.lightning_module.trainer, batch_idx, group=self.mesh.dp_group, dp_size=self.mesh.dp_size
+        )
 
     # ---- model set-up --------------------------------------------------------------------------
     def parallelize(self, module: pl.LightningModule) -> None:
@@ -247,8 +249,10 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
         if seed is not None and _has_meta(self.model):
             missing = materialize_in_sync(self.model, self.root_device, seed=seed)
             if missing:
-                rank_zero_warn(f"Parameter initialization incomplete: modules {sorted(set(missing))} have parameters or"
-                               " buffers left uninitialized because they do not define `reset_parameters()`.")
+                rank_zero_warn(
+                    f"Parameter initialization incomplete: modules {sorted(set(missing))} have parameters or"
+                    " buffers left uninitialized because they do not define `reset_parameters()`."
+                )
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -275,13 +279,16 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
         """``Trainer(sync_batchnorm=True)``: BatchNorm pooled over the dp ranks; else warn if it trains unsynced."""
         from lightning_dist.callbacks.sync_batchnorm import sync_or_warn_batchnorm
 
-        self.model = sync_or_warn_batchnorm(self.model, sync=self._layer_sync is not None,
-                                            group=self.mesh.dp_group, dp_size=self.mesh.dp_size)
+        self.model = sync_or_warn_batchnorm(
+            self.model, sync=self._layer_sync is not None, group=self.mesh.dp_group, dp_size=self.mesh.dp_size
+        )
 
     # ---- gradient clipping (Trainer(gradient_clip_val=...), LightningModule.clip_gradients) -----------
     def optimizer_gradients(self, optimizer: Any) -> tuple[list[Tensor], list[Tensor]]:
         """(the gradients of ``optimizer``'s parameters this rank holds, those of them counted in the norm)."""
-        grads = list({id(p): p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None}.values())
+        grads = list(
+            {id(p): p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None}.values()
+        )
         return grads, grads
 
     def grad_norm_group(self) -> Optional[Any]:

@@ -6,11 +6,11 @@ import inspect
 from collections.abc import Sequence
 from typing import Any, Literal, Optional, Union
 
+import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-import lightning.pytorch as pl
 from lightning_dist._compat import CUDA_AVAILABLE, fully_shard_api
 from lightning_dist.mesh import MeshSpec
 from lightning_dist.parallelize import ParallelizeConfig, parallelize_model
@@ -18,6 +18,7 @@ from lightning_dist.parallelize.ac import ACOption, ac_problems, check_offload_d
 from lightning_dist.parallelize.compile import check_compile_option
 from lightning_dist.precision import precision_dtypes
 from lightning_dist.strategies.base import MeshStrategy
+
 
 class HybridShardStrategy(MeshStrategy):
     """Hybrid sharded data parallelism with FSDP2 (``Trainer(strategy="hsdp")``; ``"fsdp2"`` = full sharding).
@@ -62,21 +63,28 @@ class HybridShardStrategy(MeshStrategy):
         **kwargs: Any,
     ) -> None:
         problems = check_compile_option(compile)
-        problems += ac_problems(activation_checkpointing, selective_ops=selective_ac_ops,
-                                offload_activations=offload_activations)
+        problems += ac_problems(
+            activation_checkpointing, selective_ops=selective_ac_ops, offload_activations=offload_activations
+        )
         if compile is not False and kwargs.get("parallelize_fn") is not None:
-            problems.append("`compile` is applied by the built-in plan, which `parallelize_fn` replaces: call"
-                            " `lightning_dist.parallelize.apply_compile(module)` inside your parallelize_fn"
-                            " (after activation checkpointing, before fully_shard) instead.")
+            problems.append(
+                "`compile` is applied by the built-in plan, which `parallelize_fn` replaces: call"
+                " `lightning_dist.parallelize.apply_compile(module)` inside your parallelize_fn"
+                " (after activation checkpointing, before fully_shard) instead."
+            )
         if zero_stage not in (1, 2, 3):
             problems.append(f"`zero_stage={zero_stage!r}` must be 1, 2 or 3.")
         elif zero_stage == 1 and offload_policy is not None:
-            problems.append("`offload_policy` offloads FSDP2-sharded parameters; zero_stage=1 replicates them"
-                            " (nothing would be offloaded): pass zero_stage=2 or 3.")
+            problems.append(
+                "`offload_policy` offloads FSDP2-sharded parameters; zero_stage=1 replicates them"
+                " (nothing would be offloaded): pass zero_stage=2 or 3."
+            )
         if shard_size == "full":
             kwargs.setdefault("dp_replicate", 1)
             shard = "auto"
-        elif shard_size == "auto" or (isinstance(shard_size, int) and not isinstance(shard_size, bool) and shard_size >= 1):
+        elif shard_size == "auto" or (
+            isinstance(shard_size, int) and not isinstance(shard_size, bool) and shard_size >= 1
+        ):
             shard = shard_size
         else:
             problems.append(f'`shard_size={shard_size!r}` must be an integer >= 1, "auto" or "full".')
@@ -102,8 +110,10 @@ class HybridShardStrategy(MeshStrategy):
             check_offload_device(True, self.root_device)
         if getattr(self.offload_policy, "pin_memory", False) and not CUDA_AVAILABLE:
             # FSDP2 would fail deep inside fully_shard ("Cannot access accelerator device")
-            raise ValueError("offload_policy=CPUOffloadPolicy(pin_memory=True) needs a CUDA device (pinning host"
-                             " memory needs an accelerator): pass CPUOffloadPolicy(pin_memory=False) on CPU.")
+            raise ValueError(
+                "offload_policy=CPUOffloadPolicy(pin_memory=True) needs a CUDA device (pinning host"
+                " memory needs an accelerator): pass CPUOffloadPolicy(pin_memory=False) on CPU."
+            )
         if self.zero_stage == 1 and spec.size("dp_shard") > 1 and spec.size("dp_replicate") > 1:
             rank_zero_warn(
                 "zero_stage=1 replicates parameters over all data-parallel ranks; the dp_replicate x dp_shard"

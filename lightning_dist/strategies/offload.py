@@ -26,6 +26,7 @@ from collections.abc import Generator
 from contextlib import contextmanager
 from typing import Any, Literal, Optional
 
+import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.seed import reset_seed
@@ -35,24 +36,25 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
-import lightning.pytorch as pl
 from lightning_dist._compat import CUDA_AVAILABLE
 from lightning_dist._integrations import deepspeed as ds_patches
 from lightning_dist._integrations import lightning as lightning_patches
 from lightning_dist._integrations.torch_distributed import destroy_process_groups_at_exit
-from lightning_dist.measure import bytes_by_place, cuda_memory
-from lightning_dist.launcher import JobLauncher, die_with_launcher, record_rank_error
-from lightning_dist.parallelize import offload as off
 from lightning_dist.atomic import swap_in
+from lightning_dist.launcher import JobLauncher, die_with_launcher, record_rank_error
+from lightning_dist.measure import bytes_by_place, cuda_memory
+from lightning_dist.parallelize import offload as off
 from lightning_dist.strategies._offload_nvme import NvmeSwapMixin
 from lightning_dist.strategies._offload_report import OffloadReportMixin
 from lightning_dist.strategies._processes import as_timeout
 
 
 def _refuse_clip_by_value(optimizer: Any, clip_val: Any) -> None:
-    raise ValueError(f"OffloadStrategy clips gradients by norm only (DeepSpeed clips inside its step); got"
-                     f" clip_gradients(gradient_clip_val={clip_val!r}, gradient_clip_algorithm='value'). Use"
-                     " gradient_clip_algorithm='norm', or strategy='offload_fsdp2', which also clips by value.")
+    raise ValueError(
+        f"OffloadStrategy clips gradients by norm only (DeepSpeed clips inside its step); got"
+        f" clip_gradients(gradient_clip_val={clip_val!r}, gradient_clip_algorithm='value'). Use"
+        " gradient_clip_algorithm='norm', or strategy='offload_fsdp2', which also clips by value."
+    )
 
 
 class OffloadStrategy(OffloadReportMixin, NvmeSwapMixin, DeepSpeedStrategy):
@@ -120,7 +122,7 @@ class OffloadStrategy(OffloadReportMixin, NvmeSwapMixin, DeepSpeedStrategy):
             raise ValueError(
                 f"OffloadStrategy(compile={compile!r}): per-block torch.compile is not supported with the DeepSpeed"
                 " backend (ZeRO-3 gathers and releases parameters in hooks inside each module's call, which the"
-                ' compiled blocks would trace). Use `Trainer(strategy=FSDP2OffloadStrategy(compile=True))`'
+                " compiled blocks would trace). Use `Trainer(strategy=FSDP2OffloadStrategy(compile=True))`"
                 ' ("offload_fsdp2"), or compile=False.'
             )
         if backend == "fsdp2":
@@ -177,7 +179,8 @@ class OffloadStrategy(OffloadReportMixin, NvmeSwapMixin, DeepSpeedStrategy):
         super()._configure_launcher()
         # the pack's launcher: no rank outlives the job
         lightning_patches.replace_default_launcher(
-            self, lambda: JobLauncher(self.cluster_environment, self.num_processes, self.num_nodes))
+            self, lambda: JobLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        )
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -190,15 +193,17 @@ class OffloadStrategy(OffloadReportMixin, NvmeSwapMixin, DeepSpeedStrategy):
 
         if trainer.state.fn == TrainerFn.FITTING:  # DeepSpeed's data parallelism spans the world
             group = torch.distributed.group.WORLD if self.world_size > 1 else None
-            sync_or_warn_batchnorm(self.lightning_module, sync=self._layer_sync is not None, group=group,
-                                   dp_size=self.world_size)
+            sync_or_warn_batchnorm(
+                self.lightning_module, sync=self._layer_sync is not None, group=group, dp_size=self.world_size
+            )
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             # DeepSpeed clips by norm inside its step (Trainer(gradient_clip_val) is in its config); Lightning's
             # DeepSpeed precision ignores `self.clip_gradients`: here it sets the norm of the next step
             self._configured_clip = float(self.config.get("gradient_clipping") or 0.0)
-            lightning_patches.route_gradient_clipping(self.precision_plugin, by_norm=self._clip_next_step,
-                                                      by_value=_refuse_clip_by_value)
+            lightning_patches.route_gradient_clipping(
+                self.precision_plugin, by_norm=self._clip_next_step, by_value=_refuse_clip_by_value
+            )
 
     def _clip_next_step(self, optimizer: Any, clip_val: Any) -> None:
         ds_patches.set_step_clip_norm(self.deepspeed_engine, clip_val)
@@ -224,8 +229,9 @@ class OffloadStrategy(OffloadReportMixin, NvmeSwapMixin, DeepSpeedStrategy):
         destroy_process_groups_at_exit()  # a gloo worker thread would otherwise abort the exit of a healthy job
 
     @override
-    def _setup_model_and_optimizer(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
-                                   lr_scheduler: Optional[Any] = None) -> tuple[Any, Any]:
+    def _setup_model_and_optimizer(
+        self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], lr_scheduler: Optional[Any] = None
+    ) -> tuple[Any, Any]:
         import deepspeed
 
         self._prepare_nvme(model)
@@ -259,11 +265,15 @@ class OffloadStrategy(OffloadReportMixin, NvmeSwapMixin, DeepSpeedStrategy):
             return optimizer
         adam = off.to_cpu_adam(optimizer, lr_scheduler)
         if adam is None:
-            rank_zero_info(f"offload: the CPU step keeps {type(optimizer).__name__} ({off.cpu_adam_options(optimizer)[1]})"
-                           "; torch.optim.Adam/AdamW would run as DeepSpeedCPUAdam, several times faster.")
+            rank_zero_info(
+                f"offload: the CPU step keeps {type(optimizer).__name__} ({off.cpu_adam_options(optimizer)[1]})"
+                "; torch.optim.Adam/AdamW would run as DeepSpeedCPUAdam, several times faster."
+            )
             return optimizer
-        rank_zero_info(f"offload: the CPU step runs {type(optimizer).__name__} as DeepSpeedCPUAdam"
-                       f" (adamw_mode={adam.adam_w_mode}).")
+        rank_zero_info(
+            f"offload: the CPU step runs {type(optimizer).__name__} as DeepSpeedCPUAdam"
+            f" (adamw_mode={adam.adam_w_mode})."
+        )
         return adam
 
     def _device_rank(self) -> int:
@@ -312,5 +322,11 @@ class OffloadStrategy(OffloadReportMixin, NvmeSwapMixin, DeepSpeedStrategy):
         # where DeepSpeed's partitions really live (tensor.device)
         tensors = ds_patches.zero_state_tensors(self.deepspeed_engine)
         resident = {kind: bytes_by_place(tensors[kind]) for kind in ("parameters", "gradients", "optimizer")}
-        return off.offload_report(plan=self.plan, resident=resident, nvme=self._disk_bytes(), rank=self.global_rank,
-                                  device_type=self.root_device.type, cuda=cuda_memory(self.root_device))
+        return off.offload_report(
+            plan=self.plan,
+            resident=resident,
+            nvme=self._disk_bytes(),
+            rank=self.global_rank,
+            device_type=self.root_device.type,
+            cuda=cuda_memory(self.root_device),
+        )

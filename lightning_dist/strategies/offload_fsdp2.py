@@ -60,10 +60,20 @@ class FSDP2OffloadStrategy(OffloadReportMixin, HybridShardStrategy):
     def offload_report(self) -> dict[str, Any]:
         """This rank's bytes of each state (the local shards of the DTensors)."""
         params = list(self.lightning_module.parameters())
-        states = [t for opt in self.optimizers for s in opt.state.values() for t in s.values()
-                  if isinstance(t, torch.Tensor)]
+        states = [
+            t for opt in self.optimizers for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)
+        ]
         # measured: where each local shard lives (tensor.device), not where the plan says
-        resident = {"parameters": bytes_by_place(params), "gradients": bytes_by_place(p.grad for p in params),
-                    "optimizer": bytes_by_place(states)}
-        return off.offload_report(plan=self.plan, resident=resident, nvme={}, rank=self.global_rank,
-                                  device_type=self.root_device.type, cuda=cuda_memory(self.root_device))
+        resident = {
+            "parameters": bytes_by_place(params),
+            "gradients": bytes_by_place(p.grad for p in params),
+            "optimizer": bytes_by_place(states),
+        }
+        return off.offload_report(
+            plan=self.plan,
+            resident=resident,
+            nvme={},
+            rank=self.global_rank,
+            device_type=self.root_device.type,
+            cuda=cuda_memory(self.root_device),
+        )

@@ -35,14 +35,14 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional, Union
 
+import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from typing_extensions import override
 
-import lightning.pytorch as pl
 from lightning_dist.mesh import PP, TP, MeshSpec
-from lightning_dist.parallelize import pipeline as plan
 from lightning_dist.parallelize import ParallelizeConfig, pipeline_model
+from lightning_dist.parallelize import pipeline as plan
 from lightning_dist.parallelize import pipeline_setup as checks
 from lightning_dist.parallelize.ac import ACOption, ac_problems, check_offload_device
 from lightning_dist.parallelize.pipeline_hf import is_hf_causal_lm
@@ -123,8 +123,9 @@ class PipelineStrategy(PipelineStepMixin, PipelineCheckpointMixin, MeshStrategy)
         **kwargs: Any,
     ) -> None:
         checks.check_options(type(self).__name__, schedule=schedule, compile=compile, tp_plan=tp_plan, options=kwargs)
-        problems = ac_problems(activation_checkpointing, selective_ops=selective_ac_ops,
-                               offload_activations=offload_activations)
+        problems = ac_problems(
+            activation_checkpointing, selective_ops=selective_ac_ops, offload_activations=offload_activations
+        )
         if problems:
             raise ValueError(f"Invalid {type(self).__name__} configuration:\n  - " + "\n  - ".join(problems))
         super().__init__(pp=1 if pp is None else pp, tp=tp, **kwargs)
@@ -273,21 +274,33 @@ class PipelineStrategy(PipelineStepMixin, PipelineCheckpointMixin, MeshStrategy)
             entries = self.tp_entries = resolve_stage_plan(module, net, self.tp_plan, tp=mesh.size(TP))
             rank_zero_info(format_plan(self.tp_entries, tp=mesh.size(TP)))
         # the same assembly as every strategy: split, then parallelize_model per stage (TP, AC, compile, FSDP2)
-        config = ParallelizeConfig(zero_stage=3 if self.reshard_after_forward else 2,
-                                   activation_checkpointing=self.activation_checkpointing, compile=self.compile,
-                                   selective_ac_ops=self.selective_ac_ops, offload_activations=self.offload_activations,
-                                   tp_entries=entries, tp_owner=module)
+        config = ParallelizeConfig(
+            zero_stage=3 if self.reshard_after_forward else 2,
+            activation_checkpointing=self.activation_checkpointing,
+            compile=self.compile,
+            selective_ac_ops=self.selective_ac_ops,
+            offload_activations=self.offload_activations,
+            tp_entries=entries,
+            tp_owner=module,
+        )
         # before the split drops the rest of the network
         tied = checks.tied_groups(net, self.split, stage_ranks, mesh=self.mesh, rank=self.global_rank)
-        self._tied_keys = tied_checkpoint_keys(net, plan.tied_stages(net, self.split), stage_ranks, pp_rank=pp_rank,
-                                               prefix=f"{self.network}.")
+        self._tied_keys = tied_checkpoint_keys(
+            net, plan.tied_stages(net, self.split), stage_ranks, pp_rank=pp_rank, prefix=f"{self.network}."
+        )
         container, views = pipeline_model(net, mesh, config, split=self.split, stage_indices=self._local_stages)
         # the parameters as parallelized (FSDP2 replaces them with sharded ones), found by single-device name
         held = dict(container.named_parameters(remove_duplicate=False))
         self._tied = [(next(held[n] for n in names if n in held), group, counted) for names, group, counted in tied]
         setattr(module, self.network, container)  # the rest of the network is dropped here
-        self._runner = PipelineRunner(views, self._local_stages, stage_ranks, schedule=self.schedule,
-                                      device=self.root_device, group=mesh.group(PP) if pp > 1 else None)
+        self._runner = PipelineRunner(
+            views,
+            self._local_stages,
+            stage_ranks,
+            schedule=self.schedule,
+            device=self.root_device,
+            group=mesh.group(PP) if pp > 1 else None,
+        )
         container.runner = self._run
 
     @override

@@ -7,10 +7,10 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, Optional, Union
 
+import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-import lightning.pytorch as pl
 from lightning_dist._compat import TP_SEQUENCE_PARALLEL_WITH_DP_HANGS
 from lightning_dist.mesh import TP, MeshSpec
 from lightning_dist.parallelize import ParallelizeConfig
@@ -67,9 +67,13 @@ class TensorParallelStrategy(HybridShardStrategy):
         if tp != "auto" and (isinstance(tp, bool) or not isinstance(tp, int) or tp < 1):
             problems.append(f'`tp={tp!r}` must be an integer >= 1 or "auto" (the devices of one node).')
         if isinstance(plan, str) and plan != "auto" and plan not in BUILTIN_PLANS:
-            problems.append(f"`plan={plan!r}` is not a built-in plan; use 'auto', one of {sorted(BUILTIN_PLANS)} or a mapping.")
+            problems.append(
+                f"`plan={plan!r}` is not a built-in plan; use 'auto', one of {sorted(BUILTIN_PLANS)} or a mapping."
+            )
         elif not isinstance(plan, (str, Mapping)):
-            problems.append(f"`plan` must be 'auto', a built-in plan name or a mapping of pattern -> style; got {type(plan).__name__}.")
+            problems.append(
+                f"`plan` must be 'auto', a built-in plan name or a mapping of pattern -> style; got {type(plan).__name__}."
+            )
         if not isinstance(sequence_parallel, bool):
             problems.append(f"`sequence_parallel={sequence_parallel!r}` must be True or False.")
         if isinstance(sequence_dim, bool) or not isinstance(sequence_dim, int):
@@ -79,8 +83,12 @@ class TensorParallelStrategy(HybridShardStrategy):
         if problems:
             raise ValueError(f"Invalid {type(self).__name__} configuration:\n  - " + "\n  - ".join(problems))
         super().__init__(
-            tp=1 if tp == "auto" else tp, dp_replicate=dp_replicate, dp_shard=dp_shard, zero_stage=zero_stage,
-            activation_checkpointing=activation_checkpointing, **kwargs,
+            tp=1 if tp == "auto" else tp,
+            dp_replicate=dp_replicate,
+            dp_shard=dp_shard,
+            zero_stage=zero_stage,
+            activation_checkpointing=activation_checkpointing,
+            **kwargs,
         )
         self._tp_auto = tp == "auto"
         self.plan = dict(plan) if isinstance(plan, Mapping) else plan
@@ -145,8 +153,11 @@ class TensorParallelStrategy(HybridShardStrategy):
         return dataclasses.replace(
             super().parallelize_config(),
             tp_plan=plan,
-            tp_options={"sequence_parallel": self.sequence_parallel, "sequence_dim": self.sequence_dim,
-                        "loss_parallel": self.loss_parallel and tp > 1},
+            tp_options={
+                "sequence_parallel": self.sequence_parallel,
+                "sequence_dim": self.sequence_dim,
+                "loss_parallel": self.loss_parallel and tp > 1,
+            },
         )
 
     @override
@@ -170,7 +181,11 @@ class TensorParallelStrategy(HybridShardStrategy):
         if not (self.loss_parallel and self.tp_entries):
             return contextlib.nullcontext()
         fqn = head_entry(self.tp_entries).fqn
-        return loss_parallel_step(self.lightning_module.get_submodule(fqn), LogitsGuard(fqn)) if step else loss_parallel_step(None, None)
+        return (
+            loss_parallel_step(self.lightning_module.get_submodule(fqn), LogitsGuard(fqn))
+            if step
+            else loss_parallel_step(None, None)
+        )
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -193,8 +208,10 @@ class TensorParallelStrategy(HybridShardStrategy):
             return super().test_step(*args, **kwargs)
 
     def __repr__(self) -> str:
-        return (f"{super().__repr__()[:-1]}, plan={self.plan if isinstance(self.plan, str) else 'custom'},"
-                f" sequence_parallel={self.sequence_parallel}, loss_parallel={self.loss_parallel})")
+        return (
+            f"{super().__repr__()[:-1]}, plan={self.plan if isinstance(self.plan, str) else 'custom'},"
+            f" sequence_parallel={self.sequence_parallel}, loss_parallel={self.loss_parallel})"
+        )
 
 
 class SequenceParallelStrategy(TensorParallelStrategy):

@@ -23,8 +23,9 @@ def test_auto_parallel_choices_keep_parity():
     everything = results(run_torchrun("auto_parallel_parity.py", nproc=4, timeout=500))
     rows = [r for r in everything if r["kind"] == "auto"]
     refused = [r for r in everything if r["kind"] == "nothing-fits"]
-    assert len(refused) == 4 and all("no layout fits device_memory=1 bytes with global_batch=6 on 4 devices"
-                                     in (r["error"] or "") for r in refused), refused
+    assert len(refused) == 4 and all(
+        "no layout fits device_memory=1 bytes with global_batch=6 on 4 devices" in (r["error"] or "") for r in refused
+    ), refused
     assert {r["target"] for r in rows} == set(EXPECTED)
     for r in rows:
         ran_as, mesh = EXPECTED[r["target"]]

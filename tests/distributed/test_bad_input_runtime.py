@@ -6,15 +6,16 @@ tested in test_hsdp.py::test_bad_mesh_fails_on_every_rank_without_hang (`mesh-in
 """
 
 import pytest
-
 from _harness import results, run_torchrun
 
 pytestmark = pytest.mark.distributed
 
 EXPECTED = {
     "empty_dataset": ("ValueError", ["len(dataset)=0"]),
-    "fewer_samples_than_ranks": ("ValueError", ["has 1 samples but there are 2 data-parallel ranks",
-                                                "Use at most 1 data-parallel ranks"]),
+    "fewer_samples_than_ranks": (
+        "ValueError",
+        ["has 1 samples but there are 2 data-parallel ranks", "Use at most 1 data-parallel ranks"],
+    ),
     "smaller_than_one_batch": ("ValueError", ["6 samples", "batch_size=8", "Lower batch_size to <= 3"]),
     "nan_loss_one_rank": ("FloatingPointError", ["rank(s) [1] at global step 2", "gradient_clip_val"]),
     "callback_wrong_strategy": ("TypeError", ["PipelineBubble needs", "HybridShardStrategy"]),

@@ -7,7 +7,6 @@ One launch per world size runs every part; the tests below assert on the figures
 from __future__ import annotations
 
 import pytest
-
 from _harness import results, run_script
 
 pytestmark = pytest.mark.distributed
@@ -26,9 +25,14 @@ def _by_part(proc, world: int) -> dict[str, list[dict]]:
 
 @pytest.fixture(scope="module")
 def ddp4() -> dict[str, list[dict]]:
-    proc = run_script(SCENARIO, "--devices", "4", "--parts",
-                      "exact,dropin,dropin_mesh,syncflag,syncbn,parity,parity_tied_gpt,sampler,hsdp,tp,pipeline",
-                      timeout=900)
+    proc = run_script(
+        SCENARIO,
+        "--devices",
+        "4",
+        "--parts",
+        "exact,dropin,dropin_mesh,syncflag,syncbn,parity,parity_tied_gpt,sampler,hsdp,tp,pipeline",
+        timeout=900,
+    )
     return _by_part(proc, 4)
 
 
@@ -161,8 +165,12 @@ def test_sync_batchnorm_3_ranks(ddp3):
 def test_gradient_parity_check(ddp4):
     for out in ddp4["parity"]:
         assert set(out) >= {
-            "correct_syncbn", "correct_manual_accumulation", "bug_per_shard_batchnorm",
-            "bug_undivided_accumulation", "bug_padded_duplicates", "bug_param_changed_on_one_rank",
+            "correct_syncbn",
+            "correct_manual_accumulation",
+            "bug_per_shard_batchnorm",
+            "bug_undivided_accumulation",
+            "bug_padded_duplicates",
+            "bug_param_changed_on_one_rank",
             "bug_unsharded_data",
         }
         for case, r in out.items():
@@ -189,8 +197,15 @@ def test_gradient_parity_check_forward_redirection(ddp4):
         assert ok["real_grad_changed_by_check"] == 0.0 and ok["params_spread_after_step"] == 0.0, ok
         assert not bug["ok"] and bug["rel_diff"] > 1e-2, bug  # the doubled tied gradient on one rank is caught
         assert bug["real_grad_changed_by_check"] == 0.0, bug
-    assert len({(o["correct_tied_gpt_forward"]["rel_diff"], o["bug_tied_grad_scaled_on_one_rank"]["rel_diff"])
-                for o in ddp4["parity_tied_gpt"]}) == 1  # one verdict on every rank
+    assert (
+        len(
+            {
+                (o["correct_tied_gpt_forward"]["rel_diff"], o["bug_tied_grad_scaled_on_one_rank"]["rel_diff"])
+                for o in ddp4["parity_tied_gpt"]
+            }
+        )
+        == 1
+    )  # one verdict on every rank
 
 
 @pytest.mark.compat

@@ -19,8 +19,11 @@ EXPECTED = {  # (layout, algorithm, manual): the strategy it ran as
     **{("tp2xdp_shard2", a, False): "TensorParallelStrategy" for a in ("norm", "value")},
     ("tp2xdp_shard2", "norm", True): "TensorParallelStrategy",  # manual optimization: self.clip_gradients
     **{("pp2xtp2", a, False): "PipelineStrategy" for a in ("norm", "value")},
-    **({} if TP_SEQUENCE_PARALLEL_WITH_DP_HANGS else
-       {("tp2_sp_xdp2", a, False): "TensorParallelStrategy" for a in ("norm", "value")}),
+    **(
+        {}
+        if TP_SEQUENCE_PARALLEL_WITH_DP_HANGS
+        else {("tp2_sp_xdp2", a, False): "TensorParallelStrategy" for a in ("norm", "value")}
+    ),
     ("pp2xdp2", "value", False): "PipelineStrategy",
     ("pp2xdp2_tied", "norm", False): "PipelineStrategy",
     ("offload_fsdp2", "norm", True): "FSDP2OffloadStrategy",

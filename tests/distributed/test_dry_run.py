@@ -20,8 +20,17 @@ MESH = {"pp": 4, "dp_replicate": 4, "dp_shard": 8, "tp": 8, "split": "params"}
 
 
 def _config(**overrides) -> DryRunConfig:
-    kwargs = dict(model="lightning_dist.models.gpt.CharGPT", init_args=SMALL, strategy="pipeline", strategy_args=MESH,
-                  world_size=1024, devices_per_node=8, precision="bf16-mixed", batch_size=8, device_memory=80e9)
+    kwargs = dict(
+        model="lightning_dist.models.gpt.CharGPT",
+        init_args=SMALL,
+        strategy="pipeline",
+        strategy_args=MESH,
+        world_size=1024,
+        devices_per_node=8,
+        precision="bf16-mixed",
+        batch_size=8,
+        device_memory=80e9,
+    )
     kwargs.update(overrides)
     return DryRunConfig(**kwargs)
 
@@ -77,9 +86,15 @@ def test_dry_run_refuses_heads_and_stages_with_the_strategy_message():
     # tp=6 on a mesh that allows it (12 devices per node): 16 heads do not split over 6 tensor ranks;
     # the message is the strategy's own, word for word
     with pytest.raises(ValueError) as got:
-        dry_run(_config(world_size=1152, devices_per_node=12, strategy_args={**MESH, "tp": 6, "dp_shard": 12,
-                                                                            "dp_replicate": 4}, ranks=(0,)),
-                timeout=300)
+        dry_run(
+            _config(
+                world_size=1152,
+                devices_per_node=12,
+                strategy_args={**MESH, "tp": 6, "dp_shard": 12, "dp_replicate": 4},
+                ranks=(0,),
+            ),
+            timeout=300,
+        )
     import torch
 
     with torch.device("meta"):
@@ -99,8 +114,10 @@ def test_dry_run_refuses_heads_and_stages_with_the_strategy_message():
 
 def test_dry_run_tensor_parallel_and_hybrid_sharding():
     # the non-pipelined path: FSDP2 mixed precision over dp_replicate=2 x dp_shard=2 around tp=4 (16 ranks)
-    report = dry_run(_config(world_size=16, strategy="tp", strategy_args={"tp": 4, "dp_replicate": 2, "dp_shard": 2},
-                             ranks=(15,)), timeout=300)
+    report = dry_run(
+        _config(world_size=16, strategy="tp", strategy_args={"tp": 4, "dp_replicate": 2, "dp_shard": 2}, ranks=(15,)),
+        timeout=300,
+    )
     (r,) = report.ranks
     assert r["coords"] == {"pp": 0, "dp_replicate": 1, "dp_shard": 1, "tp": 3, "dp": 3}
     assert abs(r["states"]["total"] / r["planned"]["states"]["total"] - 1) <= 0.01
@@ -137,7 +154,17 @@ def test_auto_parallel_verify_keeps_only_layouts_the_dry_run_fits():
     assert roomy._verified(ranked)[0].name == ranked[0].name
     # a replicated layout is not dry-run (torch's DDP reducer needs real tensors): said plainly if asked
     with pytest.raises(ValueError, match="cannot replay DDP-style replication"):
-        dry_run(DryRunConfig(model="lightning_dist.models.gpt.CharGPT",
-                             init_args={"vocab_size": 64, "block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 32},
-                             strategy="hsdp", strategy_args={"shard_size": 1, "dp_replicate": 2}, world_size=2,
-                             devices_per_node=2, precision="32-true", batch_size=8, device_memory=100e6), timeout=300)
+        dry_run(
+            DryRunConfig(
+                model="lightning_dist.models.gpt.CharGPT",
+                init_args={"vocab_size": 64, "block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 32},
+                strategy="hsdp",
+                strategy_args={"shard_size": 1, "dp_replicate": 2},
+                world_size=2,
+                devices_per_node=2,
+                precision="32-true",
+                batch_size=8,
+                device_memory=100e6,
+            ),
+            timeout=300,
+        )

@@ -8,8 +8,8 @@ import os
 import sys
 
 import pytest
-
 from _harness import results, run_script
+
 from lightning_dist._compat import module_available
 
 pytestmark = pytest.mark.distributed

@@ -31,14 +31,19 @@ ENTRY = re.compile(r"python (examples/\w+/train\.py) fit --config")
 # config -> (text of the known failure, why): reported as xfail while the cause is open; passes once fixed
 KNOWN_FAILURES: dict[str, tuple[str, str]] = {}  # config stem -> (error text, why); none today
 # configs that train the same model on the same data and data-parallel size: the same loss, whatever the strategy
-SAME_LOSS = [("tp", "pipeline_1f1b", "pipeline_gpipe", "pp_tp"), ("pipeline_interleaved", "pipeline_zero_bubble"),
-             ("fsdp2", "pp_dp", "offload_cpu")]
+SAME_LOSS = [
+    ("tp", "pipeline_1f1b", "pipeline_gpipe", "pp_tp"),
+    ("pipeline_interleaved", "pipeline_zero_bubble"),
+    ("fsdp2", "pp_dp", "offload_cpu"),
+]
 
 
 def _entry_point(config: Path) -> str:
     match = ENTRY.search(config.read_text())
     if match is None:
-        raise AssertionError(f"{config.name} must name its entry point: '# python examples/<name>/train.py fit --config ...'")
+        raise AssertionError(
+            f"{config.name} must name its entry point: '# python examples/<name>/train.py fit --config ...'"
+        )
     return match.group(1)
 
 
@@ -62,7 +67,9 @@ def _skip_reason(config: Path) -> str | None:
 
 def _env() -> dict:
     # DeepSpeed compiles async_io on first use (minutes): reuse the environment's cache, as `make` does
-    return {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))}
+    return {
+        "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
+    }
 
 
 class _Launches:
@@ -76,8 +83,15 @@ class _Launches:
         if key not in self.done:
             group = [c for c in CONFIGS if _launch_key(c) == key and _skip_reason(c) is None]
             group.sort(key=lambda c: c.stem in KNOWN_FAILURES)  # a known failure ends its launch: run it last
-            proc = run_torchrun(SCENARIOS / "run_configs.py", *map(str, group), nproc=key[0], timeout=600, env=_env(),
-                                expect_ok=False, cwd=self.workdir)
+            proc = run_torchrun(
+                SCENARIOS / "run_configs.py",
+                *map(str, group),
+                nproc=key[0],
+                timeout=600,
+                env=_env(),
+                expect_ok=False,
+                cwd=self.workdir,
+            )
             failed = re.search(r"CONFIG FAILED (\w+)", proc.stderr)
             self.done[key] = (results(proc), failed.group(1) if failed else None, proc)
         out, failed, proc = self.done[key]
@@ -126,8 +140,13 @@ def test_callbacks_config_logs_throughput_memory_and_comm(launches):
     with open(Path(out[0]["log_dir"]) / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     columns = set(rows[0])
-    assert {"throughput/samples_per_sec", "throughput/fit_samples_per_sec", "memory/model_state_bytes",
-            "memory/peak_bytes", "comm/bytes"} <= columns, sorted(columns)
+    assert {
+        "throughput/samples_per_sec",
+        "throughput/fit_samples_per_sec",
+        "memory/model_state_bytes",
+        "memory/peak_bytes",
+        "comm/bytes",
+    } <= columns, sorted(columns)
     fit = [r for r in rows if r["throughput/fit_samples"]]
     assert [float(r["throughput/fit_samples"]) for r in fit] == [out[0]["throughput"]["samples"]]
 

@@ -14,10 +14,9 @@ import sys
 import time
 import uuid
 
-import psutil
 import pytest
-
-from _harness import ROOT, SCENARIOS, _env, free_port, results, reap_survivors, survivors as _survivors
+from _harness import ROOT, SCENARIOS, _env, free_port, reap_survivors, results
+from _harness import survivors as _survivors
 
 pytestmark = pytest.mark.distributed
 
@@ -27,20 +26,40 @@ TIMEOUT_S = 90  # the strategy's `timeout` in fault_raise.py
 BOUND_S = TIMEOUT_S + 5 + 25
 
 
-def launch(where: str, rank: int, out, *, torchrun: bool = False, extra: tuple[str, ...] = (), devices: int = 2,
-           strategy: str = "hsdp"):
+def launch(
+    where: str,
+    rank: int,
+    out,
+    *,
+    torchrun: bool = False,
+    extra: tuple[str, ...] = (),
+    devices: int = 2,
+    strategy: str = "hsdp",
+):
     """Run fault_raise.py; return (returncode, stdout, stderr, exit time, processes left behind)."""
     marker = uuid.uuid4().hex
     script = [str(SCENARIOS / "fault_raise.py"), where, str(rank), str(devices), str(out), strategy]
     if torchrun:
-        rdzv = (f"--rdzv-endpoint=127.0.0.1:{free_port()}",) if "--rdzv-backend=c10d" in extra else (
-            "--master-addr=127.0.0.1", f"--master-port={free_port()}")
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={devices}", *rdzv,
-               "--monitor-interval=1", *extra, *script]
+        rdzv = (
+            (f"--rdzv-endpoint=127.0.0.1:{free_port()}",)
+            if "--rdzv-backend=c10d" in extra
+            else ("--master-addr=127.0.0.1", f"--master-port={free_port()}")
+        )
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={devices}",
+            *rdzv,
+            "--monitor-interval=1",
+            *extra,
+            *script,
+        ]
     else:
         cmd = [sys.executable, *script]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env({"LD_FAULT_MARKER": marker}), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=_env({"LD_FAULT_MARKER": marker}), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         stdout, stderr = proc.communicate(timeout=300)
     except subprocess.TimeoutExpired:
@@ -67,7 +86,9 @@ def assert_first_failure(stderr: str, rank: int, error: str, torchrun: bool) -> 
     """The job's summary names `rank` as the first failure, with `error`."""
     if torchrun:  # torchelastic's summary, with the error file the strategy wrote
         root = stderr.split("Root Cause (first observed failure):", 1)[-1]
-        assert re.search(rf"rank\s*: {rank} \(local_rank: {rank}\)", root.split("[1]:")[0]) and error in root, stderr[-4000:]
+        assert re.search(rf"rank\s*: {rank} \(local_rank: {rank}\)", root.split("[1]:")[0]) and error in root, stderr[
+            -4000:
+        ]
     else:
         print(summary(stderr))
         assert f"lightning_dist: rank {rank} failed first: {error}" in stderr, (summary(stderr), stderr[-2000:])
@@ -96,11 +117,15 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("where,rank,torchrun,strategy,devices", CASES,
-                         ids=[f"{s}-{w}-rank{r}-{'torchrun' if t else 'lightning'}-{d}" for w, r, t, s, d in CASES])
+@pytest.mark.parametrize(
+    "where,rank,torchrun,strategy,devices",
+    CASES,
+    ids=[f"{s}-{w}-rank{r}-{'torchrun' if t else 'lightning'}-{d}" for w, r, t, s, d in CASES],
+)
 def test_raising_rank_ends_the_job(tmp_path, where, rank, torchrun, strategy, devices):
-    rc, stdout, stderr, ended, survivors = launch(where, rank, tmp_path, torchrun=torchrun, strategy=strategy,
-                                                  devices=devices)
+    rc, stdout, stderr, ended, survivors = launch(
+        where, rank, tmp_path, torchrun=torchrun, strategy=strategy, devices=devices
+    )
     # status 1 whichever rank failed (not 137: the launching rank 0 SIGKILLed by its own observer)
     assert rc == 1, (rc, stderr[-4000:])
     assert "RESULT" not in stdout, "a rank finished training although its peer failed"
@@ -109,7 +134,9 @@ def test_raising_rank_ends_the_job(tmp_path, where, rank, torchrun, strategy, de
     assert error in stderr, stderr[-4000:]
     assert_first_failure(stderr, rank, error, torchrun)
     elapsed = ended - _fault_time(stdout, stderr)
-    print(f"{strategy} {where} rank {rank} {'torchrun' if torchrun else 'lightning'}: all exited {elapsed:.1f} s after the fault")
+    print(
+        f"{strategy} {where} rank {rank} {'torchrun' if torchrun else 'lightning'}: all exited {elapsed:.1f} s after the fault"
+    )
     assert elapsed < BOUND_S, f"the job took {elapsed:.1f} s to end after the fault (bound {BOUND_S} s)"
     assert not survivors, f"processes outlived the launcher: {survivors}"
 

@@ -6,7 +6,6 @@ import time
 
 import pytest
 import torch
-
 from _harness import SCENARIOS, results, run_script, run_torchrun
 
 pytestmark = pytest.mark.distributed
@@ -85,8 +84,10 @@ def test_checkpoint_resume_reshard_and_single_device(tmp_path):
     full = torch.load(tmp_path / "f3.ckpt", weights_only=True)
     mine = torch.load(single, weights_only=True)
     assert mine["state_dict"].keys() == full["state_dict"].keys()
-    diffs = {k: (mine["state_dict"][k].dtype, (mine["state_dict"][k] - full["state_dict"][k]).abs().max().item())
-             for k in full["state_dict"]}
+    diffs = {
+        k: (mine["state_dict"][k].dtype, (mine["state_dict"][k] - full["state_dict"][k]).abs().max().item())
+        for k in full["state_dict"]
+    }
     assert all(d == (torch.float64, 0.0) for d in diffs.values()), diffs
     assert mine["global_step"] == 3 and len(mine["optimizer_states"]) == 1
     torch.set_default_dtype(torch.float64)  # the checkpoint is float64: build the module in float64 to compare
@@ -103,8 +104,16 @@ def test_checkpoint_resume_reshard_and_single_device(tmp_path):
         module = Classifier(n=48, schedule=True)
     finally:
         torch.set_default_dtype(torch.float32)
-    Trainer(accelerator="cpu", devices=1, precision="64-true", max_steps=6, logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False).fit(module, ckpt_path=single)
+    Trainer(
+        accelerator="cpu",
+        devices=1,
+        precision="64-true",
+        max_steps=6,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    ).fit(module, ckpt_path=single)
     a6 = torch.load(tmp_path / "a6.pt", weights_only=True)
     assert max_rel_diff(full_params(module), a6) <= 1e-12
 
@@ -157,7 +166,9 @@ def test_features_meta_init_ac_units_parallelize_fn_bf16_and_dp_logging():
 def test_two_nodes_shard_inside_replicate_across():
     from _harness import run_torchrun_nodes
 
-    rows = [r for proc in run_torchrun_nodes("multinode_hsdp.py", nnodes=2, nproc=2, timeout=600) for r in results(proc)]
+    rows = [
+        r for proc in run_torchrun_nodes("multinode_hsdp.py", nnodes=2, nproc=2, timeout=600) for r in results(proc)
+    ]
     assert sorted(r["rank"] for r in rows) == [0, 1, 2, 3]
     for r in rows:
         assert r["shape"] == [1, 2, 2, 1], r  # dp_replicate = nodes, dp_shard = devices per node

@@ -13,8 +13,16 @@ from tests._harness import results, run_torchrun
 
 pytestmark = pytest.mark.distributed
 
-MEMORY_CASES = {"hsdp_2x2", "fsdp2_1x4", "replicate", "zero1", "tp2_fsdp2", "pipeline_pp2_dp2", "offload_fsdp2",
-                "lightning_ddp"}
+MEMORY_CASES = {
+    "hsdp_2x2",
+    "fsdp2_1x4",
+    "replicate",
+    "zero1",
+    "tp2_fsdp2",
+    "pipeline_pp2_dp2",
+    "offload_fsdp2",
+    "lightning_ddp",
+}
 COMM_CASES = {"hsdp_2x2", "fsdp2_1x4", "replicate", "zero1", "tp2_fsdp2", "offload_fsdp2", "lightning_ddp"}
 # (op, dim) rows every rank must report with a plan, per case
 EXPECTED_ROWS = {
@@ -23,7 +31,12 @@ EXPECTED_ROWS = {
     "replicate": {("all_reduce", "dp_replicate")},
     "zero1": {("all_reduce", "dp_replicate"), ("broadcast", "dp_replicate")},
     # the ViT head runs `colwise_gather` under the transformer plan: its output all-gather over tp is planned too
-    "tp2_fsdp2": {("all_gather", "dp_shard"), ("reduce_scatter", "dp_shard"), ("all_reduce", "tp"), ("all_gather", "tp")},
+    "tp2_fsdp2": {
+        ("all_gather", "dp_shard"),
+        ("reduce_scatter", "dp_shard"),
+        ("all_reduce", "tp"),
+        ("all_gather", "tp"),
+    },
     "offload_fsdp2": {("all_gather", "dp_shard"), ("reduce_scatter", "dp_shard")},
     "lightning_ddp": {("all_reduce", "world")},
 }
@@ -42,7 +55,9 @@ def test_every_case_reported_on_every_rank(rows):
     for r in rows:
         assert r["steps"] == 3, r
         # per-step totals went to Lightning's logger connector
-        assert {"comm/bytes", "memory/model_state_bytes", "memory/peak_bytes", "memory/planned_bytes"} <= set(r["logged"])
+        assert {"comm/bytes", "memory/model_state_bytes", "memory/peak_bytes", "memory/planned_bytes"} <= set(
+            r["logged"]
+        )
 
 
 @pytest.mark.parametrize("case", sorted(MEMORY_CASES))

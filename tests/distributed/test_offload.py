@@ -24,7 +24,9 @@ needs_aio = pytest.mark.skipif(not async_io_available(), reason="libaio missing:
 
 def _env() -> dict:
     # DeepSpeed compiles async_io on first use (minutes): reuse the environment's cache, as `make` does
-    return {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))}
+    return {
+        "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
+    }
 
 
 def _check_parity(out: list[dict], combos: list[str]) -> None:
@@ -73,7 +75,9 @@ def _check_bf16(out: list[dict], combos: list[str]) -> None:
 
 def _check_clip(out: list[dict], combos: list[str]) -> None:
     clip = [r for r in out if r["kind"] == "clip"]
-    assert sorted((r["combo"], r["manual"]) for r in clip) == sorted(2 * [(c, m) for c in combos for m in (False, True)])
+    assert sorted((r["combo"], r["manual"]) for r in clip) == sorted(
+        2 * [(c, m) for c in combos for m in (False, True)]
+    )
     for r in clip:
         # Trainer(gradient_clip_val) and self.clip_gradients in manual optimization: DeepSpeed's step clips to the
         # single-device clip_grad_norm_ (SGD, float32), which triggered on every step
@@ -106,8 +110,21 @@ def test_offload_torchrun_all_combinations_and_resume(tmp_path):
     resume = ["3:cpu:cpu", "3:nvme:nvme"]
     bf16 = ["3:-:nvme", "3:nvme:nvme"]  # parameters on NVMe with bf16-mixed
     clip = ["2:cpu:-", "3:cpu:cpu"]  # gradient-norm clipping: Trainer's and self.clip_gradients (manual)
-    proc = run_torchrun("offload_parity.py", ",".join(combos), "--resume", ",".join(resume), "--bf16", ",".join(bf16),
-                        "--clip", ",".join(clip), "--nvme-root", str(tmp_path), nproc=2, timeout=900, env=_env())
+    proc = run_torchrun(
+        "offload_parity.py",
+        ",".join(combos),
+        "--resume",
+        ",".join(resume),
+        "--bf16",
+        ",".join(bf16),
+        "--clip",
+        ",".join(clip),
+        "--nvme-root",
+        str(tmp_path),
+        nproc=2,
+        timeout=900,
+        env=_env(),
+    )
     out = results(proc)
     _check_parity(out, combos)
     _check_reports(out)
@@ -122,8 +139,21 @@ def test_offload_lightning_launcher_and_fsdp2(tmp_path):
     combos = CPU_COMBOS + NVME_COMBOS
     resume = ["3:nvme:-", "3:cpu:nvme"]  # optimizer state on NVMe; parameters on NVMe, optimizer in host memory
     evaluate = ["2:cpu:-", "3:nvme:nvme"]  # validate / test without fit, and from a (NVMe-offloaded) checkpoint
-    proc = run_script("offload_parity.py", ",".join(combos), "--devices", "2", "--fsdp2", "--resume", ",".join(resume),
-                      "--evaluate", ",".join(evaluate), "--nvme-root", str(tmp_path), timeout=900, env=_env())
+    proc = run_script(
+        "offload_parity.py",
+        ",".join(combos),
+        "--devices",
+        "2",
+        "--fsdp2",
+        "--resume",
+        ",".join(resume),
+        "--evaluate",
+        ",".join(evaluate),
+        "--nvme-root",
+        str(tmp_path),
+        timeout=900,
+        env=_env(),
+    )
     out = results(proc)
     _check_parity(out, combos)
     _check_reports(out)
@@ -147,8 +177,17 @@ def test_offload_host_memory_tiers(tmp_path):
     above): DeepSpeed ZeRO with optimizer state and parameters in host memory, parity and exact resume."""
     combos = ["2:cpu:-", "3:cpu:cpu"]
     resume = ["3:cpu:cpu"]
-    proc = run_torchrun("offload_parity.py", ",".join(combos), "--resume", ",".join(resume),
-                        "--nvme-root", str(tmp_path), nproc=2, timeout=900, env=_env())
+    proc = run_torchrun(
+        "offload_parity.py",
+        ",".join(combos),
+        "--resume",
+        ",".join(resume),
+        "--nvme-root",
+        str(tmp_path),
+        nproc=2,
+        timeout=900,
+        env=_env(),
+    )
     out = results(proc)
     _check_parity(out, combos)
     _check_reports(out)
@@ -157,8 +196,17 @@ def test_offload_host_memory_tiers(tmp_path):
 
 def test_offload_bad_nvme_path_fails_before_any_collective(tmp_path):
     missing = tmp_path / "missing"
-    proc = run_torchrun("offload_parity.py", "3:nvme:-", "--no-ddp", "--nvme-root", str(missing),
-                        nproc=2, timeout=300, env=_env(), expect_ok=False)
+    proc = run_torchrun(
+        "offload_parity.py",
+        "3:nvme:-",
+        "--no-ddp",
+        "--nvme-root",
+        str(missing),
+        nproc=2,
+        timeout=300,
+        env=_env(),
+        expect_ok=False,
+    )
     assert proc.returncode != 0
     # both ranks raise the same clear error (no hang); nothing was written
     assert proc.stderr.count("does not exist: create the folder") >= 2, proc.stderr[-3000:]

@@ -171,8 +171,11 @@ def test_pp2_ledger_pp_traffic_is_the_boundary_only(pp2):
         assert pp_total - r["boundary"] < 1024, default
         assert sum(v for k, v in opt_in.items() if k.endswith("/pp")) - r["boundary"] >= r["output"], opt_in
     # the loss each rank logged (sync_dist) is the same value on both ranks, with or without the opt-in
-    assert rows[0]["rows"]["logged_False"] == rows[1]["rows"]["logged_False"] == pytest.approx(
-        rows[0]["rows"]["logged_True"], rel=1e-12)
+    assert (
+        rows[0]["rows"]["logged_False"]
+        == rows[1]["rows"]["logged_False"]
+        == pytest.approx(rows[0]["rows"]["logged_True"], rel=1e-12)
+    )
 
 
 @pytest.mark.distributed

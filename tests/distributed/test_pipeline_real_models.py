@@ -63,8 +63,9 @@ def test_pp2_parity(pp2, schedule, model):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("tag", ("pp2_1f1b_llama_ac_selective", "pp2_interleaved_llama_ac_every2",
-                                 "pp2_1f1b_pack_gpt_tied_ac_selective"))
+@pytest.mark.parametrize(
+    "tag", ("pp2_1f1b_llama_ac_selective", "pp2_interleaved_llama_ac_every2", "pp2_1f1b_pack_gpt_tied_ac_selective")
+)
 def test_pp2_activation_checkpointing_modes_keep_parity(pp2, tag):
     rows = pp2[tag]
     _check(rows, world=2, pp=2)  # selective / every-2nd-block AC per stage: the single-device update
@@ -73,7 +74,9 @@ def test_pp2_activation_checkpointing_modes_keep_parity(pp2, tag):
 
 
 @pytest.mark.distributed
-@pytest.mark.skipif(importlib.util.find_spec("litgpt") is None, reason="litgpt is not installed (make install adds it --no-deps)")
+@pytest.mark.skipif(
+    importlib.util.find_spec("litgpt") is None, reason="litgpt is not installed (make install adds it --no-deps)"
+)
 @pytest.mark.parametrize("schedule", ("1f1b", "interleaved"))
 def test_pp2_parity_on_unmodified_litgpt(pp2, schedule):
     rows = pp2[f"pp2_{schedule}_litgpt"]

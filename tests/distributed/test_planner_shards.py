@@ -25,7 +25,10 @@ def test_planner_counts_match_live_shards():
         assert z1["owned"] == z1["planned"], r
         live = z1["live_bytes"]
         assert [live["params"], live["grads"], live["optimizer"] + live["step_scalars"]] == [
-            z1["planned_bytes"]["params"], z1["planned_bytes"]["grads"], z1["planned_bytes"]["optimizer"]], z1
+            z1["planned_bytes"]["params"],
+            z1["planned_bytes"]["grads"],
+            z1["planned_bytes"]["optimizer"],
+        ], z1
     # uneven shards: ranks really hold different amounts, and together the whole model
     fsdp_params = [r["fsdp"]["live"]["params"] for r in ranks]
     assert len(set(fsdp_params)) > 1

@@ -10,12 +10,9 @@ import sys
 import time
 import uuid
 
-import psutil
 import pytest
 import torch
-
-from _harness import ROOT, SCENARIOS, _env, results, run_script
-from _harness import reap_survivors
+from _harness import ROOT, SCENARIOS, _env, reap_survivors, results, run_script
 
 pytestmark = pytest.mark.distributed
 
@@ -23,9 +20,14 @@ pytestmark = pytest.mark.distributed
 def _kill_while_saving(mode: str, out) -> tuple[float, list]:
     """Start fault_save.py, SIGKILL rank 0 once it reports it is inside the writer; return (exit time, leftovers)."""
     marker = uuid.uuid4().hex
-    proc = subprocess.Popen([sys.executable, str(SCENARIOS / "fault_save.py"), mode, str(out)], cwd=ROOT,
-                            env=_env({"LD_FAULT_MARKER": marker}), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(SCENARIOS / "fault_save.py"), mode, str(out)],
+        cwd=ROOT,
+        env=_env({"LD_FAULT_MARKER": marker}),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines = []
     deadline = time.time() + 300
     for line in proc.stdout:
@@ -100,8 +102,11 @@ def test_kill_during_background_write_keeps_previous_checkpoint_and_last_resumes
     params = {n: p.detach() for n, p in module.named_parameters()}
     assert max_rel_diff(params, reference(4, n=64, schedule=True, width=64)) <= 1e-12
 
-    rows = [r for r in results(run_script("fault_save.py", "async_resume", str(tmp_path), timeout=300))
-            if r.get("kind") == "async_resume"]
+    rows = [
+        r
+        for r in results(run_script("fault_save.py", "async_resume", str(tmp_path), timeout=300))
+        if r.get("kind") == "async_resume"
+    ]
     assert len(rows) == 2, rows
     for r in rows:  # resumed from step 4 (the newest complete one), trained to 8 with async saves
         assert r["global_step"] == 8 and r["diff"] <= 1e-12, r

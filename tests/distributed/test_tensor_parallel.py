@@ -24,8 +24,11 @@ def _check_loss_parallel(rows: list[dict], world: int, batch: int) -> None:
         assert r["diff"] <= TOL and r["model"] == "gpt", r
         assert r["head_output"] == ["DTensor", [batch, 8, 16]], r
     # the default: the head's logits gathered, whole on every rank
-    assert all(r["head_output"] == ["Tensor", [batch, 8, 32]] for r in rows
-               if r["kind"] == "parity" and r["model"] == "gpt" and not r["options"].get("loss_parallel")), rows
+    assert all(
+        r["head_output"] == ["Tensor", [batch, 8, 32]]
+        for r in rows
+        if r["kind"] == "parity" and r["model"] == "gpt" and not r["options"].get("loss_parallel")
+    ), rows
 
 
 def _check_parity(rows: list[dict], world: int) -> set:
@@ -39,8 +42,16 @@ def _check_parity(rows: list[dict], world: int) -> set:
         # split vs unsplit output on made-up inputs (token ids for the GPT, random rows for the MLP; the ViT's
         # patch convolution takes images: no sample is guessed)
         assert (r["probe_diff"] is None) if r["model"] == "vit" else (r["probe_diff"] <= 1e-12), r
-    return {(r["model"], r["options"]["sequence_parallel"], r["options"].get("dp_shard", 1), r["options"].get("dp_replicate", 1),
-             r["options"].get("activation_checkpointing", False)) for r in parity}
+    return {
+        (
+            r["model"],
+            r["options"]["sequence_parallel"],
+            r["options"].get("dp_shard", 1),
+            r["options"].get("dp_replicate", 1),
+            r["options"].get("activation_checkpointing", False),
+        )
+        for r in parity
+    }
 
 
 @pytest.mark.compat
@@ -50,9 +61,13 @@ def test_tp2_on_2_processes_parity_and_checkpoint():
     _check_loss_parallel(rows, 2, batch=8)
     refusal = [r for r in rows if r["kind"] == "loss_parallel_refusal"]
     # a softmax of the logits (not cross-entropy): refused at the first step on every rank, naming the call and the fix
-    assert len(refusal) == 2 and all(r["error"] and "used them in Tensor.softmax" in r["error"]
-                                     and "or pass loss_parallel=False" in r["error"] for r in refusal), refusal
-    assert seen == {(m, sp, 1, 1, False) for m, sp in (("gpt", False), ("gpt", True), ("vit", False), ("vit", True), ("mlp", False))}
+    assert len(refusal) == 2 and all(
+        r["error"] and "used them in Tensor.softmax" in r["error"] and "or pass loss_parallel=False" in r["error"]
+        for r in refusal
+    ), refusal
+    assert seen == {
+        (m, sp, 1, 1, False) for m, sp in (("gpt", False), ("gpt", True), ("vit", False), ("vit", True), ("mlp", False))
+    }
     for r in (r for r in rows if r["kind"] == "parity"):
         assert r["mesh"] == [1, 1, 1, 2]
     ckpt = [r for r in rows if r["kind"] == "checkpoint"]

@@ -24,8 +24,16 @@ TOL = 1e-12
 # litgpt's GPT (MHA: fused qkv [q | k | v] split per head, heads read from its config) joins the models when
 # installed (make test installs it with --no-deps); without it the litgpt cases are skipped, not failed
 HAS_LITGPT = importlib.util.find_spec("litgpt") is not None
-MODELS = {"llama", "qwen2_gqa", "gpt2_tied", "gpt_neox", "user_gpt", "config_heads_gpt", "pack_gpt_tied",
-          "lightning_demo"} | ({"litgpt_mha"} if HAS_LITGPT else set())
+MODELS = {
+    "llama",
+    "qwen2_gqa",
+    "gpt2_tied",
+    "gpt_neox",
+    "user_gpt",
+    "config_heads_gpt",
+    "pack_gpt_tied",
+    "lightning_demo",
+} | ({"litgpt_mha"} if HAS_LITGPT else set())
 
 
 def _check(rows: list[dict], world: int, mesh: list[int]) -> None:
@@ -91,16 +99,22 @@ def test_auto_plan_on_real_models_tp2():
     _check_fused_checkpoint(rows, 2)
     _check_hf(rows, {(m, s) for m in ("gpt2_tied", "llama") for s in ("tp2", "fsdp2")}, 2)
     units = [r for r in rows if r["kind"] == "fsdp_units"]
-    assert {r["model"] for r in units} == MODELS - {"pack_gpt_tied", "config_heads_gpt"} and len(units) == 2 * (len(MODELS) - 2)
+    assert {r["model"] for r in units} == MODELS - {"pack_gpt_tied", "config_heads_gpt"} and len(units) == 2 * (
+        len(MODELS) - 2
+    )
     for r in units:
         assert r["diff"] <= TOL, r
         assert len(r["units"]) >= 2 and all(u.rsplit(".", 1)[0].endswith(("layers", ".h")) for u in r["units"]), r
         assert r["all_gathers"] == [len(r["units"]) + 1.0], r  # each block once (ZeRO-2), the root once
     # a fused qkv laid out [q | k | v] would train a different model: refused by the output probe
     refusals = [r for r in rows if r["kind"] == "refusal" and r["model"] == "blocked_qkv_gpt"]
-    assert len(refusals) == 2 and all(r["model"] == "blocked_qkv_gpt" and r["error"]
-                                      and "differs from the unsplit model's" in r["error"]
-                                      and "not head-major" in r["error"] for r in refusals), refusals
+    assert len(refusals) == 2 and all(
+        r["model"] == "blocked_qkv_gpt"
+        and r["error"]
+        and "differs from the unsplit model's" in r["error"]
+        and "not head-major" in r["error"]
+        for r in refusals
+    ), refusals
 
 
 def _check_litgpt(rows: list[dict]) -> None:

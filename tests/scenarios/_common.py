@@ -69,12 +69,29 @@ def dataset(n: int = 96, d_in: int = 12, n_out: int = 5, dtype=torch.float64, se
 class Classifier(pl.LightningModule):
     """Mean cross-entropy; data in the single-device order (a non-shuffling sampler over the dp ranks)."""
 
-    def __init__(self, *, global_batch: int = 16, lr: float = 1e-2, n: int = 96, seed: int = 0, dtype=torch.float64,
-                 weight_decay: float = 0.01, schedule: bool = False, **model_kwargs) -> None:
+    def __init__(
+        self,
+        *,
+        global_batch: int = 16,
+        lr: float = 1e-2,
+        n: int = 96,
+        seed: int = 0,
+        dtype=torch.float64,
+        weight_decay: float = 0.01,
+        schedule: bool = False,
+        **model_kwargs,
+    ) -> None:
         super().__init__()
         torch.manual_seed(seed)  # the same initial weights on every rank and in the reference
         self.model = MLP(**model_kwargs)
-        self.global_batch, self.lr, self.n, self.dtype_, self.wd, self.schedule = global_batch, lr, n, dtype, weight_decay, schedule
+        self.global_batch, self.lr, self.n, self.dtype_, self.wd, self.schedule = (
+            global_batch,
+            lr,
+            n,
+            dtype,
+            weight_decay,
+            schedule,
+        )
         self.seen = 0
 
     def forward(self, x):
@@ -104,8 +121,18 @@ class Classifier(pl.LightningModule):
         return DataLoader(sampler.dataset, batch_size=per_rank, sampler=sampler)
 
 
-def reference(steps: int, *, global_batch: int = 16, lr: float = 1e-2, n: int = 96, seed: int = 0,
-              dtype=torch.float64, weight_decay: float = 0.01, schedule: bool = False, **model_kwargs) -> dict:
+def reference(
+    steps: int,
+    *,
+    global_batch: int = 16,
+    lr: float = 1e-2,
+    n: int = 96,
+    seed: int = 0,
+    dtype=torch.float64,
+    weight_decay: float = 0.01,
+    schedule: bool = False,
+    **model_kwargs,
+) -> dict:
     """Single-device training on the whole global batch, same order, same optimizer: the parity reference.
 
     The global batch of step k under a non-shuffling DistributedSampler over W ranks is the set of indices
@@ -119,7 +146,7 @@ def reference(steps: int, *, global_batch: int = 16, lr: float = 1e-2, n: int = 
     steps_per_epoch = n // global_batch
     for k in range(steps):
         j = k % steps_per_epoch
-        x, y = data[j * global_batch:(j + 1) * global_batch]
+        x, y = data[j * global_batch : (j + 1) * global_batch]
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.step()
@@ -160,6 +187,12 @@ def trainer(strategy, *, devices: int, steps: int, precision: str = "64-true", *
     kw.setdefault("logger", False)
     kw.setdefault("use_distributed_sampler", False)
     return pl.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, precision=precision, max_steps=steps,
-        enable_progress_bar=False, enable_model_summary=False, **kw,
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        precision=precision,
+        max_steps=steps,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kw,
     )

@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.distributed as dist
-from _common import emit_gathered as emit, full_params, max_rel_diff, trainer
+from _common import emit_gathered as emit
+from _common import full_params, max_rel_diff, trainer
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_dist  # noqa: F401  (registers the strategies)
@@ -23,8 +23,6 @@ from lightning_dist.strategies import AutoParallelStrategy
 
 STEPS, SEQ, N = 2, 8, 48
 SIZES = dict(vocab_size=32, block_size=SEQ, n_layer=2, n_head=4, n_embd=16, bias=False)
-
-
 
 
 def data() -> TensorDataset:
@@ -49,7 +47,7 @@ def reference(global_batch: int) -> dict:
     opt = torch.optim.AdamW(task.parameters(), lr=1e-2, weight_decay=0.0)
     ds = data()
     for k in range(STEPS):
-        x, y = ds[k * global_batch:(k + 1) * global_batch]
+        x, y = ds[k * global_batch : (k + 1) * global_batch]
         opt.zero_grad()
         task.pipeline_loss(task(x), y).backward()
         opt.step()
@@ -58,27 +56,46 @@ def reference(global_batch: int) -> dict:
 
 def budget(target: str, world: int) -> float:
     """The target layout's planned device bytes (float64 AdamW) + 1%."""
-    layouts = planner.candidate_layouts(planner.count_params(Task(8)), world_size=world, devices_per_node=world,
-                                        state=planner.state_bytes(precision="64-true"))
+    layouts = planner.candidate_layouts(
+        planner.count_params(Task(8)),
+        world_size=world,
+        devices_per_node=world,
+        state=planner.state_bytes(precision="64-true"),
+    )
     layout = next(l for l in layouts if l.name == target)
     return max(1.0, layout.memory.total * 1.01)
 
 
 world = int(os.environ["WORLD_SIZE"])
 runs = [  # (target layout, global batch, prefer)
-    ("hsdp-2", 8, ()), ("fsdp", 8, ()), ("tp2-fsdp2", 6, ()), ("pp2-ddp2", 6, ("pp",)), ("fsdp-offload", 8, ()),
+    ("hsdp-2", 8, ()),
+    ("fsdp", 8, ()),
+    ("tp2-fsdp2", 6, ()),
+    ("pp2-ddp2", 6, ("pp",)),
+    ("fsdp-offload", 8, ()),
 ]
 refs = {g: reference(g) for g in {g for _, g, _ in runs}}
 for target, global_batch, prefer in runs:
     task = Task(global_batch)
-    strategy = AutoParallelStrategy(device_memory=budget(target, world), global_batch=global_batch, prefer=prefer,
-                                    options={"PipelineStrategy": {"n_microbatches": 3, "split": "params"}})
+    strategy = AutoParallelStrategy(
+        device_memory=budget(target, world),
+        global_batch=global_batch,
+        prefer=prefer,
+        options={"PipelineStrategy": {"n_microbatches": 3, "split": "params"}},
+    )
     t = trainer(strategy, devices=world, steps=STEPS)
     t.fit(task)
     got = full_params(task)  # a pipeline rank holds only its stage: compared with those reference parameters
     diff = max_rel_diff(got, {k: v for k, v in refs[global_batch].items() if k in got})
-    emit(kind="auto", target=target, choice=t.strategy.choice.name, ran_as=type(t.strategy).__name__, diff=diff,
-         mesh=list(t.strategy.mesh.spec.shape), offload_policy=type(getattr(t.strategy, "offload_policy", None)).__name__)
+    emit(
+        kind="auto",
+        target=target,
+        choice=t.strategy.choice.name,
+        ran_as=type(t.strategy).__name__,
+        diff=diff,
+        mesh=list(t.strategy.mesh.spec.shape),
+        offload_policy=type(getattr(t.strategy, "offload_policy", None)).__name__,
+    )
 
 # nothing fits: 1 byte per device and a global batch of 6 (rules out full sharding with everything offloaded)
 try:

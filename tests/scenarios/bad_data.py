@@ -15,8 +15,8 @@ from _common import Classifier, dataset, emit, full_params, trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, DistributedSampler
 
-from lightning_dist.callbacks.pipeline_bubble import PipelineBubble
 from lightning_dist.callbacks import FiniteLossGuard, TrainDataGuard
+from lightning_dist.callbacks.pipeline_bubble import PipelineBubble
 from lightning_dist.strategies import HybridShardStrategy
 
 out = Path(sys.argv[1])
@@ -42,8 +42,13 @@ def case(name, module, callbacks, **kw):
     try:
         t.fit(module)
     except Exception as err:  # noqa: BLE001 - the scenario reports whatever was raised
-        emit(case=name, error=type(err).__name__, message=str(err), step=t.global_step,
-             finite=all(torch.isfinite(p).all().item() for p in full_params(module).values()))
+        emit(
+            case=name,
+            error=type(err).__name__,
+            message=str(err),
+            step=t.global_step,
+            finite=all(torch.isfinite(p).all().item() for p in full_params(module).values()),
+        )
         return
     emit(case=name, error=None, step=t.global_step)
 
@@ -51,8 +56,16 @@ def case(name, module, callbacks, **kw):
 case("empty_dataset", Classifier(n=0), [TrainDataGuard()])
 case("fewer_samples_than_ranks", Classifier(n=1, global_batch=2), [TrainDataGuard()])
 case("smaller_than_one_batch", DropLast(n=6), [TrainDataGuard()])
-case("nan_loss_one_rank", NaNAtStep2(), [FiniteLossGuard(), ModelCheckpoint(
-    dirpath=out, filename="s{step}", auto_insert_metric_name=False, every_n_train_steps=1, save_top_k=-1)],
-    enable_checkpointing=True)
+case(
+    "nan_loss_one_rank",
+    NaNAtStep2(),
+    [
+        FiniteLossGuard(),
+        ModelCheckpoint(
+            dirpath=out, filename="s{step}", auto_insert_metric_name=False, every_n_train_steps=1, save_top_k=-1
+        ),
+    ],
+    enable_checkpointing=True,
+)
 case("callback_wrong_strategy", Classifier(), [PipelineBubble()])
 case("control_run", Classifier(), [TrainDataGuard(), FiniteLossGuard()])  # the guards pass good data through

@@ -44,8 +44,14 @@ warnings.filterwarnings("ignore")
 
 def trainer(devices: int, **kwargs) -> pl.Trainer:
     defaults = dict(
-        accelerator="cpu", devices=devices, strategy="ddp", precision="64-true", logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=devices,
+        strategy="ddp",
+        precision="64-true",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     defaults.update(kwargs)
     return pl.Trainer(**defaults)
@@ -152,8 +158,12 @@ def part_exact(devices: int) -> dict:
         samples = t.test(model, verbose=False)[0]["test_samples"]
         test = {**model.final, "samples": samples}
         out[f"drop_last={drop_last}"] = {
-            "ref": ref, "fit_val": fit_val, "val": val, "test": test,
-            "naive_rows": int(naive), "last_count": cb.last_count,
+            "ref": ref,
+            "fit_val": fit_val,
+            "val": val,
+            "test": test,
+            "naive_rows": int(naive),
+            "last_count": cb.last_count,
         }
     return out
 
@@ -227,8 +237,14 @@ class DropInModel(pl.LightningModule):
         return batch[2]
 
     def _epoch_end(self):
-        self.final = {k: {"acc": float(self.acc[k].compute()), "rows": float(self.rows[k].compute()),
-                          "loss_mean": float(self.loss_mean[k].compute())} for k in self.ids}
+        self.final = {
+            k: {
+                "acc": float(self.acc[k].compute()),
+                "rows": float(self.rows[k].compute()),
+                "loss_mean": float(self.loss_mean[k].compute()),
+            }
+            for k in self.ids
+        }
         for metrics in (self.acc, self.rows, self.loss_mean):
             for m in metrics:
                 m.reset()
@@ -247,8 +263,9 @@ class DropInModel(pl.LightningModule):
 
     def loaders(self, which=(0, 1, 2)):
         sets = dropin_sets()
-        return [DataLoader(DictSet(sets[k]) if self.dict_batches else sets[k], batch_size=DROPIN_BATCH[k])
-                for k in which]
+        return [
+            DataLoader(DictSet(sets[k]) if self.dict_batches else sets[k], batch_size=DROPIN_BATCH[k]) for k in which
+        ]
 
     def train_dataloader(self):
         return DataLoader(dropin_sets()[0], batch_size=4)
@@ -265,10 +282,12 @@ def dropin_reference(net: nn.Module) -> list[dict]:
             acc = MulticlassAccuracy(num_classes=3, average="micro", sync_on_compute=False)(logits, y)
             mean = MeanMetric(sync_on_compute=False).set_dtype(torch.float64)
             mean.update(F.cross_entropy(logits, y, reduction="none"))
-            logged = sum(F.cross_entropy(logits[i:i + bs], y[i:i + bs]) * len(y[i:i + bs])
-                         for i in range(0, len(y), bs)) / len(y)
-        out.append({"acc": float(acc), "rows": float(len(y)), "loss_mean": float(mean.compute()),
-                    "logged_loss": float(logged)})
+            logged = sum(
+                F.cross_entropy(logits[i : i + bs], y[i : i + bs]) * len(y[i : i + bs]) for i in range(0, len(y), bs)
+            ) / len(y)
+        out.append(
+            {"acc": float(acc), "rows": float(len(y)), "loss_mean": float(mean.compute()), "logged_loss": float(logged)}
+        )
     return out
 
 
@@ -291,9 +310,12 @@ def _dropin_run(t: pl.Trainer, model: DropInModel, fn: str, which=(0, 1, 2)) -> 
     by_loader = {}
     for pos, k in enumerate(which):
         key = f"{stage}_loss/dataloader_idx_{pos}" if len(which) > 1 else f"{stage}_loss"
-        by_loader[k] = {**model.final[pos], "logged_loss": float(logged[key]),
-                        "ids": sorted(i for ids in _gather(model.ids.get(pos, []), group) for i in ids),
-                        "sizes": model.sizes.get(pos, [])}
+        by_loader[k] = {
+            **model.final[pos],
+            "logged_loss": float(logged[key]),
+            "ids": sorted(i for ids in _gather(model.ids.get(pos, []), group) for i in ids),
+            "sizes": model.sizes.get(pos, []),
+        }
     return by_loader
 
 
@@ -320,8 +342,9 @@ def part_dropin(devices: int, strategy_factory=None, model_cls=None, pipeline: b
             out["validate"] = _dropin_run(trainer(devices, strategy=strategy(), **kw), model, "validate", (0, 1))
         try:
             # pipelines: 31 rows in batches of 3 on 2 dp pipelines give them different batch sizes (refused)
-            trainer(devices, strategy=strategy(), **kw).validate(model, model.loaders((0,) if pipeline else (2,)),
-                                                                 verbose=False)
+            trainer(devices, strategy=strategy(), **kw).validate(
+                model, model.loaders((0,) if pipeline else (2,)), verbose=False
+            )
             out["refused"] = None
         except ValueError as err:
             out["refused"] = str(err)
@@ -329,20 +352,23 @@ def part_dropin(devices: int, strategy_factory=None, model_cls=None, pipeline: b
 
 
 def part_dropin_mesh(devices: int) -> dict:
-    from lightning_dist.strategies import HybridShardStrategy, TensorParallelStrategy
-
-    from lightning_dist.strategies import PipelineStrategy
+    from lightning_dist.strategies import HybridShardStrategy, PipelineStrategy, TensorParallelStrategy
 
     class PipeDropIn(DropInModel):
         def pipeline_loss(self, output, target):  # what PipelineStrategy trains with; evaluation is forward-only
             return F.cross_entropy(output, target)
 
-    return {"hsdp": part_dropin(devices, lambda: HybridShardStrategy(shard_size=2)),
-            "tp": part_dropin(devices, lambda: TensorParallelStrategy(tp=2)),
-                    # the steps compute metrics from the logits: the opt-in gives every pp rank the whole output
-                    "pipeline": part_dropin(devices, lambda: PipelineStrategy(pp=2, n_microbatches=2, split="params",
-                                                                   network="net", broadcast_output=True),
-                                            model_cls=PipeDropIn, pipeline=True)}
+    return {
+        "hsdp": part_dropin(devices, lambda: HybridShardStrategy(shard_size=2)),
+        "tp": part_dropin(devices, lambda: TensorParallelStrategy(tp=2)),
+        # the steps compute metrics from the logits: the opt-in gives every pp rank the whole output
+        "pipeline": part_dropin(
+            devices,
+            lambda: PipelineStrategy(pp=2, n_microbatches=2, split="params", network="net", broadcast_output=True),
+            model_cls=PipeDropIn,
+            pipeline=True,
+        ),
+    }
 
 
 # ---- SyncBatchNorm, directly on the process group ----------------------------------------------
@@ -393,7 +419,7 @@ def part_syncbn(devices: int) -> dict:
         # reference: the whole batch of the sync group on one device
         ref_model = build(False)
         rx, rp = run(ref_model, x_all[sub_lo:sub_hi], target_all[sub_lo:sub_hi], n_sub)
-        rx = rx[lo - sub_lo:hi - sub_lo]
+        rx = rx[lo - sub_lo : hi - sub_lo]
 
         def rel(a, b):
             return float((a - b).norm() / b.norm())
@@ -419,8 +445,9 @@ def part_syncbn(devices: int) -> dict:
 
 # ---- GradientParityCheck ------------------------------------------------------------------------
 class ParityModel(pl.LightningModule):
-    def __init__(self, *, manual: str = "", perturb_rank: int = -1, batch_size: int = 4, n: int = 32,
-                 own_sampler: bool = False):
+    def __init__(
+        self, *, manual: str = "", perturb_rank: int = -1, batch_size: int = 4, n: int = 32, own_sampler: bool = False
+    ):
         super().__init__()
         torch.manual_seed(2)
         self.net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 2))
@@ -453,8 +480,10 @@ class ParityModel(pl.LightningModule):
 
     def train_dataloader(self):
         g = torch.Generator().manual_seed(4)
-        ds = TensorDataset(torch.randn(self.n, 4, generator=g, dtype=torch.float64),
-                           torch.randn(self.n, 2, generator=g, dtype=torch.float64))
+        ds = TensorDataset(
+            torch.randn(self.n, 4, generator=g, dtype=torch.float64),
+            torch.randn(self.n, 2, generator=g, dtype=torch.float64),
+        )
         if self.own_sampler:
             kwargs = self.trainer.strategy.distributed_sampler_kwargs
             return DataLoader(ds, batch_size=self.batch_size, sampler=DistributedSampler(ds, shuffle=False, **kwargs))
@@ -479,8 +508,13 @@ def part_parity(devices: int) -> dict:
             steps=(0,), on_mismatch="warn", loss_fn=(lambda m, b: m.loss(b)) if kwargs.get("manual") else None
         )
         callbacks = [check] + ([MeshSyncBatchNorm()] if sync else [])
-        t = trainer(devices, max_steps=1, callbacks=callbacks, limit_val_batches=0,
-                    use_distributed_sampler=name != "bug_unsharded_data")
+        t = trainer(
+            devices,
+            max_steps=1,
+            callbacks=callbacks,
+            limit_val_batches=0,
+            use_distributed_sampler=name != "bug_unsharded_data",
+        )
         t.fit(model)
         r = check.results[0]
         keys = ("ok", "rel_diff", "tolerance", "params_equal", "same_batch_on_all_ranks", "global_batch")
@@ -518,7 +552,10 @@ class _GradSnapshot(pl.Callback):
 
 def part_parity_tied_gpt(devices: int) -> dict:
     out = {}
-    for name, bug_rank, expect_ok in (("correct_tied_gpt_forward", -1, True), ("bug_tied_grad_scaled_on_one_rank", 1, False)):
+    for name, bug_rank, expect_ok in (
+        ("correct_tied_gpt_forward", -1, True),
+        ("bug_tied_grad_scaled_on_one_rank", 1, False),
+    ):
         model = TiedGPTParity(scale_grad_rank=bug_rank)
         check, before, after = GradientParityCheck(steps=(0,), on_mismatch="warn"), _GradSnapshot(), _GradSnapshot()
         trainer(devices, max_steps=1, limit_val_batches=0, callbacks=[before, check, after]).fit(model)
@@ -638,16 +675,24 @@ def part_syncflag(devices: int) -> dict:
     from lightning_dist.strategies import HybridShardStrategy
 
     out: dict = {}
-    for name, kwargs, callbacks in (("sync_batchnorm_flag", dict(sync_batchnorm=True), []),
-                                    ("mesh_sync_callback", dict(), [MeshSyncBatchNorm()]),
-                                    ("unsynced", dict(), [])):
+    for name, kwargs, callbacks in (
+        ("sync_batchnorm_flag", dict(sync_batchnorm=True), []),
+        ("mesh_sync_callback", dict(), [MeshSyncBatchNorm()]),
+        ("unsynced", dict(), []),
+    ):
         model = ParityModel()
         ref = copy.deepcopy(model.net).double()  # the Trainer runs in float64 (64-true)
         seen = _FirstBatch()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            trainer(devices, strategy=HybridShardStrategy(shard_size=2), max_steps=1, limit_val_batches=0,
-                    callbacks=[*callbacks, seen], **kwargs).fit(model)
+            trainer(
+                devices,
+                strategy=HybridShardStrategy(shard_size=2),
+                max_steps=1,
+                limit_val_batches=0,
+                callbacks=[*callbacks, seen],
+                **kwargs,
+            ).fit(model)
         bn = model.net[1]
         stats = torch.cat([bn.running_mean, bn.running_var]).detach()
         everyone = _gather(stats.tolist())
@@ -678,15 +723,26 @@ def part_tp(devices: int) -> dict:
     ds = eval_data(31)
     loaders = {k: DataLoader(ds, batch_size=3) for k in ("train", "val", "test")}
     model, cb = TPEvalModel(loaders), ExactEvaluation()
-    t = trainer(devices, strategy=TensorParallelStrategy(tp=2), max_epochs=1, limit_train_batches=1,
-                num_sanity_val_steps=0, callbacks=[cb])
+    t = trainer(
+        devices,
+        strategy=TensorParallelStrategy(tp=2),
+        max_epochs=1,
+        limit_train_batches=1,
+        num_sanity_val_steps=0,
+        callbacks=[cb],
+    )
     t.fit(model)
     whole = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in model.net.named_parameters()}
     plain = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3)).double()
     plain.load_state_dict(whole)
     ref = reference_eval(type("M", (), {"net": plain})(), ds)
-    out = {"exact": {"ref": ref, "val": {**model.final, "samples": float(t.callback_metrics["val_samples"])},
-                     "last_count": cb.last_count}}
+    out = {
+        "exact": {
+            "ref": ref,
+            "val": {**model.final, "samples": float(t.callback_metrics["val_samples"])},
+            "last_count": cb.last_count,
+        }
+    }
     # gradient parity on DTensor parameters sharded over tp (and over dp_shard, or replicated over dp_replicate)
     cases = {
         # name: (strategy sizes, model kwargs, expect ok)
@@ -694,8 +750,11 @@ def part_tp(devices: int) -> dict:
         "tp2xdp_shard2_correct_manual_accumulation": (dict(dp_shard=2), dict(manual="divided"), True),
         "tp2xdp_shard2_bug_undivided_accumulation": (dict(dp_shard=2), dict(manual="undivided"), False),
         # replicated over dp: the change on one rank makes the replicas diverge
-        "tp2xdp_replicate2_bug_param_changed_on_one_rank":
-            (dict(dp_replicate=2, dp_shard=1), dict(perturb_rank=1), False),
+        "tp2xdp_replicate2_bug_param_changed_on_one_rank": (
+            dict(dp_replicate=2, dp_shard=1),
+            dict(perturb_rank=1),
+            False,
+        ),
     }
     for name, (sizes, kwargs, expect_ok) in cases.items():
         out[name] = _parity_fit(devices, TensorParallelStrategy(tp=2, **sizes), TPParityModel(**kwargs), expect_ok)
@@ -774,16 +833,27 @@ def part_pipeline(devices: int) -> dict:
     ds = eval_data(31)
     loaders = {"train": DataLoader(ds, batch_size=4), "val": DataLoader(ds, batch_size=6), "test": None}
     out = {}
-    for name, strategy, hidden in (("exact", pipe(), 1), ("exact_pp4", PipelineStrategy(
-            pp=4, n_microbatches=4, split="params", network="net", broadcast_output=True), 3)):
+    for name, strategy, hidden in (
+        ("exact", pipe(), 1),
+        (
+            "exact_pp4",
+            PipelineStrategy(pp=4, n_microbatches=4, split="params", network="net", broadcast_output=True),
+            3,
+        ),
+    ):
         model, cb = PipeEvalModel(loaders, hidden), ExactEvaluation(mode="mask", full_batches=True)
         plain = copy.deepcopy(model.net).double()  # lr 0: the weights the pipeline evaluates with
-        t = trainer(devices, strategy=strategy, max_epochs=1, limit_train_batches=1, num_sanity_val_steps=0,
-                    callbacks=[cb])
+        t = trainer(
+            devices, strategy=strategy, max_epochs=1, limit_train_batches=1, num_sanity_val_steps=0, callbacks=[cb]
+        )
         t.fit(model)
         ref = reference_eval(type("M", (), {"net": plain})(), ds)
-        out[name] = {"ref": ref, "val": {**model.final, "samples": float(t.callback_metrics["val_samples"])},
-                     "last_count": cb.last_count, "naive_rows": model.naive_rows}
+        out[name] = {
+            "ref": ref,
+            "val": {**model.final, "samples": float(t.callback_metrics["val_samples"])},
+            "last_count": cb.last_count,
+            "naive_rows": model.naive_rows,
+        }
     cases = {
         # name: (strategy options, model kwargs, trainer kwargs, expect ok)
         "pp2xdp_shard2_correct": (dict(), dict(), dict(), True),
@@ -792,16 +862,31 @@ def part_pipeline(devices: int) -> dict:
         "pp2xdp_shard2_correct_interleaved": (dict(schedule="interleaved_1f1b"), dict(), dict(), True),
         # (a pipeline_loss that sums where training_step averages is refused by the strategy itself since
         # issue 20: tests/distributed/test_pipeline.py, `scaled_output_loss`)
-        "pp2xdp_replicate2_bug_param_changed_on_one_rank":
-            (dict(dp_replicate=2, dp_shard=1), dict(perturb_rank=1), dict(), False),
+        "pp2xdp_replicate2_bug_param_changed_on_one_rank": (
+            dict(dp_replicate=2, dp_shard=1),
+            dict(perturb_rank=1),
+            dict(),
+            False,
+        ),
     }
     for name, (sizes, kwargs, tkw, expect_ok) in cases.items():
         out[name] = _parity_fit(devices, pipe(**sizes), PipeParityModel(**kwargs), expect_ok, **tkw)
     return out
 
 
-PARTS = {"exact": part_exact, "dropin": part_dropin, "dropin_mesh": part_dropin_mesh, "syncflag": part_syncflag, "syncbn": part_syncbn, "parity": part_parity, "parity_tied_gpt": part_parity_tied_gpt, "sampler": part_sampler, "hsdp": part_hsdp,
-         "tp": part_tp, "pipeline": part_pipeline}
+PARTS = {
+    "exact": part_exact,
+    "dropin": part_dropin,
+    "dropin_mesh": part_dropin_mesh,
+    "syncflag": part_syncflag,
+    "syncbn": part_syncbn,
+    "parity": part_parity,
+    "parity_tied_gpt": part_parity_tied_gpt,
+    "sampler": part_sampler,
+    "hsdp": part_hsdp,
+    "tp": part_tp,
+    "pipeline": part_pipeline,
+}
 
 
 def main() -> None:

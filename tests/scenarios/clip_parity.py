@@ -16,7 +16,8 @@ import os
 import sys
 
 import torch
-from _common import emit_gathered as emit, full_params, max_rel_diff, trainer
+from _common import emit_gathered as emit
+from _common import full_params, max_rel_diff, trainer
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_dist  # noqa: F401  (registers the strategies)
@@ -74,7 +75,7 @@ def reference(algorithm, tie: bool = False) -> tuple[dict, list[bool]]:
     opt = torch.optim.SGD(task.parameters(), lr=LR)
     ds, triggered = data(), []
     for k in range(STEPS):
-        x, y = ds[k * GLOBAL_BATCH:(k + 1) * GLOBAL_BATCH]
+        x, y = ds[k * GLOBAL_BATCH : (k + 1) * GLOBAL_BATCH]
         opt.zero_grad()
         task.pipeline_loss(task(x), y).backward()
         if algorithm == "norm":
@@ -99,11 +100,19 @@ def run(layout: str, strategy, algorithm: str, *, manual: bool = False, tie: boo
     t.fit(task)
     got = full_params(task)  # a pipeline rank holds only its stage: compared with those reference parameters
     ref, triggered = REFS[algorithm, tie]
-    emit(kind="clip", layout=layout, algorithm=algorithm, manual=manual, ran_as=type(t.strategy).__name__,
-         diff=max_rel_diff(got, {k: v for k, v in ref.items() if k in got}), triggered=triggered,
-         unclipped_diff=max_rel_diff({k: v for k, v in REFS[None, tie][0].items() if k in got},
-                                     {k: v for k, v in ref.items() if k in got}),
-         mesh=list(t.strategy.mesh.spec.shape))
+    emit(
+        kind="clip",
+        layout=layout,
+        algorithm=algorithm,
+        manual=manual,
+        ran_as=type(t.strategy).__name__,
+        diff=max_rel_diff(got, {k: v for k, v in ref.items() if k in got}),
+        triggered=triggered,
+        unclipped_diff=max_rel_diff(
+            {k: v for k, v in REFS[None, tie][0].items() if k in got}, {k: v for k, v in ref.items() if k in got}
+        ),
+        mesh=list(t.strategy.mesh.spec.shape),
+    )
 
 
 pipe = dict(schedule="1f1b", n_microbatches=2, split="params")

@@ -9,10 +9,9 @@ whose data-parallel size is 1 still gets FSDP2 with the policy, and trains as th
 import os
 import time
 
-import torch
 import torch.nn.functional as F
-from torch.distributed.fsdp import CPUOffloadPolicy
 from _common import Block, Classifier, emit, full_params, max_rel_diff, reference, trainer
+from torch.distributed.fsdp import CPUOffloadPolicy
 
 import lightning_dist  # noqa: F401  (registers the strategies)
 from lightning_dist.parallelize.fsdp import offload_policies
@@ -21,7 +20,11 @@ from lightning_dist.strategies import HybridShardStrategy, PipelineStrategy, Ten
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # 2 processes share the test machine's cores
 STEPS, DEPTH = 3, 2
 # the MLP's TP plan: gathered column-parallel stem and blocks, a row-parallel head fed whole inputs
-TP_PLAN = {"stem": "colwise_gather", "blocks.*.fc": "colwise_gather", "head": {"style": "rowwise", "input": "replicate"}}
+TP_PLAN = {
+    "stem": "colwise_gather",
+    "blocks.*.fc": "colwise_gather",
+    "head": {"style": "rowwise", "input": "replicate"},
+}
 
 
 class PipeClassifier(Classifier):
@@ -56,5 +59,12 @@ for name, make in cases.items():
     else:
         diff = max_rel_diff(params, ref)
     policies = [type(p).__name__ for p in offload_policies(module).values()]
-    emit(kind="compile", case=name, diff=diff, compiled=compiled_blocks(module), keys=sorted(params), seconds=seconds,
-         policies=policies)
+    emit(
+        kind="compile",
+        case=name,
+        diff=diff,
+        compiled=compiled_blocks(module),
+        keys=sorted(params),
+        seconds=seconds,
+        policies=policies,
+    )

@@ -22,16 +22,19 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
-from _common import Classifier, dataset, emit, rank, full_params, max_rel_diff, reference, trainer
-from torch.utils.data import DataLoader, IterableDataset
+from _common import Classifier, dataset, emit, full_params, max_rel_diff, rank, reference, trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_dist.strategies import REGISTERED
 
 where, bad_rank, devices, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
 name = sys.argv[5] if len(sys.argv) > 5 else "hsdp"
 # strategies whose built-in plans do not fit the scenario's MLP get a small plan of their own
-OPTIONS = {"tp": {"tp": 2, "plan": {"model.stem": "colwise_gather"}}, "pipeline": {"split": "params", "pp": 2}}  # pp 2 (x dp 2 on 4 ranks)
+OPTIONS = {
+    "tp": {"tp": 2, "plan": {"model.stem": "colwise_gather"}},
+    "pipeline": {"split": "params", "pp": 2},
+}  # pp 2 (x dp 2 on 4 ranks)
 PRECISION = {"offload": "32-true"}  # DeepSpeed refuses float64
 TIMEOUT = timedelta(seconds=90)  # the bound on how long survivors wait in a collective for a dead peer
 KW = dict(n=64, schedule=True)  # 4 steps of 16 per epoch: steps 5..8 are the second epoch
@@ -95,12 +98,24 @@ class Faulty(Classifier):
 
 def fit(steps: int, ckpt_path=None, **kw):
     module = Faulty(**KW, dtype=torch.float32 if name in PRECISION else torch.float64)
-    callback = ModelCheckpoint(dirpath=out, filename="step{step}", auto_insert_metric_name=False, save_top_k=-1,
-                               every_n_train_steps=2, save_last=True)
+    callback = ModelCheckpoint(
+        dirpath=out,
+        filename="step{step}",
+        auto_insert_metric_name=False,
+        save_top_k=-1,
+        every_n_train_steps=2,
+        save_last=True,
+    )
     cls, _, params = REGISTERED[name]
-    t = trainer(cls(**{**params, **OPTIONS.get(name, {})}, timeout=TIMEOUT), devices=devices,
-                precision=PRECISION.get(name, "64-true"), steps=steps, enable_checkpointing=True,
-                callbacks=[callback], **kw)
+    t = trainer(
+        cls(**{**params, **OPTIONS.get(name, {})}, timeout=TIMEOUT),
+        devices=devices,
+        precision=PRECISION.get(name, "64-true"),
+        steps=steps,
+        enable_checkpointing=True,
+        callbacks=[callback],
+        **kw,
+    )
     t.fit(module, ckpt_path=ckpt_path)
     return module, t
 
@@ -110,8 +125,13 @@ if where in ("resume", "restart"):
     # `ckpt_path="last"` finds ModelCheckpoint's `last.ckpt` (a sharded directory, swapped in atomically)
     module, t = fit(8, ckpt_path="last" if resuming else None)
     params = full_params(module)
-    emit(kind=where, global_step=t.global_step, diff=max_rel_diff(params, reference(8, **KW)),
-         restart=os.environ.get("TORCHELASTIC_RESTART_COUNT"), last=os.path.realpath(out / "last.ckpt"))
+    emit(
+        kind=where,
+        global_step=t.global_step,
+        diff=max_rel_diff(params, reference(8, **KW)),
+        restart=os.environ.get("TORCHELASTIC_RESTART_COUNT"),
+        last=os.path.realpath(out / "last.ckpt"),
+    )
 elif where == "exit_after_fit":
     fit(2)
     if rank() == bad_rank:

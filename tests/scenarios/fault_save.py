@@ -17,11 +17,10 @@ with SIGKILL. MODE:
 
 import os
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
-
-import threading
 
 import psutil
 from _common import Classifier, emit, full_params, max_rel_diff, reference, trainer
@@ -71,8 +70,10 @@ class CountSaves(ModelCheckpoint):
 class Listening(Callback):
     def on_train_start(self, trainer, pl_module):
         socks = psutil.Process().net_connections(kind="inet")
-        emit(master_addr=os.environ["MASTER_ADDR"],
-             listening=sorted({c.laddr.ip for c in socks if c.status == psutil.CONN_LISTEN}))
+        emit(
+            master_addr=os.environ["MASTER_ADDR"],
+            listening=sorted({c.laddr.ip for c in socks if c.status == psutil.CONN_LISTEN}),
+        )
 
 
 if mode == "listen":
@@ -85,15 +86,22 @@ if int(os.environ.get("LOCAL_RANK", "0")) == (1 if mode == "async_write" else 0)
     ckpt._swap_in = counting_swap
     ckpt.os.fsync = slow_fsync  # `os` is the module `ckpt` uses; only this scenario process is affected
 
-strategy = HybridShardStrategy(timeout=timedelta(seconds=30), save_distributed_checkpoint=mode != "file_write",
-                               async_checkpoint=mode.startswith("async"))
+strategy = HybridShardStrategy(
+    timeout=timedelta(seconds=30),
+    save_distributed_checkpoint=mode != "file_write",
+    async_checkpoint=mode.startswith("async"),
+)
 callback = CountSaves(dirpath=out, save_top_k=0, save_last=True, every_n_train_steps=2)
 steps = 8 if mode.startswith("async") else 6
 t = trainer(strategy, devices=2, steps=steps, enable_checkpointing=True, callbacks=[callback])
 module = Classifier(**KW)
 t.fit(module, ckpt_path="last" if mode == "async_resume" else None)
 if mode == "async_resume":
-    emit(kind="async_resume", global_step=t.global_step, diff=max_rel_diff(full_params(module), reference(8, **KW)),
-         files=sorted(p.name for p in out.iterdir()))
+    emit(
+        kind="async_resume",
+        global_step=t.global_step,
+        diff=max_rel_diff(full_params(module), reference(8, **KW)),
+        files=sorted(p.name for p in out.iterdir()),
+    )
     sys.exit(0)
-print("RESULT {\"finished\": true}")  # never reached: the save at step 4 is killed
+print('RESULT {"finished": true}')  # never reached: the save at step 4 is killed

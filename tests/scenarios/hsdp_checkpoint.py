@@ -29,9 +29,19 @@ def fit(strategy, devices, steps, ckpt_path=None, prefix=None, extra=()):
     module = Classifier(**KW)
     kw = {}
     if prefix:
-        kw = dict(enable_checkpointing=True, callbacks=[ModelCheckpoint(
-            dirpath=out, filename=prefix + "{step}", auto_insert_metric_name=False, save_top_k=-1,
-            every_n_train_steps=3), *extra])
+        kw = dict(
+            enable_checkpointing=True,
+            callbacks=[
+                ModelCheckpoint(
+                    dirpath=out,
+                    filename=prefix + "{step}",
+                    auto_insert_metric_name=False,
+                    save_top_k=-1,
+                    every_n_train_steps=3,
+                ),
+                *extra,
+            ],
+        )
     t = trainer(strategy, devices=devices, steps=steps, **kw)
     t.fit(module, ckpt_path=ckpt_path)
     return module, t
@@ -56,21 +66,38 @@ if mode == "save":
     g_files = sorted(p.name for p in out.iterdir() if p.name.startswith("g"))  # after fit: every save committed
     h6, th = fit(hsdp(async_checkpoint=True), 4, 6, ckpt_path=out / "g3.ckpt")
     ph = full_params(h6)
-    emit(kind="async", checkpointing_changes_nothing=all(torch.equal(pa[k], pg[k]) for k in pa),
-         bitwise=all(torch.equal(pa[k], ph[k]) for k in pa), global_step=th.global_step, files=g_files,
-         staged=tg.strategy.checkpoint_writer().staging_bytes,
-         reported=memory.rows[torch.distributed.get_rank()]["checkpoint_staging_bytes"],
-         params_optimizer=memory.measured["params"] + memory.measured["optimizer"])
-    emit(kind="resume", bitwise=all(torch.equal(pa[k], pc[k]) for k in pa), diff=max_rel_diff(pc, pa),
-         checkpointing_changes_nothing=max_rel_diff(full_params(b6), pa), global_step=tc.global_step,
-         lr=tc.optimizers[0].param_groups[0]["lr"], files=sorted(p.name for p in (out / "b3.ckpt").iterdir()))
+    emit(
+        kind="async",
+        checkpointing_changes_nothing=all(torch.equal(pa[k], pg[k]) for k in pa),
+        bitwise=all(torch.equal(pa[k], ph[k]) for k in pa),
+        global_step=th.global_step,
+        files=g_files,
+        staged=tg.strategy.checkpoint_writer().staging_bytes,
+        reported=memory.rows[torch.distributed.get_rank()]["checkpoint_staging_bytes"],
+        params_optimizer=memory.measured["params"] + memory.measured["optimizer"],
+    )
+    emit(
+        kind="resume",
+        bitwise=all(torch.equal(pa[k], pc[k]) for k in pa),
+        diff=max_rel_diff(pc, pa),
+        checkpointing_changes_nothing=max_rel_diff(full_params(b6), pa),
+        global_step=tc.global_step,
+        lr=tc.optimizers[0].param_groups[0]["lr"],
+        files=sorted(p.name for p in (out / "b3.ckpt").iterdir()),
+    )
 elif mode == "reshard":
     ref3 = torch.load(out / "f3.ckpt", weights_only=True)["state_dict"]
     ref6 = torch.load(out / "a6.pt", weights_only=True)
     for name in ("b3.ckpt", "f3.ckpt", "g3.ckpt"):
         loaded, t = fit(FullyShardStrategy(), 2, 3, ckpt_path=out / name)
         p = full_params(loaded)
-        emit(kind="load", source=name, equal=all(torch.equal(p[k], ref3[k]) for k in p),
-             diff=max_rel_diff(p, ref3), shape=list(t.strategy.mesh.spec.shape), global_step=t.global_step)
+        emit(
+            kind="load",
+            source=name,
+            equal=all(torch.equal(p[k], ref3[k]) for k in p),
+            diff=max_rel_diff(p, ref3),
+            shape=list(t.strategy.mesh.spec.shape),
+            global_step=t.global_step,
+        )
     resumed, t = fit(FullyShardStrategy(), 2, 6, ckpt_path=out / "b3.ckpt")
     emit(kind="reshard_resume", diff=max_rel_diff(full_params(resumed), ref6), global_step=t.global_step)

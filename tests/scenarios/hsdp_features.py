@@ -2,7 +2,7 @@
 activation checkpointing, unit class names, a user `parallelize_fn`, bf16-mixed, and `sync_dist` over dp."""
 
 import torch
-from _common import MLP, Block, Classifier, emit, full_params, max_rel_diff, rank, reference, trainer
+from _common import MLP, Classifier, emit, full_params, max_rel_diff, rank, reference, trainer
 from torch.distributed.tensor import DTensor
 
 from lightning_dist.strategies import HybridShardStrategy
@@ -19,13 +19,22 @@ class Counting(Classifier):
 
 
 # 1. activation checkpointing (full, class names, selective, every 2nd block) + units by class name: same numbers as single-device training
-for kw in ({"activation_checkpointing": True}, {"units": ["Block"]}, {"activation_checkpointing": ["Block"]},
-           {"activation_checkpointing": "selective"}, {"activation_checkpointing": "every:2"}):
+for kw in (
+    {"activation_checkpointing": True},
+    {"units": ["Block"]},
+    {"activation_checkpointing": ["Block"]},
+    {"activation_checkpointing": "selective"},
+    {"activation_checkpointing": "every:2"},
+):
     module = Counting()
     t = trainer(HybridShardStrategy(dp_replicate=2, shard_size=2, **kw), devices=WORLD, steps=STEPS)
     t.fit(module)
-    emit(kind="option", option=str(kw), diff=max_rel_diff(full_params(module), ref),
-         logged=float(t.callback_metrics["samples"]))
+    emit(
+        kind="option",
+        option=str(kw),
+        diff=max_rel_diff(full_params(module), ref),
+        logged=float(t.callback_metrics["samples"]),
+    )
 
 
 # 2. a model created on the meta device in configure_model; the mesh is visible there
@@ -47,10 +56,15 @@ torch.manual_seed(100 + rank())  # no common seed: replicas must still materiali
 t = trainer(HybridShardStrategy(dp_replicate=2, shard_size=2), devices=WORLD, steps=2)
 t.fit(module)
 w = module.model.blocks[0].fc.weight
-emit(kind="meta", digest=[p.full_tensor().sum().item() for p in module.parameters()], mesh=module.seen_mesh, is_dtensor=isinstance(w, DTensor),
-     placements=[str(p) for p in w.placements] if isinstance(w, DTensor) else None,
-     local_rows=w.to_local().shape[0], finite=all(torch.isfinite(p.full_tensor()).all().item()
-                                                   for p in module.parameters()))
+emit(
+    kind="meta",
+    digest=[p.full_tensor().sum().item() for p in module.parameters()],
+    mesh=module.seen_mesh,
+    is_dtensor=isinstance(w, DTensor),
+    placements=[str(p) for p in w.placements] if isinstance(w, DTensor) else None,
+    local_rows=w.to_local().shape[0],
+    finite=all(torch.isfinite(p.full_tensor()).all().item() for p in module.parameters()),
+)
 
 # 3. a user parallelize_fn replaces the built-in plan
 calls = []
@@ -77,8 +91,13 @@ for block in module.model.blocks:
     block.fc.register_forward_hook(hook)
 t = trainer(HybridShardStrategy(dp_replicate=2, shard_size=2), devices=WORLD, steps=2, precision="bf16-mixed")
 t.fit(module)
-emit(kind="bf16", compute=sorted(set(dtypes)), params=sorted({str(p.dtype) for p in module.parameters()}),
-     loss=float(t.callback_metrics["train_loss"]))
+emit(
+    kind="bf16",
+    compute=sorted(set(dtypes)),
+    params=sorted({str(p.dtype) for p in module.parameters()}),
+    loss=float(t.callback_metrics["train_loss"]),
+)
+
 
 # 5. validate() after fit() on the same Trainer reuses the sharded module; the loss equals single-device
 class Validating(Classifier):
@@ -87,11 +106,12 @@ class Validating(Classifier):
         self.log("val_loss", torch.nn.functional.cross_entropy(self(x), y), sync_dist=True)
 
     def val_dataloader(self):
+        from _common import dataset
         from torch.utils.data import DataLoader, DistributedSampler
 
-        from _common import dataset
-
-        sampler = DistributedSampler(dataset(32, seed=2), shuffle=False, **self.trainer.strategy.distributed_sampler_kwargs)
+        sampler = DistributedSampler(
+            dataset(32, seed=2), shuffle=False, **self.trainer.strategy.distributed_sampler_kwargs
+        )
         return DataLoader(sampler.dataset, batch_size=8, sampler=sampler)
 
 
@@ -106,12 +126,19 @@ from _common import dataset  # noqa: E402
 x, y = dataset(32, seed=2).tensors
 expected = torch.nn.functional.cross_entropy(net(x), y).item()
 # after a forward-only pass the strategy reshards: root parameters are local shards again (DTensors)
-emit(kind="validate_after_fit", val=val, expected=expected,
-     resharded=all(isinstance(p, DTensor) for p in module.parameters()))
+emit(
+    kind="validate_after_fit",
+    val=val,
+    expected=expected,
+    resharded=all(isinstance(p, DTensor) for p in module.parameters()),
+)
 
 # 6. bf16-true: parameters and compute in bf16 (Lightning's HalfPrecision converts before sharding)
 module = Classifier(dtype=torch.bfloat16)
 t = trainer(HybridShardStrategy(dp_replicate=2, shard_size=2), devices=WORLD, steps=2, precision="bf16-true")
 t.fit(module)
-emit(kind="bf16_true", params=sorted({str(p.dtype) for p in module.parameters()}),
-     loss=float(t.callback_metrics["train_loss"]))
+emit(
+    kind="bf16_true",
+    params=sorted({str(p.dtype) for p in module.parameters()}),
+    loss=float(t.callback_metrics["train_loss"]),
+)

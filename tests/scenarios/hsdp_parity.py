@@ -29,18 +29,32 @@ for rep, shard in meshes:
         t = trainer(strategy, devices=WORLD, steps=STEPS)
         t.fit(module)
         diff = max_rel_diff(full_params(module), ref64)
-        emit(kind="parity64", mesh=[rep, shard], stage=stage, diff=diff,
-             sampler=strategy.distributed_sampler_kwargs, dp_size=strategy.mesh.dp_size,
-             shape=list(strategy.mesh.spec.shape), seen=module.seen)
+        emit(
+            kind="parity64",
+            mesh=[rep, shard],
+            stage=stage,
+            diff=diff,
+            sampler=strategy.distributed_sampler_kwargs,
+            dp_size=strategy.mesh.dp_size,
+            shape=list(strategy.mesh.spec.shape),
+            seen=module.seen,
+        )
 
 # no common seed: each rank builds its own random model (seed 1000 + rank); the strategy must start every
 # replica from rank 0's model (DDP's rule), on the FSDP2 path (2x2, ZeRO-3) and the all-reduce path (4x1, ZeRO-1)
 ref_rank0 = reference(STEPS, seed=1000)
 for rep, shard, stage in [(2, 2, 3), (4, 1, 1)]:
     module = Classifier(seed=1000 + rank())
-    trainer(HybridShardStrategy(dp_replicate=rep, shard_size=shard, zero_stage=stage), devices=WORLD, steps=STEPS).fit(module)
-    emit(kind="noseed", mesh=[rep, shard], stage=stage, diff=max_rel_diff(full_params(module), ref_rank0),
-         own_seed_diff=max_rel_diff(full_params(module), reference(STEPS, seed=1000 + rank())))
+    trainer(HybridShardStrategy(dp_replicate=rep, shard_size=shard, zero_stage=stage), devices=WORLD, steps=STEPS).fit(
+        module
+    )
+    emit(
+        kind="noseed",
+        mesh=[rep, shard],
+        stage=stage,
+        diff=max_rel_diff(full_params(module), ref_rank0),
+        own_seed_diff=max_rel_diff(full_params(module), reference(STEPS, seed=1000 + rank())),
+    )
 
 # float32: the bar is Lightning's own DDPStrategy on the same work
 ref32 = reference(STEPS, dtype=torch.float32)
@@ -51,13 +65,13 @@ module = Classifier(dtype=torch.float32)
 trainer(HybridShardStrategy(dp_replicate=2, shard_size=2), devices=WORLD, steps=STEPS, precision="32-true").fit(module)
 emit(kind="parity32", ddp=ddp_diff, hsdp=max_rel_diff(full_params(module), ref32))
 
+
 # Lightning counts the strategy as distributed: it injects a DistributedSampler over `dp` (96 samples,
 # 4 ranks, batch 4 -> 6 batches per rank), and `sync_dist` logging reduces over `dp`.
 class Injected(Classifier):
     def train_dataloader(self):
-        from torch.utils.data import DataLoader
-
         from _common import dataset
+        from torch.utils.data import DataLoader
 
         return DataLoader(dataset(self.n, dtype=self.dtype_), batch_size=4, shuffle=True)
 
@@ -66,5 +80,9 @@ module = Injected()
 t = trainer(HybridShardStrategy(dp_replicate=2, shard_size=2), devices=WORLD, steps=1, use_distributed_sampler=True)
 t.fit(module)
 sampler = t.train_dataloader.sampler
-emit(kind="injection", sampler=type(sampler).__name__, replicas=getattr(sampler, "num_replicas", None),
-     batches=t.num_training_batches)
+emit(
+    kind="injection",
+    sampler=type(sampler).__name__,
+    replicas=getattr(sampler, "num_replicas", None),
+    batches=t.num_training_batches,
+)

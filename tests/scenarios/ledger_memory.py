@@ -52,12 +52,18 @@ class ViTTask(pl.LightningModule):
 
 def run(case: str, strategy, module: pl.LightningModule) -> None:
     ledger, memory = CommunicationLedger(), MemoryReport()
-    t = trainer(strategy, devices=int(os.environ["WORLD_SIZE"]), steps=STEPS, precision="32-true",
-                callbacks=[ledger, memory])
+    t = trainer(
+        strategy, devices=int(os.environ["WORLD_SIZE"]), steps=STEPS, precision="32-true", callbacks=[ledger, memory]
+    )
     t.fit(module)
     mine = memory.rows[dist.get_rank()]
-    emit(case=case, comm=ledger.summary, memory=mine, steps=len(ledger.steps),
-         logged=sorted(k for k in t.callback_metrics if k.startswith(("comm/", "memory/"))))
+    emit(
+        case=case,
+        comm=ledger.summary,
+        memory=mine,
+        steps=len(ledger.steps),
+        logged=sorted(k for k in t.callback_metrics if k.startswith(("comm/", "memory/"))),
+    )
 
 
 class Quiet(Classifier):

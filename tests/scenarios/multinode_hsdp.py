@@ -30,6 +30,12 @@ for step in ledger.steps:
         nodes = {r // 2 for r in mesh.spec.group_ranks(rank, dim)} if dim in DIM_NAMES + (DP,) else {-1}
         key = f"{op}@{dim}"
         traffic[key] = {"bytes": traffic.get(key, {}).get("bytes", 0) + nbytes, "cross_node": len(nodes) > 1}
-emit(kind="multinode", node=int(os.environ["GROUP_RANK"]), shape=list(mesh.spec.shape), traffic=traffic,
-     shard_group=mesh.spec.group_ranks(rank, "dp_shard"), replicate_group=mesh.spec.group_ranks(rank, "dp_replicate"),
-     diff=max_rel_diff(full_params(module), reference(STEPS)))
+emit(
+    kind="multinode",
+    node=int(os.environ["GROUP_RANK"]),
+    shape=list(mesh.spec.shape),
+    traffic=traffic,
+    shard_group=mesh.spec.group_ranks(rank, "dp_shard"),
+    replicate_group=mesh.spec.group_ranks(rank, "dp_replicate"),
+    diff=max_rel_diff(full_params(module), reference(STEPS)),
+)

@@ -91,8 +91,14 @@ if args.fsdp2:
     strategy = FSDP2OffloadStrategy(optimizer="cpu", parameters="cpu")
     module = Classifier(dtype=torch.float32)
     trainer(strategy, devices=devices, steps=STEPS, precision="32-true").fit(module)
-    emit(kind="fsdp2", type=type(strategy).__name__, diff=max_rel_diff(full_params(module), ref32), ddp=ddp_diff,
-         pin=strategy.offload_policy.pin_memory, rows=strategy.print_report("after the test"))
+    emit(
+        kind="fsdp2",
+        type=type(strategy).__name__,
+        diff=max_rel_diff(full_params(module), ref32),
+        ddp=ddp_diff,
+        pin=strategy.offload_policy.pin_memory,
+        rows=strategy.print_report("after the test"),
+    )
 
 if args.resume:
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -108,10 +114,21 @@ for combo in filter(None, args.resume.split(",")):
     def saving(tag: str, steps: int, module: Classifier) -> str:
         """Train `steps` steps saving a checkpoint every 3; the step-3 checkpoint's path."""
         ckpt_dir = os.path.join(nvme_root, f"ckpt-{tag}-{name}")
-        cb = ModelCheckpoint(dirpath=ckpt_dir, filename="step{step}", auto_insert_metric_name=False, save_top_k=-1,
-                             every_n_train_steps=STEPS)
-        trainer(make(combo, tag, report=False), devices=devices, steps=steps, precision="32-true",
-                enable_checkpointing=True, callbacks=[cb]).fit(module)
+        cb = ModelCheckpoint(
+            dirpath=ckpt_dir,
+            filename="step{step}",
+            auto_insert_metric_name=False,
+            save_top_k=-1,
+            every_n_train_steps=STEPS,
+        )
+        trainer(
+            make(combo, tag, report=False),
+            devices=devices,
+            steps=steps,
+            precision="32-true",
+            enable_checkpointing=True,
+            callbacks=[cb],
+        ).fit(module)
         return os.path.join(ckpt_dir, f"step{STEPS}.ckpt")
 
     # saving swaps offloaded states in and out: it must not change the run that goes on
@@ -121,7 +138,8 @@ for combo in filter(None, args.resume.split(",")):
     path = saving("first", STEPS, first)
     second = Classifier(**kw, seed=123)  # different init: everything must come from the checkpoint
     trainer(make(combo, "second", report=False), devices=devices, steps=total, precision="32-true").fit(
-        second, ckpt_path=path)
+        second, ckpt_path=path
+    )
     got, at_half, on = whole_params(second), whole_params(first), whole_params(continued)  # collectives: every rank
     single = None
     if torch.distributed.get_rank() == 0:
@@ -132,10 +150,16 @@ for combo in filter(None, args.resume.split(",")):
         plain.load_state_dict(torch.load(out, weights_only=True)["state_dict"])
         single = max_rel_diff(dict(plain.named_parameters()), at_half)
     ref_kw = {k: v for k, v in kw.items() if k != "n"}
-    emit(kind="resume", combo=combo, diff=max_rel_diff(got, want), continued=max_rel_diff(on, want),
-         steps_seen=second.seen, single_device=single,
-         straight_vs_ref=max_rel_diff(want, reference(total, n=48, **ref_kw)),
-         half_vs_ref=max_rel_diff(at_half, reference(STEPS, n=48, **ref_kw)))
+    emit(
+        kind="resume",
+        combo=combo,
+        diff=max_rel_diff(got, want),
+        continued=max_rel_diff(on, want),
+        steps_seen=second.seen,
+        single_device=single,
+        straight_vs_ref=max_rel_diff(want, reference(total, n=48, **ref_kw)),
+        half_vs_ref=max_rel_diff(at_half, reference(STEPS, n=48, **ref_kw)),
+    )
 
 
 class Evaluated(Classifier):
@@ -181,17 +205,30 @@ for combo in filter(None, args.evaluate.split(",")):
     test = t.test(fresh, verbose=False)[0]["test_loss"]
     # validate from a step-3 checkpoint (optimizer state / parameters on NVMe for NVMe combos), in a new run
     ckpt_dir = os.path.join(nvme_root, f"ckpt-evaluate-{name}")
-    cb = ModelCheckpoint(dirpath=ckpt_dir, filename="step{step}", auto_insert_metric_name=False, save_top_k=-1,
-                         every_n_train_steps=STEPS)
-    trainer(make(combo, "evaluate-fit", report=False), devices=devices, steps=STEPS, precision="32-true",
-            enable_checkpointing=True, callbacks=[cb]).fit(Evaluated(**kw))
+    cb = ModelCheckpoint(
+        dirpath=ckpt_dir, filename="step{step}", auto_insert_metric_name=False, save_top_k=-1, every_n_train_steps=STEPS
+    )
+    trainer(
+        make(combo, "evaluate-fit", report=False),
+        devices=devices,
+        steps=STEPS,
+        precision="32-true",
+        enable_checkpointing=True,
+        callbacks=[cb],
+    ).fit(Evaluated(**kw))
     other = Evaluated(**kw, seed=123)  # different init: the weights must come from the checkpoint
-    ckpt_val = trainer(make(combo, "evaluate-ckpt", report=False), devices=devices, steps=STEPS,
-                       precision="32-true").validate(other, ckpt_path=os.path.join(ckpt_dir, f"step{STEPS}.ckpt"),
-                                                     verbose=False)[0]["val_loss"]
-    emit(kind="evaluate", combo=combo, val=val, test=test, ref=single_device_loss(None, n=48, **model_kw),
-         ckpt_val=ckpt_val,
-         ckpt_ref=single_device_loss(reference(STEPS, n=48, dtype=torch.float32, **model_kw), n=48, **model_kw))
+    ckpt_val = trainer(
+        make(combo, "evaluate-ckpt", report=False), devices=devices, steps=STEPS, precision="32-true"
+    ).validate(other, ckpt_path=os.path.join(ckpt_dir, f"step{STEPS}.ckpt"), verbose=False)[0]["val_loss"]
+    emit(
+        kind="evaluate",
+        combo=combo,
+        val=val,
+        test=test,
+        ref=single_device_loss(None, n=48, **model_kw),
+        ckpt_val=ckpt_val,
+        ckpt_ref=single_device_loss(reference(STEPS, n=48, dtype=torch.float32, **model_kw), n=48, **model_kw),
+    )
 
 bf16_base = {}
 for combo in filter(None, args.bf16.split(",")):
@@ -200,15 +237,24 @@ for combo in filter(None, args.bf16.split(",")):
     key = tuple(sorted(model_kw.items()))
     if key not in bf16_base:  # the same run without offload, for this model size
         base = Classifier(dtype=torch.float32, **model_kw)
-        trainer(OffloadStrategy(optimizer=None, zero_stage=3, report=False), devices=devices, steps=STEPS,
-                precision="bf16-mixed").fit(base)
+        trainer(
+            OffloadStrategy(optimizer=None, zero_stage=3, report=False),
+            devices=devices,
+            steps=STEPS,
+            precision="bf16-mixed",
+        ).fit(base)
         bf16_base[key] = whole_params(base)
     module = Classifier(dtype=torch.float32, **model_kw)
     trainer(make(combo, "bf16", report=False), devices=devices, steps=STEPS, precision="bf16-mixed").fit(module)
     got = whole_params(module)
-    emit(kind="bf16", combo=combo, dtype=str(next(iter(got.values())).dtype), seen=module.seen,
-         vs_no_offload=max_rel_diff(got, bf16_base[key]),
-         vs_fp32_ref=max_rel_diff(got, reference(STEPS, dtype=torch.float32, **model_kw)))
+    emit(
+        kind="bf16",
+        combo=combo,
+        dtype=str(next(iter(got.values())).dtype),
+        seen=module.seen,
+        vs_no_offload=max_rel_diff(got, bf16_base[key]),
+        vs_fp32_ref=max_rel_diff(got, reference(STEPS, dtype=torch.float32, **model_kw)),
+    )
 
 
 CLIP_NORM = 0.3  # below every step's gradient norm: clipping triggers (the reference records it)
@@ -244,7 +290,7 @@ def clipped_reference(clip, **model_kw):
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     data, triggered = dataset(96, dtype=torch.float32), []
     for k in range(STEPS):
-        x, y = data[k * 16:(k + 1) * 16]
+        x, y = data[k * 16 : (k + 1) * 16]
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         if clip:
@@ -260,12 +306,22 @@ for combo in filter(None, args.clip.split(",")):
     for manual in ("", "norm"):
         module = Clipped(manual=manual, dtype=torch.float32)
         clip = {} if manual else {"gradient_clip_val": CLIP_NORM}
-        trainer(make(combo, "clip", report=False), devices=devices, steps=STEPS, precision="32-true", **clip).fit(module)
-        emit(kind="clip", combo=combo, manual=bool(manual), diff=max_rel_diff(whole_params(module), ref_clip),
-             triggered=triggered, unclipped_diff=max_rel_diff(ref_plain, ref_clip), seen=module.seen)
+        trainer(make(combo, "clip", report=False), devices=devices, steps=STEPS, precision="32-true", **clip).fit(
+            module
+        )
+        emit(
+            kind="clip",
+            combo=combo,
+            manual=bool(manual),
+            diff=max_rel_diff(whole_params(module), ref_clip),
+            triggered=triggered,
+            unclipped_diff=max_rel_diff(ref_plain, ref_clip),
+            seen=module.seen,
+        )
     try:  # DeepSpeed clips by norm only: by value in manual optimization is refused on every rank
         trainer(make(combo, "clip-value", report=False), devices=devices, steps=STEPS, precision="32-true").fit(
-            Clipped(manual="value", dtype=torch.float32))
+            Clipped(manual="value", dtype=torch.float32)
+        )
         emit(kind="clip_value", combo=combo, error=None)
     except ValueError as err:
         emit(kind="clip_value", combo=combo, error=str(err))

@@ -29,7 +29,11 @@ WORLD = int(os.environ.get("WORLD_SIZE", "2"))
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"]
 # TP inside the stages of the MLP: gathered column-parallel stem and blocks, a row-parallel head fed whole
 # inputs (5 outputs do not split over 2 ranks, 16 inputs do)
-TP_PLAN = {"stem": "colwise_gather", "blocks.*.fc": "colwise_gather", "head": {"style": "rowwise", "input": "replicate"}}
+TP_PLAN = {
+    "stem": "colwise_gather",
+    "blocks.*.fc": "colwise_gather",
+    "head": {"style": "rowwise", "input": "replicate"},
+}
 
 
 class PipeClassifier(Classifier):
@@ -75,7 +79,7 @@ def reference(steps, *, accumulate=1, clip=None, schedule=False, n=96, global_ba
         opt.zero_grad()
         for _ in range(accumulate):
             j, b = b % per_epoch, b + 1
-            x, y = data[j * global_batch:(j + 1) * global_batch]
+            x, y = data[j * global_batch : (j + 1) * global_batch]
             loss = F.cross_entropy(model(x), y)
             losses.append(loss.item())
             (loss / accumulate).backward()
@@ -86,8 +90,10 @@ def reference(steps, *, accumulate=1, clip=None, schedule=False, n=96, global_ba
             sched.step()
     val = dataset(n, seed=2)
     with torch.no_grad():
-        val_loss = sum(F.cross_entropy(model(val[i:i + global_batch][0]), val[i:i + global_batch][1]).item()
-                       for i in range(0, n, global_batch)) / (n // global_batch)
+        val_loss = sum(
+            F.cross_entropy(model(val[i : i + global_batch][0]), val[i : i + global_batch][1]).item()
+            for i in range(0, n, global_batch)
+        ) / (n // global_batch)
     reference.clipped, reference.model = clipped, model  # for the checks that clipping was active / predictions
     return {f"model.{k}": p.detach().clone() for k, p in model.named_parameters()}, losses, val_loss
 
@@ -105,16 +111,21 @@ def local_diff(module, ref) -> tuple[float, list[str]]:
 
 
 def fit(strategy, steps, *, module=None, **kw):
-    module = module or PipeClassifier(global_batch=kw.pop("global_batch", 16), n=kw.pop("n", 96),
-                                      schedule=kw.pop("lr_schedule", False))
+    module = module or PipeClassifier(
+        global_batch=kw.pop("global_batch", 16), n=kw.pop("n", 96), schedule=kw.pop("lr_schedule", False)
+    )
     t = trainer(strategy, devices=WORLD, steps=steps, num_sanity_val_steps=0, **kw)
     t.fit(module)
     return module, t
 
 
 def parity(tag, strategy, steps=3, **kw):
-    ref, ref_losses, ref_val = reference(steps, accumulate=kw.get("accumulate_grad_batches", 1),
-                                         clip=kw.get("gradient_clip_val"), schedule=kw.get("lr_schedule", False))
+    ref, ref_losses, ref_val = reference(
+        steps,
+        accumulate=kw.get("accumulate_grad_batches", 1),
+        clip=kw.get("gradient_clip_val"),
+        schedule=kw.get("lr_schedule", False),
+    )
     clipped, ref_model = reference.clipped, reference.model
     module, t = fit(strategy, steps, **kw)
     strategy = t.strategy  # a registry name resolves to a PipelineStrategy
@@ -126,11 +137,25 @@ def parity(tag, strategy, steps=3, **kw):
         expected = ref_model(val_x[: module.global_batch])
     preds = t.predict(module, DataLoader(val_x[: module.global_batch], batch_size=module.global_batch))
     predict_diff = (torch.cat(preds) - expected).abs().max().item()
-    emit(kind="parity", tag=tag, diff=diff, keys=keys, n_keys=len(ref), losses=module.step_losses,
-         ref_losses=ref_losses, logged=logged, val=metrics["val_loss"], ref_val=ref_val,
-         split=[list(s.blocks) for s in strategy.split.stages], stages=strategy.local_stages,
-         shape=list(strategy.mesh.spec.shape), clipped=clipped, predict_diff=predict_diff,
-         schedule=strategy.schedule, tp_sharded=sorted(n for n, p in module.named_parameters() if _on_tp(p)))
+    emit(
+        kind="parity",
+        tag=tag,
+        diff=diff,
+        keys=keys,
+        n_keys=len(ref),
+        losses=module.step_losses,
+        ref_losses=ref_losses,
+        logged=logged,
+        val=metrics["val_loss"],
+        ref_val=ref_val,
+        split=[list(s.blocks) for s in strategy.split.stages],
+        stages=strategy.local_stages,
+        shape=list(strategy.mesh.spec.shape),
+        clipped=clipped,
+        predict_diff=predict_diff,
+        schedule=strategy.schedule,
+        tp_sharded=sorted(n for n, p in module.named_parameters() if _on_tp(p)),
+    )
     return module, t, ref
 
 
@@ -143,7 +168,9 @@ def _on_tp(p) -> bool:
 def errors():
     """Bad configurations: every rank raises the same clear error before any collective."""
     cases = {
-        "too_many_stages": lambda: PipelineStrategy(pp=2, schedule="interleaved_1f1b", stages_per_rank=5, split="params"),
+        "too_many_stages": lambda: PipelineStrategy(
+            pp=2, schedule="interleaved_1f1b", stages_per_rank=5, split="params"
+        ),
         "few_microbatches": lambda: PipelineStrategy(pp=2, schedule="1f1b", n_microbatches=1, split="params"),
         "indivisible_batch": lambda: PipelineStrategy(pp=2, n_microbatches=3, split="params"),
     }
@@ -206,7 +233,7 @@ def single_device(model, steps, *, l2=0.0, global_batch=16):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     data = dataset(96)
     for k in range(steps):
-        x, y = data[k * global_batch:(k + 1) * global_batch]
+        x, y = data[k * global_batch : (k + 1) * global_batch]
         opt.zero_grad()
         loss = F.cross_entropy(model(x), y)
         if l2:
@@ -226,8 +253,10 @@ def silent_cases():
             if not sample:
                 self.example_input_array = None
 
-    for case, module in (("residual_first_batch", lambda: ResidualNoSample()),
-                         ("residual_example", lambda: ResidualNoSample(sample=True))):
+    for case, module in (
+        ("residual_first_batch", lambda: ResidualNoSample()),
+        ("residual_example", lambda: ResidualNoSample(sample=True)),
+    ):
         try:
             fit(PipelineStrategy(pp=2, split="params"), 1, module=module())
             emit(kind="silent", case=case, message=None)
@@ -242,8 +271,12 @@ def silent_cases():
     torch.manual_seed(0)
     ref = single_device(MLP(depth=DEPTH), 3, l2=L2)
     module, _ = fit(PipelineStrategy(pp=2, schedule="1f1b", n_microbatches=4, split="params"), 3, module=Penalized())
-    emit(kind="silent", case="l2_penalty", diff=local_diff(module, ref)[0],
-         without_l2=local_diff(module, single_device(_seeded_mlp(), 3))[0])
+    emit(
+        kind="silent",
+        case="l2_penalty",
+        diff=local_diff(module, ref)[0],
+        without_l2=local_diff(module, single_device(_seeded_mlp(), 3))[0],
+    )
 
     class Scaled(PipeClassifier):  # a term on the output the schedule cannot back-propagate: refused
         def training_step(self, batch, batch_idx):
@@ -268,9 +301,12 @@ def silent_cases():
             x, y = batch
             return 2 * F.cross_entropy(self(x), y)
 
-    for case, module, kw in (("scaled_output_loss", Scaled, {}), ("output_term", OutputTerm, {}),
-                             ("direct_use", Direct, {}), ("direct_scaled_broadcast", DirectScaled,
-                                                         {"broadcast_output": True})):
+    for case, module, kw in (
+        ("scaled_output_loss", Scaled, {}),
+        ("output_term", OutputTerm, {}),
+        ("direct_use", Direct, {}),
+        ("direct_scaled_broadcast", DirectScaled, {"broadcast_output": True}),
+    ):
         try:
             fit(PipelineStrategy(pp=2, split="params", **kw), 1, module=module())
             emit(kind="silent", case=case, message=None)
@@ -280,10 +316,17 @@ def silent_cases():
     # the opt-in: the whole output on every rank, a loss computed from its values, one-device parity
     torch.manual_seed(0)
     ref = single_device(MLP(depth=DEPTH), 3)
-    module, t = fit(PipelineStrategy(pp=2, schedule="1f1b", n_microbatches=4, split="params", broadcast_output=True), 3,
-                    module=Direct())
-    emit(kind="silent", case="direct_broadcast", diff=local_diff(module, ref)[0],
-         logged=t.callback_metrics["train_loss"].item())
+    module, t = fit(
+        PipelineStrategy(pp=2, schedule="1f1b", n_microbatches=4, split="params", broadcast_output=True),
+        3,
+        module=Direct(),
+    )
+    emit(
+        kind="silent",
+        case="direct_broadcast",
+        diff=local_diff(module, ref)[0],
+        logged=t.callback_metrics["train_loss"].item(),
+    )
 
     class Shared(PipeClassifier):  # case 7: one nn.Linear used twice, both uses on stage 0
         def __init__(self):
@@ -292,8 +335,12 @@ def silent_cases():
 
     ref = single_device(shared_sequential(), 3)
     module, t = fit(PipelineStrategy(pp=2, schedule="1f1b", n_microbatches=4, split=[5]), 3, module=Shared())
-    emit(kind="silent", case="shared_linear", diff=local_diff(module, ref)[0],
-         split=[list(s.blocks) for s in t.strategy.split.stages])
+    emit(
+        kind="silent",
+        case="shared_linear",
+        diff=local_diff(module, ref)[0],
+        split=[list(s.blocks) for s in t.strategy.split.stages],
+    )
 
 
 def shared_blocks_dp():
@@ -310,9 +357,12 @@ def shared_blocks_dp():
             self.model = build()
 
     ref = single_device(build(), 3)
-    module, t = fit(PipelineStrategy(pp=2, dp_shard=2, schedule="1f1b", n_microbatches=2, split=[4]), 3,
-                    module=SharedBlocks())
-    emit(kind="silent", case="shared_block_dp2", diff=local_diff(module, ref)[0], shape=list(t.strategy.mesh.spec.shape))
+    module, t = fit(
+        PipelineStrategy(pp=2, dp_shard=2, schedule="1f1b", n_microbatches=2, split=[4]), 3, module=SharedBlocks()
+    )
+    emit(
+        kind="silent", case="shared_block_dp2", diff=local_diff(module, ref)[0], shape=list(t.strategy.mesh.spec.shape)
+    )
 
 
 def _seeded_mlp():
@@ -337,10 +387,15 @@ def bubble():
         kinds = {}
         for stage, kind, mb, *_ in cb.last_records[dist.get_rank()]["events"]:
             kinds.setdefault(f"{stage}{kind}", []).append(mb)
-        emit(kind="bubble", schedule=schedule, kinds={k: sorted(v) for k, v in kinds.items()},
-             summary={k: v for k, v in cb.summary().items() if k != "peak_held"}, peak_held=cb.steps[-1]["peak_held"],
-             logged={k: t.callback_metrics[k].item() for k in t.callback_metrics if k.startswith("pipeline/")},
-             png=os.path.exists(png) and os.path.getsize(png) if dist.get_rank() == 0 else None)
+        emit(
+            kind="bubble",
+            schedule=schedule,
+            kinds={k: sorted(v) for k, v in kinds.items()},
+            summary={k: v for k, v in cb.summary().items() if k != "peak_held"},
+            peak_held=cb.steps[-1]["peak_held"],
+            logged={k: t.callback_metrics[k].item() for k in t.callback_metrics if k.startswith("pipeline/")},
+            png=os.path.exists(png) and os.path.getsize(png) if dist.get_rank() == 0 else None,
+        )
 
 
 def ledger():
@@ -355,8 +410,12 @@ def ledger():
     rows = {}
     for opt_in in (False, True):
         cb = CommunicationLedger(planned=None, print_table=False, log=False)
-        module, t = fit(PipelineStrategy(pp=2, schedule="1f1b", n_microbatches=4, split="params",
-                                         broadcast_output=opt_in), 3, module=Wide(), callbacks=[cb])
+        module, t = fit(
+            PipelineStrategy(pp=2, schedule="1f1b", n_microbatches=4, split="params", broadcast_output=opt_in),
+            3,
+            module=Wide(),
+            callbacks=[cb],
+        )
         rows[str(opt_in)] = {f"{op}/{dim}": nbytes for (op, dim), (_, nbytes) in cb.per_step().items()}
         rows[f"logged_{opt_in}"] = t.callback_metrics["train_loss"].item()
     emit(kind="ledger", rows=rows, boundary=2 * 4 * (16 // 4) * 16 * 8, output=16 * 256 * 8)
@@ -373,8 +432,12 @@ def checkpoint_resume():
     t.save_checkpoint(path)
     resumed = PipeClassifier(n=32)
     # resumed in another layout (interleaved: 4 stages, rank 0 holds stages 0 and 2): keys are single-device names
-    t2 = trainer(PipelineStrategy(pp=2, schedule="interleaved_1f1b", split="params"), devices=WORLD, steps=4,
-                 num_sanity_val_steps=0)
+    t2 = trainer(
+        PipelineStrategy(pp=2, schedule="interleaved_1f1b", split="params"),
+        devices=WORLD,
+        steps=4,
+        num_sanity_val_steps=0,
+    )
     t2.fit(resumed, ckpt_path=path)
     diff, _ = local_diff(resumed, ref4)
     t2.save_checkpoint(path + "4")
@@ -394,14 +457,24 @@ def checkpoint_resume():
     trainer(FullyShardStrategy(), devices=WORLD, steps=4).validate(flat, ckpt_path=path + "4", verbose=False)
     pp1 = full_params(flat)
     pp1_diff = max(((pp1[k] - ref4[k]).norm() / ref4[k].norm()).item() for k in ref4)
-    emit(kind="resume", diff=diff, global_step=t2.global_step, single_diff=single_diff,
-         stages=t2.strategy.local_stages, pp1_diff=pp1_diff)
+    emit(
+        kind="resume",
+        diff=diff,
+        global_step=t2.global_step,
+        single_diff=single_diff,
+        stages=t2.strategy.local_stages,
+        pp1_diff=pp1_diff,
+    )
 
 
 def tensor_parallel():
     """pp=2 x tp=2: TP applied per stage from one plan; clipping takes the norm over DTensor and plain grads."""
-    _, t, ref = parity("pp2xtp2_1f1b", PipelineStrategy(pp=2, tp=2, tp_plan=TP_PLAN, schedule="1f1b", n_microbatches=4,
-                                                        split="params"), steps=3, gradient_clip_val=0.05)
+    _, t, ref = parity(
+        "pp2xtp2_1f1b",
+        PipelineStrategy(pp=2, tp=2, tp_plan=TP_PLAN, schedule="1f1b", n_microbatches=4, split="params"),
+        steps=3,
+        gradient_clip_val=0.05,
+    )
     # the sharded checkpoint (DTensor shards of every stage) consolidates into the single-device model
     box = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
@@ -411,10 +484,15 @@ def tensor_parallel():
         ckpt.consolidate(path, path + ".pt")
         single = Classifier(depth=DEPTH).double()
         single.load_state_dict(torch.load(path + ".pt", map_location="cpu", weights_only=True)[ckpt.MODEL_KEY])
-        emit(kind="tp_consolidated", diff=max(((p - ref[k]).norm() / ref[k].norm()).item()
-                                              for k, p in single.named_parameters()))
-    parity("pp2xtp2_interleaved_1f1b", PipelineStrategy(pp=2, tp=2, tp_plan=TP_PLAN, schedule="interleaved_1f1b",
-                                                        n_microbatches=4, split="params"), steps=3)
+        emit(
+            kind="tp_consolidated",
+            diff=max(((p - ref[k]).norm() / ref[k].norm()).item() for k, p in single.named_parameters()),
+        )
+    parity(
+        "pp2xtp2_interleaved_1f1b",
+        PipelineStrategy(pp=2, tp=2, tp_plan=TP_PLAN, schedule="interleaved_1f1b", n_microbatches=4, split="params"),
+        steps=3,
+    )
 
 
 if __name__ == "__main__":
@@ -423,8 +501,14 @@ if __name__ == "__main__":
         parity("pp2_gpipe", "pipeline_gpipe", steps=3)  # by name: pp = all devices, balanced split, m = 2 * pp
         for schedule in SCHEDULES[1:] + ["interleaved_zero_bubble"]:
             parity(f"pp2_{schedule}", PipelineStrategy(pp=2, schedule=schedule, n_microbatches=4), steps=3)
-        parity("pp2_accum_clip_sched", PipelineStrategy(pp=2, schedule="1f1b", n_microbatches=2, split="params"),
-               steps=3, accumulate_grad_batches=2, gradient_clip_val=0.05, lr_schedule=True)
+        parity(
+            "pp2_accum_clip_sched",
+            PipelineStrategy(pp=2, schedule="1f1b", n_microbatches=2, split="params"),
+            steps=3,
+            accumulate_grad_batches=2,
+            gradient_clip_val=0.05,
+            lr_schedule=True,
+        )
         checkpoint_resume()
         ledger()
         bubble()
@@ -435,13 +519,22 @@ if __name__ == "__main__":
     elif mode == "tp":
         tensor_parallel()
     elif mode == "3d":  # 8 processes: pp=2 x dp_shard=2 x tp=2, FSDP2 over TP-sharded stages
-        parity("pp2xdp2xtp2_1f1b", PipelineStrategy(pp=2, dp_shard=2, tp=2, tp_plan=TP_PLAN, schedule="1f1b",
-                                                    n_microbatches=4, split="params"), steps=3, gradient_clip_val=0.05)
+        parity(
+            "pp2xdp2xtp2_1f1b",
+            PipelineStrategy(
+                pp=2, dp_shard=2, tp=2, tp_plan=TP_PLAN, schedule="1f1b", n_microbatches=4, split="params"
+            ),
+            steps=3,
+            gradient_clip_val=0.05,
+        )
     else:
         for schedule in SCHEDULES:
             parity(f"pp4_{schedule}", PipelineStrategy(pp=4, schedule=schedule, n_microbatches=8), steps=3)
         parity("pp2xdp2_1f1b", PipelineStrategy(pp=2, schedule="1f1b", n_microbatches=4), steps=3)
-        parity("pp2xdp2_zero_bubble", PipelineStrategy(pp=2, schedule="zero_bubble", n_microbatches=4, split="params"),
-               steps=3)
+        parity(
+            "pp2xdp2_zero_bubble",
+            PipelineStrategy(pp=2, schedule="zero_bubble", n_microbatches=4, split="params"),
+            steps=3,
+        )
         shared_blocks_dp()
         tensor_parallel()

@@ -20,12 +20,13 @@ import itertools
 import os
 import sys
 
+import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from _common import emit_gathered as emit, trainer
+from _common import emit_gathered as emit
+from _common import trainer
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-import lightning.pytorch as pl
 import lightning_dist  # noqa: F401  (registers the strategies)
 from lightning_dist.models import GPT
 from lightning_dist.parallelize.pipeline_hf import hf_labels_loss
@@ -43,26 +44,48 @@ PADS = (0, 1, 1, 0)  # right padding of sample i: i % 4 (each dp rank's batch ho
 def build(kind: str) -> torch.nn.Module:
     torch.manual_seed(0)  # identical initial weights on every rank and in the reference
     if kind == "pack_gpt_tied":
-        model = GPT(vocab_size=VOCAB, block_size=SEQ, n_layer=LAYERS, n_head=2, n_embd=16, mlp_ratio=2, tie_weights=True)
+        model = GPT(
+            vocab_size=VOCAB, block_size=SEQ, n_layer=LAYERS, n_head=2, n_embd=16, mlp_ratio=2, tie_weights=True
+        )
     elif kind == "litgpt":
         import litgpt
 
         # no biases: the key part of the fused qkv bias has zero gradient in exact arithmetic (see below)
-        model = litgpt.GPT(litgpt.Config(n_layer=4, n_head=2, n_embd=32, block_size=32, vocab_size=VOCAB,
-                                         padded_vocab_size=VOCAB, bias=False))
+        model = litgpt.GPT(
+            litgpt.Config(
+                n_layer=4, n_head=2, n_embd=32, block_size=32, vocab_size=VOCAB, padded_vocab_size=VOCAB, bias=False
+            )
+        )
     else:
         import transformers as tf
 
-        common = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=LAYERS,
-                      num_attention_heads=4, max_position_embeddings=16)
+        common = dict(
+            vocab_size=VOCAB,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=4,
+            max_position_embeddings=16,
+        )
         if kind == "llama":
             model = tf.LlamaForCausalLM(tf.LlamaConfig(**common, num_key_value_heads=4))
         elif kind == "qwen2_gqa":
             model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**common, num_key_value_heads=2))
         else:
-            model = tf.GPT2LMHeadModel(tf.GPT2Config(
-                vocab_size=VOCAB, n_embd=16, n_layer=LAYERS, n_head=4, n_positions=16, resid_pdrop=0.0,
-                embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+            model = tf.GPT2LMHeadModel(
+                tf.GPT2Config(
+                    vocab_size=VOCAB,
+                    n_embd=16,
+                    n_layer=LAYERS,
+                    n_head=4,
+                    n_positions=16,
+                    resid_pdrop=0.0,
+                    embd_pdrop=0.0,
+                    attn_pdrop=0.0,
+                    bos_token_id=0,
+                    eos_token_id=0,
+                )
+            )
     model = model.double()
     for name, p in model.named_parameters():
         # a key bias has zero gradient in exact arithmetic (softmax is shift-invariant): AdamW would turn its
@@ -87,7 +110,7 @@ class Tokens(Dataset):
         ids = self.ids[i, :-1]
         mask = torch.ones(SEQ, dtype=torch.long)
         if PADS[i % 4]:
-            mask[-PADS[i % 4]:] = 0
+            mask[-PADS[i % 4] :] = 0
         return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
@@ -120,7 +143,9 @@ class Task(pl.LightningModule):
         return loss
 
     def validation_step(self, batch, batch_idx):  # forward-only programs through the pipeline, kwargs included
-        self.log("val_loss", step_loss(self.model, batch, self.hf, getattr(self, "pipeline_loss", None)), sync_dist=True)
+        self.log(
+            "val_loss", step_loss(self.model, batch, self.hf, getattr(self, "pipeline_loss", None)), sync_dist=True
+        )
 
     def val_dataloader(self):
         return self.train_dataloader()
@@ -150,8 +175,14 @@ def reference(kind: str, steps: int = STEPS):
         loss.backward()
         opt.step()
     with torch.no_grad():  # the validation loss of the trained model: the mean over the loader's batches
-        vals = [(hf_labels_loss(model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits, b["labels"])
-                 if hf else step_loss(model, b, hf)).item() for b in loader]
+        vals = [
+            (
+                hf_labels_loss(model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits, b["labels"])
+                if hf
+                else step_loss(model, b, hf)
+            ).item()
+            for b in loader
+        ]
     reference.val = sum(vals) / len(vals)
     # every name of a tied parameter (the last stage holds the tied head under its own name)
     return {f"model.{k}": p.detach() for k, p in model.named_parameters(remove_duplicate=False)}, losses
@@ -173,12 +204,28 @@ def run(tag: str, kind: str, **strategy_kw) -> None:
         full = (p.full_tensor() if isinstance(p, DTensor) else p).detach()
         diff = max(diff, ((full - ref[name]).norm() / ref[name].norm()).item())
         keys.append(name)
-    emit(kind="parity", tag=tag, model=kind, diff=diff, keys=keys, all_keys=sorted(ref), losses=task.step_losses,
-         ref_losses=ref_losses, logged=logged, stages=strategy.local_stages,
-         val=val, ref_val=ref_val,
-         split=[list(s.blocks) for s in strategy.split.stages], shape=list(strategy.mesh.spec.shape),
-         tied=[[n for n in names] for names, _ in __import__("lightning_dist.parallelize.pipeline",
-                                                             fromlist=["x"]).tied_stages(build(kind), strategy.split)])
+    emit(
+        kind="parity",
+        tag=tag,
+        model=kind,
+        diff=diff,
+        keys=keys,
+        all_keys=sorted(ref),
+        losses=task.step_losses,
+        ref_losses=ref_losses,
+        logged=logged,
+        stages=strategy.local_stages,
+        val=val,
+        ref_val=ref_val,
+        split=[list(s.blocks) for s in strategy.split.stages],
+        shape=list(strategy.mesh.spec.shape),
+        tied=[
+            [n for n in names]
+            for names, _ in __import__("lightning_dist.parallelize.pipeline", fromlist=["x"]).tied_stages(
+                build(kind), strategy.split
+            )
+        ],
+    )
 
 
 def resume(kind: str) -> None:
@@ -215,21 +262,35 @@ def resume(kind: str) -> None:
             keys = dcp.FileSystemReader(name).read_metadata().state_dict_metadata
             saved[os.path.basename(name)] = {
                 "model": sum(f"{ckpt.MODEL_KEY}.{n}" in keys for n in tied),
-                "optimizer": sum(f"optimizer_0.state.{n}.exp_avg" in keys for n in tied)}
+                "optimizer": sum(f"optimizer_0.state.{n}.exp_avg" in keys for n in tied),
+            }
         ckpt.consolidate(path + "4", path + "4.pt")
         full = torch.load(path + "4.pt", map_location="cpu", weights_only=True)
         single = Task(kind)
         single.load_state_dict(full[ckpt.MODEL_KEY], strict=True)
-        single_diff = max(((p.detach() - ref[n]).norm() / ref[n].norm()).item()
-                          for n, p in single.named_parameters(remove_duplicate=False))
+        single_diff = max(
+            ((p.detach() - ref[n]).norm() / ref[n].norm()).item()
+            for n, p in single.named_parameters(remove_duplicate=False)
+        )
         # the consolidated file: every tied name there (strict load), one storage behind them; its optimizer
         # state has one entry per parameter of the plain model (tied counted once, as a single-device optimizer)
-        stored = {"names": sum(n in full[ckpt.MODEL_KEY] for n in tied),
-                  "storages": len({full[ckpt.MODEL_KEY][n].untyped_storage().data_ptr() for n in tied}),
-                  "optimizer_params": sum(len(g["params"]) for g in full["optimizer_states"][0]["param_groups"]),
-                  "model_params": len(list(single.parameters()))}
-    emit(kind="resume", tag=f"resume_{kind}", model=kind, diff=diff, global_step=t.global_step,
-         stages=second.local_stages, single_diff=single_diff, saved=saved, stored=stored)
+        stored = {
+            "names": sum(n in full[ckpt.MODEL_KEY] for n in tied),
+            "storages": len({full[ckpt.MODEL_KEY][n].untyped_storage().data_ptr() for n in tied}),
+            "optimizer_params": sum(len(g["params"]) for g in full["optimizer_states"][0]["param_groups"]),
+            "model_params": len(list(single.parameters())),
+        }
+    emit(
+        kind="resume",
+        tag=f"resume_{kind}",
+        model=kind,
+        diff=diff,
+        global_step=t.global_step,
+        stages=second.local_stages,
+        single_diff=single_diff,
+        saved=saved,
+        stored=stored,
+    )
 
 
 def callbacks_on_hf() -> None:
@@ -251,19 +312,35 @@ def callbacks_on_hf() -> None:
             if trainer.global_rank == 1 and trainer.global_step == 0:
                 next(p for p in pl_module.parameters() if p.grad is not None).grad.mul_(1.001)
 
-    check, hf_check, bubble = (GradientParityCheck(steps=(0, 2)), GradientParityCheck(steps=(0,), on_mismatch="warn"),
-                               PipelineBubble(warmup_steps=0))
+    check, hf_check, bubble = (
+        GradientParityCheck(steps=(0, 2)),
+        GradientParityCheck(steps=(0,), on_mismatch="warn"),
+        PipelineBubble(warmup_steps=0),
+    )
     hf_check.loss_fn = hf_own_loss
-    t = trainer(PipelineStrategy(pp=2, schedule="1f1b", n_microbatches=GLOBAL_BATCH), devices=WORLD, steps=STEPS,
-                callbacks=[check, hf_check, bubble])
+    t = trainer(
+        PipelineStrategy(pp=2, schedule="1f1b", n_microbatches=GLOBAL_BATCH),
+        devices=WORLD,
+        steps=STEPS,
+        callbacks=[check, hf_check, bubble],
+    )
     t.fit(Task("llama"))
     planted = GradientParityCheck(steps=(0,), on_mismatch="warn")
-    t2 = trainer(PipelineStrategy(pp=2, schedule="1f1b", n_microbatches=GLOBAL_BATCH), devices=WORLD, steps=1,
-                 callbacks=[ScaleOneGradient(), planted])
+    t2 = trainer(
+        PipelineStrategy(pp=2, schedule="1f1b", n_microbatches=GLOBAL_BATCH),
+        devices=WORLD,
+        steps=1,
+        callbacks=[ScaleOneGradient(), planted],
+    )
     t2.fit(Task("llama"))
-    emit(kind="callbacks", tag="callbacks_llama", parity=[(r["rel_diff"], r["tolerance"], r["ok"]) for r in check.results],
-         hf_own_loss_rel=hf_check.results[0]["rel_diff"], idle=[s["idle_fraction"] for s in bubble.steps],
-         planted=[(r["rel_diff"], r["ok"]) for r in planted.results])
+    emit(
+        kind="callbacks",
+        tag="callbacks_llama",
+        parity=[(r["rel_diff"], r["tolerance"], r["ok"]) for r in check.results],
+        hf_own_loss_rel=hf_check.results[0]["rel_diff"],
+        idle=[s["idle_fraction"] for s in bubble.steps],
+        planted=[(r["rel_diff"], r["ok"]) for r in planted.results],
+    )
 
 
 def main() -> None:
@@ -283,10 +360,20 @@ def main() -> None:
         run("pp2xtp2_1f1b_llama", "llama", pp=2, tp=2, schedule="1f1b")
     if mode == "pp2":  # activation checkpointing modes per stage, HF Llama and the pack's GPT
         run("pp2_1f1b_llama_ac_selective", "llama", pp=2, schedule="1f1b", activation_checkpointing="selective")
-        run("pp2_interleaved_llama_ac_every2", "llama", pp=2, schedule="interleaved_1f1b",
-            activation_checkpointing="every:2")
-        run("pp2_1f1b_pack_gpt_tied_ac_selective", "pack_gpt_tied", pp=2, schedule="1f1b",
-            activation_checkpointing="selective")
+        run(
+            "pp2_interleaved_llama_ac_every2",
+            "llama",
+            pp=2,
+            schedule="interleaved_1f1b",
+            activation_checkpointing="every:2",
+        )
+        run(
+            "pp2_1f1b_pack_gpt_tied_ac_selective",
+            "pack_gpt_tied",
+            pp=2,
+            schedule="1f1b",
+            activation_checkpointing="selective",
+        )
     if mode == "pp2":  # after the fits above: the process group they started is there for the temp-dir broadcast
         for kind in ("llama", "gpt2_tied"):
             resume(kind)

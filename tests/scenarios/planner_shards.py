@@ -19,13 +19,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
-from lightning_dist._integrations.torch_distributed import destroy_process_groups_for_exit
 from lightning_dist._compat import fully_shard_api
+from lightning_dist._integrations.torch_distributed import destroy_process_groups_for_exit
 from lightning_dist.planner import (
     data_parallel_traffic,
-    fsdp2_traffic,
     fsdp2_local_numel,
     fsdp2_state_bytes,
+    fsdp2_traffic,
     state_bytes,
     zero_redundancy_partition,
 )
@@ -83,9 +83,11 @@ class CollectiveRecorder:
     """
 
     # attribute -> (op, keyword of the full-size tensor, its position)
-    _OPS = {"all_gather_single": ("all_gather", "output_tensor", 0),
-            "reduce_scatter_single": ("reduce_scatter", "input", 1),
-            "all_reduce": ("all_reduce", "tensor", 0)}
+    _OPS = {
+        "all_gather_single": ("all_gather", "output_tensor", 0),
+        "reduce_scatter_single": ("reduce_scatter", "input", 1),
+        "all_reduce": ("all_reduce", "tensor", 0),
+    }
 
     def __init__(self):
         self.calls: list[tuple[str, int, int]] = []
@@ -138,20 +140,34 @@ def sharded_case(mesh, shard_size: int, shard_rank: int) -> dict:
     unit_ids = {id(p) for b in model.blocks for p in b.parameters()}
     state = state_bytes(precision="32-true", optimizer="adam")
     replicate = mesh.size() // shard_size
-    traffic = fsdp2_traffic([shapes[n] for n, p in model.named_parameters() if id(p) in unit_ids],
-                            root_shapes=[shapes[n] for n, p in model.named_parameters() if id(p) not in unit_ids],
-                            shard_size=shard_size, replicate_size=replicate, state=state)
-    closed = data_parallel_traffic(sum(math.prod(s) for s in shapes.values()), state=state, zero_stage=3,
-                                   shard_size=shard_size, replicate_size=replicate)
+    traffic = fsdp2_traffic(
+        [shapes[n] for n, p in model.named_parameters() if id(p) in unit_ids],
+        root_shapes=[shapes[n] for n, p in model.named_parameters() if id(p) not in unit_ids],
+        shard_size=shard_size,
+        replicate_size=replicate,
+        state=state,
+    )
+    closed = data_parallel_traffic(
+        sum(math.prod(s) for s in shapes.values()),
+        state=state,
+        zero_stage=3,
+        shard_size=shard_size,
+        replicate_size=replicate,
+    )
     group = {"all_gather": shard_size, "reduce_scatter": shard_size, "all_reduce": replicate}
     planned_traffic = {f"{c.op}/{group[c.op]}": c.payload_bytes for c in traffic}
     closed_traffic = {f"{c.op}/{group[c.op]}": c.payload_bytes for c in closed}
     planned = fsdp2_state_bytes(shapes.values(), shard_size=shard_size, rank=shard_rank, state=state)
     with_steps = fsdp2_state_bytes(shapes.values(), shard_size=shard_size, rank=shard_rank, state=state, step_bytes=4)
-    return {"mismatches": mismatches, "live": live_state_bytes(model, opt),
-            "planned": {"params": planned.params, "grads": planned.grads, "optimizer": planned.optimizer},
-            "planned_optimizer_with_steps": with_steps.optimizer,
-            "traffic": rec.totals(), "planned_traffic": planned_traffic, "closed_form_traffic": closed_traffic}
+    return {
+        "mismatches": mismatches,
+        "live": live_state_bytes(model, opt),
+        "planned": {"params": planned.params, "grads": planned.grads, "optimizer": planned.optimizer},
+        "planned_optimizer_with_steps": with_steps.optimizer,
+        "traffic": rec.totals(),
+        "planned_traffic": planned_traffic,
+        "closed_form_traffic": closed_traffic,
+    }
 
 
 def zero1_case(rank: int, world: int) -> dict:
@@ -163,11 +179,20 @@ def zero1_case(rank: int, world: int) -> dict:
     opt.step()
     owned = sum(v.numel() for s in opt.optim.state.values() for k, v in s.items() if k == "exp_avg")
     live = live_state_bytes(model, opt.optim)
-    planned = fsdp2_state_bytes([tuple(p.shape) for p in model.parameters()], shard_size=world, rank=rank,
-                                state=state_bytes(precision="32-true", optimizer="adam"), zero_stage=1, step_bytes=4)
-    return {"owned": owned, "planned": zero_redundancy_partition(numels, world)[rank],
-            "live_bytes": live, "planned_bytes": {"params": planned.params, "grads": planned.grads,
-                                                  "optimizer": planned.optimizer}}
+    planned = fsdp2_state_bytes(
+        [tuple(p.shape) for p in model.parameters()],
+        shard_size=world,
+        rank=rank,
+        state=state_bytes(precision="32-true", optimizer="adam"),
+        zero_stage=1,
+        step_bytes=4,
+    )
+    return {
+        "owned": owned,
+        "planned": zero_redundancy_partition(numels, world)[rank],
+        "live_bytes": live,
+        "planned_bytes": {"params": planned.params, "grads": planned.grads, "optimizer": planned.optimizer},
+    }
 
 
 def main() -> None:

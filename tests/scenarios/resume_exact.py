@@ -39,8 +39,11 @@ name = sys.argv[2] if len(sys.argv) > 2 else "hsdp"
 STRATEGIES = {  # name -> (strategy, processes, precision)
     "hsdp": (lambda: HybridShardStrategy(dp_replicate=2, shard_size=2), 4, "64-true"),
     "tp": (lambda: TensorParallelStrategy(tp=2, dp_shard=2, plan={"model.stem": "colwise_gather"}), 4, "64-true"),
-    "pipeline": (lambda: PipelineStrategy(pp=2, dp_shard=2, schedule="1f1b", n_microbatches=2, split="params"), 4,
-                 "64-true"),
+    "pipeline": (
+        lambda: PipelineStrategy(pp=2, dp_shard=2, schedule="1f1b", n_microbatches=2, split="params"),
+        4,
+        "64-true",
+    ),
     "offload": (lambda: OffloadStrategy(optimizer="cpu", parameters="cpu", zero_stage=3, report=False), 2, "32-true"),
 }
 make, DEVICES, PRECISION = STRATEGIES[name]
@@ -82,10 +85,24 @@ def fit(steps, *, ckpt_path=None, every=None, resumable="ours", rng=True, prefix
     module = Shuffled(resumable=resumable)
     callbacks = [ResumeRNG()] if rng else []
     if every:
-        callbacks.append(ModelCheckpoint(dirpath=out, filename=prefix + "{step}", auto_insert_metric_name=False,
-                                         save_top_k=-1, every_n_train_steps=every))
-    t = trainer(make(), devices=DEVICES, precision=PRECISION, steps=steps,
-                use_distributed_sampler=True, enable_checkpointing=bool(every), callbacks=callbacks)
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=out,
+                filename=prefix + "{step}",
+                auto_insert_metric_name=False,
+                save_top_k=-1,
+                every_n_train_steps=every,
+            )
+        )
+    t = trainer(
+        make(),
+        devices=DEVICES,
+        precision=PRECISION,
+        steps=steps,
+        use_distributed_sampler=True,
+        enable_checkpointing=bool(every),
+        callbacks=callbacks,
+    )
     t.fit(module, ckpt_path=ckpt_path)
     return whole_params(module), t, module
 
@@ -110,15 +127,34 @@ if "torchdata" in LOADERS and name != "offload":
     h, th, mh = fit(9, ckpt_path=out / "td4.ckpt", resumable="torchdata")
     i, ti, _ = fit(9, ckpt_path=out / "td8.ckpt", resumable="torchdata")
     loader = tg.train_dataloader
-    stateful = dict(td_checkpointing_changes_nothing=same(g, a2), td_from4=same(h, a2), td_from8=same(i, a2),
-                    td_steps=[th.global_step, ti.global_step], td_order=mh.order, td_order_a=ma2.order[4:],
-                    td_same_order_as_a=ma2.order == ma.order,
-                    td_epochs_differ=ma2.order[:3] != ma2.order[6:9],  # the sampler's epoch was set
-                    td_loader=type(loader).__name__,
-                    # Lightning rebuilds torchdata's own BatchSampler around the DistributedSampler
-                    td_sampler=type(loader.batch_sampler.sampler).__name__)
-emit(kind="resume", **stateful, strategy=name, checkpointing_changes_nothing=same(b), from4=same(c), from8=same(d),
-     plain_loader=same(e),
-     no_rng=same(f), steps=[tc.global_step, td.global_step], sampler=type(ta.train_dataloader.sampler).__name__,
-     shuffle=bool(getattr(ta.train_dataloader.sampler, "shuffle", False)), order_a=ma.order[4:], order_c=mc.order,
-     order_e=me.order, lr=tc.optimizers[0].param_groups[0]["lr"], lr_a=ta.optimizers[0].param_groups[0]["lr"])
+    stateful = dict(
+        td_checkpointing_changes_nothing=same(g, a2),
+        td_from4=same(h, a2),
+        td_from8=same(i, a2),
+        td_steps=[th.global_step, ti.global_step],
+        td_order=mh.order,
+        td_order_a=ma2.order[4:],
+        td_same_order_as_a=ma2.order == ma.order,
+        td_epochs_differ=ma2.order[:3] != ma2.order[6:9],  # the sampler's epoch was set
+        td_loader=type(loader).__name__,
+        # Lightning rebuilds torchdata's own BatchSampler around the DistributedSampler
+        td_sampler=type(loader.batch_sampler.sampler).__name__,
+    )
+emit(
+    kind="resume",
+    **stateful,
+    strategy=name,
+    checkpointing_changes_nothing=same(b),
+    from4=same(c),
+    from8=same(d),
+    plain_loader=same(e),
+    no_rng=same(f),
+    steps=[tc.global_step, td.global_step],
+    sampler=type(ta.train_dataloader.sampler).__name__,
+    shuffle=bool(getattr(ta.train_dataloader.sampler, "shuffle", False)),
+    order_a=ma.order[4:],
+    order_c=mc.order,
+    order_e=me.order,
+    lr=tc.optimizers[0].param_groups[0]["lr"],
+    lr_a=ta.optimizers[0].param_groups[0]["lr"],
+)

@@ -32,7 +32,9 @@ ENTRY = re.compile(r"python (examples/\w+/train\.py) fit --config")
 def entry_point(config: Path) -> Path:
     match = ENTRY.search(config.read_text())
     if match is None:
-        raise ValueError(f"{config.name} must name its entry point: '# python examples/<name>/train.py fit --config ...'")
+        raise ValueError(
+            f"{config.name} must name its entry point: '# python examples/<name>/train.py fit --config ...'"
+        )
     return ROOT / match.group(1)
 
 
@@ -56,10 +58,15 @@ def run(config: Path) -> dict:
     start = time.perf_counter()
     cli = load_main(entry_point(config))(["fit", "--config", str(config)])
     trainer = cli.trainer
-    out = {"config": config.stem, "rank": trainer.global_rank, "global_step": trainer.global_step,
-           "max_steps": trainer.max_steps, "seconds": round(time.perf_counter() - start, 2),
-           "strategy": type(trainer.strategy).__name__,
-           "metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}}
+    out = {
+        "config": config.stem,
+        "rank": trainer.global_rank,
+        "global_step": trainer.global_step,
+        "max_steps": trainer.max_steps,
+        "seconds": round(time.perf_counter() - start, 2),
+        "strategy": type(trainer.strategy).__name__,
+        "metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1},
+    }
     for cb in trainer.callbacks:
         if type(cb).__name__ == "ThroughputSummary":
             s = cb.summary

@@ -18,22 +18,20 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
-
-from lightning_dist._compat import TP_SEQUENCE_PARALLEL_WITH_DP_HANGS
 import torch.distributed as dist
 import torch.nn.functional as F
-from _common import emit_gathered as emit, full_params, max_rel_diff, trainer
+from _common import emit_gathered as emit
+from _common import full_params, max_rel_diff, trainer
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_dist  # noqa: F401  (registers the strategies)
+from lightning_dist._compat import TP_SEQUENCE_PARALLEL_WITH_DP_HANGS
 from lightning_dist.models import GPT, ViT
 from lightning_dist.strategies import TensorParallelStrategy
 
 STEPS, GLOBAL_BATCH, N = 3, 8, 48
 SEQ = 8  # GPT tokens; the ViT has 16/8 -> 4 patches + class token = 5 tokens (uneven over tp=2)
-
-
 
 
 def build(kind: str, seed: int = 0) -> nn.Module:
@@ -48,8 +46,9 @@ def build(kind: str, seed: int = 0) -> nn.Module:
             # turn its rounding noise (~1e-17) into lr-sized steps, on the reference and TP runs alike
             block.attn.k.bias.requires_grad_(False)
         return model
-    return nn.Sequential(nn.Linear(12, 32), nn.GELU(), nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 32), nn.GELU(),
-                         nn.Linear(32, 6))
+    return nn.Sequential(
+        nn.Linear(12, 32), nn.GELU(), nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 6)
+    )
 
 
 def data(kind: str) -> TensorDataset:
@@ -57,7 +56,9 @@ def data(kind: str) -> TensorDataset:
     if kind == "gpt":
         return TensorDataset(torch.randint(0, 32, (N, SEQ), generator=g), torch.randint(0, 32, (N, SEQ), generator=g))
     if kind == "vit":
-        return TensorDataset(torch.randn(N, 1, 16, 16, generator=g, dtype=torch.float64), torch.randint(0, 4, (N,), generator=g))
+        return TensorDataset(
+            torch.randn(N, 1, 16, 16, generator=g, dtype=torch.float64), torch.randint(0, 4, (N,), generator=g)
+        )
     return TensorDataset(torch.randn(N, 12, generator=g, dtype=torch.float64), torch.randint(0, 6, (N,), generator=g))
 
 
@@ -97,7 +98,7 @@ def reference(kind: str, seed: int = 0) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     ds = data(kind)
     for k in range(STEPS):
-        x, y = ds[k * GLOBAL_BATCH:(k + 1) * GLOBAL_BATCH]
+        x, y = ds[k * GLOBAL_BATCH : (k + 1) * GLOBAL_BATCH]
         opt.zero_grad()
         loss_fn(model(x), y).backward()
         opt.step()
@@ -119,19 +120,34 @@ def check(kind: str, refs: dict, **options) -> None:
     task = Task(kind)
     heads = []  # the GPT head's output in training (after the TP style's hooks): its type and this rank's shape
     if kind == "gpt":
-        task.on_train_start = lambda: task.model.lm_head.register_forward_hook(lambda m, args, out: heads.append(
-            [type(out).__name__, list(out.to_local().shape if hasattr(out, "to_local") else out.shape)]))
+        task.on_train_start = lambda: task.model.lm_head.register_forward_hook(
+            lambda m, args, out: heads.append(
+                [type(out).__name__, list(out.to_local().shape if hasattr(out, "to_local") else out.shape)]
+            )
+        )
     task, t = fit(kind, task, **options)
     diff = max_rel_diff(full_params(task), refs[kind])
-    emit(kind="parity", model=kind, options=options, diff=diff, samples=float(t.callback_metrics["samples"]),
-         mesh=list(t.strategy.mesh.spec.shape), n_tp_entries=len(t.strategy.tp_entries), probe_diff=t.strategy.tp_probe_diff,
-         head_output=heads[-1] if heads else None)
+    emit(
+        kind="parity",
+        model=kind,
+        options=options,
+        diff=diff,
+        samples=float(t.callback_metrics["samples"]),
+        mesh=list(t.strategy.mesh.spec.shape),
+        n_tp_entries=len(t.strategy.tp_entries),
+        probe_diff=t.strategy.tp_probe_diff,
+        head_output=heads[-1] if heads else None,
+    )
 
 
 world = dist_world()
 kinds = sys.argv[1].split(",") if len(sys.argv) > 1 else ["gpt", "vit", "mlp"]
 refs = {k: reference(k) for k in kinds}
-meshes = [{"tp": 2}] if world == 2 else [{"tp": 2, "dp_shard": 2, "dp_replicate": 1}, {"tp": 2, "dp_replicate": 2, "dp_shard": 1}]
+meshes = (
+    [{"tp": 2}]
+    if world == 2
+    else [{"tp": 2, "dp_shard": 2, "dp_replicate": 1}, {"tp": 2, "dp_replicate": 2, "dp_shard": 1}]
+)
 
 
 def refused(kind: str, **options) -> bool:
@@ -148,7 +164,7 @@ def refused(kind: str, **options) -> bool:
 
 for mesh in meshes:
     for kind in kinds:
-        for sp in ((False,) if kind == "mlp" else (False, True)):
+        for sp in (False,) if kind == "mlp" else (False, True):
             if not refused(kind, sequence_parallel=sp, **mesh):
                 check(kind, refs, sequence_parallel=sp, **mesh)
 if "gpt" in kinds:
@@ -172,8 +188,11 @@ if world == 2 and "gpt" in kinds:
         emit(kind="loss_parallel_refusal", error=None)
     except ValueError as err:
         emit(kind="loss_parallel_refusal", error=str(err))
-if world == 4 and "gpt" in kinds and not refused("gpt", sequence_parallel=True, activation_checkpointing=True,
-                                                 zero_stage=2, **meshes[0]):
+if (
+    world == 4
+    and "gpt" in kinds
+    and not refused("gpt", sequence_parallel=True, activation_checkpointing=True, zero_stage=2, **meshes[0])
+):
     # the full order TP -> activation checkpointing -> FSDP (ZeRO-2) on one mesh
     check("gpt", refs, sequence_parallel=True, activation_checkpointing=True, zero_stage=2, **meshes[0])
 if world == 4 and "gpt" in kinds:
@@ -204,8 +223,13 @@ if world == 2 and "gpt" in kinds:
         single = Task("gpt").double()
         single.load_state_dict(state)
         single_diff = max_rel_diff({n: p.detach() for n, p in single.named_parameters()}, saved)
-    emit(kind="checkpoint", tp1_diff=tp1_diff, single_diff=single_diff, tp1_mesh=list(t1.strategy.mesh.spec.shape),
-         global_step=t1.global_step)
+    emit(
+        kind="checkpoint",
+        tp1_diff=tp1_diff,
+        single_diff=single_diff,
+        tp1_mesh=list(t1.strategy.mesh.spec.shape),
+        global_step=t1.global_step,
+    )
 
 if world == 4 and "gpt" in kinds:
     # no common seed: each rank builds its own GPT (seed 1000 + rank); tp peers and dp replicas must all start from

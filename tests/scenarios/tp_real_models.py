@@ -19,13 +19,13 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _common import emit_gathered as emit, full_params, max_rel_diff, trainer
+from _common import emit_gathered as emit
+from _common import full_params, max_rel_diff, trainer
+from lightning.pytorch.demos import Transformer as DemoTransformer
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_dist  # noqa: F401  (registers the strategies)
-from lightning.pytorch.demos import Transformer as DemoTransformer
-
 from lightning_dist.callbacks import CommunicationLedger, GradientParityCheck
 from lightning_dist.models import GPT
 from lightning_dist.parallelize.shared import shared_parameters
@@ -108,18 +108,37 @@ def _build(kind: str) -> nn.Module:
             mha.in_proj_bias.requires_grad_(False)  # it holds the key bias (see build()); DDP alone: 1.5e-10
         return model
     if kind.startswith("litgpt"):  # litgpt's GPT: fused qkv [q | k | v], heads read from a shared config
-        from litgpt import GPT as LitGPT, Config as LitConfig
+        from litgpt import GPT as LitGPT
+        from litgpt import Config as LitConfig
 
         # no biases: qkv's bias holds the key bias (see build()), which cannot be frozen on its own
-        return LitGPT(LitConfig(block_size=SEQ, vocab_size=VOCAB, padded_vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=32,
-                                n_query_groups=2 if kind == "litgpt_gqa" else 4, rotary_percentage=1.0, bias=False,
-                                mlp_class_name="LLaMAMLP" if kind == "litgpt_gqa" else "GptNeoxMLP", intermediate_size=64))
+        return LitGPT(
+            LitConfig(
+                block_size=SEQ,
+                vocab_size=VOCAB,
+                padded_vocab_size=VOCAB,
+                n_layer=2,
+                n_head=4,
+                n_embd=32,
+                n_query_groups=2 if kind == "litgpt_gqa" else 4,
+                rotary_percentage=1.0,
+                bias=False,
+                mlp_class_name="LLaMAMLP" if kind == "litgpt_gqa" else "GptNeoxMLP",
+                intermediate_size=64,
+            )
+        )
     if kind == "pack_gpt_tied":
         return GPT(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=4, n_embd=16, mlp_ratio=2, tie_weights=True)
     import transformers as tf
 
-    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  max_position_embeddings=16)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=16,
+    )
     if kind == "llama":
         cfg = tf.LlamaConfig(**common, num_key_value_heads=4)
         return tf.LlamaForCausalLM(cfg)
@@ -128,8 +147,18 @@ def _build(kind: str) -> nn.Module:
     if kind == "gpt_neox":
         return tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(**common, attention_bias=False))  # fused qkv bias: see build()
     assert kind == "gpt2_tied", kind
-    cfg = tf.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=16, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    cfg = tf.GPT2Config(
+        vocab_size=VOCAB,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=16,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return tf.GPT2LMHeadModel(cfg)
 
 
@@ -162,7 +191,7 @@ class Task(pl.LightningModule):
         return logits(self.model, x)
 
     def training_step(self, batch, batch_idx):
-        x, y = (t[:, :seq_len(batch_idx, self.crop)] for t in batch)
+        x, y = (t[:, : seq_len(batch_idx, self.crop)] for t in batch)
         return F.cross_entropy(logits(self.model, x).flatten(0, 1), y.flatten())
 
     def configure_optimizers(self):
@@ -180,7 +209,7 @@ def reference(kind: str, steps: int = STEPS, crop: bool = False) -> dict:
     ds = data()
     for k in range(steps):
         k %= N // GLOBAL_BATCH  # the next epoch sees the same batches (no shuffling)
-        x, y = (t[:, :seq_len(k, crop)] for t in ds[k * GLOBAL_BATCH:(k + 1) * GLOBAL_BATCH])
+        x, y = (t[:, : seq_len(k, crop)] for t in ds[k * GLOBAL_BATCH : (k + 1) * GLOBAL_BATCH])
         opt.zero_grad()
         F.cross_entropy(logits(model, x).flatten(0, 1), y.flatten()).backward()
         opt.step()
@@ -193,7 +222,6 @@ def as_original(params: dict, ref: dict) -> dict:
     return {k: v.reshape(ref[k].shape) if k in ref else v for k, v in params.items()}
 
 
-
 world = int(os.environ["WORLD_SIZE"])
 import importlib.util  # noqa: E402
 
@@ -201,21 +229,45 @@ import importlib.util  # noqa: E402
 HAS_LITGPT = importlib.util.find_spec("litgpt") is not None
 mesh = {"tp": 2} if world == 2 else {"tp": 2, "dp_shard": 2, "dp_replicate": 1}
 # argv[1]: the models to run (comma-separated), or "compile": only the compile section below
-kinds = [] if sys.argv[1:2] == ["compile"] else sys.argv[1].split(",") if len(sys.argv) > 1 else [
-    "llama", "qwen2_gqa", "gpt2_tied", "gpt_neox", "user_gpt", "config_heads_gpt", "pack_gpt_tied", "lightning_demo"] + (["litgpt_mha"] if HAS_LITGPT else [])
+kinds = (
+    []
+    if sys.argv[1:2] == ["compile"]
+    else sys.argv[1].split(",")
+    if len(sys.argv) > 1
+    else [
+        "llama",
+        "qwen2_gqa",
+        "gpt2_tied",
+        "gpt_neox",
+        "user_gpt",
+        "config_heads_gpt",
+        "pack_gpt_tied",
+        "lightning_demo",
+    ]
+    + (["litgpt_mha"] if HAS_LITGPT else [])
+)
 for kind in kinds:
     ref = reference(kind)
     task = Task(kind)
     check = GradientParityCheck(steps=(0,))
     sp = len(sys.argv) > 2 and sys.argv[2] == "sp"  # by hand: sequence parallelism on every model
-    t = trainer(TensorParallelStrategy(plan="auto", sequence_parallel=sp, **mesh), devices=world, steps=STEPS, callbacks=[check])
+    t = trainer(
+        TensorParallelStrategy(plan="auto", sequence_parallel=sp, **mesh), devices=world, steps=STEPS, callbacks=[check]
+    )
     t.fit(task)
     entries = t.strategy.tp_entries
     tied = shared_parameters(task)
-    emit(kind="tp", model=kind, diff=max_rel_diff(as_original(full_params(task), ref), ref), grad_parity=check.results[0]["rel_diff"],
-         probe_diff=t.strategy.tp_probe_diff,
-         n_split=sum(e.style in ("colwise", "rowwise", "colwise_gather") for e in entries),
-         styles=sorted({e.style for e in entries}), tied=tied, mesh=list(t.strategy.mesh.spec.shape))
+    emit(
+        kind="tp",
+        model=kind,
+        diff=max_rel_diff(as_original(full_params(task), ref), ref),
+        grad_parity=check.results[0]["rel_diff"],
+        probe_diff=t.strategy.tp_probe_diff,
+        n_split=sum(e.style in ("colwise", "rowwise", "colwise_gather") for e in entries),
+        styles=sorted({e.style for e in entries}),
+        tied=tied,
+        mesh=list(t.strategy.mesh.spec.shape),
+    )
 
 # torch.compile of every block under tp=2 (2 processes) and tp=2 x dp_shard=2 (4): a user GPT (q, k, v, o Linear,
 # SDPA, nn.Sequential MLP) with no example_input_array (the probe runs made-up token ids of other sizes) whose first
@@ -234,9 +286,15 @@ if not kinds or "user_gpt" in kinds:
         t = trainer(TensorParallelStrategy(plan="auto", compile=True, **mesh), devices=world, steps=STEPS)
         t.fit(task)
         blocks = [m for _, m in _units(task.model)]
-        emit(kind="tp_compile", model=kind, diff=max_rel_diff(full_params(task), ref), mesh=list(t.strategy.mesh.spec.shape),
-             compiled=[getattr(b, "_compiled_call_impl", None) is not None for b in blocks],
-             probe_diff=t.strategy.tp_probe_diff, seconds=time.perf_counter() - start)
+        emit(
+            kind="tp_compile",
+            model=kind,
+            diff=max_rel_diff(full_params(task), ref),
+            mesh=list(t.strategy.mesh.spec.shape),
+            compiled=[getattr(b, "_compiled_call_impl", None) is not None for b in blocks],
+            probe_diff=t.strategy.tp_probe_diff,
+            seconds=time.perf_counter() - start,
+        )
 if sys.argv[1:2] == ["compile"]:
     sys.exit(0)
 
@@ -269,11 +327,15 @@ if "gpt2_tied" in kinds:
     saved = as_original(stored, ref)
     t.save_checkpoint(folder / "ck")
     at_start = AtStart()
-    trainer(TensorParallelStrategy(plan="auto", **mesh), devices=world, steps=STEPS + 1,
-            callbacks=[at_start]).fit(Task("gpt2_tied"), ckpt_path=folder / "ck")
-    row = {"fused": fused, "resume_loaded_diff": max((at_start.params[k] - v).abs().max().item() for k, v in stored.items()),
-           "resume_adam_steps": at_start.steps,
-           "stored_shapes": {k: list(v.shape) for k, v in stored.items() if k.endswith("attn.c_attn.weight")}}
+    trainer(TensorParallelStrategy(plan="auto", **mesh), devices=world, steps=STEPS + 1, callbacks=[at_start]).fit(
+        Task("gpt2_tied"), ckpt_path=folder / "ck"
+    )
+    row = {
+        "fused": fused,
+        "resume_loaded_diff": max((at_start.params[k] - v).abs().max().item() for k, v in stored.items()),
+        "resume_adam_steps": at_start.steps,
+        "stored_shapes": {k: list(v.shape) for k, v in stored.items() if k.endswith("attn.c_attn.weight")},
+    }
     if dist.get_rank() == 0:
         consolidate(folder / "ck", folder / "single.ckpt")
         state = torch.load(folder / "single.ckpt", weights_only=True)["state_dict"]
@@ -298,14 +360,22 @@ if world == 2:
         t = trainer(FullyShardStrategy(zero_stage=2), devices=world, steps=STEPS, callbacks=[ledger])
         t.fit(task)
         gathers = [row["count"] for row in ledger.summary if row["op"] == "all_gather"]
-        emit(kind="fsdp_units", model=kind, diff=max_rel_diff(full_params(task), ref), all_gathers=gathers,
-             units=[n for n, _ in select_units(build(kind))], tied=shared_parameters(task))
+        emit(
+            kind="fsdp_units",
+            model=kind,
+            diff=max_rel_diff(full_params(task), ref),
+            all_gathers=gathers,
+            units=[n for n, _ in select_units(build(kind))],
+            tied=shared_parameters(task),
+        )
 
 if world == 2:
     # a fused qkv laid out [q | k | v]: a contiguous split gives rank 0 all of q and half of k, and the model
     # trains silently wrong; the output probe (no example_input_array: made-up token ids) refuses it on every rank
     try:
-        trainer(TensorParallelStrategy(plan="auto", **mesh), devices=world, steps=STEPS).fit(Task("blocked_qkv_gpt", example=False))
+        trainer(TensorParallelStrategy(plan="auto", **mesh), devices=world, steps=STEPS).fit(
+            Task("blocked_qkv_gpt", example=False)
+        )
         emit(kind="refusal", model="blocked_qkv_gpt", error=None)
     except ValueError as err:
         emit(kind="refusal", model="blocked_qkv_gpt", error=str(err))
@@ -359,12 +429,19 @@ def hf_round_trip(root: Path, kind: str, label: str, strategy) -> None:
 
     src_dir, out = root / f"src_{kind}", root / f"out_{kind}_{label}"
     snap = Snapshot()
-    t = trainer(strategy, devices=world, steps=1, precision="32-true", callbacks=[HFPretrained(src_dir, export_to=out), snap])
+    t = trainer(
+        strategy, devices=world, steps=1, precision="32-true", callbacks=[HFPretrained(src_dir, export_to=out), snap]
+    )
     t.fit(Loaded(src_dir))
     src = load_file(str(src_dir / "model.safetensors"))  # a tied head is stored once, as the embedding
-    row = {"model": kind, "strategy": label, "mesh": list(t.strategy.mesh.spec.shape), "local_numel": snap.local,
-           "total_numel": sum(v.numel() for v in snap.params.values()),
-           "loaded_diff": max((snap.params[f"model.{k}"].reshape(v.shape) - v).abs().max().item() for k, v in src.items())}
+    row = {
+        "model": kind,
+        "strategy": label,
+        "mesh": list(t.strategy.mesh.spec.shape),
+        "local_numel": snap.local,
+        "total_numel": sum(v.numel() for v in snap.params.values()),
+        "loaded_diff": max((snap.params[f"model.{k}"].reshape(v.shape) - v).abs().max().item() for k, v in src.items()),
+    }
     if dist.get_rank() == 0:
         back = tf.AutoModelForCausalLM.from_pretrained(str(out))
         sd = back.state_dict()

@@ -36,10 +36,16 @@ def _grads(model: torch.nn.Module, idx: torch.Tensor) -> list[torch.Tensor]:
     return [p.grad.clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("value,expected", [
-    (True, ("full", 1, "auto")), ("full", ("full", 1, "auto")), ("selective", ("selective", 1, "auto")),
-    ("every:2", ("full", 2, "auto")), (["GPTBlock"], ("full", 1, ("GPTBlock",))),
-])
+@pytest.mark.parametrize(
+    "value,expected",
+    [
+        (True, ("full", 1, "auto")),
+        ("full", ("full", 1, "auto")),
+        ("selective", ("selective", 1, "auto")),
+        ("every:2", ("full", 2, "auto")),
+        (["GPTBlock"], ("full", 1, ("GPTBlock",))),
+    ],
+)
 def test_parse_forms(value, expected):
     plan = parse_ac(value)
     assert (plan.mode, plan.every, plan.units) == expected
@@ -53,10 +59,15 @@ def test_bad_values_name_the_value_and_the_forms(value):
     assert repr(value) in str(err.value)
 
 
-@pytest.mark.parametrize("cls,kwargs", [
-    (HybridShardStrategy, {}), (TensorParallelStrategy, {"tp": 2}), (PipelineStrategy, {"pp": 2}),
-    (AutoParallelStrategy, {"device_memory": "1GB"}),
-])
+@pytest.mark.parametrize(
+    "cls,kwargs",
+    [
+        (HybridShardStrategy, {}),
+        (TensorParallelStrategy, {"tp": 2}),
+        (PipelineStrategy, {"pp": 2}),
+        (AutoParallelStrategy, {"device_memory": "1GB"}),
+    ],
+)
 def test_every_strategy_refuses_bad_options_at_construction(cls, kwargs):
     # raised in __init__: before any process group exists, identically on every rank
     with pytest.raises(ValueError, match="every:N"):
@@ -137,8 +148,15 @@ def test_offload_is_refused_on_cpu_before_any_collective():
     with pytest.raises(ValueError, match="needs a CUDA device.*nothing to offload"):
         check_offload_device(True, "cpu")
     check_offload_device(False, "cpu")
-    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=HybridShardStrategy(offload_activations=True),
-                         max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=HybridShardStrategy(offload_activations=True),
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
     from lightning_dist.models.gpt import CharGPT
 
     with pytest.raises(ValueError, match="offload_activations=True needs a CUDA device"):
@@ -192,8 +210,16 @@ def test_memory_report_shows_the_offloaded_activation_bytes(capsys):
     from lightning_dist.callbacks import MemoryReport
 
     memory = MemoryReport()
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[memory])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[memory],
+    )
     module = _OffloadedGPT()
     trainer.fit(module)
     moved = offloaded_bytes(module.model)

@@ -23,27 +23,30 @@ def counts() -> planner.ParamCounts:
 
 
 def _layouts(counts, memory, *, world=4, per_node=4):
-    return planner.candidate_layouts(counts, world_size=world, devices_per_node=per_node, state=STATE,
-                                     device_memory=memory)
+    return planner.candidate_layouts(
+        counts, world_size=world, devices_per_node=per_node, state=STATE, device_memory=memory
+    )
 
 
 def _memory(counts, name, **kw):
     return next(l for l in _layouts(counts, None, **kw) if l.name == name).memory.total
 
 
-@pytest.mark.parametrize(("target", "global_batch", "prefer", "per_node", "cls", "mesh"), [
-    ("ddp", None, (), 4, "HybridShardStrategy", (1, 4, 1, 1)),
-    ("hsdp-2", None, (), 4, "HybridShardStrategy", (1, 2, 2, 1)),
-    ("fsdp", None, (), 4, "FullyShardStrategy", (1, 1, 4, 1)),
-    ("tp2-fsdp2", 6, (), 4, "TensorParallelStrategy", (1, 1, 2, 2)),
-    ("pp2-ddp2", 6, (), 1, "PipelineStrategy", (2, 2, 1, 1)),  # one device per node: no tensor parallelism
-    ("pp2-ddp2", 6, ("pp",), 4, "PipelineStrategy", (2, 2, 1, 1)),
-    ("fsdp-offload", None, (), 4, "HybridShardStrategy", (1, 1, 4, 1)),
-])
+@pytest.mark.parametrize(
+    ("target", "global_batch", "prefer", "per_node", "cls", "mesh"),
+    [
+        ("ddp", None, (), 4, "HybridShardStrategy", (1, 4, 1, 1)),
+        ("hsdp-2", None, (), 4, "HybridShardStrategy", (1, 2, 2, 1)),
+        ("fsdp", None, (), 4, "FullyShardStrategy", (1, 1, 4, 1)),
+        ("tp2-fsdp2", 6, (), 4, "TensorParallelStrategy", (1, 1, 2, 2)),
+        ("pp2-ddp2", 6, (), 1, "PipelineStrategy", (2, 2, 1, 1)),  # one device per node: no tensor parallelism
+        ("pp2-ddp2", 6, ("pp",), 4, "PipelineStrategy", (2, 2, 1, 1)),
+        ("fsdp-offload", None, (), 4, "HybridShardStrategy", (1, 1, 4, 1)),
+    ],
+)
 def test_budget_forces_each_choice(counts, target, global_batch, prefer, per_node, cls, mesh):
     budget = max(1.0, _memory(counts, target, per_node=per_node) * 1.01)
-    ranked = planner.rank_layouts(_layouts(counts, budget, per_node=per_node), global_batch=global_batch,
-                                  prefer=prefer)
+    ranked = planner.rank_layouts(_layouts(counts, budget, per_node=per_node), global_batch=global_batch, prefer=prefer)
     assert ranked[0].name == target, [l.name for l in ranked]
     strategy_cls, kwargs = strategy_for(ranked[0])
     assert strategy_cls.__name__ == cls
@@ -100,8 +103,9 @@ def test_activation_estimate_per_block():
     # autocast keeps four input copies and the block's weights in the compute dtype per micro-batch
     auto = planner.activation_bytes(block, tokens=10, blocks=1, stem=False, head=False, autocast=True)
     assert auto == one + 10 * 2 * 2 * 64 + 2 * block.params
-    with_head = planner.activation_bytes(planner.BlockShape(hidden=64, heads=4, mlp_hidden=256, vocab=100),
-                                         tokens=10, blocks=1, stem=False, head=True)
+    with_head = planner.activation_bytes(
+        planner.BlockShape(hidden=64, heads=4, mlp_hidden=256, vocab=100), tokens=10, blocks=1, stem=False, head=True
+    )
     assert with_head == one + 10 * ((2 + 2) * 64 + 16 + 3 * 2 * 100 + 2 * 100)
 
 
@@ -135,9 +139,23 @@ def test_dry_run_cli_config_from_lightningcli_yaml(tmp_path):
     path.write_text(
         "model:\n  class_path: lightning_dist.models.gpt.CharGPT\n  init_args:\n    n_layer: 4\n"
         "trainer:\n  precision: bf16-mixed\n  strategy:\n    class_path: lightning_dist.strategies.PipelineStrategy\n"
-        "    init_args:\n      pp: 4\n      tp: 8\n")
-    args = build_parser().parse_args(["dry-run", "--config", str(path), "--world-size", "1024",
-                                      "--devices-per-node", "8", "--device-memory", "80GB", "--ranks", "0,1023"])
+        "    init_args:\n      pp: 4\n      tp: 8\n"
+    )
+    args = build_parser().parse_args(
+        [
+            "dry-run",
+            "--config",
+            str(path),
+            "--world-size",
+            "1024",
+            "--devices-per-node",
+            "8",
+            "--device-memory",
+            "80GB",
+            "--ranks",
+            "0,1023",
+        ]
+    )
     config = dry_run_config(args)
     assert config.model == "lightning_dist.models.gpt.CharGPT" and config.init_args == {"n_layer": 4}
     assert config.strategy == "lightning_dist.strategies.PipelineStrategy"
@@ -162,14 +180,21 @@ def test_auto_parallel_needs_device_memory_on_cpu(monkeypatch):
     strategy = AutoParallelStrategy()
     strategy.parallel_devices = [torch.device("cpu")]
     strategy.cluster_environment = LightningEnvironment()
-    with pytest.raises(ValueError, match="auto_parallel needs device_memory=... \\(e.g. '80GB'\\) on a non-CUDA device"):
+    with pytest.raises(
+        ValueError, match="auto_parallel needs device_memory=... \\(e.g. '80GB'\\) on a non-CUDA device"
+    ):
         strategy.setup_environment()
 
 
 def test_auto_parallel_can_become_every_strategy_it_picks():
     # AutoParallelStrategy turns itself into the chosen strategy by assigning `__class__`, which Python refuses
     # ("object layout differs") for a class whose first bases do not run back to the same chain
-    from lightning_dist.strategies import FullyShardStrategy, HybridShardStrategy, PipelineStrategy, TensorParallelStrategy
+    from lightning_dist.strategies import (
+        FullyShardStrategy,
+        HybridShardStrategy,
+        PipelineStrategy,
+        TensorParallelStrategy,
+    )
     from lightning_dist.strategies.auto_parallel import AutoParallelStrategy
 
     for cls in (HybridShardStrategy, FullyShardStrategy, TensorParallelStrategy, PipelineStrategy):

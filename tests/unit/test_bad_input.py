@@ -15,9 +15,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from torch import nn
-
 from _harness import ROOT, SCENARIOS
+from torch import nn
 
 sys.path.insert(0, str(SCENARIOS))
 from _common import MLP  # noqa: E402
@@ -69,8 +68,14 @@ def _styles_swapped():
     from lightning_dist.parallelize.tp_probe import probe_output
 
     model = GPT(n_layer=2, n_head=2, n_embd=32, block_size=16)
-    plan = {"blocks.*.attn.q": "rowwise", "blocks.*.attn.k": "rowwise", "blocks.*.attn.v": "colwise",
-            "blocks.*.attn.proj": "colwise", "blocks.*.mlp.fc1": "colwise", "blocks.*.mlp.fc2": "rowwise"}
+    plan = {
+        "blocks.*.attn.q": "rowwise",
+        "blocks.*.attn.k": "rowwise",
+        "blocks.*.attn.v": "colwise",
+        "blocks.*.attn.proj": "colwise",
+        "blocks.*.mlp.fc1": "colwise",
+        "blocks.*.mlp.fc2": "rowwise",
+    }
     entries = resolve_plan(model, plan, tp=2)  # structurally fine: each region has both kinds
     return probe_output(model, torch.device("cpu"), entries)
 
@@ -269,126 +274,264 @@ def _exact_eval_loader(n: int, world: int, batch_size: int, *, may_skip: bool = 
 
     from lightning_dist.callbacks.exact_eval import _exact_loader
 
-    return _exact_loader(DataLoader(TensorDataset(torch.arange(n)), batch_size=batch_size), num_replicas=world,
-                         rank=0, trim=True, may_skip=may_skip, same_sizes=same_sizes)
+    return _exact_loader(
+        DataLoader(TensorDataset(torch.arange(n)), batch_size=batch_size),
+        num_replicas=world,
+        rank=0,
+        trim=True,
+        may_skip=may_skip,
+        same_sizes=same_sizes,
+    )
 
 
 CASES = {
     "mesh-tp-not-dividing-world": (lambda t: _spec(tp=3), ValueError, ["tp = 1 x 3 = 3", "divides 4"]),
     "mesh-shard-not-dividing": (lambda t: _spec(dp_shard=3), ValueError, ["dp_shard=3", "pick a divisor of 4"]),
-    "mesh-product-not-world": (lambda t: _spec(dp_replicate=2, dp_shard=4), ValueError,
-                               ["= 8 != world_size=4", "e.g. dp_replicate=1, dp_shard=4"]),
-    "mesh-tp-cross-node": (lambda t: MeshSpec(world_size=8, devices_per_node=4, tp=8).resolve(), ValueError,
-                           ["tp=8", "allow_cross_node_tp=True"]),
+    "mesh-product-not-world": (
+        lambda t: _spec(dp_replicate=2, dp_shard=4),
+        ValueError,
+        ["= 8 != world_size=4", "e.g. dp_replicate=1, dp_shard=4"],
+    ),
+    "mesh-tp-cross-node": (
+        lambda t: MeshSpec(world_size=8, devices_per_node=4, tp=8).resolve(),
+        ValueError,
+        ["tp=8", "allow_cross_node_tp=True"],
+    ),
     "size-zero": (lambda t: HybridShardStrategy(pp=0), ValueError, ["pp=0", "integer >= 1"]),
     "size-bool": (lambda t: HybridShardStrategy(dp_replicate=True), ValueError, ["dp_replicate=True", '"auto"']),
     "zero-stage": (lambda t: HybridShardStrategy(zero_stage=4), ValueError, ["zero_stage=4", "1, 2 or 3"]),
-    "ac-mode-unknown": (lambda t: HybridShardStrategy(activation_checkpointing="partial"), ValueError,
-                        ["activation_checkpointing='partial'", '"selective"', '"every:N"']),
-    "ac-every-not-positive": (lambda t: PipelineStrategy(activation_checkpointing="every:0"), ValueError,
-                              ["'every:0'", "integer >= 1"]),
-    "ac-selective-op-unknown": (lambda t: HybridShardStrategy(activation_checkpointing="selective",
-                                                              selective_ac_ops=["aten.matmul_fast"]), ValueError,
-                                ["aten.matmul_fast", "not torch ops", "'aten.mm'"]),
+    "ac-mode-unknown": (
+        lambda t: HybridShardStrategy(activation_checkpointing="partial"),
+        ValueError,
+        ["activation_checkpointing='partial'", '"selective"', '"every:N"'],
+    ),
+    "ac-every-not-positive": (
+        lambda t: PipelineStrategy(activation_checkpointing="every:0"),
+        ValueError,
+        ["'every:0'", "integer >= 1"],
+    ),
+    "ac-selective-op-unknown": (
+        lambda t: HybridShardStrategy(activation_checkpointing="selective", selective_ac_ops=["aten.matmul_fast"]),
+        ValueError,
+        ["aten.matmul_fast", "not torch ops", "'aten.mm'"],
+    ),
     # the strategies' validate_config (set-up, before the process group) calls this with their root device
-    "offload-activations-on-cpu": (lambda t: __import__("lightning_dist.parallelize.ac", fromlist=["x"])
-                                   .check_offload_device(True, torch.device("cpu")), ValueError,
-                                   ["offload_activations=True needs a CUDA device", "nothing to offload"]),
-    "offload-activations-all-checkpointed": (lambda t: HybridShardStrategy(activation_checkpointing="full",
-                                                                           offload_activations=True), ValueError,
-                                             ["offload_activations=True", "every:N"]),
+    "offload-activations-on-cpu": (
+        lambda t: __import__("lightning_dist.parallelize.ac", fromlist=["x"]).check_offload_device(
+            True, torch.device("cpu")
+        ),
+        ValueError,
+        ["offload_activations=True needs a CUDA device", "nothing to offload"],
+    ),
+    "offload-activations-all-checkpointed": (
+        lambda t: HybridShardStrategy(activation_checkpointing="full", offload_activations=True),
+        ValueError,
+        ["offload_activations=True", "every:N"],
+    ),
     "shard-size-word": (lambda t: HybridShardStrategy(shard_size="half"), ValueError, ["shard_size='half'", '"full"']),
-    "shard-size-and-dp-shard": (lambda t: HybridShardStrategy(shard_size=2, dp_shard=2), ValueError,
-                                ["shard_size=2", "dp_shard=2", "not both"]),
-    "parallelize-fn-not-callable": (lambda t: HybridShardStrategy(parallelize_fn=3), ValueError,
-                                    ["parallelize_fn=3", "fn(model, mesh)"]),
+    "shard-size-and-dp-shard": (
+        lambda t: HybridShardStrategy(shard_size=2, dp_shard=2),
+        ValueError,
+        ["shard_size=2", "dp_shard=2", "not both"],
+    ),
+    "parallelize-fn-not-callable": (
+        lambda t: HybridShardStrategy(parallelize_fn=3),
+        ValueError,
+        ["parallelize_fn=3", "fn(model, mesh)"],
+    ),
     "tp-size": (lambda t: _tp(tp=0), ValueError, ["tp=0", "integer >= 1"]),
     "tp-plan-unknown-name": (lambda t: _tp(plan="zigzag"), ValueError, ["plan='zigzag'", "'mlp'"]),
     "tp-plan-wrong-type": (lambda t: _tp(plan=3), ValueError, ["got int", "mapping of pattern -> style"]),
     "tp-plan-unknown-style": (lambda t: _plan({"stem": "diagonal"}), ValueError, ["'diagonal'", "colwise"]),
-    "tp-plan-indivisible": (lambda t: _plan({"blocks.*.fc": "colwise"}, width=15), ValueError,
-                            ["out_features=15", "tp=2", "choose a tp that divides 15"]),
-    "tp-plan-matches-nothing": (lambda t: _plan({"nothing.here": "colwise"}), ValueError,
-                                ["'nothing.here'", "match from the root", "module names look like"]),
-    "tp-plan-breaks-tie": (lambda t: _tied_head_only(), ValueError,
-                           ["['tok_emb.weight', 'lm_head.weight']", "train apart", "vocab-parallel", "'rowwise'"]),
-    "tp-plan-rowwise-input-not-split": (lambda t: _plan({"blocks.*.fc": "rowwise"}), ValueError,
-                                        ["blocks.0.fc (Linear, rowwise) expects an input split", "'colwise'"]),
-    "tp-plan-output-left-split": (lambda t: _plan({"head": "colwise"}), ValueError,
-                                  ["head (Linear, colwise) leaves its output split", "colwise_gather"]),
-    "tp-plan-styles-swapped": (lambda t: _styles_swapped(), ValueError,
-                               ["blocks.0.attn (and 1 more like it", "['q', 'k'] 'rowwise' run(s) before",
-                                "['v', 'proj'] 'colwise' run(s) after", "'blocks.*.attn.q': 'colwise'",
-                                "'blocks.*.attn.v': 'colwise', 'blocks.*.attn.proj': 'rowwise'"]),
-    "tp-plan-pattern-two-paths": (lambda t: _two_paths(), ValueError, ["'head'", "matches 2 paths", "write the full path"]),
-    "tp-auto-no-plan": (lambda t: _auto_no_plan(), ValueError,
-                        ["No built-in tensor-parallel plan matches", "A plan to start from", "rowwise"]),
-    "fsdp-tied-across-units": (lambda t: _tied_across_units(), ValueError,
-                               ["lie in different sharding units", "Choose `units`", "untie them"]),
+    "tp-plan-indivisible": (
+        lambda t: _plan({"blocks.*.fc": "colwise"}, width=15),
+        ValueError,
+        ["out_features=15", "tp=2", "choose a tp that divides 15"],
+    ),
+    "tp-plan-matches-nothing": (
+        lambda t: _plan({"nothing.here": "colwise"}),
+        ValueError,
+        ["'nothing.here'", "match from the root", "module names look like"],
+    ),
+    "tp-plan-breaks-tie": (
+        lambda t: _tied_head_only(),
+        ValueError,
+        ["['tok_emb.weight', 'lm_head.weight']", "train apart", "vocab-parallel", "'rowwise'"],
+    ),
+    "tp-plan-rowwise-input-not-split": (
+        lambda t: _plan({"blocks.*.fc": "rowwise"}),
+        ValueError,
+        ["blocks.0.fc (Linear, rowwise) expects an input split", "'colwise'"],
+    ),
+    "tp-plan-output-left-split": (
+        lambda t: _plan({"head": "colwise"}),
+        ValueError,
+        ["head (Linear, colwise) leaves its output split", "colwise_gather"],
+    ),
+    "tp-plan-styles-swapped": (
+        lambda t: _styles_swapped(),
+        ValueError,
+        [
+            "blocks.0.attn (and 1 more like it",
+            "['q', 'k'] 'rowwise' run(s) before",
+            "['v', 'proj'] 'colwise' run(s) after",
+            "'blocks.*.attn.q': 'colwise'",
+            "'blocks.*.attn.v': 'colwise', 'blocks.*.attn.proj': 'rowwise'",
+        ],
+    ),
+    "tp-plan-pattern-two-paths": (
+        lambda t: _two_paths(),
+        ValueError,
+        ["'head'", "matches 2 paths", "write the full path"],
+    ),
+    "tp-auto-no-plan": (
+        lambda t: _auto_no_plan(),
+        ValueError,
+        ["No built-in tensor-parallel plan matches", "A plan to start from", "rowwise"],
+    ),
+    "fsdp-tied-across-units": (
+        lambda t: _tied_across_units(),
+        ValueError,
+        ["lie in different sharding units", "Choose `units`", "untie them"],
+    ),
     "hf-weights-not-a-folder": (lambda t: _hf_load("nothing"), FileNotFoundError, ["not a folder of .safetensors"]),
-    "hf-weights-mismatch": (lambda t: _hf_load("other"), ValueError,
-                            ["missing ['fc.bias']", "unexpected ['extra']", "strict=False"]),
+    "hf-weights-mismatch": (
+        lambda t: _hf_load("other"),
+        ValueError,
+        ["missing ['fc.bias']", "unexpected ['extra']", "strict=False"],
+    ),
     "hf-weights-meta-buffers": (lambda t: _hf_load("meta"), ValueError, ["on the meta device", "init_empty_weights()"]),
     "hf-export-exists": (lambda t: _hf_export_exists(), FileExistsError, ["exists", "new folder"]),
-    "pipeline-schedule-unknown": (lambda t: PipelineStrategy(schedule="zigzag"), ValueError,
-                                  ["schedule='zigzag'", "1f1b"]),
-    "pipeline-microbatches-too-few": (lambda t: _schedule("1f1b", 4, 2), ValueError,
-                                      ["n_microbatches >= pp = 4", "n_microbatches=2"]),
-    "pipeline-microbatches-zero": (lambda t: _schedule("gpipe", 2, 0), ValueError,
-                                   ["n_microbatches=0", "integer >= 1"]),
+    "pipeline-schedule-unknown": (
+        lambda t: PipelineStrategy(schedule="zigzag"),
+        ValueError,
+        ["schedule='zigzag'", "1f1b"],
+    ),
+    "pipeline-microbatches-too-few": (
+        lambda t: _schedule("1f1b", 4, 2),
+        ValueError,
+        ["n_microbatches >= pp = 4", "n_microbatches=2"],
+    ),
+    "pipeline-microbatches-zero": (
+        lambda t: _schedule("gpipe", 2, 0),
+        ValueError,
+        ["n_microbatches=0", "integer >= 1"],
+    ),
     "pipeline-zb-stages": (lambda t: _schedule("zero_bubble", 2, 4, 1), ValueError, ["stages_per_rank=2", "got 1"]),
-    "pipeline-head-registered-first": (lambda t: _head_registered_first(), ValueError,
-                                       ["registers its children in the order emb -> head -> blocks",
-                                        "runs them as emb -> blocks -> head", "registration order",
-                                        "assign emb then blocks then head"]),
-    "pipeline-consolidated-file": (lambda t: PipelineStrategy(save_distributed_checkpoint=False), ValueError,
-                                   ["save_distributed_checkpoint=True", "dcp_to_torch_save"]),
+    "pipeline-head-registered-first": (
+        lambda t: _head_registered_first(),
+        ValueError,
+        [
+            "registers its children in the order emb -> head -> blocks",
+            "runs them as emb -> blocks -> head",
+            "registration order",
+            "assign emb then blocks then head",
+        ],
+    ),
+    "pipeline-consolidated-file": (
+        lambda t: PipelineStrategy(save_distributed_checkpoint=False),
+        ValueError,
+        ["save_distributed_checkpoint=True", "dcp_to_torch_save"],
+    ),
     "async-checkpoint-consolidated": (
-        lambda t: HybridShardStrategy(async_checkpoint=True, save_distributed_checkpoint=False), ValueError,
-        ["async_checkpoint=True", "save_distributed_checkpoint=True"]),
-    "pipeline-tp-sharded-output": (lambda t: _pipeline_tp({"head": "colwise"}), ValueError,
-                                   ["model.head (Linear, colwise)", "leaves its output split", "colwise_gather"]),
+        lambda t: HybridShardStrategy(async_checkpoint=True, save_distributed_checkpoint=False),
+        ValueError,
+        ["async_checkpoint=True", "save_distributed_checkpoint=True"],
+    ),
+    "pipeline-tp-sharded-output": (
+        lambda t: _pipeline_tp({"head": "colwise"}),
+        ValueError,
+        ["model.head (Linear, colwise)", "leaves its output split", "colwise_gather"],
+    ),
     "offload-tier": (lambda t: _offload(optimizer="gpu"), ValueError, ["optimizer='gpu'", '"cpu", "nvme" or None']),
     "offload-nvme-without-path": (lambda t: _offload(optimizer="nvme"), ValueError, ["nvme_path="]),
     "offload-nvme-path-missing": (lambda t: _nvme(t / "absent"), ValueError, ["absent", "create the folder"]),
-    "offload-nvme-path-is-file": (lambda t: _nvme(ROOT / "pyproject.toml"), ValueError,
-                                  ["pyproject.toml", "is not a folder"]),
-    "offload-params-stage2": (lambda t: _offload(parameters="cpu", zero_stage=2), ValueError,
-                              ["parameters='cpu'", "zero_stage=2", "pass `zero_stage=3`"]),
+    "offload-nvme-path-is-file": (
+        lambda t: _nvme(ROOT / "pyproject.toml"),
+        ValueError,
+        ["pyproject.toml", "is not a folder"],
+    ),
+    "offload-params-stage2": (
+        lambda t: _offload(parameters="cpu", zero_stage=2),
+        ValueError,
+        ["parameters='cpu'", "zero_stage=2", "pass `zero_stage=3`"],
+    ),
     "offload-policy-zero1": (lambda t: _offload_policy_zero1(), ValueError, ["zero_stage=1", "zero_stage=2 or 3"]),
     "compile-option-type": (lambda t: HybridShardStrategy(compile=3), ValueError, ["compile=3", "block class names"]),
-    "compile-with-parallelize-fn": (lambda t: HybridShardStrategy(compile=True, parallelize_fn=lambda m, mesh: None),
-                                    ValueError, ["parallelize_fn", "apply_compile"]),
-    "compile-zero-bubble": (lambda t: PipelineStrategy(schedule="zero_bubble", compile=True), ValueError,
-                            ["schedule='zero_bubble'", "'1f1b'"]),
+    "compile-with-parallelize-fn": (
+        lambda t: HybridShardStrategy(compile=True, parallelize_fn=lambda m, mesh: None),
+        ValueError,
+        ["parallelize_fn", "apply_compile"],
+    ),
+    "compile-zero-bubble": (
+        lambda t: PipelineStrategy(schedule="zero_bubble", compile=True),
+        ValueError,
+        ["schedule='zero_bubble'", "'1f1b'"],
+    ),
     "compile-deepspeed-offload": (lambda t: _offload(compile=True), ValueError, ["compile=True", "offload_fsdp2"]),
-    "offload-policy-pinned-on-cpu": (lambda t: _pinned_policy_on_cpu(), ValueError,
-                                     ["pin_memory=True", "CPUOffloadPolicy(pin_memory=False)"]),
+    "offload-policy-pinned-on-cpu": (
+        lambda t: _pinned_policy_on_cpu(),
+        ValueError,
+        ["pin_memory=True", "CPUOffloadPolicy(pin_memory=False)"],
+    ),
     "precision-pin-memory-on-cpu": (lambda t: _pin(), ValueError, ["pin_memory=True", "pass False"]),
-    "precision-master-weights-fp32": (lambda t: _master_weights(), ValueError,
-                                      ["master_weights=True", "'32-true'", "16-bit precision"]),
-    "callback-bubble-on-hsdp": (lambda t: _bubble_on_hsdp(), TypeError,
-                                ["PipelineBubble", "HybridShardStrategy", "PipelineStrategy("]),
-    "callback-parity-on-deepspeed": (lambda t: _parity_on_deepspeed(), ValueError,
-                                     ["OffloadStrategy", "Use it with ddp, hsdp/fsdp2"]),
-    "exact-eval-mode-unknown": (lambda t: ExactEvaluation(mode="drop"), ValueError, ["mode='drop'", "'trim'", "'mask'"]),
-    "exact-eval-full-batches-trim": (lambda t: ExactEvaluation(full_batches=True), ValueError,
-                                     ["full_batches=True", "mode='mask'"]),
-    "exact-eval-empty-batch-sharded": (lambda t: _exact_eval_loader(10, 4, 1, may_skip=False), ValueError,
-                                       ["10 evaluation samples on 4", "batch_size=1", "batch_size >= 2", "mode='mask'"]),
-    "exact-eval-pipeline-uneven": (lambda t: _exact_eval_loader(31, 2, 3, same_sizes=True), ValueError,
-                                   ["31 evaluation samples in batches of 3 on 2", "micro-batches",
-                                    "mode='mask', full_batches=True"]),
-    "exact-eval-fewer-samples-than-ranks": (lambda t: _exact_eval_loader(3, 4, 2), ValueError,
-                                            ["3 samples for 4 data-parallel ranks", "mode='mask'"]),
-    "checkpoint-other-model": (lambda t: _other_model_checkpoint(), ValueError,
-                               ["'stem.weight'", "[16, 12]", "[24, 12]", "different model"]),
+    "precision-master-weights-fp32": (
+        lambda t: _master_weights(),
+        ValueError,
+        ["master_weights=True", "'32-true'", "16-bit precision"],
+    ),
+    "callback-bubble-on-hsdp": (
+        lambda t: _bubble_on_hsdp(),
+        TypeError,
+        ["PipelineBubble", "HybridShardStrategy", "PipelineStrategy("],
+    ),
+    "callback-parity-on-deepspeed": (
+        lambda t: _parity_on_deepspeed(),
+        ValueError,
+        ["OffloadStrategy", "Use it with ddp, hsdp/fsdp2"],
+    ),
+    "exact-eval-mode-unknown": (
+        lambda t: ExactEvaluation(mode="drop"),
+        ValueError,
+        ["mode='drop'", "'trim'", "'mask'"],
+    ),
+    "exact-eval-full-batches-trim": (
+        lambda t: ExactEvaluation(full_batches=True),
+        ValueError,
+        ["full_batches=True", "mode='mask'"],
+    ),
+    "exact-eval-empty-batch-sharded": (
+        lambda t: _exact_eval_loader(10, 4, 1, may_skip=False),
+        ValueError,
+        ["10 evaluation samples on 4", "batch_size=1", "batch_size >= 2", "mode='mask'"],
+    ),
+    "exact-eval-pipeline-uneven": (
+        lambda t: _exact_eval_loader(31, 2, 3, same_sizes=True),
+        ValueError,
+        ["31 evaluation samples in batches of 3 on 2", "micro-batches", "mode='mask', full_batches=True"],
+    ),
+    "exact-eval-fewer-samples-than-ranks": (
+        lambda t: _exact_eval_loader(3, 4, 2),
+        ValueError,
+        ["3 samples for 4 data-parallel ranks", "mode='mask'"],
+    ),
+    "checkpoint-other-model": (
+        lambda t: _other_model_checkpoint(),
+        ValueError,
+        ["'stem.weight'", "[16, 12]", "[24, 12]", "different model"],
+    ),
     "checkpoint-missing": (lambda t: ckpt.resolve_path(t / "nope.ckpt"), FileNotFoundError, ["nope.ckpt"]),
     "checkpoint-untrusted-pickle": (_untrusted_pickle, RuntimeError, ["weights_only=True", "add_safe_globals"]),
-    "timeout-wrong-type": (lambda t: HybridShardStrategy(timeout="30"), TypeError,
-                           ["timeout='30'", "seconds as a number or a datetime.timedelta", "timeout=1800"]),
-    "timeout-negative": (lambda t: PipelineStrategy(timeout=-5), ValueError,
-                         ["timeout=-5", "positive, finite number of seconds"]),
+    "timeout-wrong-type": (
+        lambda t: HybridShardStrategy(timeout="30"),
+        TypeError,
+        ["timeout='30'", "seconds as a number or a datetime.timedelta", "timeout=1800"],
+    ),
+    "timeout-negative": (
+        lambda t: PipelineStrategy(timeout=-5),
+        ValueError,
+        ["timeout=-5", "positive, finite number of seconds"],
+    ),
     "mesh-before-fit": (lambda t: HybridShardStrategy().mesh, RuntimeError, ["setup_environment", "Trainer.fit"]),
     "rendezvous-port-in-use": (lambda t: _port_in_use(), RuntimeError, ["MASTER_PORT=", "pick a free port"]),
 }
@@ -408,9 +551,16 @@ def test_bad_input_raises_clear_error(case, tmp_path):
 
 def test_table_in_docs_lists_every_case():
     table = (ROOT / "docs" / "bad_input.md").read_text()
-    runtime = ["empty-dataset", "fewer-samples-than-ranks", "smaller-than-one-batch", "nan-loss-one-rank",
-               "callback-wrong-strategy-in-job", "mesh-in-job", "tp-output-differs",
-               "iterable-data-ends-early"]
+    runtime = [
+        "empty-dataset",
+        "fewer-samples-than-ranks",
+        "smaller-than-one-batch",
+        "nan-loss-one-rank",
+        "callback-wrong-strategy-in-job",
+        "mesh-in-job",
+        "tp-output-differs",
+        "iterable-data-ends-early",
+    ]
     absent = [c for c in [*CASES, *runtime] if f"`{c}`" not in table]
     assert not absent, f"docs/bad_input.md lacks {absent}"
     assert len(CASES) + len(runtime) >= 25
@@ -461,9 +611,16 @@ def test_attempt_store_prefixes_keys_with_the_torchrun_attempt(monkeypatch):
     from lightning_dist.rendezvous import attempt_store, job_store
 
     server = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=5), wait_for_workers=False)
-    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(server.port), "WORLD_SIZE": "1", "RANK": "0",
-                       "LOCAL_RANK": "0", "GROUP_RANK": "0", "TORCHELASTIC_RUN_ID": "x",
-                       "TORCHELASTIC_RESTART_COUNT": "1"}.items():
+    for key, value in {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(server.port),
+        "WORLD_SIZE": "1",
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "GROUP_RANK": "0",
+        "TORCHELASTIC_RUN_ID": "x",
+        "TORCHELASTIC_RESTART_COUNT": "1",
+    }.items():
         monkeypatch.setenv(key, value)
     env = TorchElasticEnvironment()
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _harness import free_port
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import CombinedLoader
@@ -20,7 +21,6 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Itera
 from torchmetrics import MeanMetric, SumMetric
 from torchmetrics.classification import MulticlassAccuracy
 
-from _harness import free_port
 from lightning_dist.callbacks import (
     DataParallelBatchNorm,
     ExactBatchSampler,
@@ -44,8 +44,14 @@ warnings.filterwarnings("ignore", ".*does not have many workers.*")
 
 
 def _trainer(**kwargs) -> pl.Trainer:
-    defaults = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                    enable_progress_bar=False, enable_model_summary=False)
+    defaults = dict(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     defaults.update(kwargs)
     return pl.Trainer(**defaults)
 
@@ -136,8 +142,12 @@ def test_reaches_iterable_dataset_across_combined_list_and_dict():
     streams = [EpochIterable() for _ in range(4)]
     samplers = [EpochSampler(6) for _ in range(2)]
     combined = CombinedLoader({"a": DataLoader(streams[0]), "b": [DataLoader(streams[1]), DataLoader(streams[2])]})
-    loaders = [combined, {"x": DataLoader(streams[3])}, (DataLoader(range(6), sampler=samplers[0]),),
-               DataLoader(range(6), sampler=samplers[1])]
+    loaders = [
+        combined,
+        {"x": DataLoader(streams[3])},
+        (DataLoader(range(6), sampler=samplers[0]),),
+        DataLoader(range(6), sampler=samplers[1]),
+    ]
     assert set_epoch_everywhere(loaders, 7) == 6
     assert [s.epoch for s in streams] == [7] * 4 and [s.epoch for s in samplers] == [7] * 2
 
@@ -219,8 +229,10 @@ def test_sampler_epoch_restores_the_epoch_on_mid_epoch_resume(tmp_path):
 @pytest.mark.parametrize("full_batches", [False, True])
 def test_exact_batch_sampler_scores_each_sample_once(world, batch_size, full_batches):
     n = 31
-    samplers = [ExactBatchSampler(num_samples=n, num_replicas=world, rank=r, batch_size=batch_size,
-                                  full_batches=full_batches) for r in range(world)]
+    samplers = [
+        ExactBatchSampler(num_samples=n, num_replicas=world, rank=r, batch_size=batch_size, full_batches=full_batches)
+        for r in range(world)
+    ]
     lengths = {len(s) for s in samplers}
     assert len(lengths) == 1  # every rank runs the same number of steps ...
     real = []
@@ -243,8 +255,10 @@ def test_exact_batch_sampler_scores_each_sample_once(world, batch_size, full_bat
 @pytest.mark.parametrize("world", [1, 3, 4, 5])
 @pytest.mark.parametrize("batch_size", [1, 2, 3, 4, 8])
 def test_trimmed_batches_hold_each_sample_once_in_lockstep(n, world, batch_size):
-    samplers = [ExactBatchSampler(num_samples=n, num_replicas=world, rank=r, batch_size=batch_size, trim=True)
-                for r in range(world)]
+    samplers = [
+        ExactBatchSampler(num_samples=n, num_replicas=world, rank=r, batch_size=batch_size, trim=True)
+        for r in range(world)
+    ]
     assert len({len(s) for s in samplers}) == 1  # every rank runs the same number of steps
     seen, empty = [], False
     for s in samplers:
@@ -445,6 +459,7 @@ def test_mesh_sync_batchnorm_config_and_lifecycle_errors():
 
 def test_mesh_sync_batchnorm_warns_once_on_a_model_without_batchnorm(recwarn):
     """Without any BatchNorm the callback would do nothing: it says so once (issue 29: was a silent no-op)."""
+
     class NoBatchNorm(LateBatchNorm):
         def __init__(self):
             super().__init__(late=False)
@@ -467,16 +482,24 @@ def test_callbacks_from_a_cli_config():
 
     parser = ArgumentParser(exit_on_error=False)
     parser.add_argument("--callbacks", type=list[Callback])
-    config = {"callbacks": [
-        {"class_path": "lightning_dist.callbacks.SamplerEpoch", "init_args": {"check_seeds": False}},
-        {"class_path": "lightning_dist.callbacks.ExactEvaluation"},
-        {"class_path": "lightning_dist.callbacks.MeshSyncBatchNorm", "init_args": {"group_size": 8}},
-        {"class_path": "lightning_dist.callbacks.GradientParityCheck",
-         "init_args": {"steps": [0, 10], "on_mismatch": "warn", "tolerance": 1e-6}},
-    ]}
+    config = {
+        "callbacks": [
+            {"class_path": "lightning_dist.callbacks.SamplerEpoch", "init_args": {"check_seeds": False}},
+            {"class_path": "lightning_dist.callbacks.ExactEvaluation"},
+            {"class_path": "lightning_dist.callbacks.MeshSyncBatchNorm", "init_args": {"group_size": 8}},
+            {
+                "class_path": "lightning_dist.callbacks.GradientParityCheck",
+                "init_args": {"steps": [0, 10], "on_mismatch": "warn", "tolerance": 1e-6},
+            },
+        ]
+    }
     callbacks = parser.instantiate_classes(parser.parse_object(config)).callbacks
     assert [type(c).__name__ for c in callbacks] == [
-        "SamplerEpoch", "ExactEvaluation", "MeshSyncBatchNorm", "GradientParityCheck"]
+        "SamplerEpoch",
+        "ExactEvaluation",
+        "MeshSyncBatchNorm",
+        "GradientParityCheck",
+    ]
     assert callbacks[2].group_size == 8 and callbacks[3].steps == {0, 10} and callbacks[3].on_mismatch == "warn"
 
 
@@ -509,7 +532,9 @@ class ParityModel(pl.LightningModule):
 
     def train_dataloader(self):
         g = torch.Generator().manual_seed(1)
-        ds = TensorDataset(torch.randn(16, 3, generator=g, dtype=torch.float64), torch.randn(16, 1, generator=g, dtype=torch.float64))
+        ds = TensorDataset(
+            torch.randn(16, 3, generator=g, dtype=torch.float64), torch.randn(16, 1, generator=g, dtype=torch.float64)
+        )
         return DataLoader(ds, batch_size=4)
 
 

@@ -22,8 +22,11 @@ def one_rank(tmp_path):
 
 
 def _state(model, opt):
-    return {"state_dict": ckpt.model_state(model, full=False),
-            "optimizer_states": [ckpt.optimizer_state(model, opt, full=False)], "global_step": 1}
+    return {
+        "state_dict": ckpt.model_state(model, full=False),
+        "optimizer_states": [ckpt.optimizer_state(model, opt, full=False)],
+        "global_step": 1,
+    }
 
 
 def _trained():
@@ -96,4 +99,3 @@ def test_failed_background_save_keeps_previous_checkpoint_and_raises_at_wait(tmp
     with pytest.raises(ValueError, match="needs sharded checkpoints"):
         ckpt.save(_state(model, opt), tmp_path / "one.ckpt", sharded=False, writer=writer)
     writer.close()
-

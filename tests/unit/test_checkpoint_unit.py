@@ -1,7 +1,6 @@
 """Checkpoint module in one process: atomic writes, key layouts, mismatch messages, safe loading."""
 
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -43,8 +42,13 @@ def test_directory_swap_falls_back_to_old_when_interrupted(tmp_path):
 
 def test_optimizer_key_layouts_round_trip():
     model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
-    opt = torch.optim.AdamW([{"params": [model[0].weight, model[1].weight]},
-                             {"params": [model[0].bias, model[1].bias], "weight_decay": 0.0}], lr=0.1)
+    opt = torch.optim.AdamW(
+        [
+            {"params": [model[0].weight, model[1].weight]},
+            {"params": [model[0].bias, model[1].bias], "weight_decay": 0.0},
+        ],
+        lr=0.1,
+    )
     model(torch.randn(5, 3)).sum().backward()
     opt.step()
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
@@ -95,15 +99,25 @@ def test_flattened_optimizer_layout_converts_to_torch_index_layout():
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     model = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 1))
-    opt = torch.optim.AdamW([{"params": [model[0].weight, model[1].weight]},
-                             {"params": [model[0].bias, model[1].bias], "weight_decay": 0.0}], lr=0.1)
+    opt = torch.optim.AdamW(
+        [
+            {"params": [model[0].weight, model[1].weight]},
+            {"params": [model[0].bias, model[1].bias], "weight_decay": 0.0},
+        ],
+        lr=0.1,
+    )
     model(torch.randn(4, 2)).sum().backward()
     opt.step()
     flat = get_optimizer_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
     nested = ckpt.unflatten_optimizer(flat, list(model.state_dict()))
     index = ckpt.fqn_to_index(nested)
-    fresh = torch.optim.AdamW([{"params": [model[0].weight, model[1].weight]},
-                               {"params": [model[0].bias, model[1].bias], "weight_decay": 0.0}], lr=0.1)
+    fresh = torch.optim.AdamW(
+        [
+            {"params": [model[0].weight, model[1].weight]},
+            {"params": [model[0].bias, model[1].bias], "weight_decay": 0.0},
+        ],
+        lr=0.1,
+    )
     fresh.load_state_dict(index)  # torch's own loader accepts it
     for p in model.parameters():
         assert torch.equal(fresh.state[p]["exp_avg"], opt.state[p]["exp_avg"])
@@ -112,8 +126,11 @@ def test_flattened_optimizer_layout_converts_to_torch_index_layout():
 
 # ---- completeness of a sharded checkpoint (issue 20): each damage named, before anything is read ----
 def _sharded(path):
-    ckpt.save({"state_dict": {"w": torch.arange(6.0), "b": torch.ones(2)}, "optimizer_states": [], "epoch": 1},
-              path, sharded=True)
+    ckpt.save(
+        {"state_dict": {"w": torch.arange(6.0), "b": torch.ones(2)}, "optimizer_states": [], "epoch": 1},
+        path,
+        sharded=True,
+    )
     return path
 
 
@@ -123,8 +140,10 @@ def _zero(file):
 
 DAMAGE = {
     "shard-missing": (lambda d: (d / "__0_0.distcp").unlink(), ["__0_0.distcp is missing"]),
-    "shard-truncated": (lambda d: (d / "__0_0.distcp").write_bytes((d / "__0_0.distcp").read_bytes()[:100]),
-                        ["__0_0.distcp is truncated (100 bytes"]),
+    "shard-truncated": (
+        lambda d: (d / "__0_0.distcp").write_bytes((d / "__0_0.distcp").read_bytes()[:100]),
+        ["__0_0.distcp is truncated (100 bytes"],
+    ),
     "shard-zeroed": (lambda d: _zero(d / "__0_0.distcp"), ["__0_0.distcp is damaged", "is not a saved tensor"]),
     "meta-missing": (lambda d: (d / "meta.pt").unlink(), ["meta.pt (Lightning's loop state) is missing"]),
     "meta-zeroed": (lambda d: _zero(d / "meta.pt"), ["meta.pt (Lightning's loop state) is damaged"]),
@@ -141,8 +160,11 @@ def test_damaged_sharded_checkpoint_is_refused_naming_the_file(tmp_path, damage)
     hurt(folder)
     model = nn.Module()
     model.w, model.b = nn.Parameter(torch.zeros(6)), nn.Parameter(torch.zeros(2))
-    for call in (lambda: ckpt.load(folder, model=model), lambda: ckpt.consolidate(folder, tmp_path / "one.ckpt"),
-                 lambda: ckpt.load_stage(folder, model=model)):
+    for call in (
+        lambda: ckpt.load(folder, model=model),
+        lambda: ckpt.consolidate(folder, tmp_path / "one.ckpt"),
+        lambda: ckpt.load_stage(folder, model=model),
+    ):
         with pytest.raises(ValueError) as info:
             call()
         message = str(info.value)
@@ -187,8 +209,15 @@ def test_a_tied_weight_saved_once_loads_into_every_copy_and_consolidates_to_ever
     whole[1].weight = whole[0].weight
     sd = whole.state_dict()
     path = tmp_path / "tied.ckpt"
-    ckpt.save({"state_dict": {k: sd[k] for k in ("0.weight", "0.bias", "1.bias")}, "optimizer_states": [],
-               ckpt.TIED_KEY: {"1.weight": "0.weight"}}, path, sharded=True)
+    ckpt.save(
+        {
+            "state_dict": {k: sd[k] for k in ("0.weight", "0.bias", "1.bias")},
+            "optimizer_states": [],
+            ckpt.TIED_KEY: {"1.weight": "0.weight"},
+        },
+        path,
+        sharded=True,
+    )
     last = nn.Sequential(nn.Identity(), nn.Linear(3, 3))  # the last stage: the tied copy under the head's name
     ckpt.load_stage(path, model=last, aliases={"1.weight": "0.weight"})
     assert torch.equal(last[1].weight, whole[0].weight) and torch.equal(last[1].bias, whole[1].bias)
@@ -229,14 +258,22 @@ def test_a_pipeline_checkpoint_resumes_under_a_data_parallel_strategy(tmp_path):
     run(net, opt, 2)
     keys = [("emb.weight", ("emb.weight", "head.weight"), True)]  # what the pipeline stages save of the tied weight
     path = tmp_path / "pipe.ckpt"
-    ckpt.save({"state_dict": save_tied_once(ckpt.model_state(net, full=False), keys),
-               "optimizer_states": [save_tied_once(ckpt.name_keyed_optimizer_state(net, opt), keys, optimizer=True)],
-               ckpt.TIED_KEY: {"head.weight": "emb.weight"}, "epoch": 3}, path, sharded=True)
+    ckpt.save(
+        {
+            "state_dict": save_tied_once(ckpt.model_state(net, full=False), keys),
+            "optimizer_states": [save_tied_once(ckpt.name_keyed_optimizer_state(net, opt), keys, optimizer=True)],
+            ckpt.TIED_KEY: {"head.weight": "emb.weight"},
+            "epoch": 3,
+        },
+        path,
+        sharded=True,
+    )
 
     torch.manual_seed(1)
     other = tied_net()
-    other_opt = torch.optim.AdamW([{"params": [other.emb.weight]}, {"params": other.mid.parameters(), "lr": 0.02}],
-                                  lr=0.01)
+    other_opt = torch.optim.AdamW(
+        [{"params": [other.emb.weight]}, {"params": other.mid.parameters(), "lr": 0.02}], lr=0.01
+    )
     meta = ckpt.load(path, model=other, optimizers=[other_opt])
     assert meta["epoch"] == 3
     assert other.head.weight is other.emb.weight
@@ -253,7 +290,13 @@ def test_a_pipeline_checkpoint_with_another_optimizer_is_refused_naming_the_entr
     net = nn.Sequential(nn.Linear(3, 3))
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     path = tmp_path / "pipe.ckpt"
-    ckpt.save({"state_dict": ckpt.model_state(net, full=False),
-               "optimizer_states": [ckpt.name_keyed_optimizer_state(net, opt)]}, path, sharded=True)
+    ckpt.save(
+        {
+            "state_dict": ckpt.model_state(net, full=False),
+            "optimizer_states": [ckpt.name_keyed_optimizer_state(net, opt)],
+        },
+        path,
+        sharded=True,
+    )
     with pytest.raises(ValueError, match=r"no optimizer entry '[^']+' \(of \d+ missing\).*same model and optimizers"):
         ckpt.load(path, model=net, optimizers=[torch.optim.Adam(net.parameters())])

@@ -12,8 +12,9 @@ def _fake_versions(monkeypatch, torch_version: str, lightning_version: str = "2.
     from packaging.version import Version
 
     installed = {"torch": torch_version, "lightning": lightning_version}
-    monkeypatch.setattr(_compat, "compare_version",
-                        lambda pkg, op, version: op(Version(installed[pkg]), Version(version)))
+    monkeypatch.setattr(
+        _compat, "compare_version", lambda pkg, op, version: op(Version(installed[pkg]), Version(version))
+    )
 
 
 def test_supported_versions_pass_silently(monkeypatch):
@@ -44,8 +45,9 @@ def test_torch_above_the_tested_range_warns(monkeypatch):
 
 
 def test_pyproject_states_the_same_torch_range():
-    import tomllib
     from pathlib import Path
+
+    import tomllib
 
     deps = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]["dependencies"]
     assert f"torch>={_compat.TORCH_MIN[:-2]},<{_compat._next_minor(_compat.TORCH_MAX_TESTED)[:-2]}" in deps

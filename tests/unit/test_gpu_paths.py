@@ -44,14 +44,24 @@ class _Module(pl.LightningModule):
 
     def train_dataloader(self):
         g = torch.Generator().manual_seed(0)
-        return DataLoader(TensorDataset(torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)),
-                          batch_size=4)
+        return DataLoader(
+            TensorDataset(torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)), batch_size=4
+        )
 
 
 def _fit(strategy, module: pl.LightningModule, **kw) -> pl.Trainer:
-    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=2, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         precision="64-true", **kw)
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        precision="64-true",
+        **kw,
+    )
     trainer.fit(module)
     return trainer
 
@@ -99,8 +109,13 @@ def test_sync_batchnorm_torch_kernels_match_the_handwritten_path_on_cuda(tmp_pat
 
     started = not dist.is_initialized()
     if started:
-        dist.init_process_group("nccl", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1,
-                                device_id=torch.device("cuda", 0))
+        dist.init_process_group(
+            "nccl",
+            store=dist.FileStore(str(tmp_path / "store"), 1),
+            rank=0,
+            world_size=1,
+            device_id=torch.device("cuda", 0),
+        )
     try:
         g = torch.Generator(device="cuda").manual_seed(0)
         x = torch.randn(8, 4, 5, 5, device="cuda", dtype=torch.float64, generator=g) * 3 + 1
@@ -110,8 +125,10 @@ def test_sync_batchnorm_torch_kernels_match_the_handwritten_path_on_cuda(tmp_pat
         outs = []
         for fn in (torch_sync_batchnorm_function(), _SyncBatchNormFn):
             xi, wi, bi = (t.clone().requires_grad_() for t in (x, w, b))
-            rm, rv = torch.zeros(4, device="cuda", dtype=torch.float64), torch.ones(4, device="cuda",
-                                                                                     dtype=torch.float64)
+            rm, rv = (
+                torch.zeros(4, device="cuda", dtype=torch.float64),
+                torch.ones(4, device="cuda", dtype=torch.float64),
+            )
             y = fn.apply(xi, wi, bi, rm, rv, 1e-5, 0.1, dist.group.WORLD, 1)
             y.backward(dy)
             outs.append((y.detach(), xi.grad, wi.grad, bi.grad, rm, rv))
@@ -128,12 +145,20 @@ def test_cpu_adam_decision_and_hyper_parameters():
 
     params = [nn.Parameter(torch.zeros(3))]
     opts, _ = off.cpu_adam_options(torch.optim.AdamW(params, lr=0.01, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.1))
-    assert opts == {"lr": 0.01, "betas": (0.8, 0.9), "eps": 1e-6, "weight_decay": 0.1, "adamw_mode": True,
-                    "bias_correction": True}
+    assert opts == {
+        "lr": 0.01,
+        "betas": (0.8, 0.9),
+        "eps": 1e-6,
+        "weight_decay": 0.1,
+        "adamw_mode": True,
+        "bias_correction": True,
+    }
     assert off.cpu_adam_options(torch.optim.Adam(params, weight_decay=0.1))[0]["adamw_mode"] is False  # L2
-    for other, why in ((torch.optim.SGD(params, lr=0.1), "not torch.optim.Adam/AdamW"),
-                       (torch.optim.AdamW(params, amsgrad=True), "amsgrad"),
-                       (torch.optim.Adam(params, maximize=True), "maximize")):
+    for other, why in (
+        (torch.optim.SGD(params, lr=0.1), "not torch.optim.Adam/AdamW"),
+        (torch.optim.AdamW(params, amsgrad=True), "amsgrad"),
+        (torch.optim.Adam(params, maximize=True), "maximize"),
+    ):
         opts, reason = off.cpu_adam_options(other)
         assert opts is None and why in reason
 
@@ -156,8 +181,9 @@ def _cpu_adam_or_skip(monkeypatch):
 
     pytest.importorskip("deepspeed")
     # the Makefile's cache inside the environment (built once, about a minute on 2 cores), also for a bare pytest
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR",
-                       os.environ.get("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions")))
+    monkeypatch.setenv(
+        "TORCH_EXTENSIONS_DIR", os.environ.get("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
+    )
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
@@ -242,9 +268,15 @@ def test_apply_compile_gives_tensor_parallel_blocks_static_shapes():
 
         def backend(kind):
             def compile_fn(gm, inputs):  # records whether the graph was traced with symbolic sizes
-                symbolic[kind].append(any(isinstance(n.meta.get("example_value"), torch.SymInt) for n in gm.graph.nodes
-                                          if n.op == "placeholder"))
+                symbolic[kind].append(
+                    any(
+                        isinstance(n.meta.get("example_value"), torch.SymInt)
+                        for n in gm.graph.nodes
+                        if n.op == "placeholder"
+                    )
+                )
                 return gm.forward
+
             return compile_fn
 
         class Block(nn.Module):  # a block class of a user file (dynamo skips torch.nn's own forwards)
@@ -261,8 +293,14 @@ def test_apply_compile_gives_tensor_parallel_blocks_static_shapes():
             net.blocks = nn.ModuleList([Block(), Block()])
             if kind == "tp":
                 for block in net.blocks:
-                    distribute_module(block, mesh, lambda name, m, mesh: [m.register_parameter(
-                        n, nn.Parameter(distribute_tensor(p, mesh, [Replicate()]))) for n, p in list(m.named_parameters(recurse=False))])
+                    distribute_module(
+                        block,
+                        mesh,
+                        lambda name, m, mesh: [
+                            m.register_parameter(n, nn.Parameter(distribute_tensor(p, mesh, [Replicate()])))
+                            for n, p in list(m.named_parameters(recurse=False))
+                        ],
+                    )
             apply_compile(net, backend=backend(kind))
             for rows in (2, 3):
                 x = torch.randn(rows, 8)
@@ -290,8 +328,13 @@ def test_tp_blocks_with_plain_input_column_layers_stay_eager():
 
 
 def test_compile_reaches_every_built_in_plan():
-    from lightning_dist.strategies import (FSDP2OffloadStrategy, FullyShardStrategy, HybridShardStrategy,
-                                           PipelineStrategy, TensorParallelStrategy)
+    from lightning_dist.strategies import (
+        FSDP2OffloadStrategy,
+        FullyShardStrategy,
+        HybridShardStrategy,
+        PipelineStrategy,
+        TensorParallelStrategy,
+    )
 
     for cls in (HybridShardStrategy, FullyShardStrategy, TensorParallelStrategy, FSDP2OffloadStrategy):
         strategy = cls(compile=["GPTBlock"])
@@ -305,8 +348,7 @@ def test_bytes_by_place_reads_tensor_devices():
     from lightning_dist.measure import bytes_by_place
 
     t = torch.zeros(10)
-    assert bytes_by_place([t, t[2:], None, torch.empty(0), torch.empty(4, device="meta")]) == {"device": 0,
-                                                                                               "host": 40}
+    assert bytes_by_place([t, t[2:], None, torch.empty(0), torch.empty(4, device="meta")]) == {"device": 0, "host": 40}
 
 
 def test_offload_report_says_device_for_a_state_planned_offloaded():
@@ -316,10 +358,14 @@ def test_offload_report_says_device_for_a_state_planned_offloaded():
 
     plan = off.OffloadPlan(optimizer="cpu", parameters="cpu", zero_stage=3)
     # what the issue measured on one GPU: offload_fsdp2 left every state on the device
-    resident = {"parameters": {"device": 4000, "host": 0}, "gradients": {"device": 4000, "host": 0},
-                "optimizer": {"device": 8000, "host": 0}}
-    row = off.offload_report(plan=plan, resident=resident, nvme={}, rank=0, device_type="cuda",
-                             cuda={"allocated": 2 ** 30, "peak": 3 * 2 ** 30})
+    resident = {
+        "parameters": {"device": 4000, "host": 0},
+        "gradients": {"device": 4000, "host": 0},
+        "optimizer": {"device": 8000, "host": 0},
+    }
+    row = off.offload_report(
+        plan=plan, resident=resident, nvme={}, rank=0, device_type="cuda", cuda={"allocated": 2**30, "peak": 3 * 2**30}
+    )
     assert row["planned"] == {"parameters": "host", "gradients": "host", "optimizer": "host"}
     assert row["table"]["parameters"] == {"device": 4000, "host": 0, "nvme": 0}  # measured, not planned
     assert [m.split(":")[0] for m in row["mismatches"]] == ["parameters", "gradients", "optimizer"]
@@ -396,9 +442,18 @@ def test_offload_fsdp2_on_one_gpu_moves_every_state_to_pinned_host_memory():
 
     module, report = _Module(), MemoryReport(log=False, print_table=False)
     strategy = FSDP2OffloadStrategy()
-    trainer = pl.Trainer(strategy=strategy, accelerator="cuda", devices=1, max_steps=2, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         precision="bf16-mixed", callbacks=[report])
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator="cuda",
+        devices=1,
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        precision="bf16-mixed",
+        callbacks=[report],
+    )
     trainer.fit(module)
     assert all(p.pin_memory for p in offload_policies(module).values())
     row = strategy.offload_report()
@@ -410,9 +465,10 @@ def test_offload_fsdp2_on_one_gpu_moves_every_state_to_pinned_host_memory():
 
 @needs_cuda
 def test_memory_report_warns_when_a_planned_offload_stays_on_the_gpu():
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
     from lightning_dist.callbacks import MemoryReport
     from lightning_dist.strategies import HybridShardStrategy
-    from torch.distributed.fsdp import CPUOffloadPolicy
 
     class Claims(HybridShardStrategy):
         """Says it offloads (the plan) but applies no policy: what offload_fsdp2 did on one GPU before."""
@@ -423,9 +479,18 @@ def test_memory_report_warns_when_a_planned_offload_stays_on_the_gpu():
             return dataclasses.replace(super().parallelize_config(), offload_policy=None)
 
     report = MemoryReport(log=False, print_table=False)
-    trainer = pl.Trainer(strategy=Claims(offload_policy=CPUOffloadPolicy(pin_memory=True)), accelerator="cuda",
-                         devices=1, max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, precision="bf16-mixed", callbacks=[report])
+    trainer = pl.Trainer(
+        strategy=Claims(offload_policy=CPUOffloadPolicy(pin_memory=True)),
+        accelerator="cuda",
+        devices=1,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        precision="bf16-mixed",
+        callbacks=[report],
+    )
     with pytest.warns(UserWarning, match="params: planned in host memory"):
         trainer.fit(_Module())
 
@@ -436,9 +501,17 @@ def test_deepspeed_offload_on_one_gpu_runs_cpu_adam_and_reports_host_memory():
     from lightning_dist.strategies import OffloadStrategy
 
     strategy = OffloadStrategy(zero_stage=2)
-    trainer = pl.Trainer(strategy=strategy, accelerator="cuda", devices=1, max_steps=2, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         precision="bf16-mixed")
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator="cuda",
+        devices=1,
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        precision="bf16-mixed",
+    )
     trainer.fit(_Module())
     inner = strategy.deepspeed_engine.optimizer.optimizer
     assert type(inner).__name__ == "DeepSpeedCPUAdam" and inner.adam_w_mode  # the user's AdamW, compiled

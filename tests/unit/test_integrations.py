@@ -28,10 +28,13 @@ def test_untested_releases_are_refused_with_the_range():
 
 
 def test_pyproject_bounds_deepspeed_to_the_tested_range():
-    import tomllib
     from pathlib import Path
 
-    extras = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    import tomllib
+
+    extras = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
     lo, hi = _compat.DEEPSPEED_RANGE
     assert f"deepspeed>={lo[:-2]},<{hi[:-2]}" in extras["deepspeed"]
 
@@ -112,8 +115,9 @@ def test_zero_state_tensors_by_kind():
     master, moment, flat_grads = torch.zeros(3), torch.zeros(3), torch.zeros(3)
     master.grad = torch.ones(3)
     inner = SimpleNamespace(state={master: {"exp_avg": moment, "step": 1}})
-    zero = SimpleNamespace(fp32_partitioned_groups_flat=[master], optimizer=inner,
-                           grad_partitions_flat_buffer=flat_grads)
+    zero = SimpleNamespace(
+        fp32_partitioned_groups_flat=[master], optimizer=inner, grad_partitions_flat_buffer=flat_grads
+    )
     got = zero_state_tensors(SimpleNamespace(optimizer=zero, module=module))
     assert got["parameters"][:2] == [weight, module.bias] and got["parameters"][2] is weight.ds_tensor
     assert got["parameters"][3] is None  # the bias has no partition attribute
@@ -148,8 +152,11 @@ def test_gradient_clipping_is_routed_on_the_instance_only():
 
     calls = []
     plugin, other = Precision(), Precision()
-    lightning_patches.route_gradient_clipping(plugin, by_norm=lambda opt, clip: calls.append(("norm", opt, clip)),
-                                              by_value=lambda opt, clip: calls.append(("value", opt, clip)))
+    lightning_patches.route_gradient_clipping(
+        plugin,
+        by_norm=lambda opt, clip: calls.append(("norm", opt, clip)),
+        by_value=lambda opt, clip: calls.append(("value", opt, clip)),
+    )
     # Lightning's own dispatch (Trainer(gradient_clip_val=...), LightningModule.clip_gradients) reaches both
     plugin.clip_gradients("opt", 1.5, GradClipAlgorithmType.NORM)
     plugin.clip_gradients("opt", 0.5, GradClipAlgorithmType.VALUE)
@@ -159,8 +166,9 @@ def test_gradient_clipping_is_routed_on_the_instance_only():
     from lightning.pytorch.plugins.precision import DeepSpeedPrecision
 
     ds = DeepSpeedPrecision("32-true")
-    lightning_patches.route_gradient_clipping(ds, by_norm=lambda opt, clip: calls.append(("ds", opt, clip)),
-                                              by_value=lambda opt, clip: None)
+    lightning_patches.route_gradient_clipping(
+        ds, by_norm=lambda opt, clip: calls.append(("ds", opt, clip)), by_value=lambda opt, clip: None
+    )
     ds.clip_gradients("opt", 2.0, GradClipAlgorithmType.NORM)
     ds.clip_gradients("opt", 0.0, GradClipAlgorithmType.NORM)  # 0: no clipping, as Lightning's
     assert calls[-1] == ("ds", "opt", 2.0) and len(calls) == 3
@@ -176,7 +184,7 @@ def test_strategy_methods_wrapped_and_unwrapped():
     from lightning.pytorch.strategies import SingleDeviceStrategy
 
     strategy = SingleDeviceStrategy(device=torch.device("cpu"))
-    tagged = lambda original: (lambda loader: ("wrapped", original(loader)))  # noqa: E731
+    tagged = lambda original: lambda loader: ("wrapped", original(loader))  # noqa: E731
     lightning_patches.wrap_strategy_methods(strategy, {"process_dataloader": tagged})
     assert strategy.process_dataloader("loader") == ("wrapped", "loader")
     lightning_patches.unwrap_strategy_methods(strategy, ["process_dataloader", "reduce"])
@@ -223,8 +231,9 @@ def test_exit_flush_finds_every_gloo_group_then_destroys(tmp_path):
     script = tmp_path / "exit_flush.py"
     script.write_text(_EXIT_SCRIPT)
     for mode in ("healthy", "failing"):
-        proc = subprocess.run([sys.executable, str(script), str(free_port()), mode], capture_output=True,
-                              text=True, timeout=120)
+        proc = subprocess.run(
+            [sys.executable, str(script), str(free_port()), mode], capture_output=True, text=True, timeout=120
+        )
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert "GROUPS 2 True" in proc.stdout, proc.stdout
         assert "DESTROYED True" in proc.stdout, proc.stdout
@@ -287,8 +296,9 @@ def test_stateful_dataloader_gets_a_plain_distributed_sampler_and_resumes_mid_ep
     def injected(rank):
         with _replace_dunder_methods(DataLoader, "dataset"):  # what Lightning does around `train_dataloader()`
             loader = StatefulDataLoader(data, batch_size=3, shuffle=True)
-        sampler = data_connector._get_distributed_sampler(loader, shuffle=_is_dataloader_shuffled(loader),
-                                                          overfit_batches=0, num_replicas=2, rank=rank)
+        sampler = data_connector._get_distributed_sampler(
+            loader, shuffle=_is_dataloader_shuffled(loader), overfit_batches=0, num_replicas=2, rank=rank
+        )
         loader = _update_dataloader(loader, sampler)
         _set_sampler_epoch(loader, 1)
         return loader

@@ -37,7 +37,9 @@ def test_record_in_a_child_of_the_launcher_and_not_in_the_launcher(tmp_path, mon
     before = time.time()
     _raise_and_record(2)
     record = json.loads((tmp_path / f"{os.getpid()}.json").read_text())
-    assert record["rank"] == 2 and record["error"] == "ValueError: bad batch" and before <= record["time"] <= time.time()
+    assert (
+        record["rank"] == 2 and record["error"] == "ValueError: bad batch" and before <= record["time"] <= time.time()
+    )
 
 
 def test_report_names_the_earliest_failure(tmp_path, monkeypatch, capsys):
@@ -53,8 +55,9 @@ def test_report_names_the_earliest_failure(tmp_path, monkeypatch, capsys):
         child.done.wait(30)
     monkeypatch.setattr(launcher._Job, "children", children)
     monkeypatch.setattr(launcher._Job, "error_dir", str(tmp_path))
-    (tmp_path / f"{raised.pid}.json").write_text(json.dumps({"rank": 2, "error": "ValueError: bad batch",
-                                                             "time": time.time(), "collective": False}))
+    (tmp_path / f"{raised.pid}.json").write_text(
+        json.dumps({"rank": 2, "error": "ValueError: bad batch", "time": time.time(), "collective": False})
+    )
     # rank 0's collective failed before the kill was seen (the kernel closes a dying process's sockets before
     # its parent can reap it): a collective's failure comes after every other
     launcher._report((True, time.time() - 10, 0, "RuntimeError: Connection reset by peer"))

@@ -12,8 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dist import planner
-from lightning_dist.callbacks import CommunicationLedger, MemoryReport
-from lightning_dist.callbacks import _planned
+from lightning_dist.callbacks import CommunicationLedger, MemoryReport, _planned
 from lightning_dist.callbacks.ledger import format_ledger
 from lightning_dist.callbacks.memory import format_memory, peak_memory_bytes
 from lightning_dist.mesh import MeshSpec
@@ -66,14 +65,40 @@ def test_per_step_mean_skips_the_first_steps():
 
 
 def test_tables_render():
-    ledger_rows = [[{"op": "all_gather", "dim": "dp_shard", "count": 8.0, "bytes": 1000.0, "wire_bytes": 500.0,
-                     "planned_bytes": 1000.0, "ratio": 1.0},
-                    {"op": "broadcast", "dim": "dp", "count": 1.0, "bytes": 36.0, "wire_bytes": 27.0,
-                     "planned_bytes": None, "ratio": None}]]
+    ledger_rows = [
+        [
+            {
+                "op": "all_gather",
+                "dim": "dp_shard",
+                "count": 8.0,
+                "bytes": 1000.0,
+                "wire_bytes": 500.0,
+                "planned_bytes": 1000.0,
+                "ratio": 1.0,
+            },
+            {
+                "op": "broadcast",
+                "dim": "dp",
+                "count": 1.0,
+                "bytes": 36.0,
+                "wire_bytes": 27.0,
+                "planned_bytes": None,
+                "ratio": None,
+            },
+        ]
+    ]
     text = format_ledger(ledger_rows)
     assert "all_gather" in text and "dp_shard" in text and "1.000" in text
-    mem = [{"rank": 0, "measured": {"params": 4, "grads": 4, "optimizer": 8, "total": 16},
-            "planned": {"total": 16.0}, "ratio": 1.0, "peak_bytes": 10_000, "peak_what": "process max RSS"}]
+    mem = [
+        {
+            "rank": 0,
+            "measured": {"params": 4, "grads": 4, "optimizer": 8, "total": 16},
+            "planned": {"total": 16.0},
+            "ratio": 1.0,
+            "peak_bytes": 10_000,
+            "peak_what": "process max RSS",
+        }
+    ]
     text = format_memory(mem)
     assert "1.000" in text and "process max RSS" in text
 
@@ -102,9 +127,17 @@ class _Tiny(pl.LightningModule):
 def test_single_device_fit_reports_exact_bytes_and_no_collectives(capsys):
     ledger, memory = CommunicationLedger(), MemoryReport()
     # two micro-batches per optimizer step: the ledger's steps are optimizer steps
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, accumulate_grad_batches=2, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[ledger, memory])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        accumulate_grad_batches=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[ledger, memory],
+    )
     trainer.fit(_Tiny())
     n = 6 * 10 + 10 + 10 * 3 + 3
     assert memory.measured == {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n, "total": 16 * n}
@@ -118,8 +151,16 @@ def test_single_device_fit_reports_exact_bytes_and_no_collectives(capsys):
 
 def test_log_false_is_respected_although_lightning_sets_callback_log_attributes():
     ledger, memory = CommunicationLedger(log=False, print_table=False), MemoryReport(log=False, print_table=False)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[ledger, memory])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[ledger, memory],
+    )
     trainer.fit(_Tiny())
     assert not any(k.startswith(("memory/", "comm/")) for k in trainer.callback_metrics)
     assert memory.measured["total"] > 0  # measured all the same

@@ -55,9 +55,14 @@ def test_coordinates_and_groups_follow_row_major_layout():
         ({"tp": "two"}, ["`tp='two'` must be an integer >= 1"]),
         ({"dp_shard": 1.5}, ['`dp_shard=1.5` must be an integer >= 1 or "auto"']),
         ({"world_size": 0}, ["`world_size=0` must be an integer >= 1"]),
-        ({"world_size": 8, "devices_per_node": 2, "tp": 4}, ["tp=4` is larger than devices_per_node=2", "allow_cross_node_tp"]),
-        ({"world_size": 6, "devices_per_node": 3, "tp": 2, "dp_shard": 3, "dp_replicate": 1},
-         ["tp=2` does not divide devices_per_node=3"]),
+        (
+            {"world_size": 8, "devices_per_node": 2, "tp": 4},
+            ["tp=4` is larger than devices_per_node=2", "allow_cross_node_tp"],
+        ),
+        (
+            {"world_size": 6, "devices_per_node": 3, "tp": 2, "dp_shard": 3, "dp_replicate": 1},
+            ["tp=2` does not divide devices_per_node=3"],
+        ),
     ],
 )
 def test_validation_messages_name_values_and_fix(kw, messages):

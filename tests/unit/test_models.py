@@ -21,7 +21,7 @@ from lightning_dist.models.data import (
     make_shapes,
 )
 from lightning_dist.models.gpt import GPT, CharGPT, GPTBlock, GPTConfig
-from lightning_dist.models.layers import Attention, init_weights
+from lightning_dist.models.layers import Attention
 from lightning_dist.models.vision import PatchEmbed, ShapesClassifier, ShapesCNN, ViT, ViTBlock
 
 MODELS = {
@@ -195,7 +195,9 @@ def test_model_layout_for_parallel_plans():
     names = {n for n, _ in gpt.named_modules()}
     for leaf in ("attn.q", "attn.k", "attn.v", "attn.proj", "mlp.fc1", "mlp.fc2", "norm1", "norm2"):
         assert f"blocks.0.{leaf}" in names
-    assert {"tok_emb", "pos_emb", "norm", "lm_head"} <= names and {"embed", "norm", "head"} <= {n for n, _ in vit.named_modules()}
+    assert {"tok_emb", "pos_emb", "norm", "lm_head"} <= names and {"embed", "norm", "head"} <= {
+        n for n, _ in vit.named_modules()
+    }
     assert gpt.lm_head.weight is not gpt.tok_emb.weight  # untied by default: stages can be split
     tied = GPT(tie_weights=True)
     assert tied.lm_head.weight is tied.tok_emb.weight
@@ -281,8 +283,14 @@ def test_attention_heads_follow_sharded_projection_width(block_cls):
 @pytest.mark.parametrize(
     ("module", "data"),
     [
-        (lambda: ShapesClassifier(model=ViT(image_size=16, patch_size=4)), lambda: ShapesDataModule(n_train=64, n_val=16, image_size=16, batch_size=16)),
-        (lambda: ShapesClassifier(model=ShapesCNN(width=8, n_blocks=1)), lambda: ShapesDataModule(n_train=64, n_val=16, image_size=16, batch_size=16)),
+        (
+            lambda: ShapesClassifier(model=ViT(image_size=16, patch_size=4)),
+            lambda: ShapesDataModule(n_train=64, n_val=16, image_size=16, batch_size=16),
+        ),
+        (
+            lambda: ShapesClassifier(model=ShapesCNN(width=8, n_blocks=1)),
+            lambda: ShapesDataModule(n_train=64, n_val=16, image_size=16, batch_size=16),
+        ),
         (lambda: CharGPT(n_embd=32, block_size=16), lambda: CharDataModule(n_chars=4000, block_size=16, batch_size=8)),
     ],
     ids=["vit", "cnn", "gpt"],
@@ -291,8 +299,17 @@ def test_lightning_module_fits_in_float64(module, data, tmp_path):
     L.seed_everything(0, verbose=False)
     lm = module()
     trainer = L.Trainer(
-        default_root_dir=tmp_path, accelerator="cpu", devices=1, precision="64-true", max_steps=3, limit_val_batches=1, val_check_interval=3,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=tmp_path,
+        accelerator="cpu",
+        devices=1,
+        precision="64-true",
+        max_steps=3,
+        limit_val_batches=1,
+        val_check_interval=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     trainer.fit(lm, datamodule=data())
     metrics = trainer.callback_metrics

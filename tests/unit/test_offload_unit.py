@@ -28,7 +28,7 @@ def test_plan_lists_every_problem_at_once():
         ({"parameters": "cpu", "zero_stage": 1}, "`zero_stage=1`"),
         ({"optimizer": "nvme", "zero_stage": 2, "nvme_path": "/x"}, "ZeRO-Infinity"),
         ({"optimizer": "nvme"}, "needs `nvme_path=`"),
-        ({"optimizer": "cpu", "nvme_path": "/x"}, "nothing is offloaded to \"nvme\""),
+        ({"optimizer": "cpu", "nvme_path": "/x"}, 'nothing is offloaded to "nvme"'),
         ({"zero_stage": 4}, "`zero_stage=4`"),
         ({"backend": "megatron"}, "`backend='megatron'`"),
         ({"backend": "fsdp2", "optimizer": "nvme", "parameters": "nvme", "nvme_path": "/x"}, "host memory only"),
@@ -168,9 +168,13 @@ def test_registered_names():
 def test_report_attribution_and_table():
     plan = off.OffloadPlan(optimizer="nvme", parameters="cpu", nvme_path="/x", zero_stage=3)
     # a CPU device: device and host are the same RAM, the bytes are shown where the plan put them
-    row = off.offload_report(plan=plan, resident={"parameters": {"host": 10}, "gradients": {"host": 20},
-                                                  "optimizer": {"host": 30}},
-                             nvme={"optimizer": 400}, rank=1, device_type="cpu")
+    row = off.offload_report(
+        plan=plan,
+        resident={"parameters": {"host": 10}, "gradients": {"host": 20}, "optimizer": {"host": 30}},
+        nvme={"optimizer": 400},
+        rank=1,
+        device_type="cpu",
+    )
     assert row["table"]["parameters"] == {"device": 0, "host": 10, "nvme": 0}
     assert row["table"]["gradients"] == {"device": 0, "host": 20, "nvme": 0}
     assert row["table"]["optimizer"] == {"device": 0, "host": 30, "nvme": 400}
@@ -199,16 +203,22 @@ def test_nvme_parameters_lean_defaults(tmp_path):
     assert zero["offload_param"]["buffer_size"] == NVME_PARAMS_BUFFER_SIZE
     assert zero["stage3_max_reuse_distance"] == 0
     # what the user sets is kept
-    user = OffloadStrategy(optimizer="nvme", parameters="nvme", nvme_path=str(tmp_path), params_buffer_size=123,
-                           max_in_cpu=7).config["zero_optimization"]
+    user = OffloadStrategy(
+        optimizer="nvme", parameters="nvme", nvme_path=str(tmp_path), params_buffer_size=123, max_in_cpu=7
+    ).config["zero_optimization"]
     assert user["offload_param"]["buffer_size"] == 123 and user["offload_param"]["max_in_cpu"] == 7
     # parameters in host memory or on the device: DeepSpeed's defaults
     for kw in ({"parameters": "cpu"}, {"parameters": None}):
         zero = OffloadStrategy(optimizer="nvme", nvme_path=str(tmp_path), **kw).config["zero_optimization"]
         assert "stage3_max_reuse_distance" not in zero
     # a user config: only the keys it lacks
-    config = {"zero_optimization": {"stage": 3, "stage3_max_reuse_distance": 1000,
-                                    "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}}
+    config = {
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_max_reuse_distance": 1000,
+            "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)},
+        }
+    }
     strategy = OffloadStrategy(optimizer="nvme", parameters="nvme", nvme_path=str(tmp_path), config=config)
     zero = strategy.config["zero_optimization"]
     assert zero["stage3_max_reuse_distance"] == 1000 and zero["offload_param"]["max_in_cpu"] == 0
@@ -232,14 +242,23 @@ def test_resize_param_swap_buffers_only_while_free():
     from lightning_dist._integrations.deepspeed import resize_param_swap_buffers
 
     freed = []
-    handle = SimpleNamespace(new_cpu_locked_tensor=lambda n, example: torch.empty(n, dtype=example.dtype),
-                             free_cpu_locked_tensor=freed.append)
+    handle = SimpleNamespace(
+        new_cpu_locked_tensor=lambda n, example: torch.empty(n, dtype=example.dtype),
+        free_cpu_locked_tensor=freed.append,
+    )
 
     def swapper(**kw):
-        s = SimpleNamespace(buffers=torch.empty(5 * 1024), available_buffer_ids=[0, 1, 2, 3, 4], param_buffer_count=5,
-                            param_id_to_swap_buffer={}, inflight_params=[], elements_per_buffer=1000,
-                            aligned_elements_per_buffer=1024, aio_read_handle=handle,
-                            _io_aligned_numel=lambda n: -(-n // 256) * 256)
+        s = SimpleNamespace(
+            buffers=torch.empty(5 * 1024),
+            available_buffer_ids=[0, 1, 2, 3, 4],
+            param_buffer_count=5,
+            param_id_to_swap_buffer={},
+            inflight_params=[],
+            elements_per_buffer=1000,
+            aligned_elements_per_buffer=1024,
+            aio_read_handle=handle,
+            _io_aligned_numel=lambda n: -(-n // 256) * 256,
+        )
         return SimpleNamespace(**{**vars(s), **kw})
 
     free = swapper()

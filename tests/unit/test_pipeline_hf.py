@@ -8,7 +8,13 @@ from torch import nn
 
 from lightning_dist.mesh import MeshSpec
 from lightning_dist.parallelize.pipeline import (
-    build_stage_module, network_layout, plan_split, profile_costs, staged_forward_problem, tied_stages)
+    build_stage_module,
+    network_layout,
+    plan_split,
+    profile_costs,
+    staged_forward_problem,
+    tied_stages,
+)
 from lightning_dist.parallelize.pipeline_hf import hf_example_inputs, hf_labels_loss, labelled_tokens
 from lightning_dist.strategies.pipeline import PipelineStrategy
 
@@ -18,25 +24,49 @@ V = 32
 
 def _llama(layers: int = 4) -> nn.Module:
     torch.manual_seed(0)
-    cfg = tf.LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
+    cfg = tf.LlamaConfig(
+        vocab_size=V,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
+    )
     return tf.LlamaForCausalLM(cfg).double()
 
 
 def _gpt2(layers: int = 4) -> nn.Module:
     torch.manual_seed(0)
-    cfg = tf.GPT2Config(vocab_size=V, n_embd=16, n_layer=layers, n_head=4, n_positions=16, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    cfg = tf.GPT2Config(
+        vocab_size=V,
+        n_embd=16,
+        n_layer=layers,
+        n_head=4,
+        n_positions=16,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return tf.GPT2LMHeadModel(cfg).double()
 
 
 def test_layout_from_the_pp_plan_and_the_block_list_name():
     lay = network_layout(_llama())
     assert (lay.stem, lay.block_list, lay.blocks, lay.head) == (
-        ("model.embed_tokens",), "model.layers", ("0", "1", "2", "3"), ("model.norm", "lm_head"))
+        ("model.embed_tokens",),
+        "model.layers",
+        ("0", "1", "2", "3"),
+        ("model.norm", "lm_head"),
+    )
     lay = network_layout(_gpt2())  # no base_model_pp_plan: the conventional block-list name `h`
     assert (lay.stem, lay.block_list, lay.head) == (
-        ("transformer.wte", "transformer.wpe", "transformer.drop"), "transformer.h", ("transformer.ln_f", "lm_head"))
+        ("transformer.wte", "transformer.wpe", "transformer.drop"),
+        "transformer.h",
+        ("transformer.ln_f", "lm_head"),
+    )
 
 
 @pytest.mark.parametrize("make", [_llama, _gpt2])
@@ -117,8 +147,11 @@ def test_a_model_whose_forward_does_not_tolerate_missing_parts_is_refused_with_t
 
     torch.manual_seed(0)
     net = EmbedNorm(_llama().config).double()
-    with pytest.raises(ValueError, match=r"Cannot split EmbedNorm into pipeline stages: its forward fails on a stage"
-                                         r".*Tried: a stage = the model with the blocks of model.layers"):
+    with pytest.raises(
+        ValueError,
+        match=r"Cannot split EmbedNorm into pipeline stages: its forward fails on a stage"
+        r".*Tried: a stage = the model with the blocks of model.layers",
+    ):
         _validate(net)
 
 
@@ -133,10 +166,12 @@ def test_a_network_of_no_known_shape_is_refused_naming_what_was_tried():
         network_layout(TwoLists())
     text = str(err.value)  # every route, each with its reason
     assert text.startswith("Cannot split TwoLists into pipeline stages; routes tried:")
-    for reason in ("a HuggingFace causal LM (config.base_model_pp_plan): it is not one",
-                   "an nn.Sequential (its children are the blocks): it is not one",
-                   "one direct nn.ModuleList of blocks between stem and head children: it has 2 (['enc', 'dec'])",
-                   "the child holding them: it has several direct block lists"):
+    for reason in (
+        "a HuggingFace causal LM (config.base_model_pp_plan): it is not one",
+        "an nn.Sequential (its children are the blocks): it is not one",
+        "one direct nn.ModuleList of blocks between stem and head children: it has 2 (['enc', 'dec'])",
+        "the child holding them: it has several direct block lists",
+    ):
         assert reason in text, (reason, text)
 
 
@@ -153,7 +188,8 @@ def test_joined_stages_are_the_whole_model_again(make):
     whole = join_stages(split, pieces)
     assert type(whole) is type(net)
     assert [n for n, _ in whole.named_parameters(remove_duplicate=False)] == [
-        n for n, _ in net.named_parameters(remove_duplicate=False)]
+        n for n, _ in net.named_parameters(remove_duplicate=False)
+    ]
     sample = hf_example_inputs(net)
     with torch.no_grad():
         assert torch.equal(whole(**sample).logits, net(**sample).logits)

@@ -6,8 +6,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_dist.parallelize.pipeline_output import (PipelineOutput, check_target, loss_leaf, returned_loss_problem,
-                                                        serve_pipeline_loss, unserve_pipeline_loss)
+from lightning_dist.parallelize.pipeline_output import (
+    PipelineOutput,
+    check_target,
+    loss_leaf,
+    returned_loss_problem,
+    serve_pipeline_loss,
+    unserve_pipeline_loss,
+)
 
 
 def _out() -> PipelineOutput:
@@ -20,11 +26,22 @@ def test_stand_in_has_the_shape_and_no_storage():
     assert "held by the last pipeline stage" in repr(out)
 
 
-@pytest.mark.parametrize("use", [
-    lambda o: F.cross_entropy(o.flatten(0, 1), torch.zeros(32, dtype=torch.long)),
-    lambda o: o * 2, lambda o: o.sum(), lambda o: o[:, -1], lambda o: o.item(), lambda o: o.argmax(-1),
-    lambda o: torch.cat([o, o]), lambda o: o.detach(), lambda o: o.float(), lambda o: bool(o), lambda o: o.tolist(),
-])
+@pytest.mark.parametrize(
+    "use",
+    [
+        lambda o: F.cross_entropy(o.flatten(0, 1), torch.zeros(32, dtype=torch.long)),
+        lambda o: o * 2,
+        lambda o: o.sum(),
+        lambda o: o[:, -1],
+        lambda o: o.item(),
+        lambda o: o.argmax(-1),
+        lambda o: torch.cat([o, o]),
+        lambda o: o.detach(),
+        lambda o: o.float(),
+        lambda o: bool(o),
+        lambda o: o.tolist(),
+    ],
+)
 def test_every_use_of_the_values_is_refused_with_the_fix(use):
     with pytest.raises(ValueError) as err:
         use(_out())

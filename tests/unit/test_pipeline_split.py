@@ -12,7 +12,6 @@ from torch import nn
 import lightning_dist  # noqa: F401  (registers the strategies)
 from lightning_dist.mesh import MeshSpec
 from lightning_dist.parallelize.pipeline import (
-    tied_stages,
     batchnorm_modules,
     build_stage_module,
     network_layout,
@@ -21,9 +20,10 @@ from lightning_dist.parallelize.pipeline import (
     profile_costs,
     shared_across_stages,
     stage_ranks,
+    tied_stages,
 )
-from lightning_dist.strategies import REGISTERED
 from lightning_dist.parallelize.pipeline_schedule import bubble_theory, schedule_problems
+from lightning_dist.strategies import REGISTERED
 from lightning_dist.strategies.pipeline import PipelineStrategy
 
 
@@ -55,7 +55,7 @@ def _brute_force(costs, stages, first, last):
     for points in itertools.combinations(range(1, n), stages - 1):
         bounds = [0, *points, n]
         worst = max(
-            sum(costs[bounds[s]:bounds[s + 1]]) + (first if s == 0 else 0) + (last if s == stages - 1 else 0)
+            sum(costs[bounds[s] : bounds[s + 1]]) + (first if s == 0 else 0) + (last if s == stages - 1 else 0)
             for s in range(stages)
         )
         best = min(best, worst)
@@ -65,8 +65,10 @@ def _brute_force(costs, stages, first, last):
 def _max_cost(costs, points, first, last):
     bounds = [0, *points, len(costs)]
     s_count = len(bounds) - 1
-    return max(sum(costs[bounds[s]:bounds[s + 1]]) + (first if s == 0 else 0) + (last if s == s_count - 1 else 0)
-               for s in range(s_count))
+    return max(
+        sum(costs[bounds[s] : bounds[s + 1]]) + (first if s == 0 else 0) + (last if s == s_count - 1 else 0)
+        for s in range(s_count)
+    )
 
 
 def test_layout_of_stem_blocks_head_and_sequential():
@@ -77,7 +79,9 @@ def test_layout_of_stem_blocks_head_and_sequential():
 
 
 def test_layout_refuses_unsplittable_networks():
-    with pytest.raises(TypeError, match="one direct nn.ModuleList of blocks between stem and head children: it has none"):
+    with pytest.raises(
+        TypeError, match="one direct nn.ModuleList of blocks between stem and head children: it has none"
+    ):
         network_layout(nn.Linear(2, 2))
 
     class Direct(Net):
@@ -93,7 +97,10 @@ def test_partition_is_optimal_and_simple_cases():
     assert partition([1, 1, 1, 1], 2) == [2]
     assert partition([1, 1, 1, 1], 2, first=2) == [1]  # the stem weighs on stage 0
     assert partition([1, 1, 1, 9], 2) == [3]
-    assert partition([5, 1, 1, 1, 1, 1], 3)[0] == 1 and _max_cost([5, 1, 1, 1, 1, 1], partition([5, 1, 1, 1, 1, 1], 3), 0, 0) == 5
+    assert (
+        partition([5, 1, 1, 1, 1, 1], 3)[0] == 1
+        and _max_cost([5, 1, 1, 1, 1, 1], partition([5, 1, 1, 1, 1, 1], 3), 0, 0) == 5
+    )
     rng = random.Random(0)
     for _ in range(60):
         n = rng.randint(2, 8)
@@ -226,14 +233,17 @@ def test_a_tied_weight_is_saved_once_under_the_unsplit_name_and_every_copy_reads
     assert list(save_tied_once({"model.3.weight": w, "model.0.weight": w}, both)) == ["model.0.weight"]
     osd = {"state.model.3.weight.exp_avg": w, "param_groups.model.3.weight.lr": 0.1, "state.model.3.bias.step": 1}
     assert save_tied_once(osd, last, optimizer=True) == {"state.model.3.bias.step": 1}
-    assert save_tied_once(osd, both, optimizer=True) == {"state.model.0.weight.exp_avg": w,
-                                                          "param_groups.model.0.weight.lr": 0.1,
-                                                          "state.model.3.bias.step": 1}
+    assert save_tied_once(osd, both, optimizer=True) == {
+        "state.model.0.weight.exp_avg": w,
+        "param_groups.model.0.weight.lr": 0.1,
+        "state.model.3.bias.step": 1,
+    }
     # loading: the copy's optimizer keys read the saved entries
     assert _alias_flat_optimizer(osd, tied_aliases(last)) == {
         "state.model.3.weight.exp_avg": "state.model.0.weight.exp_avg",
         "param_groups.model.3.weight.lr": "param_groups.model.0.weight.lr",
-        "state.model.3.bias.step": "state.model.3.bias.step"}
+        "state.model.3.bias.step": "state.model.3.bias.step",
+    }
 
 
 def test_stage_ranks_loop_and_v():
@@ -250,8 +260,10 @@ def test_schedule_problems():
     assert "n_microbatches >= pp = 4" in schedule_problems("1f1b", 4, 2, 1)[0]
     assert "stages_per_rank=2" in " ".join(schedule_problems("zero_bubble", 2, 4, 3))
     assert "2*pp-1 = 7" in " ".join(schedule_problems("zero_bubble", 4, 4, 2))
-    assert "multiple of the rounds" in " ".join(schedule_problems("interleaved_1f1b", 4, 10, 2)) or \
-        schedule_problems("interleaved_1f1b", 4, 10, 2) == []  # 10 // 4 = 2 rounds: 10 % 2 == 0 is fine
+    assert (
+        "multiple of the rounds" in " ".join(schedule_problems("interleaved_1f1b", 4, 10, 2))
+        or schedule_problems("interleaved_1f1b", 4, 10, 2) == []
+    )  # 10 // 4 = 2 rounds: 10 % 2 == 0 is fine
     assert "multiple of the rounds" in " ".join(schedule_problems("interleaved_1f1b", 2, 5, 2))
     assert "one stage per rank" in " ".join(schedule_problems("1f1b", 2, 4, 2))
     assert "must be one of" in schedule_problems("pipedream", 2, 4, 1)[0]
@@ -317,8 +329,13 @@ def test_options_and_registration():
         PipelineStrategy(save_distributed_checkpoint=False)
     s = PipelineStrategy(pp=4, schedule="zero_bubble")
     assert s.stages_per_rank == 2 and s.num_stages == 8 and s.n_microbatches == 8
-    names = {"pipeline": "1f1b", "pipeline_1f1b": "1f1b", "pipeline_gpipe": "gpipe",
-             "pipeline_interleaved": "interleaved_1f1b", "pipeline_zero_bubble": "zero_bubble"}
+    names = {
+        "pipeline": "1f1b",
+        "pipeline_1f1b": "1f1b",
+        "pipeline_gpipe": "gpipe",
+        "pipeline_interleaved": "interleaved_1f1b",
+        "pipeline_zero_bubble": "zero_bubble",
+    }
     for name, schedule in names.items():
         cls, _, params = REGISTERED[name]
         assert cls is PipelineStrategy and params.get("schedule", "1f1b") == schedule
@@ -331,8 +348,16 @@ def _fake_step(p: int, m: int, tf: float = 1.0, tb: float = 2.0) -> list[dict]:
         events = [(r, "F", i, (r + i) * tf, (r + i + 1) * tf) for i in range(m)]
         b0 = (m + p - 1) * tf + (p - 1 - r) * tb
         events += [(r, "B", i, b0 + i * tb, b0 + (i + 1) * tb) for i in range(m)]
-        records.append({"rank": r, "start": 0.0, "end": (m + p - 1) * (tf + tb), "events": events,
-                        "n_microbatches": m, "peak_held": {r: m}})
+        records.append(
+            {
+                "rank": r,
+                "start": 0.0,
+                "end": (m + p - 1) * (tf + tb),
+                "events": events,
+                "n_microbatches": m,
+                "peak_held": {r: m},
+            }
+        )
     return records
 
 
@@ -364,8 +389,17 @@ def test_replay_removes_latency_but_keeps_the_schedule_bubble():
     ideal = _fake_step(p, m)
     assert replay_idle(ideal) == pytest.approx((p - 1) / (m + p - 1))
     # the same actions, with 0.5 of message latency before every action of rank 1: wall idle grows, replay does not
-    late = [dict(r, events=[(s, k, mb, t0 + 0.5 * (r["rank"] == 1) * (i + 1), t1 + 0.5 * (r["rank"] == 1) * (i + 1))
-                            for i, (s, k, mb, t0, t1) in enumerate(r["events"])], end=r["end"] + 4.0) for r in ideal]
+    late = [
+        dict(
+            r,
+            events=[
+                (s, k, mb, t0 + 0.5 * (r["rank"] == 1) * (i + 1), t1 + 0.5 * (r["rank"] == 1) * (i + 1))
+                for i, (s, k, mb, t0, t1) in enumerate(r["events"])
+            ],
+            end=r["end"] + 4.0,
+        )
+        for r in ideal
+    ]
     assert bubble_stats(late, p)["idle_fraction"] > (p - 1) / (m + p - 1) + 0.05
     assert replay_idle(late) == pytest.approx((p - 1) / (m + p - 1))
 
@@ -455,16 +489,25 @@ def test_litgpt_gpt_splits_as_the_model_with_the_blocks_it_does_not_own_taken_ou
     net = _litgpt()
     lay = network_layout(net)  # the block list inside the ModuleDict `transformer`, lm_head registered first
     assert (lay.block_list, lay.blocks, lay.stem, lay.head, lay.hf) == (
-        "transformer.h", ("0", "1", "2", "3"), ("transformer.wte",), ("transformer.ln_f", "lm_head"), None)
+        "transformer.h",
+        ("0", "1", "2", "3"),
+        ("transformer.wte",),
+        ("transformer.ln_f", "lm_head"),
+        None,
+    )
     x = torch.randint(0, 64, (2, 8))
     assert staged_forward_problem(net, x) is None  # every block boundary handed over, against the model
     split = plan_split(net, 2, split="params")
     first, last = (build_stage_module(net, split, [s]) for s in (0, 1))
     # each stage holds its parts under the single-device names, nothing else
     assert sorted({".".join(n.split(".")[:2]) for n, _ in first.named_parameters()}) == [
-        "transformer.h", "transformer.wte"]
+        "transformer.h",
+        "transformer.wte",
+    ]
     assert [k for k in last.get_submodule("transformer.h")._modules] == ["2", "3"]
-    assert sorted(n for s in (first, last) for n, _ in s.named_parameters()) == sorted(n for n, _ in net.named_parameters())
+    assert sorted(n for s in (first, last) for n, _ in s.named_parameters()) == sorted(
+        n for n, _ in net.named_parameters()
+    )
     with torch.no_grad():  # stage 0: ids in, hidden states out; stage 1: hidden states in, logits out
         hidden = first.run_local(x)
         assert hidden.shape == (2, 8, 32) and torch.equal(last.run_local(hidden), net(x))
@@ -499,7 +542,9 @@ def test_nested_block_list_refusals_name_the_route_and_why():
         def __init__(self):
             super().__init__()
             self.lm_head = nn.Linear(8, 10)
-            self.transformer = nn.ModuleDict(dict(wte=nn.Embedding(10, 8), h=nn.ModuleList(nn.Linear(8, 8) for _ in range(4))))
+            self.transformer = nn.ModuleDict(
+                dict(wte=nn.Embedding(10, 8), h=nn.ModuleList(nn.Linear(8, 8) for _ in range(4)))
+            )
 
     class TwoInputs(NoForward):
         def forward(self, ids, positions):
@@ -515,9 +560,11 @@ def test_nested_block_list_refusals_name_the_route_and_why():
         def forward(self, x):
             return x
 
-    for net, why in ((NoForward(), "NoForward defines no forward"),
-                     (TwoInputs(), "its forward takes 2 required inputs (ids, positions)"),
-                     (Deep(), "its block list 'body.inner.layers' is not inside a direct child")):
+    for net, why in (
+        (NoForward(), "NoForward defines no forward"),
+        (TwoInputs(), "its forward takes 2 required inputs (ids, positions)"),
+        (Deep(), "its block list 'body.inner.layers' is not inside a direct child"),
+    ):
         with pytest.raises(TypeError) as err:
             network_layout(net)
         assert f"taken out of the child holding them: {why}" in str(err.value), str(err.value)

@@ -75,7 +75,8 @@ def test_hsdp_shards_over_the_shard_group_only():
         assert m.total == pytest.approx((4 + 4 + 8) * p / shard)
         assert m == planner.zero_bytes(p, stage=3, world_size=shard, state=FP32)  # replicas add nothing
     assert planner.hsdp_bytes(p, shard_size=8, world_size=8, state=FP32) == planner.zero_bytes(
-        p, stage=3, world_size=8, state=FP32)
+        p, stage=3, world_size=8, state=FP32
+    )
     assert planner.hsdp_bytes(p, shard_size=1, world_size=8, state=FP32) == planner.ddp_bytes(p, state=FP32)
     z2 = planner.hsdp_bytes(p, shard_size=4, world_size=8, state=FP32, zero_stage=2)
     assert (z2.params, z2.grads, z2.optimizer) == (4 * p, 4 * p / 4, 8 * p / 4)
@@ -105,8 +106,9 @@ def test_pipeline_stages_from_an_uneven_split():
 
 def test_offload_tiers_move_parts_off_the_device():
     p, s = 4000, 4
-    m = planner.model_state_bytes(p, state=FP32, zero_stage=3, shard_size=s,
-                                  offload=OffloadTiers(params="nvme", optimizer="host"))
+    m = planner.model_state_bytes(
+        p, state=FP32, zero_stage=3, shard_size=s, offload=OffloadTiers(params="nvme", optimizer="host")
+    )
     assert (m.params, m.grads, m.optimizer) == (0, 4 * p / s, 0)
     assert (m.host, m.nvme) == (8 * p / s, 4 * p / s)
     assert m.total == 4 * p / s
@@ -128,8 +130,10 @@ def test_per_parameter_shards_hand_counted():
 def test_per_parameter_shards_match_torch_chunk(world):
     # FSDP2 shards with torch.chunk along dim 0 and pads the list with empty chunks
     g = torch.Generator().manual_seed(world)
-    shapes = [tuple(int(d) for d in torch.randint(1, 13, (int(torch.randint(1, 4, (1,), generator=g)),),
-                                                  generator=g)) for _ in range(20)]
+    shapes = [
+        tuple(int(d) for d in torch.randint(1, 13, (int(torch.randint(1, 4, (1,), generator=g)),), generator=g))
+        for _ in range(20)
+    ]
     expected = [0] * world
     for shape in shapes:
         chunks = torch.chunk(torch.empty(shape, device="meta"), world, dim=0)
@@ -146,7 +150,8 @@ def test_fsdp2_state_bytes_and_zero_redundancy_partition():
         m = planner.fsdp2_state_bytes(shapes, shard_size=4, rank=rank, state=FP32)
         assert (m.params, m.grads, m.optimizer) == (4 * local[rank], 4 * local[rank], 8 * local[rank])
     assert planner.fsdp2_state_bytes(shapes, shard_size=4, state=FP32, zero_stage=2) == planner.fsdp2_state_bytes(
-        shapes, shard_size=4, state=FP32, zero_stage=3)
+        shapes, shard_size=4, state=FP32, zero_stage=3
+    )
     # greedy, largest first: 16->r0, 15->r1, 7->r1 (15<16), 6->r0 (16<22)
     assert planner.zero_redundancy_partition([15, 6, 7, 16], 2) == [22, 22]
     assert planner.zero_redundancy_partition([10, 7, 5, 3, 1], 2) == [10 + 3, 7 + 5 + 1]
@@ -186,8 +191,10 @@ def test_data_parallel_traffic(world):
 
 def test_hsdp_traffic_splits_shard_and_replica_dims():
     p, s, r = 1200, 4, 3
-    out = {(c.op, c.dim): c for c in planner.data_parallel_traffic(p, state=FP32, zero_stage=3, shard_size=s,
-                                                                    replicate_size=r)}
+    out = {
+        (c.op, c.dim): c
+        for c in planner.data_parallel_traffic(p, state=FP32, zero_stage=3, shard_size=s, replicate_size=r)
+    }
     assert out["all_gather", "dp_shard"].wire_bytes == pytest.approx(2 * (s - 1) / s * 4 * p)
     assert out["reduce_scatter", "dp_shard"].wire_bytes == pytest.approx((s - 1) / s * 4 * p)
     assert out["all_reduce", "dp_replicate"].wire_bytes == pytest.approx(2 * (r - 1) / r * 4 * p / s)
@@ -202,13 +209,16 @@ def test_hsdp_traffic_splits_shard_and_replica_dims():
 
 def test_fsdp2_traffic_counts_padding_and_the_root_unit():
     # (5, 3) in a block: 4 ranks x ceil(5/4)=2 rows x 3 = 24 elements; (2, 9) on the root: 4 x 1 x 9 = 36
-    out = {c.op: c for c in planner.fsdp2_traffic([(5, 3)], root_shapes=[(2, 9)], shard_size=4, replicate_size=2,
-                                                   state=FP32)}
+    out = {
+        c.op: c
+        for c in planner.fsdp2_traffic([(5, 3)], root_shapes=[(2, 9)], shard_size=4, replicate_size=2, state=FP32)
+    }
     assert out["all_gather"].payload_bytes == (2 * 24 + 36) * 4  # root gathered once (not resharded)
     assert out["reduce_scatter"].payload_bytes == (24 + 36) * 4
     assert out["all_reduce"].payload_bytes == (24 + 36) / 4 * 4 and out["all_reduce"].dim == "dp_replicate"
-    z2 = {c.op: c for c in planner.fsdp2_traffic([(5, 3)], root_shapes=[(2, 9)], shard_size=4, state=FP32,
-                                                  zero_stage=2)}
+    z2 = {
+        c.op: c for c in planner.fsdp2_traffic([(5, 3)], root_shapes=[(2, 9)], shard_size=4, state=FP32, zero_stage=2)
+    }
     assert z2["all_gather"].payload_bytes == (24 + 36) * 4 and "all_reduce" not in z2
     # evenly divisible shapes and no root: the closed form exactly
     even = planner.fsdp2_traffic([(8, 3), (4,)], shard_size=4, state=FP32)
@@ -223,8 +233,9 @@ def test_tensor_parallel_activation_traffic():
     # 2 row-parallel linears per block, each: 1 all-reduce forward + 1 backward
     assert (ar.op, ar.dim, ar.payload_bytes) == ("all_reduce", "tp", 2 * 2 * blocks * act)
     assert ar.wire_bytes == pytest.approx(2 * (t - 1) / t * 4 * blocks * act)
-    sp = planner.tp_activation_traffic(batch=b, seq=s, hidden=h, blocks=blocks, tp=t, bytes_per_element=a,
-                                       sequence_parallel=True)
+    sp = planner.tp_activation_traffic(
+        batch=b, seq=s, hidden=h, blocks=blocks, tp=t, bytes_per_element=a, sequence_parallel=True
+    )
     assert sorted(c.op for c in sp) == ["all_gather", "reduce_scatter"]
     assert sum(c.wire_bytes for c in sp) == pytest.approx(ar.wire_bytes)  # same volume, different collectives
 
@@ -232,8 +243,9 @@ def test_tensor_parallel_activation_traffic():
 def test_pipeline_idle_fraction_and_p2p():
     assert planner.pipeline_idle_fraction(stages=4, micro_batches=32) == pytest.approx(3 / 35)  # seed: 8.6%
     assert f"{planner.pipeline_idle_fraction(stages=4, micro_batches=32, schedule='gpipe'):.1%}" == "8.6%"
-    assert planner.pipeline_idle_fraction(stages=4, micro_batches=8, schedule="interleaved-1f1b",
-                                          virtual_stages=2) == pytest.approx(3 / (2 * 8 + 3))
+    assert planner.pipeline_idle_fraction(
+        stages=4, micro_batches=8, schedule="interleaved-1f1b", virtual_stages=2
+    ) == pytest.approx(3 / (2 * 8 + 3))
     assert planner.pipeline_idle_fraction(stages=1, micro_batches=1) == 0
     (c,) = planner.pipeline_p2p_traffic(activation_bytes=1000, micro_batches=8, stages=4, virtual_stages=2)
     assert (c.op, c.dim, c.wire_bytes) == ("send_recv", "pp", 2 * 8 * 2 * 1000)
@@ -244,8 +256,23 @@ def test_pipeline_idle_fraction_and_p2p():
 def test_candidate_layouts_enumeration():
     layouts = planner.candidate_layouts(PSI, world_size=8, devices_per_node=4, state=MIXED)
     names = [lay.name for lay in layouts]
-    assert names == ["ddp", "zero1", "zero2", "hsdp-2", "hsdp-4", "fsdp", "tp2-ddp4", "tp2-fsdp4", "tp4-ddp2",
-                     "tp4-fsdp2", "pp2-ddp4", "pp4-ddp2", "pp8", "zero-offload", "fsdp-offload"]
+    assert names == [
+        "ddp",
+        "zero1",
+        "zero2",
+        "hsdp-2",
+        "hsdp-4",
+        "fsdp",
+        "tp2-ddp4",
+        "tp2-fsdp4",
+        "tp4-ddp2",
+        "tp4-fsdp2",
+        "pp2-ddp4",
+        "pp4-ddp2",
+        "pp8",
+        "zero-offload",
+        "fsdp-offload",
+    ]
     by = {lay.name: lay for lay in layouts}
     assert all(lay.fits is None for lay in layouts)
     assert by["hsdp-4"].mesh == {"pp": 1, "dp_replicate": 2, "dp_shard": 4, "tp": 1}
@@ -258,8 +285,9 @@ def test_candidate_layouts_enumeration():
     json.dumps([lay.to_dict() for lay in layouts])  # serialisable
 
 
-@pytest.mark.parametrize("memory, expected", [
-    (None, "ddp"), ("30GB", "ddp"), ("8GB", "zero2"), ("5GB", "fsdp"), ("1GB", "fsdp-offload")])
+@pytest.mark.parametrize(
+    "memory, expected", [(None, "ddp"), ("30GB", "ddp"), ("8GB", "zero2"), ("5GB", "fsdp"), ("1GB", "fsdp-offload")]
+)
 def test_recommend_least_parallelism_that_fits(memory, expected):
     device_memory = planner.parse_bytes(memory) if memory else None
     layouts = planner.candidate_layouts(PSI, world_size=8, devices_per_node=4, state=MIXED, device_memory=device_memory)
@@ -281,8 +309,16 @@ def test_recommend_none_when_nothing_fits():
 def test_recommend_breaks_ties_by_traffic():
     def lay(name, wire):
         traffic = (Collective(op="send_recv", dim="dp", group_size=2, payload_bytes=wire),)
-        return Layout(name=name, kind="hsdp", mesh={}, zero_stage=3, traffic=traffic, fits=True,
-                      memory=MemoryBreakdown(params=1, grads=1, optimizer=1))
+        return Layout(
+            name=name,
+            kind="hsdp",
+            mesh={},
+            zero_stage=3,
+            traffic=traffic,
+            fits=True,
+            memory=MemoryBreakdown(params=1, grads=1, optimizer=1),
+        )
+
     assert planner.recommend([lay("a", 10), lay("b", 5), lay("c", 7)]).name == "b"
     layouts = planner.candidate_layouts(PSI, world_size=8, devices_per_node=4, state=MIXED)
     hsdp = [x for x in layouts if x.kind == "hsdp"]
@@ -292,8 +328,12 @@ def test_recommend_breaks_ties_by_traffic():
 def test_tp_and_pp_activation_traffic_in_layouts():
     counts = ParamCounts(total=1000, tp_sharded=800, layer_params=(200,) * 4, pre_params=100, post_params=100)
     act = ActivationShape(batch=8, seq=16, hidden=32, bytes_per_element=2)
-    layouts = {x.name: x for x in planner.candidate_layouts(counts, world_size=4, devices_per_node=4, state=FP32,
-                                                              activation=act, micro_batches=4)}
+    layouts = {
+        x.name: x
+        for x in planner.candidate_layouts(
+            counts, world_size=4, devices_per_node=4, state=FP32, activation=act, micro_batches=4
+        )
+    }
     tp = layouts["tp2-ddp2"]
     assert tp.memory.total == (800 / 2 + 200) * 16
     dims = tp.wire_bytes_by_dim()
@@ -364,7 +404,8 @@ def test_model_from_lightning_cli_config(tmp_path):
     cfg.write_text(
         "trainer:\n  max_epochs: 1\nmodel:\n"
         f"  class_path: {__name__}.Wrapper\n  init_args:\n    extra: 7\n"
-        "    inner:\n      class_path: torch.nn.Linear\n      init_args: {in_features: 10, out_features: 5}\n")
+        "    inner:\n      class_path: torch.nn.Linear\n      init_args: {in_features: 10, out_features: 5}\n"
+    )
     path, init_args = planner.model_spec_from_config(str(cfg))
     assert path == f"{__name__}.Wrapper" and init_args["extra"] == 7
     assert planner.count_params(planner.build_meta_model(path, init_args)).total == 10 * 5 + 5 + 7
@@ -385,28 +426,33 @@ def test_parse_bytes_and_counts():
     assert planner.parse_count("125M") == 125_000_000
 
 
-@pytest.mark.parametrize("call, match", [
-    (lambda: planner.candidate_layouts(10, world_size=6, devices_per_node=4, state=FP32), "not divisible"),
-    (lambda: planner.hsdp_bytes(10, shard_size=3, world_size=8, state=FP32),
-     r"shard_size=3.*pick one of \[1, 2, 4, 8\]"),
-    (lambda: planner.ddp_bytes(-5, state=FP32), "num_params=-5"),
-    (lambda: planner.parse_count("-5"), "must be >= 0"),
-    (lambda: planner.ParamCounts(total=-1), "total=-1"),
-    (lambda: planner.state_bytes(precision="fp8"), "Unknown precision 'fp8'"),
-    (lambda: planner.state_bytes(optimizer="lion"), "Unknown optimizer 'lion'.*optimizer_state_bytes"),
-    (lambda: planner.state_bytes(precision="32-true", master_weights=True), "16-bit"),
-    (lambda: planner.parse_bytes("80 gigs"), "Cannot parse memory size '80 gigs'"),
-    (lambda: planner.parse_bytes("0GB"), "positive"),
-    (lambda: planner.zero_bytes(10, stage=4, world_size=2, state=FP32), "zero_stage=4"),
-    (lambda: planner.per_parameter_shards([()], 2), "0-dim"),
-    (lambda: planner.split_stages([1, 2], 3), "stages=3"),
-    (lambda: planner.pipeline_idle_fraction(stages=2, micro_batches=4, schedule="zb"), "Unknown pipeline schedule"),
-    (lambda: planner.pipeline_idle_fraction(stages=2, micro_batches=4, virtual_stages=2), "interleaved"),
-    (lambda: OffloadTiers(params="disk"), "params='disk'"),
-    (lambda: planner.build_meta_model("torch.nn.NoSuchThing"), "no class 'NoSuchThing'"),
-    (lambda: planner.build_meta_model("Linear"), "dotted"),
-    (lambda: planner.build_meta_model("torch.nn.Linear", "{not json"), "not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: planner.candidate_layouts(10, world_size=6, devices_per_node=4, state=FP32), "not divisible"),
+        (
+            lambda: planner.hsdp_bytes(10, shard_size=3, world_size=8, state=FP32),
+            r"shard_size=3.*pick one of \[1, 2, 4, 8\]",
+        ),
+        (lambda: planner.ddp_bytes(-5, state=FP32), "num_params=-5"),
+        (lambda: planner.parse_count("-5"), "must be >= 0"),
+        (lambda: planner.ParamCounts(total=-1), "total=-1"),
+        (lambda: planner.state_bytes(precision="fp8"), "Unknown precision 'fp8'"),
+        (lambda: planner.state_bytes(optimizer="lion"), "Unknown optimizer 'lion'.*optimizer_state_bytes"),
+        (lambda: planner.state_bytes(precision="32-true", master_weights=True), "16-bit"),
+        (lambda: planner.parse_bytes("80 gigs"), "Cannot parse memory size '80 gigs'"),
+        (lambda: planner.parse_bytes("0GB"), "positive"),
+        (lambda: planner.zero_bytes(10, stage=4, world_size=2, state=FP32), "zero_stage=4"),
+        (lambda: planner.per_parameter_shards([()], 2), "0-dim"),
+        (lambda: planner.split_stages([1, 2], 3), "stages=3"),
+        (lambda: planner.pipeline_idle_fraction(stages=2, micro_batches=4, schedule="zb"), "Unknown pipeline schedule"),
+        (lambda: planner.pipeline_idle_fraction(stages=2, micro_batches=4, virtual_stages=2), "interleaved"),
+        (lambda: OffloadTiers(params="disk"), "params='disk'"),
+        (lambda: planner.build_meta_model("torch.nn.NoSuchThing"), "no class 'NoSuchThing'"),
+        (lambda: planner.build_meta_model("Linear"), "dotted"),
+        (lambda: planner.build_meta_model("torch.nn.Linear", "{not json"), "not valid JSON"),
+    ],
+)
 def test_bad_inputs_raise_clear_value_errors(call, match):
     with pytest.raises(ValueError, match=match):
         call()
@@ -419,16 +465,50 @@ def test_non_module_class_is_a_type_error():
 
 # ---- CLI ---------------------------------------------------------------------------------------------------
 def test_cli_plan_with_params(capsys):
-    assert main(["plan", "--params", "1.5B", "--world-size", "8", "--devices-per-node", "4", "--device-memory",
-                 "8GB", "--precision", "bf16-mixed", "--master-weights"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--params",
+                "1.5B",
+                "--world-size",
+                "8",
+                "--devices-per-node",
+                "4",
+                "--device-memory",
+                "8GB",
+                "--precision",
+                "bf16-mixed",
+                "--master-weights",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert re.search(r"zero2 \*", out) and "Recommended (least parallelism that fits): zero2" in out
     assert re.search(r"ddp\s.*\b24\b.*\bno\b", out)
 
 
 def test_cli_plan_model_json(capsys):
-    assert main(["plan", "--model", "torch.nn.Linear", "--init-args", '{"in_features": 10, "out_features": 5}',
-                 "--world-size", "2", "--precision", "32-true", "--optimizer", "sgd-momentum", "--json"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "torch.nn.Linear",
+                "--init-args",
+                '{"in_features": 10, "out_features": 5}',
+                "--world-size",
+                "2",
+                "--precision",
+                "32-true",
+                "--optimizer",
+                "sgd-momentum",
+                "--json",
+            ]
+        )
+        == 0
+    )
     data = json.loads(capsys.readouterr().out)
     assert data["params"] == 55 and data["recommended"] == "ddp"
     ddp = next(lay for lay in data["layouts"] if lay["name"] == "ddp")
@@ -445,18 +525,28 @@ def test_cli_plan_model_from_a_file_or_the_working_folder(tmp_path):
 
     (tmp_path / "my_model.py").write_text(
         "from torch import nn\n\nclass Net(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
-        "        self.fc = nn.Linear(10, 5)\n")
+        "        self.fc = nn.Linear(10, 5)\n"
+    )
     (tmp_path / "two.py").write_text("from torch import nn\nclass A(nn.Linear): pass\nclass B(nn.Linear): pass\n")
-    code = ("import json, sys; from lightning_dist.cli import main;"
-            " sys.exit(main(['plan', '--model', sys.argv[1], '--world-size', '2', '--json']))")
-    for model in ("./my_model.py", "./my_model.py:Net", str(tmp_path / "my_model.py") + ":Net", "my_model.Net",
-                  "my_model:Net"):
+    code = (
+        "import json, sys; from lightning_dist.cli import main;"
+        " sys.exit(main(['plan', '--model', sys.argv[1], '--world-size', '2', '--json']))"
+    )
+    for model in (
+        "./my_model.py",
+        "./my_model.py:Net",
+        str(tmp_path / "my_model.py") + ":Net",
+        "my_model.Net",
+        "my_model:Net",
+    ):
         run = subprocess.run([sys.executable, "-P", "-c", code, model], cwd=tmp_path, capture_output=True, text=True)
         assert run.returncode == 0, (model, run.stderr)
         assert json.loads(run.stdout)["params"] == 55, model
-    for model, needle in [("./two.py", "defines 2 nn.Module classes ['A', 'B']; name the one to build: './two.py:B'"),
-                          ("./absent.py:Net", "'./absent.py' is not a Python file (not found)"),
-                          ("absent.Net", "No module named 'absent' (searched sys.path and the working folder")]:
+    for model, needle in [
+        ("./two.py", "defines 2 nn.Module classes ['A', 'B']; name the one to build: './two.py:B'"),
+        ("./absent.py:Net", "'./absent.py' is not a Python file (not found)"),
+        ("absent.Net", "No module named 'absent' (searched sys.path and the working folder"),
+    ]:
         run = subprocess.run([sys.executable, "-P", "-c", code, model], cwd=tmp_path, capture_output=True, text=True)
         assert run.returncode == 2 and needle in run.stderr, (model, run.stderr)
         assert "./my_model.py:Net" in run.stderr or "two.py" in model  # the accepted forms are shown
@@ -467,19 +557,38 @@ def test_cli_plan_config_and_plot(tmp_path, capsys):
     cfg = tmp_path / "cli.yaml"
     cfg.write_text("model:\n  class_path: torch.nn.Linear\n  init_args:\n    in_features: 64\n    out_features: 64\n")
     png = tmp_path / "mem.png"
-    assert main(["plan", "--config", str(cfg), "--world-size", "4", "--devices-per-node", "2", "--device-memory",
-                 "20KiB", "--plot", str(png)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--config",
+                str(cfg),
+                "--world-size",
+                "4",
+                "--devices-per-node",
+                "2",
+                "--device-memory",
+                "20KiB",
+                "--plot",
+                str(png),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "64 * 64" not in out and "4,160 params" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
 
 
-@pytest.mark.parametrize("argv, match", [
-    (["--params", "1B", "--world-size", "8", "--device-memory", "lots"], "Cannot parse memory size 'lots'"),
-    (["--params", "1B", "--world-size", "6", "--devices-per-node", "4"], "not divisible"),
-    (["--params", "-3", "--world-size", "2"], "must be >= 0"),
-    (["--params", "1B", "--world-size", "2", "--batch-size", "4"], "--hidden-size"),
-])
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--params", "1B", "--world-size", "8", "--device-memory", "lots"], "Cannot parse memory size 'lots'"),
+        (["--params", "1B", "--world-size", "6", "--devices-per-node", "4"], "not divisible"),
+        (["--params", "-3", "--world-size", "2"], "must be >= 0"),
+        (["--params", "1B", "--world-size", "2", "--batch-size", "4"], "--hidden-size"),
+    ],
+)
 def test_cli_plan_errors_exit_2_with_the_message(argv, match, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["plan", *argv])
@@ -510,10 +619,14 @@ def _deepspeed_rows(out: str) -> list[tuple[float, float, str]]:
 def test_planner_matches_deepspeed_estimators(capsys):
     pytest.importorskip("deepspeed")
     # imported here: deepspeed's import probes accelerators and logs (slow, noisy)
-    from deepspeed.runtime.zero.stage3 import (estimate_zero3_model_states_mem_needs,
-                                                estimate_zero3_model_states_mem_needs_all_cold)
-    from deepspeed.runtime.zero.stage_1_and_2 import (estimate_zero2_model_states_mem_needs,
-                                                      estimate_zero2_model_states_mem_needs_all_cold)
+    from deepspeed.runtime.zero.stage3 import (
+        estimate_zero3_model_states_mem_needs,
+        estimate_zero3_model_states_mem_needs_all_cold,
+    )
+    from deepspeed.runtime.zero.stage_1_and_2 import (
+        estimate_zero2_model_states_mem_needs,
+        estimate_zero2_model_states_mem_needs_all_cold,
+    )
 
     # Conventions the comparison accounts for:
     # * DeepSpeed prints GB = 2**30 bytes with 2 decimals (we use 1e9 in the tables): compare in GiB at 0.005.
@@ -546,17 +659,30 @@ def test_planner_matches_deepspeed_estimators(capsys):
             assert row[1] == pytest.approx(expected_ds / 2**30, abs=0.005)
 
         for offload_opt, offload_params in ((True, True), (True, False), (False, False)):
-            tiers = OffloadTiers(params="host" if offload_params else "device", grads="host" if offload_opt else
-                                 "device", optimizer="host" if offload_opt else "device")
+            tiers = OffloadTiers(
+                params="host" if offload_params else "device",
+                grads="host" if offload_opt else "device",
+                optimizer="host" if offload_opt else "device",
+            )
             ours = planner.zero_bytes(psi, stage=3, world_size=n, state=MIXED, offload=tiers).total
             expected_ds = ours + 4 * largest + (0 if offload_opt else 2 * psi / n)
             for zero_init in (True, False):
                 _, gpu_bytes, _ = estimate_zero3_model_states_mem_needs(
-                    psi, largest, gpus, nodes, cpu_offload=offload_opt, cpu_offload_params=offload_params,
-                    zero_init=zero_init)
+                    psi,
+                    largest,
+                    gpus,
+                    nodes,
+                    cpu_offload=offload_opt,
+                    cpu_offload_params=offload_params,
+                    zero_init=zero_init,
+                )
                 assert gpu_bytes == pytest.approx(expected_ds, abs=1)
-            rows = [r for r in z3_rows if ("offload_optimizer=none" not in r[2]) == offload_opt
-                    and ("offload_param=none" not in r[2]) == offload_params]
+            rows = [
+                r
+                for r in z3_rows
+                if ("offload_optimizer=none" not in r[2]) == offload_opt
+                and ("offload_param=none" not in r[2]) == offload_params
+            ]
             assert len(rows) == 2 and all(r[1] == pytest.approx(expected_ds / 2**30, abs=0.005) for r in rows)
 
 
@@ -568,5 +694,7 @@ def test_tp_traffic_counts_a_gathered_head():
     head = {c.op: c.payload_bytes for c in planner.tp_activation_traffic(**kw, gathered=[(256, 64)])}
     # the head's input gradient joins the all-reduce, its gathered output is an all-gather of its own
     assert head == {"all_reduce": base["all_reduce"] + 256, "all_gather": 64}
-    sp = {c.op: c.payload_bytes for c in planner.tp_activation_traffic(**kw, sequence_parallel=True, gathered=[(256, 64)])}
+    sp = {
+        c.op: c.payload_bytes for c in planner.tp_activation_traffic(**kw, sequence_parallel=True, gathered=[(256, 64)])
+    }
     assert sp["all_reduce"] == 256 and sp["all_gather"] == sp["reduce_scatter"] + 64

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lightning_dist import planner
-from lightning_dist.models import GPT, ViT, ShapesCNN
+from lightning_dist.models import GPT, ShapesCNN, ViT
 from lightning_dist.parallelize.pipeline import network_layout, plan_split
 from lightning_dist.parallelize.pipeline_schedule import SCHEDULES, bubble_theory
 from lightning_dist.planner.model import _block_list
@@ -15,8 +15,14 @@ from lightning_dist.planner.model import _block_list
 
 def _hf_llama() -> torch.nn.Module:
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=5,
-                                      num_attention_heads=4, num_key_value_heads=2)
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=5,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     return transformers.LlamaForCausalLM(config)
 
 
@@ -60,5 +66,6 @@ def test_planner_schedules_and_bubble_are_the_runtimes():
     assert planner.SCHEDULES == tuple(SCHEDULES)  # same names, same spelling
     for m in (4, 8, 32):
         assert planner.pipeline_idle_fraction(stages=4, micro_batches=m) == bubble_theory(4, m)
-        assert planner.pipeline_idle_fraction(stages=4, micro_batches=m, schedule="interleaved_1f1b",
-                                              virtual_stages=2) == bubble_theory(4, m, stages_per_rank=2)
+        assert planner.pipeline_idle_fraction(
+            stages=4, micro_batches=m, schedule="interleaved_1f1b", virtual_stages=2
+        ) == bubble_theory(4, m, stages_per_rank=2)

@@ -118,8 +118,9 @@ def test_returned_loss_terms_on_parameters_get_gradients_and_output_terms_are_fl
 
     def run(make_loss, scale=1.0):
         out = logits.clone().requires_grad_()
-        return returned_loss_gradients(make_loss(out), out, target, n_microbatches=4, scale=scale,
-                                       pipeline_loss=F.cross_entropy, params=[w])
+        return returned_loss_gradients(
+            make_loss(out), out, target, n_microbatches=4, scale=scale, pipeline_loss=F.cross_entropy, params=[w]
+        )
 
     differs, extra = run(lambda out: F.cross_entropy(out, target) + 0.1 * w.pow(2).sum())
     assert not differs and len(extra) == 1 and torch.allclose(extra[0][1], 0.2 * w.detach(), rtol=1e-15, atol=0)
@@ -133,12 +134,23 @@ def test_returned_loss_terms_on_parameters_get_gradients_and_output_terms_are_fl
 def test_every_strategy_takes_timeout_as_seconds_or_timedelta():
     from datetime import timedelta
 
-    from lightning_dist.strategies import FullyShardStrategy, HybridShardStrategy, PipelineStrategy
-    from lightning_dist.strategies import FSDP2OffloadStrategy, OffloadStrategy
+    from lightning_dist.strategies import (
+        FSDP2OffloadStrategy,
+        FullyShardStrategy,
+        HybridShardStrategy,
+        OffloadStrategy,
+        PipelineStrategy,
+    )
     from lightning_dist.strategies.tp import TensorParallelStrategy
 
-    for cls in (HybridShardStrategy, FullyShardStrategy, TensorParallelStrategy, PipelineStrategy,
-                FSDP2OffloadStrategy, OffloadStrategy):
+    for cls in (
+        HybridShardStrategy,
+        FullyShardStrategy,
+        TensorParallelStrategy,
+        PipelineStrategy,
+        FSDP2OffloadStrategy,
+        OffloadStrategy,
+    ):
         assert cls(timeout=30)._timeout == timedelta(seconds=30), cls
         assert cls(timeout=2.5)._timeout == timedelta(seconds=2.5), cls
         assert cls(timeout=timedelta(minutes=1))._timeout == timedelta(minutes=1), cls
@@ -155,12 +167,20 @@ def test_output_term_check_tolerates_bf16_rounding():
 
     target = torch.randint(0, 5, (8,))
     out = torch.randn(8, 5).bfloat16().requires_grad_()
-    differs, _ = returned_loss_gradients(F.cross_entropy(out, target), out, target, n_microbatches=4, scale=1.0,
-                                         pipeline_loss=F.cross_entropy, params=[])
+    differs, _ = returned_loss_gradients(
+        F.cross_entropy(out, target), out, target, n_microbatches=4, scale=1.0, pipeline_loss=F.cross_entropy, params=[]
+    )
     assert not differs  # whole-batch mean vs mean of micro-batch means: bf16 rounding only
     out2 = out.detach().clone().requires_grad_()
-    assert returned_loss_gradients(2 * F.cross_entropy(out2, target), out2, target, n_microbatches=4, scale=1.0,
-                                   pipeline_loss=F.cross_entropy, params=[])[0]
+    assert returned_loss_gradients(
+        2 * F.cross_entropy(out2, target),
+        out2,
+        target,
+        n_microbatches=4,
+        scale=1.0,
+        pipeline_loss=F.cross_entropy,
+        params=[],
+    )[0]
 
 
 def test_staged_forward_check_is_not_fooled_by_dropout():

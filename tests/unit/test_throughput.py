@@ -36,9 +36,18 @@ class _Tiny(pl.LightningModule):
 
 
 def _fit(tmp_path, loggers, callbacks):
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=STEPS, logger=loggers, callbacks=callbacks,
-                         log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, default_root_dir=tmp_path)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=STEPS,
+        logger=loggers,
+        callbacks=callbacks,
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
     trainer.fit(_Tiny())
     return trainer
 
@@ -81,8 +90,8 @@ def _scalar_tags(log_dir) -> set[str]:
         data = path.read_bytes()
         pos = 0
         while pos + 12 <= len(data):
-            (length,) = struct.unpack("<Q", data[pos:pos + 8])
-            event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + length])
+            (length,) = struct.unpack("<Q", data[pos : pos + 8])
+            event = event_pb2.Event.FromString(data[pos + 12 : pos + 12 + length])
             tags.update(v.tag for v in event.summary.value)
             pos += 12 + length + 4
     return tags
@@ -107,17 +116,30 @@ def test_no_table_and_no_logging_when_off(tmp_path, capsys):
 
 
 def test_format_summary_without_optional_figures():
-    text = format_summary({"strategy": "DDPStrategy", "world_size": 2, "dp_size": 2, "steps": 3, "samples": 24,
-                           "time_s": 1.5, "samples_per_sec": 16.0, "metrics": {"val_loss": 0.5},
-                           "ranks": [{"memory": None, "comm": None}]})
+    text = format_summary(
+        {
+            "strategy": "DDPStrategy",
+            "world_size": 2,
+            "dp_size": 2,
+            "steps": 3,
+            "samples": 24,
+            "time_s": 1.5,
+            "samples_per_sec": 16.0,
+            "metrics": {"val_loss": 0.5},
+            "ranks": [{"memory": None, "comm": None}],
+        }
+    )
     assert "16.0" in text and "val_loss" in text and "model-state" not in text
 
 
-@pytest.mark.parametrize("kwargs, needle", [
-    ({"window_size": 1}, "window_size=1"),
-    ({"skip_steps": -1}, "skip_steps=-1"),
-    ({"batch_size_fn": 3}, "batch_size_fn=3"),
-])
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        ({"window_size": 1}, "window_size=1"),
+        ({"skip_steps": -1}, "skip_steps=-1"),
+        ({"batch_size_fn": 3}, "batch_size_fn=3"),
+    ],
+)
 def test_bad_options_raise_with_the_value(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
         ThroughputSummary(**kwargs)

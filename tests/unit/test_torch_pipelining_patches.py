@@ -6,9 +6,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from _harness import free_port
 from torch import nn
 
-from _harness import free_port
 from lightning_dist import _compat
 from lightning_dist._integrations.torch_pipelining import TimedStage, drop_p2p_to_self, install_forward_only_program
 
@@ -17,8 +17,11 @@ def test_this_torch_is_a_tested_release_and_others_are_refused(monkeypatch):
     assert _compat.torch_pipelining_tested()  # the suite runs on a release of TORCH_PIPELINING_TESTED
     _compat.check_torch_pipelining("x")
     monkeypatch.setattr(_compat, "torch_pipelining_tested", lambda: False)
-    with pytest.raises(RuntimeError, match=r"patch `install_forward_only_program` uses torch.distributed.pipelining"
-                                           r" internals tested on torch 2.11 to 2.14.x"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"patch `install_forward_only_program` uses torch.distributed.pipelining"
+        r" internals tested on torch 2.11 to 2.14.x",
+    ):
         install_forward_only_program(SimpleNamespace(), [0, 1], 2)
 
 
@@ -29,8 +32,10 @@ def test_forward_only_program_runs_every_stage_forward_in_order_with_its_sends()
     install_forward_only_program(holder, stage_ranks=[0, 1, 0, 1], n_microbatches=2)
     program = holder.pipeline_order_with_comms
     assert sorted(program) == [0, 1]
-    computes = {r: [(a.stage_index, a.microbatch_index) for a in acts
-                    if a.computation_type == S._ComputationType.FORWARD] for r, acts in program.items()}
+    computes = {
+        r: [(a.stage_index, a.microbatch_index) for a in acts if a.computation_type == S._ComputationType.FORWARD]
+        for r, acts in program.items()
+    }
     assert computes == {0: [(0, 0), (0, 1), (2, 0), (2, 1)], 1: [(1, 0), (1, 1), (3, 0), (3, 1)]}
     kinds = {a.computation_type for acts in program.values() for a in acts}
     assert S._ComputationType.SEND_F in kinds and S._ComputationType.RECV_F in kinds

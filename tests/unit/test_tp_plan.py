@@ -44,7 +44,12 @@ class FFN(nn.Module):
 class FusedBlock(nn.Module):
     def __init__(self, dim: int, n_heads: int) -> None:
         super().__init__()
-        self.ln_1, self.attn, self.ln_2, self.mlp = nn.LayerNorm(dim), FusedAttention(dim, n_heads), nn.LayerNorm(dim), FFN(dim)
+        self.ln_1, self.attn, self.ln_2, self.mlp = (
+            nn.LayerNorm(dim),
+            FusedAttention(dim, n_heads),
+            nn.LayerNorm(dim),
+            FFN(dim),
+        )
 
 
 class FusedNet(nn.Module):
@@ -128,8 +133,14 @@ def test_patterns_match_from_the_root_or_its_children_and_plans_load_from_yaml()
     )
     entries = resolve_plan(Wrapped(gpt()), plan, tp=2)
     assert [e.fqn for e in entries] == [
-        "model.blocks.0.attn.q", "model.blocks.0.attn.proj", "model.blocks.0.mlp.fc1", "model.blocks.0.mlp.fc2",
-        "model.blocks.1.attn.q", "model.blocks.1.attn.proj", "model.blocks.1.mlp.fc1", "model.blocks.1.mlp.fc2",
+        "model.blocks.0.attn.q",
+        "model.blocks.0.attn.proj",
+        "model.blocks.0.mlp.fc1",
+        "model.blocks.0.mlp.fc2",
+        "model.blocks.1.attn.q",
+        "model.blocks.1.attn.proj",
+        "model.blocks.1.mlp.fc1",
+        "model.blocks.1.mlp.fc2",
     ]
     assert entries[1].options == {"output": "replicate"} and entries[1].pattern == "model.blocks.*.attn.proj"
 
@@ -164,21 +175,30 @@ def test_hidden_size_not_divisible_by_tp():
 
 
 def test_pattern_matching_no_module():
-    with pytest.raises(ValueError, match=r"plan pattern 'blocks\.\*\.attn\.query' \(colwise\) matches no module of GPT"):
+    with pytest.raises(
+        ValueError, match=r"plan pattern 'blocks\.\*\.attn\.query' \(colwise\) matches no module of GPT"
+    ):
         resolve_plan(gpt(), {"blocks.*.attn.q": "colwise", "blocks.*.attn.query": "colwise"}, tp=2)
 
 
 def test_module_given_two_styles():
-    with pytest.raises(ValueError, match=r"module 'blocks.0.mlp.fc1' is given two styles: 'blocks\.\*\.mlp\.fc1' -> 'colwise'"):
+    with pytest.raises(
+        ValueError, match=r"module 'blocks.0.mlp.fc1' is given two styles: 'blocks\.\*\.mlp\.fc1' -> 'colwise'"
+    ):
         resolve_plan(gpt(), {"blocks.*.mlp.fc1": "colwise", "blocks.0.mlp.*": "rowwise"}, tp=2)
 
 
 def test_unsupported_module_types_for_a_style():
-    with pytest.raises(ValueError, match=r"module 'blocks.0.norm1' is a LayerNorm; style 'colwise' supports only \['Linear', 'Conv1D', 'Embedding'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"module 'blocks.0.norm1' is a LayerNorm; style 'colwise' supports only \['Linear', 'Conv1D', 'Embedding'\]",
+    ):
         resolve_plan(gpt(), {"blocks.0.norm1": "colwise"}, tp=2)
     with pytest.raises(ValueError, match=r"'blocks.0.attn.q' is a Linear; style 'sequence_parallel' supports only"):
         resolve_plan(gpt(), {"blocks.0.attn.q": "sequence_parallel"}, tp=2)
-    with pytest.raises(ValueError, match=r"'tok_emb' is a Embedding; style 'colwise_gather' supports only \['Linear', 'Conv1D'\]"):
+    with pytest.raises(
+        ValueError, match=r"'tok_emb' is a Embedding; style 'colwise_gather' supports only \['Linear', 'Conv1D'\]"
+    ):
         resolve_plan(gpt(), {"tok_emb": "colwise_gather"}, tp=2)
 
 
@@ -253,7 +273,9 @@ def test_loss_parallel_needs_one_vocabulary_split_head_before_any_collective():
     strategy = TensorParallelStrategy(tp=2, loss_parallel=True)
     strategy.parallel_devices = [torch.device("cpu")] * 2
     strategy.connect(Wrapped(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))))
-    with pytest.raises(ValueError, match="loss_parallel=True .* exactly one layer, the output head, style 'colwise_gather'; it has 0"):
+    with pytest.raises(
+        ValueError, match="loss_parallel=True .* exactly one layer, the output head, style 'colwise_gather'; it has 0"
+    ):
         strategy.validate_config(strategy.mesh_spec())
     strategy = TensorParallelStrategy(tp=2, loss_parallel=True, plan={"0": "colwise_gather", "2": "colwise_gather"})
     strategy.parallel_devices = [torch.device("cpu")] * 2
@@ -286,8 +308,14 @@ def test_loss_parallel_guard_lets_only_cross_entropy_reach_the_logits():
     assert run(lambda z: F.cross_entropy(z.float().flatten(0, 1), target.flatten()))
     assert run(lambda z: F.nll_loss(F.log_softmax(z[:, :-1].reshape(-1, z.size(-1)), -1), target[:, :-1].flatten()))
     assert run(lambda z: (z.shape, z.device, z.detach().argmax(-1), F.cross_entropy(z.view(-1, 5), target.view(-1))))
-    for bad, name in ((lambda z: F.mse_loss(z, torch.zeros_like(z)), "mse_loss"), (lambda z: z.softmax(-1), "softmax"),
-                      (lambda z: F.cross_entropy(z.view(-1, 5) * 2, target.view(-1)), "mul")):
-        with pytest.raises(ValueError, match=f"loss_parallel=True keeps the logits of 'model.head' .* used them in .*{name}"
-                                             ".*F.cross_entropy .* or pass loss_parallel=False"):
+    for bad, name in (
+        (lambda z: F.mse_loss(z, torch.zeros_like(z)), "mse_loss"),
+        (lambda z: z.softmax(-1), "softmax"),
+        (lambda z: F.cross_entropy(z.view(-1, 5) * 2, target.view(-1)), "mul"),
+    ):
+        with pytest.raises(
+            ValueError,
+            match=f"loss_parallel=True keeps the logits of 'model.head' .* used them in .*{name}"
+            ".*F.cross_entropy .* or pass loss_parallel=False",
+        ):
             run(bad)

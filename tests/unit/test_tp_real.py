@@ -28,8 +28,14 @@ def gpt2():
 
 
 def qwen2(kv: int = 2):
-    cfg = tf.Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=kv)
+    cfg = tf.Qwen2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=kv,
+    )
     return meta(lambda: tf.Qwen2ForCausalLM(cfg))
 
 
@@ -47,8 +53,10 @@ def test_shared_parameters_lists_every_name_of_a_tied_tensor():
 
 
 def test_auto_plan_makes_a_tied_embedding_vocab_parallel():
-    for model, emb, head in ((gpt2(), "transformer.wte", "lm_head"),
-                             (meta(lambda: GPT(n_layer=2, n_head=4, n_embd=32, tie_weights=True)), "tok_emb", "lm_head")):
+    for model, emb, head in (
+        (gpt2(), "transformer.wte", "lm_head"),
+        (meta(lambda: GPT(n_layer=2, n_head=4, n_embd=32, tie_weights=True)), "tok_emb", "lm_head"),
+    ):
         styles = {e.fqn: e.style for e in resolve_plan(model, "auto", tp=2)}
         assert styles[emb] == "rowwise" and styles[head] == "colwise_gather"  # both split on the vocabulary (dim 0)
 
@@ -57,10 +65,21 @@ def test_plan_breaking_a_tie_is_refused_with_names_and_fix():
     # the silent cases: GPT-2 with a head-only plan (0.226), the pack's tied GPT with the head only (4.4e-3)
     for model, plan, names in (
         (gpt2(), {"lm_head": "colwise_gather"}, "['transformer.wte.weight', 'lm_head.weight']"),
-        (meta(lambda: GPT(n_layer=1, n_head=2, n_embd=16, tie_weights=True)), {"lm_head": "colwise_gather"},
-         "['tok_emb.weight', 'lm_head.weight']"),
-        (gpt2(), {"transformer.wte": "colwise", "lm_head": "colwise_gather", "transformer.h.*.mlp.c_fc": "colwise",
-                  "transformer.h.*.mlp.c_proj": "rowwise"}, "transformer.wte.weight: split on dim 1"),
+        (
+            meta(lambda: GPT(n_layer=1, n_head=2, n_embd=16, tie_weights=True)),
+            {"lm_head": "colwise_gather"},
+            "['tok_emb.weight', 'lm_head.weight']",
+        ),
+        (
+            gpt2(),
+            {
+                "transformer.wte": "colwise",
+                "lm_head": "colwise_gather",
+                "transformer.h.*.mlp.c_fc": "colwise",
+                "transformer.h.*.mlp.c_proj": "rowwise",
+            },
+            "transformer.wte.weight: split on dim 1",
+        ),
     ):
         with pytest.raises(ValueError) as err:
             resolve_plan(model, plan, tp=2)
@@ -73,7 +92,9 @@ def test_tied_parameters_in_two_fsdp_units_are_refused():
     model = nn.Module()
     model.net = nn.Module()
     model.net.layers = nn.ModuleList([nn.Sequential(layer), nn.Sequential(nn.Linear(4, 4), layer)])
-    with pytest.raises(ValueError, match=r"lie in different sharding units .*net\.layers\.0\.0\.weight in 'net\.layers\.0'"):
+    with pytest.raises(
+        ValueError, match=r"lie in different sharding units .*net\.layers\.0\.0\.weight in 'net\.layers\.0'"
+    ):
         _refuse_split_ties(model, ["net.layers.0", "net.layers.1"])
     assert check_shared_units(shared_parameters(model), ["net"]) == []  # one root holds both: fine
 
@@ -99,14 +120,25 @@ class TiedModel(pl.LightningModule):
 
     def train_dataloader(self):
         g = torch.Generator().manual_seed(1)
-        return DataLoader(TensorDataset(torch.randint(0, 8, (8, 3), generator=g), torch.randint(0, 8, (8, 3), generator=g)), batch_size=4)
+        return DataLoader(
+            TensorDataset(torch.randint(0, 8, (8, 3), generator=g), torch.randint(0, 8, (8, 3), generator=g)),
+            batch_size=4,
+        )
 
 
 @pytest.mark.parametrize("break_tie", [False, True], ids=["tied", "tie-broken"])
 def test_gradient_parity_keeps_ties_as_the_user_built_them(break_tie):
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, precision="64-true", logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[check := GradientParityCheck(steps=(0,))])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        precision="64-true",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[check := GradientParityCheck(steps=(0,))],
+    )
     if not break_tie:  # no false alarm on a correctly trained tied model
         trainer.fit(TiedModel())
         assert check.results[0]["ok"] and check.results[0]["rel_diff"] <= 1e-12
@@ -118,13 +150,21 @@ def test_gradient_parity_keeps_ties_as_the_user_built_them(break_tie):
 # ---- plans checked against the model ------------------------------------------------------------
 def test_wrong_plans_are_refused_naming_the_layer():
     model = meta(lambda: GPT(n_layer=2, n_head=4, n_embd=32))
-    with pytest.raises(ValueError, match=r"blocks\.0\.mlp\.fc2 \(Linear, rowwise\) expects an input split .* no column-wise"):
+    with pytest.raises(
+        ValueError, match=r"blocks\.0\.mlp\.fc2 \(Linear, rowwise\) expects an input split .* no column-wise"
+    ):
         resolve_plan(model, {"blocks.*.mlp.fc2": "rowwise"}, tp=2)  # was: mat1 and mat2 shapes cannot be multiplied
     with pytest.raises(ValueError, match=r"lm_head \(Linear, colwise\) leaves its output split .* 'colwise_gather'"):
         resolve_plan(model, {"lm_head": "colwise"}, tp=2)  # was: Target 25 is out of bounds
     # stated layouts are taken as the user's word
-    resolve_plan(model, {"lm_head": {"style": "colwise", "output": "replicate"},
-                         "blocks.*.mlp.fc2": {"style": "rowwise", "input": "replicate"}}, tp=2)
+    resolve_plan(
+        model,
+        {
+            "lm_head": {"style": "colwise", "output": "replicate"},
+            "blocks.*.mlp.fc2": {"style": "rowwise", "input": "replicate"},
+        },
+        tp=2,
+    )
 
 
 def test_gqa_key_value_heads_must_divide_by_tp():
@@ -140,7 +180,10 @@ def test_head_count_attribute_must_divide_by_tp():
             self.n_head = 3
             self.q, self.k, self.v, self.o = (nn.Linear(12, 12) for _ in range(4))
 
-    with pytest.raises(ValueError, match=r"Attn has n_head=3, which the plan must set to the local count n_head // tp on each rank, but 3 is not divisible"):
+    with pytest.raises(
+        ValueError,
+        match=r"Attn has n_head=3, which the plan must set to the local count n_head // tp on each rank, but 3 is not divisible",
+    ):
         resolve_plan(meta(Attn), {"q": "colwise", "k": "colwise", "v": "colwise", "o": "rowwise"}, tp=2)
 
 
@@ -178,11 +221,15 @@ def test_patterns_match_from_the_root():
     # `decoder` is the top-level layer only, never also `transformer.decoder` (the nn.Transformer case)
     assert [e.fqn for e in resolve_plan(net, {"decoder": "colwise_gather"}, tp=2)] == ["decoder"]
     assert [e.fqn for e in resolve_plan(Wrapped(net), {"decoder": "colwise_gather"}, tp=2)] == ["model.decoder"]
-    with pytest.raises(ValueError, match=r"only names deeper paths \['inner\.transformer\.decoder'\]: write the full path"):
+    with pytest.raises(
+        ValueError, match=r"only names deeper paths \['inner\.transformer\.decoder'\]: write the full path"
+    ):
         resolve_plan(_outer(net), {"transformer.decoder": "colwise_gather"}, tp=2)
     wrapped = Wrapped(meta(Net))
     wrapped.decoder = meta(lambda: nn.Linear(4, 8))  # `decoder` from the LightningModule and from `model`
-    with pytest.raises(ValueError, match=r"'decoder' .* has no wildcard but matches 2 paths \['model\.decoder', 'decoder'\]"):
+    with pytest.raises(
+        ValueError, match=r"'decoder' .* has no wildcard but matches 2 paths \['model\.decoder', 'decoder'\]"
+    ):
         resolve_plan(wrapped, {"decoder": "colwise_gather"}, tp=2)
 
 
@@ -200,7 +247,9 @@ def test_auto_uses_the_hf_models_own_plan():
     assert plan["model.layers.*.self_attn.q_proj"] == "colwise" and plan["model.layers.*.mlp.down_proj"] == "rowwise"
     model = qwen2()
     model._tp_plan = {**model._tp_plan, "model.layers.*.mlp.up_proj": "packed_colwise"}
-    with pytest.raises(ValueError, match=r"style\(s\) the pack does not implement: 'model.layers.\*.mlp.up_proj': 'packed_colwise'"):
+    with pytest.raises(
+        ValueError, match=r"style\(s\) the pack does not implement: 'model.layers.\*.mlp.up_proj': 'packed_colwise'"
+    ):
         builtin_plan(model, "hf", tp=2)
 
 
@@ -254,8 +303,14 @@ def test_hf_weights_load_into_an_empty_model_and_refuse_mismatches(tmp_path):
 
     from lightning_dist.hf import init_empty_weights, load_hf_weights, restore_buffers, save_buffers, save_hf_pretrained
 
-    cfg = tf.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2)
+    cfg = tf.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     torch.manual_seed(0)
     tf.LlamaForCausalLM(cfg).save_pretrained(str(tmp_path / "src"))
     with init_empty_weights():
@@ -272,7 +327,9 @@ def test_hf_weights_load_into_an_empty_model_and_refuse_mismatches(tmp_path):
         save_file({"extra": torch.zeros(1)}, str(tmp_path / "extra" / "more.safetensors"))
         load_hf_weights(model, tmp_path / "extra")
     restore_buffers(model, buffers)
-    assert sorted(load_hf_weights(model, tmp_path / "src")) == sorted(load_file(str(tmp_path / "src" / "model.safetensors")))
+    assert sorted(load_hf_weights(model, tmp_path / "src")) == sorted(
+        load_file(str(tmp_path / "src" / "model.safetensors"))
+    )
     src = load_file(str(tmp_path / "src" / "model.safetensors"))
     assert all(torch.equal(model.model.get_parameter(k), v) for k, v in src.items())
     save_hf_pretrained(model, tmp_path / "out")
@@ -284,7 +341,10 @@ def test_hf_weights_load_into_an_empty_model_and_refuse_mismatches(tmp_path):
         load_hf_weights(model, tmp_path / "nothing")
     with torch.device("meta"):
         fully_meta = Wrapped(tf.LlamaForCausalLM(cfg))
-    with pytest.raises(ValueError, match=r"still on the meta device and are not stored in the folder; build the model under .lightning_dist.hf.init_empty_weights"):
+    with pytest.raises(
+        ValueError,
+        match=r"still on the meta device and are not stored in the folder; build the model under .lightning_dist.hf.init_empty_weights",
+    ):
         load_hf_weights(fully_meta, tmp_path / "src")
 
 
@@ -295,8 +355,10 @@ def test_fused_qkv_split_checks_heads_and_blocks():
     # global: the model's [in, 3E]; local: what named_parameters() holds per rank, [in, 3, E/tp] (and says so)
     assert "colwise_qkv" in row and "weight 32x96, bias 96" in row and "weight 32x3x16, bias 3x16" in row
     assert "held as [in, 3, E/tp]" in " ".join(text.split()) and "keep the model's [in, 3E]" in " ".join(text.split())
-    assert "held as" not in format_plan(resolve_plan(model, {"transformer.h.*.mlp.c_fc": "colwise",
-                                                             "transformer.h.*.mlp.c_proj": "rowwise"}, tp=2), tp=2)
+    assert "held as" not in format_plan(
+        resolve_plan(model, {"transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise"}, tp=2),
+        tp=2,
+    )
     with pytest.raises(ValueError, match=r"c_attn: the attention module has 4 heads, not divisible by tp=8"):
         resolve_plan(model, "auto", tp=8)
     with pytest.raises(ValueError, match=r"mlp.c_fc \(Conv1D, colwise_qkv\): 128 output features are not three equal"):
@@ -318,7 +380,7 @@ def test_fused_qkv_layer_unsplit_copy_computes_the_original_layer(kind):
     layer.__dict__[FUSED_SHAPES_KEY] = {n: tuple(p.shape) for n, p in layer.named_parameters()}
     for n, p in list(layer.named_parameters()):
         d = dim if n == "weight" else 0
-        shape = (*p.shape[:d], 3, p.shape[d] // 3, *p.shape[d + 1:])
+        shape = (*p.shape[:d], 3, p.shape[d] // 3, *p.shape[d + 1 :])
         layer.register_parameter(n, nn.Parameter(p.detach().reshape(shape)))
     layer.__class__ = type("FusedQKV" + type(layer).__name__, (_FusedQKVForward, type(layer)), {})
     assert is_conv1d(layer) == (kind == "conv1d")  # still recognized once its class is swapped
@@ -358,9 +420,19 @@ def _litgpt(n_query_groups: int, mlp: str = "GptNeoxMLP"):
         import litgpt
     except Exception as err:  # noqa: BLE001
         pytest.skip(f"litgpt is not importable ({type(err).__name__}: {err}); make install adds it with --no-deps")
-    cfg = litgpt.Config(block_size=8, vocab_size=64, padded_vocab_size=64, n_layer=2, n_head=4, n_embd=32,
-                        n_query_groups=n_query_groups, rotary_percentage=1.0, bias=False, mlp_class_name=mlp,
-                        intermediate_size=64)
+    cfg = litgpt.Config(
+        block_size=8,
+        vocab_size=64,
+        padded_vocab_size=64,
+        n_layer=2,
+        n_head=4,
+        n_embd=32,
+        n_query_groups=n_query_groups,
+        rotary_percentage=1.0,
+        bias=False,
+        mlp_class_name=mlp,
+        intermediate_size=64,
+    )
     return meta(lambda: litgpt.GPT(cfg))
 
 
