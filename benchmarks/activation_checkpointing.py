@@ -136,7 +136,8 @@ def main() -> None:
     print(header)
     for r in rows:
         print(
-            f"{r['mode']:<10} {r['activation_bytes'] / 2**20:>10.1f}Mi {r['activation_plus_temp_bytes'] / 2**20:>10.1f}Mi"
+            f"{r['mode']:<10} {r['activation_bytes'] / 2**20:>10.1f}Mi"
+            f" {r['activation_plus_temp_bytes'] / 2**20:>10.1f}Mi"
             f" {r['activation_ratio']:>9.3f} {r['step_s']:>8.3f} {r['time_ratio']:>10.3f}"
             f" {r['planned_activation_bytes'] / 2**20:>10.1f}Mi {r['planned_over_measured']:>10.3f}"
             f" {r['grad_rel_diff_vs_none']:>10.1e}"

@@ -5,7 +5,8 @@
 Side by side on the same >= 50M-parameter MLP under DeepSpeed ZeRO-3 (OffloadStrategy):
 no offload, optimizer -> NVMe, optimizer + parameters -> NVMe. Each configuration runs in its own
 torchrun job (peak RSS is a per-process high-water mark). Reports per rank: peak RSS over the whole run and
-during training (the high-water mark is reset when training starts), bytes in the swap folder, mean step time (first step excluded), and the ratios to the in-memory run. Goal: with
+during training (the high-water mark is reset when training starts), bytes in the swap folder, mean step time (first
+step excluded), and the ratios to the in-memory run. Goal: with
 optimizer+parameters on NVMe, peak RSS lower by >= 70% of the optimizer-state bytes.
 
 Most of each peak (~2 GiB here) is neither model state nor offload buffers: ~0.7 GiB of imports, and ~0.8-1 GiB

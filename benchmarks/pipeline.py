@@ -8,8 +8,8 @@ One invocation (it starts torchrun itself)::
 micro-batches of ``--micro`` rows; default 16 x 512, 256 rows: each F/B action then computes for tens of
 milliseconds while a message carries 512 KiB, so message latency is small next to compute, as it is for
 real pipelines on GPUs; with 8 blocks and 128 rows gloo's ~1 ms per message on this 2-core machine
-adds 0.04 to 1F1B's idle fraction at m=8) for each schedule and micro-batch count; the ``PipelineBubble`` callback records every F/B/I/W
-action of every rank. Reports, averaged over the steps after warm-up:
+adds 0.04 to 1F1B's idle fraction at m=8) for each schedule and micro-batch count; the ``PipelineBubble`` callback
+records every F/B/I/W action of every rank. Reports, averaged over the steps after warm-up:
 
 * measured idle fraction = mean over ranks of 1 - busy / step span, and its ratio to the GPipe/1F1B theory
   (p-1)/(m+p-1) for 1F1B and GPipe with m in {2, 4, 8} (goal <= 1.10). The table gives the least-disturbed

@@ -9,7 +9,8 @@
 * :class:`PipelineBubble`: measured pipeline idle fraction against (p-1)/(m+p-1), and a Gantt chart.
 * :class:`HFPretrained`: start from a HuggingFace safetensors folder under any strategy, export back to one.
 * :class:`ThroughputSummary`: global samples/s through Lightning's loggers and a rank-0 summary table of the fit.
-* :class:`TrainDataGuard`, :class:`FiniteLossGuard`: refuse empty / too-small datasets and non-finite losses on every rank.
+* :class:`TrainDataGuard`, :class:`FiniteLossGuard`: refuse empty / too-small datasets and non-finite losses on every
+  rank.
 * :class:`ResumeRNG`: every rank's RNG states in checkpoints, for an exact mid-epoch resume.
 """
 

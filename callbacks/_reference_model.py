@@ -37,8 +37,8 @@ def _unsharded_clone(module: nn.Module, full_by_id: dict[int, Tensor], memo: dic
     dicts and no hooks, FSDP2's generated classes are turned back into the user's classes, parameters
     are replaced by their gathered whole values (``full_by_id``; one copy per tensor in `memo`, so parameters
     shared between modules stay shared), head counts a tensor-parallel plan made local are restored,
-    buffers are replaced by clones, methods of a module kept in its instance dict are bound to its copy, and torchmetrics
-    metrics are deep-copied without their process group so updates never touch the real states.
+    buffers are replaced by clones, methods of a module kept in its instance dict are bound to its copy, and
+    torchmetrics metrics are deep-copied without their process group so updates never touch the real states.
     """
     if isinstance(module, Metric):
         memo = {id(module.process_group): None} if module.process_group is not None else {}

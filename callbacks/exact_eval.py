@@ -252,7 +252,8 @@ class ExactEvaluation(Callback):
     ``mode="mask"``: the padding stays (every batch the same size; with ``full_batches=True`` the last one
     too), for models that need fixed batch shapes, e.g. a pipeline that splits every batch into whole
     micro-batches. Under a pipelining strategy with several data-parallel pipelines, trim mode refuses
-    layouts whose pipelines would get batches of different sizes (different micro-batch counts). The user then updates metrics through the mask: wrap them in :class:`ExactMetric` or
+    layouts whose pipelines would get batches of different sizes (different micro-batch counts). The user then updates
+    metrics through the mask: wrap them in :class:`ExactMetric` or
     slice with :func:`exact_eval_mask`; a plain ``self.log(..., sync_dist=True)`` averages padded rows too.
 
     Example (an existing project, unchanged but for the callback)::
@@ -468,9 +469,10 @@ class ExactMetric(WrapperMetric):
         if mask is None:
             return args, kwargs
         mask = mask.to(torch.bool)
-        pick = lambda a: (
-            a[mask.to(a.device)] if isinstance(a, Tensor) and a.dim() > 0 and a.shape[0] == mask.shape[0] else a
-        )
+
+        def pick(a: Any) -> Any:
+            return a[mask.to(a.device)] if isinstance(a, Tensor) and a.dim() > 0 and a.shape[0] == mask.shape[0] else a
+
         return tuple(pick(a) for a in args), {k: pick(v) for k, v in kwargs.items()}
 
     def update(self, *args: Any, mask: Optional[Tensor] = None, **kwargs: Any) -> None:

@@ -11,8 +11,8 @@ to be. Two small pieces close the gap:
   index** (no sample is loaded for them). Lightning's injected ``DistributedSampler`` keeps the class
   (Lightning re-instantiates the loader with the same arguments), and Lightning sets the sampler's epoch
   before the first batch, so the skipped order is that of the interrupted epoch.
-* :class:`~lightning_dist.callbacks.ResumeRNG` (in ``lightning_dist.callbacks``): saves every rank's torch / Python / NumPy RNG states with the checkpoint (one
-  ``all_gather_object`` per save) and restores each rank's own on resume.
+* :class:`~lightning_dist.callbacks.ResumeRNG` (in ``lightning_dist.callbacks``): saves every rank's torch / Python /
+  NumPy RNG states with the checkpoint (one ``all_gather_object`` per save) and restores each rank's own on resume.
 
 Example::
 

@@ -71,7 +71,8 @@ class DemoReport(pl.Callback):
         for r in self.parity.results:
             console.print(
                 f"gradient at step {r['step']}, distributed vs one device on the same {r['global_batch']}"
-                f" images: relative difference {r['rel_diff']:.1e} ({trainer.precision} precision, tolerance {r['tolerance']:.0e};"
+                f" images: relative difference {r['rel_diff']:.1e} ({trainer.precision} precision,"
+                f" tolerance {r['tolerance']:.0e};"
                 " BatchNorm statistics pooled over the ranks: MeshSyncBatchNorm)",
                 soft_wrap=True,
             )

@@ -210,7 +210,8 @@ class JobLauncher(SubprocessScriptLauncher):
             return function(*args, **kwargs)
         except BaseException as exception:
             if _Job.children:
-                # rank 0 failed, or saw a child's failure first: its children could wait in a collective until the timeout
+                # rank 0 failed, or saw a child's failure first: its children could wait in a collective until the
+                # timeout
                 failed_at = time.time()
                 with _Job.ending:  # when the observer holds it, it is ending the process: this waits for that
                     if not _Job.ended:

@@ -81,7 +81,8 @@ class PositionEmbedding(nn.Module):
 
 
 class GPTBlock(TransformerBlock):
-    """Pre-norm causal block: ``norm1``, ``attn`` (``q``, ``k``, ``v``, ``proj``), ``norm2``, ``mlp`` (``fc1``, ``fc2``)."""
+    """Pre-norm causal block: ``norm1``, ``attn`` (``q``, ``k``, ``v``, ``proj``), ``norm2``, ``mlp`` (``fc1``,
+    ``fc2``)."""
 
     causal = True
 

@@ -40,7 +40,8 @@ class ConvBlock(nn.Module):
 
 
 class ShapesCNN(nn.Module):
-    """Small residual CNN with BatchNorm: ``stem`` (conv, BN, ReLU, 2x2 max-pool), ``blocks``, ``head`` (global max-pool, linear).
+    """Small residual CNN with BatchNorm: ``stem`` (conv, BN, ReLU, 2x2 max-pool), ``blocks``, ``head`` (global
+    max-pool, linear).
 
     Args:
         in_channels: Image channels.
@@ -60,7 +61,8 @@ class ShapesCNN(nn.Module):
                 nn.MaxPool2d(2),
             )
             self.blocks = nn.ModuleList(ConvBlock(channels=width) for _ in range(n_blocks))
-            # global max-pool: 'is this corner/edge present' features; an average-pooled head drifted with BatchNorm's running stats
+            # global max-pool: 'is this corner/edge present' features; an average-pooled head drifted with BatchNorm's
+            # running stats
             self.head = nn.Sequential(nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(width, num_classes))
 
     def forward(self, x: Tensor) -> Tensor:
@@ -104,14 +106,16 @@ class ClsPool(nn.Module):
 
 
 class ViTBlock(TransformerBlock):
-    """Pre-norm ViT block: ``norm1``, ``attn`` (``q``, ``k``, ``v``, ``proj``), ``norm2``, ``mlp`` (``fc1``, ``fc2``)."""
+    """Pre-norm ViT block: ``norm1``, ``attn`` (``q``, ``k``, ``v``, ``proj``), ``norm2``, ``mlp`` (``fc1``,
+    ``fc2``)."""
 
     causal = False
 
 
 class ViT(nn.Module):
     """Small Vision Transformer: ``embed`` (:class:`PatchEmbed`), ``blocks`` of :class:`ViTBlock`, ``norm``,
-    ``pool`` (:class:`ClsPool`), ``head``; ``forward`` applies these children in that order. Sizes are keyword-only; defaults suit 32x32 grayscale shapes.
+    ``pool`` (:class:`ClsPool`), ``head``; ``forward`` applies these children in that order. Sizes are keyword-only;
+    defaults suit 32x32 grayscale shapes.
 
     Args:
         image_size: Input height and width.

@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from torch import nn
 
@@ -70,7 +70,8 @@ class ParallelizeConfig:
     compile: bool | str | Sequence[str] = False
     """True: ``torch.compile`` each block; or block class names to compile."""
     tp_entries: Sequence[Any] | None = None
-    """A plan already resolved on `tp_owner` (``TPEntry`` list), applied to the modules `model` holds; else `tp_plan`."""
+    """A plan already resolved on `tp_owner` (``TPEntry`` list), applied to the modules `model` holds; else
+    `tp_plan`."""
     tp_owner: Any | None = None
     """The module `tp_entries` were resolved on (the whole model, of which `model` is a piece)."""
     fsdp_root: Literal["children", "model"] = "children"
@@ -159,7 +160,8 @@ def pipeline_model(
     every part this rank runs (what the LightningModule keeps: its parameters under their single-device
     names) and one stage module per local stage (what ``PipelineStage`` runs), sharing those parts. Each
     stage goes through :func:`parallelize_model` with `config`: its blocks are the units of activation
-    checkpointing and compile (``True``); FSDP2's ``"auto"`` units are the blocks of its block list. With ``tp > 1``, ``config.tp_entries`` must
+    checkpointing and compile (``True``); FSDP2's ``"auto"`` units are the blocks of its block list. With ``tp > 1``,
+    ``config.tp_entries`` must
     hold the plan resolved on ``config.tp_owner`` (a module containing `model`), still holding `model`.
     """
     from dataclasses import replace

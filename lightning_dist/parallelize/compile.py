@@ -41,7 +41,8 @@ def tp_eager_blocks(
     A block whose column-wise layers take plain tensors (no ``region_input`` in the block: HuggingFace's own plans)
     trains wrong under ``torch.compile`` on torch 2.13: HF Llama at tp=2 x dp_shard=2 gave a relative parameter
     difference of 0.65 after 3 steps, and at tp=2 the backward raised ``'Tensor' object has no attribute
-    '_local_tensor'`` in DTensor's redistribute. Blocks with region inputs (the ``transformer`` plan on a user GPT, the pack's GPT) train exactly.
+    '_local_tensor'`` in DTensor's redistribute. Blocks with region inputs (the ``transformer`` plan on a user GPT, the
+    pack's GPT) train exactly.
     """
     eager = {}
     for _, block in select_units(model, units):
@@ -89,10 +90,11 @@ def apply_compile(
 
         names = {id(m): n for n, m in model.named_modules()}
         rank_zero_warn(
-            f"compile=True left {len(left)} of {len(picked)} blocks eager ({', '.join(names.get(id(m), type(m).__name__) for m in left[:4])}"
+            f"compile=True left {len(left)} of {len(picked)} blocks eager ("
+            f"{', '.join(names.get(id(m), type(m).__name__) for m in left[:4])}"
             f"{', ...' if len(left) > 4 else ''}): {eager[left[0]]}; torch.compile trains such tensor-parallel blocks"
-            " wrong on this torch. Give the block's attention/MLP modules 'region_input' in the plan (plan='transformer')"
-            " to compile them."
+            " wrong on this torch. Give the block's attention/MLP modules 'region_input' in the plan"
+            " (plan='transformer') to compile them."
         )
         picked = [m for m in picked if m not in eager]
     static = 0

@@ -27,7 +27,8 @@ def roots(model: nn.Module) -> list[nn.Module]:
     """
     if any(True for _ in model.parameters(recurse=False)):
         raise ValueError(
-            f"{type(model).__name__} holds parameters directly ({[n for n, _ in model.named_parameters(recurse=False)]});"
+            f"{type(model).__name__} holds parameters directly"
+            f" ({[n for n, _ in model.named_parameters(recurse=False)]});"
             " move them into a submodule (e.g. `self.model = nn.Module(...)`) so that it can be sharded."
         )
     return [child for child in model.children() if any(True for _ in child.parameters())]

@@ -103,7 +103,8 @@ class OffloadPlan:
         return self
 
     def place(self, kind: str) -> str:
-        """``"device"``, ``"host"`` or ``"nvme"`` (:data:`~lightning_dist.measure.PLACES`) for ``kind`` in :data:`KINDS`."""
+        """``"device"``, ``"host"`` or ``"nvme"`` (:data:`~lightning_dist.measure.PLACES`) for ``kind`` in
+        :data:`KINDS`."""
         if kind == "parameters":
             return _PLACE_OF[self.parameters]
         if kind == "optimizer":

@@ -1,4 +1,5 @@
-"""Pipeline stages of an unmodified HuggingFace causal LM (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``GPT2LMHeadModel``...).
+"""Pipeline stages of an unmodified HuggingFace causal LM (``LlamaForCausalLM``, ``Qwen2ForCausalLM``,
+``GPT2LMHeadModel``...).
 
 A stage is the model with the parts it does not own taken out, as torchtitan builds its stages, so the
 model's own ``forward`` runs each stage (rotary embeddings, the causal mask from ``attention_mask``,

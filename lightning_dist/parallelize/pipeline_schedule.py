@@ -170,7 +170,9 @@ class PipelineRunner:
         out = out if has_last else None
         loss = None
         if train:
-            loss = self.from_last_stage(torch.stack([l.detach() for l in losses]).sum() if losses else None, ("loss",))
+            loss = self.from_last_stage(
+                torch.stack([micro_loss.detach() for micro_loss in losses]).sum() if losses else None, ("loss",)
+            )
         return out, loss, record
 
     def output_meta(self, value: Optional[torch.Tensor], key: tuple) -> tuple[tuple[int, ...], torch.dtype]:

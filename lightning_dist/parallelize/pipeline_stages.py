@@ -187,7 +187,8 @@ class PipelineView(Protocol):
 
 
 def pipeline_view(strategy: Any) -> PipelineView | None:
-    """The strategy's :class:`PipelineView` (``strategy.pipeline_view()``), or None (no pipeline, or not a mesh strategy)."""
+    """The strategy's :class:`PipelineView` (``strategy.pipeline_view()``), or None (no pipeline, or not a mesh
+    strategy)."""
     get = getattr(strategy, "pipeline_view", None)
     return get() if callable(get) else None
 

@@ -97,7 +97,8 @@ def tied_checkpoint_keys(
 
 
 def tied_aliases(keys: Sequence[tuple[str, tuple[str, ...], bool]]) -> dict[str, str]:
-    """``{key of a copy: checkpoint key}`` for every copy saved under another name (see :func:`tied_checkpoint_keys`)."""
+    """``{key of a copy: checkpoint key}`` for every copy saved under another name (see
+    :func:`tied_checkpoint_keys`)."""
     return {name: key for key, names, _ in keys for name in names if name != key}
 
 

@@ -40,7 +40,8 @@ Built-in plans (``plan="auto"`` picks the first that matches; see :mod:`.tp_auto
 model's own plan), ``transformer`` (attention and MLP regions found from each block's structure) and
 ``mlp`` (a network of Linear layers only).
 
-:func:`resolve_plan` (in :mod:`.tp_plan`, with the styles and :class:`TPEntry`) validates a plan against a model in one process (meta-device models work; the
+:func:`resolve_plan` (in :mod:`.tp_plan`, with the styles and :class:`TPEntry`) validates a plan against a model in one
+process (meta-device models work; the
 checks are in :mod:`.tp_checks`): sizes and heads divisible by ``tp``, every split output taken back and
 every row-wise input produced inside its region, tied parameters split alike (:mod:`.shared`).
 :func:`resolve_tp_plan` picks a built-in plan and resolves it once into a :class:`ResolvedPlan`;
@@ -232,7 +233,8 @@ def apply_tp(
 
     `plan`: a :class:`ResolvedPlan` (resolved once by the caller, e.g. the strategy), or a plan to resolve
     here. Either way it is validated before anything is sharded (same result on every rank, so a bad plan
-    raises everywhere before any tensor-parallel collective). `sequence_dim`: the activation dim split by sequence parallelism.
+    raises everywhere before any tensor-parallel collective). `sequence_dim`: the activation dim split by sequence
+    parallelism.
     `loss_parallel`: the plan's one ``colwise_gather`` layer (the output head) returns vocabulary-sharded DTensor
     logits for torch's ``loss_parallel`` instead of gathered ones (see :mod:`.tp_loss`).
     Call before activation checkpointing and FSDP.

@@ -97,8 +97,8 @@ def _local_attr_problems(model: nn.Module, entries: list[TPEntry], tp: int) -> l
         for attr, value in _config_counts(module)[1].items():
             if value % tp:
                 problems.append(
-                    f"{parent or type(model).__name__} reads config.{attr}={value}, which the plan must set to the local"
-                    f" count on each rank, but {value} is not divisible by tp={tp}; choose a tp that divides it."
+                    f"{parent or type(model).__name__} reads config.{attr}={value}, which the plan must set to the"
+                    f" local count on each rank, but {value} is not divisible by tp={tp}; choose a tp that divides it."
                 )
     return problems
 
@@ -262,7 +262,8 @@ def _input_problems(entries: list[TPEntry], modules: Mapping[str, nn.Module]) ->
         if names is not None and len(names) > 1:
             problems.append(
                 f"{e.fqn} ({e.module_type}) is given {e.style!r}, which lays out exactly one input, but its forward"
-                f" takes {len(names)} inputs {names} (torch would fail with 'module inputs and input_layouts should have"
+                f" takes {len(names)} inputs {names} (torch would fail with 'module inputs and input_layouts"
+                " should have"
                 f" same length!'). Drop the {e.pattern!r} entry (its column-wise layers take a replicated input"
                 " themselves; no sequence parallelism around it), or put the style on a module whose forward takes"
                 " one tensor."

@@ -149,8 +149,8 @@ def head_entry(entries: Sequence[Any]) -> Any:
     if len(heads) != 1:
         listed = ", ".join(f"{e.fqn}: {e.style}" for e in entries if e.active) or "(empty)"
         raise ValueError(
-            f"loss_parallel=True keeps the output head's logits sharded on the vocabulary: the tensor-parallel plan must"
-            f" give exactly one layer, the output head, style 'colwise_gather'; it has {len(heads)}"
+            "loss_parallel=True keeps the output head's logits sharded on the vocabulary: the tensor-parallel plan"
+            f" must give exactly one layer, the output head, style 'colwise_gather'; it has {len(heads)}"
             f" ({[e.fqn for e in heads]}). Plan: {listed}. Give only the head 'colwise_gather', or pass"
             " loss_parallel=False."
         )

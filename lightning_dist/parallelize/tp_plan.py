@@ -213,7 +213,8 @@ def resolve_plan(model: nn.Module, plan: Plan | str, *, tp: int, sequence_parall
             near = [n for n, m in modules.items() if n and STYLES[style].accepts(m)][:6]
             problems.append(
                 f"plan pattern {pattern!r} ({style}) matches no module of {type(model).__name__}; a plan entry"
-                " must not be a silent no-op. Patterns match from the root (the model, or a LightningModule's direct children), "
+                " must not be a silent no-op. Patterns match from the root (the model, or a LightningModule's direct"
+                " children), "
                 + (
                     f"and it only names deeper paths {deeper}: write the full path."
                     if deeper
@@ -297,7 +298,7 @@ def format_plan(entries: list[TPEntry], *, tp: int, title: str | None = None) ->
     for e in entries:
         style = e.style + ("" if e.active else " (off)")
         glob = ", ".join(f"{n} {'x'.join(map(str, s))}" for n, s, _ in e.shapes) or "-"
-        local = ", ".join(f"{n} {'x'.join(map(str, l))}" for n, _, l in e.shapes) or "-"
+        local = ", ".join(f"{n} {'x'.join(map(str, local_shape))}" for n, _, local_shape in e.shapes) or "-"
         table.add_row(e.fqn, e.module_type, style, glob, local)
     buf = io.StringIO()
     Console(file=buf, width=140, force_terminal=False).print(table)

@@ -87,7 +87,8 @@ def activation_bytes(
     outputs, whole before their all-reduce), and the rest of one block is live again while it is recomputed;
     ``"every:N"``: ``blocks // N`` blocks are checkpointed in full, the others keep their full set; block class
     names: as ``True``. ``offloaded`` (``offload_activations=True``): the uncheckpointed blocks' sets are in host
-    memory, one of them on the device (the block being computed, or copied back in backward). The stem (``stem``) adds the embedding output ``a C`` (and the int64 token ids);
+    memory, one of them on the device (the block being computed, or copied back in backward). The stem (``stem``) adds
+    the embedding output ``a C`` (and the int64 token ids);
     the head (``head``) the final norm's input and output ``(f + a) C`` and, when backward starts, the
     cross-entropy's saved log-probabilities, their gradient and the logits' gradient in the loss dtype
     (``3 f V``; the loss runs in the residual dtype, float32 under autocast) plus the logits' gradient in

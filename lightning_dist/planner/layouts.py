@@ -300,7 +300,7 @@ def recommend(layouts: Sequence[Layout]) -> Layout | None:
     fitting = [layout for layout in layouts if layout.fits is not False]
     if not fitting:
         return None
-    return min(fitting, key=lambda l: (KIND_ORDER.index(l.kind), l.wire_bytes, l.memory.total))
+    return min(fitting, key=lambda layout: (KIND_ORDER.index(layout.kind), layout.wire_bytes, layout.memory.total))
 
 
 # ---- choosing a runnable layout (strategy="auto_parallel") ---------------------------------------------

@@ -102,8 +102,10 @@ class ShardedCheckpointMixin(ParallelStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """No-op: :meth:`load_checkpoint` already loaded the (sharded) weights."""  # already loaded in `load_checkpoint`
+        """No-op: :meth:`load_checkpoint` already loaded the (sharded) weights."""
+        # already loaded in `load_checkpoint`
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        """No-op: :meth:`load_checkpoint` already loaded the (sharded) optimizer states."""  # already loaded in `load_checkpoint`
+        """No-op: :meth:`load_checkpoint` already loaded the (sharded) optimizer states."""
+        # already loaded in `load_checkpoint`

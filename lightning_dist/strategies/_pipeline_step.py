@@ -145,7 +145,8 @@ class PipelineStepMixin(MeshStrategy):
         return CausalLMOutputWithPast(loss=None if labels is None else loss, logits=shown)
 
     def _shown_output(self, out: Optional[Tensor], train: bool, *, key: tuple) -> Tensor:
-        """What the step sees of the output: a stand-in (default), or the whole output broadcast (the opt-in, predict)."""
+        """What the step sees of the output: a stand-in (default), or the whole output broadcast (the opt-in,
+        predict)."""
         module = self.lightning_module
         trainer = getattr(module, "_trainer", None)
         predicting = trainer is not None and trainer.predicting

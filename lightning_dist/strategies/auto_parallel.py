@@ -1,4 +1,5 @@
-"""AutoParallelStrategy: the least parallelism that fits the device memory, chosen at setup (``strategy="auto_parallel"``).
+"""AutoParallelStrategy: the least parallelism that fits the device memory, chosen at setup
+(``strategy="auto_parallel"``).
 
 At ``setup_environment`` (every rank, once the world process group exists, before the mesh) rank 0 asks
 the planner for every candidate layout of this model on this many devices, keeps those the pack's
@@ -7,7 +8,8 @@ checks the top candidates with the dry run (``verify=True``, :mod:`lightning_dis
 choice and the runner-up with their figures, and broadcasts the choice. Every rank then *becomes* that
 strategy (:class:`HybridShardStrategy` for DDP-style replication and hybrid sharding,
 :class:`FullyShardStrategy`, :class:`TensorParallelStrategy`, :class:`PipelineStrategy`, and
-:class:`HybridShardStrategy` with FSDP2's ``CPUOffloadPolicy`` for offload) and continues its set-up, so training runs exactly as that strategy would.
+:class:`HybridShardStrategy` with FSDP2's ``CPUOffloadPolicy`` for offload) and continues its set-up, so training runs
+exactly as that strategy would.
 """
 
 from __future__ import annotations
@@ -78,7 +80,8 @@ class AutoParallelStrategy(MeshStrategy):
         prefer: layout kinds to try first, in order (``"ddp"``, ``"hsdp"``, ``"fsdp"``, ``"tp"``, ``"pp"``,
             ``"offload"``); otherwise least parallelism first.
         verify: also dry-run (fake process group, fake tensors) the candidates in order until one fits (at
-            most 4 dry runs, on rank 0) and skip those whose measured model states + peak activations do not. Needs the LightningModule's init
+            most 4 dry runs, on rank 0) and skip those whose measured model states + peak activations do not. Needs the
+            LightningModule's init
             arguments in ``hparams`` (``save_hyperparameters()``) and a batch it can build (see ``dryrun``).
         global_batch: samples per optimizer step over all ranks; layouts whose data-parallel size does not
             divide it are skipped (each data-parallel rank needs the same whole number of samples).
@@ -252,7 +255,10 @@ class AutoParallelStrategy(MeshStrategy):
         self.choice = choice  # type: ignore[attr-defined]
 
     def __repr__(self) -> str:
-        return f"AutoParallelStrategy(device_memory={self.device_memory}, prefer={list(self.prefer)}, verify={self.verify})"
+        return (
+            f"AutoParallelStrategy(device_memory={self.device_memory}, prefer={list(self.prefer)},"
+            f" verify={self.verify})"
+        )
 
 
 def format_choice(ranked: Sequence[planner.Layout], *, device_memory: float) -> str:

@@ -22,7 +22,8 @@ from lightning_dist.strategies.hsdp import HybridShardStrategy
 class FSDP2OffloadStrategy(OffloadReportMixin, HybridShardStrategy):
     """FSDP2 with ``CPUOffloadPolicy``: parameters, gradients and optimizer state in host memory.
 
-    Use it as ``FSDP2OffloadStrategy(optimizer="cpu", parameters="cpu")`` or ``Trainer(strategy="offload_fsdp2")``. Memory is pinned only where CUDA exists; on a CPU-only
+    Use it as ``FSDP2OffloadStrategy(optimizer="cpu", parameters="cpu")`` or ``Trainer(strategy="offload_fsdp2")``.
+    Memory is pinned only where CUDA exists; on a CPU-only
     machine the device *is* host memory, so offloading saves nothing there (the code path still runs).
     """
 

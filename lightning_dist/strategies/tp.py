@@ -30,7 +30,8 @@ class TensorParallelStrategy(HybridShardStrategy):
     Args:
         tp: tensor-parallel degree; ``"auto"``: the devices of one node.
         plan: ``"auto"`` (the built-in plan that matches the model), a built-in plan name
-            (``"hf"``: the HuggingFace model's own, ``"transformer"``: from the structure, ``"mlp"``) or a mapping ``{module-name glob: style}``
+            (``"hf"``: the HuggingFace model's own, ``"transformer"``: from the structure, ``"mlp"``) or a mapping
+            ``{module-name glob: style}``
             (see :mod:`lightning_dist.parallelize.tp`). Patterns are matched against the LightningModule's
             module names or any dotted suffix of them.
         sequence_parallel: run norms/dropout between the parallel regions on sequence shards
@@ -39,7 +40,8 @@ class TensorParallelStrategy(HybridShardStrategy):
         loss_parallel: keep the output head's logits sharded on the vocabulary (no ``[tokens x vocab]`` tensor per
             tp rank, no all-gather of them) and run the training, validation and test steps and the backward
             inside torch's ``loss_parallel``; the loss must be cross-entropy on those logits (anything else is
-            refused at the first step, naming the call). Needs a plan with exactly one ``colwise_gather`` layer (the head).
+            refused at the first step, naming the call). Needs a plan with exactly one ``colwise_gather`` layer (the
+            head).
         dp_replicate, dp_shard: data-parallel sizes (``"auto"``: shard inside a node, replicate across nodes).
         zero_stage: 3 or 2 (FSDP2 reshards parameters after forward or not); 1 needs ``tp=1``.
         activation_checkpointing: ``True``/``"full"``, ``"selective"``, ``"every:N"`` or block class names
@@ -72,7 +74,8 @@ class TensorParallelStrategy(HybridShardStrategy):
             )
         elif not isinstance(plan, (str, Mapping)):
             problems.append(
-                f"`plan` must be 'auto', a built-in plan name or a mapping of pattern -> style; got {type(plan).__name__}."
+                "`plan` must be 'auto', a built-in plan name or a mapping of pattern -> style;"
+                f" got {type(plan).__name__}."
             )
         if not isinstance(sequence_parallel, bool):
             problems.append(f"`sequence_parallel={sequence_parallel!r}` must be True or False.")

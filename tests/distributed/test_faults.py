@@ -135,7 +135,8 @@ def test_raising_rank_ends_the_job(tmp_path, where, rank, torchrun, strategy, de
     assert_first_failure(stderr, rank, error, torchrun)
     elapsed = ended - _fault_time(stdout, stderr)
     print(
-        f"{strategy} {where} rank {rank} {'torchrun' if torchrun else 'lightning'}: all exited {elapsed:.1f} s after the fault"
+        f"{strategy} {where} rank {rank} {'torchrun' if torchrun else 'lightning'}:"
+        f" all exited {elapsed:.1f} s after the fault"
     )
     assert elapsed < BOUND_S, f"the job took {elapsed:.1f} s to end after the fault (bound {BOUND_S} s)"
     assert not survivors, f"processes outlived the launcher: {survivors}"

@@ -5,7 +5,8 @@ Two launches in all (one per mesh), every model in each: float64 parity with sin
 the global batch after 3 AdamW steps, GradientParityCheck at step 0 (no false alarm on tied models), and
 tied weights still one parameter after sharding, and the split model's output on example_input_array equal
 to the unsplit one's (checked by the strategy; a fused qkv laid out [q | k | v] is refused by that check).
-An attention reading its head count from a config shared by the layers (litgpt style) gets a local copy. The 2-process launch also trains each model with FSDP2
+An attention reading its head count from a config shared by the layers (litgpt style) gets a local copy. The 2-process
+launch also trains each model with FSDP2
 (ZeRO-2) and checks with the CommunicationLedger that its units are the model's blocks: one all-gather per
 block plus one for the root per step, not one for the whole model. Both launches end with HuggingFace
 safetensors folders loaded into sharded models (tp, fsdp2, tp x dp_shard) and exported back, exactly. Both also

@@ -62,7 +62,7 @@ def budget(target: str, world: int) -> float:
         devices_per_node=world,
         state=planner.state_bytes(precision="64-true"),
     )
-    layout = next(l for l in layouts if l.name == target)
+    layout = next(lay for lay in layouts if lay.name == target)
     return max(1.0, layout.memory.total * 1.01)
 
 

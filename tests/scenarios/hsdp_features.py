@@ -18,7 +18,8 @@ class Counting(Classifier):
         return super().training_step(batch, batch_idx)
 
 
-# 1. activation checkpointing (full, class names, selective, every 2nd block) + units by class name: same numbers as single-device training
+# 1. activation checkpointing (full, class names, selective, every 2nd block) + units by class name: same numbers as
+#    single-device training
 for kw in (
     {"activation_checkpointing": True},
     {"units": ["Block"]},

@@ -4,7 +4,8 @@ Tiny random HuggingFace Llama, Qwen2 (grouped-query attention), GPT-2 (Conv1D, t
 plain user GPT (q, k, v, o Linear; nn.Sequential MLP; head count read from an attribute), the same with the
 head count read from a config object shared by the layers (litgpt style), the pack's GPT(tie_weights=True)
 Lightning's demos.Transformer (nn.Transformer: only its MLPs split; MultiheadAttention stays whole) and, when
-installed, litgpt's GPT with multi-head attention (litgpt_mha; its GQA variant is refused by name): float64, 3 AdamW steps, max relative parameter difference vs single-device training
+installed, litgpt's GPT with multi-head attention (litgpt_mha; its GQA variant is refused by name): float64, 3 AdamW
+steps, max relative parameter difference vs single-device training
 on the global batch computed in this process. 2 processes: tp=2; 4 processes: tp=2 x dp_shard=2. The same
 launches check FSDP2 units (2 processes) and HuggingFace weights in and out of sharded models (see the end).
 Each run has GradientParityCheck at step 0 (tied models: no false alarm). One RESULT row per model.

@@ -1,4 +1,5 @@
-"""Activation checkpointing modes (full / selective / every:N), activation offload, their validation and planner figures."""
+"""Activation checkpointing modes (full / selective / every:N), activation offload, their validation and planner
+figures."""
 
 import copy
 

@@ -29,7 +29,7 @@ def _layouts(counts, memory, *, world=4, per_node=4):
 
 
 def _memory(counts, name, **kw):
-    return next(l for l in _layouts(counts, None, **kw) if l.name == name).memory.total
+    return next(layout for layout in _layouts(counts, None, **kw) if layout.name == name).memory.total
 
 
 @pytest.mark.parametrize(
@@ -47,20 +47,20 @@ def _memory(counts, name, **kw):
 def test_budget_forces_each_choice(counts, target, global_batch, prefer, per_node, cls, mesh):
     budget = max(1.0, _memory(counts, target, per_node=per_node) * 1.01)
     ranked = planner.rank_layouts(_layouts(counts, budget, per_node=per_node), global_batch=global_batch, prefer=prefer)
-    assert ranked[0].name == target, [l.name for l in ranked]
+    assert ranked[0].name == target, [layout.name for layout in ranked]
     strategy_cls, kwargs = strategy_for(ranked[0])
     assert strategy_cls.__name__ == cls
     if target == "fsdp-offload":
         assert type(kwargs["offload_policy"]).__name__ == "CPUOffloadPolicy"
     # every less parallel layout the order prefers is too big (or cannot split the global batch)
-    assert all(l.memory.total <= budget for l in ranked)
+    assert all(layout.memory.total <= budget for layout in ranked)
     assert tuple(ranked[0].mesh.values()) == mesh
     if len(ranked) > 1:
         assert "runner-up" in format_choice(ranked[:2], device_memory=budget)
 
 
 def test_nothing_fits_and_bad_options(counts):
-    layouts = [l for l in _layouts(counts, 1.0) if l.name != "fsdp-offload"]
+    layouts = [layout for layout in _layouts(counts, 1.0) if layout.name != "fsdp-offload"]
     assert planner.rank_layouts(layouts) == []
     with pytest.raises(ValueError, match="are not layout kinds"):
         planner.rank_layouts(layouts, prefer="zero3")

@@ -205,7 +205,9 @@ def test_sampler_epoch_reaches_an_iterable_dataset_in_a_run():
 
 def test_sampler_epoch_restores_the_epoch_on_mid_epoch_resume(tmp_path):
     # a sampler Lightning cannot reach (wrapped); its order depends on the epoch; 4 batches per epoch
-    loader = lambda: DataLoader(torch.arange(8), sampler=WrappingSampler(EpochSampler(8)), batch_size=2)
+    def loader():
+        return DataLoader(torch.arange(8), sampler=WrappingSampler(EpochSampler(8)), batch_size=2)
+
     first = EpochRecorder(loader)
     ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=6, save_top_k=-1)  # step 6: mid epoch 1
     _trainer(max_epochs=2, callbacks=[SamplerEpoch(), ckpt], enable_checkpointing=True).fit(first)

@@ -314,7 +314,8 @@ def test_apply_compile_gives_tensor_parallel_blocks_static_shapes():
 
 def test_tp_blocks_with_plain_input_column_layers_stay_eager():
     """Under a TP plan, a block whose column-wise layers take plain tensors (no region_input: HF's own plans) is left
-    eager with a warning naming it; a block with a region input (the transformer plan) and one with no TP are compiled."""
+    eager with a warning naming it; a block with a region input (the transformer plan) and one with no TP are
+    compiled."""
     from lightning_dist.parallelize.compile import apply_compile, tp_eager_blocks
 
     net = _Net(depth=3)

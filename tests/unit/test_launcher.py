@@ -1,4 +1,5 @@
-"""The job launcher's failure records and report, in one process (the launches are in tests/distributed/test_faults.py)."""
+"""The job launcher's failure records and report, in one process (the launches are in
+tests/distributed/test_faults.py)."""
 
 import json
 import os

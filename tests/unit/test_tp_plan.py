@@ -191,7 +191,8 @@ def test_module_given_two_styles():
 def test_unsupported_module_types_for_a_style():
     with pytest.raises(
         ValueError,
-        match=r"module 'blocks.0.norm1' is a LayerNorm; style 'colwise' supports only \['Linear', 'Conv1D', 'Embedding'\]",
+        match=r"module 'blocks.0.norm1' is a LayerNorm; style 'colwise' supports only"
+        r" \['Linear', 'Conv1D', 'Embedding'\]",
     ):
         resolve_plan(gpt(), {"blocks.0.norm1": "colwise"}, tp=2)
     with pytest.raises(ValueError, match=r"'blocks.0.attn.q' is a Linear; style 'sequence_parallel' supports only"):

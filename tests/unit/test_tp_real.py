@@ -182,7 +182,8 @@ def test_head_count_attribute_must_divide_by_tp():
 
     with pytest.raises(
         ValueError,
-        match=r"Attn has n_head=3, which the plan must set to the local count n_head // tp on each rank, but 3 is not divisible",
+        match=r"Attn has n_head=3, which the plan must set to the local count n_head // tp on each rank,"
+        r" but 3 is not divisible",
     ):
         resolve_plan(meta(Attn), {"q": "colwise", "k": "colwise", "v": "colwise", "o": "rowwise"}, tp=2)
 
@@ -343,7 +344,8 @@ def test_hf_weights_load_into_an_empty_model_and_refuse_mismatches(tmp_path):
         fully_meta = Wrapped(tf.LlamaForCausalLM(cfg))
     with pytest.raises(
         ValueError,
-        match=r"still on the meta device and are not stored in the folder; build the model under .lightning_dist.hf.init_empty_weights",
+        match=r"still on the meta device and are not stored in the folder; build the model under"
+        r" .lightning_dist.hf.init_empty_weights",
     ):
         load_hf_weights(fully_meta, tmp_path / "src")
 
