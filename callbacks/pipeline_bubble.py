@@ -29,7 +29,7 @@ from typing_extensions import override
 
 from lightning_dist._compat import matplotlib_available
 from lightning_dist.parallelize.pipeline import pipeline_view
-from lightning_dist.parallelize.pipeline_schedule import bubble_theory
+from lightning_dist.rules import bubble_theory
 
 COLORS = {"F": "#4C72B0", "B": "#55A868", "I": "#DD8452", "W": "#8172B3"}
 

@@ -99,8 +99,10 @@ def _plan_counts(args: argparse.Namespace):
         class_path, init_args = inputs.model_spec_from_config(args.config)
     else:
         class_path, init_args = args.model, args.init_args
+    from lightning_dist.parallelize.counts import count_params  # the runtime's split of the model
+
     model = inputs.build_meta_model(class_path, init_args)
-    return planner.count_params(model), class_path
+    return count_params(model), class_path
 
 
 def run_plan(args: argparse.Namespace) -> int:

@@ -39,6 +39,7 @@ from lightning_dist.mesh import DP_REPLICATE, DP_SHARD, TP, DistMesh
 from lightning_dist.parallelize.ac import ACOption, apply_ac, apply_offload_activations, parse_ac
 from lightning_dist.parallelize.compile import apply_compile, compile_units, tp_eager_blocks
 from lightning_dist.parallelize.fsdp import apply_fsdp, apply_replicate
+from lightning_dist.rules import replicates
 
 log = logging.getLogger(__name__)
 
@@ -108,11 +109,8 @@ def parallelize_model(model: nn.Module, mesh: DistMesh, config: ParallelizeConfi
     if units is not None:
         apply_compile(model, units=units, eager=tp_eager_blocks(model, tp_styles, units) if tp_styles else None)
 
-    # 4. data parallelism last, over what TP left
+    # 4. data parallelism last, over what TP left: DDP-style replication or FSDP2 (lightning_dist.rules.replicates)
     dp_size = mesh.size(DP_REPLICATE) * mesh.size(DP_SHARD)
-    # with nothing to shard (ZeRO-1, or shard groups of one rank) the fastest correct choice is DDP's
-    # bucketed all-reduce; FSDP2 over a (N, 1) mesh would issue one small all-reduce per unit (~3x slower
-    # here). DTensor (TP) parameters need FSDP2, which composes with them.
     # CPU offload is an FSDP2 policy: it needs fully_shard even with one data-parallel rank (one GPU is the
     # most common reason to offload at all), so an offload policy never takes the replicate/no-op paths
     offload = config.offload_policy is not None
@@ -130,8 +128,7 @@ def parallelize_model(model: nn.Module, mesh: DistMesh, config: ParallelizeConfi
                 offload_policy=config.offload_policy,
             )
         return model
-    replicate_only = not offload and (config.zero_stage == 1 or (mesh.size(DP_SHARD) == 1 and mesh.size(TP) == 1))
-    if replicate_only:
+    if replicates(zero_stage=config.zero_stage, dp_shard=mesh.size(DP_SHARD), tp=mesh.size(TP), offload=offload):
         if dp_size > 1:
             apply_replicate(model, mesh.dp_mesh)
     elif dp_size > 1 or offload:

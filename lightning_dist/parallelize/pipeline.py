@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from lightning_dist.parallelize.units import find_block_lists
+from lightning_dist.rules import partition
 
 Split = Union[Literal["balanced", "params"], Sequence[int]]
 
@@ -232,41 +233,6 @@ class PipelineSplit:
         return buf.getvalue()
 
 
-def partition(costs: Sequence[float], num_stages: int, *, first: float = 0.0, last: float = 0.0) -> list[int]:
-    """Split points (start block of stages 1..S-1) of the contiguous split minimising the costliest stage.
-
-    `first`/`last` are fixed costs of stage 0 (the stem) and the last stage (the head). Every stage gets at
-    least one block. Exact dynamic programme over (stage, end block): O(S n^2), n is a few hundred at most.
-    """
-    n = len(costs)
-    if not 1 <= num_stages <= n:
-        raise ValueError(f"Cannot split {n} blocks into {num_stages} stages; need 1 <= stages <= blocks.")
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-
-    def stage_cost(s: int, i: int, j: int) -> float:  # blocks i..j-1 on stage s
-        return prefix[j] - prefix[i] + (first if s == 0 else 0.0) + (last if s == num_stages - 1 else 0.0)
-
-    inf = float("inf")
-    # best[s][j]: the smallest max-cost placing blocks 0..j-1 on stages 0..s; arg[s][j] the start of stage s
-    best = [[inf] * (n + 1) for _ in range(num_stages)]
-    arg = [[0] * (n + 1) for _ in range(num_stages)]
-    for j in range(1, n + 1):
-        best[0][j] = stage_cost(0, 0, j)
-    for s in range(1, num_stages):
-        for j in range(s + 1, n + 1):
-            for i in range(s, j):
-                value = max(best[s - 1][i], stage_cost(s, i, j))
-                if value < best[s][j] - 1e-12:  # strict: ties keep the earliest split (deterministic)
-                    best[s][j], arg[s][j] = value, i
-    points, j = [], n
-    for s in range(num_stages - 1, 0, -1):
-        j = arg[s][j]
-        points.append(j)
-    return points[::-1]
-
-
 def profile_costs(
     net: nn.Module, layout: NetworkLayout, sample: torch.Tensor, *, repeats: int = 5
 ) -> tuple[float, list[float], float]:
@@ -377,19 +343,6 @@ def plan_split(
     return PipelineSplit(layout=layout, stages=tuple(stages), method=method, cost_unit=unit)
 
 
-def stage_ranks(num_stages: int, pp: int, style: Literal["loop", "v"] = "loop") -> list[int]:
-    """Pipeline rank of each stage: ``loop`` (stage s on rank s % pp) or ``v`` (ZBV: 0..p-1 then p-1..0)."""
-    if num_stages % pp:
-        raise ValueError(f"{num_stages} stages do not divide over pp={pp} ranks.")
-    if style == "loop":
-        return [s % pp for s in range(num_stages)]
-    out = []
-    for s in range(num_stages):
-        lap, pos = divmod(s, pp)
-        out.append(pos if lap % 2 == 0 else pp - 1 - pos)
-    return out
-
-
 # The checks and the stage modules live in their own modules (pipeline_checks, pipeline_stages), which import
 # this one; they are still reachable here, as before, looked up on first use (PEP 562) so that neither module
 # imports the other at load time.
@@ -446,9 +399,7 @@ __all__ = [
     "host_copy",
     "staged_forward_problem",
     "network_layout",
-    "partition",
     "plan_split",
     "profile_costs",
     "shared_across_stages",
-    "stage_ranks",
 ]

@@ -1,31 +1,26 @@
 """Running a pipeline split with torch's schedules: which schedule, its checks, forward-only programs, timing.
 
-:data:`SCHEDULES` maps the pack's schedule names to ``torch.distributed.pipelining`` classes;
-:func:`schedule_problems` states up front (pure, with the numbers) what their constructors would reject;
+:data:`lightning_dist.rules.SCHEDULES` maps the pack's schedule names to ``torch.distributed.pipelining``
+classes; :func:`schedule_problems` states up front (pure, with the numbers) what their constructors would reject;
 :func:`build_schedule` makes the ``PipelineStage`` objects of one rank and the schedule over them, using a
-forward-only program for evaluation; :class:`TimedStage` records every F/B/I/W action when asked.
+forward-only program for evaluation; :class:`~lightning_dist._integrations.torch_pipelining.TimedStage` records every
+F/B/I/W action when asked.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_dist._integrations.torch_pipelining import TimedStage, install_forward_only_program
+from lightning_dist.rules import SCHEDULES
 
-# name -> (torch schedule class, default stages per rank, stage -> rank style)
-SCHEDULES: dict[str, tuple[str, int, str]] = {
-    "gpipe": ("ScheduleGPipe", 1, "loop"),
-    "1f1b": ("Schedule1F1B", 1, "loop"),
-    "interleaved_1f1b": ("ScheduleInterleaved1F1B", 2, "loop"),
-    "interleaved_zero_bubble": ("ScheduleInterleavedZeroBubble", 2, "loop"),
-    "zero_bubble": ("ScheduleZBVZeroBubble", 2, "v"),
-}
+if TYPE_CHECKING:
+    from lightning_dist._integrations.torch_pipelining import TimedStage
 
 
 def schedule_problems(schedule: str, pp: int, n_microbatches: int, stages_per_rank: int) -> list[str]:
@@ -75,7 +70,11 @@ def build_schedule(
     With ``loss_fn=None`` the schedule is forward-only: GPipe for one stage per rank, otherwise the
     schedule's own stage layout with an F-only program (see :func:`install_forward_only_program`).
     """
+    # torch's pipelining is imported when a schedule is built, not with the package (`lightning-dist plan` and
+    # the strategies that do not pipeline never load it)
     from torch.distributed import pipelining
+
+    from lightning_dist._integrations.torch_pipelining import TimedStage, install_forward_only_program
 
     num_stages = len(stage_ranks)
     stages = [TimedStage(view, s, num_stages, device, group=group) for s, view in zip(local_stages, views)]
@@ -237,18 +236,8 @@ def returned_loss_gradients(
     return differs, [(p, g) for p, g in zip(params, grads[1:]) if g is not None]
 
 
-def bubble_theory(pp: int, n_microbatches: int, stages_per_rank: int = 1) -> float:
-    """Idle fraction with equal stages and free communication: (p-1)/(v*m+p-1) for GPipe/1F1B (v=1) and
-    interleaved 1F1B (v stages per rank, each 1/v of the work: the warm-up shrinks v times). Zero-bubble
-    schedules fill part of it with weight-gradient work: this is their upper bound."""
-    return (pp - 1) / (stages_per_rank * n_microbatches + pp - 1)
-
-
 __all__ = [
-    "SCHEDULES",
     "PipelineRunner",
-    "TimedStage",
-    "bubble_theory",
     "build_schedule",
     "returned_loss_gradients",
     "schedule_problems",

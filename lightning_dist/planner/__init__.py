@@ -20,16 +20,17 @@ Modules
 :mod:`~lightning_dist.planner.shards`       exact FSDP2 dim-0 shards and ZeroRedundancyOptimizer partitions
 :mod:`~lightning_dist.planner.traffic`      collectives per step (payload and ring wire bytes), pipeline bubble
 :mod:`~lightning_dist.planner.activations`  peak activation bytes of transformer blocks
-:mod:`~lightning_dist.planner.model`        parameter counts of a module (:func:`count_params`)
+:mod:`~lightning_dist.planner.model`        what the planner knows of a model (:class:`ParamCounts`)
 :mod:`~lightning_dist.planner.layouts`      candidate layouts, the recommendation, auto_parallel's ranking
 
-Turning user input (``"80GB"``, ``"1.5B"``, class paths, LightningCLI YAML) into these arguments is
-:mod:`lightning_dist.inputs`' job; its functions are re-exported here, where they used to live.
+The planner imports no runtime module (``parallelize/``, ``strategies/``, the dry run): the decisions it shares
+with them live in :mod:`lightning_dist.rules`. A module's counts come from
+:func:`lightning_dist.parallelize.counts.count_params` (the runtime's split of it); turning user input (``"80GB"``,
+``"1.5B"``, class paths, LightningCLI YAML) into these arguments is :mod:`lightning_dist.inputs`' job.
 """
 
 from __future__ import annotations
 
-from lightning_dist.inputs import build_meta_model, import_class, model_spec_from_config, parse_bytes, parse_count
 from lightning_dist.planner.activations import BlockShape, activation_bytes
 from lightning_dist.planner.layouts import (
     AUTO_KINDS,
@@ -57,7 +58,7 @@ from lightning_dist.planner.memory import (
     tp_local_params,
     zero_bytes,
 )
-from lightning_dist.planner.model import ParamCounts, count_params
+from lightning_dist.planner.model import ParamCounts
 from lightning_dist.planner.shards import (
     fsdp2_local_numel,
     fsdp2_state_bytes,
@@ -94,7 +95,6 @@ __all__ = [
     "StateBytes",
     "activation_bytes",
     "candidate_layouts",
-    "count_params",
     "data_parallel_traffic",
     "ddp_bytes",
     "fsdp2_local_numel",
@@ -118,10 +118,4 @@ __all__ = [
     "zero_bytes",
     "zero_redundancy_owners",
     "zero_redundancy_partition",
-    # lightning_dist.inputs
-    "build_meta_model",
-    "import_class",
-    "model_spec_from_config",
-    "parse_bytes",
-    "parse_count",
 ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_dist.planner._checks import _check_count, _check_size
+from lightning_dist.planner._checks import check_count, check_size
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,8 +97,8 @@ def activation_bytes(
     ``micro_batches_held`` micro-batches at its peak (1F1B: ``p - s``); the head runs on one at a time.
     """
     for name, value in (("tokens", tokens), ("tp", tp), ("micro_batches_held", micro_batches_held)):
-        _check_size(name, value)
-    _check_count("blocks", blocks)
+        check_size(name, value)
+    check_count("blocks", blocks)
     a = bytes_per_element
     f = a if residual_bytes is None else residual_bytes
     C, H, h, t = block.hidden, block.mlp_hidden, block.heads, tp

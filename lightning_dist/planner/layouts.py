@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from lightning_dist.mesh import DP_REPLICATE, DP_SHARD, PP, TP
-from lightning_dist.planner._checks import _check_count, _check_size, _divisors
+from lightning_dist.planner._checks import check_count, check_size, divisors
 from lightning_dist.planner.memory import (
     MemoryBreakdown,
     OffloadTiers,
@@ -28,7 +28,7 @@ from lightning_dist.planner.memory import (
 from lightning_dist.planner.model import ParamCounts
 from lightning_dist.planner.traffic import (
     Collective,
-    _check_schedule,
+    check_schedule,
     data_parallel_traffic,
     pipeline_idle_fraction,
     pipeline_p2p_traffic,
@@ -54,8 +54,8 @@ class ActivationShape:
 
     def __post_init__(self) -> None:
         for name in ("batch", "seq", "hidden"):
-            _check_size(name, getattr(self, name))
-        _check_count("bytes_per_element", self.bytes_per_element)
+            check_size(name, getattr(self, name))
+        check_count("bytes_per_element", self.bytes_per_element)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -139,17 +139,17 @@ def candidate_layouts(
     ``device_memory`` (bytes). ``params``: a :class:`ParamCounts` or a plain count.
     """
     counts = params if isinstance(params, ParamCounts) else ParamCounts(total=params)
-    _check_size("world_size", world_size)
-    _check_size("devices_per_node", devices_per_node)
-    _check_size("micro_batches", micro_batches)
-    schedule = _check_schedule(schedule, 1)
+    check_size("world_size", world_size)
+    check_size("devices_per_node", devices_per_node)
+    check_size("micro_batches", micro_batches)
+    schedule = check_schedule(schedule, 1)
     if world_size > devices_per_node and world_size % devices_per_node:
         raise ValueError(
             f"world_size={world_size} is not divisible by devices_per_node={devices_per_node}:"
             " nodes must be full; pick a world size that is a multiple of the devices per node."
         )
     if device_memory is not None:
-        _check_count("device_memory", device_memory, minimum=1)
+        check_count("device_memory", device_memory, minimum=1)
     P, W = counts.total, world_size
     per_node = min(devices_per_node, W)
     out: list[Layout] = []
@@ -176,7 +176,7 @@ def candidate_layouts(
     if W > 1:
         dp_layout("zero1", "zero1", 1, W, 1, "shard optimizer state over all ranks")
         dp_layout("zero2", "zero2", 2, W, 1, "shard optimizer state and gradients")
-        for s in _divisors(W)[1:-1]:
+        for s in divisors(W)[1:-1]:
             dp_layout(
                 f"hsdp-{s}",
                 "hsdp",
@@ -188,7 +188,7 @@ def candidate_layouts(
         dp_layout("fsdp", "fsdp", 3, W, 1, "shard everything over all ranks (ZeRO-3)")
 
     # tensor parallel x data parallel
-    for t in (d for d in _divisors(W)[1:] if d <= per_node and per_node % d == 0):
+    for t in (d for d in divisors(W)[1:] if d <= per_node and per_node % d == 0):
         dp = W // t
         local = tp_local_params(
             tp_sharded_params=counts.tp_sharded_params, replicated_params=P - counts.tp_sharded_params, tp=t
@@ -231,7 +231,7 @@ def candidate_layouts(
 
     # pipeline x data parallel
     max_stages = len(counts.layer_params) if counts.layer_params else W
-    for p in (d for d in _divisors(W)[1:] if d <= max_stages):
+    for p in (d for d in divisors(W)[1:] if d <= max_stages):
         dp, m = W // p, max(micro_batches, p)
         stages = counts.stage_params(p)
         mem = max(pipeline_bytes(stages, state=state), key=lambda b: b.total)
@@ -330,7 +330,7 @@ def rank_layouts(
     if unknown:
         raise ValueError(f"prefer={list(prefer)!r}: {unknown} are not layout kinds; use some of {AUTO_KINDS}.")
     if global_batch is not None:
-        _check_size("global_batch", global_batch)
+        check_size("global_batch", global_batch)
     out = []
     for layout in layouts:
         if layout.kind not in AUTO_KINDS or layout.fits is False:

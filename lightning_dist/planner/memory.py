@@ -32,8 +32,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+from lightning_dist import rules
 from lightning_dist.measure import PLACES
-from lightning_dist.planner._checks import _check_count, _check_divides, _check_size, _check_zero_stage
+from lightning_dist.planner._checks import check_count, check_divides, check_size, check_zero_stage
 from lightning_dist.precision import PRECISION_DTYPES
 
 TIERS: tuple[str, ...] = PLACES  # where each part lives: one vocabulary with the offload plan and report
@@ -193,9 +194,9 @@ def model_state_bytes(
     ``params = P b_p / S^[z>=3]``, ``grads = P b_g / S^[z>=2]``, ``optimizer = P b_o / S^[z>=1]``; parts
     placed on ``"host"`` / ``"nvme"`` by ``offload`` move from the device columns to those tiers.
     """
-    _check_count("num_params", num_params)
-    _check_zero_stage(zero_stage)
-    _check_size("shard_size", shard_size)
+    check_count("num_params", num_params)
+    check_zero_stage(zero_stage)
+    check_size("shard_size", shard_size)
     parts = {
         "params": num_params * state.param / (shard_size if zero_stage >= 3 else 1),
         "grads": num_params * state.grad / (shard_size if zero_stage >= 2 else 1),
@@ -218,7 +219,7 @@ def zero_bytes(
     num_params: float, *, stage: int, world_size: int, state: StateBytes, offload: OffloadTiers | None = None
 ) -> MemoryBreakdown:
     """ZeRO stage 1/2/3 partitioned over all ``world_size`` ranks (see :func:`model_state_bytes`)."""
-    _check_size("world_size", world_size)
+    check_size("world_size", world_size)
     return model_state_bytes(num_params, state=state, zero_stage=stage, shard_size=world_size, offload=offload)
 
 
@@ -233,17 +234,17 @@ def hsdp_bytes(
 ) -> MemoryBreakdown:
     """Hybrid sharding: sharded over the ``shard_size`` ranks of a shard group, replicated across
     ``world_size / shard_size`` groups; the bytes depend on ``shard_size`` only."""
-    _check_size("world_size", world_size)
-    _check_size("shard_size", shard_size)
-    _check_divides("shard_size", shard_size, world_size)
+    check_size("world_size", world_size)
+    check_size("shard_size", shard_size)
+    check_divides("shard_size", shard_size, world_size)
     return model_state_bytes(num_params, state=state, zero_stage=zero_stage, shard_size=shard_size, offload=offload)
 
 
 def tp_local_params(*, tp_sharded_params: float, replicated_params: float, tp: int) -> float:
     """Parameters one tensor-parallel rank holds: ``P_sharded / t + P_replicated``."""
-    _check_count("tp_sharded_params", tp_sharded_params)
-    _check_count("replicated_params", replicated_params)
-    _check_size("tp", tp)
+    check_count("tp_sharded_params", tp_sharded_params)
+    check_count("replicated_params", replicated_params)
+    check_size("tp", tp)
     return tp_sharded_params / tp + replicated_params
 
 
@@ -264,23 +265,21 @@ def tp_bytes(
 def split_stages(layer_params: Sequence[int], stages: int, *, pre_params: int = 0, post_params: int = 0) -> list[int]:
     """Parameters per pipeline stage, split as ``PipelineStrategy(split="params")`` splits the blocks.
 
-    The split is the runtime's own (:func:`lightning_dist.parallelize.pipeline.partition`): contiguous, every
+    The split is the runtime's own (:func:`lightning_dist.rules.partition`): contiguous, every
     stage at least one block, minimising the largest stage; ``pre_params`` (embeddings, before the blocks)
     count on the first stage, ``post_params`` (final norm, head) on the last. Pass a measured split's counts
     to :func:`pipeline_bytes` instead when you have one.
     """
-    from lightning_dist.parallelize.pipeline import partition  # the runtime's split, not a second rule
-
-    _check_size("stages", stages)
+    check_size("stages", stages)
     if len(layer_params) < stages:
         raise ValueError(
             f"Cannot split {len(layer_params)} blocks into stages={stages}; use at most {len(layer_params)} stages."
         )
     for i, n in enumerate(layer_params):
-        _check_count(f"layer_params[{i}]", n)
-    _check_count("pre_params", pre_params)
-    _check_count("post_params", post_params)
-    points = partition([float(n) for n in layer_params], stages, first=float(pre_params), last=float(post_params))
+        check_count(f"layer_params[{i}]", n)
+    check_count("pre_params", pre_params)
+    check_count("post_params", post_params)
+    points = rules.partition([float(n) for n in layer_params], stages, first=float(pre_params), last=float(post_params))
     bounds = [0, *points, len(layer_params)]
     out = [sum(layer_params[a:b]) for a, b in zip(bounds, bounds[1:])]
     out[0] += pre_params

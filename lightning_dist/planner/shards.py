@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 
-from lightning_dist.planner._checks import _check_count, _check_size, _check_zero_stage
+from lightning_dist.planner._checks import check_count, check_size, check_zero_stage
 from lightning_dist.planner.memory import MemoryBreakdown, StateBytes
 
 
@@ -23,7 +23,7 @@ def fsdp2_local_numel(shape: Sequence[int], world_size: int, rank: int, *, padde
     fewer or none): rank ``r`` holds ``clamp(d0 - r c, 0, c)`` rows. ``padded=True`` gives the padded
     storage FSDP2 allocates for the all-gather (``c`` rows on every rank).
     """
-    _check_size("world_size", world_size)
+    check_size("world_size", world_size)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} is outside world_size={world_size}.")
     if len(shape) == 0:
@@ -50,7 +50,7 @@ def zero_redundancy_owners(numels: Sequence[int], world_size: int) -> list[int]:
     Mirrors its greedy partition (one parameter group): parameters sorted by size, largest first (a stable
     sort), each to the rank with the smallest total so far (the lowest such rank on ties).
     """
-    _check_size("world_size", world_size)
+    check_size("world_size", world_size)
     sizes, owners = [0] * world_size, [0] * len(numels)
     for i in sorted(range(len(numels)), key=lambda i: numels[i], reverse=True):
         rank = sizes.index(min(sizes))
@@ -89,8 +89,8 @@ def fsdp2_state_bytes(
     keeps a float32 ``step`` per parameter: 4; FSDP2 ranks hold one per parameter, even with zero rows).
     Differs from the closed form :func:`model_state_bytes` only by the rounding of uneven shards.
     """
-    _check_zero_stage(zero_stage)
-    _check_count("step_bytes", step_bytes)
+    check_zero_stage(zero_stage)
+    check_count("step_bytes", step_bytes)
     shapes = [tuple(s) for s in shapes]
     total = sum(math.prod(s) for s in shapes)
     steps = len(shapes) * step_bytes
@@ -101,7 +101,7 @@ def fsdp2_state_bytes(
         )
     opt = total
     if zero_stage == 1:
-        _check_size("shard_size", shard_size)
+        check_size("shard_size", shard_size)
         if not 0 <= rank < shard_size:
             raise ValueError(f"rank={rank} is outside shard_size={shard_size}.")
         numels = [math.prod(s) for s in shapes]

@@ -44,16 +44,15 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from lightning_dist import rules
 from lightning_dist.mesh import DP, DP_REPLICATE, DP_SHARD, PP, TP
-from lightning_dist.parallelize.pipeline_schedule import SCHEDULES as _RUNTIME_SCHEDULES
-from lightning_dist.planner._checks import _check_count, _check_size, _check_zero_stage
+from lightning_dist.planner._checks import check_count, check_size, check_zero_stage
 from lightning_dist.planner.memory import StateBytes
 from lightning_dist.planner.shards import fsdp2_local_numel
 
-# The runtime's schedule table (name -> torch schedule class, default stages per rank, stage placement), so the
-# planner knows exactly the schedules PipelineStrategy(schedule=...) runs, spelled the same way.
-SCHEDULES: tuple[str, ...] = tuple(_RUNTIME_SCHEDULES)
-# The planner's former spelling, still accepted so existing calls and configs keep working.
+# The schedules PipelineStrategy(schedule=...) runs (lightning_dist.rules.SCHEDULES), spelled the same way.
+SCHEDULES: tuple[str, ...] = tuple(rules.SCHEDULES)
+# a hyphen for the underscore is accepted too: "interleaved-1f1b" is "interleaved_1f1b"
 _SCHEDULE_ALIASES = {"interleaved-1f1b": "interleaved_1f1b"}
 
 _WIRE_FACTOR = {
@@ -95,13 +94,13 @@ class Collective:
 
 def ring_all_reduce_bytes(size_bytes: float, world_size: int) -> float:
     """``2 (W - 1) / W * size``: bytes each rank sends in a ring all-reduce."""
-    _check_size("world_size", world_size)
+    check_size("world_size", world_size)
     return 2 * (world_size - 1) / world_size * size_bytes
 
 
 def ring_all_gather_bytes(size_bytes: float, world_size: int) -> float:
     """``(W - 1) / W * size`` (size = gathered output): bytes each rank sends; also reduce-scatter of an input."""
-    _check_size("world_size", world_size)
+    check_size("world_size", world_size)
     return (world_size - 1) / world_size * size_bytes
 
 
@@ -120,11 +119,11 @@ def data_parallel_traffic(
     stages 2 and 3 gather / reduce-scatter on ``dp_shard`` and all-reduce the ``1 / S`` shard on
     ``dp_replicate``. ``root_params``: parameters of the FSDP2 root unit, gathered once (stage 3).
     """
-    _check_count("num_params", num_params)
-    _check_zero_stage(zero_stage)
-    _check_size("shard_size", shard_size)
-    _check_size("replicate_size", replicate_size)
-    _check_count("root_params", root_params)
+    check_count("num_params", num_params)
+    check_zero_stage(zero_stage)
+    check_size("shard_size", shard_size)
+    check_size("replicate_size", replicate_size)
+    check_count("root_params", root_params)
     dp = shard_size * replicate_size
     grads = num_params * state.reduce
     if zero_stage <= 1:
@@ -185,8 +184,8 @@ def fsdp2_traffic(
     """
     if zero_stage not in (2, 3):
         raise ValueError(f"`zero_stage={zero_stage!r}`: FSDP2 traffic is defined for stages 2 and 3.")
-    _check_size("shard_size", shard_size)
-    _check_size("replicate_size", replicate_size)
+    check_size("shard_size", shard_size)
+    check_size("replicate_size", replicate_size)
 
     def padded(shapes: Iterable[Sequence[int]]) -> int:
         return sum(shard_size * fsdp2_local_numel(tuple(s), shard_size, 0, padded=True) for s in shapes)
@@ -251,8 +250,8 @@ def tp_activation_traffic(
         ("tp", tp),
         ("row_parallel_per_block", row_parallel_per_block),
     ):
-        _check_size(name, value)
-    _check_count("bytes_per_element", bytes_per_element)
+        check_size(name, value)
+    check_count("bytes_per_element", bytes_per_element)
     payload = 2 * row_parallel_per_block * blocks * batch * seq * hidden * bytes_per_element
     head_in, head_out = sum(float(i) for i, _ in gathered), sum(float(o) for _, o in gathered)
     if not sequence_parallel:
@@ -269,13 +268,13 @@ def tp_activation_traffic(
     return out
 
 
-def _check_schedule(schedule: str, virtual_stages: int) -> str:
+def check_schedule(schedule: str, virtual_stages: int) -> str:
     """The runtime's name of ``schedule``; ValueError for an unknown one or ``virtual_stages`` it cannot run."""
     schedule = _SCHEDULE_ALIASES.get(schedule, schedule)
     if schedule not in SCHEDULES:
         raise ValueError(f"Unknown pipeline schedule {schedule!r}; use one of {SCHEDULES}.")
-    _check_size("virtual_stages", virtual_stages)
-    if _RUNTIME_SCHEDULES[schedule][1] == 1 and virtual_stages != 1:  # a one-stage-per-rank schedule
+    check_size("virtual_stages", virtual_stages)
+    if rules.SCHEDULES[schedule][1] == 1 and virtual_stages != 1:  # a one-stage-per-rank schedule
         raise ValueError(
             f"virtual_stages={virtual_stages} needs schedule='interleaved_1f1b' ({schedule!r} runs one stage per rank)."
         )
@@ -285,16 +284,14 @@ def _check_schedule(schedule: str, virtual_stages: int) -> str:
 def pipeline_idle_fraction(
     *, stages: int, micro_batches: int, schedule: str = "1f1b", virtual_stages: int = 1
 ) -> float:
-    """Bubble share of a step with equal stage times (the runtime's
-    :func:`~lightning_dist.parallelize.pipeline_schedule.bubble_theory`): ``(p-1)/(m+p-1)`` for GPipe and
-    1F1B (1F1B reorders the work and cuts activation memory, not the bubble); ``(p-1)/(v m + p-1)`` for
-    interleaved 1F1B with ``v`` stages per rank."""
-    from lightning_dist.parallelize.pipeline_schedule import bubble_theory
-
-    _check_size("stages", stages)
-    _check_size("micro_batches", micro_batches)
-    _check_schedule(schedule, virtual_stages)
-    return bubble_theory(stages, micro_batches, virtual_stages)
+    """Bubble share of a step with equal stage times (:func:`lightning_dist.rules.bubble_theory`, which the
+    runtime's PipelineBubble callback compares with): ``(p-1)/(m+p-1)`` for GPipe and 1F1B (1F1B reorders the
+    work and cuts activation memory, not the bubble); ``(p-1)/(v m + p-1)`` for interleaved 1F1B with ``v``
+    stages per rank."""
+    check_size("stages", stages)
+    check_size("micro_batches", micro_batches)
+    check_schedule(schedule, virtual_stages)
+    return rules.bubble_theory(stages, micro_batches, virtual_stages)
 
 
 def pipeline_p2p_traffic(
@@ -304,10 +301,10 @@ def pipeline_p2p_traffic(
     (``activation_bytes``) goes forward and its gradient back at each of the rank's ``v`` stages:
     ``2 m v A`` bytes sent (and the same received); the output is not broadcast (the loss is computed on the
     last stage, every rank gets it as one scalar, left out here). Empty for a single stage."""
-    _check_count("activation_bytes", activation_bytes)
-    _check_size("micro_batches", micro_batches)
-    _check_size("stages", stages)
-    _check_size("virtual_stages", virtual_stages)
+    check_count("activation_bytes", activation_bytes)
+    check_size("micro_batches", micro_batches)
+    check_size("stages", stages)
+    check_size("virtual_stages", virtual_stages)
     if stages == 1:
         return []
     payload = 2 * micro_batches * virtual_stages * activation_bytes

@@ -40,6 +40,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_dist import rules
 from lightning_dist.mesh import PP, TP, MeshSpec
 from lightning_dist.parallelize import ParallelizeConfig, pipeline_model
 from lightning_dist.parallelize import pipeline as plan
@@ -47,9 +48,10 @@ from lightning_dist.parallelize import pipeline_setup as checks
 from lightning_dist.parallelize.ac import ACOption, ac_problems, check_offload_device
 from lightning_dist.parallelize.pipeline_hf import is_hf_causal_lm
 from lightning_dist.parallelize.pipeline_output import serve_pipeline_loss, unserve_pipeline_loss
-from lightning_dist.parallelize.pipeline_schedule import SCHEDULES, PipelineRunner, schedule_problems
+from lightning_dist.parallelize.pipeline_schedule import PipelineRunner, schedule_problems
 from lightning_dist.parallelize.pipeline_tied import tied_checkpoint_keys
 from lightning_dist.parallelize.tp import TPEntry, format_plan, resolve_stage_plan
+from lightning_dist.rules import SCHEDULES
 from lightning_dist.strategies._pipeline_checkpoints import PipelineCheckpointMixin
 from lightning_dist.strategies._pipeline_step import PipelineStepMixin
 from lightning_dist.strategies.base import MeshStrategy
@@ -265,7 +267,7 @@ class PipelineStrategy(PipelineStepMixin, PipelineCheckpointMixin, MeshStrategy)
             log.debug("pipeline block costs (ms): stem %s, blocks %s, head %s", *costs)
         self.split = plan.plan_split(net, self.num_stages, split=mode, costs=costs)
         plan.check_splittable(net, self.split, allow_batchnorm=self.allow_batchnorm)
-        stage_ranks = plan.stage_ranks(self.num_stages, pp, SCHEDULES[self.schedule][2])  # type: ignore[arg-type]
+        stage_ranks = rules.stage_ranks(self.num_stages, pp, SCHEDULES[self.schedule][2])  # type: ignore[arg-type]
         pp_rank = mesh.local_rank(PP) if pp > 1 else 0
         self._local_stages = [s for s, r in enumerate(stage_ranks) if r == pp_rank]
         rank_zero_info(self.split.format(stage_ranks))

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import lightning_dist  # noqa: F401  (registers the strategies)
 from lightning_dist import planner
 from lightning_dist.models.gpt import CharGPT
+from lightning_dist.parallelize.counts import count_params
 from lightning_dist.strategies import AutoParallelStrategy
 
 STEPS, SEQ, N = 2, 8, 48
@@ -57,7 +58,7 @@ def reference(global_batch: int) -> dict:
 def budget(target: str, world: int) -> float:
     """The target layout's planned device bytes (float64 AdamW) + 1%."""
     layouts = planner.candidate_layouts(
-        planner.count_params(Task(8)),
+        count_params(Task(8)),
         world_size=world,
         devices_per_node=world,
         state=planner.state_bytes(precision="64-true"),

@@ -15,14 +15,13 @@ from lightning_dist.parallelize.pipeline import (
     batchnorm_modules,
     build_stage_module,
     network_layout,
-    partition,
     plan_split,
     profile_costs,
     shared_across_stages,
-    stage_ranks,
     tied_stages,
 )
-from lightning_dist.parallelize.pipeline_schedule import bubble_theory, schedule_problems
+from lightning_dist.parallelize.pipeline_schedule import schedule_problems
+from lightning_dist.rules import bubble_theory, partition, stage_ranks
 from lightning_dist.strategies import REGISTERED
 from lightning_dist.strategies.pipeline import PipelineStrategy
 

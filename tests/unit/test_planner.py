@@ -10,8 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_dist import planner
+from lightning_dist import inputs, planner
 from lightning_dist.cli import main
+from lightning_dist.parallelize.counts import count_params
 from lightning_dist.planner import (
     ActivationShape,
     Collective,
@@ -289,7 +290,7 @@ def test_candidate_layouts_enumeration():
     "memory, expected", [(None, "ddp"), ("30GB", "ddp"), ("8GB", "zero2"), ("5GB", "fsdp"), ("1GB", "fsdp-offload")]
 )
 def test_recommend_least_parallelism_that_fits(memory, expected):
-    device_memory = planner.parse_bytes(memory) if memory else None
+    device_memory = inputs.parse_bytes(memory) if memory else None
     layouts = planner.candidate_layouts(PSI, world_size=8, devices_per_node=4, state=MIXED, device_memory=device_memory)
     best = planner.recommend(layouts)
     assert (best.name if best else None) == expected
@@ -384,9 +385,9 @@ LazyLit = _lightning_module_class()
 
 
 def test_count_params_on_meta_device():
-    model = planner.build_meta_model(f"{__name__}.TiedLM", '{"vocab": 50, "dim": 8, "layers": 3}')
+    model = inputs.build_meta_model(f"{__name__}.TiedLM", '{"vocab": 50, "dim": 8, "layers": 3}')
     assert all(p.is_meta for p in model.parameters())
-    counts = planner.count_params(model)
+    counts = count_params(model)
     block = 2 * 8 + 8 * 8 + 8
     assert counts.total == 50 * 8 + 3 * block + 2 * 8
     assert counts.layer_params == (block,) * 3
@@ -395,8 +396,8 @@ def test_count_params_on_meta_device():
     assert (counts.pre_params, counts.post_params) == (50 * 8, 2 * 8 + 50 * 8)
     assert counts.tp_sharded == 50 * 8 + 3 * (8 * 8 + 8)  # Embedding + Linear; norms replicated
     assert sorted(counts.shapes) == sorted(tuple(p.shape) for p in model.parameters())
-    lazy = planner.build_meta_model(f"{__name__}.LazyLit", {"width": 5})
-    assert planner.count_params(lazy).total == 5 * 5 + 5  # configure_model ran, on meta
+    lazy = inputs.build_meta_model(f"{__name__}.LazyLit", {"width": 5})
+    assert count_params(lazy).total == 5 * 5 + 5  # configure_model ran, on meta
 
 
 def test_model_from_lightning_cli_config(tmp_path):
@@ -406,24 +407,24 @@ def test_model_from_lightning_cli_config(tmp_path):
         f"  class_path: {__name__}.Wrapper\n  init_args:\n    extra: 7\n"
         "    inner:\n      class_path: torch.nn.Linear\n      init_args: {in_features: 10, out_features: 5}\n"
     )
-    path, init_args = planner.model_spec_from_config(str(cfg))
+    path, init_args = inputs.model_spec_from_config(str(cfg))
     assert path == f"{__name__}.Wrapper" and init_args["extra"] == 7
-    assert planner.count_params(planner.build_meta_model(path, init_args)).total == 10 * 5 + 5 + 7
+    assert count_params(inputs.build_meta_model(path, init_args)).total == 10 * 5 + 5 + 7
     bad = tmp_path / "bad.yaml"
     bad.write_text("trainer: {}\n")
     with pytest.raises(ValueError, match="model:"):
-        planner.model_spec_from_config(str(bad))
+        inputs.model_spec_from_config(str(bad))
 
 
 # ---- parsing and errors ------------------------------------------------------------------------------------
 def test_parse_bytes_and_counts():
-    assert planner.parse_bytes("80GB") == 80 * 10**9
-    assert planner.parse_bytes("24GiB") == 24 * 2**30
-    assert planner.parse_bytes("512 MiB") == 512 * 2**20
-    assert planner.parse_bytes("1.5tb") == 1_500_000_000_000
-    assert planner.parse_bytes("123456") == 123456 == planner.parse_bytes(123456)
-    assert planner.parse_count("1.5B") == PSI == planner.parse_count("1.5e9")
-    assert planner.parse_count("125M") == 125_000_000
+    assert inputs.parse_bytes("80GB") == 80 * 10**9
+    assert inputs.parse_bytes("24GiB") == 24 * 2**30
+    assert inputs.parse_bytes("512 MiB") == 512 * 2**20
+    assert inputs.parse_bytes("1.5tb") == 1_500_000_000_000
+    assert inputs.parse_bytes("123456") == 123456 == inputs.parse_bytes(123456)
+    assert inputs.parse_count("1.5B") == PSI == inputs.parse_count("1.5e9")
+    assert inputs.parse_count("125M") == 125_000_000
 
 
 @pytest.mark.parametrize(
@@ -435,22 +436,22 @@ def test_parse_bytes_and_counts():
             r"shard_size=3.*pick one of \[1, 2, 4, 8\]",
         ),
         (lambda: planner.ddp_bytes(-5, state=FP32), "num_params=-5"),
-        (lambda: planner.parse_count("-5"), "must be >= 0"),
+        (lambda: inputs.parse_count("-5"), "must be >= 0"),
         (lambda: planner.ParamCounts(total=-1), "total=-1"),
         (lambda: planner.state_bytes(precision="fp8"), "Unknown precision 'fp8'"),
         (lambda: planner.state_bytes(optimizer="lion"), "Unknown optimizer 'lion'.*optimizer_state_bytes"),
         (lambda: planner.state_bytes(precision="32-true", master_weights=True), "16-bit"),
-        (lambda: planner.parse_bytes("80 gigs"), "Cannot parse memory size '80 gigs'"),
-        (lambda: planner.parse_bytes("0GB"), "positive"),
+        (lambda: inputs.parse_bytes("80 gigs"), "Cannot parse memory size '80 gigs'"),
+        (lambda: inputs.parse_bytes("0GB"), "positive"),
         (lambda: planner.zero_bytes(10, stage=4, world_size=2, state=FP32), "zero_stage=4"),
         (lambda: planner.per_parameter_shards([()], 2), "0-dim"),
         (lambda: planner.split_stages([1, 2], 3), "stages=3"),
         (lambda: planner.pipeline_idle_fraction(stages=2, micro_batches=4, schedule="zb"), "Unknown pipeline schedule"),
         (lambda: planner.pipeline_idle_fraction(stages=2, micro_batches=4, virtual_stages=2), "interleaved"),
         (lambda: OffloadTiers(params="disk"), "params='disk'"),
-        (lambda: planner.build_meta_model("torch.nn.NoSuchThing"), "no class 'NoSuchThing'"),
-        (lambda: planner.build_meta_model("Linear"), "dotted"),
-        (lambda: planner.build_meta_model("torch.nn.Linear", "{not json"), "not valid JSON"),
+        (lambda: inputs.build_meta_model("torch.nn.NoSuchThing"), "no class 'NoSuchThing'"),
+        (lambda: inputs.build_meta_model("Linear"), "dotted"),
+        (lambda: inputs.build_meta_model("torch.nn.Linear", "{not json"), "not valid JSON"),
     ],
 )
 def test_bad_inputs_raise_clear_value_errors(call, match):
@@ -460,7 +461,7 @@ def test_bad_inputs_raise_clear_value_errors(call, match):
 
 def test_non_module_class_is_a_type_error():
     with pytest.raises(TypeError, match="not a torch.nn.Module"):
-        planner.build_meta_model("collections.OrderedDict")
+        inputs.build_meta_model("collections.OrderedDict")
 
 
 # ---- CLI ---------------------------------------------------------------------------------------------------

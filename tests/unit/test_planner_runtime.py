@@ -8,9 +8,9 @@ import torch
 
 from lightning_dist import planner
 from lightning_dist.models import GPT, ShapesCNN, ViT
+from lightning_dist.parallelize.counts import count_params, largest_block_list
 from lightning_dist.parallelize.pipeline import network_layout, plan_split
-from lightning_dist.parallelize.pipeline_schedule import SCHEDULES, bubble_theory
-from lightning_dist.planner.model import _block_list
+from lightning_dist.rules import SCHEDULES, bubble_theory
 
 
 def _hf_llama() -> torch.nn.Module:
@@ -54,11 +54,11 @@ EXAMPLES = {
 def test_planner_split_equals_the_strategy_split(name, pp):
     model = EXAMPLES[name]()
     runtime = plan_split(model, pp, split="params")  # what PipelineStrategy(split="params") builds
-    counts = planner.count_params(model)
+    counts = count_params(model)
     assert counts.stage_params(pp) == [s.params for s in runtime.stages], runtime
     # the same block list: the planner's finder is the one FSDP units and pipeline splits use
     layout = network_layout(model)
-    found = _block_list(model)
+    found = largest_block_list(model)
     assert found is not None and found[1] is model.get_submodule(layout.block_list or ""), (found, layout)
 
 

@@ -1,0 +1,95 @@
+"""The pack's parallelization decisions, as pure functions of numbers (no torch): one home for each.
+
+The planner (``lightning-dist plan``), the dry run and the runtime strategies import them from here, so a
+plan, a dry run and a training run decide alike:
+
+* :data:`SCHEDULES`: the pipeline schedules (torch class, default stages per rank, stage placement);
+* :func:`stage_ranks`: the pipeline rank of each stage;
+* :func:`partition`: the contiguous stage split minimising the costliest stage;
+* :func:`bubble_theory`: the idle fraction of a pipeline step;
+* :func:`replicates`: DDP-style replication or FSDP2 sharding over the data-parallel dims.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+# name -> (torch.distributed.pipelining schedule class, default stages per rank, stage -> rank style)
+SCHEDULES: dict[str, tuple[str, int, str]] = {
+    "gpipe": ("ScheduleGPipe", 1, "loop"),
+    "1f1b": ("Schedule1F1B", 1, "loop"),
+    "interleaved_1f1b": ("ScheduleInterleaved1F1B", 2, "loop"),
+    "interleaved_zero_bubble": ("ScheduleInterleavedZeroBubble", 2, "loop"),
+    "zero_bubble": ("ScheduleZBVZeroBubble", 2, "v"),
+}
+
+
+def stage_ranks(num_stages: int, pp: int, style: Literal["loop", "v"] = "loop") -> list[int]:
+    """Pipeline rank of each stage: ``loop`` (stage s on rank s % pp) or ``v`` (ZBV: 0..p-1 then p-1..0)."""
+    if num_stages % pp:
+        raise ValueError(f"{num_stages} stages do not divide over pp={pp} ranks.")
+    if style == "loop":
+        return [s % pp for s in range(num_stages)]
+    out = []
+    for s in range(num_stages):
+        lap, pos = divmod(s, pp)
+        out.append(pos if lap % 2 == 0 else pp - 1 - pos)
+    return out
+
+
+def partition(costs: Sequence[float], num_stages: int, *, first: float = 0.0, last: float = 0.0) -> list[int]:
+    """Split points (start block of stages 1..S-1) of the contiguous split minimising the costliest stage.
+
+    `first`/`last` are fixed costs of stage 0 (the stem) and the last stage (the head). Every stage gets at
+    least one block. Exact dynamic programme over (stage, end block): O(S n^2), n is a few hundred at most.
+    """
+    n = len(costs)
+    if not 1 <= num_stages <= n:
+        raise ValueError(f"Cannot split {n} blocks into {num_stages} stages; need 1 <= stages <= blocks.")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def stage_cost(s: int, i: int, j: int) -> float:  # blocks i..j-1 on stage s
+        return prefix[j] - prefix[i] + (first if s == 0 else 0.0) + (last if s == num_stages - 1 else 0.0)
+
+    inf = float("inf")
+    # best[s][j]: the smallest max-cost placing blocks 0..j-1 on stages 0..s; arg[s][j] the start of stage s
+    best = [[inf] * (n + 1) for _ in range(num_stages)]
+    arg = [[0] * (n + 1) for _ in range(num_stages)]
+    for j in range(1, n + 1):
+        best[0][j] = stage_cost(0, 0, j)
+    for s in range(1, num_stages):
+        for j in range(s + 1, n + 1):
+            for i in range(s, j):
+                value = max(best[s - 1][i], stage_cost(s, i, j))
+                if value < best[s][j] - 1e-12:  # strict: ties keep the earliest split (deterministic)
+                    best[s][j], arg[s][j] = value, i
+    points, j = [], n
+    for s in range(num_stages - 1, 0, -1):
+        j = arg[s][j]
+        points.append(j)
+    return points[::-1]
+
+
+def bubble_theory(pp: int, n_microbatches: int, stages_per_rank: int = 1) -> float:
+    """Idle fraction with equal stages and free communication: (p-1)/(v*m+p-1) for GPipe/1F1B (v=1) and
+    interleaved 1F1B (v stages per rank, each 1/v of the work: the warm-up shrinks v times). Zero-bubble
+    schedules fill part of it with weight-gradient work: this is their upper bound."""
+    return (pp - 1) / (stages_per_rank * n_microbatches + pp - 1)
+
+
+def replicates(*, zero_stage: int, dp_shard: int, tp: int, offload: bool = False) -> bool:
+    """True when the data-parallel dims of a (not pipelined) model use DDP-style replication (torch's
+    ``replicate``: one bucketed gradient all-reduce), False when they use FSDP2's ``fully_shard``.
+
+    With nothing to shard (ZeRO-1, or shard groups of one rank) DDP's bucketed all-reduce is the fastest
+    correct choice; FSDP2 over a (N, 1) mesh would issue one small all-reduce per unit (~3x slower on CPU).
+    DTensor (tensor-parallel) parameters need FSDP2, which composes with them, and CPU offload is an FSDP2
+    policy. A pipeline stage is always its own FSDP2 root over the data-parallel dims.
+    """
+    return not offload and (zero_stage == 1 or (dp_shard == 1 and tp == 1))
+
+
+__all__ = ["SCHEDULES", "bubble_theory", "partition", "replicates", "stage_ranks"]
