@@ -181,15 +181,15 @@ def _gather(row: dict[str, Any]) -> list[dict[str, Any]]:
     return [row]
 
 
-def _find(trainer: pl.Trainer, name: str) -> Any:
-    from lightning_dist import callbacks
-
-    return next((cb for cb in trainer.callbacks if isinstance(cb, getattr(callbacks, name))), None)
+def _find(trainer: pl.Trainer, cls: type) -> Any:
+    return next((cb for cb in trainer.callbacks if isinstance(cb, cls)), None)
 
 
 def _memory_figures(trainer: pl.Trainer) -> dict[str, Any] | None:
     """This rank's last MemoryReport measurement (read directly: its own table may come later in on_fit_end)."""
-    report = _find(trainer, "MemoryReport")
+    from lightning_dist.callbacks.memory import MemoryReport
+
+    report = _find(trainer, MemoryReport)
     if report is None or report.measured is None:
         return None
     return {
@@ -202,7 +202,9 @@ def _memory_figures(trainer: pl.Trainer) -> dict[str, Any] | None:
 
 def _comm_figures(trainer: pl.Trainer) -> dict[str, float] | None:
     """This rank's CommunicationLedger mean payload bytes per step, by mesh dim."""
-    ledger = _find(trainer, "CommunicationLedger")
+    from lightning_dist.callbacks.ledger import CommunicationLedger
+
+    ledger = _find(trainer, CommunicationLedger)
     if ledger is None or not ledger.steps:
         return None
     out: dict[str, float] = {}

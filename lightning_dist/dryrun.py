@@ -44,7 +44,7 @@ from typing import Any, Optional
 
 from lightning_dist.atomic import atomic_write
 from lightning_dist.dryrun_collectives import CollectiveRecorder
-from lightning_dist.dryrun_report import DryRunReport, format_bytes  # noqa: F401  (format_bytes: imported from here)
+from lightning_dist.dryrun_report import DryRunReport
 from lightning_dist.mesh import DIM_NAMES, DP_REPLICATE, DP_SHARD, PP, TP, MeshSpec
 
 # strategies whose setup the dry run can replay (the DeepSpeed offload engine starts its own communication)
@@ -132,9 +132,8 @@ def _strategy_class(config: DryRunConfig) -> type:
     from lightning.pytorch.strategies import StrategyRegistry
 
     from lightning_dist import inputs
-    from lightning_dist.strategies import register_strategies
 
-    register_strategies()
+    # the pack's names are in the registry: importing `lightning_dist` registers them
     if config.strategy in StrategyRegistry:
         return StrategyRegistry[config.strategy]["strategy"]
     if "." in config.strategy:
@@ -151,10 +150,11 @@ def _uses_ddp_replicate(model: Any) -> bool:
 
 
 def _check_replayable(cls: type) -> None:
-    from lightning_dist.strategies.auto_parallel import AutoParallelStrategy
     from lightning_dist.strategies.base import MeshStrategy
 
-    if not isinstance(cls, type) or not issubclass(cls, MeshStrategy) or issubclass(cls, AutoParallelStrategy):
+    # auto_parallel is named, not imported: it imports the dry run (verify=True)
+    chooser = getattr(cls, "strategy_name", None) == "auto_parallel"
+    if not isinstance(cls, type) or not issubclass(cls, MeshStrategy) or chooser:
         name = getattr(cls, "__name__", repr(cls))
         raise ValueError(
             f"The dry run replays the pack's mesh strategies; {name} is not one (the DeepSpeed offload"
@@ -474,7 +474,7 @@ def plan_rank(
     """
     import math
 
-    from lightning_dist import planner
+    from lightning_dist import planner, rules
     from lightning_dist.parallelize.pipeline import pipeline_view
     from lightning_dist.parallelize.units import find_block_lists
 
@@ -496,7 +496,7 @@ def plan_rank(
     root = sum(v for n, v in numel.items() if n not in in_blocks)
     R, S, T = spec.size(DP_REPLICATE), spec.size(DP_SHARD), spec.size(TP)
     zero = (3 if strategy.reshard_after_forward else 2) if pipelined else strategy.zero_stage
-    replicate_only = not pipelined and (zero == 1 or (S == 1 and T == 1))
+    replicate_only = not pipelined and rules.replicates(zero_stage=zero, dp_shard=S, tp=T)
     dp = R * S
     if replicate_only:
         memory = planner.model_state_bytes(P, state=state, zero_stage=zero if zero == 1 else 0, shard_size=dp)

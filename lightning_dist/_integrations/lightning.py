@@ -6,6 +6,8 @@
   instance's ``process_dataloader`` and step methods, and their removal;
 * :data:`SubprocessScriptLauncher` and :func:`replace_default_launcher`: the pack's launcher in place of
   Lightning's (its base class is private);
+* :func:`hand_over_strategy`: another strategy in place of the trainer's, with what Lightning set on the first
+  (``strategy="auto_parallel"`` hands the run to the strategy it picks at setup);
 * :func:`distributed_sampler_for_stateful_loaders`: torchdata's ``StatefulDataLoader(shuffle=True)`` gets
   Lightning's plain ``DistributedSampler``, as a ``DataLoader`` does;
 * the private Lightning helpers the pack calls because there is no public one (process-group start,
@@ -43,6 +45,7 @@ from lightning_dist._compat import require_tested_lightning
 __all__ = [
     "SubprocessScriptLauncher",
     "distributed_sampler_for_stateful_loaders",
+    "hand_over_strategy",
     "replace_default_launcher",
     "route_gradient_clipping",
     "set_module_device_mesh",
@@ -111,6 +114,33 @@ def replace_default_launcher(strategy: Any, make_launcher: Callable[[], Any]) ->
     require_tested_lightning("Strategy._launcher replacement (replace_default_launcher)")
     if type(strategy._launcher) is SubprocessScriptLauncher:
         strategy._launcher = make_launcher()
+
+
+def hand_over_strategy(trainer: Any, current: Any, successor: Any) -> None:
+    """Make `successor` the trainer's strategy in place of `current`, with everything Lightning's accelerator
+    connector and Trainer set on `current` before its ``setup_environment``: accelerator, precision plugin,
+    cluster environment, devices, node count, checkpoint IO and layer-sync plugins, the launcher that started
+    this process, and the LightningModule.
+
+    Reason: ``Trainer.strategy`` is the private ``_accelerator_connector.strategy`` (no setter); the connector
+    fills the plugins in through the strategy's public setters and the private ``_layer_sync``,
+    ``_checkpoint_io`` and ``_launcher``. Every later use reads ``trainer.strategy`` afresh (``Trainer._run``
+    calls ``trainer.strategy.setup(...)``, the loops its step methods, teardown its ``teardown``), so from
+    ``setup_environment`` on the run is `successor`'s alone.
+    """
+    require_tested_lightning("Trainer strategy hand-over (hand_over_strategy)")
+    if trainer._accelerator_connector.strategy is not current:
+        raise RuntimeError(f"{type(current).__name__} is not this trainer's strategy; it cannot hand the run over.")
+    successor.accelerator = current.accelerator
+    successor.precision_plugin = current.precision_plugin
+    successor.cluster_environment = current.cluster_environment
+    successor.parallel_devices = current.parallel_devices
+    successor.num_nodes = current.num_nodes
+    successor._checkpoint_io = current._checkpoint_io  # a CheckpointIO plugin of the Trainer (None: the default)
+    successor._layer_sync = current._layer_sync  # Trainer(sync_batchnorm=True)
+    successor._launcher = current._launcher  # it already started the processes
+    successor.connect(current.lightning_module)
+    trainer._accelerator_connector.strategy = successor
 
 
 def distributed_sampler_for_stateful_loaders() -> None:

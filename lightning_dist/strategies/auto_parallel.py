@@ -5,11 +5,13 @@ At ``setup_environment`` (every rank, once the world process group exists, befor
 the planner for every candidate layout of this model on this many devices, keeps those the pack's
 strategies run and that fit ``device_memory`` (:func:`lightning_dist.planner.rank_layouts`), optionally
 checks the top candidates with the dry run (``verify=True``, :mod:`lightning_dist.dryrun`), prints the
-choice and the runner-up with their figures, and broadcasts the choice. Every rank then *becomes* that
-strategy (:class:`HybridShardStrategy` for DDP-style replication and hybrid sharding,
-:class:`FullyShardStrategy`, :class:`TensorParallelStrategy`, :class:`PipelineStrategy`, and
-:class:`HybridShardStrategy` with FSDP2's ``CPUOffloadPolicy`` for offload) and continues its set-up, so training runs
-exactly as that strategy would.
+choice and the runner-up with their figures, and broadcasts the choice. Every rank then builds that
+strategy (:meth:`AutoParallelStrategy.build`: :class:`HybridShardStrategy` for DDP-style replication and hybrid
+sharding, :class:`FullyShardStrategy`, :class:`TensorParallelStrategy`, :class:`PipelineStrategy`, and
+:class:`HybridShardStrategy` with FSDP2's ``CPUOffloadPolicy`` for offload) and hands the run to it: the built
+strategy takes what Lightning set on this one and becomes ``trainer.strategy``
+(:func:`~lightning_dist._integrations.lightning.hand_over_strategy`), then sets itself up. From there on
+training runs as that strategy alone; this object takes no further part.
 """
 
 from __future__ import annotations
@@ -21,29 +23,13 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_dist import inputs, planner
+from lightning_dist import inputs, planner, rules
+from lightning_dist._integrations.lightning import hand_over_strategy
 from lightning_dist.mesh import DP_REPLICATE, DP_SHARD, PP, TP
 from lightning_dist.parallelize.ac import ACOption, ac_problems
+from lightning_dist.parallelize.counts import count_params
 from lightning_dist.precision import precision_flag
 from lightning_dist.strategies.base import MeshStrategy
-
-# what Lightning's connector and launcher set on a strategy: kept when the strategy becomes its choice
-_LIGHTNING_STATE = (
-    "_accelerator",
-    "_checkpoint_io",
-    "_forward_redirection",
-    "_launcher",
-    "_layer_sync",
-    "_lightning_module",
-    "_lightning_optimizers",
-    "_model",
-    "_optimizers",
-    "_parallel_devices",
-    "_precision_plugin",
-    "cluster_environment",
-    "lr_scheduler_configs",
-    "num_nodes",
-)
 
 
 def strategy_for(layout: planner.Layout) -> tuple[type, dict[str, Any]]:
@@ -156,7 +142,7 @@ class AutoParallelStrategy(MeshStrategy):
         state = planner.state_bytes(precision=precision_flag(self.precision_plugin), optimizer=self.optimizer)
         world = self.num_nodes * self.num_processes
         layouts = planner.candidate_layouts(
-            planner.count_params(self.lightning_module),
+            count_params(self.lightning_module),
             world_size=world,
             devices_per_node=self.num_processes,
             state=state,
@@ -175,7 +161,9 @@ class AutoParallelStrategy(MeshStrategy):
         for layout in ranked:
             # offload keeps nothing on the device; replicated layouts hold the whole model per rank (the planner's
             # figure is exact) and the dry run cannot replay torch's DDP reducer: neither is dry-run
-            replicated = layout.kind in ("ddp", "hsdp") and layout.mesh[DP_SHARD] == 1
+            replicated = layout.kind != "pp" and rules.replicates(
+                zero_stage=layout.zero_stage, dp_shard=layout.mesh[DP_SHARD], tp=layout.mesh[TP]
+            )
             if found or layout.kind == "offload" or replicated or runs >= max_runs:
                 kept.append(layout)
                 found = found or replicated
@@ -211,7 +199,7 @@ class AutoParallelStrategy(MeshStrategy):
 
     @override
     def setup_environment(self) -> None:
-        # the world process group first (to agree on one choice), then become the chosen strategy
+        # the world process group first (to agree on one choice), then hand the run to the chosen strategy
         if self.device_memory is None:
             if self.root_device.type != "cuda":
                 raise ValueError(
@@ -234,8 +222,10 @@ class AutoParallelStrategy(MeshStrategy):
         ranked = ranked or [layout for name in names for layout in self.candidates() if layout.name == name]
         self.choice = ranked[0]
         rank_zero_info(format_choice(ranked[:2], device_memory=self.device_memory))
-        self._become(*strategy_for(self.choice))
-        type(self).setup_environment(self)
+        assert self.lightning_module is not None
+        chosen = self.build(self.choice)
+        hand_over_strategy(self.lightning_module.trainer, self, chosen)
+        chosen.setup_environment()
 
     def _nothing_fits(self) -> str:
         return (
@@ -245,14 +235,13 @@ class AutoParallelStrategy(MeshStrategy):
             " Use more devices, a smaller model, or `lightning-dist plan` to see what each layout needs."
         )
 
-    def _become(self, cls: type, kwargs: dict[str, Any]) -> None:
-        """Turn this object into ``cls(**kwargs)``, keeping what Lightning set (devices, precision, model...)."""
-        kept = {k: v for k, v in vars(self).items() if k in _LIGHTNING_STATE}
-        choice = self.choice
-        self.__class__ = cls
-        cls.__init__(self, **{**self._common, **kwargs, **self.options.get(cls.__name__, {})})
-        vars(self).update(kept)
-        self.choice = choice  # type: ignore[attr-defined]
+    def build(self, layout: planner.Layout) -> MeshStrategy:
+        """The strategy that runs `layout`, built from this strategy's options (the MeshStrategy options, the
+        activation options and ``options[<class name>]``); its ``choice`` is `layout`. This object is unchanged."""
+        cls, kwargs = strategy_for(layout)
+        strategy = cls(**{**self._common, **kwargs, **self.options.get(cls.__name__, {})})
+        strategy.choice = layout  # type: ignore[attr-defined]
+        return strategy
 
     def __repr__(self) -> str:
         return (
@@ -268,7 +257,7 @@ def format_choice(ranked: Sequence[planner.Layout], *, device_memory: float) -> 
     from rich.console import Console
     from rich.table import Table
 
-    from lightning_dist.dryrun import format_bytes
+    from lightning_dist.dryrun_report import format_bytes
 
     table = Table(title=f"auto_parallel: least parallelism that fits {format_bytes(device_memory)} per device")
     for col in (

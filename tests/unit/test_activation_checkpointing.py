@@ -233,13 +233,19 @@ def test_memory_report_shows_the_offloaded_activation_bytes(capsys):
 def test_auto_parallel_hands_the_activation_options_to_its_choice():
     from lightning_dist.strategies.hsdp import FullyShardStrategy
 
+    def layout(kind: str, **mesh: int) -> planner.Layout:
+        sizes = {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 1, **mesh}
+        memory = planner.MemoryBreakdown(params=0, grads=0, optimizer=0)
+        return planner.Layout(name=kind, kind=kind, mesh=sizes, zero_stage=3, memory=memory, traffic=())
+
     s = AutoParallelStrategy(device_memory="1GB", activation_checkpointing="every:2", selective_ac_ops=None)
-    s._become(FullyShardStrategy, {})
-    assert type(s) is FullyShardStrategy and s.activation_checkpointing == "every:2"
-    assert s.parallelize_config().activation_checkpointing == "every:2"
+    chosen = s.build(layout("fsdp"))
+    assert type(chosen) is FullyShardStrategy and chosen.activation_checkpointing == "every:2"
+    assert chosen.parallelize_config().activation_checkpointing == "every:2"
     s = AutoParallelStrategy(device_memory="1GB", activation_checkpointing="selective", selective_ac_ops=["aten.mm"])
-    s._become(PipelineStrategy, {"pp": 2})
-    assert s.activation_checkpointing == "selective" and s.selective_ac_ops == ["aten.mm"]
+    chosen = s.build(layout("pp", pp=2))
+    assert type(chosen) is PipelineStrategy
+    assert chosen.activation_checkpointing == "selective" and chosen.selective_ac_ops == ["aten.mm"]
 
 
 def test_planner_offloaded_blocks_leave_one_set_on_the_device():

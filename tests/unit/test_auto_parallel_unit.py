@@ -9,6 +9,7 @@ from lightning_dist import planner
 from lightning_dist.dryrun import DryRunConfig, check_cluster, representative_ranks
 from lightning_dist.mesh import MeshSpec
 from lightning_dist.models.gpt import CharGPT
+from lightning_dist.parallelize.counts import count_params
 from lightning_dist.strategies import AutoParallelStrategy
 from lightning_dist.strategies.auto_parallel import format_choice, strategy_for
 
@@ -19,7 +20,7 @@ STATE = planner.state_bytes(precision="64-true")  # 8 + 8 + 16 bytes per paramet
 def counts() -> planner.ParamCounts:
     with torch.device("meta"):
         module = CharGPT(vocab_size=32, block_size=8, n_layer=2, n_head=4, n_embd=16, bias=False)
-    return planner.count_params(module)
+    return count_params(module)
 
 
 def _layouts(counts, memory, *, world=4, per_node=4):
@@ -186,18 +187,51 @@ def test_auto_parallel_needs_device_memory_on_cpu(monkeypatch):
         strategy.setup_environment()
 
 
-def test_auto_parallel_can_become_every_strategy_it_picks():
-    # AutoParallelStrategy turns itself into the chosen strategy by assigning `__class__`, which Python refuses
-    # ("object layout differs") for a class whose first bases do not run back to the same chain
+def test_auto_parallel_builds_every_strategy_it_picks(counts):
+    # a factory: each choice is a new object of the chosen class, built from the chooser's options
     from lightning_dist.strategies import (
         FullyShardStrategy,
         HybridShardStrategy,
         PipelineStrategy,
         TensorParallelStrategy,
     )
-    from lightning_dist.strategies.auto_parallel import AutoParallelStrategy
 
-    for cls in (HybridShardStrategy, FullyShardStrategy, TensorParallelStrategy, PipelineStrategy):
-        obj = AutoParallelStrategy.__new__(AutoParallelStrategy)
-        obj.__class__ = cls
-        assert type(obj) is cls
+    chooser = AutoParallelStrategy(
+        device_memory="1GB", timeout=60, options={"PipelineStrategy": {"n_microbatches": 3}}, async_checkpoint=True
+    )
+    built = {}
+    for layout in planner.rank_layouts(_layouts(counts, 1e12)):
+        strategy = chooser.build(layout)
+        cls, _ = strategy_for(layout)
+        assert type(strategy) is cls and strategy.choice is layout and strategy is not chooser
+        assert strategy._timeout.total_seconds() == 60 and strategy._async_checkpoint
+        built[layout.kind] = strategy
+    assert {type(s) for s in built.values()} == {
+        HybridShardStrategy,
+        FullyShardStrategy,
+        TensorParallelStrategy,
+        PipelineStrategy,
+    }
+    assert built["pp"].n_microbatches == 3
+    assert type(chooser) is AutoParallelStrategy and chooser.choice is None  # the chooser itself is unchanged
+
+
+def test_auto_parallel_hands_the_trainer_to_its_choice(counts):
+    import lightning.pytorch as pl
+
+    from lightning_dist._integrations.lightning import hand_over_strategy
+
+    chooser = AutoParallelStrategy(device_memory="1GB")
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy=chooser, precision="64-true", logger=False, enable_progress_bar=False
+    )
+    module = CharGPT(vocab_size=32, block_size=8, n_layer=2, n_head=4, n_embd=16, bias=False)
+    chooser.connect(module)
+    chosen = chooser.build(planner.rank_layouts(_layouts(counts, 1e12, world=1, per_node=1))[0])
+    hand_over_strategy(trainer, chooser, chosen)
+    assert trainer.strategy is chosen and chosen.lightning_module is module and chosen.model is module
+    for name in ("accelerator", "precision_plugin", "cluster_environment", "parallel_devices", "num_nodes", "launcher"):
+        assert getattr(chosen, name) is getattr(chooser, name), name
+    assert trainer.precision_plugin is chooser.precision_plugin and trainer.precision == "64-true"
+    with pytest.raises(RuntimeError, match="is not this trainer's strategy"):
+        hand_over_strategy(trainer, chooser, chooser.build(chosen.choice))
