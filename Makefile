@@ -17,7 +17,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo "sudo -n")
 # one venv per torch release for the compatibility subset, e.g. .venv-torch-2.11.0
 COMPAT_VENV = .venv-$(subst ==,-,$(TORCH_SPEC))
 
-.PHONY: demo test test-unit test-distributed test-compat test-compat-all install install-base clean bench
+.PHONY: demo lint test test-unit test-distributed test-compat test-compat-all install install-base clean bench
 
 # What the demo needs: torch and the package's own dependencies (no extras, nothing compiled).
 $(VENV)/.base: pyproject.toml Makefile
@@ -41,6 +41,16 @@ $(VENV)/.installed: $(VENV)/.base
 
 install-base: $(VENV)/.base
 install: $(VENV)/.installed
+
+# The formatter and linter: ruff, pinned by the `lint` extra, with the settings of [tool.ruff] in pyproject.toml.
+$(VENV)/.lint: $(VENV)/.base
+	$(PY) -m pip install -q -e ".[lint]"
+	touch $@
+
+# formatting and lint rules over the whole tree (what CI runs first); `ruff format .` fixes the formatting
+lint: $(VENV)/.lint
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
 
 demo: install-base
 	$(PY) -m lightning_dist.demo

@@ -235,3 +235,14 @@ def test_auto_parallel_hands_the_trainer_to_its_choice(counts):
     assert trainer.precision_plugin is chooser.precision_plugin and trainer.precision == "64-true"
     with pytest.raises(RuntimeError, match="is not this trainer's strategy"):
         hand_over_strategy(trainer, chooser, chooser.build(chosen.choice))
+
+
+@pytest.mark.parametrize("strategy", ["auto_parallel", "lightning_dist.strategies.auto_parallel.AutoParallelStrategy"])
+def test_the_dry_run_refuses_auto_parallel_and_names_what_to_dry_run(strategy):
+    from lightning_dist.dryrun import dry_run
+
+    config = DryRunConfig(
+        model="lightning_dist.models.gpt.CharGPT", strategy=strategy, world_size=2, devices_per_node=2
+    )
+    with pytest.raises(ValueError, match="AutoParallelStrategy is not one .*auto_parallel picks one: dry-run that one"):
+        dry_run(config)

@@ -98,8 +98,8 @@ def test_pipeline_stages_from_an_uneven_split():
     mems = planner.pipeline_bytes(stages, state=FP32)
     assert [m.total for m in mems] == [67 * 16, 101 * 16]
     assert max(mems, key=lambda m: m.total).total == 101 * 16
-    # the runtime's split (PipelineStrategy's `partition`): the largest stage as small as possible, ties to
-    # the earliest split points (it used to be a count split, [3, 2, 2], which the runtime never ran)
+    # the runtime's split (lightning_dist.rules.partition): the largest stage as small as possible, ties to
+    # the earliest split points (not a count split, [3, 2, 2], which the runtime never runs)
     assert planner.split_stages([1] * 7, 3) == [2, 2, 3]
     counts = ParamCounts(total=101)
     assert counts.stage_params(4) == [26, 25, 25, 25]  # no block list: even split of the total
