@@ -112,6 +112,9 @@ class PipelineRunner:
         self.schedule, self.device, self.group = schedule, device, group
         self._schedules: dict[tuple, tuple[Any, list[TimedStage]]] = {}
         self._meta: dict[tuple, Any] = {}
+        # the running step's loss, which the cached schedules call (a loss may change per batch: HF labels
+        # divide by the batch's token count); set for one step only
+        self._loss_fn: Optional[Callable] = None
 
     @property
     def num_stages(self) -> int:
@@ -142,7 +145,6 @@ class PipelineRunner:
         kwargs = dict(kwargs or {})
         shapes = tuple((k, tuple(v.shape) if isinstance(v, torch.Tensor) else None) for k, v in sorted(kwargs.items()))
         key = (train, tuple(x.shape), x.dtype, m, shapes)
-        self._loss_fn = loss_fn  # read at each call: a loss may change per batch (HF labels: the batch's token count)
         if key not in self._schedules:
             # each micro-batch's share of the batch mean: the accumulated gradients are the mean's
             share = (lambda out, tgt: self._loss_fn(out, tgt) / m) if train else None
@@ -162,9 +164,15 @@ class PipelineRunner:
         kw = {"target": target, "losses": losses} if train and has_last else {}
         for st in stages:
             st.timeline, st.peak_held = timeline, 0
-        start = time.perf_counter()
-        out = sched.step(*((x,) if 0 in self.local_stages else ()), **kw, **kwargs)
-        end = time.perf_counter()
+        self._loss_fn = loss_fn
+        try:
+            start = time.perf_counter()
+            out = sched.step(*((x,) if 0 in self.local_stages else ()), **kw, **kwargs)
+            end = time.perf_counter()
+        finally:  # nothing of this step stays with the runner
+            self._loss_fn = None
+            for st in stages:
+                st.timeline = None
         record = {"start": start, "end": end, "peak_held": {st.stage_index: st.peak_held for st in stages}}
         out = out if has_last else None
         loss = None

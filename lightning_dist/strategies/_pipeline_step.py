@@ -1,4 +1,4 @@
-"""The training-step side of :class:`~lightning_dist.strategies.pipeline.PipelineStrategy`.
+"""One step of :class:`~lightning_dist.strategies.pipeline.PipelineStrategy`: the network call and its gradients.
 
 Calling the network inside ``training_step`` runs the whole schedule (forward and backward; forward only in
 evaluation). The output stays on the last stage; every pp rank gets the batch loss as one scalar and a
@@ -12,6 +12,10 @@ held aside during ``training_step`` and added to ``.grad`` in the strategy's ``b
 closure (training_step -> zero_grad -> backward), gradient accumulation and manual optimization keep
 their meaning. Gradient-norm clipping uses the global norm across stages (and FSDP shards).
 ``strategy.last_loss`` holds the mean ``pipeline_loss`` of the last step's micro-batches on every pp rank.
+
+A :class:`PipelineStep` holds everything one step knows (its batch, its network call, the gradients held
+aside): the strategy makes one in each step hook and drops it when the step is over (training: after the
+``backward`` that adds its gradients), so nothing of a step reaches the next one.
 """
 
 from __future__ import annotations
@@ -20,7 +24,6 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import Tensor
-from typing_extensions import override
 
 from lightning_dist.mesh import PP
 from lightning_dist.parallelize.pipeline_hf import hf_labels_loss, labelled_tokens
@@ -34,10 +37,12 @@ from lightning_dist.parallelize.pipeline_output import (
 from lightning_dist.parallelize.pipeline_schedule import returned_loss_gradients
 from lightning_dist.parallelize.pipeline_setup import first_batch_problem
 from lightning_dist.parallelize.pipeline_tied import sum_tied_gradients
-from lightning_dist.strategies.base import MeshStrategy
+
+# keyword inputs of a HF causal LM that every stage takes (split into micro-batches along dim 0)
+_HF_STAGE_INPUTS = frozenset({"attention_mask", "position_ids", "token_type_ids"})
 
 
-class _Served(NamedTuple):
+class NetworkCall(NamedTuple):
     """One network call, for ``pipeline_loss`` and ``backward``: what the step saw, the last stage's output
     (evaluation, on its rank), the batch loss (a leaf in training), the schedule's target, training or not."""
 
@@ -50,47 +55,55 @@ class _Served(NamedTuple):
     m: int = 1
 
 
-_PENDING = object()  # training_step is running: the network call takes the target from its inputs or the batch
-# keyword inputs of a HF causal LM that every stage takes (split into micro-batches along dim 0)
-_HF_STAGE_INPUTS = frozenset({"attention_mask", "position_ids", "token_type_ids"})
+def network_inputs(args: tuple, kwargs: dict, *, hf: bool) -> tuple[Tensor, dict, Optional[Tensor]]:
+    """(first stage's input, inputs every stage takes, HF labels) of a call of the pipelined network."""
+    if not hf:
+        if len(args) != 1 or kwargs or not isinstance(args[0], Tensor):
+            raise TypeError("A pipelined network takes exactly one tensor argument (the batch of inputs).")
+        return args[0], {}, None
+    kwargs = dict(kwargs)
+    if len(args) > 1 or (args and "input_ids" in kwargs):
+        raise TypeError("A pipelined HuggingFace model takes `input_ids` (positionally or by name) and keyword inputs.")
+    x = args[0] if args else kwargs.pop("input_ids", None)
+    labels = kwargs.pop("labels", None)
+    for key in ("use_cache", "return_dict"):  # the stages never cache; the call returns a ModelOutput anyway
+        kwargs.pop(key, None)
+    unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in _HF_STAGE_INPUTS)
+    if not isinstance(x, Tensor) or unknown:
+        raise TypeError(
+            f"A pipelined HuggingFace model takes `input_ids` (a tensor) and the keyword inputs"
+            f" {sorted(_HF_STAGE_INPUTS)} and `labels`; got {type(x).__name__} and {unknown or 'no others'}."
+        )
+    return x, {k: v for k, v in kwargs.items() if v is not None}, labels
 
 
-class PipelineStepMixin(MeshStrategy):
-    # a MeshStrategy subclass, not a plain mixin: AutoParallelStrategy becomes the strategy it picks by
-    # assigning `__class__`, which Python allows only along the same chain of first bases
-    """Network call, ``training_step``, ``backward`` and clipping of the pipeline strategy (its state: see
-    ``PipelineStrategy.__init__``)."""
+class PipelineStep:
+    """The state of one step of `strategy` (a :class:`~lightning_dist.strategies.pipeline.PipelineStrategy`).
 
-    # ---- running the pipeline ------------------------------------------------------------------
-    def _inputs(self, args: tuple, kwargs: dict) -> tuple[Tensor, dict, Optional[Tensor]]:
-        """(first stage's input, inputs every stage takes, HF labels) of a call of the pipelined network."""
-        if not self._hf:
-            if len(args) != 1 or kwargs or not isinstance(args[0], Tensor):
-                raise TypeError("A pipelined network takes exactly one tensor argument (the batch of inputs).")
-            return args[0], {}, None
-        kwargs = dict(kwargs)
-        if len(args) > 1 or (args and "input_ids" in kwargs):
-            raise TypeError(
-                "A pipelined HuggingFace model takes `input_ids` (positionally or by name) and keyword inputs."
-            )
-        x = args[0] if args else kwargs.pop("input_ids", None)
-        labels = kwargs.pop("labels", None)
-        for key in ("use_cache", "return_dict"):  # the stages never cache; the call returns a ModelOutput anyway
-            kwargs.pop(key, None)
-        unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in _HF_STAGE_INPUTS)
-        if not isinstance(x, Tensor) or unknown:
-            raise TypeError(
-                f"A pipelined HuggingFace model takes `input_ids` (a tensor) and the keyword inputs"
-                f" {sorted(_HF_STAGE_INPUTS)} and `labels`; got {type(x).__name__} and {unknown or 'no others'}."
-            )
-        return x, {k: v for k, v in kwargs.items() if v is not None}, labels
+    ``training=True`` (made by ``training_step``): the first network call runs forward and backward, its
+    gradients are held aside (``grads``) until :meth:`backward` adds them to ``.grad``. Otherwise (evaluation
+    steps, a network call outside any step) every call runs forward only. ``call`` is the step's last
+    network call, the one ``pipeline_loss(out, target)`` answers for.
 
-    def _run(self, *args: Any, **kwargs: Any) -> Any:
+    It reads the strategy's set-up (the runner, tied weights, options) and writes the strategy's records
+    of finished steps (``last_loss``, ``timelines``, the count of network calls).
+    """
+
+    def __init__(self, strategy: Any, batch: Any = None, *, training: bool = False) -> None:
+        self.strategy = strategy
+        self.batch = batch
+        self.pending = training  # training_step runs and has not called the network yet
+        self.call: Optional[NetworkCall] = None
+        self.grads: Optional[list[tuple[Tensor, Optional[Tensor]]]] = None  # the schedule's, until backward
+
+    # ---- the network call ----------------------------------------------------------------------
+    def run(self, args: tuple, kwargs: dict) -> Any:
         """The pipelined network's call: the whole schedule; returns what every pp rank sees of the output."""
-        x, extra, labels = self._inputs(args, kwargs)
-        module = self.lightning_module
-        train = self._target is not None and torch.is_grad_enabled() and module.training
-        m, batch = self.n_microbatches, x.shape[0]
+        strategy = self.strategy
+        x, extra, labels = network_inputs(args, kwargs, hf=strategy._hf)
+        module = strategy.lightning_module
+        train = self.pending and torch.is_grad_enabled() and module.training
+        m, batch = strategy.n_microbatches, x.shape[0]
         if batch % m:
             if train:
                 raise ValueError(
@@ -98,46 +111,42 @@ class PipelineStepMixin(MeshStrategy):
                     f" use a batch size (per data-parallel rank) that is a multiple of {m}."
                 )
             m = max(d for d in range(1, m + 1) if batch % d == 0)  # forward-only programs take any count
-        assert self._runner is not None
-        if self._unsplit is not None:  # once: the staged forward against the unsplit copy (one verdict for all)
-            unsplit, self._unsplit = self._unsplit, None
-            problem = first_batch_problem(unsplit, x[: batch // m], self.root_device)
+        runner = strategy._runner
+        assert runner is not None
+        if strategy._unsplit is not None:  # once: the staged forward against the unsplit copy (one verdict for all)
+            unsplit, strategy._unsplit = strategy._unsplit, None
+            problem = first_batch_problem(unsplit, x[: batch // m], strategy.root_device)
             if problem is not None:
                 raise ValueError(problem)
         target, loss_fn = None, None
         if train:
             target, loss_fn = self._loss_of_step(labels, m)
-        params = list(self.model.parameters())
+        params = list(strategy.model.parameters())
         if train:  # the schedule's gradients go aside; `backward` adds them to .grad
             held = [p.grad for p in params]
             for p in params:
                 p.grad = None
-        events: Optional[list] = [] if self.record_timeline and train else None
-        out, loss, record = self._runner.step(
+        events: Optional[list] = [] if strategy.record_timeline and train else None
+        out, loss, record = runner.step(
             x, n_microbatches=m, loss_fn=loss_fn, target=target, timeline=events, kwargs=extra
         )
         if train:
-            sum_tied_gradients(self._tied)
-            self._target = None
-            self._stash = [(p, p.grad) for p in params]
+            sum_tied_gradients(strategy._tied)
+            self.pending = False
+            self.grads = [(p, p.grad) for p in params]
             for p, g in zip(params, held):
                 p.grad = g
-            self.last_loss = loss
+            strategy.last_loss = loss
             loss = loss_leaf(loss)  # `backward` reads through it how the returned loss used it
             if events is not None:
-                self.timelines.append(
-                    {
-                        **record,
-                        "rank": self.mesh.local_rank(PP) if self.mesh.size(PP) > 1 else 0,
-                        "events": events,
-                        "n_microbatches": m,
-                    }
-                )
+                mesh = strategy.mesh
+                rank = mesh.local_rank(PP) if mesh.size(PP) > 1 else 0
+                strategy.timelines.append({**record, "rank": rank, "events": events, "n_microbatches": m})
         shown = self._shown_output(out, train, key=("out", train, tuple(x.shape), m))
         if not train and labels is not None:  # HF's eval loss: computed on the last stage, a scalar to every rank
-            loss = self._runner.from_last_stage(None if out is None else hf_labels_loss(out, labels), ("loss", "eval"))
-        self._served = _Served(shown, None if train else out, loss, target, train, loss_fn, m)
-        if not self._hf:
+            loss = runner.from_last_stage(None if out is None else hf_labels_loss(out, labels), ("loss", "eval"))
+        self.call = NetworkCall(shown, None if train else out, loss, target, train, loss_fn, m)
+        if not strategy._hf:
             return shown
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -147,43 +156,24 @@ class PipelineStepMixin(MeshStrategy):
     def _shown_output(self, out: Optional[Tensor], train: bool, *, key: tuple) -> Tensor:
         """What the step sees of the output: a stand-in (default), or the whole output broadcast (the opt-in,
         predict)."""
-        module = self.lightning_module
+        strategy = self.strategy
+        module = strategy.lightning_module
         trainer = getattr(module, "_trainer", None)
         predicting = trainer is not None and trainer.predicting
-        assert self._runner is not None
-        if self.broadcast_output or predicting:
-            whole = self._runner.from_last_stage(out, key)
+        if strategy.broadcast_output or predicting:
+            whole = strategy._runner.from_last_stage(out, key)
             # a leaf: `backward` finds what training_step's loss did with the output (see `_extra_gradients`)
             return whole.requires_grad_() if train and whole.is_floating_point() else whole
-        shape, dtype = self._runner.output_meta(out, key)
-        self._calls += 1
+        shape, dtype = strategy._runner.output_meta(out, key)
+        strategy._calls += 1
         where = "training_step" if train else "an evaluation step (validation_step / test_step)"
         return PipelineOutput(
-            shape, dtype, self.root_device, owner=type(module).__name__, where=where, step=self._calls
+            shape, dtype, strategy.root_device, owner=type(module).__name__, where=where, step=strategy._calls
         )
-
-    def _serve_loss(self, output: Any, target: Any, original: Any) -> Optional[Tensor]:
-        """``pipeline_loss(out, target)`` on the network call's output: the batch loss (None: not that output)."""
-        served, owner = self._served, type(self.lightning_module).__name__
-        if isinstance(output, PipelineOutput) and (served is None or output is not served.out):
-            raise RuntimeError(
-                f"{owner}.pipeline_loss got the output of an earlier call of the pipelined network:"
-                " call the network and its loss in the same step."
-            )
-        if served is None or output is not served.out:
-            return None
-        if served.train:
-            check_target(served.target, target, owner)
-            return served.loss
-        if not isinstance(output, PipelineOutput):  # the whole output is here (opt-in, predict): computed as usual
-            return None
-        assert self._runner is not None
-        value = None if served.local is None else original(served.local, target)  # the whole batch: one device's value
-        return self._runner.from_last_stage(value, ("loss", "eval"))
 
     def _loss_of_step(self, labels: Optional[Tensor], m: int) -> tuple[Any, Any]:
         """The schedule's target and per-micro-batch loss: HF ``labels``, or ``pipeline_target``/``pipeline_loss``."""
-        module = self.lightning_module
+        module = self.strategy.lightning_module
         if labels is not None:
             # each micro-batch's summed loss over the whole batch's labelled tokens (x m: the runner divides by m),
             # so the micro-batches add up to the batch mean whatever tokens each one holds
@@ -195,10 +185,10 @@ class PipelineStepMixin(MeshStrategy):
                 " call got no `labels`: the pipeline schedule needs a loss for each micro-batch."
             )
         loss = module.pipeline_loss
-        return self._pipeline_target(self._batch), getattr(loss, "__wrapped__", loss)  # the user's own, not the server
+        return self._pipeline_target(), getattr(loss, "__wrapped__", loss)  # the user's own, not the server
 
-    def _pipeline_target(self, batch: Any) -> Tensor:
-        module = self.lightning_module
+    def _pipeline_target(self) -> Tensor:
+        module, batch = self.strategy.lightning_module, self.batch
         hook = getattr(module, "pipeline_target", None)
         if callable(hook):
             return hook(batch)
@@ -209,47 +199,27 @@ class PipelineStepMixin(MeshStrategy):
             f" (inputs, target, ...), or define `{type(module).__name__}.pipeline_target(batch)`."
         )
 
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._batch = args[0] if args else kwargs["batch"]
-        self._target = _PENDING  # the network call finds the target (HF `labels`, or `pipeline_target(batch)`)
-        self._stash = None
-        try:
-            out = super().training_step(*args, **kwargs)
-        except BaseException:
-            self._target = None
-            raise
-        if self._target is not None:
-            self._target = None
+    # ---- backward ------------------------------------------------------------------------------
+    def check_called(self) -> None:
+        """At the end of ``training_step``: the step must have called the network (which ran the schedule)."""
+        if self.pending:
             raise RuntimeError(
-                f"training_step did not call self.{self.network}(inputs): under PipelineStrategy"
+                f"training_step did not call self.{self.strategy.network}(inputs): under PipelineStrategy"
                 " the network call runs the pipeline's forward and backward."
             )
-        return out
 
-    @override
-    def backward(self, closure_loss: Tensor, optimizer: Optional[Any], *args: Any, **kwargs: Any) -> Tensor:
-        if self._stash is None:
-            raise RuntimeError(
-                "PipelineStrategy.backward was called without a pipeline step: under this strategy the"
-                f" network call self.{self.network}(inputs) in training_step runs forward and backward."
-            )
-        self.pre_backward(closure_loss)
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        # Lightning divides the loss by accumulate_grad_batches before backward; scale the schedule's grads alike
-        scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches
+    def backward(self, closure_loss: Tensor, scale: float) -> None:
+        """Add the schedule's gradients (times `scale`) and those of the returned loss's other terms to ``.grad``."""
+        assert self.grads is not None, "backward of a step whose network call ran no schedule backward"
         extra = self._extra_gradients(closure_loss, scale)
-        for p, g in self._stash:
+        for p, g in self.grads:
             if g is None:
                 continue
             g = g * scale if scale != 1.0 else g
             p.grad = g if p.grad is None else p.grad + g
         for p, g in extra:
             p.grad = g if p.grad is None else p.grad + g
-        self._stash = None
-        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
-        self.post_backward(closure_loss)
-        return closure_loss
+        self.grads = None
 
     def _extra_gradients(self, loss: Tensor, scale: float) -> list[tuple[Tensor, Tensor]]:
         """Gradients of the terms of training_step's loss that the schedule did not back-propagate.
@@ -261,59 +231,67 @@ class PipelineStepMixin(MeshStrategy):
         the other terms (weight penalties) on the parameters this rank holds. With ``broadcast_output=True``
         a loss computed from the output directly is compared with the schedule's (a loss pass over the output).
         """
-        served, self._served = self._served, None
-        if served is None or not served.train:
+        call, self.call = self.call, None
+        if call is None or not call.train:
             return []
-        owner = type(self.lightning_module).__name__
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        direct = (
-            isinstance(served.out, Tensor) and not isinstance(served.out, PipelineOutput) and served.out.requires_grad
-        )
+        strategy = self.strategy
+        owner = type(strategy.lightning_module).__name__
+        params = [p for p in strategy.model.parameters() if p.requires_grad]
+        direct = isinstance(call.out, Tensor) and not isinstance(call.out, PipelineOutput) and call.out.requires_grad
         if not isinstance(loss, Tensor) or not loss.requires_grad:
             raise ValueError(returned_loss_problem(None, scale, owner))
-        inputs = [served.loss, *([served.out] if direct else []), *params]
+        inputs = [call.loss, *([call.out] if direct else []), *params]
         grads = list(torch.autograd.grad(loss, inputs, allow_unused=True, retain_graph=direct))
         d_loss = grads.pop(0)
         if direct and grads.pop(0) is not None:  # the opt-in output used outside pipeline_loss
             if d_loss is not None:
                 raise ValueError(output_term_problem(owner))
-            return self._direct_output_gradients(loss, served, scale, params)
+            return self._direct_output_gradients(loss, call, scale, params)
         problem = returned_loss_problem(d_loss, scale, owner)
         if problem is not None:
             raise ValueError(problem)
         return [(p, g) for p, g in zip(params, grads) if g is not None]
 
     def _direct_output_gradients(
-        self, loss: Tensor, served: "_Served", scale: float, params: list[Tensor]
+        self, loss: Tensor, call: NetworkCall, scale: float, params: list[Tensor]
     ) -> list[tuple[Tensor, Tensor]]:
         """``broadcast_output=True`` and a loss computed from the output itself: its gradient on the output must be
         the schedule's (one more loss pass over the output, on every rank; one flag all-reduced)."""
         differs, extra = returned_loss_gradients(
             loss,
-            served.out,
-            served.target,
-            n_microbatches=served.m,
+            call.out,
+            call.target,
+            n_microbatches=call.m,
             scale=scale,
-            pipeline_loss=served.loss_fn,
+            pipeline_loss=call.loss_fn,
             params=params,
         )
-        mismatch = torch.tensor(float(differs), device=self.root_device)
+        mismatch = torch.tensor(float(differs), device=self.strategy.root_device)
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(mismatch, op=torch.distributed.ReduceOp.MAX)
         if mismatch.item():
-            raise ValueError(output_term_problem(type(self.lightning_module).__name__))
+            raise ValueError(output_term_problem(type(self.strategy.lightning_module).__name__))
         return extra
 
-    @override
-    def optimizer_gradients(self, optimizer: Any) -> tuple[list[Tensor], list[Tensor]]:
-        grads, _ = super().optimizer_gradients(optimizer)
-        # a weight tied across stages has a copy (summed gradient) on each holder: all are clipped, one is counted
-        skip = {id(p.grad) for p, _, counted in self._tied if not counted and p.grad is not None}
-        return grads, [g for g in grads if id(g) not in skip]
 
-    @override
-    def grad_norm_group(self) -> Optional[Any]:
-        return self.mesh.group(PP) if self.mesh.size(PP) > 1 else None  # the stages hold distinct parameters
+def serve_loss(strategy: Any, call: Optional[NetworkCall], output: Any, target: Any, original: Any) -> Optional[Tensor]:
+    """``pipeline_loss(out, target)``: the batch loss when `output` is what `call` (the step's last network call,
+    None: no step or no call) returned; None for any other tensor (the module's own loss computes it)."""
+    owner = type(strategy.lightning_module).__name__
+    if isinstance(output, PipelineOutput) and (call is None or output is not call.out):
+        raise RuntimeError(
+            f"{owner}.pipeline_loss got the output of an earlier call of the pipelined network:"
+            " call the network and its loss in the same step."
+        )
+    if call is None or output is not call.out:
+        return None
+    if call.train:
+        check_target(call.target, target, owner)
+        return call.loss
+    if not isinstance(output, PipelineOutput):  # the whole output is here (opt-in, predict): computed as usual
+        return None
+    value = None if call.local is None else original(call.local, target)  # the whole batch: one device's value
+    return strategy._runner.from_last_stage(value, ("loss", "eval"))
 
 
-__all__ = ["PipelineStepMixin"]
+__all__ = ["NetworkCall", "PipelineStep", "network_inputs", "serve_loss"]

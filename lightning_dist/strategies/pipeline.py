@@ -52,14 +52,14 @@ from lightning_dist.parallelize.pipeline_schedule import PipelineRunner, schedul
 from lightning_dist.parallelize.pipeline_tied import tied_checkpoint_keys
 from lightning_dist.parallelize.tp import TPEntry, format_plan, resolve_stage_plan
 from lightning_dist.rules import SCHEDULES
-from lightning_dist.strategies._pipeline_checkpoints import PipelineCheckpointMixin
-from lightning_dist.strategies._pipeline_step import PipelineStepMixin
+from lightning_dist.strategies import _pipeline_checkpoints as checkpoints
+from lightning_dist.strategies._pipeline_step import PipelineStep, serve_loss
 from lightning_dist.strategies.base import MeshStrategy
 
 log = logging.getLogger(__name__)
 
 
-class PipelineStrategy(PipelineStepMixin, PipelineCheckpointMixin, MeshStrategy):
+class PipelineStrategy(MeshStrategy):
     """Pipeline parallelism on the mesh's ``pp`` dim with torch's schedules; the rest of the ranks do data parallelism.
 
     Args:
@@ -155,14 +155,13 @@ class PipelineStrategy(PipelineStepMixin, PipelineCheckpointMixin, MeshStrategy)
         self.last_loss: Optional[Tensor] = None
         self._local_stages: list[int] = []
         self._runner: Optional[PipelineRunner] = None
-        self._target: Any = None
-        self._batch: Any = None
         self._hf = False  # a HuggingFace causal LM: keyword inputs, `labels`, a ModelOutput returned
         self._tied: list[tuple[Tensor, Any, bool]] = []  # (parameter, group of its holders' ranks, counted in the norm)
         # (checkpoint key, keys of its copies, saved by this rank) of each tied parameter: saved once
         self._tied_keys: list[tuple[str, tuple[str, ...], bool]] = []
-        self._stash: Optional[list[tuple[Tensor, Optional[Tensor]]]] = None
-        self._served: Any = None  # the last network call: what the step saw of the output, its loss (see `_run`)
+        # the running step's state (its batch, network call, held-aside gradients): made by each step hook,
+        # dropped when the step is over (training: by the backward that adds its gradients)
+        self._step: Optional[PipelineStep] = None
         self._calls = 0  # network calls so far: a stand-in names the call it came from
         self._own_loss: Any = None  # the module's pipeline_loss while the strategy serves it (see `setup`)
         self._unsplit: Optional[nn.Module] = None  # CPU copy of the network until the first batch checked the stages
@@ -327,8 +326,106 @@ class PipelineStrategy(PipelineStepMixin, PipelineCheckpointMixin, MeshStrategy)
             self._runner.clear()
         if self.lightning_module is not None:
             unserve_pipeline_loss(self.lightning_module, self._own_loss)
-        self._own_loss, self._served = None, None
+        self._own_loss, self._step = None, None
         super().teardown()
+
+    # ---- the step ------------------------------------------------------------------------------
+    def _run(self, *args: Any, **kwargs: Any) -> Any:
+        """The pipelined network's call: the whole schedule, in the running step's state."""
+        if self._step is None:  # a call outside any step hook: a forward-only step of its own, until the next one
+            self._step = PipelineStep(self)
+        return self._step.run(args, kwargs)
+
+    def _serve_loss(self, output: Any, target: Any, original: Any) -> Optional[Tensor]:
+        return serve_loss(self, None if self._step is None else self._step.call, output, target, original)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        # the network call finds the target in the step's batch (HF `labels`, or `pipeline_target(batch)`)
+        self._step = step = PipelineStep(self, args[0] if args else kwargs["batch"], training=True)
+        try:
+            out = super().training_step(*args, **kwargs)
+            step.check_called()
+        except BaseException:
+            self._step = None
+            raise
+        return out
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Any], *args: Any, **kwargs: Any) -> Tensor:
+        step, self._step = self._step, None  # the training step ends with the backward that adds its gradients
+        if step is None or step.grads is None:
+            raise RuntimeError(
+                "PipelineStrategy.backward was called without a pipeline step: under this strategy the"
+                f" network call self.{self.network}(inputs) in training_step runs forward and backward."
+            )
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        # Lightning divides the loss by accumulate_grad_batches before backward; scale the schedule's grads alike
+        step.backward(closure_loss, 1.0 / self.lightning_module.trainer.accumulate_grad_batches)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    def _evaluation_step(self, hook: Any, args: tuple, kwargs: dict) -> Any:
+        self._step = PipelineStep(self)  # forward-only network calls; dropped with the step
+        try:
+            return hook(*args, **kwargs)
+        finally:
+            self._step = None
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluation_step(super().validation_step, args, kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluation_step(super().test_step, args, kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluation_step(super().predict_step, args, kwargs)
+
+    # ---- gradients -----------------------------------------------------------------------------
+    @override
+    def optimizer_gradients(self, optimizer: Any) -> tuple[list[Tensor], list[Tensor]]:
+        grads, _ = super().optimizer_gradients(optimizer)
+        # a weight tied across stages has a copy (summed gradient) on each holder: all are clipped, one is counted
+        skip = {id(p.grad) for p, _, counted in self._tied if not counted and p.grad is not None}
+        return grads, [g for g in grads if id(g) not in skip]
+
+    @override
+    def grad_norm_group(self) -> Optional[Any]:
+        return self.mesh.group(PP) if self.mesh.size(PP) > 1 else None  # the stages hold distinct parameters
+
+    # ---- checkpoints: each stage its own keys, a tied weight once (see `_pipeline_checkpoints`) ------------
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        assert self.model is not None
+        self.wait_for_checkpoint()  # it may be the one being written
+        fitting = self.lightning_module.trainer.state.fn == "fit"
+        return checkpoints.load_stages(
+            self.broadcast(checkpoint_path),
+            model=self.model,
+            optimizers=self.optimizers if fitting else (),
+            weights_only=True if weights_only is None else weights_only,
+            tied_keys=self._tied_keys,
+        )
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return checkpoints.module_state(super().lightning_module_state_dict(), self._tied_keys)
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        return checkpoints.optimizer_state(self.model, optimizer, self._tied_keys)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        checkpoint = checkpoints.with_tied_aliases(
+            checkpoint, self._tied_keys
+        )  # consolidation's names of a tied weight
+        super().save_checkpoint(checkpoint, filepath, storage_options)
 
 
 __all__ = ["PipelineStrategy"]
