@@ -49,7 +49,9 @@ from lightning_dist.parallelize.pipeline_hf import is_hf_causal_lm
 from lightning_dist.parallelize.pipeline_output import serve_pipeline_loss, unserve_pipeline_loss
 from lightning_dist.parallelize.pipeline_schedule import SCHEDULES, PipelineRunner, schedule_problems
 from lightning_dist.parallelize.pipeline_tied import tied_checkpoint_keys
-from lightning_dist.parallelize.tp import TPEntry, format_plan, resolve_stage_plan
+from lightning_dist.parallelize.tp import resolve_stage_plan
+from lightning_dist.parallelize.tp_plan import format_plan
+from lightning_dist.parallelize.tp_vocab import TPEntry
 from lightning_dist.strategies._pipeline_checkpoints import PipelineCheckpointMixin
 from lightning_dist.strategies._pipeline_step import PipelineStepMixin
 from lightning_dist.strategies.base import MeshStrategy

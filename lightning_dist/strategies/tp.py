@@ -14,8 +14,10 @@ from typing_extensions import override
 from lightning_dist._compat import TP_SEQUENCE_PARALLEL_WITH_DP_HANGS
 from lightning_dist.mesh import TP, MeshSpec
 from lightning_dist.parallelize import ParallelizeConfig
-from lightning_dist.parallelize.tp import BUILTIN_PLANS, ResolvedPlan, TPEntry, format_plan, resolve_tp_plan
+from lightning_dist.parallelize.tp_auto import BUILTIN_PLANS
 from lightning_dist.parallelize.tp_loss import LogitsGuard, head_entry, loss_parallel_step
+from lightning_dist.parallelize.tp_plan import ResolvedPlan, format_plan, resolve_tp_plan
+from lightning_dist.parallelize.tp_vocab import TPEntry
 from lightning_dist.strategies.hsdp import HybridShardStrategy
 
 
