@@ -226,7 +226,11 @@ def apply_tp(
     from torch.distributed.tensor.parallel import parallelize_module
 
     tp = tp_mesh.size()
-    resolved = resolve_tp_plan(model, plan, tp=tp, sequence_parallel=sequence_parallel)
+    resolved = (
+        plan
+        if isinstance(plan, ResolvedPlan)
+        else resolve_tp_plan(model, plan, tp=tp, sequence_parallel=sequence_parallel)
+    )
     if (resolved.tp, resolved.sequence_parallel) != (tp, sequence_parallel):
         raise ValueError(
             f"apply_tp: the plan was resolved for tp={resolved.tp}, sequence_parallel={resolved.sequence_parallel}"
