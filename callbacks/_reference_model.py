@@ -15,7 +15,7 @@ from lightning_dist._compat import fully_shard_api
 from lightning_dist.parallelize.pipeline import PipelineView, is_pipelined_module, join_stages
 from lightning_dist.parallelize.pipeline_hf import is_hf_causal_lm, pipeline_loss_function
 from lightning_dist.parallelize.pipeline_pruned import model_class_copy
-from lightning_dist.parallelize.tp import GLOBAL_ATTRS_KEY
+from lightning_dist.parallelize.tp_checks import GLOBAL_ATTRS_KEY
 
 # the class FSDP2 mixes into the modules it shards (None without FSDP2)
 _FSDPModule = fully_shard_api()[3]

@@ -65,7 +65,8 @@ class ParallelizeConfig:
     offload_policy: Any | None = None
     """FSDP2 ``CPUOffloadPolicy`` or None."""
     tp_plan: Any | None = None
-    """Tensor-parallel plan (see ``parallelize.tp``); used when the mesh has ``tp > 1``."""
+    """Tensor-parallel plan, used when the mesh has ``tp > 1``: a ``ResolvedPlan`` (``parallelize.tp_plan``; the
+    strategy resolves it once per setup), applied as it is, or a plan ``apply_tp`` resolves (see ``parallelize.tp``)."""
     tp_options: dict = field(default_factory=dict)
     """Extra keyword arguments for ``apply_tp`` (e.g. ``sequence_parallel``)."""
     compile: bool | str | Sequence[str] = False

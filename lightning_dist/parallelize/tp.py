@@ -40,13 +40,14 @@ Built-in plans (``plan="auto"`` picks the first that matches; see :mod:`.tp_auto
 model's own plan), ``transformer`` (attention and MLP regions found from each block's structure) and
 ``mlp`` (a network of Linear layers only).
 
-:func:`resolve_plan` (in :mod:`.tp_plan`, with the styles and :class:`TPEntry`) validates a plan against a model in one
-process (meta-device models work; the
-checks are in :mod:`.tp_checks`): sizes and heads divisible by ``tp``, every split output taken back and
-every row-wise input produced inside its region, tied parameters split alike (:mod:`.shared`).
-:func:`resolve_tp_plan` picks a built-in plan and resolves it once into a :class:`ResolvedPlan`;
-:func:`format_plan` prints it as a table; :func:`apply_tp` applies it (resolving first when given a plan), re-ties tied
-parameters and makes head-count attributes local. :mod:`.tp_probe` then checks the split model's output
+:mod:`.tp_vocab` holds the words a plan is written in (module kinds, :data:`~.tp_vocab.STYLES`,
+:class:`~.tp_vocab.TPEntry`, pattern matching). :func:`~.tp_plan.resolve_plan` (:mod:`.tp_plan`) validates a plan
+against a model in one process (meta-device models work; the checks are in :mod:`.tp_checks`): sizes and heads
+divisible by ``tp``, every split output taken back and every row-wise input produced inside its region, tied
+parameters split alike (:mod:`.shared`). :func:`~.tp_plan.resolve_tp_plan` picks a built-in plan and resolves it
+once into a :class:`~.tp_plan.ResolvedPlan`; :func:`~.tp_plan.format_plan` prints it as a table; :func:`apply_tp`
+(here) applies it (resolving first when given a plan), re-ties tied parameters and makes head-count attributes
+local. :mod:`.tp_probe` then checks the split model's output
 on ``example_input_array`` against the unsplit one's.
 """
 
@@ -60,26 +61,9 @@ from torch import nn
 
 from lightning_dist._compat import DTENSOR_UNEVEN_GATHER_STRIDED
 from lightning_dist.parallelize.shared import retie, shared_parameters
-from lightning_dist.parallelize.tp_auto import (
-    BUILTIN_PLANS,
-    builtin_plan,
-    mlp_plan,
-    transformer_plan,
-)  # public here too
-from lightning_dist.parallelize.tp_checks import GLOBAL_ATTRS_KEY, is_conv1d, set_local_attrs  # noqa: F401  (public here too)
-from lightning_dist.parallelize.tp_plan import (  # noqa: F401  (the plan API, public here too)
-    COLWISE,
-    STYLES,
-    Plan,
-    PlanValue,
-    ResolvedPlan,
-    TPEntry,
-    _parse_layout,
-    format_plan,
-    resolve_plan,
-    resolve_tp_plan,
-    shard_dims,
-)
+from lightning_dist.parallelize.tp_checks import set_local_attrs
+from lightning_dist.parallelize.tp_plan import ResolvedPlan, resolve_tp_plan
+from lightning_dist.parallelize.tp_vocab import Plan, TPEntry, parse_layout
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -93,7 +77,7 @@ def _placement(layout: str | None, default: Any) -> Any:
 
     if layout is None:
         return default
-    kind, dim = _parse_layout(layout)  # validated in resolve_plan
+    kind, dim = parse_layout(layout)  # validated in resolve_plan
     return Replicate() if kind == "replicate" else Shard(dim)
 
 
@@ -242,7 +226,11 @@ def apply_tp(
     from torch.distributed.tensor.parallel import parallelize_module
 
     tp = tp_mesh.size()
-    resolved = resolve_tp_plan(model, plan, tp=tp, sequence_parallel=sequence_parallel)
+    resolved = (
+        plan
+        if isinstance(plan, ResolvedPlan)
+        else resolve_tp_plan(model, plan, tp=tp, sequence_parallel=sequence_parallel)
+    )
     if (resolved.tp, resolved.sequence_parallel) != (tp, sequence_parallel):
         raise ValueError(
             f"apply_tp: the plan was resolved for tp={resolved.tp}, sequence_parallel={resolved.sequence_parallel}"
@@ -326,19 +314,4 @@ def apply_tp_entries(
     return len(styles)
 
 
-__all__ = [
-    "BUILTIN_PLANS",
-    "STYLES",
-    "Plan",
-    "ResolvedPlan",
-    "TPEntry",
-    "apply_tp",
-    "apply_tp_entries",
-    "builtin_plan",
-    "format_plan",
-    "mlp_plan",
-    "resolve_plan",
-    "resolve_stage_plan",
-    "resolve_tp_plan",
-    "transformer_plan",
-]
+__all__ = ["apply_tp", "apply_tp_entries", "resolve_stage_plan"]

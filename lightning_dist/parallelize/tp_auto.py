@@ -39,8 +39,7 @@ from collections.abc import Callable, Mapping
 from torch import nn
 
 from lightning_dist.parallelize.shared import shared_parameters
-from lightning_dist.parallelize.tp_checks import _is_norm, _linear_like, is_conv1d
-from lightning_dist.parallelize.tp_plan import _matches, _roots
+from lightning_dist.parallelize.tp_vocab import is_conv1d, is_norm, linear_like, pattern_matches, plan_roots
 from lightning_dist.parallelize.units import find_block_lists
 
 # HuggingFace style name -> ours; styles HF has and we lack are refused by name
@@ -106,7 +105,7 @@ def _config_qkv(attn: nn.Module, name: str) -> str | None:
 
 
 def _lin(module: nn.Module | None, name: str) -> bool:
-    return _linear_like(getattr(module, name, None)) if module is not None and hasattr(module, name) else False
+    return linear_like(getattr(module, name, None)) if module is not None and hasattr(module, name) else False
 
 
 def _region(module: nn.Module, layouts) -> tuple[tuple[str, ...], str] | None:
@@ -188,7 +187,7 @@ def _single_input(block: nn.Module) -> bool:
 def _output_head(model: nn.Module, lists: list[tuple[str, nn.ModuleList]]) -> str | None:
     """The last Linear-like layer outside the block lists (the output head), or None."""
     inside = tuple(f"{n}." for n, _ in lists)
-    heads = [n for n, m in model.named_modules() if n and _linear_like(m) and not n.startswith(inside)]
+    heads = [n for n, m in model.named_modules() if n and linear_like(m) and not n.startswith(inside)]
     return heads[-1] if heads else None
 
 
@@ -220,7 +219,7 @@ def transformer_plan(model: nn.Module, *, tp: int = 1) -> dict[str, str]:
         ):
             continue  # sequence-parallel entries wrap the block's one input; HF blocks take masks, caches...
         for child, mod in blocks[0].named_children():
-            if _is_norm(mod):
+            if is_norm(mod):
                 plan[f"{list_name}.*.{child}"] = "sequence_parallel"
         if len(blocks) == 1:
             plan[f"{list_name}.0"] = "sp_region"
@@ -300,12 +299,12 @@ def tie_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
     A head split on its output features splits its weight on dim 0, the vocabulary; the embedding sharing
     that weight must be split on the same dim to remain one parameter (Megatron's tied embedding).
     """
-    roots = _roots(model)
+    roots = plan_roots(model)
     modules = dict(model.named_modules())
     plan = dict(plan)
     for names in shared_parameters(model):
         owners = [n.rpartition(".")[0] for n in names]
-        styles = {o: next((s for p, s in plan.items() if _matches(o, p, roots)), None) for o in owners}
+        styles = {o: next((s for p, s in plan.items() if pattern_matches(o, p, roots)), None) for o in owners}
         if not any(s in ("colwise", "colwise_gather") for s in styles.values()):
             continue
         for o, s in styles.items():
@@ -339,7 +338,7 @@ def suggest_plan(model: nn.Module) -> str:
     """A starting plan to paste and edit (YAML), from the Linear layers each module holds, or ''."""
     lines = []
     for name, mod in model.named_modules():
-        kids = [n for n, k in mod.named_children() if _linear_like(k)]
+        kids = [n for n, k in mod.named_children() if linear_like(k)]
         if len(kids) >= 2:
             *cols, row = kids
             lines += [f"  {name + '.' if name else ''}{c}: colwise" for c in cols]

@@ -1,42 +1,17 @@
 """Checks of a tensor-parallel plan against the model, in one process: sizes, heads, regions, head attributes.
 
-Used by :func:`lightning_dist.parallelize.tp.resolve_plan` (collects every problem, then raises once) and by
-``apply_tp`` (head-count attributes made local). Module kinds (Linear, HF ``Conv1D``, norms) are recognized
-here so that plans and checks agree.
+Used by :func:`lightning_dist.parallelize.tp_plan.resolve_plan` (collects every problem, then raises once) and by
+``apply_tp`` (head-count attributes made local). Module kinds (Linear, HF ``Conv1D``, norms) come from
+:mod:`.tp_vocab`, as for the plans, so that plans and checks agree.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 from torch import nn
 
-if TYPE_CHECKING:
-    from lightning_dist.parallelize.tp_plan import TPEntry
-
-_NORMS: tuple[type, ...] = (nn.LayerNorm, nn.Dropout, nn.RMSNorm)  # nn.RMSNorm: torch >= 2.4, below our range
-
-
-def is_conv1d(module: nn.Module) -> bool:
-    """HuggingFace's ``Conv1D`` (GPT-2 family): a Linear whose weight is stored transposed, ``[nx, nf]``.
-
-    Recognized by shape rather than imported, so the pack does not import ``transformers``.
-    """
-    named = any(c.__name__ == "Conv1D" for c in type(module).__mro__)  # also once split per head (colwise_qkv)
-    return named and isinstance(getattr(module, "nf", None), int) and isinstance(getattr(module, "nx", None), int)
-
-
-def _is_norm(module: nn.Module) -> bool:
-    # HF models bring their own RMSNorm classes (LlamaRMSNorm...): a norm is anything named *Norm with a weight
-    return isinstance(module, _NORMS) or (
-        type(module).__name__.endswith("Norm") and not any(True for _ in module.children())
-    )
-
-
-def _linear_like(module: nn.Module) -> bool:
-    return isinstance(module, nn.Linear) or is_conv1d(module)
-
+from lightning_dist.parallelize.tp_vocab import TPEntry, is_conv1d, linear_like
 
 _HEAD_ATTRS = ("n_heads", "num_heads", "n_head", "num_attention_heads")
 # head counts an attention module may read in its forward: set to the local count on a split region (as
@@ -83,7 +58,7 @@ def _split_regions(entries: list[TPEntry]) -> list[str]:
     return [p for p, styles in parents.items() if styles == {"colwise", "rowwise"}]
 
 
-def _local_attr_problems(model: nn.Module, entries: list[TPEntry], tp: int) -> list[str]:
+def local_attr_problems(model: nn.Module, entries: list[TPEntry], tp: int) -> list[str]:
     problems = []
     for parent in _split_regions(entries):
         module = model.get_submodule(parent)
@@ -137,7 +112,7 @@ def set_local_attrs(model: nn.Module, entries: list[TPEntry], tp: int, *, within
     return changed
 
 
-def _divisibility(fqn: str, module: nn.Module, style: str, tp: int, parent: nn.Module | None) -> list[str]:
+def divisibility_problems(fqn: str, module: nn.Module, style: str, tp: int, parent: nn.Module | None) -> list[str]:
     problems = []
     if style == "colwise_qkv":
         return _fused_problems(fqn, module, tp, parent)
@@ -227,12 +202,6 @@ def _head_problems(fqn: str, module: nn.Module, tp: int, parent: nn.Module) -> l
     ]
 
 
-def _kind(module: nn.Module) -> str:
-    if is_conv1d(module):
-        return "conv1d"
-    return "linear" if isinstance(module, nn.Linear) else "embedding" if isinstance(module, nn.Embedding) else "other"
-
-
 # styles that lay out a module's inputs with torch's PrepareModuleInput, one layout: exactly one positional input
 ONE_INPUT_STYLES = ("region_input", "sp_enter", "sp_exit", "sp_region")
 
@@ -250,7 +219,7 @@ def forward_inputs(module: nn.Module) -> list[str] | None:
     return names + [f"*{p.name}" for p in params if p.kind is p.VAR_POSITIONAL]
 
 
-def _input_problems(entries: list[TPEntry], modules: Mapping[str, nn.Module]) -> list[str]:
+def input_problems(entries: list[TPEntry], modules: Mapping[str, nn.Module]) -> list[str]:
     """A one-input style on a module whose forward takes several inputs: torch would fail at the first forward,
     after the weights were distributed, with "module inputs and input_layouts should have same length!" (its
     PrepareModuleInput gets one layout per positional input). Found here, in one process, before any collective."""
@@ -271,7 +240,7 @@ def _input_problems(entries: list[TPEntry], modules: Mapping[str, nn.Module]) ->
     return problems
 
 
-def _region_problems(entries: list[TPEntry], modules: Mapping[str, nn.Module]) -> list[str]:
+def region_problems(entries: list[TPEntry], modules: Mapping[str, nn.Module]) -> list[str]:
     """A plan checked against the model's structure: each split activation is consumed where it is split.
 
     A column-wise layer leaves its output split over the tp ranks: a row-wise layer of the same parent
@@ -288,7 +257,7 @@ def _region_problems(entries: list[TPEntry], modules: Mapping[str, nn.Module]) -
     problems = []
     for parent, group in by_parent.items():
         cols = [e for e in group if e.style in ("colwise", "colwise_qkv") and "output" not in e.options]
-        rows = [e for e in group if e.style == "rowwise" and _linear_like(modules[e.fqn]) and "input" not in e.options]
+        rows = [e for e in group if e.style == "rowwise" and linear_like(modules[e.fqn]) and "input" not in e.options]
         where = repr(parent) if parent else "the model root"
         for e in cols if not rows else ():
             problems.append(

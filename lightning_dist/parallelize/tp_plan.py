@@ -1,97 +1,42 @@
-"""Tensor-parallel plans as data, matched against a model: styles, :class:`TPEntry`, :func:`resolve_plan`.
+"""Tensor-parallel plans matched against a model and checked: :func:`resolve_plan`, :class:`ResolvedPlan`.
 
-Resolution runs in one process (no process group; meta-device models work) and gives the same result on
-every rank. :func:`resolve_tp_plan` does it once per model (a built-in name picked, then matched and
-checked) and returns a :class:`ResolvedPlan`, the one object the strategy prints and ``apply_tp`` applies.
-The plan syntax and the styles are described in :mod:`lightning_dist.parallelize.tp`.
+A plan is written in the words of :mod:`.tp_vocab` (styles, :class:`~.tp_vocab.TPEntry`, patterns), named
+from the built-in plans of :mod:`.tp_auto` and checked by :mod:`.tp_checks`. Resolution runs in one process
+(no process group; meta-device models work) and gives the same result on every rank. :func:`resolve_tp_plan`
+does it once per model (a built-in name picked, then matched and checked) and returns a :class:`ResolvedPlan`,
+the one object the strategy prints and ``apply_tp`` applies. The plan syntax and the styles are described in
+:mod:`lightning_dist.parallelize.tp`.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import io
-import re
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, Union
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
 from lightning_dist.parallelize.shared import check_shared_tp, shared_parameters
+from lightning_dist.parallelize.tp_auto import builtin_plan
 from lightning_dist.parallelize.tp_checks import (
-    _divisibility,
-    _input_problems,
-    _is_norm,
-    _kind,
-    _linear_like,
-    _local_attr_problems,
-    _region_problems,
-    is_conv1d,
+    divisibility_problems,
+    input_problems,
+    local_attr_problems,
+    region_problems,
 )
-
-PlanValue = Union[str, Mapping[str, Any]]
-Plan = Mapping[str, PlanValue]
-
-
-@dataclass(frozen=True)
-class _Style:
-    description: str
-    accepts: Callable[[nn.Module], bool]  # module kinds the style supports
-    kinds: str  # those kinds, for error messages
-    sp_only: bool = False  # a no-op unless sequence_parallel=True
-    layouts: bool = False  # the dict form may override input/output layouts
-
-
-def _any(module: nn.Module) -> bool:
-    return True
-
-
-_SHARDABLE = "['Linear', 'Conv1D', 'Embedding']"
-STYLES: dict[str, _Style] = {
-    "colwise": _Style(
-        "column-wise sharded (output features)",
-        lambda m: _linear_like(m) or isinstance(m, nn.Embedding),
-        _SHARDABLE,
-        layouts=True,
-    ),
-    "rowwise": _Style(
-        "row-wise sharded (input features; vocab-parallel for an Embedding)",
-        lambda m: _linear_like(m) or isinstance(m, nn.Embedding),
-        _SHARDABLE,
-        layouts=True,
-    ),
-    "colwise_gather": _Style("column-wise, output gathered to full", _linear_like, "['Linear', 'Conv1D']"),
-    "colwise_qkv": _Style(
-        "column-wise per head of a fused [q | k | v] projection", _linear_like, "['Linear', 'Conv1D']"
-    ),
-    "sequence_parallel": _Style("runs on sequence shards", _is_norm, "norms and dropout", sp_only=True),
-    "sp_enter": _Style("input split into sequence shards", _any, "any module", sp_only=True),
-    "region_input": _Style("input replicated (gathered with SP)", _any, "any module"),
-    "sp_exit": _Style("output gathered from sequence shards", _any, "any module", sp_only=True),
-    "sp_region": _Style("input split, output gathered", _any, "any module", sp_only=True),
-}
-
-
-@dataclass(frozen=True)
-class TPEntry:
-    """One module of a resolved plan."""
-
-    fqn: str
-    """Fully qualified module name."""
-    style: str
-    """Style name (a key of :data:`STYLES`)."""
-    pattern: str
-    """The plan pattern that matched."""
-    module_type: str
-    """Class name of the module."""
-    shapes: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...] = ()
-    """(parameter, the model's shape, the shape held on one tensor rank: ``colwise_qkv`` holds ``[in, 3, E/tp]``)."""
-    options: Mapping[str, Any] = field(default_factory=dict)
-    """Layout overrides from the dict form (``input``, ``output``)."""
-    active: bool = True
-    """False for sequence-parallel entries when sequence parallelism is off."""
-    kind: str = "other"
-    """``linear``, ``conv1d`` (HF, transposed weight), ``embedding`` or ``other``: picks the torch style."""
+from lightning_dist.parallelize.tp_vocab import (
+    STYLES,
+    Plan,
+    PlanValue,
+    TPEntry,
+    module_kind,
+    parse_layout,
+    pattern_matches,
+    plan_roots,
+    shard_dims,
+)
 
 
 # ---- plan data ---------------------------------------------------------------------------------
@@ -115,50 +60,10 @@ def _parse_value(pattern: str, value: PlanValue, problems: list[str]) -> tuple[s
         )
         return None
     for key, layout in options.items():
-        if _parse_layout(layout) is None:
+        if parse_layout(layout) is None:
             problems.append(f"plan[{pattern!r}]: {key}={layout!r} is not a layout; use 'replicate' or 'shard(N)'.")
             return None
     return style, options
-
-
-def _parse_layout(text: Any) -> tuple[str, int] | None:
-    """'replicate' -> ('replicate', 0); 'shard(1)' -> ('shard', 1); anything else -> None."""
-    if not isinstance(text, str):
-        return None
-    text = text.strip().lower()
-    if text == "replicate":
-        return ("replicate", 0)
-    m = re.fullmatch(r"shard\((-?\d+)\)", text)
-    return ("shard", int(m.group(1))) if m else None
-
-
-def _roots(model: nn.Module) -> list[str]:
-    """Where patterns are anchored: the model itself and, for a LightningModule, each of its direct children
-    (the network it keeps as ``self.model``), so plans need not know that attribute name."""
-    from lightning.pytorch import LightningModule
-
-    return [""] + ([name for name, _ in model.named_children()] if isinstance(model, LightningModule) else [])
-
-
-def _matches(fqn: str, pattern: str, roots: list[str]) -> bool:
-    # from a root only: `decoder` names `model.decoder`, never also `model.transformer.decoder`
-    return any(fnmatch.fnmatchcase(fqn, f"{root}.{pattern}" if root else pattern) for root in roots)
-
-
-COLWISE = ("colwise", "colwise_gather", "colwise_qkv")
-"""Styles that split a layer's output features (its weight's output dim; ``colwise_qkv`` per [q | k | v] block)."""
-
-
-def shard_dims(module: nn.Module, style: str) -> dict[str, int]:
-    """Which dim of each of `module`'s own parameters `style` splits over ``tp`` (torch's Colwise/RowwiseParallel)."""
-    if is_conv1d(module):  # HF Conv1D keeps its weight transposed: [in_features, out_features]
-        return {"weight": 1, "bias": 0} if style in COLWISE else {"weight": 0} if style == "rowwise" else {}
-    linear = isinstance(module, nn.Linear)
-    if style in COLWISE:
-        return {"weight": 0, "bias": 0} if linear else {"weight": 1}
-    if style == "rowwise":
-        return {"weight": 1} if linear else {"weight": 0}
-    return {}
 
 
 def _local_shapes(module: nn.Module, style: str, tp: int) -> tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...]:
@@ -186,8 +91,6 @@ def resolve_plan(model: nn.Module, plan: Plan | str, *, tp: int, sequence_parall
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"`tp={tp!r}` must be an integer >= 1.")
     if isinstance(plan, str):
-        from lightning_dist.parallelize.tp_auto import builtin_plan  # built on the helpers of this module
-
         plan = builtin_plan(model, plan, tp=tp)[1]
     if not isinstance(plan, Mapping):
         raise TypeError(
@@ -203,11 +106,11 @@ def resolve_plan(model: nn.Module, plan: Plan | str, *, tp: int, sequence_parall
         if got is not None:
             parsed[pattern] = got
     modules = dict(model.named_modules())
-    roots = _roots(model)
+    roots = plan_roots(model)
     claimed: dict[str, str] = {}
     entries: list[TPEntry] = []
     for pattern, (style, options) in parsed.items():
-        hits = [fqn for fqn in modules if fqn and _matches(fqn, pattern, roots)]
+        hits = [fqn for fqn in modules if fqn and pattern_matches(fqn, pattern, roots)]
         if not hits:
             deeper = [n for n in modules if n and fnmatch.fnmatchcase(n, "*." + pattern)][:4]
             near = [n for n, m in modules.items() if n and STYLES[style].accepts(m)][:6]
@@ -243,7 +146,7 @@ def resolve_plan(model: nn.Module, plan: Plan | str, *, tp: int, sequence_parall
                 )
                 continue
             parent = modules.get(fqn.rpartition(".")[0])
-            problems += _divisibility(fqn, module, style, tp, parent)
+            problems += divisibility_problems(fqn, module, style, tp, parent)
             entries.append(
                 TPEntry(
                     fqn=fqn,
@@ -253,12 +156,12 @@ def resolve_plan(model: nn.Module, plan: Plan | str, *, tp: int, sequence_parall
                     shapes=_local_shapes(module, style, tp),
                     options=options,
                     active=sequence_parallel or not STYLES[style].sp_only,
-                    kind=_kind(module),
+                    kind=module_kind(module),
                 )
             )
-    problems += _region_problems(entries, modules)
-    problems += _input_problems(entries, modules)
-    problems += _local_attr_problems(model, entries, tp)
+    problems += region_problems(entries, modules)
+    problems += input_problems(entries, modules)
+    problems += local_attr_problems(model, entries, tp)
     sharded = {e.fqn: shard_dims(modules[e.fqn], e.style) for e in entries if e.active}
     problems += check_shared_tp(shared_parameters(model), sharded)
     if sequence_parallel and not any(e.style in ("sp_enter", "sp_region") for e in entries) and not problems:
@@ -328,22 +231,9 @@ def resolve_tp_plan(
         return plan
     name = "custom"
     if plan is None or isinstance(plan, str):
-        from lightning_dist.parallelize.tp_auto import builtin_plan
-
         name, plan = builtin_plan(model, "auto" if plan is None else plan, tp=tp)
     entries = resolve_plan(model, plan, tp=tp, sequence_parallel=sequence_parallel)
     return ResolvedPlan(name=name, entries=tuple(entries), tp=tp, sequence_parallel=sequence_parallel)
 
 
-__all__ = [
-    "COLWISE",
-    "STYLES",
-    "Plan",
-    "PlanValue",
-    "ResolvedPlan",
-    "TPEntry",
-    "format_plan",
-    "resolve_plan",
-    "resolve_tp_plan",
-    "shard_dims",
-]
+__all__ = ["ResolvedPlan", "format_plan", "resolve_plan", "resolve_tp_plan"]

@@ -1,6 +1,6 @@
 """A tensor-parallel plan checked by running it: the split model's output on one sample equals the unsplit one's.
 
-The structural checks of :func:`~lightning_dist.parallelize.tp.resolve_plan` cannot see inside a forward:
+The structural checks of :func:`~lightning_dist.parallelize.tp_plan.resolve_plan` cannot see inside a forward:
 an attention that takes its head count from a shared ``config`` object, a fused q/k/v projection laid out
 ``[q | k | v]`` rather than head by head, a reshape to a global width. Each of those trains a different
 model without an error. So the strategy runs one sample through the model before and after tensor
@@ -73,7 +73,7 @@ def _made_up(module: nn.Module) -> list[tuple[nn.Module, Any]]:
 class _FlowTrace:
     """Records, during one unsplit forward, the order in which each region's column-/row-wise layers run.
 
-    A region is the parent module of planned layers (as in ``tp_checks._region_problems``); each call of it is
+    A region is the parent module of planned layers (as in ``tp_checks.region_problems``); each call of it is
     one sequence. In a split region the data flows replicated -> column-wise (split) -> row-wise (replicated
     again), so within one call a row-wise layer needs a column-wise one before it, and a column-wise layer a
     row-wise one after it. Embeddings (vocab-parallel ``rowwise`` takes token ids) and dict entries stating an

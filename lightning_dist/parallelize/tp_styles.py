@@ -19,6 +19,7 @@ shape (hooks below), so checkpoints, consolidation and HuggingFace export are un
 
 from __future__ import annotations
 
+import types
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,7 +27,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from lightning_dist.parallelize.tp_checks import is_conv1d
+from lightning_dist.parallelize.tp_vocab import is_conv1d
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -90,37 +91,32 @@ def _fused_shape(shape: tuple[int, ...], dim: int, parts: int) -> tuple[int, ...
     return (*shape[:dim], parts, shape[dim] // parts, *shape[dim + 1 :])
 
 
-class _FusedQKVForward:
-    """Forward of a layer split by :class:`FusedQKVParallel` (placed before the layer's own class).
+def fused_qkv_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Forward of a layer split by :class:`FusedQKVParallel`, bound to the layer as its ``forward``.
 
     Split (DTensor weight on the tp mesh; under FSDP2 the gathered one): the local ``[q_r | k_r | v_r]``
     columns. Plain weights (a single-device copy such as GradientParityCheck's reference): the original
     layer's output, from the same 3-D tensors reshaped back to the original layout.
     """
+    from torch.distributed.tensor import Partial
 
-    def forward(self, x):
-        from torch.distributed.tensor import Partial
-
-        w, b = self.weight, self.bias
-        if isinstance(w, DTensor):
-            mesh = w.device_mesh
-            if not isinstance(x, DTensor):
-                x = DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
-            elif x.placements != (Replicate(),):
-                x = x.redistribute(placements=(Replicate(),))
-            # each rank's input gradient covers its own heads only: the Partial sums them (one all-reduce)
-            x = x.to_local(grad_placements=(Partial(),))
-            w, b = w.to_local(), None if b is None else b.to_local()
-        b = None if b is None else b.reshape(-1)
-        if is_conv1d(self):  # [in, 3, E_local] -> [in, 3 * E_local]: addmm as Conv1D.forward does
-            w = w.reshape(w.shape[0], -1)
-            flat = x.reshape(-1, x.shape[-1])
-            out = flat @ w if b is None else torch.addmm(b, flat, w)
-            return out.view(*x.shape[:-1], -1)
-        return torch.nn.functional.linear(x, w.reshape(-1, w.shape[-1]), b)  # [3, E_local, in] -> [3 * E_local, in]
-
-
-_FUSED_CLASSES: dict[type, type] = {}
+    w, b = self.weight, self.bias
+    if isinstance(w, DTensor):
+        mesh = w.device_mesh
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
+        elif x.placements != (Replicate(),):
+            x = x.redistribute(placements=(Replicate(),))
+        # each rank's input gradient covers its own heads only: the Partial sums them (one all-reduce)
+        x = x.to_local(grad_placements=(Partial(),))
+        w, b = w.to_local(), None if b is None else b.to_local()
+    b = None if b is None else b.reshape(-1)
+    if is_conv1d(self):  # [in, 3, E_local] -> [in, 3 * E_local]: addmm as Conv1D.forward does
+        w = w.reshape(w.shape[0], -1)
+        flat = x.reshape(-1, x.shape[-1])
+        out = flat @ w if b is None else torch.addmm(b, flat, w)
+        return out.view(*x.shape[:-1], -1)
+    return torch.nn.functional.linear(x, w.reshape(-1, w.shape[-1]), b)  # [3, E_local, in] -> [3 * E_local, in]
 
 
 class FusedQKVParallel(ParallelStyle):
@@ -148,10 +144,10 @@ class FusedQKVParallel(ParallelStyle):
             )
             module.register_parameter(pname, dparam)
         module.__dict__[FUSED_SHAPES_KEY] = shapes
-        cls = type(module)
-        if cls not in _FUSED_CLASSES:  # one generated class per layer class, as fully_shard does
-            _FUSED_CLASSES[cls] = type(f"FusedQKV{cls.__name__}", (_FusedQKVForward, cls), {})
-        module.__class__ = _FUSED_CLASSES[cls]
+        # the layer keeps its class; its own forward (an instance attribute, which nn.Module.__call__ runs) reads
+        # the 3-D weights. A bound method: copies that rebind instance methods (GradientParityCheck's reference,
+        # copy.deepcopy) run it on their own weights
+        module.forward = types.MethodType(fused_qkv_forward, module)
         module.register_state_dict_post_hook(_original_shape_state_dict)
         module.register_load_state_dict_pre_hook(_fused_shape_load)
         return module
@@ -187,4 +183,4 @@ def _fused_shape_load(module: nn.Module, state_dict: dict, prefix: str, *args: A
         state_dict[key] = distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None)
 
 
-__all__ = ["Conv1DParallel", "FUSED_SHAPES_KEY", "FusedQKVParallel"]
+__all__ = ["Conv1DParallel", "FUSED_SHAPES_KEY", "FusedQKVParallel", "fused_qkv_forward"]

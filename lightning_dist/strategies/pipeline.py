@@ -50,7 +50,9 @@ from lightning_dist.parallelize.pipeline_hf import is_hf_causal_lm
 from lightning_dist.parallelize.pipeline_output import serve_pipeline_loss, unserve_pipeline_loss
 from lightning_dist.parallelize.pipeline_schedule import PipelineRunner, schedule_problems
 from lightning_dist.parallelize.pipeline_tied import tied_checkpoint_keys
-from lightning_dist.parallelize.tp import TPEntry, format_plan, resolve_stage_plan
+from lightning_dist.parallelize.tp import resolve_stage_plan
+from lightning_dist.parallelize.tp_plan import format_plan
+from lightning_dist.parallelize.tp_vocab import TPEntry
 from lightning_dist.rules import SCHEDULES
 from lightning_dist.strategies import _pipeline_checkpoints as checkpoints
 from lightning_dist.strategies._pipeline_step import PipelineStep, serve_loss

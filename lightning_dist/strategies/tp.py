@@ -13,9 +13,11 @@ from typing_extensions import override
 
 from lightning_dist._compat import TP_SEQUENCE_PARALLEL_WITH_DP_HANGS
 from lightning_dist.mesh import TP, MeshSpec
-from lightning_dist.parallelize import ParallelizeConfig
-from lightning_dist.parallelize.tp import BUILTIN_PLANS, ResolvedPlan, TPEntry, format_plan, resolve_tp_plan
+from lightning_dist.parallelize import ParallelizeConfig, parallelize_model
+from lightning_dist.parallelize.tp_auto import BUILTIN_PLANS
 from lightning_dist.parallelize.tp_loss import LogitsGuard, head_entry, loss_parallel_step
+from lightning_dist.parallelize.tp_plan import ResolvedPlan, format_plan, resolve_tp_plan
+from lightning_dist.parallelize.tp_vocab import TPEntry
 from lightning_dist.strategies.hsdp import HybridShardStrategy
 
 
@@ -102,7 +104,9 @@ class TensorParallelStrategy(HybridShardStrategy):
         """The resolved plan (filled in when the model is parallelized)."""
         self.tp_probe_diff: Optional[float] = None
         """Relative output difference split vs unsplit on one sample (None: no sample could run)."""
-        self._resolved: Optional[tuple[Any, ResolvedPlan]] = None  # (model structure, its plan): resolved once
+        self._checked: Optional[tuple[tuple[str, ...], ResolvedPlan]] = None
+        """(module names, plan) resolved by ``validate_config`` when the model had parameters then: the plan
+        ``parallelize`` applies if the model still has those modules."""
 
     @property
     def is_distributed(self) -> bool:
@@ -133,29 +137,34 @@ class TensorParallelStrategy(HybridShardStrategy):
                 " torch>=2.13, or pass sequence_parallel=False (tensor parallelism with data parallelism works here)."
             )
         module = self.lightning_module
-        # check the plan now when the model already exists (else in `parallelize`): same on every rank
-        if module is not None and tp > 1 and any(True for _ in module.parameters()):
-            self._resolve(module, tp)
+        self._checked = None
+        # check the plan now when the model already exists (else in `parallelize`): same on every rank. A model
+        # parallelized by an earlier fit (a later `validate`/`test`) is set up as it is: no plan to check
+        if module is not None and tp > 1 and any(True for _ in module.parameters()) and not self.already_parallelized():
+            self._checked = (_module_names(module), self._resolve_plan(module, tp))
 
-    def _resolve(self, module: pl.LightningModule, tp: int) -> ResolvedPlan:
-        """The plan resolved against `module` once (kept while the model's structure and `tp` stay the same:
-        ``configure_model`` may add layers between the config check and parallelizing)."""
-        key = (id(module), tp, tuple(name for name, _ in module.named_modules()))
-        if self._resolved is None or self._resolved[0] != key:
-            resolved = resolve_tp_plan(module, self.plan, tp=tp, sequence_parallel=self.sequence_parallel)
-            if self.loss_parallel:
-                head_entry(resolved.entries)  # the one vocabulary-split head, or a ValueError (before any collective)
-            self._resolved = (key, resolved)
-        return self._resolved[1]
+    def _resolve_plan(self, module: pl.LightningModule, tp: int) -> ResolvedPlan:
+        """The plan matched against `module` and checked for `tp` ranks (raises ValueError, the same on every rank)."""
+        resolved = resolve_tp_plan(module, self.plan, tp=tp, sequence_parallel=self.sequence_parallel)
+        if self.loss_parallel:
+            head_entry(resolved.entries)  # the one vocabulary-split head, or a ValueError (before any collective)
+        return resolved
+
+    def _setup_plan(self, module: pl.LightningModule, tp: int) -> ResolvedPlan:
+        """This setup's plan: the one ``validate_config`` resolved, unless the model's modules changed since
+        (``LightningModule.setup`` and ``configure_model`` run in between and may add layers); else resolved now."""
+        checked, self._checked = self._checked, None
+        if checked is not None and checked[0] == _module_names(module):
+            return checked[1]
+        return self._resolve_plan(module, tp)
 
     @override
     def parallelize_config(self) -> ParallelizeConfig:
-        assert self.lightning_module is not None
+        """The options of :meth:`parallelize`, with the plan as given (``parallelize`` puts in the resolved one)."""
         tp = self.mesh.size(TP)
-        plan = self._resolve(self.lightning_module, tp) if tp > 1 else None
         return dataclasses.replace(
             super().parallelize_config(),
-            tp_plan=plan,
+            tp_plan=self.plan if tp > 1 else None,
             tp_options={
                 "sequence_parallel": self.sequence_parallel,
                 "sequence_dim": self.sequence_dim,
@@ -168,13 +177,15 @@ class TensorParallelStrategy(HybridShardStrategy):
         from lightning_dist.parallelize.tp_probe import check_probe, probe_output
 
         tp = self.mesh.size(TP)
-        probe = None
+        config, probe = self.parallelize_config(), None
         if tp > 1:
-            self.tp_entries = list(self._resolve(module, tp).entries)
+            plan = self._setup_plan(module, tp)  # resolved once per setup; apply_tp applies this value as it is
+            config = dataclasses.replace(config, tp_plan=plan)
+            self.tp_entries = list(plan.entries)
             rank_zero_info(format_plan(self.tp_entries, tp=tp))
             # the unsplit model's output on one sample, to compare with the split one's (parallelize/tp_probe.py)
             probe = probe_output(module, self.root_device, self.tp_entries)
-        super().parallelize(module)
+        parallelize_model(module, self.mesh, config)
         if probe is not None:
             self.tp_probe_diff = check_probe(*probe, describe=f"tensor-parallel plan (tp={tp})")
             self.reshard()  # a forward without backward leaves FSDP2 roots gathered: the optimizer must see shards
@@ -215,6 +226,10 @@ class TensorParallelStrategy(HybridShardStrategy):
             f"{super().__repr__()[:-1]}, plan={self.plan if isinstance(self.plan, str) else 'custom'},"
             f" sequence_parallel={self.sequence_parallel}, loss_parallel={self.loss_parallel})"
         )
+
+
+def _module_names(module: pl.LightningModule) -> tuple[str, ...]:
+    return tuple(name for name, _ in module.named_modules())
 
 
 class SequenceParallelStrategy(TensorParallelStrategy):

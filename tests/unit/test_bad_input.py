@@ -38,14 +38,14 @@ def _tp(**kw):
 
 
 def _plan(plan, width=16):
-    from lightning_dist.parallelize.tp import resolve_plan
+    from lightning_dist.parallelize.tp_plan import resolve_plan
 
     return resolve_plan(MLP(width=width), plan, tp=2)
 
 
 def _tied_head_only():
     from lightning_dist.models import GPT
-    from lightning_dist.parallelize.tp import resolve_plan
+    from lightning_dist.parallelize.tp_plan import resolve_plan
 
     with torch.device("meta"):
         model = GPT(n_layer=1, n_head=2, n_embd=16, tie_weights=True)
@@ -55,7 +55,7 @@ def _tied_head_only():
 def _two_paths():
     import lightning.pytorch as pl
 
-    from lightning_dist.parallelize.tp import resolve_plan
+    from lightning_dist.parallelize.tp_plan import resolve_plan
 
     module = pl.LightningModule()
     module.model, module.head = MLP(), nn.Linear(5, 4)  # `head` from the LightningModule and from `model`
@@ -64,7 +64,7 @@ def _two_paths():
 
 def _styles_swapped():
     from lightning_dist.models import GPT
-    from lightning_dist.parallelize.tp import resolve_plan
+    from lightning_dist.parallelize.tp_plan import resolve_plan
     from lightning_dist.parallelize.tp_probe import probe_output
 
     model = GPT(n_layer=2, n_head=2, n_embd=32, block_size=16)
@@ -99,7 +99,7 @@ def _head_registered_first():
 
 
 def _auto_no_plan():
-    from lightning_dist.parallelize.tp import builtin_plan
+    from lightning_dist.parallelize.tp_auto import builtin_plan
 
     net = nn.Module()
     net.conv, net.up, net.down = nn.Conv1d(4, 4, 1), nn.Linear(4, 8), nn.Linear(8, 4)

@@ -20,13 +20,6 @@ KNOWN_CYCLES: list[frozenset[str]] = [
             "lightning_dist.parallelize.pipeline_stages",
         }
     ),
-    frozenset(
-        {
-            "lightning_dist.parallelize.tp_auto",
-            "lightning_dist.parallelize.tp_checks",
-            "lightning_dist.parallelize.tp_plan",
-        }
-    ),
 ]
 
 PLANNER = "lightning_dist.planner"

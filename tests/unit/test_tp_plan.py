@@ -10,7 +10,8 @@ from torch import nn
 import lightning_dist  # noqa: F401  (registers the strategies)
 from lightning_dist.mesh import MeshSpec
 from lightning_dist.models import GPT, ShapesCNN, ViT
-from lightning_dist.parallelize.tp import BUILTIN_PLANS, builtin_plan, format_plan, resolve_plan
+from lightning_dist.parallelize.tp_auto import BUILTIN_PLANS, builtin_plan
+from lightning_dist.parallelize.tp_plan import format_plan, resolve_plan
 from lightning_dist.strategies import TensorParallelStrategy
 
 
@@ -255,7 +256,7 @@ def test_strategy_tp_auto_is_devices_per_node_and_validates_before_collectives()
 
 def test_a_plan_is_resolved_once_into_one_object():
     """resolve_tp_plan picks the built-in plan and resolves it; the result is what apply_tp and the strategy use."""
-    from lightning_dist.parallelize.tp import ResolvedPlan, resolve_tp_plan
+    from lightning_dist.parallelize.tp_plan import ResolvedPlan, resolve_tp_plan
 
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
     resolved = resolve_tp_plan(model, "auto", tp=2)
