@@ -15,58 +15,58 @@ from torch import Tensor
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 
-def _to_cpu(batch: Any) -> Any:
+def to_cpu(batch: Any) -> Any:
     if isinstance(batch, Tensor):
         return batch.detach().cpu()
     if isinstance(batch, Mapping):
-        return {k: _to_cpu(v) for k, v in batch.items()}
+        return {k: to_cpu(v) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):
         return (
-            type(batch)(_to_cpu(v) for v in batch)
+            type(batch)(to_cpu(v) for v in batch)
             if not hasattr(batch, "_fields")
-            else type(batch)(*(_to_cpu(v) for v in batch))
+            else type(batch)(*(to_cpu(v) for v in batch))
         )
     return batch
 
 
-def _select_rows(batch: Any, keep: Optional[Tensor]) -> Any:
+def select_rows(batch: Any, keep: Optional[Tensor]) -> Any:
     if keep is None:
         return batch
     if isinstance(batch, Tensor):
         return batch[keep] if batch.dim() > 0 and batch.shape[0] == keep.shape[0] else batch
     if isinstance(batch, Mapping):
-        return {k: _select_rows(v, keep) for k, v in batch.items()}
+        return {k: select_rows(v, keep) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):
-        items = [_select_rows(v, keep) for v in batch]
+        items = [select_rows(v, keep) for v in batch]
         return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)
     return batch
 
 
-def _concat(parts: Sequence[Any]) -> Any:
+def concat_batches(parts: Sequence[Any]) -> Any:
     """Concatenate the same batch structure from several ranks along dim 0."""
     first = parts[0]
     if isinstance(first, Tensor):
         return torch.cat(list(parts)) if first.dim() > 0 else first
     if isinstance(first, Mapping):
-        return {k: _concat([p[k] for p in parts]) for k in first}
+        return {k: concat_batches([p[k] for p in parts]) for k in first}
     if isinstance(first, (list, tuple)):
-        items = [_concat([p[i] for p in parts]) for i in range(len(first))]
+        items = [concat_batches([p[i] for p in parts]) for i in range(len(first))]
         return type(first)(*items) if hasattr(first, "_fields") else type(first)(items)
     return first
 
 
-def _to_device(batch: Any, device: torch.device) -> Any:
+def to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, Tensor):
         return batch.to(device)
     if isinstance(batch, Mapping):
-        return {k: _to_device(v, device) for k, v in batch.items()}
+        return {k: to_device(v, device) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):
-        items = [_to_device(v, device) for v in batch]
+        items = [to_device(v, device) for v in batch]
         return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)
     return batch
 
 
-def _padding_keep_mask(trainer: Trainer, batch_idx: int) -> Optional[Tensor]:
+def padding_keep_mask(trainer: Trainer, batch_idx: int) -> Optional[Tensor]:
     """Rows of this training batch that are real samples (not ``DistributedSampler`` padding), when the
     training loader is a plain DataLoader over a DistributedSampler; None when nothing can be told."""
     dl = trainer.train_dataloader
@@ -82,22 +82,22 @@ def _padding_keep_mask(trainer: Trainer, batch_idx: int) -> Optional[Tensor]:
     return torch.tensor([sampler.rank + j * sampler.num_replicas < n for j in range(start, stop)])
 
 
-def _same(a: Any, b: Any) -> bool:
+def same_values(a: Any, b: Any) -> bool:
     """Structural equality of two gathered batches."""
     if isinstance(a, Tensor) or isinstance(b, Tensor):
         return isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape == b.shape and torch.equal(a, b)
     if isinstance(a, Mapping) and isinstance(b, Mapping):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+        return a.keys() == b.keys() and all(same_values(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(same_values(x, y) for x, y in zip(a, b))
     return a == b
 
 
-def _rows(batch: Any) -> int:
+def batch_rows(batch: Any) -> int:
     if isinstance(batch, Tensor):
         return batch.shape[0] if batch.dim() else 1
     if isinstance(batch, Mapping):
-        return _rows(next(iter(batch.values())))
+        return batch_rows(next(iter(batch.values())))
     if isinstance(batch, (list, tuple)) and batch:
-        return _rows(batch[0])
+        return batch_rows(batch[0])
     return 0

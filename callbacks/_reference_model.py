@@ -23,13 +23,13 @@ _FSDPModule = fully_shard_api()[3]
 _COMPOSABLE_STATE = "__composable_api_state_key"
 
 
-def _full(t: Tensor) -> Tensor:
+def full_tensor_of(t: Tensor) -> Tensor:
     """A plain tensor holding the whole value (DTensor shards are gathered: a collective)."""
     full_tensor = getattr(t, "full_tensor", None)
     return full_tensor() if callable(full_tensor) else t
 
 
-def _unsharded_clone(module: nn.Module, full_by_id: dict[int, Tensor], memo: dict[int, nn.Parameter]) -> nn.Module:
+def unsharded_clone(module: nn.Module, full_by_id: dict[int, Tensor], memo: dict[int, nn.Parameter]) -> nn.Module:
     """A plain single-device copy of `module` for the reference computation.
 
     Hand-written because ``copy.deepcopy`` cannot copy what distributed wrappers attach (process
@@ -61,12 +61,12 @@ def _unsharded_clone(module: nn.Module, full_by_id: dict[int, Tensor], memo: dic
     new._parameters = {}
     for name, p in module._parameters.items():
         if p is not None and id(p) not in memo:
-            whole = full_by_id[id(p)] if id(p) in full_by_id else _full(p.detach())
+            whole = full_by_id[id(p)] if id(p) in full_by_id else full_tensor_of(p.detach())
             memo[id(p)] = nn.Parameter(whole.clone(), requires_grad=p.requires_grad)
         new._parameters[name] = None if p is None else memo[id(p)]
-    new._buffers = {name: None if b is None else _full(b).clone() for name, b in module._buffers.items()}
+    new._buffers = {name: None if b is None else full_tensor_of(b).clone() for name, b in module._buffers.items()}
     new._modules = {
-        name: None if c is None else _unsharded_clone(c, full_by_id, memo) for name, c in module._modules.items()
+        name: None if c is None else unsharded_clone(c, full_by_id, memo) for name, c in module._modules.items()
     }
     if is_pipelined_module(new):
         new.runner = None  # the copy runs its own layers, never the strategy's pipeline schedule

@@ -28,7 +28,7 @@ from torchmetrics.wrappers.abstract import WrapperMetric
 from typing_extensions import override
 
 from lightning_dist._integrations.lightning import unwrap_strategy_methods, wrap_strategy_methods
-from lightning_dist.callbacks.sampler_epoch import _loaders
+from lightning_dist.callbacks.sampler_epoch import dataloaders_in
 from lightning_dist.data import samples_per_rank
 from lightning_dist.mesh import data_parallel_info
 from lightning_dist.parallelize.pipeline import pipeline_view
@@ -364,7 +364,7 @@ class ExactEvaluation(Callback):
 
     # ---- per-batch mask and count ------------------------------------------------------------
     def _batch_start(self, loaders: Any, pl_module: LightningModule, batch_idx: int, dataloader_idx: int) -> None:
-        dl = _loaders(loaders)[dataloader_idx]
+        dl = dataloaders_in(loaders)[dataloader_idx]
         sampler = getattr(dl, "batch_sampler", None)
         if not isinstance(sampler, ExactBatchSampler):
             raise RuntimeError(

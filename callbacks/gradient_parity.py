@@ -21,15 +21,15 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_dist.callbacks._global_batch import (
-    _concat,
-    _padding_keep_mask,
-    _rows,
-    _same,
-    _select_rows,
-    _to_cpu,
-    _to_device,
+    batch_rows,
+    concat_batches,
+    padding_keep_mask,
+    same_values,
+    select_rows,
+    to_cpu,
+    to_device,
 )
-from lightning_dist.callbacks._reference_model import _full, _unsharded_clone, whole_pipeline_network
+from lightning_dist.callbacks._reference_model import full_tensor_of, unsharded_clone, whole_pipeline_network
 from lightning_dist.callbacks.sync_batchnorm import revert_sync_batchnorm
 from lightning_dist.mesh import DistMesh, data_parallel_info
 from lightning_dist.parallelize.pipeline import pipeline_view
@@ -164,7 +164,7 @@ class GradientParityCheck(Callback):
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if trainer.global_step not in self.steps:
             return
-        self._micro.append((_to_cpu(batch), _padding_keep_mask(trainer, batch_idx), batch_idx))
+        self._micro.append((to_cpu(batch), padding_keep_mask(trainer, batch_idx), batch_idx))
 
     @override
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
@@ -175,8 +175,8 @@ class GradientParityCheck(Callback):
         named = [(n, p) for n, p in pl_module.named_parameters() if p.requires_grad]
 
         # the distributed gradient and parameters, whole (every rank joins the same collectives)
-        full_params = {n: _full(p.detach()) for n, p in named}
-        dist_grads = {n: None if p.grad is None else _full(p.grad.detach()) for n, p in named}
+        full_params = {n: full_tensor_of(p.detach()) for n, p in named}
+        dist_grads = {n: None if p.grad is None else full_tensor_of(p.grad.detach()) for n, p in named}
         # ranks holding the same parameters: the world, or under pipeline the dp group of each stage
         pipeline = pipeline_view(trainer.strategy) is not None
         same_params_group, same_params_size = (group, size) if pipeline else (None, _world_size())
@@ -192,12 +192,12 @@ class GradientParityCheck(Callback):
             gathered = [None] * size
             dist.all_gather_object(gathered, micro, group=group)
         global_batches = [
-            (_concat([_select_rows(g[k][0], g[k][1]) for g in gathered]), micro[k][2]) for k in range(len(micro))
+            (concat_batches([select_rows(g[k][0], g[k][1]) for g in gathered]), micro[k][2]) for k in range(len(micro))
         ]
 
         # every dp rank holding the same rows means the data is not sharded (no DistributedSampler)
         same_batch = size > 1 and all(
-            _same(g[k][0], gathered[0][k][0]) for g in gathered[1:] for k in range(len(micro))
+            same_values(g[k][0], gathered[0][k][0]) for g in gathered[1:] for k in range(len(micro))
         )
 
         ref_grads = self._reference_grads(trainer, pl_module, full_params, global_batches)
@@ -227,7 +227,7 @@ class GradientParityCheck(Callback):
                 "worst": worst,
                 "params_equal": params_equal,
                 "same_batch_on_all_ranks": same_batch,
-                "global_batch": sum(_rows(b) for b, _ in global_batches),
+                "global_batch": sum(batch_rows(b) for b, _ in global_batches),
             }
         )
         pl_module.log("grad_parity/rel_diff", rel, on_step=True, on_epoch=False, sync_dist=False)
@@ -274,7 +274,7 @@ class GradientParityCheck(Callback):
         self, trainer: Trainer, pl_module: LightningModule, full_params: dict[str, Tensor], batches: list
     ) -> dict[str, Optional[Tensor]]:
         by_id = {id(p): full_params[n] for n, p in pl_module.named_parameters() if n in full_params}
-        ref = _unsharded_clone(pl_module, by_id, {})
+        ref = unsharded_clone(pl_module, by_id, {})
         device = next(iter(full_params.values())).device if full_params else pl_module.device
         strategy = trainer.strategy
         view = pipeline_view(strategy)
@@ -293,7 +293,7 @@ class GradientParityCheck(Callback):
             # the copy has no trainer, so its `self.log` is a no-op: Lightning's warning about that is not the user's
             warnings.filterwarnings("ignore", message=r"You are trying to `self.log\(\)` but the `self.trainer`")
             for batch, batch_idx in batches:
-                batch = _to_device(batch, device)
+                batch = to_device(batch, device)
                 if self.loss_fn is not None:
                     loss = self.loss_fn(ref, batch)
                 else:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
-from lightning_dist.callbacks.sampler_epoch import _loaders
+from lightning_dist.callbacks.sampler_epoch import dataloaders_in
 from lightning_dist.data import samples_per_rank
 from lightning_dist.mesh import data_parallel_info
 
@@ -69,7 +69,9 @@ class TrainDataGuard(Callback):
 
     def _check(self, trainer: Trainer) -> None:
         _, dp_size, _ = data_parallel_info(trainer.strategy)
-        problems = [p for dl in _loaders(trainer.train_dataloader) for p in train_data_problems(dl, dp_size=dp_size)]
+        problems = [
+            p for dl in dataloaders_in(trainer.train_dataloader) for p in train_data_problems(dl, dp_size=dp_size)
+        ]
         if problems:
             raise ValueError("TrainDataGuard: " + " ".join(problems))
 
@@ -119,7 +121,7 @@ def check_data_runs_out_together(trainer: Trainer, batch_idx: int, *, group: Any
     per step, only for training data without a length (a sized dataset is split evenly by the sampler).
     Call from ``on_train_batch_start``, before the step's collectives.
     """
-    loaders = _loaders(trainer.train_dataloader)
+    loaders = dataloaders_in(trainer.train_dataloader)
     if dp_size <= 1 or not loaders or all(isinstance(getattr(dl, "dataset", None), Sized) for dl in loaders):
         return
     epoch_loop = trainer.fit_loop.epoch_loop

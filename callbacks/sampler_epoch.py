@@ -24,7 +24,7 @@ __all__ = ["SamplerEpoch", "find_epoch_holders", "set_epoch_everywhere", "check_
 _MAX_DEPTH = 8
 
 
-def _loaders(obj: Any) -> list:
+def dataloaders_in(obj: Any) -> list:
     """The individual loaders inside a CombinedLoader / list / tuple / dict (or `obj` itself)."""
     out: list = []
 
@@ -78,7 +78,7 @@ def find_epoch_holders(loaders: Any) -> list:
         for child in _children(obj):
             visit(child, depth + 1)
 
-    for dl in _loaders(loaders):
+    for dl in dataloaders_in(loaders):
         visit(dl, 0)
     return list(found.values())
 

@@ -41,7 +41,7 @@ from typing import Any, Callable, Optional
 
 from typing_extensions import override
 
-from lightning_dist._integrations.lightning import SubprocessScriptLauncher, _set_num_threads_if_needed
+from lightning_dist._integrations.lightning import SubprocessScriptLauncher, set_num_threads_if_needed
 
 __all__ = ["JobLauncher", "die_with_launcher", "record_rank_error"]
 
@@ -205,7 +205,7 @@ class JobLauncher(SubprocessScriptLauncher):
             _Job.children = [_Child(p, first + i, _Job.exited) for i, p in enumerate(self.procs)]
             threading.Thread(target=_observe, daemon=True, name="lightning-dist-child-observer").start()
             atexit.register(_exit_with_children)
-        _set_num_threads_if_needed(num_processes=self.num_processes)
+        set_num_threads_if_needed(num_processes=self.num_processes)
         try:
             return function(*args, **kwargs)
         except BaseException as exception:

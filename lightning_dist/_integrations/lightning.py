@@ -24,16 +24,21 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-# Lightning's private helpers, called as Lightning's own strategies call them (no public equivalent)
-from lightning.fabric.strategies.launchers.subprocess_script import _set_num_threads_if_needed  # noqa: F401
-from lightning.fabric.utilities.data import _set_sampler_epoch  # noqa: F401
-from lightning.fabric.utilities.distributed import (  # noqa: F401
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
+# Lightning's private helpers, called as Lightning's own strategies call them (no public equivalent); public
+# names here, so the package imports them from this one module
+from lightning.fabric.strategies.launchers.subprocess_script import (
+    _set_num_threads_if_needed as set_num_threads_if_needed,
 )
-from lightning.fabric.utilities.optimizer import _optimizers_to_device  # noqa: F401
+from lightning.fabric.utilities.data import _set_sampler_epoch as set_sampler_epoch
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized as distributed_is_initialized,
+)
+from lightning.fabric.utilities.distributed import (
+    _get_default_process_group_backend_for_device as default_process_group_backend_for_device,
+)
+from lightning.fabric.utilities.distributed import _init_dist_connection as init_dist_connection
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available as sync_ddp_if_available
+from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device
 
 # Lightning's script launcher (re-runs the command per rank); the pack's JobLauncher extends it
 from lightning.pytorch.strategies.launchers.subprocess_script import (
@@ -44,6 +49,13 @@ from lightning_dist._compat import require_tested_lightning
 
 __all__ = [
     "SubprocessScriptLauncher",
+    "default_process_group_backend_for_device",
+    "distributed_is_initialized",
+    "init_dist_connection",
+    "optimizers_to_device",
+    "set_num_threads_if_needed",
+    "set_sampler_epoch",
+    "sync_ddp_if_available",
     "distributed_sampler_for_stateful_loaders",
     "hand_over_strategy",
     "replace_default_launcher",

@@ -1,6 +1,6 @@
 """The process side of :class:`~lightning_dist.strategies.base.MeshStrategy`: launcher, process group, barriers.
 
-Lightning's own pieces (its script launcher, cluster environments, ``_init_dist_connection``) with the
+Lightning's own pieces (its script launcher, cluster environments, ``init_dist_connection``) with the
 pack's changes: the job launcher that ends every rank with the job, a loopback-only rendezvous store, a
 collective timeout given as seconds, and the process group torn down at exit.
 """
@@ -22,9 +22,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
 
 from lightning_dist._integrations.lightning import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
+    default_process_group_backend_for_device,
+    distributed_is_initialized,
+    init_dist_connection,
 )
 from lightning_dist._integrations.torch_distributed import destroy_process_groups_at_exit
 from lightning_dist.launcher import JobLauncher, die_with_launcher, record_rank_error
@@ -95,13 +95,13 @@ class ProcessesMixin(ParallelStrategy):
         self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
         self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = self.global_rank
-        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+        self._process_group_backend = self._process_group_backend or default_process_group_backend_for_device(
             self.root_device
         )
         device_id = self.root_device if self.root_device.type != "cpu" else None
         # loopback-only store on one machine; per-attempt keys under torchrun restarts (None: env://)
         store = job_store(self.cluster_environment, timeout=self._timeout or default_pg_timeout)
-        _init_dist_connection(
+        init_dist_connection(
             self.cluster_environment,
             self._process_group_backend,
             timeout=self._timeout,
@@ -112,7 +112,7 @@ class ProcessesMixin(ParallelStrategy):
 
     @override
     def barrier(self, name: Optional[str] = None) -> None:
-        if not _distributed_is_initialized():
+        if not distributed_is_initialized():
             return
         if torch.distributed.get_backend() == "nccl":
             torch.distributed.barrier(device_ids=[self.root_device.index])
@@ -121,7 +121,7 @@ class ProcessesMixin(ParallelStrategy):
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _distributed_is_initialized():
+        if not distributed_is_initialized():
             return obj
         box = [obj]
         torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)

@@ -31,12 +31,12 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_dist._integrations.lightning import (
-    _optimizers_to_device,
-    _set_sampler_epoch,
-    _sync_ddp_if_available,
     distributed_sampler_for_stateful_loaders,
+    optimizers_to_device,
     route_gradient_clipping,
     set_module_device_mesh,
+    set_sampler_epoch,
+    sync_ddp_if_available,
 )
 from lightning_dist.grads import clip_grads_by_norm_, clip_grads_by_value_
 from lightning_dist.mesh import DIM_NAMES, DistMesh, MeshSpec
@@ -189,7 +189,7 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
     ) -> Tensor:
         """Reduce over the data-parallel ranks (tensor/pipeline peers hold the same samples)."""
         if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group if group is not None else self.mesh.dp_group, reduce_op)
+            return sync_ddp_if_available(tensor, group if group is not None else self.mesh.dp_group, reduce_op)
         return tensor
 
     @override
@@ -198,7 +198,7 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
         # is iterated before Lightning sets the resumed epoch: give the sampler that epoch now (Lightning's value)
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING and hasattr(dataloader, "load_state_dict"):
-            _set_sampler_epoch(dataloader, trainer.fit_loop.epoch_progress.current.processed)
+            set_sampler_epoch(dataloader, trainer.fit_loop.epoch_progress.current.processed)
         return dataloader
 
     @override
@@ -261,7 +261,7 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
         # DTensors: the strategy's clipping spans every shard and stage (Trainer's clipping and self.clip_gradients)
         route_gradient_clipping(self.precision_plugin, by_norm=self.clip_grad_by_norm, by_value=self.clip_grad_by_value)
         if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            optimizers_to_device(self.optimizers, self.root_device)
 
     def apply_parallelism(self, *, parallelized: Optional[bool] = None) -> None:
         """The user's ``parallelize_fn`` or the built-in :meth:`parallelize`, once (``setup``; the dry run).

@@ -576,7 +576,7 @@ def test_unsharded_clone_of_fsdp2_modules(one_rank_group):
     from torch.distributed.device_mesh import init_device_mesh
 
     from lightning_dist._compat import fully_shard_api
-    from lightning_dist.callbacks.gradient_parity import _unsharded_clone
+    from lightning_dist.callbacks.gradient_parity import unsharded_clone
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
@@ -585,7 +585,7 @@ def test_unsharded_clone_of_fsdp2_modules(one_rank_group):
     fully_shard, mesh = fully_shard_api()[0], init_device_mesh("cpu", (1,))
     for layer in (model[0], model[2], model):
         fully_shard(layer, mesh=mesh)
-    clone = pickle.loads(pickle.dumps(_unsharded_clone(model, {}, {})))
+    clone = pickle.loads(pickle.dumps(unsharded_clone(model, {}, {})))
     assert type(clone) is nn.Sequential and [type(m) for m in clone] == [nn.Linear, nn.Tanh, nn.Linear]
     assert all(type(p) is nn.Parameter for p in clone.parameters())
     torch.testing.assert_close(clone(x), expected)
@@ -603,7 +603,7 @@ def test_gradient_parity_config_errors():
 def test_reference_clone_rebinds_methods_left_in_the_instance_dict():
     """Lightning's forward redirection (ddp) leaves ``forward`` bound to the real module in its instance dict:
     the reference copy must run its own parameters, never the real ones."""
-    from lightning_dist.callbacks._reference_model import _unsharded_clone
+    from lightning_dist.callbacks._reference_model import unsharded_clone
 
     class Net(pl.LightningModule):
         def __init__(self):
@@ -615,7 +615,7 @@ def test_reference_clone_rebinds_methods_left_in_the_instance_dict():
 
     real = Net()
     real.forward = real.forward  # what _ForwardRedirection's unpatch leaves behind
-    ref = _unsharded_clone(real, {id(p): p.detach() for p in real.parameters()}, {})
+    ref = unsharded_clone(real, {id(p): p.detach() for p in real.parameters()}, {})
     ref(torch.randn(4, 3)).sum().backward()
     assert all(p.grad is None for p in real.parameters())  # the real gradients untouched
     assert all(p.grad is not None for p in ref.parameters())
