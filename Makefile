@@ -13,6 +13,8 @@ AIO_OP ?= 1
 # DeepSpeed compiles its ops on first use (minutes on 2 cores): keep them inside the environment.
 export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
 PYTEST_ARGS ?=
+# the unit tests run in one process per core (pytest-xdist); the multi-process tests one at a time
+UNIT_ARGS ?= -n auto
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo "sudo -n")
 # one venv per torch release for the compatibility subset, e.g. .venv-torch-2.11.0
 COMPAT_VENV = .venv-$(subst ==,-,$(TORCH_SPEC))
@@ -56,11 +58,11 @@ demo: install-base
 	$(PY) -m lightning_dist.demo
 
 test: install
-	$(PY) -m pytest -q -m "not distributed" $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(UNIT_ARGS) -m "not distributed" $(PYTEST_ARGS)
 	$(PY) -m pytest -q -m "distributed and not compat_only" $(PYTEST_ARGS)
 
 test-unit: install
-	$(PY) -m pytest -q -m "not distributed" $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(UNIT_ARGS) -m "not distributed" $(PYTEST_ARGS)
 
 test-distributed: install
 	$(PY) -m pytest -q -m "distributed and not compat_only" $(PYTEST_ARGS)
@@ -70,7 +72,7 @@ test-distributed: install
 test-compat:
 	$(MAKE) --no-print-directory $(COMPAT_VENV)/.installed VENV=$(COMPAT_VENV) AIO_OP=0 TORCH_SPEC="$(TORCH_SPEC)"
 	$(COMPAT_VENV)/bin/python -c "import torch, lightning; print('compat subset on torch', torch.__version__, 'lightning', lightning.__version__)"
-	TORCH_EXTENSIONS_DIR=$(abspath $(COMPAT_VENV))/torch_extensions $(COMPAT_VENV)/bin/python -m pytest -q -m "not distributed" $(PYTEST_ARGS)
+	TORCH_EXTENSIONS_DIR=$(abspath $(COMPAT_VENV))/torch_extensions $(COMPAT_VENV)/bin/python -m pytest -q $(UNIT_ARGS) -m "not distributed" $(PYTEST_ARGS)
 	TORCH_EXTENSIONS_DIR=$(abspath $(COMPAT_VENV))/torch_extensions $(COMPAT_VENV)/bin/python -m pytest -q -m "compat" $(PYTEST_ARGS)
 
 # both ends of the supported range (what .ci/run runs after `make test`)
