@@ -56,6 +56,7 @@ class BackgroundWriter:
         self._pinned = pinned
         self._group: Optional[dist.ProcessGroup] = None
         self._stager: Any = None
+        self._used = False  # the stager has staged a save
         self._pending: Optional[Future] = None
         self._after: list[Callable[[], None]] = []
         self.path: Optional[Path] = None
@@ -67,20 +68,15 @@ class BackgroundWriter:
     def pending(self) -> bool:
         return self._pending is not None
 
-    def start(self, state: dict[str, Any], tmp: Path, path: Path, commit: Optional[Callable[[], None]]) -> None:
-        """Stage `state` and write it to `tmp` in the background; then call `commit` (rank 0: the rename).
-
-        Every rank calls this, in the same order (the first call creates the writer's process group).
-        """
-        import torch.distributed.checkpoint as dcp
+    def prepare(self) -> None:
+        """Create the writer's process group and stager now (every rank, at set-up, as torchtitan does at init),
+        so that the first save does not pay for them inside the training loop."""
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-        if self._pending is not None:
-            raise RuntimeError("BackgroundWriter.start: the previous save is still pending; call `wait()` first.")
         if self._group is None:
             # the worker thread's collectives get their own group: never interleaved with training's
             self._group = dist.new_group(backend="gloo", timeout=self._timeout)
-        if self._stager is None or DCP_STAGER_SINGLE_USE:
+        if self._stager is None:
             # one stager for every save: with pinned memory its host buffers are reused, not re-pinned each time
             self._stager = DefaultStager(
                 StagingOptions(
@@ -90,6 +86,20 @@ class BackgroundWriter:
                     use_non_blocking_copy=False,
                 )
             )
+
+    def start(self, state: dict[str, Any], tmp: Path, path: Path, commit: Optional[Callable[[], None]]) -> None:
+        """Stage `state` and write it to `tmp` in the background; then call `commit` (rank 0: the rename).
+
+        Every rank calls this, in the same order (the first call creates the writer's process group).
+        """
+        import torch.distributed.checkpoint as dcp
+
+        if self._pending is not None:
+            raise RuntimeError("BackgroundWriter.start: the previous save is still pending; call `wait()` first.")
+        if self._stager is not None and DCP_STAGER_SINGLE_USE and self._used:
+            self._stager = None  # this torch's stager serves one save: a new one for each
+        self.prepare()
+        self._used = True
         self.staging_bytes = local_tensor_bytes(state)
         response = dcp.async_save(state, checkpoint_id=tmp, process_group=self._group, async_stager=self._stager)
         upload: Future = getattr(response, "upload_completion", response)  # a Future, or AsyncSaveResponse
@@ -156,4 +166,5 @@ class BackgroundWriter:
         if self._stager is not None:
             self._stager.close()
             self._stager = None
+            self._used = False
         self.staging_bytes = 0

@@ -7,9 +7,10 @@
   (about one extra forward per step);
 * ``"selective"``: op-level selective checkpointing (torch's ``create_selective_checkpoint_contexts``, as
   torchtitan's ``selective_ac_option="op"``): the outputs of the ops in ``selective_ac_ops``
-  (:data:`SELECTIVE_AC_OPS` by default: matmuls, attention kernels, collectives) are kept, everything else
-  (norms, activations, residual adds, reshapes) is recomputed from them in backward: most of full AC's
-  saving for a small fraction of its recompute, since the expensive ops are not run again;
+  (:data:`SELECTIVE_AC_OPS` by default: matmuls, attention kernels, collectives) are kept, except that of the
+  matmuls (``aten.mm``, ``aten.addmm``) every second one in call order is recomputed, as torchtitan's rule does;
+  everything else (norms, activations, residual adds, reshapes) is recomputed from the kept outputs in
+  backward: about half of no AC's activations for one or two matmuls' recompute per block;
 * ``"every:N"``: full checkpointing of every N-th block (blocks N, 2N, ... counted from 1, per pipeline
   stage), as torchtitan's ``selective_ac_option="N"``; the blocks between keep their activations;
 * block class names (``["GPTBlock"]``): full checkpointing of the modules of those classes.
@@ -54,7 +55,8 @@ SELECTIVE_AC_OPS: tuple[str, ...] = (
     "_c10d_functional.all_gather_into_tensor",
     "_c10d_functional.all_to_all_single",
 )
-"""Ops whose outputs ``activation_checkpointing="selective"`` keeps (``namespace.op`` under ``torch.ops``)."""
+"""Ops whose outputs ``activation_checkpointing="selective"`` keeps (``namespace.op`` under ``torch.ops``); of the
+``aten.mm`` / ``aten.addmm`` calls among them, every second one per block forward is recomputed instead."""
 
 _FORMS = 'False, True / "full", "selective", "every:N" (N an integer >= 1) or block class names (e.g. ["GPTBlock"])'
 
@@ -158,21 +160,32 @@ def parse_ac(value: Any, *, ops: Any = None) -> ACPlan | None:
     raise ValueError(f"`activation_checkpointing={value!r}` must be one of {_FORMS}.")
 
 
-def _selective_context(ops: Sequence[Any]) -> Any:
-    """``context_fn`` for torch's checkpoint: keep the outputs of `ops`, recompute everything else."""
+def _selective_context(ops: Sequence[Any], *, alternate_matmuls: bool = True) -> Any:
+    """``context_fn`` for torch's checkpoint: keep the outputs of `ops`, recompute everything else; with
+    `alternate_matmuls`, the 2nd, 4th, ... ``mm``/``addmm`` of each checkpointed forward are recomputed too."""
     from functools import partial
 
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+    _MATMULS = {torch.ops.aten.mm, torch.ops.aten.addmm}
     resolved = resolve_ops(ops)
     packets = {op for op in resolved if isinstance(op, torch._ops.OpOverloadPacket)}
     overloads = {op for op in resolved if isinstance(op, torch._ops.OpOverload)}
 
-    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    def policy(counts: dict[str, int], ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
         keep = op in overloads or getattr(op, "overloadpacket", None) in packets
+        if keep and alternate_matmuls and getattr(op, "overloadpacket", op) in _MATMULS:
+            # torchtitan's op-level rule: of the matmuls, every second one is recomputed. Counted per
+            # pass, so the recompute in backward makes the same choices as the forward did.
+            mode = "recompute" if ctx.is_recompute else "forward"
+            counts[mode] += 1
+            keep = counts[mode] % 2 == 1
         return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
-    return partial(create_selective_checkpoint_contexts, policy)
+    def context_fn() -> Any:  # one call per checkpointed forward: fresh counts
+        return create_selective_checkpoint_contexts(partial(policy, {"forward": 0, "recompute": 0}))
+
+    return context_fn
 
 
 def apply_ac(

@@ -82,9 +82,10 @@ def activation_bytes(
     its tensor-parallel local weights per micro-batch (``a x params / t``, not per token).
     ``checkpointed`` (the ``activation_checkpointing=`` option of the strategies): ``True``/``"full"``: a block
     keeps only its input ``f C`` and one block's full set is live again while it is recomputed;
-    ``"selective"`` (the default op list): a block keeps its input and the outputs of its matmuls and attention
-    ``f C + 4 a C / t + a H / t + 2 a C + 4 h / t`` (q, k, v and the attention output; fc1; the proj and fc2
-    outputs, whole before their all-reduce), and the rest of one block is live again while it is recomputed;
+    ``"selective"`` (the default op list): a block keeps its input, every second matmul's output and the attention
+    output ``f C + 3 a C / t + a H / t + 4 h / t`` (q, v and the attention output; fc1; k, proj and fc2 are
+    recomputed), plus ``2 a C`` with ``tp > 1`` (the all-reduced proj and fc2 outputs: collectives are kept), and
+    the rest of one block is live again while it is recomputed;
     ``"every:N"``: ``blocks // N`` blocks are checkpointed in full, the others keep their full set; block class
     names: as ``True``. ``offloaded`` (``offload_activations=True``): the uncheckpointed blocks' sets are in host
     memory, one of them on the device (the block being computed, or copied back in backward). The stem (``stem``) adds
@@ -105,7 +106,10 @@ def activation_bytes(
     copies = 4 if autocast else 2  # compute-dtype inputs of q, k, v and fc1 (one shared norm output without autocast)
     full = 2 * f * C + 16 + copies * a * C + 4 * a * C / t + a * C / t + 2 * a * H / t + 4 * h / t
     mode, every = _ac_mode(checkpointed)
-    kept = {"full": f * C, "selective": f * C + 4 * a * C / t + a * H / t + 2 * a * C + 4 * h / t}.get(mode, full)
+    # selective: q, v, the attention output and fc1 kept (k, proj and fc2 are the matmuls recomputed), and the
+    # all-reduced proj and fc2 outputs when tensor parallel (collective outputs are kept)
+    selective = f * C + 3 * a * C / t + a * H / t + 4 * h / t + (2 * a * C if t > 1 else 0)
+    kept = {"full": f * C, "selective": selective}.get(mode, full)
     n_ckpt = blocks // every if mode else 0  # blocks N, 2N, ... are checkpointed
     kept_blocks = blocks - n_ckpt  # blocks that keep their full set (on the host when offloaded)
     saved = (min(kept_blocks, 1) if offloaded else kept_blocks) * full + n_ckpt * kept

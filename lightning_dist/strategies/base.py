@@ -163,6 +163,8 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
         self._setup_distributed()
         self.use_mesh(DistMesh.build(spec, self.root_device.type))
         rank_zero_info(spec.format_plan())
+        if self._async_checkpoint:  # its process group now, on every rank, not inside the first save
+            self.checkpoint_writer().prepare()
 
     def use_mesh(self, mesh: DistMesh) -> None:
         """Adopt a built mesh (``setup_environment``; the dry run builds one on a fake process group)."""
