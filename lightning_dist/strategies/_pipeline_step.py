@@ -51,8 +51,6 @@ class _Served(NamedTuple):
 
 
 _PENDING = object()  # training_step is running: the network call takes the target from its inputs or the batch
-# keyword inputs of a HF causal LM that every stage takes (split into micro-batches along dim 0)
-_HF_STAGE_INPUTS = frozenset({"attention_mask", "position_ids", "token_type_ids"})
 
 
 class PipelineStepMixin(MeshStrategy):
@@ -64,26 +62,8 @@ class PipelineStepMixin(MeshStrategy):
     # ---- running the pipeline ------------------------------------------------------------------
     def _inputs(self, args: tuple, kwargs: dict) -> tuple[Tensor, dict, Optional[Tensor]]:
         """(first stage's input, inputs every stage takes, HF labels) of a call of the pipelined network."""
-        if not self._hf:
-            if len(args) != 1 or kwargs or not isinstance(args[0], Tensor):
-                raise TypeError("A pipelined network takes exactly one tensor argument (the batch of inputs).")
-            return args[0], {}, None
-        kwargs = dict(kwargs)
-        if len(args) > 1 or (args and "input_ids" in kwargs):
-            raise TypeError(
-                "A pipelined HuggingFace model takes `input_ids` (positionally or by name) and keyword inputs."
-            )
-        x = args[0] if args else kwargs.pop("input_ids", None)
-        labels = kwargs.pop("labels", None)
-        for key in ("use_cache", "return_dict"):  # the stages never cache; the call returns a ModelOutput anyway
-            kwargs.pop(key, None)
-        unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in _HF_STAGE_INPUTS)
-        if not isinstance(x, Tensor) or unknown:
-            raise TypeError(
-                f"A pipelined HuggingFace model takes `input_ids` (a tensor) and the keyword inputs"
-                f" {sorted(_HF_STAGE_INPUTS)} and `labels`; got {type(x).__name__} and {unknown or 'no others'}."
-            )
-        return x, {k: v for k, v in kwargs.items() if v is not None}, labels
+        assert self.split is not None
+        return self.split.layout.call_inputs(args, kwargs)
 
     def _run(self, *args: Any, **kwargs: Any) -> Any:
         """The pipelined network's call: the whole schedule; returns what every pp rank sees of the output."""
@@ -137,12 +117,8 @@ class PipelineStepMixin(MeshStrategy):
         if not train and labels is not None:  # HF's eval loss: computed on the last stage, a scalar to every rank
             loss = self._runner.from_last_stage(None if out is None else hf_labels_loss(out, labels), ("loss", "eval"))
         self._served = _Served(shown, None if train else out, loss, target, train, loss_fn, m)
-        if not self._hf:
-            return shown
-        from transformers.modeling_outputs import CausalLMOutputWithPast
-
-        # HF's labels convention: the model's output carries the mean loss over the labelled tokens
-        return CausalLMOutputWithPast(loss=None if labels is None else loss, logits=shown)
+        assert self.split is not None
+        return self.split.layout.call_output(shown, loss, labels)  # a HF model: its ModelOutput
 
     def _shown_output(self, out: Optional[Tensor], train: bool, *, key: tuple) -> Tensor:
         """What the step sees of the output: a stand-in (default), or the whole output broadcast (the opt-in,
