@@ -100,3 +100,14 @@ def check_staged_forward(net: nn.Module, sample: torch.Tensor) -> None:
     problem = staged_forward_problem(net, sample)
     if problem:
         raise ValueError(problem)
+
+
+__all__ = [
+    "batchnorm_modules",
+    "check_splittable",
+    "check_staged_forward",
+    "host_copy",
+    "shared_across_stages",
+    "staged_forward_problem",
+    "tied_stages",
+]
