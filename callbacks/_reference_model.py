@@ -12,9 +12,9 @@ from torch import Tensor, nn
 from torchmetrics import Metric
 
 from lightning_dist._compat import fully_shard_api
-from lightning_dist.parallelize.pipeline import PipelineView, is_pipelined_module, join_stages
-from lightning_dist.parallelize.pipeline_hf import is_hf_causal_lm, pipeline_loss_function
+from lightning_dist.parallelize.pipeline import PipelineView, join_stages
 from lightning_dist.parallelize.pipeline_pruned import model_class_copy
+from lightning_dist.parallelize.pipeline_stages import is_pipelined_module
 from lightning_dist.parallelize.tp_checks import GLOBAL_ATTRS_KEY
 
 # the class FSDP2 mixes into the modules it shards (None without FSDP2)
@@ -83,8 +83,8 @@ def whole_pipeline_network(view: PipelineView, mesh: Any, local: nn.Module) -> n
     split's order under their single-device names. Runs on every rank (a collective over ``pp``).
 
     A HuggingFace causal LM called with ``labels`` computes its loss as the pipeline does (in the logits'
-    dtype, :func:`~lightning_dist.parallelize.pipeline_hf.pipeline_loss_function`), not with HF's own
-    ``loss_function``, which casts float64 logits to float32: the reference gradient is then the exact
+    dtype, :func:`~lightning_dist.parallelize.pipeline_hf.pipeline_loss_function`, set by its layout's join),
+    not with HF's own ``loss_function``, which casts float64 logits to float32: the reference gradient is then the exact
     single-device gradient of the loss the pipeline trains, and a float64 check is not a false alarm.
     """
     assert view.split is not None
@@ -93,7 +93,4 @@ def whole_pipeline_network(view: PipelineView, mesh: Any, local: nn.Module) -> n
     if mesh.size("pp") > 1:
         pieces = [None] * mesh.size("pp")
         dist.all_gather_object(pieces, local, group=mesh.group("pp"))
-    whole = join_stages(view.split, pieces)
-    if is_hf_causal_lm(whole):
-        whole.loss_function = pipeline_loss_function  # HF's property has a setter for this (per instance)
-    return whole
+    return join_stages(view.split, pieces)

@@ -38,7 +38,7 @@ from torch import nn
 from lightning_dist.mesh import DP_REPLICATE, DP_SHARD, TP, DistMesh
 from lightning_dist.parallelize.ac import ACOption, apply_ac, apply_offload_activations, parse_ac
 from lightning_dist.parallelize.compile import apply_compile, compile_units, tp_eager_blocks
-from lightning_dist.parallelize.fsdp import apply_fsdp, apply_replicate
+from lightning_dist.parallelize.fsdp import apply_fsdp, apply_fsdp_to_stage, apply_replicate
 from lightning_dist.rules import replicates
 
 log = logging.getLogger(__name__)
@@ -118,8 +118,6 @@ def parallelize_model(model: nn.Module, mesh: DistMesh, config: ParallelizeConfi
     if config.fsdp_root == "model":
         # a pipeline stage: its own FSDP2 root over every data-parallel dim (PipelineStage runs the stage module)
         if dp_size > 1 or offload:
-            from lightning_dist.parallelize.pipeline import apply_fsdp_to_stage
-
             apply_fsdp_to_stage(
                 model,
                 mesh.fsdp_mesh(),
@@ -154,17 +152,18 @@ def pipeline_model(
 ) -> tuple[nn.Module, list[nn.Module]]:
     """Split `model` into the pipeline stages `stage_indices` of `split`, then parallelize each stage's module.
 
-    Returns ``(container, stages)``: one :class:`~lightning_dist.parallelize.pipeline.StageModule` holding
-    every part this rank runs (what the LightningModule keeps: its parameters under their single-device
-    names) and one stage module per local stage (what ``PipelineStage`` runs), sharing those parts. Each
-    stage goes through :func:`parallelize_model` with `config`: its blocks are the units of activation
-    checkpointing and compile (``True``); FSDP2's ``"auto"`` units are the blocks of its block list. With ``tp > 1``,
-    ``config.tp_entries`` must
-    hold the plan resolved on ``config.tp_owner`` (a module containing `model`), still holding `model`.
+    Returns ``(container, stages)``: one stage module (:func:`~lightning_dist.parallelize.pipeline.build_stage_module`)
+    holding every part this rank runs (what the LightningModule keeps: its parameters under their single-device
+    names) and one stage module per local stage (what ``PipelineStage`` runs), sharing those parts. Each stage goes
+    through :func:`parallelize_model` with `config`: its blocks are the units of activation checkpointing and
+    compile (``True``); FSDP2's ``"auto"`` units are the blocks of its block list. With ``tp > 1``,
+    ``config.tp_entries`` must hold the plan resolved on ``config.tp_owner`` (a module containing `model`), still
+    holding `model`.
     """
     from dataclasses import replace
 
-    from lightning_dist.parallelize.pipeline import build_stage_module, stage_blocks
+    from lightning_dist.parallelize.pipeline import build_stage_module
+    from lightning_dist.parallelize.pipeline_stages import stage_blocks
 
     if mesh.size(TP) > 1 and (config.tp_entries is None or config.tp_owner is None):
         raise ValueError("pipeline_model with tp > 1 needs `tp_entries` resolved on `tp_owner` (the whole model).")
@@ -192,5 +191,6 @@ __all__ = [
     "apply_offload_activations",
     "apply_compile",
     "apply_fsdp",
+    "apply_fsdp_to_stage",
     "apply_replicate",
 ]

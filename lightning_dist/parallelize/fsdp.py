@@ -42,6 +42,16 @@ def _refuse_split_ties(model: nn.Module, units: list[str]) -> None:
         raise ValueError("Cannot shard the model:\n  - " + "\n  - ".join(problems))
 
 
+def _shard_kwargs(mesh: Any, reshard_after_forward: Any, mp_policy: Any, offload_policy: Any) -> dict[str, Any]:
+    """``fully_shard``'s keyword arguments (the policies only when given: FSDP2's defaults otherwise)."""
+    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    if offload_policy is not None:
+        kwargs["offload_policy"] = offload_policy
+    return kwargs
+
+
 def apply_fsdp(
     model: nn.Module,
     mesh: "DeviceMesh",
@@ -57,12 +67,8 @@ def apply_fsdp(
     (shard inside a group, all-reduce across groups). ``reshard_after_forward=False`` keeps parameters
     unsharded between forward and backward (ZeRO-2); True frees them after forward (ZeRO-3).
     """
-    fully_shard, MixedPrecisionPolicy, CPUOffloadPolicy, _ = fully_shard_api()
-    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
-    if mp_policy is not None:
-        kwargs["mp_policy"] = mp_policy
-    if offload_policy is not None:
-        kwargs["offload_policy"] = offload_policy
+    fully_shard = fully_shard_api()[0]
+    kwargs = _shard_kwargs(mesh, reshard_after_forward, mp_policy, offload_policy)
     picked = select_units(model, units)
     _refuse_split_ties(model, [n for n, _ in picked])
     # bottom-up: inner units first so each root only holds what no unit claimed
@@ -76,6 +82,58 @@ def apply_fsdp(
         fully_shard(module, **root_kwargs)
     log.info("applied FSDP2 to %d units and %d roots on mesh %s", len(picked), len(tops), mesh)
     return len(picked) + len(tops)
+
+
+def apply_fsdp_to_stage(
+    stage: nn.Module,
+    mesh: "DeviceMesh",
+    *,
+    units: Any = "auto",
+    reshard_after_forward: bool = False,
+    mp_policy: Any | None = None,
+    offload_policy: Any | None = None,
+) -> int:
+    """FSDP2 on the data-parallel mesh for one pipeline stage module: its units first, then the stage as root.
+
+    The stage module must be its own FSDP root so ``PipelineStage`` can defer the gradient reduction to the
+    last micro-batch (:func:`apply_fsdp`'s roots are the LightningModule's children, which never run here).
+    `units`: ``"auto"`` (the stage's ``fsdp_units()``: the blocks of its block list), class names or modules; of
+    those, a block run twice or sharing a parameter with the rest of the stage stays in the root unit. Returns
+    the unit count.
+    """
+    fully_shard = fully_shard_api()[0]
+    kwargs = _shard_kwargs(mesh, reshard_after_forward, mp_policy, offload_policy)
+    if isinstance(units, str) and units == "auto":
+        blocks = stage.fsdp_units()
+    else:
+        blocks = [m for _, m in select_units(stage, units)]
+    picked = unshared_blocks(blocks, stage)
+    for block in picked:
+        fully_shard(block, **kwargs)
+    fully_shard(stage, **kwargs)
+    return len(picked) + 1
+
+
+def unshared_blocks(blocks: Sequence[nn.Module], stage: nn.Module) -> list[nn.Module]:
+    """The blocks to shard as their own FSDP units: those run once per forward and sharing no parameter.
+
+    A block used twice (or holding a parameter another part of the stage also uses) stays with the stage's
+    root unit, which keeps it gathered for the whole forward and backward of the stage.
+    """
+    uses: dict[int, int] = {}
+    for _, p in stage.named_parameters(remove_duplicate=False):
+        uses[id(p)] = uses.get(id(p), 0) + 1
+    out, seen = [], set()
+    for block in blocks:
+        if id(block) in seen:
+            continue
+        seen.add(id(block))
+        own = {id(p): 0 for p in block.parameters()}
+        for _, p in block.named_parameters(remove_duplicate=False):
+            own[id(p)] += 1
+        if sum(b is block for b in blocks) == 1 and all(uses[k] == n for k, n in own.items()):
+            out.append(block)
+    return out
 
 
 def apply_replicate(model: nn.Module, mesh: "DeviceMesh") -> int:

@@ -1,18 +1,27 @@
-"""Pipeline stage splitting: a plan as data (stage -> blocks -> params -> cost) and the stage modules.
+"""How a network is pipelined: where its stem, blocks and head are and how its stages are built, timed,
+checked and joined (:class:`NetworkLayout`, one object chosen once per network), and the split into stages as
+data (stage -> blocks -> params -> cost).
 
 A pipelined network has one of four shapes (:func:`network_layout` tries them in this order):
 
-* an unmodified HuggingFace causal LM: its ``config.base_model_pp_plan`` block list, the model itself
-  running each stage with the parts it does not own taken out (see :mod:`.pipeline_hf`);
-* an ``nn.Sequential``: its children are the blocks;
+* an unmodified HuggingFace causal LM (:class:`HFLayout`): its ``config.base_model_pp_plan`` block list, the
+  model itself running each stage with the parts it does not own taken out (see :mod:`.pipeline_hf`);
+* an ``nn.Sequential`` (:class:`NetworkLayout`): its children are the blocks;
 * a module with a **stem** (children registered before the block list), one ``nn.ModuleList`` of
   blocks (found by :func:`~lightning_dist.parallelize.units.find_block_lists`, a direct child) and a
-  **head** (children registered after it). Its ``forward`` must equal applying the children in
-  registration order (:func:`check_staged_forward` compares them on one micro-batch). A module used
-  twice (weight sharing) runs twice; a parameter shared across stages is held by each (:func:`tied_stages`);
+  **head** (children registered after it) (:class:`NetworkLayout`). Its ``forward`` must equal applying the
+  children in registration order (:meth:`NetworkLayout.forward_problem` compares them on one micro-batch). A
+  module used twice (weight sharing) runs twice; a parameter shared across stages is held by each
+  (:func:`~.pipeline_checks.tied_stages`);
 * any other model whose one block list sits inside a direct child and whose forward takes one input
-  (litgpt's ``GPT``: ``transformer.h``): like a HF model, a stage is the model with the blocks it does not own
-  taken out, the boundary activation passed in place of its input (see :mod:`.pipeline_pruned`).
+  (litgpt's ``GPT``: ``transformer.h``) (:class:`PrunedLayout`): like a HF model, a stage is the model with the
+  blocks it does not own taken out, the boundary activation passed in place of its input (see
+  :mod:`.pipeline_pruned`).
+
+Every other module asks the layout (``split.layout``) instead of branching on the network's kind: the stage
+module (:meth:`~NetworkLayout.build_stage`), the cost of each part (:meth:`~NetworkLayout.profile`), the
+staged-forward check (:meth:`~NetworkLayout.forward_problem`), the whole network joined back
+(:meth:`~NetworkLayout.join`), the sample micro-batch and what the network call takes and returns.
 
 :func:`plan_split` returns a :class:`PipelineSplit` (pure data, printable with rich, unit-testable in
 one process): contiguous runs of blocks per stage, the stem on stage 0 and the head on the last stage.
@@ -25,23 +34,55 @@ names, so ``model.blocks.5.fc.weight`` is the same key whatever the pipeline lay
 from __future__ import annotations
 
 import io
-import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Union
+from typing import Any, ClassVar, Literal, Protocol, Union, runtime_checkable
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
+from lightning_dist.parallelize.pipeline_hf import (
+    HFStageMixin,
+    hf_call_inputs,
+    hf_call_output,
+    hf_example_inputs,
+    hf_parts,
+    is_hf_causal_lm,
+    pipeline_loss_function,
+)
+from lightning_dist.parallelize.pipeline_pruned import (
+    ForwardStage,
+    build_pruned_stage,
+    check_pruned_stages,
+    join_pruned,
+    nested_parts,
+    profile_pruned,
+)
+from lightning_dist.parallelize.pipeline_stages import (
+    build_plain_stage,
+    join_plain,
+    plain_forward_problem,
+    profile_plain,
+)
 from lightning_dist.parallelize.units import find_block_lists
 from lightning_dist.rules import partition
 
 Split = Union[Literal["balanced", "params"], Sequence[int]]
 
+Costs = tuple[float, list[float], float]
+"""Forward+backward milliseconds of (the stem, each block, the head)."""
 
+
+# ---- how a network is staged -------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
 class NetworkLayout:
-    """Where a network's stem, blocks and head are, by child name."""
+    """Where a network's stem, blocks and head are, by child name, and how its stages are made.
+
+    This class is the plain layout (an ``nn.Sequential``, or stem children, one direct block list and head
+    children): a stage is a :class:`~.pipeline_stages.StageModule` running its children in registration order,
+    the network takes one tensor and returns one tensor. :class:`PrunedLayout` and :class:`HFLayout` are the
+    other implementations; :func:`network_layout` picks one per network.
+    """
 
     stem: tuple[str, ...]
     """Children run before the blocks (on stage 0)."""
@@ -51,49 +92,156 @@ class NetworkLayout:
     """Block keys, in order (``"0"``, ``"1"``, ...)."""
     head: tuple[str, ...]
     """Children run after the blocks (on the last stage)."""
-    pruned: tuple | None = None
-    """``(child, block_list, stem, head)`` (qualified names) when the block list sits inside a child: the stages are
-    the model with the parts they do not own taken out (:mod:`.pipeline_pruned`); None for the other shapes."""
-    hf: tuple | None = None
-    """A HuggingFace causal LM: the same parts (:func:`~.pipeline_hf.hf_parts`), its stages taking hidden states as
-    ``inputs_embeds`` and returning ``.logits``; None for any other model."""
 
-    @property
-    def convention(self) -> type:
-        """The stage class of a pruned layout: HF's ``inputs_embeds`` or the forward's first input."""
-        if self.hf is not None:
-            from lightning_dist.parallelize.pipeline_hf import HFStageMixin
-
-            return HFStageMixin
-        from lightning_dist.parallelize.pipeline_pruned import ForwardStage
-
-        return ForwardStage
+    needs_pipeline_loss: ClassVar[bool] = True
+    """The LightningModule must define ``pipeline_loss(output, target)`` (HF: the ``labels`` convention instead)."""
+    config_sample: ClassVar[bool] = False
+    """A sample micro-batch comes from the network's config when the module has no ``example_input_array``."""
 
     def block_name(self, i: int) -> str:
         key = self.blocks[i]
         return key if self.block_list is None else f"{self.block_list}.{key}"
 
+    def block(self, net: nn.Module, i: int) -> nn.Module:
+        """Block `i` of `net`."""
+        container = net if self.block_list is None else net.get_submodule(self.block_list)
+        return container._modules[self.blocks[i]]
+
+    # ---- stages
+    def build_stage(self, net: nn.Module, block_ids: Sequence[int], *, first: bool, last: bool) -> nn.Module:
+        """The stage module of blocks `block_ids`, with the stem when `first` and the head when `last` (the same
+        module objects as `net`, under their original names)."""
+        return build_plain_stage(net, self, block_ids, first=first, last=last)
+
+    def profile(self, net: nn.Module, sample: Any, *, repeats: int = 5) -> Costs:
+        """Milliseconds of (stem, each block, head) on one sample micro-batch (best of `repeats`)."""
+        return profile_plain(net, self, sample, repeats=repeats)
+
+    def forward_problem(self, net: nn.Module, sample: Any, *, rtol: float = 1e-5, atol: float = 1e-6) -> str | None:
+        """Why the stages would not compute ``net(sample)``, or None when they do."""
+        return plain_forward_problem(net, self, sample, rtol=rtol, atol=atol)
+
+    def join(self, pieces: Sequence[nn.Module]) -> nn.Module:
+        """The whole single-device network from plain copies of every stage module (pure)."""
+        return join_plain(self, pieces)
+
+    # ---- the network call
+    def sample(self, net: nn.Module, example: Any) -> Any:
+        """The sample micro-batch (`example`: ``example_input_array``) on `net`'s device and floating dtype; None
+        without one."""
+        return None if example is None else self.place_sample(example, net)
+
+    def place_sample(self, sample: Any, net: nn.Module) -> Any:
+        """`sample` on `net`'s device (and floating dtype: the precision plugin may have converted `net`)."""
+        sample = torch.as_tensor(sample).to(next(net.parameters()).device)
+        dtype = next((p.dtype for p in net.parameters() if p.is_floating_point()), None)
+        return sample.to(dtype) if dtype is not None and sample.is_floating_point() else sample
+
+    def call_inputs(self, args: tuple, kwargs: dict) -> tuple[Tensor, dict, Tensor | None]:
+        """(first stage's input, inputs every stage takes, labels) of a call of the pipelined network."""
+        if len(args) != 1 or kwargs or not isinstance(args[0], Tensor):
+            raise TypeError("A pipelined network takes exactly one tensor argument (the batch of inputs).")
+        return args[0], {}, None
+
+    def call_output(self, shown: Tensor, loss: Any, labels: Any) -> Any:
+        """What the pipelined network's call returns, from what the step sees of the output (`shown`)."""
+        return shown
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrunedLayout(NetworkLayout):
+    """A block list inside a direct child (litgpt's ``transformer.h``): a stage is the model with the parts it does
+    not own taken out (:mod:`.pipeline_pruned`), the boundary activation passed as its forward's first input."""
+
+    parts: tuple[str, str, tuple[str, ...], tuple[str, ...]]
+    """``(child, block_list, stem, head)`` as qualified names."""
+
+    convention: ClassVar[type] = ForwardStage
+    """The stage class: how a stage takes the boundary activation and gives its output."""
+    handed_over: ClassVar[str] = "in place of its input"
+
+    def build_stage(self, net: nn.Module, block_ids: Sequence[int], *, first: bool, last: bool) -> nn.Module:
+        blocks = [self.blocks[i] for i in block_ids]
+        return build_pruned_stage(net, self.parts, blocks, first=first, last=last, convention=self.convention)
+
+    def profile(self, net: nn.Module, sample: Any, *, repeats: int = 5) -> Costs:
+        # measured inside the model's own forward (its blocks take extra inputs)
+        return profile_pruned(net, self, sample, convention=self.convention, repeats=repeats)
+
+    def forward_problem(self, net: nn.Module, sample: Any, *, rtol: float = 1e-5, atol: float = 1e-6) -> str | None:
+        n = len(self.blocks)  # every block boundary is a stage boundary: each hand-over is checked
+        problem = check_pruned_stages(
+            net, [self.build_stage(net, [i], first=i == 0, last=i == n - 1) for i in range(n)], sample
+        )
+        if problem is None:
+            return None
+        return (
+            f"Cannot split {type(net).__name__} into pipeline stages: {problem}. Tried: a stage = the model"
+            f" with the blocks of {self.block_list} it does not own taken out, hidden states passed {self.handed_over}."
+        )
+
+    def join(self, pieces: Sequence[nn.Module]) -> nn.Module:
+        # the parts put back into the first stage's copy: the model's own class again
+        return join_pruned(self.parts, self.blocks, pieces)
+
+
+@dataclass(frozen=True, kw_only=True)
+class HFLayout(PrunedLayout):
+    """An unmodified HuggingFace causal LM (:mod:`.pipeline_hf`): pruned stages taking hidden states as
+    ``inputs_embeds`` and returning ``.logits``; called with ``input_ids``, keyword inputs and ``labels``, it
+    returns a ``CausalLMOutputWithPast``."""
+
+    convention: ClassVar[type] = HFStageMixin
+    handed_over: ClassVar[str] = "as `inputs_embeds` (HF's config.base_model_pp_plan layout)"
+    needs_pipeline_loss: ClassVar[bool] = False
+    config_sample: ClassVar[bool] = True
+
+    def join(self, pieces: Sequence[nn.Module]) -> nn.Module:
+        whole = super().join(pieces)
+        # its `labels` loss as the pipeline computes it (in the logits' dtype; HF's own casts float64 to float32)
+        whole.loss_function = pipeline_loss_function  # HF's property has a setter for this (per instance)
+        return whole
+
+    def sample(self, net: nn.Module, example: Any) -> Any:
+        # keyword inputs: `example` (ids, or a mapping), else ids built from the config
+        if example is None:
+            return hf_example_inputs(net)
+        return self.place_sample(dict(example) if isinstance(example, Mapping) else {"input_ids": example}, net)
+
+    def place_sample(self, sample: Any, net: nn.Module) -> Any:
+        device = next(net.parameters()).device
+        return {k: torch.as_tensor(v).to(device) for k, v in sample.items()}
+
+    def call_inputs(self, args: tuple, kwargs: dict) -> tuple[Tensor, dict, Tensor | None]:
+        return hf_call_inputs(args, kwargs)
+
+    def call_output(self, shown: Tensor, loss: Any, labels: Any) -> Any:
+        return hf_call_output(shown, loss, labels)
+
+
+def layout_kind(net: Any) -> type[NetworkLayout]:
+    """The layout class `net` gets (:class:`HFLayout` or the plain one), before its parts are looked for: its class
+    attributes (``needs_pipeline_loss``, ``config_sample``) answer for a network that may not split at all."""
+    return HFLayout if isinstance(net, nn.Module) and is_hf_causal_lm(net) else NetworkLayout
+
 
 def network_layout(net: nn.Module) -> NetworkLayout:
-    """Find stem / blocks / head of `net`; TypeError when no route can split it (the message gives each route's reason).
+    """The layout of `net` (stem / blocks / head, and how it is staged); TypeError when no route can split it
+    (the message gives each route's reason).
 
     Routes, in order: a HuggingFace causal LM (its ``config.base_model_pp_plan`` block list), an
     ``nn.Sequential``, a direct ``nn.ModuleList`` of blocks between stem and head children, a block list inside
     a direct child (litgpt's ``transformer.h``: the stages are the model with the blocks they do not own taken out).
     """
-    from lightning_dist.parallelize.pipeline_hf import hf_parts, is_hf_causal_lm
-    from lightning_dist.parallelize.pipeline_pruned import nested_parts
-
-    if is_hf_causal_lm(net):
+    if layout_kind(net) is HFLayout:
         parts = hf_parts(net)
         _, block_list, stem, head = parts
-        return NetworkLayout(
+        return HFLayout(
             stem=stem,
             block_list=block_list,
             blocks=tuple(net.get_submodule(block_list)._modules),
             head=head,
-            pruned=parts,
-            hf=parts,
+            parts=parts,
         )
     if isinstance(net, nn.Sequential):
         return NetworkLayout(stem=(), block_list=None, blocks=tuple(net._modules), head=())
@@ -115,12 +263,12 @@ def network_layout(net: nn.Module) -> NetworkLayout:
     parts, nested_why = nested_parts(net) if not found else (None, "it has several direct block lists")
     if parts is not None:
         _, block_list, stem, head = parts
-        return NetworkLayout(
+        return PrunedLayout(
             stem=stem,
             block_list=block_list,
             blocks=tuple(net.get_submodule(block_list)._modules),
             head=head,
-            pruned=parts,
+            parts=parts,
         )
     what = "none" if not found else f"{len(found)} ({[n for n, _ in found]})"
     tried = [
@@ -137,11 +285,6 @@ def network_layout(net: nn.Module) -> NetworkLayout:
     )
 
 
-def _block(net: nn.Module, layout: NetworkLayout, i: int) -> nn.Module:
-    container = net if layout.block_list is None else net.get_submodule(layout.block_list)
-    return container._modules[layout.blocks[i]]
-
-
 def _num_params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
@@ -149,7 +292,7 @@ def _num_params(module: nn.Module) -> int:
 def part_params(net: nn.Module, layout: NetworkLayout) -> tuple[list[int], int, int]:
     """Parameters of (each block, the stem, the head) of `net` as its stages hold them (pure; the planner uses
     it too). A weight shared by the stem and the head counts on both: each of the two stages holds a copy."""
-    blocks = [_num_params(_block(net, layout, i)) for i in range(len(layout.blocks))]
+    blocks = [_num_params(layout.block(net, i)) for i in range(len(layout.blocks))]
     stem = sum(_num_params(net.get_submodule(m)) for m in layout.stem)
     head = sum(_num_params(net.get_submodule(m)) for m in layout.head)
     return blocks, stem, head
@@ -233,40 +376,14 @@ class PipelineSplit:
         return buf.getvalue()
 
 
-def profile_costs(
-    net: nn.Module, layout: NetworkLayout, sample: torch.Tensor, *, repeats: int = 5
-) -> tuple[float, list[float], float]:
+
+def profile_costs(net: nn.Module, layout: NetworkLayout, sample: Any, *, repeats: int = 5) -> Costs:
     """Measured forward+backward milliseconds of (stem, each block, head) on one sample micro-batch (best of `repeats`).
 
-    The parts are assumed to compose to ``net`` (check that first with :func:`check_staged_forward`).
+    The parts are assumed to compose to ``net`` (check that first with :meth:`NetworkLayout.forward_problem`).
     A model split into pruned copies (HF, litgpt) is measured inside its own forward (HF `sample`: its keyword inputs).
     """
-    if layout.pruned is not None:  # measured inside the model's own forward (its blocks take extra inputs)
-        from lightning_dist.parallelize.pipeline_pruned import profile_pruned
-
-        return profile_pruned(net, layout, sample, convention=layout.convention, repeats=repeats)
-    parts = (
-        [net.get_submodule(n) for n in layout.stem]
-        + [_block(net, layout, i) for i in range(len(layout.blocks))]
-        + [net.get_submodule(n) for n in layout.head]
-    )
-    times: list[float] = []
-    x = sample
-    for part in parts:
-        runs = []
-        for i in range(repeats + 1):  # the first run (allocations, lazy kernels set-up) is not timed
-            inp = x.detach().requires_grad_(x.is_floating_point())
-            start = time.perf_counter()
-            out = part(inp)
-            out.float().sum().backward()
-            if i:
-                runs.append((time.perf_counter() - start) * 1e3)
-        times.append(min(runs))  # interference from other processes only ever adds time
-        with torch.no_grad():
-            x = part(x)
-    net.zero_grad(set_to_none=True)
-    n_stem, n_head = len(layout.stem), len(layout.head)
-    return sum(times[:n_stem]), times[n_stem : len(times) - n_head], sum(times[len(times) - n_head :])
+    return layout.profile(net, sample, repeats=repeats)
 
 
 def plan_split(
@@ -275,15 +392,17 @@ def plan_split(
     *,
     split: Split = "params",
     sample: torch.Tensor | None = None,
-    costs: tuple[float, list[float], float] | None = None,
+    costs: Costs | None = None,
+    layout: NetworkLayout | None = None,
 ) -> PipelineSplit:
     """Split `net` into `num_stages` contiguous stages.
 
     `split`: ``"balanced"`` (measured time; needs `sample` or precomputed `costs` from :func:`profile_costs`),
     ``"params"`` (parameter count) or a list of ``num_stages - 1`` increasing block indices where stages
-    1, 2, ... start. Raises ValueError naming the numbers when the split is impossible.
+    1, 2, ... start. `layout`: `net`'s :func:`network_layout`, when the caller has it. Raises ValueError naming
+    the numbers when the split is impossible.
     """
-    layout = network_layout(net)
+    layout = network_layout(net) if layout is None else layout
     n = len(layout.blocks)
     if not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"num_stages={num_stages!r} must be an integer >= 1.")
@@ -301,10 +420,10 @@ def plan_split(
                     'split="balanced" profiles each block on a sample micro-batch: set `example_input_array` on the'
                     ' LightningModule to one micro-batch of inputs, or use split="params".'
                 )
-            from lightning_dist.parallelize.pipeline_checks import check_staged_forward
-
-            check_staged_forward(net, sample)
-            costs = profile_costs(net, layout, sample)
+            problem = layout.forward_problem(net, sample)
+            if problem:
+                raise ValueError(problem)
+            costs = layout.profile(net, sample)
         first, block_costs, last = costs
         method, unit = "balanced", "ms"
     elif isinstance(split, str) and split == "params":
@@ -343,63 +462,79 @@ def plan_split(
     return PipelineSplit(layout=layout, stages=tuple(stages), method=method, cost_unit=unit)
 
 
-# The checks and the stage modules live in their own modules (pipeline_checks, pipeline_stages), which import
-# this one; they are still reachable here, as before, looked up on first use (PEP 562) so that neither module
-# imports the other at load time.
-_MOVED = {
-    "pipeline_checks": (
-        "_work_outside_children",
-        "batchnorm_modules",
-        "check_splittable",
-        "check_staged_forward",
-        "host_copy",
-        "shared_across_stages",
-        "staged_forward_problem",
-        "tied_stages",
-    ),
-    "pipeline_stages": (
-        "PipelineView",
-        "StageModule",
-        "_unshared",
-        "apply_fsdp_to_stage",
-        "build_stage_module",
-        "is_pipelined_module",
-        "join_stages",
-        "pipeline_view",
-        "stage_blocks",
-    ),
-}
+
+def build_stage_module(net: nn.Module, split: PipelineSplit, stage_indices: Sequence[int]) -> nn.Module:
+    """The stage module with only the stem/blocks/head of `stage_indices` (the same module objects).
+
+    The rest of `net` is not referenced: once the caller drops `net`, those parameters are freed.
+    """
+    chosen = [split.stages[i] for i in sorted(stage_indices)]
+    return split.layout.build_stage(
+        net,
+        [b for s in chosen for b in s.blocks],
+        first=any(s.stem for s in chosen),
+        last=any(s.head for s in chosen),
+    )
 
 
-def __getattr__(name: str) -> Any:
-    import importlib
+def join_stages(split: PipelineSplit, pieces: Sequence[nn.Module]) -> nn.Module:
+    """The whole single-device network from plain copies of every pipeline rank's stage module (pure).
 
-    for module, names in _MOVED.items():
-        if name in names:
-            return getattr(importlib.import_module(f"lightning_dist.parallelize.{module}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    Stem, blocks and head are put back in the split's order under their single-device names. A pruned
+    stage (HF, litgpt) is the model with the parts it does not own taken out: the parts are put back into the first
+    stage's copy (a HF model's ``labels`` loss then computed as the pipeline computes it).
+    """
+    return split.layout.join(pieces)
+
+
+@runtime_checkable
+class PipelineView(Protocol):
+    """What a strategy offers about its pipeline to callbacks and tools (``MeshStrategy.pipeline_view()``).
+
+    Read-only except ``record_timeline``; a callback never needs the strategy's class or its internals.
+    """
+
+    split: PipelineSplit | None
+    """The stage plan (blocks per stage, the network's layout); None until the model is split."""
+    network: str
+    """Attribute of the LightningModule holding the pipelined network."""
+    record_timeline: bool
+    """Set True to record each step's F/B/I/W actions (read back with :meth:`pop_timelines`)."""
+
+    @property
+    def local_stages(self) -> list[int]:
+        """Indices of the stages this rank runs."""
+
+    @property
+    def stage_modules(self) -> list[nn.Module]:
+        """This rank's stage modules, as the schedule runs them (after TP/FSDP), one per local stage."""
+
+    def pop_timelines(self) -> list[dict]:
+        """The timelines recorded since the last call (one per training step), removed from the strategy."""
+
+
+def pipeline_view(strategy: Any) -> PipelineView | None:
+    """The strategy's :class:`PipelineView` (``strategy.pipeline_view()``), or None (no pipeline, or not a mesh
+    strategy)."""
+    get = getattr(strategy, "pipeline_view", None)
+    return get() if callable(get) else None
 
 
 __all__ = [
+    "Costs",
+    "HFLayout",
     "NetworkLayout",
     "PipelineSplit",
     "PipelineView",
-    "join_stages",
-    "pipeline_view",
+    "PrunedLayout",
+    "Split",
     "StagePlan",
-    "StageModule",
-    "apply_fsdp_to_stage",
-    "batchnorm_modules",
-    "stage_blocks",
-    "check_splittable",
-    "tied_stages",
-    "is_pipelined_module",
     "build_stage_module",
-    "check_staged_forward",
-    "host_copy",
-    "staged_forward_problem",
+    "join_stages",
+    "layout_kind",
     "network_layout",
+    "part_params",
+    "pipeline_view",
     "plan_split",
     "profile_costs",
-    "shared_across_stages",
 ]

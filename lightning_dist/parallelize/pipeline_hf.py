@@ -16,31 +16,27 @@ model's own ``forward`` runs each stage (rotary embeddings, the causal mask from
   LM's own children (``lm_head``); a stage that does not own them has ``nn.Identity`` there, so the
   ``logits`` it returns are its hidden states.
 
-:func:`check_hf_stages` runs the stages one after the other on one micro-batch against the whole model
-before anything is split: a model whose forward does not tolerate this is refused, never mis-trained. The
-pruning itself is :mod:`.pipeline_pruned` (litgpt's ``GPT`` is split the same way); this module holds HF's
-part names, its input convention (:class:`HFStageMixin`), sample inputs and the ``labels`` loss.
+The stages are run one after the other on one micro-batch against the whole model before anything is split
+(:func:`~.pipeline_pruned.check_pruned_stages`): a model whose forward does not tolerate this is refused, never
+mis-trained. The pruning itself is :mod:`.pipeline_pruned` (litgpt's ``GPT`` is split the same way); this module
+holds HF's part names, its stage input convention (:class:`HFStageMixin`), sample inputs, the network call's
+inputs and output (:func:`hf_call_inputs`, :func:`hf_call_output`) and the ``labels`` loss. Nothing outside
+:class:`~lightning_dist.parallelize.pipeline.HFLayout` branches on it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_dist.parallelize.pipeline_pruned import (
-    PrunedStage,
-    build_pruned_stage,
-    check_pruned_stages,
-    profile_pruned,
-)
+from lightning_dist.parallelize.pipeline_pruned import PrunedStage
 from lightning_dist.parallelize.units import BLOCK_LIST_NAMES
 
 
 def is_hf_causal_lm(net: nn.Module) -> bool:
-    """A HuggingFace ``PreTrainedModel`` with a base model and a config (what :func:`hf_layout` reads)."""
+    """A HuggingFace ``PreTrainedModel`` with a base model and a config (what :func:`hf_parts` reads)."""
     config = getattr(net, "config", None)
     return (
         config is not None
@@ -97,16 +93,6 @@ class HFStageMixin(PrunedStage):
         return sample["input_ids"], {k: v for k, v in sample.items() if k != "input_ids"}
 
 
-def build_hf_stage(net: nn.Module, parts: tuple, blocks: Sequence[str], *, first: bool, last: bool) -> nn.Module:
-    """`net` with only `blocks` of its block list, its stem when `first` and its head when `last` (shared modules)."""
-    return build_pruned_stage(net, parts, blocks, first=first, last=last, convention=HFStageMixin)
-
-
-def check_hf_stages(net: nn.Module, stages: Sequence[nn.Module], sample: dict[str, torch.Tensor]) -> str | None:
-    """Why running `stages` one after the other does not give ``net(**sample).logits`` (None when it does)."""
-    return check_pruned_stages(net, stages, sample)
-
-
 def hf_example_inputs(net: nn.Module, *, batch: int = 2, seq: int | None = None) -> dict[str, torch.Tensor]:
     """A micro-batch of token ids built from the config (for the stage check and ``split="balanced"``)."""
     config = net.config
@@ -118,11 +104,34 @@ def hf_example_inputs(net: nn.Module, *, batch: int = 2, seq: int | None = None)
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
-def profile_hf(
-    net: nn.Module, layout: Any, sample: dict[str, torch.Tensor], *, repeats: int = 5
-) -> tuple[float, list[float], float]:
-    """Milliseconds of (stem, each block, head) in forward, inside the model's own forward (best of `repeats`)."""
-    return profile_pruned(net, layout, sample, convention=HFStageMixin, repeats=repeats)
+HF_STAGE_INPUTS = frozenset({"attention_mask", "position_ids", "token_type_ids"})
+"""Keyword inputs of a HF causal LM that every stage takes (split into micro-batches along dim 0)."""
+
+
+def hf_call_inputs(args: tuple, kwargs: dict) -> tuple[torch.Tensor, dict, torch.Tensor | None]:
+    """(first stage's input, inputs every stage takes, ``labels``) of a call of a pipelined HF model."""
+    kwargs = dict(kwargs)
+    if len(args) > 1 or (args and "input_ids" in kwargs):
+        raise TypeError("A pipelined HuggingFace model takes `input_ids` (positionally or by name) and keyword inputs.")
+    x = args[0] if args else kwargs.pop("input_ids", None)
+    labels = kwargs.pop("labels", None)
+    for key in ("use_cache", "return_dict"):  # the stages never cache; the call returns a ModelOutput anyway
+        kwargs.pop(key, None)
+    unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in HF_STAGE_INPUTS)
+    if not isinstance(x, torch.Tensor) or unknown:
+        raise TypeError(
+            f"A pipelined HuggingFace model takes `input_ids` (a tensor) and the keyword inputs"
+            f" {sorted(HF_STAGE_INPUTS)} and `labels`; got {type(x).__name__} and {unknown or 'no others'}."
+        )
+    return x, {k: v for k, v in kwargs.items() if v is not None}, labels
+
+
+def hf_call_output(shown: torch.Tensor, loss: Any, labels: Any) -> Any:
+    """What the pipelined HF model's call returns: a ``CausalLMOutputWithPast`` carrying the mean loss over the
+    labelled tokens (HF's ``labels`` convention) and what the step sees of the logits."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    return CausalLMOutputWithPast(loss=None if labels is None else loss, logits=shown)
 
 
 def hf_labels_loss(logits: torch.Tensor, labels: torch.Tensor, *, num_items: Any = None) -> torch.Tensor:
@@ -159,13 +168,13 @@ def labelled_tokens(labels: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = [
+    "HF_STAGE_INPUTS",
     "HFStageMixin",
-    "build_hf_stage",
-    "check_hf_stages",
+    "hf_call_inputs",
+    "hf_call_output",
     "hf_example_inputs",
     "hf_labels_loss",
     "hf_parts",
-    "profile_hf",
     "is_hf_causal_lm",
     "labelled_tokens",
     "pipeline_loss_function",

@@ -72,6 +72,14 @@ class PrunedStage(nn.Module):
     def run_local(self, x: Any, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError
 
+    def stage_blocks(self) -> list[nn.Module]:
+        """The blocks this stage holds: its slice of the model's block list."""
+        return list(self.get_submodule(self._ld_block_list).children())
+
+    def fsdp_units(self) -> list[nn.Module]:
+        """FSDP2's ``"auto"`` units: the blocks it holds."""
+        return self.stage_blocks()
+
     @staticmethod
     def whole_output(net: nn.Module, sample: Any) -> torch.Tensor:
         """The unsplit model's output on a sample micro-batch (what the stages must give)."""

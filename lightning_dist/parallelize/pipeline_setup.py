@@ -2,23 +2,26 @@
 
 The strategy's ``validate_config`` (on every rank, before the first collective) and ``parallelize`` call
 these: the problems with the module (:func:`module_problems`), the split mode ``"auto"`` stands for
-(:func:`resolve_split_mode`), the sample micro-batch the split is measured and checked on
-(:func:`pipeline_sample`), the tied parameters across stages (:func:`tied_groups`) and the one-time
-comparison of the staged forward with the unsplit network on the first batch (:func:`first_batch_problem`).
+(:func:`resolve_split_mode`), the plan made once per setup (:func:`plan_pipeline`: the split checked, the
+sample micro-batch the split is measured and checked on, the staged forward compared on it), the tied
+parameters across stages (:func:`tied_groups`) and the one-time comparison of the staged forward with the
+unsplit network on the first batch (:func:`first_batch_problem`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 
-from lightning_dist.parallelize import pipeline as plan
 from lightning_dist.parallelize.compile import check_compile_option
-from lightning_dist.parallelize.pipeline_hf import hf_example_inputs, is_hf_causal_lm
+from lightning_dist.parallelize.pipeline import NetworkLayout, PipelineSplit, layout_kind, plan_split
+from lightning_dist.parallelize.pipeline_checks import check_splittable, staged_forward_problem
+from lightning_dist.parallelize.pipeline_stages import is_pipelined_module
 from lightning_dist.parallelize.pipeline_tied import tied_gradient_groups, tied_problems
 
 
@@ -51,7 +54,7 @@ def check_options(name: str, *, schedule: str, compile: Any, tp_plan: Any, optio
 def module_problems(module: Any, network: str, net: Any) -> list[str]:
     """What keeps `module.<network>` from being pipelined (pure): not a module, split already, no loss."""
     problems = []
-    if plan.is_pipelined_module(net):
+    if is_pipelined_module(net):
         problems.append(
             f"{type(module).__name__}.{network} was already split by another PipelineStrategy;"
             " build a fresh module (or load a checkpoint into one) for a new Trainer."
@@ -61,9 +64,7 @@ def module_problems(module: Any, network: str, net: Any) -> list[str]:
             f"{type(module).__name__}.{network} must be the network to pipeline (an nn.Module);"
             f" got {type(net).__name__}. Set `network=` to the attribute that holds it."
         )
-    if not callable(getattr(module, "pipeline_loss", None)) and not (
-        isinstance(net, nn.Module) and is_hf_causal_lm(net)
-    ):  # HF models: the `labels` convention
+    if not callable(getattr(module, "pipeline_loss", None)) and layout_kind(net).needs_pipeline_loss:
         problems.append(
             f"{type(module).__name__} has no `pipeline_loss(output, target)` method: the pipeline"
             " schedule computes the loss of each micro-batch on the last stage with it."
@@ -73,7 +74,11 @@ def module_problems(module: Any, network: str, net: Any) -> list[str]:
 
 def check_balanced_sample(module: Any, net: nn.Module, mode: Any) -> None:
     """``split="balanced"`` measures the blocks on a sample: ``example_input_array``, or a HF model's config."""
-    if mode == "balanced" and getattr(module, "example_input_array", None) is None and not is_hf_causal_lm(net):
+    if (
+        mode == "balanced"
+        and getattr(module, "example_input_array", None) is None
+        and not layout_kind(net).config_sample
+    ):
         raise ValueError(
             f'split="balanced" profiles each block on a sample micro-batch: set'
             f" `{type(module).__name__}.example_input_array` to one micro-batch of inputs,"
@@ -85,45 +90,64 @@ def resolve_split_mode(split_option: Any, module: Any, network: str) -> Any:
     """The split that will be used: `split_option` with ``"auto"`` resolved for the attached module."""
     if isinstance(split_option, str) and split_option == "auto":
         net = getattr(module, network, None)
-        has_sample = getattr(module, "example_input_array", None) is not None or (
-            isinstance(net, nn.Module) and is_hf_causal_lm(net)
-        )  # HF: a sample from the config
+        has_sample = getattr(module, "example_input_array", None) is not None or layout_kind(net).config_sample
         return "balanced" if has_sample else "params"
     return split_option
 
 
-def pipeline_sample(module: Any, net: nn.Module) -> Any:
+def pipeline_sample(module: Any, net: nn.Module, layout: NetworkLayout) -> Any:
     """``example_input_array`` on the network's device and floating dtype; None without one (or on meta).
 
     A HuggingFace causal LM gets keyword inputs: ``example_input_array`` (ids, or a mapping), else ids
     built from its config (:func:`~lightning_dist.parallelize.pipeline_hf.hf_example_inputs`).
     """
-    example = getattr(module, "example_input_array", None)
     first = next(iter(net.parameters()), None)
     if first is None or first.is_meta:
         return None
-    if is_hf_causal_lm(net):
-        if example is None:
-            return hf_example_inputs(net)
-        example = dict(example) if isinstance(example, Mapping) else {"input_ids": example}
-        return {k: torch.as_tensor(v).to(first.device) for k, v in example.items()}
-    if example is None:
-        return None
-    sample = torch.as_tensor(example).to(first.device)
-    dtype = next((p.dtype for p in net.parameters() if p.is_floating_point()), None)
-    return sample.to(dtype) if dtype is not None and sample.is_floating_point() else sample
+    return layout.sample(net, getattr(module, "example_input_array", None))
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """What ``validate_config`` planned and checked, for ``parallelize`` to use as is (made once per setup)."""
+
+    mode: Any
+    """The split mode: ``"balanced"``, ``"params"`` or manual split points."""
+    split: PipelineSplit
+    """The split (by parameters when `mode` is ``"balanced"``: the measured one is made in ``parallelize``)."""
+    sample: Any
+    """The sample micro-batch (None: no ``example_input_array``, or the network is on meta); the staged
+    forward was compared with the network's on it. Place it with ``split.layout.place_sample``."""
+
+    @property
+    def layout(self) -> NetworkLayout:
+        return self.split.layout
+
+
+def plan_pipeline(module: Any, net: nn.Module, num_stages: int, mode: Any, *, allow_batchnorm: bool) -> PipelinePlan:
+    """The split arithmetic (TypeError for a network of another shape), BatchNorm, the balanced split's sample and
+    the staged forward on the sample, checked once; the plan ``parallelize`` uses (ValueError naming a problem)."""
+    split = plan_split(net, num_stages, split="params" if mode == "balanced" else mode)
+    check_splittable(net, split, allow_batchnorm=allow_batchnorm)
+    check_balanced_sample(module, net, mode)
+    sample = pipeline_sample(module, net, split.layout)
+    if sample is not None:  # the stages must compute the model's own forward (else: the first batch)
+        problem = staged_forward_problem(net, sample)
+        if problem:
+            raise ValueError(problem)
+    return PipelinePlan(mode=mode, split=split, sample=sample)
 
 
 def tied_groups(
-    net: nn.Module, split: plan.PipelineSplit, stage_ranks: Sequence[int], *, mesh: Any, rank: int
+    tied: Sequence[tuple[tuple[str, ...], tuple[int, ...]]], stage_ranks: Sequence[int], *, mesh: Any, rank: int
 ) -> list[tuple[tuple[str, ...], Any, bool]]:
-    """Tied parameters across stages (see :mod:`~lightning_dist.parallelize.pipeline_tied`), refused or grouped.
+    """Tied parameters across stages (`tied`: :func:`~.pipeline_checks.tied_stages`), refused or grouped (see
+    :mod:`~lightning_dist.parallelize.pipeline_tied`).
 
     Collective when there are any (``new_group`` on every rank); the refusal comes first, on every rank.
     """
     from lightning_dist.mesh import TP
 
-    tied = plan.tied_stages(net, split)
     problems = tied_problems(tied, stage_ranks, dp_size=mesh.dp_size, tp_size=mesh.size(TP))
     if problems:
         raise ValueError("Cannot pipeline tied parameters:\n  - " + "\n  - ".join(problems))
@@ -139,7 +163,7 @@ def first_batch_problem(unsplit: nn.Module, sample: Tensor, device: Any) -> Opti
     """
     dtype = next((p.dtype for p in unsplit.parameters() if p.is_floating_point()), None)
     sample = sample.detach().cpu()
-    problem = plan.staged_forward_problem(unsplit, sample.to(dtype) if dtype and sample.is_floating_point() else sample)
+    problem = staged_forward_problem(unsplit, sample.to(dtype) if dtype and sample.is_floating_point() else sample)
     flag = torch.tensor(float(problem is not None), device=device)
     if torch.distributed.is_initialized():  # data-parallel ranks see different batches: one verdict for all
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
@@ -152,11 +176,13 @@ def first_batch_problem(unsplit: nn.Module, sample: Tensor, device: Any) -> Opti
 
 
 __all__ = [
+    "PipelinePlan",
     "check_balanced_sample",
     "check_options",
     "first_batch_problem",
     "module_problems",
     "pipeline_sample",
+    "plan_pipeline",
     "resolve_split_mode",
     "tied_groups",
 ]

@@ -1,17 +1,26 @@
-"""Stage modules of a pipeline split (the parts a rank runs, under their original names), FSDP2 per stage,
-the :class:`PipelineView` protocol callbacks read, and the whole network joined back from its stages."""
+"""Plain pipeline stages: the parts of a network some stages run (stem, blocks, head children) in a
+:class:`StageModule` under their original names, which applies them in registration order.
+
+The plain side of :class:`~lightning_dist.parallelize.pipeline.NetworkLayout` (an ``nn.Sequential``, or a
+module with stem children, one direct ``nn.ModuleList`` of blocks and head children): building a stage
+(:func:`build_plain_stage`), timing each part (:func:`profile_plain`), checking that the children in order
+compute the network's forward (:func:`plain_forward_problem`) and joining the stages back
+(:func:`join_plain`). A model cut into pruned copies of itself (litgpt, HF) is :mod:`.pipeline_pruned`.
+"""
 
 from __future__ import annotations
 
+import time
+from collections import Counter
 from collections.abc import Sequence
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Callable
 
+import torch
 from torch import nn
 
-from lightning_dist.parallelize.pipeline import PipelineSplit, _block
+from lightning_dist.parallelize.pipeline_pruned import PrunedStage
 
 
-# ---- stage modules -----------------------------------------------------------------------------
 class StageModule(nn.Module):
     """The parts of a network that some pipeline stages run, under their original names.
 
@@ -51,160 +60,45 @@ class StageModule(nn.Module):
             return self.runner(*args, **kwargs)
         return self.run_local(*args, **kwargs)
 
+    def stage_blocks(self) -> list[nn.Module]:
+        """The blocks this stage holds: its block list's entries, or (a split ``nn.Sequential``) its children."""
+        lists = [child for child in self.children() if isinstance(child, nn.ModuleDict)]
+        if lists:
+            return [block for blocks in lists for block in blocks.values()]
+        return list(self.children())
+
+    def fsdp_units(self) -> list[nn.Module]:
+        """FSDP2's ``"auto"`` units: the entries of its block list (a split ``nn.Sequential``: none, its
+        children shard with the stage's root unit)."""
+        return [b for child in self._modules.values() if isinstance(child, nn.ModuleDict) for b in child.values()]
+
 
 def is_pipelined_module(net: object) -> bool:
-    """A stage module built by :func:`build_stage_module` (of either kind)."""
-    from lightning_dist.parallelize.pipeline_pruned import PrunedStage
-
+    """A stage module built by :func:`~lightning_dist.parallelize.pipeline.build_stage_module` (of either kind)."""
     return isinstance(net, (StageModule, PrunedStage))
 
 
-def build_stage_module(net: nn.Module, split: PipelineSplit, stage_indices: Sequence[int]) -> StageModule:
-    """A :class:`StageModule` with only the stem/blocks/head of `stage_indices` (the same module objects).
+def stage_blocks(stage: StageModule | PrunedStage) -> list[nn.Module]:
+    """The blocks a stage module holds (its block list's entries; a split ``nn.Sequential``: its children)."""
+    return stage.stage_blocks()
 
-    The rest of `net` is not referenced: once the caller drops `net`, those parameters are freed.
-    """
-    lay = split.layout
-    chosen = [split.stages[i] for i in sorted(stage_indices)]
-    block_ids = [b for s in chosen for b in s.blocks]
-    if lay.pruned is not None:
-        from lightning_dist.parallelize.pipeline_pruned import build_pruned_stage
 
-        return build_pruned_stage(
-            net,
-            lay.pruned,
-            [lay.blocks[i] for i in block_ids],
-            first=any(s.stem for s in chosen),
-            last=any(s.head for s in chosen),
-            convention=lay.convention,
-        )
-    blocks = [(lay.blocks[i], _block(net, lay, i)) for i in block_ids]
+def build_plain_stage(net: nn.Module, layout: Any, block_ids: Sequence[int], *, first: bool, last: bool) -> StageModule:
+    """A :class:`StageModule` with blocks `block_ids` of `layout` (a ``NetworkLayout``), the stem when `first` and
+    the head when `last` (the same module objects): once the caller drops `net`, the rest is freed."""
+    blocks = [(layout.blocks[i], layout.block(net, i)) for i in block_ids]
     parts: list[tuple[str, nn.Module]] = []
-    if any(s.stem for s in chosen):
-        parts += [(n, getattr(net, n)) for n in lay.stem]
-    if lay.block_list is not None:
-        parts.append((lay.block_list, getattr(net, lay.block_list)))
-    if any(s.head for s in chosen):
-        parts += [(n, getattr(net, n)) for n in lay.head]
-    return StageModule(parts, lay.block_list, blocks)
+    if first:
+        parts += [(n, getattr(net, n)) for n in layout.stem]
+    if layout.block_list is not None:
+        parts.append((layout.block_list, getattr(net, layout.block_list)))
+    if last:
+        parts += [(n, getattr(net, n)) for n in layout.head]
+    return StageModule(parts, layout.block_list, blocks)
 
 
-def stage_blocks(stage: StageModule) -> list[nn.Module]:
-    """The blocks a stage module holds: its block list's entries, or (a split ``nn.Sequential``) its children."""
-    pruned_list = getattr(stage, "_ld_block_list", None)
-    if pruned_list is not None:  # a pruned copy of the model (HF, litgpt): its slice of the block list
-        return list(stage.get_submodule(pruned_list).children())
-    lists = [child for child in stage.children() if isinstance(child, nn.ModuleDict)]
-    if lists:
-        return [block for blocks in lists for block in blocks.values()]
-    return list(stage.children())
-
-
-def apply_fsdp_to_stage(
-    stage: nn.Module,
-    mesh: Any,
-    *,
-    units: Any = "auto",
-    reshard_after_forward: bool = False,
-    mp_policy: Any | None = None,
-    offload_policy: Any | None = None,
-) -> int:
-    """FSDP2 on the data-parallel mesh for one stage module: its units first, then the stage module as root.
-
-    The stage module must be its own FSDP root so ``PipelineStage`` can defer the gradient reduction to the
-    last micro-batch (``apply_fsdp``'s roots are the LightningModule's children, which never run here).
-    `units`: ``"auto"`` (the blocks of the stage's block list), class names or modules; of those, a block run
-    twice or sharing a parameter with the rest of the stage stays in the root unit. Returns the unit count.
-    """
-    from lightning_dist._compat import fully_shard_api
-    from lightning_dist.parallelize.units import select_units
-
-    fully_shard = fully_shard_api()[0]
-    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
-    if mp_policy is not None:
-        kwargs["mp_policy"] = mp_policy
-    if offload_policy is not None:
-        kwargs["offload_policy"] = offload_policy
-    if isinstance(units, str) and units == "auto" and getattr(stage, "_ld_block_list", None) is not None:
-        blocks = stage_blocks(stage)
-    elif isinstance(units, str) and units == "auto":
-        blocks = [b for child in stage._modules.values() if isinstance(child, nn.ModuleDict) for b in child.values()]
-    else:
-        blocks = [m for _, m in select_units(stage, units)]
-    picked = _unshared(blocks, stage)
-    for block in picked:
-        fully_shard(block, **kwargs)
-    fully_shard(stage, **kwargs)
-    return len(picked) + 1
-
-
-def _unshared(blocks: Sequence[nn.Module], stage: nn.Module) -> list[nn.Module]:
-    """The blocks to shard as their own FSDP units: those run once per forward and sharing no parameter.
-
-    A block used twice (or holding a parameter another part of the stage also uses) stays with the stage's
-    root unit, which keeps it gathered for the whole forward and backward of the stage.
-    """
-    uses: dict[int, int] = {}
-    for _, p in stage.named_parameters(remove_duplicate=False):
-        uses[id(p)] = uses.get(id(p), 0) + 1
-    out, seen = [], set()
-    for block in blocks:
-        if id(block) in seen:
-            continue
-        seen.add(id(block))
-        own = {id(p): 0 for p in block.parameters()}
-        for _, p in block.named_parameters(remove_duplicate=False):
-            own[id(p)] += 1
-        if sum(b is block for b in blocks) == 1 and all(uses[k] == n for k, n in own.items()):
-            out.append(block)
-    return out
-
-
-@runtime_checkable
-class PipelineView(Protocol):
-    """What a strategy offers about its pipeline to callbacks and tools (``MeshStrategy.pipeline_view()``).
-
-    Read-only except ``record_timeline``; a callback never needs the strategy's class or its internals.
-    """
-
-    split: PipelineSplit | None
-    """The stage plan (blocks per stage, the network's layout); None until the model is split."""
-    network: str
-    """Attribute of the LightningModule holding the pipelined network."""
-    record_timeline: bool
-    """Set True to record each step's F/B/I/W actions (read back with :meth:`pop_timelines`)."""
-
-    @property
-    def local_stages(self) -> list[int]:
-        """Indices of the stages this rank runs."""
-
-    @property
-    def stage_modules(self) -> list[nn.Module]:
-        """This rank's stage modules, as the schedule runs them (after TP/FSDP), one per local stage."""
-
-    def pop_timelines(self) -> list[dict]:
-        """The timelines recorded since the last call (one per training step), removed from the strategy."""
-
-
-def pipeline_view(strategy: Any) -> PipelineView | None:
-    """The strategy's :class:`PipelineView` (``strategy.pipeline_view()``), or None (no pipeline, or not a mesh
-    strategy)."""
-    get = getattr(strategy, "pipeline_view", None)
-    return get() if callable(get) else None
-
-
-def join_stages(split: PipelineSplit, pieces: Sequence[nn.Module]) -> nn.Module:
-    """The whole single-device network from plain copies of every pipeline rank's stage module (pure).
-
-    Stem, blocks and head are put back in the split's order under their single-device names. A pruned
-    stage (HF, litgpt) is the model with the parts it does not own taken out: the parts are put back into the first
-    stage's copy.
-    """
-    layout = split.layout
-    if layout.pruned is not None:
-        from lightning_dist.parallelize.pipeline_pruned import join_pruned
-
-        return join_pruned(layout.pruned, layout.blocks, pieces)
+def join_plain(layout: Any, pieces: Sequence[nn.Module]) -> StageModule:
+    """The whole network from plain copies of every stage: stem, blocks and head in the layout's order."""
     parts: dict[str, nn.Module] = {}
     blocks: dict[str, nn.Module] = {}
     for piece in pieces:
@@ -217,3 +111,136 @@ def join_stages(split: PipelineSplit, pieces: Sequence[nn.Module]) -> nn.Module:
                 parts[name] = child
     order = list(layout.stem) + ([layout.block_list] if layout.block_list is not None else []) + list(layout.head)
     return StageModule([(n, parts.get(n)) for n in order], layout.block_list, [(k, blocks[k]) for k in layout.blocks])
+
+
+def profile_plain(
+    net: nn.Module, layout: Any, sample: torch.Tensor, *, repeats: int = 5
+) -> tuple[float, list[float], float]:
+    """Forward+backward milliseconds of (stem, each block, head), each part run on the previous one's output."""
+    parts = (
+        [net.get_submodule(n) for n in layout.stem]
+        + [layout.block(net, i) for i in range(len(layout.blocks))]
+        + [net.get_submodule(n) for n in layout.head]
+    )
+    times: list[float] = []
+    x = sample
+    for part in parts:
+        runs = []
+        for i in range(repeats + 1):  # the first run (allocations, lazy kernels set-up) is not timed
+            inp = x.detach().requires_grad_(x.is_floating_point())
+            start = time.perf_counter()
+            out = part(inp)
+            out.float().sum().backward()
+            if i:
+                runs.append((time.perf_counter() - start) * 1e3)
+        times.append(min(runs))  # interference from other processes only ever adds time
+        with torch.no_grad():
+            x = part(x)
+    net.zero_grad(set_to_none=True)
+    n_stem, n_head = len(layout.stem), len(layout.head)
+    return sum(times[:n_stem]), times[n_stem : len(times) - n_head], sum(times[len(times) - n_head :])
+
+
+def plain_forward_problem(
+    net: nn.Module, layout: Any, sample: torch.Tensor, *, rtol: float = 1e-5, atol: float = 1e-6
+) -> str | None:
+    """Why the children of `net` applied in registration order would not compute ``net(sample)`` (None: they do).
+
+    The stages run only the network's children (stem, blocks, head) one after the other (what
+    :class:`StageModule` runs); a ``forward`` that adds residuals around blocks, calls a child twice or
+    in another order, or transforms tensors between children computes something else.
+    """
+    staged = build_plain_stage(net, layout, range(len(layout.blocks)), first=True, last=True)
+    registered = [*layout.stem, layout.block_list or "children", *layout.head]
+    was_training = net.training
+    net.eval()  # dropout & co. would draw different masks in the two runs
+    try:
+        with torch.no_grad():
+            called, hooks = _record_call_order(net, layout)
+            try:
+                expected = net(sample)
+            finally:
+                for h in hooks:
+                    h.remove()
+            try:
+                got, crash = staged.run_local(sample), None
+            except (RuntimeError, ValueError, TypeError, IndexError) as err:  # e.g. a head run before the blocks
+                got, crash = None, err
+    finally:
+        net.train(was_training)
+    if (
+        crash is None
+        and isinstance(expected, torch.Tensor)
+        and expected.shape == got.shape
+        and torch.allclose(expected, got, rtol=rtol, atol=atol)
+    ):
+        return None
+    order = " -> ".join(registered)
+    if called and called != registered and set(called) == set(registered):
+        moved = [n for n in registered if called.index(n) != registered.index(n)]
+        return (
+            f"{type(net).__name__} registers its children in the order {order}, but its forward runs them as"
+            f" {' -> '.join(called)}: the pipeline stages run the children in registration order (stem, block"
+            f" list, head), so they would run {moved} at the wrong place"
+            + (f" (the staged forward failed: {str(crash).splitlines()[0]})" if crash is not None else "")
+            + f". Register the children in execution order: in {type(net).__name__}.__init__ assign"
+            f" {' then '.join(called)}."
+        )
+    if crash is not None:
+        what = f"the stages fail on one micro-batch: {type(crash).__name__}: {str(crash).splitlines()[0]}"
+    elif isinstance(expected, torch.Tensor) and expected.shape == got.shape:
+        what = f"max abs difference {(expected - got).abs().max().item():.4g} on one micro-batch"
+    else:
+        what = f"output {tuple(getattr(expected, 'shape', ()))} vs the stages' {tuple(got.shape)}"
+    ops = _work_outside_children(net)
+    outside = (
+        f" It applies {', '.join(ops)} itself, outside the child modules (e.g. residual adds around blocks)."
+        if ops
+        else ""
+    )
+    return (
+        f"{type(net).__name__}.forward is not its children applied in registration order ({order}): the pipeline"
+        f" stages would compute a different network ({what}).{outside} Move that work into a child module (e.g. a"
+        " block whose own forward adds its residual), register the layers in execution order, or express the"
+        " network as an nn.Sequential."
+    )
+
+
+def _record_call_order(net: nn.Module, layout: Any) -> tuple[list[str], list]:
+    """Hooks recording the stem, block-list and head children of `net` in the order its forward first calls
+    them: (that list, filled as it runs; the hook handles to remove). Nothing for an nn.Sequential, which runs
+    its children in registration order by definition."""
+    order: list[str] = []
+    if layout.block_list is None:
+        return order, []
+    hooks = []
+    for name in [*layout.stem, layout.block_list, *layout.head]:
+        child = net.get_submodule(name)
+        for t in list(child.children()) if name == layout.block_list else [child]:  # a ModuleList is never called
+            hooks.append(
+                t.register_forward_pre_hook(lambda m, args, name=name: None if name in order else order.append(name))
+            )
+    return order, hooks
+
+
+def _work_outside_children(net: nn.Module) -> list[str]:
+    """Operations `net.forward` applies itself, outside its child modules (from torch.fx; [] when not traceable)."""
+    try:
+        graph = torch.fx.symbolic_trace(net).graph
+    except Exception:  # data-dependent control flow etc.: the numeric comparison still decides
+        return []
+    ops = Counter(
+        str(getattr(n.target, "__name__", n.target)) for n in graph.nodes if n.op in ("call_function", "call_method")
+    )
+    return [f"{count} x {op}" if count > 1 else op for op, count in ops.items()]
+
+
+__all__ = [
+    "StageModule",
+    "build_plain_stage",
+    "is_pipelined_module",
+    "join_plain",
+    "plain_forward_problem",
+    "profile_plain",
+    "stage_blocks",
+]

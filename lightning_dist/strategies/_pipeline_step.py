@@ -38,9 +38,6 @@ from lightning_dist.parallelize.pipeline_schedule import returned_loss_gradients
 from lightning_dist.parallelize.pipeline_setup import first_batch_problem
 from lightning_dist.parallelize.pipeline_tied import sum_tied_gradients
 
-# keyword inputs of a HF causal LM that every stage takes (split into micro-batches along dim 0)
-_HF_STAGE_INPUTS = frozenset({"attention_mask", "position_ids", "token_type_ids"})
-
 
 class NetworkCall(NamedTuple):
     """One network call, for ``pipeline_loss`` and ``backward``: what the step saw, the last stage's output
@@ -55,26 +52,6 @@ class NetworkCall(NamedTuple):
     m: int = 1
 
 
-def network_inputs(args: tuple, kwargs: dict, *, hf: bool) -> tuple[Tensor, dict, Optional[Tensor]]:
-    """(first stage's input, inputs every stage takes, HF labels) of a call of the pipelined network."""
-    if not hf:
-        if len(args) != 1 or kwargs or not isinstance(args[0], Tensor):
-            raise TypeError("A pipelined network takes exactly one tensor argument (the batch of inputs).")
-        return args[0], {}, None
-    kwargs = dict(kwargs)
-    if len(args) > 1 or (args and "input_ids" in kwargs):
-        raise TypeError("A pipelined HuggingFace model takes `input_ids` (positionally or by name) and keyword inputs.")
-    x = args[0] if args else kwargs.pop("input_ids", None)
-    labels = kwargs.pop("labels", None)
-    for key in ("use_cache", "return_dict"):  # the stages never cache; the call returns a ModelOutput anyway
-        kwargs.pop(key, None)
-    unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in _HF_STAGE_INPUTS)
-    if not isinstance(x, Tensor) or unknown:
-        raise TypeError(
-            f"A pipelined HuggingFace model takes `input_ids` (a tensor) and the keyword inputs"
-            f" {sorted(_HF_STAGE_INPUTS)} and `labels`; got {type(x).__name__} and {unknown or 'no others'}."
-        )
-    return x, {k: v for k, v in kwargs.items() if v is not None}, labels
 
 
 class PipelineStep:
@@ -100,7 +77,7 @@ class PipelineStep:
     def run(self, args: tuple, kwargs: dict) -> Any:
         """The pipelined network's call: the whole schedule; returns what every pp rank sees of the output."""
         strategy = self.strategy
-        x, extra, labels = network_inputs(args, kwargs, hf=strategy._hf)
+        x, extra, labels = strategy.split.layout.call_inputs(args, kwargs)
         module = strategy.lightning_module
         train = self.pending and torch.is_grad_enabled() and module.training
         m, batch = strategy.n_microbatches, x.shape[0]
@@ -146,12 +123,7 @@ class PipelineStep:
         if not train and labels is not None:  # HF's eval loss: computed on the last stage, a scalar to every rank
             loss = runner.from_last_stage(None if out is None else hf_labels_loss(out, labels), ("loss", "eval"))
         self.call = NetworkCall(shown, None if train else out, loss, target, train, loss_fn, m)
-        if not strategy._hf:
-            return shown
-        from transformers.modeling_outputs import CausalLMOutputWithPast
-
-        # HF's labels convention: the model's output carries the mean loss over the labelled tokens
-        return CausalLMOutputWithPast(loss=None if labels is None else loss, logits=shown)
+        return strategy.split.layout.call_output(shown, loss, labels)  # a HF model: its ModelOutput
 
     def _shown_output(self, out: Optional[Tensor], train: bool, *, key: tuple) -> Tensor:
         """What the step sees of the output: a stand-in (default), or the whole output broadcast (the opt-in,
@@ -294,4 +266,4 @@ def serve_loss(strategy: Any, call: Optional[NetworkCall], output: Any, target: 
     return strategy._runner.from_last_stage(value, ("loss", "eval"))
 
 
-__all__ = ["NetworkCall", "PipelineStep", "network_inputs", "serve_loss"]
+__all__ = ["NetworkCall", "PipelineStep", "serve_loss"]

@@ -46,9 +46,10 @@ from lightning_dist.parallelize import ParallelizeConfig, pipeline_model
 from lightning_dist.parallelize import pipeline as plan
 from lightning_dist.parallelize import pipeline_setup as checks
 from lightning_dist.parallelize.ac import ACOption, ac_problems, check_offload_device
-from lightning_dist.parallelize.pipeline_hf import is_hf_causal_lm
+from lightning_dist.parallelize.pipeline_checks import host_copy, tied_stages
 from lightning_dist.parallelize.pipeline_output import serve_pipeline_loss, unserve_pipeline_loss
 from lightning_dist.parallelize.pipeline_schedule import PipelineRunner, schedule_problems
+from lightning_dist.parallelize.pipeline_stages import is_pipelined_module
 from lightning_dist.parallelize.pipeline_tied import tied_checkpoint_keys
 from lightning_dist.parallelize.tp import resolve_stage_plan
 from lightning_dist.parallelize.tp_plan import format_plan
@@ -157,7 +158,7 @@ class PipelineStrategy(MeshStrategy):
         self.last_loss: Optional[Tensor] = None
         self._local_stages: list[int] = []
         self._runner: Optional[PipelineRunner] = None
-        self._hf = False  # a HuggingFace causal LM: keyword inputs, `labels`, a ModelOutput returned
+        self._plan: Optional[checks.PipelinePlan] = None  # made by `validate_config`, used by `parallelize`
         self._tied: list[tuple[Tensor, Any, bool]] = []  # (parameter, group of its holders' ranks, counted in the norm)
         # (checkpoint key, keys of its copies, saved by this rank) of each tied parameter: saved once
         self._tied_keys: list[tuple[str, tuple[str, ...], bool]] = []
@@ -222,17 +223,13 @@ class PipelineStrategy(MeshStrategy):
         problems += checks.module_problems(module, self.network, net)
         if problems or net is None:
             raise ValueError(f"Invalid {type(self).__name__} configuration:\n  - " + "\n  - ".join(problems))
-        # split arithmetic (TypeError for a network of another shape) and tied weights with parameter counts;
-        # the balanced split is checked again once measured
-        mode = self.split_mode()
-        check = plan.plan_split(net, self.num_stages, split="params" if mode == "balanced" else mode)
-        plan.check_splittable(net, check, allow_batchnorm=self.allow_batchnorm)
+        # split arithmetic (TypeError for a network of another shape), the sample and the staged forward on it,
+        # checked once: `parallelize` uses this plan (a balanced split is measured there)
+        self._plan = checks.plan_pipeline(
+            module, net, self.num_stages, self.split_mode(), allow_batchnorm=self.allow_batchnorm
+        )
         if spec.size(TP) > 1:
             resolve_stage_plan(module, net, self.tp_plan, tp=spec.size(TP))
-        checks.check_balanced_sample(module, net, mode)
-        sample = checks.pipeline_sample(module, net)
-        if sample is not None:  # the stages must compute the model's own forward (else: the first batch, in `_run`)
-            plan.check_staged_forward(net, sample)
 
     def split_mode(self) -> Any:
         """The split that will be used: ``split`` with ``"auto"`` resolved for the attached module."""
@@ -240,7 +237,7 @@ class PipelineStrategy(MeshStrategy):
 
     # ---- model set-up --------------------------------------------------------------------------
     def _is_pipelined(self, net: Any) -> bool:
-        return plan.is_pipelined_module(net) and net.runner == self._run
+        return is_pipelined_module(net) and net.runner == self._run
 
     @override
     def already_parallelized(self) -> bool:
@@ -253,21 +250,24 @@ class PipelineStrategy(MeshStrategy):
         if self._is_pipelined(net):
             return
         mesh, pp = self.mesh, self.mesh.size(PP)
-        self._hf = is_hf_causal_lm(net)
-        costs = None
-        mode = self.split_mode()
-        sample = checks.pipeline_sample(module, net)
+        setup, self._plan = self._plan, None
+        if setup is None:  # `validate_config` did not run for this network
+            setup = checks.plan_pipeline(
+                module, net, self.num_stages, self.split_mode(), allow_batchnorm=self.allow_batchnorm
+            )
+        layout = setup.layout
+        sample = None if setup.sample is None else layout.place_sample(setup.sample, net)  # on the device now
         if sample is None and not any(p.is_meta for p in net.parameters()):
             # no sample micro-batch: the staged forward is compared with this copy on the first batch (in `_run`)
-            self._unsplit = plan.host_copy(net)
-        if mode == "balanced":
+            self._unsplit = host_copy(net)
+        self.split = setup.split
+        if setup.mode == "balanced":
             assert sample is not None
             # profiled on global rank 0 alone (the others would compete for its cores), the same split everywhere
-            costs = plan.profile_costs(net, plan.network_layout(net), sample) if self.global_rank == 0 else None
+            costs = layout.profile(net, sample) if self.global_rank == 0 else None
             costs = self.broadcast(costs)
             log.debug("pipeline block costs (ms): stem %s, blocks %s, head %s", *costs)
-        self.split = plan.plan_split(net, self.num_stages, split=mode, costs=costs)
-        plan.check_splittable(net, self.split, allow_batchnorm=self.allow_batchnorm)
+            self.split = plan.plan_split(net, self.num_stages, split="balanced", costs=costs, layout=layout)
         stage_ranks = rules.stage_ranks(self.num_stages, pp, SCHEDULES[self.schedule][2])  # type: ignore[arg-type]
         pp_rank = mesh.local_rank(PP) if pp > 1 else 0
         self._local_stages = [s for s, r in enumerate(stage_ranks) if r == pp_rank]
@@ -287,10 +287,9 @@ class PipelineStrategy(MeshStrategy):
             tp_owner=module,
         )
         # before the split drops the rest of the network
-        tied = checks.tied_groups(net, self.split, stage_ranks, mesh=self.mesh, rank=self.global_rank)
-        self._tied_keys = tied_checkpoint_keys(
-            net, plan.tied_stages(net, self.split), stage_ranks, pp_rank=pp_rank, prefix=f"{self.network}."
-        )
+        tied_names = tied_stages(net, self.split)
+        tied = checks.tied_groups(tied_names, stage_ranks, mesh=self.mesh, rank=self.global_rank)
+        self._tied_keys = tied_checkpoint_keys(net, tied_names, stage_ranks, pp_rank=pp_rank, prefix=f"{self.network}.")
         container, views = pipeline_model(net, mesh, config, split=self.split, stage_indices=self._local_stages)
         # the parameters as parallelized (FSDP2 replaces them with sharded ones), found by single-device name
         held = dict(container.named_parameters(remove_duplicate=False))

@@ -221,7 +221,7 @@ def run(tag: str, kind: str, **strategy_kw) -> None:
         shape=list(strategy.mesh.spec.shape),
         tied=[
             [n for n in names]
-            for names, _ in __import__("lightning_dist.parallelize.pipeline", fromlist=["x"]).tied_stages(
+            for names, _ in __import__("lightning_dist.parallelize.pipeline_checks", fromlist=["x"]).tied_stages(
                 build(kind), strategy.split
             )
         ],
@@ -255,7 +255,7 @@ def resume(kind: str) -> None:
     if dist.get_rank() == 0:
         import torch.distributed.checkpoint as dcp
 
-        from lightning_dist.parallelize.pipeline import tied_stages
+        from lightning_dist.parallelize.pipeline_checks import tied_stages
 
         tied = [f"model.{n}" for names, _ in tied_stages(build(kind), first.strategy.split) for n in names]
         for name in (path, path + "4"):  # the keys of the tied weight's copies in each sharded checkpoint

@@ -7,14 +7,8 @@ import torch
 from torch import nn
 
 from lightning_dist.mesh import MeshSpec
-from lightning_dist.parallelize.pipeline import (
-    build_stage_module,
-    network_layout,
-    plan_split,
-    profile_costs,
-    staged_forward_problem,
-    tied_stages,
-)
+from lightning_dist.parallelize.pipeline import build_stage_module, network_layout, plan_split, profile_costs
+from lightning_dist.parallelize.pipeline_checks import staged_forward_problem, tied_stages
 from lightning_dist.parallelize.pipeline_hf import hf_example_inputs, hf_labels_loss, labelled_tokens
 from lightning_dist.strategies.pipeline import PipelineStrategy
 

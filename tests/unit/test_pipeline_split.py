@@ -12,14 +12,12 @@ from torch import nn
 import lightning_dist  # noqa: F401  (registers the strategies)
 from lightning_dist.mesh import MeshSpec
 from lightning_dist.parallelize.pipeline import (
-    batchnorm_modules,
     build_stage_module,
     network_layout,
     plan_split,
     profile_costs,
-    shared_across_stages,
-    tied_stages,
 )
+from lightning_dist.parallelize.pipeline_checks import batchnorm_modules, shared_across_stages, tied_stages
 from lightning_dist.parallelize.pipeline_schedule import schedule_problems
 from lightning_dist.rules import bubble_theory, partition, stage_ranks
 from lightning_dist.strategies import REGISTERED
@@ -483,16 +481,17 @@ def _litgpt(**kw):
 def test_litgpt_gpt_splits_as_the_model_with_the_blocks_it_does_not_own_taken_out():
     import copy
 
-    from lightning_dist.parallelize.pipeline import join_stages, staged_forward_problem
+    from lightning_dist.parallelize.pipeline import PrunedLayout, join_stages
+    from lightning_dist.parallelize.pipeline_checks import staged_forward_problem
 
     net = _litgpt()
     lay = network_layout(net)  # the block list inside the ModuleDict `transformer`, lm_head registered first
-    assert (lay.block_list, lay.blocks, lay.stem, lay.head, lay.hf) == (
+    assert (lay.block_list, lay.blocks, lay.stem, lay.head, type(lay)) == (
         "transformer.h",
         ("0", "1", "2", "3"),
         ("transformer.wte",),
         ("transformer.ln_f", "lm_head"),
-        None,
+        PrunedLayout,
     )
     x = torch.randint(0, 64, (2, 8))
     assert staged_forward_problem(net, x) is None  # every block boundary handed over, against the model
@@ -517,7 +516,7 @@ def test_litgpt_gpt_splits_as_the_model_with_the_blocks_it_does_not_own_taken_ou
 
 
 def test_litgpt_forward_the_stages_cannot_reproduce_is_refused_with_the_difference():
-    from lightning_dist.parallelize.pipeline import staged_forward_problem
+    from lightning_dist.parallelize.pipeline_checks import staged_forward_problem
 
     # Gemma's embedding scale: x * sqrt(n_embd) after the lookup would be applied again on every later stage
     problem = staged_forward_problem(_litgpt(scale_embeddings=True), torch.randint(0, 64, (2, 8)))

@@ -10,11 +10,10 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_dist.parallelize.pipeline import (
-    _unshared,
-    build_stage_module,
+from lightning_dist.parallelize.fsdp import unshared_blocks
+from lightning_dist.parallelize.pipeline import build_stage_module, plan_split
+from lightning_dist.parallelize.pipeline_checks import (
     check_staged_forward,
-    plan_split,
     shared_across_stages,
     staged_forward_problem,
 )
@@ -94,11 +93,11 @@ def test_a_module_used_twice_in_one_stage_runs_twice_and_stays_with_the_stage_ro
     block, other = nn.Linear(2, 2), nn.Linear(2, 2)
     holder = nn.Module()
     holder.blocks = nn.ModuleDict({"0": block, "1": other, "2": block})
-    assert _unshared([block, other, block], holder) == [other]
+    assert unshared_blocks([block, other, block], holder) == [other]
     tied = nn.Linear(2, 2)
     tied.weight = other.weight
     holder.blocks = nn.ModuleDict({"0": block, "1": other, "2": tied})
-    assert _unshared([block, other, tied], holder) == [block]
+    assert unshared_blocks([block, other, tied], holder) == [block]
 
 
 def test_a_module_shared_across_stages_is_still_refused_naming_it():
