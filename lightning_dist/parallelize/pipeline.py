@@ -376,7 +376,6 @@ class PipelineSplit:
         return buf.getvalue()
 
 
-
 def profile_costs(net: nn.Module, layout: NetworkLayout, sample: Any, *, repeats: int = 5) -> Costs:
     """Measured forward+backward milliseconds of (stem, each block, head) on one sample micro-batch (best of `repeats`).
 
@@ -460,7 +459,6 @@ def plan_split(
             )
         )
     return PipelineSplit(layout=layout, stages=tuple(stages), method=method, cost_unit=unit)
-
 
 
 def build_stage_module(net: nn.Module, split: PipelineSplit, stage_indices: Sequence[int]) -> nn.Module:

@@ -52,8 +52,6 @@ class NetworkCall(NamedTuple):
     m: int = 1
 
 
-
-
 class PipelineStep:
     """The state of one step of `strategy` (a :class:`~lightning_dist.strategies.pipeline.PipelineStrategy`).
 
