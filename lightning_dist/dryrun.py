@@ -596,19 +596,37 @@ def plan_rank(
                 )
             )
     if pipelined and stages > 1 and boundaries is not None:
-        shape, dtype = boundaries[strategy.split.stages[min(stage + 1, stages - 1)].blocks[0]]
         import torch
 
-        a = config.batch_size // m * math.prod(shape[1:]) * torch.empty((), dtype=dtype).element_size()
-        sends = (stage > 0) + (stage < stages - 1)
+        from lightning_dist.parallelize.pipeline import stage_ranks
+        from lightning_dist.parallelize.pipeline_schedule import SCHEDULES
+
+        owner = stage_ranks(stages, spec.size(PP), SCHEDULES[strategy.schedule][2])
+
+        def boundary(s: int) -> int:  # bytes of one micro-batch's input of stage s (and of its gradient)
+            shape, dtype = boundaries[strategy.split.stages[s].blocks[0]]
+            return config.batch_size // m * math.prod(shape[1:]) * torch.empty((), dtype=dtype).element_size()
+
+        # each local stage sends its output forward and its input gradient back, per micro-batch, to a stage
+        # held by another pp rank (adjacent stages on one rank, as in a V schedule, hand over in memory)
+        sent = 0
+        for s in strategy.local_stages:
+            if s < stages - 1 and owner[s + 1] != owner[s]:
+                sent += m * boundary(s + 1)
+            if s > 0 and owner[s - 1] != owner[s]:
+                sent += m * boundary(s)
         traffic.append(
             planner.Collective(
                 op="send_recv",
                 dim=PP,
-                group_size=stages,
-                payload_bytes=sends * m * a,
+                group_size=spec.size(PP),
+                payload_bytes=sent,
                 what="activations + their gradients",
             )
+        )
+        # the batch loss, a float32 scalar, from the last stage to every pp rank (PipelineRunner.from_last_stage)
+        traffic.append(
+            planner.Collective(op="broadcast", dim=PP, group_size=spec.size(PP), payload_bytes=4, what="loss")
         )
     activation = None
     if hidden is not None and cfg is not None:
