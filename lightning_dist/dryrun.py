@@ -425,7 +425,7 @@ def _step(strategy: Any, batch: Any, optimizers: list, *, warm_up: bool) -> tupl
     import torch
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed._tools.mod_tracker import ModTracker
-    from torch.utils._pytree import tree_map_only
+    from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
     from lightning_dist import measure
     from lightning_dist.callbacks.ledger import CollectiveRecorder
@@ -445,6 +445,16 @@ def _step(strategy: Any, batch: Any, optimizers: list, *, warm_up: bool) -> tupl
                 self.parents = set(outer)
 
             torch.autograd.Variable._execution_engine.queue_callback(restore)
+
+        def _fw_pre_hook(self, mod: Any, input: Any) -> None:
+            # no backward hook on inputs that are autograd leaves (a stage's received activation): torch's
+            # multi-grad hooks refuse leaves under `autograd.grad(inputs=...)`, which zero-bubble schedules call
+            # for the input gradients; such a module leaves the modules in progress at the end of the backward
+            args, spec = tree_flatten(input)
+            leaf = [isinstance(a, torch.Tensor) and a.requires_grad and a.grad_fn is None for a in args]
+            if any(leaf):
+                input = tree_unflatten([a.detach() if x else a for a, x in zip(args, leaf)], spec)
+            super()._fw_pre_hook(mod, input)
 
     class Tracker(MemTracker):
         def __init__(self) -> None:
