@@ -8,18 +8,19 @@ which holds the trailing FSDP2 / tensor shards) it starts one subprocess that
    returns at once, so one CPU process can stand in for any rank of any world size);
 2. builds the Trainer's strategy with ``devices_per_node`` devices on ``W / devices_per_node`` nodes, and
    runs its own validation (same errors, same messages as on the cluster), the pack's real mesh
-   (:class:`~lightning_dist.mesh.DistMesh`) and the strategy's real parallelize path (TP plan, pipeline
-   split, activation checkpointing, FSDP2 / replicate) on the meta device;
-3. materializes the parallelized model under torch's ``FakeTensorMode`` (tensors with shapes and dtypes,
-   no storage) and runs one training step (forward, backward, optimizer step) under torch's
-   ``MemTracker`` (:mod:`torch.distributed._tools.mem_tracker`) and the collective recorder of
-   :class:`~lightning_dist.callbacks.CommunicationLedger`
+   (:class:`~lightning_dist.mesh.DistMesh`) and the strategy's own ``setup``: the model prepared on the meta
+   device in the strategy's order (:meth:`~lightning_dist.strategies.base.MeshStrategy.prepare_model`: TP
+   plan, pipeline split, activation checkpointing, FSDP2 / replicate), then materialized with its optimizers
+   under torch's ``FakeTensorMode`` (tensors with shapes and dtypes, no storage);
+3. runs one training step as Lightning's loop does (the strategy's ``training_step`` and ``backward``, then
+   the optimizer step) under torch's ``MemTracker`` (:mod:`torch.distributed._tools.mem_tracker`) and the
+   collective recorder of :class:`~lightning_dist.callbacks.CommunicationLedger`
    (:class:`~lightning_dist.callbacks.ledger.CollectiveRecorder`: the same op names, payload convention and
    mesh-dim labels as a real run's ledger).
 
 Pipelines run the strategy's own step: the user's ``training_step`` calls the pipelined network, which runs
 the pack's :class:`~lightning_dist.parallelize.pipeline_schedule.PipelineRunner` and torch's schedule (1F1B,
-GPipe, interleaved) over this rank's stages, boundary sends and receives on the fake ``pp`` group, then the
+GPipe, interleaved, zero-bubble) over this rank's stages, boundary sends and receives on the fake ``pp`` group, then the
 strategy's ``backward``. The fake group delivers no values, so the few reads of what a peer sent (the stages'
 metadata in a schedule's first step, the output's shape) are answered from a meta forward of the unsplit
 network (:func:`_peer_answers`); a warm-up step runs first, untracked, and the second step is measured.
