@@ -60,7 +60,8 @@ def rows(per_step: dict) -> list[dict]:
 
 def real(case: str) -> None:
     name, args = CASES[case]
-    strategy = StrategyRegistry.get(name, **args)
+    entry = StrategyRegistry[name]  # as Trainer(strategy=name) and the dry run build it, with these arguments
+    strategy = entry["strategy"](**{**entry["init_params"], **args})
     ledger = CommunicationLedger(planned=None, log=False, print_table=False)
     torch.manual_seed(0)
     t = trainer(strategy, devices=int(os.environ["WORLD_SIZE"]), steps=STEPS, precision="32-true", callbacks=[ledger])
