@@ -205,6 +205,7 @@ def test_dry_run_sends_what_the_real_run_sends(dry_and_real, case):
         if case in NOT_SIMULATED:
             assert NOT_SIMULATED[case] in dry[rank]["refused"], dry[rank]
             continue
+        assert "rows" in dry[rank], dry[rank]  # the dry run's refusal
         want = {(c["op"], c["dim"]): (c["calls"], c["bytes"]) for c in real[rank]["rows"]}
         got = {(c["op"], c["dim"]): (c["calls"], c["bytes"]) for c in dry[rank]["rows"]}
         assert got == want, (case, rank, got, want)

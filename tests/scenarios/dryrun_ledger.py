@@ -4,12 +4,13 @@ Each rank first trains every case for a few float32 steps under torchrun with a 
 (the pack's CharGPT, 8 sequences per data-parallel rank, no logging: only the strategy's collectives are in a
 step) and prints ``RESULT {"case", "kind": "ledger", "rows"}`` with the mean calls and payload bytes per (op, dim)
 of the steps after the first. Then it leaves the gloo group and runs the dry run of its own rank for the same
-cases in-process (:func:`lightning_dist.dryrun.simulate_rank` on torch's fake process group: same world size,
-model, batch and precision) and prints ``RESULT {"case", "kind": "dry", "rows"}`` or the dry run's refusal.
+cases (:func:`lightning_dist.dryrun.dry_run`, a fresh process per rank on torch's fake process group: same world
+size, model, batch and precision) and prints ``RESULT {"case", "kind": "dry", "rows"}`` or the dry run's refusal.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -21,7 +22,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_dist  # noqa: F401  (registers the strategies)
 from lightning_dist.callbacks import CommunicationLedger
-from lightning_dist.dryrun import DryRunConfig, simulate_rank
+from lightning_dist.dryrun import DryRunConfig, dry_run
 from lightning_dist.models.gpt import CharGPT
 
 STEPS = 3
@@ -82,8 +83,9 @@ def dry(case: str, rank: int, world: int) -> None:
         batch_size=BATCH,
     )
     try:
-        result = simulate_rank(config, rank)
-    except (ValueError, RuntimeError) as err:
+        # a fresh process, as `lightning-dist dry-run` runs each rank (this one's caches hold the gloo groups)
+        (result,) = dry_run(dataclasses.replace(config, ranks=(rank,)), timeout=900).ranks
+    except (ValueError, TypeError, RuntimeError) as err:
         emit(case=case, kind="dry", rank=rank, refused=str(err)[:300])
         return
     got = [
