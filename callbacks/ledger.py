@@ -78,7 +78,9 @@ def _nbytes(obj: Any) -> int:
 class CollectiveRecorder(TorchDispatchMode):
     """Records ``(op, group ranks, payload bytes)`` for every collective dispatched while it is active.
 
-    Use as ``with CollectiveRecorder() as rec: ...`` or via :class:`CommunicationLedger`. Calls go through
+    Use as ``with CollectiveRecorder() as rec: ...``. The pack's one recorder: :class:`CommunicationLedger`
+    (a real run) and the dry run (:mod:`lightning_dist.dryrun`, on torch's fake process group and fake
+    tensors) both count with it, so their op names, payloads and dim labels are the same. Calls go through
     unchanged; only the bytes and the group are read.
     """
 
@@ -114,6 +116,24 @@ class CollectiveRecorder(TorchDispatchMode):
         else:
             return
         self.calls.append((op, self._group_ranks(group), nbytes))
+
+    def totals(self, *, mesh: Any, rank: int, world: int) -> dict[tuple[str, str], list[int]]:
+        """``{(op, dim): [calls, payload bytes]}`` of the recorded calls, each group named by the mesh dim whose
+        group it is (:func:`~lightning_dist.callbacks._planned.group_label`: ``tp``, ``dp_shard``... else
+        ``world`` or its ranks). ``mesh``: the strategy's :class:`~lightning_dist.mesh.DistMesh` or None."""
+        out: dict[tuple[str, str], list[int]] = {}
+        for op, ranks, nbytes in self.calls:
+            entry = out.setdefault((op, _planned.group_label(list(ranks), mesh=mesh, rank=rank, world=world)), [0, 0])
+            entry[0] += 1
+            entry[1] += nbytes
+        return out
+
+    def group_sizes(self, *, mesh: Any, rank: int, world: int) -> dict[str, int]:
+        """Ranks in each group label of :meth:`totals`."""
+        return {
+            _planned.group_label(list(ranks), mesh=mesh, rank=rank, world=world): len(ranks)
+            for _, ranks, _ in self.calls
+        }
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from torch.distributed.tensor import DTensor
@@ -250,11 +270,10 @@ class CommunicationLedger(Callback):
         rec, self._recorder = self._recorder, None
         rec.__exit__(None, None, None)
         mesh, rank, world = self._where(trainer)
-        for op, ranks, nbytes in rec.calls:
-            label = _planned.group_label(list(ranks), mesh=mesh, rank=rank, world=world)
-            self.group_sizes[label] = len(ranks)
-            entry = self._pending.setdefault((op, label), [0, 0])
-            entry[0] += 1
+        self.group_sizes.update(rec.group_sizes(mesh=mesh, rank=rank, world=world))
+        for key, (count, nbytes) in rec.totals(mesh=mesh, rank=rank, world=world).items():
+            entry = self._pending.setdefault(key, [0, 0])
+            entry[0] += count
             entry[1] += nbytes
         if trainer.global_step == self._step_at_start:
             return  # gradient accumulation: the optimizer step (and the ledger's step) is not over yet

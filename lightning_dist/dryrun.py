@@ -8,20 +8,22 @@ which holds the trailing FSDP2 / tensor shards) it starts one subprocess that
    returns at once, so one CPU process can stand in for any rank of any world size);
 2. builds the Trainer's strategy with ``devices_per_node`` devices on ``W / devices_per_node`` nodes, and
    runs its own validation (same errors, same messages as on the cluster), the pack's real mesh
-   (:class:`~lightning_dist.mesh.DistMesh`) and the strategy's real parallelize path (TP plan, pipeline
-   split, activation checkpointing, FSDP2 / replicate) on the meta device;
-3. materializes the parallelized model under torch's ``FakeTensorMode`` (tensors with shapes and dtypes,
-   no storage) and runs one training step (forward, backward, optimizer step) under torch's
-   ``MemTracker`` (:mod:`torch.distributed._tools.mem_tracker`) and a collective recorder
-   (:class:`~lightning_dist.dryrun_collectives.CollectiveRecorder`), which maps each collective's process
-   group back to its mesh dim.
+   (:class:`~lightning_dist.mesh.DistMesh`) and the strategy's own ``setup``: the model prepared on the meta
+   device in the strategy's order (:meth:`~lightning_dist.strategies.base.MeshStrategy.prepare_model`: TP
+   plan, pipeline split, activation checkpointing, FSDP2 / replicate), then materialized with its optimizers
+   under torch's ``FakeTensorMode`` (tensors with shapes and dtypes, no storage);
+3. runs one training step as Lightning's loop does (the strategy's ``training_step`` and ``backward``, then
+   the optimizer step) under torch's ``MemTracker`` (:mod:`torch.distributed._tools.mem_tracker`) and the
+   collective recorder of :class:`~lightning_dist.callbacks.CommunicationLedger`
+   (:class:`~lightning_dist.callbacks.ledger.CollectiveRecorder`: the same op names, payload convention and
+   mesh-dim labels as a real run's ledger).
 
-Pipeline stages run their schedule's order themselves (torch's pipeline schedules infer stage shapes by
-exchanging them with their peers, which a fake group cannot answer): stage ``s`` of ``p`` under 1F1B with
-``m`` micro-batches runs ``min(p - s, m)`` warm-up forwards, then one backward and one forward at a time,
-then the remaining backwards (GPipe: all forwards first), receiving and sending each micro-batch's
-boundary activation and gradient on the fake ``pp`` group, with FSDP2 reducing gradients on the last
-micro-batch as torch's ``PipelineStage`` does.
+Pipelines run the strategy's own step: the user's ``training_step`` calls the pipelined network, which runs
+the pack's :class:`~lightning_dist.parallelize.pipeline_schedule.PipelineRunner` and torch's schedule (1F1B,
+GPipe, interleaved, zero-bubble) over this rank's stages, boundary sends and receives on the fake ``pp`` group, then the
+strategy's ``backward``. The fake group delivers no values, so the few reads of what a peer sent (the stages'
+metadata in a schedule's first step, the output's shape) are answered from a meta forward of the unsplit
+network (:func:`_peer_answers`); a warm-up step runs first, untracked, and the second step is measured.
 
 The report puts each measurement next to the planner's prediction (:mod:`lightning_dist.planner`) for
 the same rank: model-state bytes (params / grads / optimizer), peak activation bytes
@@ -32,18 +34,18 @@ whether params + grads + optimizer + peak activations fit ``device_memory``
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from lightning_dist.atomic import atomic_write
-from lightning_dist.dryrun_collectives import CollectiveRecorder
 from lightning_dist.dryrun_report import DryRunReport
 from lightning_dist.mesh import DIM_NAMES, DP_REPLICATE, DP_SHARD, PP, TP, MeshSpec
 
@@ -187,8 +189,9 @@ def _model_config(module: Any) -> Any:
     return cfg if hasattr(cfg, "vocab_size") else None
 
 
-def _stage_inputs(strategy: Any, module: Any, batch: tuple[Any, Any]) -> list[Any]:
-    """Input (shape, dtype) of each pipeline block of the unsplit network, from one meta forward."""
+def _stage_inputs(strategy: Any, module: Any, batch: tuple[Any, Any]) -> tuple[list[Any], Any]:
+    """(input (shape, dtype) of each pipeline block, output (shape, dtype)) of the unsplit network on one
+    micro-batch, from one meta forward under the step's precision context."""
     import torch
 
     from lightning_dist.parallelize import pipeline as plan
@@ -204,12 +207,97 @@ def _stage_inputs(strategy: Any, module: Any, batch: tuple[Any, Any]) -> list[An
         for i, key in enumerate(layout.blocks)
     ]
     try:
-        with torch.no_grad():
-            net(batch[0].to("meta"))
+        with torch.no_grad(), strategy.precision_plugin.train_step_context():
+            out = net(batch[0].to("meta"))
+            loss_fn = getattr(module, "pipeline_loss", None)
+            loss = loss_fn(out, batch[1].to("meta")) if callable(loss_fn) else torch.empty((), device="meta")
     finally:
         for h in hooks:
             h.remove()
-    return shapes
+    return shapes, {"out": (tuple(out.shape), out.dtype), "loss": ((), loss.dtype)}
+
+
+@contextlib.contextmanager
+def _peer_answers(strategy: Any, boundaries: list[Any], output: Any, batch_size: int) -> Iterator[None]:
+    """What this rank's pipeline peers would send it, for the reads the fake process group cannot answer.
+
+    torch's pipelining moves tensors on the fake group (its sends and receives return at once and are recorded),
+    but the first step of a schedule reads values from its peers, which the fake group never delivers: the
+    stages' vote on static or dynamic shapes (``result.item()`` on a received tensor), each stage's input and
+    gradient metadata (``recv_object_list``: a pickled object of a received size), and the (shape, dtype) of the
+    runner's output and loss (``broadcast_object_list`` from the last stage, once per shape). Every rank builds
+    its stages with the same code, so the answers are this rank's: the vote of its own stages, the previous
+    stage's output = this stage's input (from a meta forward of the unsplit network), the next stage's input
+    gradient = this stage's output's shape, the network's output and loss from the same meta forward. The
+    metadata a stage would send is not sent (first step only: the measured step is the second).
+    """
+    import torch
+    from torch.distributed.pipelining import schedules, stage
+    from torch.distributed.pipelining._utils import (
+        InferenceMode,
+        _derive_grad_metas,
+        _StageBackwardMeta,
+        _StageForwardMeta,
+        extract_tensor_metas,
+    )
+
+    from lightning_dist.parallelize.pipeline_schedule import PipelineRunner
+
+    split = strategy.split
+    n = batch_size // strategy.n_microbatches
+
+    def warmup(self: Any, stages: list, has_backward: bool, p2p_done: bool) -> None:
+        dynamic = any(InferenceMode.needs_dynamic(st._user_meta, has_backward) for st in stages)
+        for st in stages:
+            st._inference_mode = InferenceMode.DYNAMIC if dynamic else InferenceMode.STATIC
+
+    def recv_meta(self: Any, src_stage: int) -> Any:
+        if src_stage < self.stage_index:  # the previous stage's output: this stage's input
+            shape, dtype = boundaries[split.stages[self.stage_index].blocks[0]]
+            x = torch.empty((n, *shape[1:]), dtype=dtype, device="meta", requires_grad=True)
+            return _StageForwardMeta(forward_metas=extract_tensor_metas((x,)))
+        return _StageBackwardMeta(backward_metas=_derive_grad_metas(self._stage_meta.outputs))
+
+    def send_meta(self: Any, meta: Any, dst_stage: int) -> None:
+        pass
+
+    def output_meta(self: Any, value: Any, key: tuple) -> tuple[tuple[int, ...], Any]:
+        if value is not None:
+            return tuple(value.shape), value.dtype
+        if key[0] == "out":  # the joined micro-batch outputs
+            shape, dtype = output["out"]
+            return (batch_size, *shape[1:]), dtype
+        return output["loss"]
+
+    # the strategy's backward checks the returned loss from the value of its gradient on the step's loss
+    # (1 / accumulate_grad_batches), which a fake tensor does not hold: the dry run's training_step is the user's
+    # own, and the real run refuses a loss that does not hold `pipeline_loss` once before any optimizer step
+    from lightning_dist.strategies import _pipeline_step as step_module  # where the pipeline's backward looks it up
+
+    def returned_loss_problem(d_loss: Any, scale: float, owner: str) -> Any:
+        return checked(None if d_loss is None else scale, scale, owner)
+
+    checked = step_module.returned_loss_problem
+    saved = (
+        schedules._PipelineSchedule._warmup_p2p,
+        stage.PipelineStage._recv_meta,
+        stage.PipelineStage._send_meta,
+        PipelineRunner.output_meta,
+    )
+    schedules._PipelineSchedule._warmup_p2p = warmup
+    stage.PipelineStage._recv_meta, stage.PipelineStage._send_meta = recv_meta, send_meta
+    PipelineRunner.output_meta = output_meta
+    step_module.returned_loss_problem = returned_loss_problem
+    try:
+        yield
+    finally:
+        (
+            schedules._PipelineSchedule._warmup_p2p,
+            stage.PipelineStage._recv_meta,
+            stage.PipelineStage._send_meta,
+            PipelineRunner.output_meta,
+        ) = saved
+        step_module.returned_loss_problem = checked
 
 
 def simulate_rank(config: DryRunConfig, rank: int) -> dict[str, Any]:
@@ -217,12 +305,10 @@ def simulate_rank(config: DryRunConfig, rank: int) -> dict[str, Any]:
     import lightning.pytorch as pl
     import torch
     import torch.distributed as dist
-    from lightning.fabric.utilities.init import _materialize_distributed_module
     from lightning.pytorch.trainer.states import TrainerFn
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import MemTracker
 
-    from lightning_dist import inputs, measure
+    from lightning_dist import inputs
     from lightning_dist._compat import init_fake_process_group
     from lightning_dist.mesh import DistMesh
     from lightning_dist.parallelize.pipeline import pipeline_view
@@ -280,14 +366,16 @@ def simulate_rank(config: DryRunConfig, rank: int) -> dict[str, Any]:
         make_batch, cfg = _batch_maker(module, config), _model_config(module)
         with torch.device("meta"):
             meta_batch = make_batch(config.batch_size // micro)
-        boundaries = _stage_inputs(strategy, module, meta_batch) if pipelined else None
-        # the strategy's real set-up order: dtype, parallelize (TP, pipeline split, AC, FSDP2) on meta, materialize
-        strategy.model = strategy.precision_plugin.convert_module(strategy.model)
+        boundaries, output = _stage_inputs(strategy, module, meta_batch) if pipelined else (None, None)
         shapes = {name: tuple(p.shape) for name, p in module.named_parameters()}
         in_blocks = {
             f"{list_name}.{n}" for list_name, blocks in find_block_lists(module) for n, _ in blocks.named_parameters()
         }
-        strategy.apply_parallelism()
+        # the strategy's own setup: the model prepared on the meta device in its order (dtype, parallelize: TP,
+        # pipeline split, AC, FSDP2 / replicate), then materialized with its optimizers as fake tensors
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        strategy.allocate_under(fake)
+        strategy.setup(trainer)
         if _uses_ddp_replicate(strategy.model):
             # torch's DDP reducer (composable `replicate`) compares real parameter storages across processes at
             # its first forward, which fake tensors on a fake process group do not have
@@ -299,42 +387,12 @@ def simulate_rank(config: DryRunConfig, rank: int) -> dict[str, Any]:
             )
         built = time.perf_counter()
         planned = plan_rank(strategy, module, cfg, config, spec, shapes, in_blocks, boundaries)
-        fake = FakeTensorMode(allow_non_fake_inputs=True)
-        with fake:
-            _materialize_distributed_module(strategy.model, torch.device("cpu"))
-            strategy.setup_optimizers(trainer)
-            optimizers = [getattr(o, "_optimizer", o) for o in strategy.optimizers]
-            tracker = MemTracker()
-            tracker.track_external(strategy.model, *optimizers)
-            recorder = CollectiveRecorder(spec, rank)
-            peaks: list[dict] = []
-
-            def stop_tracking() -> None:  # the tracker is the innermost mode: it can leave before the recorder
-                if not peaks:
-                    peaks.append(tracker.get_tracker_snapshot("peak"))
-                    tracker.__exit__(None, None, None)
-
-            with recorder:
-                tracker.__enter__()
-                try:
-                    if pipelined:
-                        _pipeline_step(
-                            strategy, module, make_batch, config, spec, rank, boundaries, micro, stop_tracking
-                        )
-                    else:
-                        batch = make_batch(config.batch_size)
-                        with strategy.precision_plugin.train_step_context():
-                            loss = module.training_step(batch, 0)
-                        loss.backward()
-                    stop_tracking()
-                finally:
-                    stop_tracking()
-                for opt in optimizers:
-                    opt.step()
-                states = measure.model_state_bytes(strategy.model, optimizers)
-                for opt in optimizers:
-                    opt.zero_grad(set_to_none=True)
-            peak = peaks[0]
+        optimizers = [getattr(o, "_optimizer", o) for o in strategy.optimizers]
+        answers = (
+            _peer_answers(strategy, boundaries, output, config.batch_size) if pipelined else contextlib.nullcontext()
+        )
+        with fake, answers:
+            recorder, peak, states = _step(strategy, make_batch(config.batch_size), optimizers, warm_up=pipelined)
         dev = next(iter(peak.values())) if peak else {}
         cat = {str(getattr(k, "value", k)): v for k, v in dev.items()}
         return {
@@ -346,7 +404,7 @@ def simulate_rank(config: DryRunConfig, rank: int) -> dict[str, Any]:
             # activations saved for backward and the temporaries live with them at the step's peak
             "peak_activation_bytes": cat.get("Activation", 0) + cat.get("Temp", 0),
             "peak_breakdown": cat,
-            "collectives": recorder.rows(),
+            "collectives": _collective_rows(recorder, mesh, rank, config.world_size),
             "planned": planned,
             "seconds": time.perf_counter() - start,
             "build_seconds": built - start,
@@ -356,102 +414,93 @@ def simulate_rank(config: DryRunConfig, rank: int) -> dict[str, Any]:
         dist.destroy_process_group()
 
 
-def _fresh_parent(module: Any) -> Any:
-    """`module` inside a new parent module: MemTracker takes one top-level call per module and step, and
-    a pipeline stage runs once per micro-batch."""
-    from torch import nn
+def _step(strategy: Any, batch: Any, optimizers: list, *, warm_up: bool) -> tuple[Any, dict, dict]:
+    """One training step as Lightning's loop runs it: the strategy's ``training_step`` and ``backward`` (the
+    pipeline strategy runs its schedule in them), then each optimizer's step. Returns the recorder of its
+    collectives, MemTracker's peak snapshot (forward and backward) and the model-state bytes after the step.
 
-    class Call(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.inner = module
-
-        def forward(self, x: Any) -> Any:
-            return self.inner(x)
-
-    return Call()
-
-
-def _pipeline_step(
-    strategy: Any,
-    module: Any,
-    make_batch: Any,
-    config: DryRunConfig,
-    spec: MeshSpec,
-    rank: int,
-    boundaries: list[Any],
-    micro: int,
-    stop_tracking: Any,
-) -> None:
-    """This rank's stage through one step of its schedule (see the module doc), with the boundary traffic.
-
-    Memory is tracked over the whole step: stopping after the first one or two backwards (torch's MemTracker
-    costs time per live tensor and op, most of a rank's time) measured 0.5-2 GB less on the Llama-3-8B
-    shape, so something grows over the step's micro-batches and the peak is not at the warm-up's end.
+    ``warm_up``: one untracked step first, so that the measured step is a steady one, as every step after the
+    first of a real run (which a ledger's ``skip_steps=1`` compares): a pipeline schedule's first step infers
+    its stages' shapes, with autograd calls on leaf inputs that MemTracker's backward hooks cannot follow.
     """
     import torch
-    import torch.distributed as dist
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed._tools.mod_tracker import ModTracker
+    from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
-    if strategy.stages_per_rank != 1:
-        raise ValueError(
-            "The dry run steps one stage per rank (1F1B / GPipe); interleaved and zero-bubble"
-            " schedules are planned by `lightning-dist plan`."
-        )
-    split, (stage,) = strategy.split, strategy.local_stages
-    p, last = split.num_stages, split.num_stages - 1
-    view = strategy.pipeline_view().stage_modules[0]  # the FSDP2-wrapped stage module the schedule would run
-    group = strategy.mesh.group(PP)
-    peers = spec.group_ranks(rank, PP)
-    held = micro if strategy.schedule == "gpipe" else min(p - stage, micro)
-    first_block = split.stages[stage].blocks[0]
-    n = config.batch_size // micro
-    prev, nxt = (peers[stage - 1] if stage > 0 else None), (peers[stage + 1] if stage < last else None)
-    in_shape, in_dtype = boundaries[first_block]
-    from torch.distributed.fsdp import FSDPModule
+    from lightning_dist import measure
+    from lightning_dist.callbacks.ledger import CollectiveRecorder
+    from lightning_dist.parallelize.pipeline_output import PipelineOutput
 
-    def forward() -> Any:
-        if stage == 0:
-            x = make_batch(n)[0]
-        else:  # the previous stage's activation arrives
-            x = torch.empty((n, *in_shape[1:]), dtype=in_dtype)
-            dist.recv(x, src=prev, group=group)
-            x.requires_grad_()
-        with strategy.precision_plugin.train_step_context():
-            parent = _fresh_parent(view)
-            parents.append(parent)  # alive until backward: the tracker's backward hooks look it up
-            y = parent(x)
-            if stage == last:
-                return module.pipeline_loss(y, make_batch(n)[1]) / micro
-        dist.send(y.detach(), dst=nxt, group=group)
-        return y
+    class Modules(ModTracker):
+        # torch's ModTracker resets the modules in progress to none ("Global") at the end of each backward; a
+        # pipeline schedule runs its backwards inside the network's forward (inside training_step), so the end
+        # of a backward goes back to the modules in progress when it started
+        def _maybe_set_engine_callback(self) -> None:
+            if self._has_callback:
+                return
+            outer = set(self.parents)
+            super()._maybe_set_engine_callback()
 
-    done = 0
-    parents: list[Any] = []
+            def restore() -> None:
+                self.parents = set(outer)
 
-    def backward(y: Any) -> None:
-        nonlocal done
-        done += 1
-        if isinstance(view, FSDPModule):  # as torch's PipelineStage: reduce and reshard with the last micro-batch
-            view.set_is_last_backward(done == micro)
-            view.set_reshard_after_backward(done == micro)
-            view.set_requires_gradient_sync(done == micro)
-        if stage == last:
-            y.backward()
-        else:
-            grad = torch.empty_like(y)
-            dist.recv(grad, src=nxt, group=group)  # the next stage's input gradient
-            y.backward(grad)
-        if stage > 0:
-            dist.send(torch.empty((n, *in_shape[1:]), dtype=in_dtype), dst=prev, group=group)
+            torch.autograd.Variable._execution_engine.queue_callback(restore)
 
-    # 1F1B (GPipe: all forwards first): warm-up forwards, then one backward and one forward, then the rest
-    live = [forward() for _ in range(held)]
-    for _ in range(micro - held):
-        backward(live.pop(0))
-        live.append(forward())
-    while live:
-        backward(live.pop(0))
-    stop_tracking()
+        def _fw_pre_hook(self, mod: Any, input: Any) -> None:
+            # no backward hook on inputs that are autograd leaves (a stage's received activation): torch's
+            # multi-grad hooks refuse leaves under `autograd.grad(inputs=...)`, which zero-bubble schedules call
+            # for the input gradients; such a module leaves the modules in progress at the end of the backward
+            args, spec = tree_flatten(input)
+            leaf = [isinstance(a, torch.Tensor) and a.requires_grad and a.grad_fn is None for a in args]
+            if any(leaf):
+                input = tree_unflatten([a.detach() if x else a for a, x in zip(args, leaf)], spec)
+            super()._fw_pre_hook(mod, input)
+
+    class Tracker(MemTracker):
+        def __init__(self) -> None:
+            super().__init__()
+            self._mod_tracker = Modules()
+
+        def _track_inputs_or_outputs(self, args: Any) -> int:
+            # a pipelined network's output on a rank is a stand-in with no storage (PipelineOutput): nothing held
+            return super()._track_inputs_or_outputs(tree_map_only(PipelineOutput, lambda _: None, args))
+
+    def forward_backward() -> None:
+        out = strategy.training_step(batch, 0)
+        loss = out["loss"] if isinstance(out, Mapping) else out
+        strategy.backward(loss, optimizers[0] if optimizers else None)
+
+    def optimizer_step() -> None:
+        for opt in optimizers:
+            opt.step()
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+
+    if warm_up:
+        forward_backward()
+        optimizer_step()
+    tracker = Tracker()
+    tracker.track_external(strategy.model, *optimizers)
+    with CollectiveRecorder() as recorder:
+        with tracker:
+            forward_backward()
+            peak = tracker.get_tracker_snapshot("peak")
+        for opt in optimizers:
+            opt.step()
+        states = measure.model_state_bytes(strategy.model, optimizers)
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+    return recorder, peak, states
+
+
+def _collective_rows(recorder: Any, mesh: Any, rank: int, world: int) -> list[dict[str, Any]]:
+    """The recorded calls per (op, dim) as the ledger counts them: calls, payload bytes, group size."""
+    sizes = recorder.group_sizes(mesh=mesh, rank=rank, world=world)
+    return [
+        {"op": op, "dim": dim, "calls": calls, "payload_bytes": nbytes, "group_size": sizes[dim]}
+        for (op, dim), (calls, nbytes) in sorted(recorder.totals(mesh=mesh, rank=rank, world=world).items())
+    ]
 
 
 def plan_rank(
@@ -558,19 +607,37 @@ def plan_rank(
                 )
             )
     if pipelined and stages > 1 and boundaries is not None:
-        shape, dtype = boundaries[strategy.split.stages[min(stage + 1, stages - 1)].blocks[0]]
         import torch
 
-        a = config.batch_size // m * math.prod(shape[1:]) * torch.empty((), dtype=dtype).element_size()
-        sends = (stage > 0) + (stage < stages - 1)
+        from lightning_dist.parallelize.pipeline import stage_ranks
+        from lightning_dist.parallelize.pipeline_schedule import SCHEDULES
+
+        owner = stage_ranks(stages, spec.size(PP), SCHEDULES[strategy.schedule][2])
+
+        def boundary(s: int) -> int:  # bytes of one micro-batch's input of stage s (and of its gradient)
+            shape, dtype = boundaries[strategy.split.stages[s].blocks[0]]
+            return config.batch_size // m * math.prod(shape[1:]) * torch.empty((), dtype=dtype).element_size()
+
+        # each local stage sends its output forward and its input gradient back, per micro-batch, to a stage
+        # held by another pp rank (adjacent stages on one rank, as in a V schedule, hand over in memory)
+        sent = 0
+        for s in strategy.local_stages:
+            if s < stages - 1 and owner[s + 1] != owner[s]:
+                sent += m * boundary(s + 1)
+            if s > 0 and owner[s - 1] != owner[s]:
+                sent += m * boundary(s)
         traffic.append(
             planner.Collective(
                 op="send_recv",
                 dim=PP,
-                group_size=stages,
-                payload_bytes=sends * m * a,
+                group_size=spec.size(PP),
+                payload_bytes=sent,
                 what="activations + their gradients",
             )
+        )
+        # the batch loss, a float32 scalar, from the last stage to every pp rank (PipelineRunner.from_last_stage)
+        traffic.append(
+            planner.Collective(op="broadcast", dim=PP, group_size=spec.size(PP), payload_bytes=4, what="loss")
         )
     activation = None
     if hidden is not None and cfg is not None:
@@ -599,7 +666,10 @@ def plan_rank(
     merged: dict[tuple[str, str], float] = {}
     for c in traffic:
         if c.group_size > 1:
-            merged[(c.op, c.dim)] = merged.get((c.op, c.dim), 0.0) + c.payload_bytes
+            # the recorder counts each side of a point-to-point transfer; the planner's payload is what one rank
+            # sends, and a stage receives as many bytes as it sends (activations in, their gradients back)
+            for op in ("send", "recv") if c.op == "send_recv" else (c.op,):
+                merged[(op, c.dim)] = merged.get((op, c.dim), 0.0) + c.payload_bytes
     return {
         "states": {**memory.to_dict()},
         "collectives": [{"op": o, "dim": d, "payload_bytes": v} for (o, d), v in sorted(merged.items())],

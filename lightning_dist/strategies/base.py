@@ -16,6 +16,7 @@ materialization. It does not subclass ``ModelParallelStrategy``, whose accelerat
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from datetime import timedelta
@@ -121,6 +122,7 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
         self._async_checkpoint = bool(async_checkpoint)
         self._process_group_backend = process_group_backend
         self._timeout = timeout
+        self._allocation_mode: Any = None
         self.num_nodes = 1
 
     def pipeline_view(self) -> Optional[Any]:
@@ -234,6 +236,37 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
                 "Found modules wrapped in FSDP1 `FullyShardedDataParallel`; the pack shards with FSDP2."
                 " Remove the wrapping: the strategy applies sharding itself."
             )
+        seed = self.prepare_model(trainer)
+        # tensors are allocated from here on: the dry run's fake tensors (see `allocate_under`)
+        with self._allocation_mode or contextlib.nullcontext():
+            self.materialize_model(seed)
+            self.barrier()
+            if trainer.state.fn == TrainerFn.FITTING:
+                self.setup_optimizers(trainer)
+            self.setup_precision_plugin()
+            # Lightning clips each process's gradients alone, with foreach calls that refuse plain tensors mixed
+            # with DTensors: the strategy's clipping spans every shard and stage (Trainer's clipping and
+            # self.clip_gradients)
+            route_gradient_clipping(
+                self.precision_plugin, by_norm=self.clip_grad_by_norm, by_value=self.clip_grad_by_value
+            )
+            if trainer.state.fn == TrainerFn.FITTING:
+                optimizers_to_device(self.optimizers, self.root_device)
+
+    def allocate_under(self, mode: Any) -> None:
+        """``setup`` materializes the model and builds its optimizers under `mode` (a ``TorchDispatchMode``).
+
+        The dry run passes torch's ``FakeTensorMode``: the model is prepared on the meta device as on the
+        cluster (:meth:`prepare_model`), then held as fake tensors (shapes and dtypes, no storage).
+        """
+        self._allocation_mode = mode
+
+    def prepare_model(self, trainer: pl.Trainer) -> Optional[int]:
+        """The model's set-up before materialization, in its one order (``setup``; the dry run on a fake group):
+        dtype, BatchNorm sync, device, rank 0's eager tensors, parallelize (TP, pipeline split, AC, FSDP2 or
+        replicate). Returns the shared seed :meth:`materialize_model` initializes meta tensors with (None: none).
+        """
+        assert self.model is not None
         # `trainer.validate()` after `fit()` sets up the same module again: it is already parallelized
         parallelized = self.already_parallelized()
         # dtype first (cheap on meta or full tensors), then device, then parallelize, then materialize
@@ -248,6 +281,11 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
         if not parallelized:
             broadcast_module_states(self.model)
             self.apply_parallelism(parallelized=False)
+        return seed
+
+    def materialize_model(self, seed: Optional[int]) -> None:
+        """Meta tensors left after :meth:`prepare_model` allocated on the root device and initialized in sync."""
+        assert self.model is not None
         if seed is not None and _has_meta(self.model):
             missing = materialize_in_sync(self.model, self.root_device, seed=seed)
             if missing:
@@ -255,18 +293,9 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
                     f"Parameter initialization incomplete: modules {sorted(set(missing))} have parameters or"
                     " buffers left uninitialized because they do not define `reset_parameters()`."
                 )
-        self.barrier()
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
-        self.setup_precision_plugin()
-        # Lightning clips each process's gradients alone, with foreach calls that refuse plain tensors mixed with
-        # DTensors: the strategy's clipping spans every shard and stage (Trainer's clipping and self.clip_gradients)
-        route_gradient_clipping(self.precision_plugin, by_norm=self.clip_grad_by_norm, by_value=self.clip_grad_by_value)
-        if trainer.state.fn == TrainerFn.FITTING:
-            optimizers_to_device(self.optimizers, self.root_device)
 
     def apply_parallelism(self, *, parallelized: Optional[bool] = None) -> None:
-        """The user's ``parallelize_fn`` or the built-in :meth:`parallelize`, once (``setup``; the dry run).
+        """The user's ``parallelize_fn`` or the built-in :meth:`parallelize`, once (:meth:`prepare_model`).
 
         ``parallelized``: :meth:`already_parallelized`, when the caller has asked it already.
         """

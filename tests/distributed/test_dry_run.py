@@ -1,4 +1,5 @@
-"""The dry run at 1024 ranks (pp=4 x dp_replicate=4 x dp_shard=8 x tp=8, bf16-mixed, 8 devices per node).
+"""The dry run at 1024 ranks (pp=4 x dp_replicate=4 x dp_shard=8 x tp=8, bf16-mixed, 8 devices per node), and
+held to the real run at 4 ranks (``dryrun_ledger.py``: CommunicationLedger rows = the dry run's, per layout and rank).
 
 Each simulated rank is one process on torch's fake process group (no communication, fake tensors), so
 these tests need no peers; they are marked `distributed` because they start subprocesses. The model is a
@@ -12,6 +13,7 @@ import dataclasses
 import pytest
 
 from lightning_dist.dryrun import DryRunConfig, dry_run
+from tests._harness import results, run_torchrun
 
 pytestmark = pytest.mark.distributed
 
@@ -168,3 +170,42 @@ def test_auto_parallel_verify_keeps_only_layouts_the_dry_run_fits():
             ),
             timeout=300,
         )
+
+
+# layouts the dry run does not simulate yet, with the reason it gives
+NOT_SIMULATED = {"hsdp_shard1": "cannot replay DDP-style replication"}
+
+
+@pytest.fixture(scope="module")
+def dry_and_real():
+    # one torchrun launch: every layout trained with CommunicationLedger, then each rank's dry run in-process
+    return results(run_torchrun("dryrun_ledger.py", nproc=4, timeout=1800))
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "hsdp_2x2",
+        "fsdp2_1x4",
+        "hsdp_shard1",
+        "tp2_dp2",
+        "pp2_1f1b_dp2",
+        "pp2_interleaved_dp2",
+        "pp2_zero_bubble_dp2",
+        "pp2_tp2",
+    ],
+)
+def test_dry_run_sends_what_the_real_run_sends(dry_and_real, case):
+    # calls and payload bytes per (op, mesh dim) on every rank: the ledger's mean over the steps after the first
+    # (a real run's steady step) against the dry run's step of the same rank, same model, batch and precision
+    real = {r["rank"]: r for r in dry_and_real if r["case"] == case and r["kind"] == "ledger"}
+    dry = {r["rank"]: r for r in dry_and_real if r["case"] == case and r["kind"] == "dry"}
+    assert set(real) == set(dry) == {0, 1, 2, 3}, (sorted(real), sorted(dry))
+    for rank in range(4):
+        if case in NOT_SIMULATED:
+            assert NOT_SIMULATED[case] in dry[rank]["refused"], dry[rank]
+            continue
+        assert "rows" in dry[rank], dry[rank]  # the dry run's refusal
+        want = {(c["op"], c["dim"]): (c["calls"], c["bytes"]) for c in real[rank]["rows"]}
+        got = {(c["op"], c["dim"]): (c["calls"], c["bytes"]) for c in dry[rank]["rows"]}
+        assert got == want, (case, rank, got, want)

@@ -1,0 +1,107 @@
+"""The dry run held to the real run: CommunicationLedger rows against the dry run's, per layout and rank (4 ranks).
+
+Each rank first trains every case for a few float32 steps under torchrun with a ``CommunicationLedger``
+(the pack's CharGPT, 8 sequences per data-parallel rank, no logging: only the strategy's collectives are in a
+step) and prints ``RESULT {"case", "kind": "ledger", "rows"}`` with the mean calls and payload bytes per (op, dim)
+of the steps after the first. Then it leaves the gloo group and runs the dry run of its own rank for the same
+cases (:func:`lightning_dist.dryrun.dry_run`, a fresh process per rank on torch's fake process group: same world
+size, model, batch and precision) and prints ``RESULT {"case", "kind": "dry", "rows"}`` or the dry run's refusal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from _common import emit, trainer
+from lightning.pytorch.strategies import StrategyRegistry
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import lightning_dist  # noqa: F401  (registers the strategies)
+from lightning_dist.callbacks import CommunicationLedger
+from lightning_dist.dryrun import DryRunConfig, dry_run
+from lightning_dist.models.gpt import CharGPT
+
+STEPS = 3
+BATCH = 8  # sequences per data-parallel rank: divides into the pipelines' 4 micro-batches
+GPT = {"vocab_size": 64, "block_size": 16, "n_layer": 4, "n_head": 4, "n_embd": 32, "bias": False}
+PIPE = {"pp": 2, "split": "params"}
+CASES = {
+    "hsdp_2x2": ("hsdp", {"dp_replicate": 2, "shard_size": 2}),
+    "fsdp2_1x4": ("fsdp2", {}),
+    "hsdp_shard1": ("hsdp", {"shard_size": 1}),
+    "tp2_dp2": ("tp", {"tp": 2, "dp_shard": 2, "dp_replicate": 1}),
+    "pp2_1f1b_dp2": ("pipeline", {**PIPE, "schedule": "1f1b"}),
+    "pp2_interleaved_dp2": ("pipeline", {**PIPE, "schedule": "interleaved_1f1b"}),
+    "pp2_zero_bubble_dp2": ("pipeline", {**PIPE, "schedule": "zero_bubble"}),
+    "pp2_tp2": ("pipeline", {**PIPE, "tp": 2}),
+}
+
+
+class QuietGPT(CharGPT):
+    """CharGPT without its `sync_dist` logging (the dry run drops `self.log`), with random token batches."""
+
+    def log(self, *args, **kwargs) -> None:
+        pass
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(1)
+        n, t, v = 64, GPT["block_size"], GPT["vocab_size"]
+        ds = TensorDataset(torch.randint(0, v, (n, t), generator=g), torch.randint(0, v, (n, t), generator=g))
+        kw = self.trainer.strategy.distributed_sampler_kwargs
+        return DataLoader(ds, batch_size=BATCH, sampler=DistributedSampler(ds, shuffle=False, **kw))
+
+
+def rows(per_step: dict) -> list[dict]:
+    return [{"op": op, "dim": dim, "calls": c, "bytes": b} for (op, dim), (c, b) in sorted(per_step.items())]
+
+
+def real(case: str) -> None:
+    name, args = CASES[case]
+    entry = StrategyRegistry[name]  # as Trainer(strategy=name) and the dry run build it, with these arguments
+    strategy = entry["strategy"](**{**entry["init_params"], **args})
+    ledger = CommunicationLedger(planned=None, log=False, print_table=False)
+    torch.manual_seed(0)
+    t = trainer(strategy, devices=int(os.environ["WORLD_SIZE"]), steps=STEPS, precision="32-true", callbacks=[ledger])
+    t.fit(QuietGPT(**GPT))
+    emit(case=case, kind="ledger", rows=rows(ledger.per_step()), steps=len(ledger.steps))
+
+
+def dry(case: str, rank: int, world: int) -> None:
+    name, args = CASES[case]
+    config = DryRunConfig(
+        model="lightning_dist.models.gpt.CharGPT",
+        init_args=GPT,
+        strategy=name,
+        strategy_args=args,
+        world_size=world,
+        devices_per_node=world,
+        precision="32-true",
+        batch_size=BATCH,
+    )
+    try:
+        # a fresh process, as `lightning-dist dry-run` runs each rank (this one's caches hold the gloo groups)
+        (result,) = dry_run(dataclasses.replace(config, ranks=(rank,)), timeout=900).ranks
+    except (ValueError, TypeError, RuntimeError) as err:
+        emit(case=case, kind="dry", rank=rank, refused=str(err)[:300])
+        return
+    got = [
+        {"op": c["op"], "dim": c["dim"], "calls": c["calls"], "bytes": c["payload_bytes"]}
+        for c in result["collectives"]
+    ]
+    emit(case=case, kind="dry", rank=rank, rows=got, seconds=result["seconds"])
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    names = sys.argv[1].split(",") if len(sys.argv) > 1 else list(CASES)
+    for case in names:
+        real(case)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if dist.is_initialized():  # the dry run starts its own (fake) process group
+        dist.destroy_process_group()
+    for case in names:
+        dry(case, rank, world)
