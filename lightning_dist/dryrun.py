@@ -609,8 +609,7 @@ def plan_rank(
     if pipelined and stages > 1 and boundaries is not None:
         import torch
 
-        from lightning_dist.parallelize.pipeline import stage_ranks
-        from lightning_dist.parallelize.pipeline_schedule import SCHEDULES
+        from lightning_dist.rules import SCHEDULES, stage_ranks
 
         owner = stage_ranks(stages, spec.size(PP), SCHEDULES[strategy.schedule][2])
 
