@@ -159,6 +159,7 @@ class PipelineStrategy(MeshStrategy):
         self._local_stages: list[int] = []
         self._runner: Optional[PipelineRunner] = None
         self._plan: Optional[checks.PipelinePlan] = None  # made by `validate_config`, used by `parallelize`
+        self._tp_checked: Optional[list[TPEntry]] = None  # the TP plan `validate_config` resolved, for `parallelize`
         self._tied: list[tuple[Tensor, Any, bool]] = []  # (parameter, group of its holders' ranks, counted in the norm)
         # (checkpoint key, keys of its copies, saved by this rank) of each tied parameter: saved once
         self._tied_keys: list[tuple[str, tuple[str, ...], bool]] = []
@@ -228,8 +229,8 @@ class PipelineStrategy(MeshStrategy):
         self._plan = checks.plan_pipeline(
             module, net, self.num_stages, self.split_mode(), allow_batchnorm=self.allow_batchnorm
         )
-        if spec.size(TP) > 1:
-            resolve_stage_plan(module, net, self.tp_plan, tp=spec.size(TP))
+        if spec.size(TP) > 1:  # resolved once: `parallelize` applies these entries
+            self._tp_checked = resolve_stage_plan(module, net, self.tp_plan, tp=spec.size(TP))
 
     def split_mode(self) -> Any:
         """The split that will be used: ``split`` with ``"auto"`` resolved for the attached module."""
@@ -274,7 +275,10 @@ class PipelineStrategy(MeshStrategy):
         rank_zero_info(self.split.format(stage_ranks))
         entries = None
         if mesh.size(TP) > 1:  # one plan checked on the whole network; each stage applies the entries it holds
-            entries = self.tp_entries = resolve_stage_plan(module, net, self.tp_plan, tp=mesh.size(TP))
+            checked, self._tp_checked = self._tp_checked, None
+            if checked is None:  # `validate_config` did not run for this network
+                checked = resolve_stage_plan(module, net, self.tp_plan, tp=mesh.size(TP))
+            entries = self.tp_entries = checked
             rank_zero_info(format_plan(self.tp_entries, tp=mesh.size(TP)))
         # the same assembly as every strategy: split, then parallelize_model per stage (TP, AC, compile, FSDP2)
         config = ParallelizeConfig(
