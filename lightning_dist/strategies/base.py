@@ -280,7 +280,7 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
         seed = shared_seed(self.root_device) if _has_meta(self.model) else None
         if not parallelized:
             broadcast_module_states(self.model)
-            self.apply_parallelism(parallelized=False)
+            self.apply_parallelism()
         return seed
 
     def materialize_model(self, seed: Optional[int]) -> None:
@@ -294,13 +294,9 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
                     " buffers left uninitialized because they do not define `reset_parameters()`."
                 )
 
-    def apply_parallelism(self, *, parallelized: Optional[bool] = None) -> None:
-        """The user's ``parallelize_fn`` or the built-in :meth:`parallelize`, once (:meth:`prepare_model`).
-
-        ``parallelized``: :meth:`already_parallelized`, when the caller has asked it already.
-        """
-        if self.already_parallelized() if parallelized is None else parallelized:
-            return
+    def apply_parallelism(self) -> None:
+        """The user's ``parallelize_fn`` or the built-in :meth:`parallelize` (:meth:`prepare_model` calls it once, on a
+        model that is not parallelized yet)."""
         if self._parallelize_fn is not None:
             self._parallelize_fn(self.lightning_module, self.mesh)
         else:
