@@ -19,7 +19,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo "sudo -n")
 # one venv per torch release for the compatibility subset, e.g. .venv-torch-2.11.0
 COMPAT_VENV = .venv-$(subst ==,-,$(TORCH_SPEC))
 
-.PHONY: demo lint test test-unit test-distributed test-compat test-compat-all install install-base clean bench
+.PHONY: compat-torch demo lint test test-unit test-distributed test-compat test-compat-all install install-base clean bench
 
 # What the demo needs: torch and the package's own dependencies (no extras, nothing compiled).
 $(VENV)/.base: pyproject.toml Makefile
@@ -74,6 +74,15 @@ test-compat:
 	$(COMPAT_VENV)/bin/python -c "import torch, lightning; print('compat subset on torch', torch.__version__, 'lightning', lightning.__version__)"
 	TORCH_EXTENSIONS_DIR=$(abspath $(COMPAT_VENV))/torch_extensions $(COMPAT_VENV)/bin/python -m pytest -q $(UNIT_ARGS) -m "not distributed" $(PYTEST_ARGS)
 	TORCH_EXTENSIONS_DIR=$(abspath $(COMPAT_VENV))/torch_extensions $(COMPAT_VENV)/bin/python -m pytest -q -m "compat" $(PYTEST_ARGS)
+
+# torch alone into the venvs of both ends (the large CUDA builds; no write to the source tree): .ci/run runs this
+# in the background while `make test` runs, and `make test-compat` then finds torch in place
+compat-torch:
+	for spec in "$(TORCH_OLDEST)" "$(TORCH_NEWEST)"; do \
+		venv=.venv-$$(echo "$$spec" | sed 's/==/-/'); \
+		test -x $$venv/bin/python || $(PYTHON) -m venv $$venv; \
+		$$venv/bin/python -m pip install -q "$$spec" || exit 1; \
+	done
 
 # both ends of the supported range (what .ci/run runs after `make test`)
 test-compat-all:
