@@ -5,6 +5,7 @@ Other modules import the names below instead of checking versions themselves.
 
 from __future__ import annotations
 
+from typing import Any
 import importlib.util
 from functools import lru_cache
 
@@ -210,3 +211,26 @@ def init_fake_process_group(*, rank: int, world_size: int) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+def slice_flattened(device_mesh: Any, names: tuple[str, ...]) -> Any:
+    """``device_mesh[names]`` where some names are flattened dims (HSDP over ``dp_replicate`` x ``dp_shard_cp``).
+
+    torch 2.11-2.14 slice a flattened dim from the root mesh with a warning that this will be deprecated; torchtitan
+    builds the same 2-D mesh this way. Once torch refuses it, unflatten ``dp_cp`` instead (one place to change).
+    """
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
+        return device_mesh[names]
+
+
+def all_to_all_autograd(input: Any, group: Any) -> Any:
+    """``all_to_all_single`` (equal splits) that backpropagates: the reverse all-to-all in backward. torch's
+    functional collective ``all_to_all_single_autograd`` (torch 2.11 ... 2.14; ``torch.distributed.nn.functional``'s
+    older one warns that it is deprecated)."""
+    from torch.distributed import _functional_collectives as funcol
+
+    out = funcol.all_to_all_single_autograd(input, None, None, group)
+    return funcol.wait_tensor(out)

@@ -1,4 +1,4 @@
-"""The pack's one device mesh: named dims ``pp``, ``dp_replicate``, ``dp_shard``, ``tp``.
+"""The pack's one device mesh: named dims ``pp``, ``dp_replicate``, ``dp_shard``, ``cp``, ``tp``.
 
 Two layers, as in torchtitan's ``ParallelDims``:
 
@@ -8,12 +8,17 @@ Two layers, as in torchtitan's ``ParallelDims``:
   plan is unit-testable in one process.
 * :class:`DistMesh` wraps the real :class:`~torch.distributed.device_mesh.DeviceMesh` built from a
   resolved spec, exposes sub-meshes by name, the flattened data-parallel mesh ``dp``
-  (= ``dp_replicate`` x ``dp_shard``) that samplers, metrics and logging reduce over, and checks right
+  (= ``dp_replicate`` x ``dp_shard``) that samplers and metrics reduce over, and checks right
   after building that the groups torch created are the ones the spec asked for.
 
-Dims are laid out outermost to innermost as ``(pp, dp_replicate, dp_shard, tp)``: consecutive ranks
-(one node) form ``tp`` groups first, then ``dp_shard`` groups, so tensor-parallel and sharding traffic
-stays inside a node while ``dp_replicate`` and ``pp`` cross nodes.
+Dims are laid out outermost to innermost as ``(pp, dp_replicate, dp_shard, cp, tp)`` (torchtitan's order):
+consecutive ranks (one node) form ``tp`` groups first, then ``cp`` groups, then ``dp_shard`` groups, so
+tensor-parallel, context-parallel and sharding traffic stays inside a node while ``dp_replicate`` and ``pp``
+cross nodes.
+
+Context parallelism (``cp``) splits each sequence over its ranks: cp peers read the same samples (the sampler
+splits over ``dp`` only), FSDP2 shards parameters over ``dp_shard`` x ``cp`` (the flattened ``dp_shard_cp``), and
+the loss is averaged over ``dp`` x ``cp`` (``dp_cp``), as in torchtitan.
 """
 
 from __future__ import annotations
@@ -29,10 +34,13 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 # The dim names, defined once, outermost first.
-PP, DP_REPLICATE, DP_SHARD, TP = "pp", "dp_replicate", "dp_shard", "tp"
-DIM_NAMES: tuple[str, ...] = (PP, DP_REPLICATE, DP_SHARD, TP)
-# The flattened data-parallel dim (dp_replicate x dp_shard).
+PP, DP_REPLICATE, DP_SHARD, CP, TP = "pp", "dp_replicate", "dp_shard", "cp", "tp"
+DIM_NAMES: tuple[str, ...] = (PP, DP_REPLICATE, DP_SHARD, CP, TP)
+# The flattened data-parallel dim (dp_replicate x dp_shard): samplers, metrics.
 DP = "dp"
+# Flattened dims of context parallelism: FSDP2 shards over dp_shard x cp; the loss averages over dp x cp.
+DP_SHARD_CP, DP_CP = "dp_shard_cp", "dp_cp"
+FLAT_DIMS: dict[str, tuple[str, ...]] = {DP: (DP_REPLICATE, DP_SHARD), DP_SHARD_CP: (DP_SHARD, CP), DP_CP: (DP_REPLICATE, DP_SHARD, CP)}
 
 Size = Union[int, Literal["auto"]]
 
@@ -51,6 +59,8 @@ class MeshSpec:
     """Replica groups of hybrid sharding; ``"auto"``: what is left after the other dims."""
     dp_shard: Size = "auto"
     """Ranks one parameter is sharded over; ``"auto"``: the devices of one node left after ``tp``."""
+    cp: int = 1
+    """Context-parallel degree: ranks one sequence is split over (inside ``dp_shard``, outside ``tp``)."""
     tp: int = 1
     """Tensor-parallel degree (innermost dim, inside a node)."""
     allow_cross_node_tp: bool = False
@@ -63,7 +73,7 @@ class MeshSpec:
 
     # ---- arithmetic and validation -------------------------------------------------------------
     def _describe(self) -> str:
-        dims = ", ".join(f"{n}={getattr(self, n)!r}" for n in DIM_NAMES)
+        dims = ", ".join(f"{n}={getattr(self, n)!r}" for n in DIM_NAMES if n != CP or self.cp != 1)
         return f"({dims}; world_size={self.world_size}, devices_per_node={self.devices_per_node})"
 
     def _problems(self) -> list[str]:
@@ -83,19 +93,21 @@ class MeshSpec:
                 problems.append(f"`{name}={value}` must be >= 1; use 1 to switch that dim off.")
         if problems:
             return problems  # the arithmetic below needs valid numbers
-        fixed = self.pp * self.tp
+        fixed = self.pp * self.cp * self.tp
         if self.world_size % fixed:
+            names = "pp x cp x tp" if self.cp > 1 else "pp x tp"
+            values = f"{self.pp} x {self.cp} x {self.tp}" if self.cp > 1 else f"{self.pp} x {self.tp}"
             problems.append(
-                f"pp x tp = {self.pp} x {self.tp} = {fixed} does not divide world_size={self.world_size};"
-                f" choose pp and tp whose product divides {self.world_size}."
+                f"{names} = {values} = {fixed} does not divide world_size={self.world_size};"
+                f" choose {names.replace(' x ', ', ')} whose product divides {self.world_size}."
             )
             return problems
         rest = self.world_size // fixed
         rep, shard = self.dp_replicate, self.dp_shard
         if rep != "auto" and shard != "auto" and rep * shard != rest:
             problems.append(
-                f"pp x dp_replicate x dp_shard x tp = {self.pp} x {rep} x {shard} x {self.tp}"
-                f" = {self.pp * rep * shard * self.tp} != world_size={self.world_size};"
+                f"pp x dp_replicate x dp_shard x cp x tp = {self.pp} x {rep} x {shard} x {self.cp} x {self.tp}"
+                f" = {self.pp * rep * shard * self.cp * self.tp} != world_size={self.world_size};"
                 f" the product of the dims must equal the number of processes"
                 f" (e.g. dp_replicate={rest // shard if rest % shard == 0 else 'auto'}, dp_shard={shard})."
             )
@@ -103,7 +115,7 @@ class MeshSpec:
             if value != "auto" and rest % value:
                 problems.append(
                     f"`{name}={value}` does not divide the {rest} data-parallel ranks"
-                    f" (world_size {self.world_size} / (pp x tp) {fixed}); pick a divisor of {rest}."
+                    f" (world_size {self.world_size} / (pp x cp x tp) {fixed}); pick a divisor of {rest}."
                 )
         if self.tp > self.devices_per_node and not self.allow_cross_node_tp:
             problems.append(
@@ -119,10 +131,10 @@ class MeshSpec:
 
     def resolve(self) -> "MeshSpec":
         """A copy with ``"auto"`` replaced: dp_shard = devices of a node left after tp, dp_replicate = the rest."""
-        rest = self.world_size // (self.pp * self.tp)
+        rest = self.world_size // (self.pp * self.cp * self.tp)
         rep, shard = self.dp_replicate, self.dp_shard
         if shard == "auto" and rep == "auto":
-            per_node = max(1, self.devices_per_node // self.tp)
+            per_node = max(1, self.devices_per_node // (self.tp * self.cp))
             shard = math.gcd(per_node, rest)
             rep = rest // shard
         elif shard == "auto":
@@ -146,12 +158,12 @@ class MeshSpec:
         return tuple(getattr(self, n) for n in DIM_NAMES)  # type: ignore[return-value]
 
     def size(self, name: str) -> int:
-        """Size of a dim, or of ``"dp"`` (the flattened data-parallel dim)."""
+        """Size of a dim, or of a flattened dim (``"dp"``, ``"dp_shard_cp"``, ``"dp_cp"``)."""
         self._require_resolved()
-        if name == DP:
-            return self.dp_replicate * self.dp_shard  # type: ignore[operator]
+        if name in FLAT_DIMS:
+            return math.prod(getattr(self, n) for n in FLAT_DIMS[name])
         if name not in DIM_NAMES:
-            raise ValueError(f"Unknown mesh dim {name!r}; the dims are {DIM_NAMES + (DP,)}.")
+            raise ValueError(f"Unknown mesh dim {name!r}; the dims are {DIM_NAMES + tuple(FLAT_DIMS)}.")
         return getattr(self, name)
 
     def coords(self, rank: int) -> dict[str, int]:
@@ -168,8 +180,8 @@ class MeshSpec:
         return coords
 
     def group_ranks(self, rank: int, name: str) -> list[int]:
-        """Global ranks of the group of `name` (a dim or ``"dp"``) that contains `rank`."""
-        varying = (DP_REPLICATE, DP_SHARD) if name == DP else (name,)
+        """Global ranks of the group of `name` (a dim or a flattened dim) that contains `rank`."""
+        varying = FLAT_DIMS.get(name, (name,))
         mine = self.coords(rank)
         return [
             r
@@ -178,7 +190,7 @@ class MeshSpec:
         ]
 
     def plan_rows(self) -> list[dict[str, int]]:
-        """One row per rank: ``{"rank", pp, dp_replicate, dp_shard, tp, dp}``."""
+        """One row per rank: ``{"rank", pp, dp_replicate, dp_shard, cp, tp, dp}``."""
         return [{"rank": r, **self.coords(r)} for r in range(self.world_size)]
 
     def format_plan(self) -> str:
@@ -205,10 +217,10 @@ class DistMesh:
     Construct with :meth:`build` after the default process group exists.
     """
 
-    def __init__(self, spec: MeshSpec, device_mesh: "DeviceMesh", dp_mesh: "DeviceMesh") -> None:
+    def __init__(self, spec: MeshSpec, device_mesh: "DeviceMesh", flat: "dict[str, DeviceMesh]") -> None:
         self.spec = spec
         self.device_mesh = device_mesh
-        self._dp_mesh = dp_mesh  # the flattened dim is kept here: torch deprecates slicing it from the root
+        self._flat = dict(flat)  # the flattened dims are kept here: torch deprecates slicing them from the root
         self._sub: dict[tuple[str, ...], "DeviceMesh"] = {}  # slicing costs ~2 ms a call; the mesh never changes
 
     @classmethod
@@ -218,22 +230,29 @@ class DistMesh:
 
         spec = spec if spec.resolved else spec.resolve()
         device_mesh = init_device_mesh(device_type, spec.shape, mesh_dim_names=DIM_NAMES)
-        # flatten the two data-parallel dims: samplers, metrics and logging reduce over `dp`
-        dp_mesh = device_mesh[(DP_REPLICATE, DP_SHARD)]._flatten(DP)
-        mesh = cls(spec, device_mesh, dp_mesh)
+        # flatten the two data-parallel dims: samplers and metrics reduce over `dp`
+        flat = {DP: device_mesh[(DP_REPLICATE, DP_SHARD)]._flatten(DP)}
+        if spec.cp > 1:
+            # context parallelism: FSDP2 shards over dp_shard x cp, the loss averages over dp x cp (torchtitan's
+            # dims); with cp == 1 they are dp_shard and dp, and no extra process group is made
+            flat[DP_SHARD_CP] = device_mesh[(DP_SHARD, CP)]._flatten(DP_SHARD_CP)
+            flat[DP_CP] = device_mesh[(DP_REPLICATE, DP_SHARD, CP)]._flatten(DP_CP)
+        mesh = cls(spec, device_mesh, flat)
         mesh.check_topology()
         return mesh
 
     # ---- lookup by name ------------------------------------------------------------------------
     def get_mesh(self, *names: str) -> "DeviceMesh":
-        """The sub-mesh over `names` (dims or ``"dp"``); raises for an unknown name."""
+        """The sub-mesh over `names` (dims, or one flattened dim: ``"dp"``, ``"dp_shard_cp"``, ``"dp_cp"``)."""
         for n in names:
-            if n not in DIM_NAMES + (DP,):
-                raise ValueError(f"Unknown mesh dim {n!r}; the dims are {DIM_NAMES + (DP,)}.")
-        if names == (DP,):
-            return self._dp_mesh
-        if DP in names:
-            raise ValueError(f"`{DP}` is a flattened dim and cannot be combined with others: {names}.")
+            if n not in DIM_NAMES + tuple(FLAT_DIMS):
+                raise ValueError(f"Unknown mesh dim {n!r}; the dims are {DIM_NAMES + tuple(FLAT_DIMS)}.")
+        if len(names) == 1 and names[0] in FLAT_DIMS:
+            if names[0] not in self._flat:  # cp == 1: dp_shard_cp is dp_shard, dp_cp is dp
+                return self.get_mesh({DP_SHARD_CP: DP_SHARD, DP_CP: DP}[names[0]])
+            return self._flat[names[0]]
+        if any(n in FLAT_DIMS for n in names):
+            raise ValueError(f"Flattened dims cannot be combined with others here: {names}; use `fsdp_mesh()`.")
         if names not in self._sub:
             self._sub[names] = self.device_mesh[names[0] if len(names) == 1 else names]
         return self._sub[names]
@@ -273,10 +292,25 @@ class DistMesh:
         return self.local_rank(DP)
 
     def fsdp_mesh(self) -> "DeviceMesh":
-        """The mesh FSDP2 shards over: 1-D ``dp_shard`` when there is no replication, else 2-D (HSDP)."""
+        """The mesh FSDP2 shards over: 1-D ``dp_shard`` (x ``cp``) when there is no replication, else 2-D (HSDP)."""
         if self.spec.size(DP_REPLICATE) == 1:
-            return self.get_mesh(DP_SHARD)
-        return self.get_mesh(DP_REPLICATE, DP_SHARD)
+            return self.get_mesh(DP_SHARD_CP)
+        if self.spec.cp == 1:
+            return self.get_mesh(DP_REPLICATE, DP_SHARD)
+        if (DP_REPLICATE, DP_SHARD_CP) not in self._sub:
+            from lightning_dist._compat import slice_flattened
+
+            self._sub[(DP_REPLICATE, DP_SHARD_CP)] = slice_flattened(self.device_mesh, (DP_REPLICATE, DP_SHARD_CP))
+        return self._sub[(DP_REPLICATE, DP_SHARD_CP)]
+
+    @property
+    def cp_size(self) -> int:
+        return self.spec.cp
+
+    @property
+    def loss_group(self) -> "ProcessGroup":
+        """The ranks a loss is averaged over: ``dp`` x ``cp`` (cp peers hold parts of the same sequences)."""
+        return self.group(DP_CP)
 
     # ---- self-check ----------------------------------------------------------------------------
     def check_topology(self) -> None:
@@ -289,7 +323,7 @@ class DistMesh:
         coordinate = self.device_mesh.get_coordinate()
         if coordinate is None or tuple(coordinate) != tuple(expected[n] for n in DIM_NAMES):
             problems.append(f"coordinates {coordinate} != planned {[expected[n] for n in DIM_NAMES]}")
-        for name in DIM_NAMES + (DP,):
+        for name in DIM_NAMES + tuple(n for n in FLAT_DIMS if n == DP or self.spec.cp > 1):
             group = self.group(name)
             got = sorted(dist.get_process_group_ranks(group))
             want = self.spec.group_ranks(rank, name)

@@ -7,7 +7,8 @@ plan, a dry run and a training run decide alike:
 * :func:`stage_ranks`: the pipeline rank of each stage;
 * :func:`partition`: the contiguous stage split minimising the costliest stage;
 * :func:`bubble_theory`: the idle fraction of a pipeline step;
-* :func:`replicates`: DDP-style replication or FSDP2 sharding over the data-parallel dims.
+* :func:`replicates`: DDP-style replication or FSDP2 sharding over the data-parallel dims;
+* :func:`cp_chunks`: which parts of a sequence each context-parallel rank holds (load-balanced for causal masks).
 """
 
 from __future__ import annotations
@@ -80,16 +81,35 @@ def bubble_theory(pp: int, n_microbatches: int, stages_per_rank: int = 1) -> flo
     return (pp - 1) / (stages_per_rank * n_microbatches + pp - 1)
 
 
-def replicates(*, zero_stage: int, dp_shard: int, tp: int, offload: bool = False) -> bool:
+def replicates(*, zero_stage: int, dp_shard: int, tp: int, offload: bool = False, cp: int = 1) -> bool:
     """True when the data-parallel dims of a (not pipelined) model use DDP-style replication (torch's
     ``replicate``: one bucketed gradient all-reduce), False when they use FSDP2's ``fully_shard``.
 
     With nothing to shard (ZeRO-1, or shard groups of one rank) DDP's bucketed all-reduce is the fastest
     correct choice; FSDP2 over a (N, 1) mesh would issue one small all-reduce per unit (~3x slower on CPU).
     DTensor (tensor-parallel) parameters need FSDP2, which composes with them, and CPU offload is an FSDP2
-    policy. A pipeline stage is always its own FSDP2 root over the data-parallel dims.
+    policy. A pipeline stage is always its own FSDP2 root over the data-parallel dims. Context parallelism
+    (``cp > 1``) shards over ``dp_shard`` x ``cp`` with FSDP2, as torchtitan does.
     """
-    return not offload and (zero_stage == 1 or (dp_shard == 1 and tp == 1))
+    return not offload and cp == 1 and (zero_stage == 1 or (dp_shard == 1 and tp == 1))
 
 
-__all__ = ["SCHEDULES", "bubble_theory", "partition", "replicates", "stage_ranks"]
+def cp_chunks(seq_len: int, cp: int, rank: int) -> list[tuple[int, int]]:
+    """The ``[start, stop)`` ranges of a sequence of `seq_len` tokens that context-parallel rank `rank` of `cp` holds.
+
+    The sequence is cut into ``2 * cp`` equal chunks and rank r holds chunks r and ``2cp - 1 - r``: under a causal
+    mask the early chunks attend to few keys and the late ones to many, so every rank gets one of each and the
+    same attention work (torchtitan's and Megatron's load balancing). `seq_len` must divide by ``2 * cp``.
+    """
+    if cp < 1 or not 0 <= rank < cp:
+        raise ValueError(f"rank={rank} is not a rank of cp={cp}.")
+    if seq_len % (2 * cp):
+        raise ValueError(
+            f"sequence length {seq_len} does not divide into 2 x cp = {2 * cp} equal chunks (the load-balanced"
+            f" split of context parallelism); pad or crop the sequences to a multiple of {2 * cp}."
+        )
+    c = seq_len // (2 * cp)
+    return [(rank * c, (rank + 1) * c), ((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)]
+
+
+__all__ = ["SCHEDULES", "bubble_theory", "cp_chunks", "partition", "replicates", "stage_ranks"]

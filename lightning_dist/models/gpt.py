@@ -74,7 +74,9 @@ class PositionEmbedding(nn.Module):
     def reset_parameters(self) -> None:
         nn.init.normal_(self.weight)  # as nn.Embedding
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, position_ids: Tensor | None = None) -> Tensor:
+        if position_ids is not None:  # a part of the sequence (context parallelism): the positions it holds
+            return x + self.weight[position_ids]
         if x.shape[1] > self.block_size:
             raise ValueError(f"Sequence length {x.shape[1]} exceeds block_size={self.block_size}.")
         return x + self.weight[: x.shape[1]]
@@ -88,7 +90,10 @@ class GPTBlock(TransformerBlock):
 
 
 class GPT(nn.Module):
-    """GPT-like decoder; ``forward(idx [B, T] int64) -> logits [B, T, vocab_size]``.
+    """GPT-like decoder; ``forward(idx [B, T] int64, position_ids=None) -> logits [B, T, vocab_size]``.
+
+    ``position_ids [B, T]`` (HF's convention): the positions of the tokens of `idx` (context parallelism passes
+    those of this rank's part of each sequence); None: ``0 .. T-1``.
 
     Children ``tok_emb`` (nn.Embedding), ``pos_emb`` (:class:`PositionEmbedding`), ``blocks``, ``norm``,
     ``lm_head`` (nn.Linear, no bias); ``forward`` applies them in that order.
@@ -144,12 +149,13 @@ class GPT(nn.Module):
         """Build from a :class:`GPTConfig`."""
         return cls(**asdict(config))
 
-    def forward(self, idx: Tensor) -> Tensor:
+    def forward(self, idx: Tensor, position_ids: Tensor | None = None) -> Tensor:
         # the children in registration order; a later pipeline stage has no tok_emb/pos_emb and gets hidden states
         x = idx
-        for part in (self.tok_emb, self.pos_emb):
-            if part is not None:
-                x = part(x)
+        if self.tok_emb is not None:
+            x = self.tok_emb(x)
+        if self.pos_emb is not None:
+            x = self.pos_emb(x) if position_ids is None else self.pos_emb(x, position_ids)
         for block in self.blocks:
             if block is not None:  # a pipeline stage may blank out blocks it does not own
                 x = block(x)

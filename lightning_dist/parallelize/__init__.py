@@ -11,7 +11,11 @@ Order (each step changes the model in place and logs one line):
    before FSDP, whose hooks then run eagerly around each compiled block;
 4. data parallelism over ``dp_replicate`` x ``dp_shard``: FSDP2 ``fully_shard`` bottom-up (ZeRO-2/3,
    HSDP), or DDP-style all-reduce replication for ZeRO-1 and shard groups of size 1 — last, because it
-   shards whatever TP left. With an FSDP2 offload policy, FSDP2 always (a data-parallel size of 1 too).
+   shards whatever TP left. With an FSDP2 offload policy, FSDP2 always (a data-parallel size of 1 too). With
+   context parallelism FSDP2 shards over ``dp_shard`` x ``cp``;
+5. context parallelism (``cp > 1``; ``cp.apply_cp``, called by ``MeshStrategy`` after this function or a user's
+   ``parallelize_fn``): a hook on the network's inputs and an attention mode held around each step. It changes no
+   weight, so it comes after everything that does.
 
 Pipeline parallelism (:func:`pipeline_model`) comes before all of this: it splits the network into the
 stage modules this rank runs (``pipeline.py``) and then calls :func:`parallelize_model` on each stage's
@@ -35,7 +39,7 @@ from typing import Any, Literal
 
 from torch import nn
 
-from lightning_dist.mesh import DP_REPLICATE, DP_SHARD, TP, DistMesh
+from lightning_dist.mesh import DP_CP, DP_SHARD, TP, DistMesh
 from lightning_dist.parallelize.ac import ACOption, apply_ac, apply_offload_activations, parse_ac
 from lightning_dist.parallelize.compile import apply_compile, compile_units, tp_eager_blocks
 from lightning_dist.parallelize.fsdp import apply_fsdp, apply_fsdp_to_stage, apply_replicate
@@ -76,6 +80,9 @@ class ParallelizeConfig:
     `tp_plan`."""
     tp_owner: Any | None = None
     """The module `tp_entries` were resolved on (the whole model, of which `model` is a piece)."""
+    recompute_context: Any | None = None
+    """A context-manager factory the recomputation of checkpointed blocks runs under (context parallelism's
+    attention mode, which torch's autograd engine does not carry into backward)."""
     fsdp_root: Literal["children", "model"] = "children"
     """FSDP2/replicate roots: the model's direct children (a LightningModule) or the model itself (a pipeline stage)."""
 
@@ -100,7 +107,12 @@ def parallelize_model(model: nn.Module, mesh: DistMesh, config: ParallelizeConfi
     checkpointed: list[nn.Module] = []
     if ac is not None:
         checkpointed = apply_ac(
-            model, units=blocks if ac.units == "auto" else ac.units, mode=ac.mode, every=ac.every, ops=ac.ops
+            model,
+            units=blocks if ac.units == "auto" else ac.units,
+            mode=ac.mode,
+            every=ac.every,
+            ops=ac.ops,
+            recompute_context=config.recompute_context,
         )
     if config.offload_activations:  # the blocks AC left keep their saved tensors: those go to host memory
         apply_offload_activations(model, units=blocks, skip=checkpointed)
@@ -111,7 +123,8 @@ def parallelize_model(model: nn.Module, mesh: DistMesh, config: ParallelizeConfi
         apply_compile(model, units=units, eager=tp_eager_blocks(model, tp_styles, units) if tp_styles else None)
 
     # 4. data parallelism last, over what TP left: DDP-style replication or FSDP2 (lightning_dist.rules.replicates)
-    dp_size = mesh.size(DP_REPLICATE) * mesh.size(DP_SHARD)
+    # the ranks that average gradients: dp_replicate x dp_shard, times cp (context peers hold parts of the sequences)
+    dp_size = mesh.size(DP_CP)
     # CPU offload is an FSDP2 policy: it needs fully_shard even with one data-parallel rank (one GPU is the
     # most common reason to offload at all), so an offload policy never takes the replicate/no-op paths
     offload = config.offload_policy is not None
@@ -127,7 +140,9 @@ def parallelize_model(model: nn.Module, mesh: DistMesh, config: ParallelizeConfi
                 offload_policy=config.offload_policy,
             )
         return model
-    if replicates(zero_stage=config.zero_stage, dp_shard=mesh.size(DP_SHARD), tp=mesh.size(TP), offload=offload):
+    if replicates(
+        zero_stage=config.zero_stage, dp_shard=mesh.size(DP_SHARD), tp=mesh.size(TP), offload=offload, cp=mesh.cp_size
+    ):
         if dp_size > 1:
             apply_replicate(model, mesh.dp_mesh)
     elif dp_size > 1 or offload:

@@ -195,8 +195,13 @@ def apply_ac(
     mode: str = "full",
     every: int = 1,
     ops: Sequence[Any] = SELECTIVE_AC_OPS,
+    recompute_context: Any = None,
 ) -> list[nn.Module]:
     """Checkpoint each unit (each block by default; every `every`-th with ``every > 1``); returns the wrapped.
+
+    `recompute_context`: a factory of a context manager each recomputation (in backward) runs under, as the forward
+    ran under the step's: context parallelism's attention mode (torch's autograd engine does not carry a
+    ``TorchFunctionMode`` into backward).
 
     ``mode="full"``: torch's composable ``checkpoint`` (non-reentrant, hooks on the module);
     ``mode="selective"``: ``torch.utils.checkpoint.checkpoint`` of the module's forward with a selective
@@ -212,13 +217,33 @@ def apply_ac(
         picked = [module for _, module in select_units(model, units)]
     wrapped = [m for i, m in enumerate(picked) if (i + 1) % every == 0]
     context_fn = _selective_context(ops) if mode == "selective" else None
+    if recompute_context is not None:
+        context_fn = _recompute_under(context_fn, recompute_context)
     for module in wrapped:
         if context_fn is None:
             checkpoint(module)
+        elif mode == "full":
+            checkpoint(module, context_fn=context_fn)
         else:
             _checkpoint_forward(module, context_fn)
     log.info("applied %s activation checkpointing to %d of %d blocks", mode, len(wrapped), len(picked))
     return wrapped
+
+
+def _recompute_under(context_fn: Any, extra: Any) -> Any:
+    """A checkpoint ``context_fn`` whose recomputation also runs under ``extra()``."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def both(first: Any) -> Any:
+        with first, extra():
+            yield
+
+    def fn() -> Any:
+        forward, recompute = context_fn() if context_fn is not None else (contextlib.nullcontext(),) * 2
+        return forward, both(recompute)
+
+    return fn
 
 
 def _checkpoint_forward(module: nn.Module, context_fn: Any) -> None:

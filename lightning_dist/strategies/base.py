@@ -5,10 +5,12 @@ Built on Lightning's ``ParallelStrategy`` with Lightning's own pieces: its subpr
 materialization. It does not subclass ``ModelParallelStrategy``, whose accelerator connector refuses
 ``precision="64-true"`` (needed for float64 parity). What it adds:
 
-* one :class:`~lightning_dist.mesh.DistMesh` with dims ``pp``, ``dp_replicate``, ``dp_shard``, ``tp``,
+* one :class:`~lightning_dist.mesh.DistMesh` with dims ``pp``, ``dp_replicate``, ``dp_shard``, ``cp``, ``tp``,
   validated on every rank before the process group starts, and checked after it is built;
-* samplers, ``reduce`` and ``self.log(..., sync_dist=True)`` over the data-parallel mesh ``dp`` only,
-  so ranks that saw the same samples (tensor/pipeline peers) are not double-counted;
+* samplers over the data-parallel mesh ``dp`` only, so ranks that saw the same samples (tensor/pipeline/context
+  peers) are not double-counted; ``reduce`` and ``self.log(..., sync_dist=True)`` over ``dp`` (x ``cp``: context
+  peers hold parts of the same sequences, and their mean is the whole sequences' loss);
+* context parallelism (``cp > 1``): each sequence split over the cp ranks (``lightning_dist.parallelize.cp``);
 * the model is parallelized by the strategy (built-in plans via ``parallelize_model``, or the user's
   ``parallelize_fn(model, mesh)``), so ``configure_model`` is optional;
 * atomic sharded / consolidated checkpoints that load into any mesh (``lightning_dist.checkpoint``).
@@ -40,7 +42,7 @@ from lightning_dist._integrations.lightning import (
     sync_ddp_if_available,
 )
 from lightning_dist.grads import clip_grads_by_norm_, clip_grads_by_value_
-from lightning_dist.mesh import DIM_NAMES, DistMesh, MeshSpec
+from lightning_dist.mesh import CP, DIM_NAMES, TP, DistMesh, MeshSpec
 from lightning_dist.parallelize.sync import broadcast_module_states, materialize_in_sync, shared_seed
 from lightning_dist.strategies._checkpoints import ShardedCheckpointMixin
 from lightning_dist.strategies._processes import ProcessesMixin, as_timeout
@@ -72,8 +74,12 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
     """Lightning strategy over the pack's named device mesh.
 
     Args:
-        pp, dp_replicate, dp_shard, tp: mesh sizes; ``"auto"`` data-parallel sizes shard inside a node
-            and replicate across nodes.
+        pp, dp_replicate, dp_shard, cp, tp: mesh sizes; ``"auto"`` data-parallel sizes shard inside a node
+            and replicate across nodes. ``cp``: context parallelism, each sequence split over `cp` ranks.
+        cp_style: ``"ulysses"`` (all-to-all of q/k/v to head shards; every device, CPU included) or ``"ring"``
+            (torch's ring attention; CUDA only, not available yet).
+        cp_network: the attribute of the LightningModule holding the network called with the token ids
+            (``"auto"``: ``model``, else its one child).
         allow_cross_node_tp: accept a ``tp`` group larger than one node.
         parallelize_fn: ``fn(model, mesh)`` that parallelizes the LightningModule in place, replacing the
             strategy's built-in plan (for models the built-in plans do not cover).
@@ -92,7 +98,10 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
         pp: int = 1,
         dp_replicate: Union[int, Literal["auto"]] = "auto",
         dp_shard: Union[int, Literal["auto"]] = "auto",
+        cp: int = 1,
         tp: int = 1,
+        cp_style: str = "ulysses",
+        cp_network: str = "auto",
         allow_cross_node_tp: bool = False,
         parallelize_fn: Optional[ParallelizeFn] = None,
         save_distributed_checkpoint: bool = True,
@@ -102,7 +111,10 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
     ) -> None:
         timeout = as_timeout(timeout, type(self).__name__)
         super().__init__()
-        problems = _check_size("pp", pp, False) + _check_size("tp", tp, False)
+        from lightning_dist.parallelize.cp import cp_style_problems
+
+        problems = _check_size("pp", pp, False) + _check_size("tp", tp, False) + _check_size("cp", cp, False)
+        problems += cp_style_problems(cp_style, cp)
         problems += _check_size("dp_replicate", dp_replicate, True) + _check_size("dp_shard", dp_shard, True)
         if async_checkpoint and not save_distributed_checkpoint:
             problems.append(
@@ -113,7 +125,11 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
             problems.append(f"`parallelize_fn={parallelize_fn!r}` must be callable as fn(model, mesh).")
         if problems:
             raise ValueError(f"Invalid {type(self).__name__} configuration:\n  - " + "\n  - ".join(problems))
-        self._sizes = {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp}
+        self._sizes = {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp, "tp": tp}
+        self.cp_style = cp_style
+        self.cp_network = cp_network
+        self._cp: Any = None  # the ContextParallel state (cp > 1), built with the mesh
+        self._cp_loss: Any = None  # the module's own pipeline_loss while cp serves it the target's chunks
         self._allow_cross_node_tp = allow_cross_node_tp
         self._parallelize_fn = parallelize_fn
         self._mesh: Optional[DistMesh] = None
@@ -143,7 +159,7 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
 
     @property
     def device_mesh(self):
-        """The 4-D DeviceMesh (``self.mesh.device_mesh``)."""
+        """The 5-D DeviceMesh (``self.mesh.device_mesh``)."""
         return self.mesh.device_mesh
 
     @property
@@ -170,10 +186,14 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
 
     def use_mesh(self, mesh: DistMesh) -> None:
         """Adopt a built mesh (``setup_environment``; the dry run builds one on a fake process group)."""
+        from lightning_dist.parallelize.cp import CPGroup, ContextParallel
+
         self._mesh = mesh
         self._device_mesh = mesh.device_mesh
         assert self.lightning_module is not None
         attach_mesh(self.lightning_module, mesh)
+        if mesh.cp_size > 1:
+            self._cp = ContextParallel(CPGroup(mesh.cp_size, mesh.local_rank(CP), mesh.group(CP)))
 
     def validate_config(self, spec: MeshSpec) -> None:
         """Subclasses check option combinations against the resolved mesh here (raise ValueError)."""
@@ -191,9 +211,10 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
         group: Optional[Any] = None,
         reduce_op: Optional[Union[ReduceOp, str]] = "mean",
     ) -> Tensor:
-        """Reduce over the data-parallel ranks (tensor/pipeline peers hold the same samples)."""
+        """Reduce over the data-parallel ranks (tensor/pipeline peers hold the same samples) and the context-parallel
+        ones (each holds part of the same sequences: the mean over them is the whole sequences' loss)."""
         if isinstance(tensor, Tensor):
-            return sync_ddp_if_available(tensor, group if group is not None else self.mesh.dp_group, reduce_op)
+            return sync_ddp_if_available(tensor, group if group is not None else self.mesh.loss_group, reduce_op)
         return tensor
 
     @override
@@ -278,9 +299,13 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
         # replicas and tensor/pipeline peers start from one model whatever each rank seeded: rank 0's eagerly
         # built tensors (broadcast before splitting), and one shared seed for what is still on the meta device
         seed = shared_seed(self.root_device) if _has_meta(self.model) else None
+        if self._cp is not None:  # the model's cp problems, on every rank before the first collective
+            self._check_cp_model()
         if not parallelized:
             broadcast_module_states(self.model)
             self.apply_parallelism()
+        if self._cp is not None:
+            self._attach_cp()
         return seed
 
     def materialize_model(self, seed: Optional[int]) -> None:
@@ -301,6 +326,66 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
             self._parallelize_fn(self.lightning_module, self.mesh)
         else:
             self.parallelize(self.lightning_module)
+
+    # ---- context parallelism (cp > 1) -----------------------------------------------------------
+    def _check_cp_model(self) -> None:
+        from lightning_dist.parallelize.cp import cp_model_problems, cp_style_problems, find_network
+
+        problems = cp_style_problems(self.cp_style, self.mesh.cp_size, self.root_device.type)
+        problems += cp_model_problems(
+            find_network(self.lightning_module, self.cp_network), cp=self.mesh.cp_size, tp=self.mesh.size(TP)
+        )
+        if problems:
+            raise ValueError(f"Invalid context parallelism for this model:\n  - " + "\n  - ".join(problems))
+
+    def _attach_cp(self) -> None:
+        """5. context parallelism, after every other step (it changes no weight: a hook on the network's inputs and
+        the attention mode held around each step), for the built-in plans and a ``parallelize_fn`` alike."""
+        from lightning_dist.parallelize.cp import apply_cp
+        from lightning_dist.parallelize.pipeline_output import serve_pipeline_loss
+
+        apply_cp(self.lightning_module, self._cp, network=self.cp_network)
+        if self._cp_loss is None:
+            cp = self._cp
+
+            def serve(output: Any, target: Any, original: Callable) -> Any:
+                chunks = cp.split_target(output, target)
+                return None if chunks is None else original(output, chunks)
+
+            self._cp_loss = serve_pipeline_loss(self.lightning_module, serve) or False
+
+    @property
+    def cp_attention_calls(self) -> int:
+        """Attention calls that ran through context parallelism's all-to-all so far (0 without cp)."""
+        return self._cp.calls if self._cp is not None else 0
+
+    def cp_step(self) -> Any:
+        """The context a step (and its backward) runs in: Ulysses attention under cp, else nothing."""
+        return self._cp.active() if self._cp is not None else contextlib.nullcontext()
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.cp_step():
+            return super().training_step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.cp_step():
+            return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.cp_step():
+            return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._cp is not None:
+            raise RuntimeError(
+                f"predict under context parallelism would return each rank's part of the sequences (cp={self.mesh.cp_size})."
+                " Predict with cp=1 (the checkpoint loads into any mesh)."
+            )
+        return super().predict_step(*args, **kwargs)
 
     def _sync_batchnorm(self) -> None:
         """``Trainer(sync_batchnorm=True)``: BatchNorm pooled over the dp ranks; else warn if it trains unsynced."""
@@ -344,6 +429,14 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
     @override
     def teardown(self) -> None:
         self.wait_for_checkpoint()  # the end of fit (or a failure) waits for a background save
+        if self._cp_loss is not None:
+            from lightning_dist.parallelize.pipeline_output import unserve_pipeline_loss
+
+            if self._cp_loss is not False and self.lightning_module is not None:
+                unserve_pipeline_loss(self.lightning_module, self._cp_loss)
+            self._cp_loss = None
+        if self._cp is not None:
+            self._cp.detach()  # a later fit/validate builds its own (the hook must not split twice)
         super().teardown()
 
     @override

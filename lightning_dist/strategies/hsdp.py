@@ -114,6 +114,12 @@ class HybridShardStrategy(MeshStrategy):
                 "offload_policy=CPUOffloadPolicy(pin_memory=True) needs a CUDA device (pinning host"
                 " memory needs an accelerator): pass CPUOffloadPolicy(pin_memory=False) on CPU."
             )
+        if self.zero_stage == 1 and spec.cp > 1:
+            raise ValueError(
+                f"zero_stage=1 replicates parameters over the data-parallel ranks; with cp={spec.cp} the context-parallel"
+                " ranks must average gradients too, which the pack does with FSDP2 over dp_shard x cp. Use zero_stage=2"
+                " or 3 with cp > 1."
+            )
         if self.zero_stage == 1 and spec.size("dp_shard") > 1 and spec.size("dp_replicate") > 1:
             rank_zero_warn(
                 "zero_stage=1 replicates parameters over all data-parallel ranks; the dp_replicate x dp_shard"
@@ -140,6 +146,7 @@ class HybridShardStrategy(MeshStrategy):
             mp_policy=self.mp_policy(),
             offload_policy=self.offload_policy,
             compile=self.compile,
+            recompute_context=self._cp.active if self._cp is not None else None,
         )
 
     @override

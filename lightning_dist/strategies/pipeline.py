@@ -217,6 +217,11 @@ class PipelineStrategy(MeshStrategy):
             check_offload_device(True, self.root_device)
         pp, problems = spec.size(PP), []
         problems += schedule_problems(self.schedule, pp, self.n_microbatches, self.stages_per_rank)
+        if spec.cp > 1:
+            problems.append(
+                f"cp={spec.cp} with a pipeline is not available yet (the micro-batches' sequence split is not wired"
+                " into the schedule): use cp with HybridShardStrategy or TensorParallelStrategy, or cp=1."
+            )
         module = self.lightning_module
         net = getattr(module, self.network, None)
         if self._is_pipelined(net):

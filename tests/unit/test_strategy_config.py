@@ -33,9 +33,9 @@ def test_trainer_accepts_string_names():
 
 def test_mesh_spec_resolves_from_devices_and_nodes():
     trainer = Trainer(strategy=HybridShardStrategy(), accelerator="cpu", devices=4, num_nodes=2, logger=False)
-    assert trainer.strategy.mesh_spec().shape == (1, 2, 4, 1)  # shard in a node, replicate across nodes
+    assert trainer.strategy.mesh_spec().shape == (1, 2, 4, 1, 1)  # shard in a node, replicate across nodes
     trainer = Trainer(strategy=HybridShardStrategy(shard_size=2), accelerator="cpu", devices=4, logger=False)
-    assert trainer.strategy.mesh_spec().shape == (1, 2, 2, 1)
+    assert trainer.strategy.mesh_spec().shape == (1, 2, 2, 1, 1)
 
 
 @pytest.mark.parametrize(
@@ -94,4 +94,4 @@ def test_lightning_cli_yaml_by_name_and_by_class_path(tmp_path):
 
 def test_package_exports():
     assert lightning_dist.HybridShardStrategy is HybridShardStrategy
-    assert lightning_dist.DIM_NAMES == ("pp", "dp_replicate", "dp_shard", "tp")
+    assert lightning_dist.DIM_NAMES == ("pp", "dp_replicate", "dp_shard", "cp", "tp")

@@ -1,0 +1,373 @@
+"""Context parallelism: each sequence split over the ``cp`` ranks, attention exact over the whole sequence.
+
+``cp_style="ulysses"`` (DeepSpeed-Ulysses; every device, CPU/gloo included): the network sees this rank's part of
+each sequence (:func:`~lightning_dist.rules.cp_chunks`: a head and a tail chunk, the load-balanced split for causal
+masks). Where the model calls attention, the sequence-sharded q, k, v ``[B, H, S/cp, D]`` are exchanged by one
+all-to-all to head-sharded ``[B, H/cp, S, D]``, attention runs on whole sequences (in natural token order, so the
+causal mask is the usual one), and a second all-to-all brings the output back to sequence shards. Exact: every
+head sees every key, and gradients flow back through the reverse all-to-alls.
+
+What is written here and why (torch's ``context_parallel`` is ring attention for CUDA SDPA kernels only: on CPU it
+fails with "no sharding strategy registered" for the CPU flash kernel, and torch has no Ulysses):
+
+* :class:`UlyssesAttention`, a ``TorchFunctionMode`` that catches ``F.scaled_dot_product_attention`` wherever a model
+  calls it (the pack's GPT, HF models through their ``sdpa`` implementation, users' own attention), so models run
+  unmodified. The strategy holds it around the training/validation/test step; torch's autograd engine does not
+  carry it into backward, so the blocks the strategy checkpoints recompute under it explicitly (``apply_ac``'s
+  ``recompute_context``). A model checkpointing itself (HF ``gradient_checkpointing_enable``) fails loudly under cp
+  (torch's "different number of tensors saved" check): use the strategy's ``activation_checkpointing``.
+* :func:`apply_cp`, a forward pre-hook on the network: it cuts every ``[B, S, ...]`` input to this rank's chunks and
+  passes ``position_ids`` (learned and rotary positions stay those of the whole sequence). For HF models it also
+  shifts ``labels`` before the split (``shift_labels``: the last token of a chunk predicts the first of the next) and
+  passes ``num_items_in_batch`` so the loss averages over the tokens of the cp group, not over ranks; HF's causal mask
+  builder is told to build none (mask None: SDPA's ``is_causal`` on the gathered sequence).
+* ``pipeline_loss(output, target)`` gets the matching chunks of `target` (the pack's loss convention).
+
+Refused, on every rank before any collective, with the fix named: a sequence not divisible by ``2 x cp``, attention
+heads (per tensor-parallel rank) not divisible by cp (key/value heads that do not divide are repeated to one per
+query head before the exchange: exact, more bytes), a padding ``attention_mask``, an explicit ``attn_mask``, a network without
+``position_ids``, sliding-window attention, and ``cp_style="ring"`` off CUDA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from lightning_dist._compat import all_to_all_autograd
+from lightning_dist.rules import cp_chunks
+
+log = logging.getLogger(__name__)
+
+CP_STYLES = ("ulysses", "ring")
+HF_ATTENTION = "lightning_dist_cp"
+"""The attention implementation name the pack registers with transformers for HF models under cp."""
+_SDPA = F.scaled_dot_product_attention
+
+
+def cp_style_problems(cp_style: Any, cp: Any, device_type: Optional[str] = None) -> list[str]:
+    """Problems of the ``cp_style`` option (collected into the strategy's one ValueError)."""
+    if cp_style not in CP_STYLES:
+        return [f"`cp_style={cp_style!r}` must be one of {CP_STYLES}."]
+    if cp_style == "ring" and isinstance(cp, int) and cp > 1:
+        if device_type is not None and device_type != "cuda":
+            return [
+                f"`cp_style='ring'` runs torch's ring attention (`context_parallel`), which needs CUDA SDPA kernels;"
+                f" this run is on {device_type!r}. Use cp_style='ulysses' (all-to-all; every device, CPU included)."
+            ]
+        return [
+            "`cp_style='ring'` is not available yet in this pack: use cp_style='ulysses' (exact, every device;"
+            " the heads must divide by cp)."
+        ]
+    return []
+
+
+def head_counts(network: nn.Module) -> tuple[Optional[int], Optional[int]]:
+    """(attention heads, key/value heads) of a known network (HF config or the pack's GPT), else (None, None)."""
+    config = getattr(network, "config", None)
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
+    kv = getattr(config, "num_key_value_heads", None) or getattr(config, "n_kv_head", None) or heads
+    return heads, kv
+
+
+def cp_model_problems(network: nn.Module, *, cp: int, tp: int = 1) -> list[str]:
+    """What makes `network` unsplittable over `cp` ranks (with `tp`-way head sharding inside), as messages."""
+    problems = []
+    heads, _ = head_counts(network)  # key/value heads that do not divide are repeated first (ulysses_sdpa)
+    if isinstance(heads, int) and heads % (cp * tp):
+        local = f" per tensor-parallel rank ({heads} / tp={tp})" if tp > 1 else ""
+        problems.append(
+            f"{heads} attention heads{local} do not divide over cp={cp}: Ulysses context parallelism gives each cp"
+            f" rank whole heads. Pick cp dividing {heads // tp if tp > 1 and heads % tp == 0 else heads}."
+        )
+    if any(isinstance(m, nn.MultiheadAttention) for m in network.modules()):
+        problems.append(
+            f"{type(network).__name__} uses nn.MultiheadAttention, whose attention runs inside"
+            " F.multi_head_attention_forward where context parallelism cannot split it. Use a module calling"
+            " F.scaled_dot_product_attention (HF models, the pack's GPT), or cp=1."
+        )
+    config = getattr(network, "config", None)
+    layer_types = getattr(config, "layer_types", None) or ()
+    if getattr(config, "use_sliding_window", False) or any(t != "full_attention" for t in layer_types):
+        problems.append(
+            f"{type(network).__name__} uses sliding-window attention ({sorted(set(layer_types))}); context"
+            " parallelism runs full causal attention only. Use cp=1 for this model."
+        )
+    params = inspect.signature(network.forward).parameters
+    if "position_ids" not in params:
+        problems.append(
+            f"{type(network).__name__}.forward takes no `position_ids`: context parallelism gives each rank a part"
+            " of every sequence, and a model that numbers its positions from 0 itself would see the wrong ones."
+            " Add a `position_ids=None` argument that the positional embedding uses (HF models and the pack's GPT"
+            " have it), or use cp=1."
+        )
+    return problems
+
+
+def find_network(module: nn.Module, name: str = "auto") -> nn.Module:
+    """The network the LightningModule calls with the token ids: attribute `name`, or ``"auto"``: ``model``, else
+    its one child module."""
+    if name != "auto":
+        net = getattr(module, name, None)
+        if not isinstance(net, nn.Module):
+            raise ValueError(f"`cp_network={name!r}` is not a module attribute of {type(module).__name__}.")
+        return net
+    net = getattr(module, "model", None)
+    if isinstance(net, nn.Module):
+        return net
+    children = list(module.children())
+    if len(children) == 1:
+        return children[0]
+    raise ValueError(
+        f"Context parallelism hooks the network {type(module).__name__} calls with the token ids, and found"
+        f" {len(children)} child modules and no `model` attribute: pass cp_network='<attribute name>'."
+    )
+
+
+@dataclass
+class CPGroup:
+    """The cp process group this rank is in: ``size``, ``rank``, ``group``."""
+
+    size: int
+    rank: int
+    group: Any
+
+    def positions(self, seq_len: int, device: Any) -> Tensor:
+        """The token positions this rank holds, in its local order (int64 ``[seq_len / cp]``)."""
+        return torch.cat([torch.arange(a, b, device=device) for a, b in cp_chunks(seq_len, self.size, self.rank)])
+
+    def gathered_order(self, local_len: int, device: Any) -> Tensor:
+        """For the sequence as the all-to-all gathers it (rank 0's chunks, rank 1's, ...): each entry's position."""
+        seq_len = local_len * self.size
+        return torch.cat(
+            [
+                torch.arange(a, b, device=device)
+                for r in range(self.size)
+                for a, b in cp_chunks(seq_len, self.size, r)
+            ]
+        )
+
+
+def _seq_to_heads(t: Tensor, cp: CPGroup) -> Tensor:
+    """``[B, H, S/cp, D]`` (this rank's tokens, all heads) -> ``[B, H/cp, S, D]`` (this rank's heads, all tokens)."""
+    B, H, S_local, D = t.shape
+    send = t.reshape(B, cp.size, H // cp.size, S_local, D).transpose(0, 1).contiguous()  # [cp, B, H/cp, S/cp, D]
+    recv = all_to_all_autograd(send, cp.group)  # recv[j]: rank j's tokens of my heads
+    return recv.permute(1, 2, 0, 3, 4).reshape(B, H // cp.size, cp.size * S_local, D)
+
+
+def _heads_to_seq(t: Tensor, cp: CPGroup) -> Tensor:
+    """The inverse of :func:`_seq_to_heads`."""
+    B, H_local, S, D = t.shape
+    S_local = S // cp.size
+    send = t.reshape(B, H_local, cp.size, S_local, D).permute(2, 0, 1, 3, 4).contiguous()  # [cp, B, H/cp, S/cp, D]
+    recv = all_to_all_autograd(send, cp.group)  # recv[j]: my tokens of rank j's heads
+    return recv.transpose(0, 1).reshape(B, cp.size * H_local, S_local, D)
+
+
+def ulysses_sdpa(cp: CPGroup, q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Tensor:
+    """``F.scaled_dot_product_attention`` on sequence shards, exact: all-to-all to head shards, attention over the
+    whole sequence in natural order, all-to-all back."""
+    if kwargs.get("attn_mask") is not None:
+        raise RuntimeError(
+            "Context parallelism got an explicit `attn_mask` for scaled_dot_product_attention: it is built for one"
+            " rank's part of the sequence and cannot be split here. Use is_causal=True (or no mask), or cp=1."
+        )
+    if q.dim() != 4 or q.shape[1] % cp.size or q.shape[1] % k.shape[1]:
+        raise RuntimeError(
+            f"Context parallelism needs [batch, heads, seq, dim] attention inputs whose heads divide by cp={cp.size};"
+            f" got q {tuple(q.shape)}, k {tuple(k.shape)}. Pick cp dividing the heads, or cp=1."
+        )
+    if k.shape[1] % cp.size:  # grouped-query attention with fewer key/value heads than cp: one per query head
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+        kwargs["enable_gqa"] = False
+    order = cp.gathered_order(q.shape[2], q.device)
+    to_natural = torch.argsort(order)
+    q, k, v = (_seq_to_heads(t, cp).index_select(2, to_natural) for t in (q, k, v))
+    out = _SDPA(q, k, v, **kwargs)
+    return _heads_to_seq(out.index_select(2, order), cp)
+
+
+class UlyssesAttention(TorchFunctionMode):
+    """Routes every ``F.scaled_dot_product_attention`` call made while active through :func:`ulysses_sdpa`."""
+
+    def __init__(self, cp: CPGroup) -> None:
+        super().__init__()
+        self.cp = cp
+        self.calls = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        if func is _SDPA:
+            self.calls += 1
+            q, k, v, *rest = args
+            names = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+            kwargs = {**dict(zip(names, rest)), **kwargs}
+            return ulysses_sdpa(self.cp, q, k, v, **kwargs)
+        return func(*args, **kwargs)
+
+
+@dataclass
+class _Call:
+    """The network's last call under cp: full and local sequence lengths and this rank's positions."""
+
+    seq_len: int
+    positions: Tensor
+
+
+class ContextParallel:
+    """The cp state of one strategy: the hooked network, its group, the attention mode, the last call's split."""
+
+    def __init__(self, cp: CPGroup) -> None:
+        self.cp = cp
+        self.network: Optional[nn.Module] = None
+        self.last: Optional[_Call] = None
+        self.calls = 0  # attention calls served by Ulysses so far (the split really ran)
+        self._handle: Any = None
+        self._hf = False
+        self._hf_attention: Optional[str] = None  # the HF model's own attention implementation, restored on detach
+
+    # ---- the step ------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """Attention calls inside go through Ulysses (the step; and each recomputation of a checkpointed block)."""
+        mode = UlyssesAttention(self.cp)
+        try:
+            with mode:
+                yield
+        finally:
+            self.calls += mode.calls
+
+    def split(self, t: Tensor, positions: Tensor, dim: int = 1) -> Tensor:
+        return t.index_select(dim, positions)
+
+    def split_target(self, output: Any, target: Any) -> Optional[Tensor]:
+        """`target`'s chunks when `output` comes from the last network call (seq dim local) and `target` is whole."""
+        call = self.last
+        if (
+            call is not None
+            and isinstance(output, Tensor)
+            and isinstance(target, Tensor)
+            and output.dim() >= 2
+            and target.dim() >= 2
+            and output.shape[1] == len(call.positions)
+            and target.shape[1] == call.seq_len
+        ):
+            return self.split(target, call.positions.to(target.device))
+        return None
+
+    # ---- the network's inputs ------------------------------------------------------------------
+    def attach(self, network: nn.Module) -> None:
+        """Hook `network` so each call sees this rank's chunks (see the module doc); once per network."""
+        if self._handle is not None:
+            return
+        self.network = network
+        self._hf = _is_hf(network)
+        if self._hf:
+            self._hf_attention = _use_hf_attention(network)
+        self._handle = network.register_forward_pre_hook(self._pre_forward, with_kwargs=True, prepend=True)
+        log.info("context parallelism: %s split over cp=%d (ulysses)", type(network).__name__, self.cp.size)
+
+    def detach(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        if self._hf_attention is not None and self.network is not None:
+            self.network.set_attn_implementation(self._hf_attention)
+            self._hf_attention = None
+
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        names = list(inspect.signature(module.forward).parameters)
+        bound = dict(zip(names, args))
+        bound.update(kwargs)
+        lead = bound.get("input_ids", bound.get("inputs_embeds"))
+        if lead is None:
+            lead = next((a for a in args if isinstance(a, Tensor)), None)
+        if not isinstance(lead, Tensor) or lead.dim() < 2:
+            raise RuntimeError(
+                f"Context parallelism splits the sequence dim (1) of the token ids {type(module).__name__} is called"
+                f" with; found no [batch, seq] tensor among its arguments {sorted(bound)}."
+            )
+        seq_len = lead.shape[1]
+        positions = self.cp.positions(seq_len, lead.device)  # raises ValueError naming the fix for bad lengths
+        mask = bound.pop("attention_mask", None)
+        if mask is not None and not bool(torch.all(mask != 0)):
+            raise ValueError(
+                "Context parallelism got an attention_mask with padding (zeros): padded batches are not supported"
+                " under cp yet. Pack the sequences to full length (no padding), or use cp=1."
+            )
+        labels = bound.get("labels")
+        if self._hf and isinstance(labels, Tensor):
+            # shift before the split: the last token of a chunk predicts the first of the next (held by another rank)
+            shifted = bound.pop("shift_labels", None)
+            if shifted is None:
+                shifted = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), -100)], dim=1)
+            bound["shift_labels"] = shifted
+            count = bound.pop("num_items_in_batch", None)
+            if count is None:  # the tokens of the whole sequences (every cp rank holds them here, before the split)
+                count = (shifted != -100).sum().to(torch.float32)
+            # FSDP averages gradients over the cp ranks: each rank's sum over `count / cp` tokens
+            bound["num_items_in_batch"] = count / self.cp.size
+        for key, value in list(bound.items()):
+            if isinstance(value, Tensor) and value.dim() >= 2 and value.shape[1] == seq_len:
+                bound[key] = self.split(value, positions.to(value.device))
+        if bound.get("position_ids") is None:
+            bound["position_ids"] = positions.unsqueeze(0).expand(lead.shape[0], -1)
+        self.last = _Call(seq_len=seq_len, positions=positions)
+        return (), bound
+
+
+def _is_hf(network: nn.Module) -> bool:
+    tf = sys.modules.get("transformers")
+    return tf is not None and isinstance(network, tf.PreTrainedModel)
+
+
+def _use_hf_attention(network: nn.Module) -> str:
+    """HF models: attention through transformers' own SDPA function under a name of the pack's, whose causal mask
+    builder returns None (its packed-sequence detection would read the split positions as several sequences);
+    SDPA then gets ``is_causal`` and :class:`UlyssesAttention` gathers the whole sequence."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(HF_ATTENTION, sdpa_attention_forward)
+    AttentionMaskInterface.register(HF_ATTENTION, lambda *args, **kwargs: None)
+    own = network.config._attn_implementation
+    if own not in ("sdpa", "eager", HF_ATTENTION):
+        raise ValueError(
+            f"{type(network).__name__} uses attn_implementation={own!r}; context parallelism runs HF models through"
+            " SDPA. Load the model with attn_implementation='sdpa' (or 'eager'), or use cp=1."
+        )
+    network.set_attn_implementation(HF_ATTENTION)
+    return own
+
+
+def apply_cp(model: nn.Module, state: ContextParallel, *, network: str = "auto") -> nn.Module:
+    """Hook the network of `model` (a LightningModule) so that each call sees this rank's chunks of the sequence."""
+    net = find_network(model, network)
+    state.attach(net)
+    return net
+
+
+__all__ = [
+    "CP_STYLES",
+    "CPGroup",
+    "ContextParallel",
+    "UlyssesAttention",
+    "apply_cp",
+    "cp_model_problems",
+    "cp_style_problems",
+    "find_network",
+    "head_counts",
+    "ulysses_sdpa",
+]

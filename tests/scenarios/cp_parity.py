@@ -1,0 +1,164 @@
+"""Context parallelism (cp_style="ulysses") against single-device training on the global batch, under Lightning's
+launcher (``python cp_parity.py --devices N``: Lightning spawns the other ranks).
+
+float64, 3 AdamW steps, max relative parameter difference vs the reference computed in this process, on the
+pack's GPT (grouped-query attention: 4 heads, 2 key/value heads), unmodified HF Llama and HF Qwen2 (GQA). The
+loss is ``pipeline_loss(logits, targets)`` (the strategy hands it the targets' chunks); HF models also train once
+through their own ``labels=`` loss (shifted before the split, averaged over tokens: float32 inside HF, so that case
+is held to float32 round-off). Meshes: 2 processes cp2 (also with activation checkpointing); 4 processes cp2 x
+dp_shard2, cp2 x tp2 and cp4. Every row also reports the attention calls the Ulysses mode served (the split really
+ran), the logged loss against the reference's, the sampler's split (dp only) and the FSDP2 mesh size.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from _common import emit_gathered as emit
+from _common import full_params, max_rel_diff, trainer
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import lightning_dist  # noqa: F401  (registers the strategies)
+from lightning_dist.models import GPT
+from lightning_dist.strategies import HybridShardStrategy, TensorParallelStrategy
+
+STEPS, GLOBAL_BATCH, N, SEQ, VOCAB = 3, 4, 12, 16, 64
+
+
+def build(kind: str) -> torch.nn.Module:
+    torch.manual_seed(0)  # identical initial weights on every rank and in the reference
+    if kind == "gpt_gqa":
+        model = GPT(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, mlp_ratio=2)
+    else:
+        import transformers as tf
+
+        common = dict(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=32,
+            attn_implementation="sdpa",
+        )
+        if kind == "llama":
+            model = tf.LlamaForCausalLM(tf.LlamaConfig(**common, num_key_value_heads=4))
+        else:
+            assert kind == "qwen2_gqa", kind
+            model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**common, num_key_value_heads=2))
+    for name, p in model.named_parameters():
+        # a key bias has zero gradient in exact arithmetic (softmax is shift-invariant): AdamW would turn its
+        # rounding noise into lr-sized steps, on the reference and the split runs alike
+        if name.endswith(("k_proj.bias", ".k.bias")):
+            p.requires_grad_(False)
+    return model
+
+
+def logits(model, x):
+    out = model(x)
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def data() -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    return TensorDataset(torch.randint(0, VOCAB, (N, SEQ), generator=g), torch.randint(0, VOCAB, (N, SEQ), generator=g))
+
+
+class Task(pl.LightningModule):
+    def __init__(self, kind: str, hf_labels: bool = False) -> None:
+        super().__init__()
+        self.model = build(kind)
+        self.hf_labels = hf_labels
+
+    def pipeline_loss(self, output, target):
+        return F.cross_entropy(output.flatten(0, 1), target.flatten())
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.hf_labels:  # HF's own loss: labels shifted inside the model (the strategy shifts before the split)
+            loss = self.model(input_ids=x, labels=x).loss
+        else:
+            loss = self.pipeline_loss(logits(self.model, x), y)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
+
+    def train_dataloader(self):
+        kw = self.trainer.strategy.distributed_sampler_kwargs
+        sampler = DistributedSampler(data(), shuffle=False, **kw)
+        return DataLoader(sampler.dataset, batch_size=GLOBAL_BATCH // kw["num_replicas"], sampler=sampler)
+
+
+def reference(kind: str, hf_labels: bool = False, dtype=torch.float64) -> tuple[dict, float]:
+    model = build(kind).to(dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    ds = data()
+    for k in range(STEPS):
+        x, y = ds[k * GLOBAL_BATCH : (k + 1) * GLOBAL_BATCH]
+        opt.zero_grad()
+        if hf_labels:
+            loss = model(input_ids=x, labels=x).loss
+        else:
+            loss = F.cross_entropy(logits(model, x).flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+    return {f"model.{n}": p.detach().clone() for n, p in model.named_parameters()}, float(loss)
+
+
+def run(kind: str, strategy, world: int, *, hf_labels: bool = False, name: str) -> None:
+    ref, ref_loss = reference(kind, hf_labels)
+    task = Task(kind, hf_labels)
+    t = trainer(strategy, devices=world, steps=STEPS)
+    t.fit(task)
+    mesh = t.strategy.mesh
+    emit(
+        kind="cp",
+        name=name,
+        model=kind,
+        hf_labels=hf_labels,
+        diff=max_rel_diff(full_params(task), ref),
+        loss=float(t.callback_metrics["train_loss"]),
+        ref_loss=ref_loss,
+        attention_calls=t.strategy.cp_attention_calls,
+        shape=list(mesh.spec.shape),
+        sampler=t.strategy.distributed_sampler_kwargs,
+        fsdp_size=mesh.fsdp_mesh().size(),
+    )
+
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--devices", type=int, default=2)
+parser.add_argument("--models", default="gpt_gqa,llama,qwen2_gqa")
+parser.add_argument("--steps", type=int, default=STEPS)
+parser.add_argument("--cp", type=int, default=2)
+args = parser.parse_args()
+STEPS = args.steps
+world = args.devices
+models = [m for m in args.models.split(",") if m and m != "ac"]
+if world == 2:
+    meshes = {f"cp{args.cp}": lambda: HybridShardStrategy(cp=args.cp, dp_replicate=1)}
+else:
+    meshes = {
+        "cp2_dp2": lambda: HybridShardStrategy(cp=2, dp_replicate=1),
+        "cp2_tp2": lambda: TensorParallelStrategy(cp=2, tp=2, dp_replicate=1),
+        "cp4": lambda: HybridShardStrategy(cp=4, dp_replicate=1),
+    }
+for kind in models:
+    for name, make in meshes.items():
+        if kind != "gpt_gqa" and name == "cp4":
+            continue  # 4 heads / 2 key/value heads: cp4 only for the model whose heads allow it (4 kv heads: llama)
+        run(kind, make(), world, name=name)
+    if kind != "gpt_gqa":
+        run(kind, HybridShardStrategy(cp=2, dp_replicate=1), world, hf_labels=True, name="hf_labels")
+if world == 2 and ("gpt_gqa" in models or args.models == "ac"):
+    run(
+        "gpt_gqa",
+        HybridShardStrategy(cp=2, dp_replicate=1, activation_checkpointing="full"),
+        world,
+        name="cp2_ac",
+    )

@@ -1,0 +1,146 @@
+"""Context parallelism in one process: the load-balanced split, the refusals and their messages, the pack's GPT
+positions. The exchange itself (all-to-all, parity with single-device training) is in
+tests/distributed/test_context_parallel.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_dist.mesh import MeshSpec
+from lightning_dist.models import GPT
+from lightning_dist.parallelize.cp import cp_model_problems, cp_style_problems, find_network
+from lightning_dist.rules import cp_chunks, replicates
+from lightning_dist.strategies import HybridShardStrategy, PipelineStrategy
+
+
+def test_chunks_balance_causal_work_and_cover_the_sequence():
+    assert cp_chunks(16, 2, 0) == [(0, 4), (12, 16)]
+    assert cp_chunks(16, 2, 1) == [(4, 8), (8, 12)]
+    cover = sorted(p for r in range(4) for a, b in cp_chunks(32, 4, r) for p in range(a, b))
+    assert cover == list(range(32))
+    # causal work of a chunk ~ its end position: every rank gets the same total
+    work = [sum(b for _, b in cp_chunks(32, 4, r)) for r in range(4)]
+    assert len(set(work)) == 1
+
+
+def test_odd_sequence_is_refused_with_the_multiple():
+    with pytest.raises(ValueError, match=r"sequence length 10 does not divide into 2 x cp = 4 .* multiple of 4"):
+        cp_chunks(10, 2, 0)
+
+
+def test_cp_always_shards_with_fsdp2():
+    assert replicates(zero_stage=3, dp_shard=1, tp=1) is True
+    assert replicates(zero_stage=3, dp_shard=1, tp=1, cp=2) is False
+
+
+def test_ring_is_refused_off_cuda_naming_ulysses():
+    (msg,) = cp_style_problems("ring", 2, "cpu")
+    assert "needs CUDA" in msg and "cp_style='ulysses'" in msg
+    (msg,) = cp_style_problems("zigzag", 2)
+    assert "`cp_style='zigzag'` must be one of" in msg
+    assert cp_style_problems("ulysses", 2, "cpu") == []
+
+
+def test_strategy_options_are_checked_at_construction():
+    with pytest.raises(ValueError, match=r"`cp=0` must be an integer >= 1"):
+        HybridShardStrategy(cp=0)
+    with pytest.raises(ValueError, match=r"cp_style='ring'.*ulysses"):
+        HybridShardStrategy(cp=2, cp_style="ring")
+    assert "cp=2" in repr(HybridShardStrategy(cp=2))
+
+
+def test_heads_not_divisible_by_cp_are_refused():
+    net = GPT(vocab_size=32, block_size=16, n_layer=1, n_head=4, n_embd=16)
+    (msg,) = cp_model_problems(net, cp=8)
+    assert "4 attention heads do not divide over cp=8" in msg and "Pick cp dividing 4" in msg
+    (msg,) = cp_model_problems(net, cp=4, tp=2)
+    assert "per tensor-parallel rank (4 / tp=2)" in msg and "Pick cp dividing 2" in msg
+    assert cp_model_problems(net, cp=2, tp=2) == []
+    # fewer key/value heads than cp: repeated to one per query head, not refused
+    assert cp_model_problems(GPT(vocab_size=32, block_size=16, n_layer=1, n_head=4, n_kv_head=1, n_embd=16), cp=4) == []
+
+
+def test_models_cp_cannot_split_are_refused():
+    class NoPositions(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(8, 4)
+
+        def forward(self, idx):
+            return self.emb(idx)
+
+    (msg,) = cp_model_problems(NoPositions(), cp=2)
+    assert "takes no `position_ids`" in msg and "cp=1" in msg
+
+    class WithMHA(NoPositions):
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.MultiheadAttention(4, 2)
+
+        def forward(self, idx, position_ids=None):
+            return self.emb(idx)
+
+    (msg,) = cp_model_problems(WithMHA(), cp=2)
+    assert "nn.MultiheadAttention" in msg
+
+
+def test_hf_sliding_window_is_refused():
+    tf = pytest.importorskip("transformers")
+    cfg = tf.Qwen2Config(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        use_sliding_window=True,
+        sliding_window=4,
+        max_window_layers=0,
+    )
+    problems = cp_model_problems(tf.Qwen2ForCausalLM(cfg), cp=2)
+    assert any("sliding-window" in p for p in problems), problems
+    llama = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                               num_hidden_layers=1, num_attention_heads=4))
+    assert cp_model_problems(llama, cp=2) == [] and cp_model_problems(llama, cp=8)
+
+
+def test_network_lookup():
+    class Task(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = nn.Linear(2, 2)
+
+    task = Task()
+    assert find_network(task) is task.model
+    with pytest.raises(ValueError, match="cp_network='nope'"):
+        find_network(task, "nope")
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 2)
+
+    with pytest.raises(ValueError, match="pass cp_network="):
+        find_network(Two())
+
+
+def test_gpt_positions_are_those_given():
+    torch.manual_seed(0)
+    net = GPT(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=8)
+    x = torch.randn(2, 4, 8)
+    pos = torch.tensor([[0, 1, 12, 13]] * 2)
+    assert torch.equal(net.pos_emb(x, pos), x + net.pos_emb.weight[pos])
+    assert torch.equal(net.pos_emb(x), x + net.pos_emb.weight[:4])
+    idx = torch.randint(0, 32, (2, 6))
+    assert torch.equal(net(idx), net(idx, position_ids=torch.arange(6).expand(2, -1)))
+
+
+def test_pipeline_and_zero1_refuse_cp():
+    spec = MeshSpec(world_size=4, devices_per_node=4, pp=2, cp=2).resolve()
+    with pytest.raises(ValueError, match="cp=2 with a pipeline is not available yet"):
+        PipelineStrategy(pp=2, cp=2).validate_config(spec)
+    spec = MeshSpec(world_size=4, devices_per_node=4, cp=2).resolve()
+    with pytest.raises(ValueError, match="zero_stage=1 .* cp=2 .* zero_stage=2 or 3"):
+        HybridShardStrategy(cp=2, zero_stage=1).validate_config(spec)
