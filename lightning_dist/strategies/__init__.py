@@ -51,6 +51,11 @@ REGISTERED: dict[str, tuple[type, str, dict]] = {
         "FSDP2 CPUOffloadPolicy: parameters, gradients, optimizer in host memory",
         {},
     ),
+    "cp": (
+        FullyShardStrategy,
+        "context parallelism: each sequence split over cp=2 ranks (Ulysses all-to-all), FSDP2 over dp_shard x cp",
+        {"cp": 2},
+    ),
     "tp": (TensorParallelStrategy, "tensor parallelism (DTensor) from a declarative plan, FSDP2 over dp (3-D)", {}),
     "tp_sp": (SequenceParallelStrategy, "tensor + sequence parallelism, FSDP2 over dp", {}),
     "auto_parallel": (
