@@ -34,7 +34,7 @@ KNOWN_FAILURES: dict[str, tuple[str, str]] = {}  # config stem -> (error text, w
 SAME_LOSS = [
     ("tp", "pipeline_1f1b", "pipeline_gpipe", "pp_tp"),
     ("pipeline_interleaved", "pipeline_zero_bubble"),
-    ("fsdp2", "pp_dp", "offload_cpu"),
+    ("fsdp2", "pp_dp", "offload_cpu", "cp"),
 ]
 
 

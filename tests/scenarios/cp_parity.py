@@ -94,11 +94,12 @@ class Task(pl.LightningModule):
         return DataLoader(sampler.dataset, batch_size=GLOBAL_BATCH // kw["num_replicas"], sampler=sampler)
 
 
-def reference(kind: str, hf_labels: bool = False, dtype=torch.float64) -> tuple[dict, float]:
+def reference(kind: str, hf_labels: bool = False, dtype=torch.float64, steps: int | None = None) -> tuple[dict, float]:
     model = build(kind).to(dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     ds = data()
-    for k in range(STEPS):
+    for k in range(STEPS if steps is None else steps):
+        k %= N // GLOBAL_BATCH  # the next epoch sees the same batches (no shuffling)
         x, y = ds[k * GLOBAL_BATCH : (k + 1) * GLOBAL_BATCH]
         opt.zero_grad()
         if hf_labels:
@@ -136,6 +137,7 @@ parser.add_argument("--devices", type=int, default=2)
 parser.add_argument("--models", default="gpt_gqa,llama,qwen2_gqa")
 parser.add_argument("--steps", type=int, default=STEPS)
 parser.add_argument("--cp", type=int, default=2)
+parser.add_argument("--features", default="auto", help="'on', 'off' or 'auto' (on with 2 processes)")
 args = parser.parse_args()
 STEPS = args.steps
 world = args.devices
@@ -162,3 +164,95 @@ if world == 2 and ("gpt_gqa" in models or args.models == "ac"):
         world,
         name="cp2_ac",
     )
+
+
+# the pack's tools under cp (2 processes, the pack's GPT): GradientParityCheck at step 0, ExactEvaluation of a
+# validation set of 10 sequences (dp = 1: every sample once), MemoryReport, CommunicationLedger (all-to-all on cp),
+# and a sharded checkpoint of the cp2 run resumed under cp1 (dp_shard 2) and the other way round: parameters after
+# STEPS + 1 steps equal the single-device run of STEPS + 1 steps
+if args.features == "on" or (args.features == "auto" and world == 2 and "gpt_gqa" in models):
+    import tempfile
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from lightning_dist.callbacks import CommunicationLedger, ExactEvaluation, GradientParityCheck, MemoryReport
+
+    class Evaluated(Task):
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            self.log("val_loss", self.pipeline_loss(logits(self.model, x), y), sync_dist=True)
+
+        def val_dataloader(self):
+            g = torch.Generator().manual_seed(2)
+            ds = TensorDataset(torch.randint(0, VOCAB, (10, SEQ), generator=g), torch.randint(0, VOCAB, (10, SEQ), generator=g))
+            return DataLoader(ds, batch_size=4)
+
+    def val_reference(params: dict) -> float:
+        model = build("gpt_gqa").double()
+        model.load_state_dict({k[len("model."):]: v for k, v in params.items()})
+        x, y = Evaluated("gpt_gqa").val_dataloader().dataset.tensors
+        with torch.no_grad():
+            return float(F.cross_entropy(logits(model, x).flatten(0, 1), y.flatten()))
+
+    check, ledger, memory = GradientParityCheck(steps=(0,)), CommunicationLedger(), MemoryReport()
+    task = Evaluated("gpt_gqa")
+    t = trainer(
+        HybridShardStrategy(cp=2, dp_replicate=1),
+        devices=world,
+        steps=STEPS,
+        callbacks=[check, ledger, memory, ExactEvaluation()],
+        limit_val_batches=None,
+        val_check_interval=STEPS,
+        num_sanity_val_steps=0,
+    )
+    t.fit(task)
+    ref, _ = reference("gpt_gqa")
+    emit(
+        kind="cp_tools",
+        diff=max_rel_diff(full_params(task), ref),
+        grad_parity=check.results[0]["rel_diff"],
+        val_loss=float(t.callback_metrics["val_loss"]),
+        val_ref=val_reference(full_params(task)),
+        val_samples=float(t.callback_metrics.get("val_samples", -1)),
+        ledger={f"{op}@{dim}": list(v) for (op, dim), v in ledger.per_step().items()},
+        memory_measured=memory.measured,
+        memory_planned=memory.planned,
+    )
+
+    box = [Path(tempfile.mkdtemp()) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, 0)
+    folder = box[0]
+    t.save_checkpoint(folder / "cp2")
+    cp1 = Task("gpt_gqa")  # the same STEPS under cp1, saved for the cp1 -> cp2 resume
+    t1 = trainer(HybridShardStrategy(dp_replicate=1), devices=world, steps=STEPS)
+    t1.fit(cp1)
+    t1.save_checkpoint(folder / "cp1")
+    STEPS_ALL = STEPS + 1
+    ref_all, _ = reference("gpt_gqa", steps=STEPS_ALL)
+    for name, strategy, ckpt in (
+        ("cp2_to_cp1", HybridShardStrategy(dp_replicate=1), folder / "cp2"),
+        ("cp1_to_cp2", HybridShardStrategy(cp=2, dp_replicate=1), folder / "cp1"),  # written by the cp1 run
+    ):
+        resumed = Task("gpt_gqa")
+        t2 = trainer(strategy, devices=world, steps=STEPS_ALL)
+        t2.fit(resumed, ckpt_path=str(ckpt))
+        emit(kind="cp_resume", name=name, diff=max_rel_diff(full_params(resumed), ref_all), shape=list(t2.strategy.mesh.spec.shape))
+
+    # refusals, on every rank before any collective (the job ends with a clear error, it does not hang): heads that do
+    # not divide over cp (at setup), a sequence that does not divide into 2 x cp chunks (at the first forward)
+    class ThreeHeads(Task):
+        def __init__(self):
+            super().__init__("gpt_gqa")
+            self.model = GPT(vocab_size=VOCAB, block_size=SEQ, n_layer=1, n_head=3, n_embd=24)
+
+    class OddSequence(Task):
+        def train_dataloader(self):
+            return DataLoader(TensorDataset(*(t[:, :6] for t in data().tensors)), batch_size=GLOBAL_BATCH)
+
+    for name, module in (("heads", ThreeHeads()), ("odd_sequence", OddSequence("gpt_gqa"))):
+        try:
+            trainer(HybridShardStrategy(cp=2, dp_replicate=1), devices=world, steps=1).fit(module)
+            emit(kind="cp_refusal", name=name, error=None)
+        except ValueError as err:
+            emit(kind="cp_refusal", name=name, error=str(err))
