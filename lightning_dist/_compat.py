@@ -5,9 +5,9 @@ Other modules import the names below instead of checking versions themselves.
 
 from __future__ import annotations
 
-from typing import Any
 import importlib.util
 from functools import lru_cache
+from typing import Any
 
 import torch
 from lightning_utilities.core.imports import compare_version

@@ -40,7 +40,11 @@ DIM_NAMES: tuple[str, ...] = (PP, DP_REPLICATE, DP_SHARD, CP, TP)
 DP = "dp"
 # Flattened dims of context parallelism: FSDP2 shards over dp_shard x cp; the loss averages over dp x cp.
 DP_SHARD_CP, DP_CP = "dp_shard_cp", "dp_cp"
-FLAT_DIMS: dict[str, tuple[str, ...]] = {DP: (DP_REPLICATE, DP_SHARD), DP_SHARD_CP: (DP_SHARD, CP), DP_CP: (DP_REPLICATE, DP_SHARD, CP)}
+FLAT_DIMS: dict[str, tuple[str, ...]] = {
+    DP: (DP_REPLICATE, DP_SHARD),
+    DP_SHARD_CP: (DP_SHARD, CP),
+    DP_CP: (DP_REPLICATE, DP_SHARD, CP),
+}
 
 Size = Union[int, Literal["auto"]]
 

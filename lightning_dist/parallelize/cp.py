@@ -25,8 +25,9 @@ fails with "no sharding strategy registered" for the CPU flash kernel, and torch
 
 Refused, on every rank before any collective, with the fix named: a sequence not divisible by ``2 x cp``, attention
 heads (per tensor-parallel rank) not divisible by cp (key/value heads that do not divide are repeated to one per
-query head before the exchange: exact, more bytes), a padding ``attention_mask``, an explicit ``attn_mask``, a network without
-``position_ids``, sliding-window attention, and ``cp_style="ring"`` off CUDA.
+query head before the exchange: exact, more bytes), a padding ``attention_mask``, an explicit ``attn_mask``, a
+network without ``position_ids``, sliding-window attention, ``nn.MultiheadAttention``, and ``cp_style="ring"``
+(off CUDA; not available yet on CUDA either).
 """
 
 from __future__ import annotations
@@ -150,11 +151,7 @@ class CPGroup:
         """For the sequence as the all-to-all gathers it (rank 0's chunks, rank 1's, ...): each entry's position."""
         seq_len = local_len * self.size
         return torch.cat(
-            [
-                torch.arange(a, b, device=device)
-                for r in range(self.size)
-                for a, b in cp_chunks(seq_len, self.size, r)
-            ]
+            [torch.arange(a, b, device=device) for r in range(self.size) for a, b in cp_chunks(seq_len, self.size, r)]
         )
 
 

@@ -186,7 +186,7 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
 
     def use_mesh(self, mesh: DistMesh) -> None:
         """Adopt a built mesh (``setup_environment``; the dry run builds one on a fake process group)."""
-        from lightning_dist.parallelize.cp import CPGroup, ContextParallel
+        from lightning_dist.parallelize.cp import ContextParallel, CPGroup
 
         self._mesh = mesh
         self._device_mesh = mesh.device_mesh
@@ -336,7 +336,7 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
             find_network(self.lightning_module, self.cp_network), cp=self.mesh.cp_size, tp=self.mesh.size(TP)
         )
         if problems:
-            raise ValueError(f"Invalid context parallelism for this model:\n  - " + "\n  - ".join(problems))
+            raise ValueError("Invalid context parallelism for this model:\n  - " + "\n  - ".join(problems))
 
     def _attach_cp(self) -> None:
         """5. context parallelism, after every other step (it changes no weight: a hook on the network's inputs and
@@ -382,8 +382,8 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._cp is not None:
             raise RuntimeError(
-                f"predict under context parallelism would return each rank's part of the sequences (cp={self.mesh.cp_size})."
-                " Predict with cp=1 (the checkpoint loads into any mesh)."
+                "predict under context parallelism would return each rank's part of the sequences"
+                f" (cp={self.mesh.cp_size}). Predict with cp=1 (the checkpoint loads into any mesh)."
             )
         return super().predict_step(*args, **kwargs)
 

@@ -116,9 +116,9 @@ class HybridShardStrategy(MeshStrategy):
             )
         if self.zero_stage == 1 and spec.cp > 1:
             raise ValueError(
-                f"zero_stage=1 replicates parameters over the data-parallel ranks; with cp={spec.cp} the context-parallel"
-                " ranks must average gradients too, which the pack does with FSDP2 over dp_shard x cp. Use zero_stage=2"
-                " or 3 with cp > 1."
+                f"zero_stage=1 replicates parameters over the data-parallel ranks; with cp={spec.cp} the"
+                " context-parallel ranks must average gradients too, which the pack does with FSDP2 over"
+                " dp_shard x cp. Use zero_stage=2 or 3 with cp > 1."
             )
         if self.zero_stage == 1 and spec.size("dp_shard") > 1 and spec.size("dp_replicate") > 1:
             rank_zero_warn(

@@ -57,7 +57,9 @@ def test_context_parallel_2_processes():
     refusals = [r for r in rows if r["kind"] == "cp_refusal"]
     assert len(refusals) == 4  # each refusal raised on both ranks (no hang, no rank left behind)
     for r in refusals:
-        want = "3 attention heads do not divide over cp=2" if r["name"] == "heads" else "sequence length 6 does not divide"
+        want = (
+            "3 attention heads do not divide over cp=2" if r["name"] == "heads" else "sequence length 6 does not divide"
+        )
         assert r["error"] and want in r["error"], r
 
 

@@ -185,12 +185,14 @@ if args.features == "on" or (args.features == "auto" and world == 2 and "gpt_gqa
 
         def val_dataloader(self):
             g = torch.Generator().manual_seed(2)
-            ds = TensorDataset(torch.randint(0, VOCAB, (10, SEQ), generator=g), torch.randint(0, VOCAB, (10, SEQ), generator=g))
+            ds = TensorDataset(
+                torch.randint(0, VOCAB, (10, SEQ), generator=g), torch.randint(0, VOCAB, (10, SEQ), generator=g)
+            )
             return DataLoader(ds, batch_size=4)
 
     def val_reference(params: dict) -> float:
         model = build("gpt_gqa").double()
-        model.load_state_dict({k[len("model."):]: v for k, v in params.items()})
+        model.load_state_dict({k[len("model.") :]: v for k, v in params.items()})
         x, y = Evaluated("gpt_gqa").val_dataloader().dataset.tensors
         with torch.no_grad():
             return float(F.cross_entropy(logits(model, x).flatten(0, 1), y.flatten()))
@@ -237,7 +239,12 @@ if args.features == "on" or (args.features == "auto" and world == 2 and "gpt_gqa
         resumed = Task("gpt_gqa")
         t2 = trainer(strategy, devices=world, steps=STEPS_ALL)
         t2.fit(resumed, ckpt_path=str(ckpt))
-        emit(kind="cp_resume", name=name, diff=max_rel_diff(full_params(resumed), ref_all), shape=list(t2.strategy.mesh.spec.shape))
+        emit(
+            kind="cp_resume",
+            name=name,
+            diff=max_rel_diff(full_params(resumed), ref_all),
+            shape=list(t2.strategy.mesh.spec.shape),
+        )
 
     # refusals, on every rank before any collective (the job ends with a clear error, it does not hang): heads that do
     # not divide over cp (at setup), a sequence that does not divide into 2 x cp chunks (at the first forward)

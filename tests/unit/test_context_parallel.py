@@ -101,8 +101,9 @@ def test_hf_sliding_window_is_refused():
     )
     problems = cp_model_problems(tf.Qwen2ForCausalLM(cfg), cp=2)
     assert any("sliding-window" in p for p in problems), problems
-    llama = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
-                                               num_hidden_layers=1, num_attention_heads=4))
+    llama = tf.LlamaForCausalLM(
+        tf.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4)
+    )
     assert cp_model_problems(llama, cp=2) == [] and cp_model_problems(llama, cp=8)
 
 
