@@ -10,12 +10,12 @@ from _harness import results, run_torchrun
 
 pytestmark = pytest.mark.distributed
 
-EXPECTED = {  # target layout -> (strategy it runs as, mesh pp x dp_replicate x dp_shard x tp)
-    "hsdp-2": ("HybridShardStrategy", [1, 2, 2, 1]),
-    "fsdp": ("FullyShardStrategy", [1, 1, 4, 1]),
-    "tp2-fsdp2": ("TensorParallelStrategy", [1, 1, 2, 2]),
-    "pp2-ddp2": ("PipelineStrategy", [2, 2, 1, 1]),
-    "fsdp-offload": ("HybridShardStrategy", [1, 1, 4, 1]),  # with FSDP2's CPUOffloadPolicy
+EXPECTED = {  # target layout -> (strategy it runs as, mesh pp x dp_replicate x dp_shard x cp x tp)
+    "hsdp-2": ("HybridShardStrategy", [1, 2, 2, 1, 1]),
+    "fsdp": ("FullyShardStrategy", [1, 1, 4, 1, 1]),
+    "tp2-fsdp2": ("TensorParallelStrategy", [1, 1, 2, 1, 2]),
+    "pp2-ddp2": ("PipelineStrategy", [2, 2, 1, 1, 1]),
+    "fsdp-offload": ("HybridShardStrategy", [1, 1, 4, 1, 1]),  # with FSDP2's CPUOffloadPolicy
 }
 
 

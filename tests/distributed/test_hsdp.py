@@ -23,7 +23,7 @@ def test_parity_every_mesh_and_stage_float64_and_float32_vs_ddp_and_without_seed
         seen.add((rep, shard, r["stage"]))
         assert r["diff"] <= 1e-12, r
         # the mesh that ran is the one asked for, and data parallelism spans all 4 ranks
-        assert r["shape"] == [1, rep, shard, 1], r
+        assert r["shape"] == [1, rep, shard, 1, 1], r
         assert r["sampler"] == {"num_replicas": 4, "rank": r["rank"]}, r
         assert r["seen"] == 3 * 16 // 4, r  # 3 steps of a 16-sample global batch, 4 per rank
     assert seen == {(rep, shard, s) for rep, shard in [(4, 1), (2, 2), (1, 4)] for s in (1, 2, 3)}
@@ -75,7 +75,7 @@ def test_checkpoint_resume_reshard_and_single_device(tmp_path):
     loads = [r for r in resharded if r["kind"] == "load"]
     assert {r["source"] for r in loads} == {"b3.ckpt", "f3.ckpt", "g3.ckpt"} and len(loads) == 6
     for r in loads:
-        assert r["equal"] and r["shape"] == [1, 1, 2, 1] and r["global_step"] == 3, r
+        assert r["equal"] and r["shape"] == [1, 1, 2, 1, 1] and r["global_step"] == 3, r
     for r in (r for r in resharded if r["kind"] == "reshard_resume"):
         assert r["diff"] <= 1e-12 and r["global_step"] == 6, r
 
@@ -149,10 +149,10 @@ def test_features_meta_init_ac_units_parallelize_fn_bf16_and_dp_logging():
     # meta-device init without a common seed: the replicas (ranks 0/2, 1/3) materialized the same model
     assert len({tuple(r["digest"]) for r in by_kind["meta"]}) == 1, by_kind["meta"]
     for r in by_kind["meta"]:
-        assert r["mesh"] == [["pp", "dp_replicate", "dp_shard", "tp"], [1, 2, 2, 1]], r
+        assert r["mesh"] == [["pp", "dp_replicate", "dp_shard", "cp", "tp"], [1, 2, 2, 1, 1]], r
         assert r["is_dtensor"] and r["placements"] == ["R", "S(0)"] and r["local_rows"] == 8 and r["finite"], r
     for r in by_kind["parallelize_fn"]:
-        assert r["calls"] == [[1, 1, 4, 1]] and r["diff"] <= 1e-12, r
+        assert r["calls"] == [[1, 1, 4, 1, 1]] and r["diff"] <= 1e-12, r
     for r in by_kind["bf16"]:
         assert r["compute"] == ["torch.bfloat16"] and r["params"] == ["torch.float32"], r
         assert 0 < r["loss"] < 10, r
@@ -171,7 +171,7 @@ def test_two_nodes_shard_inside_replicate_across():
     ]
     assert sorted(r["rank"] for r in rows) == [0, 1, 2, 3]
     for r in rows:
-        assert r["shape"] == [1, 2, 2, 1], r  # dp_replicate = nodes, dp_shard = devices per node
+        assert r["shape"] == [1, 2, 2, 1, 1], r  # dp_replicate = nodes, dp_shard = devices per node
         assert r["node"] == r["rank"] // 2, r
         assert all(g // 2 == r["node"] for g in r["shard_group"]), r  # gathers stay inside the node
         assert sorted(g // 2 for g in r["replicate_group"]) == [0, 1], r  # only the replicate dim crosses

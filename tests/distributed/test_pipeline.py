@@ -123,7 +123,7 @@ def test_pp4_parity(pp4, schedule):
 @pytest.mark.parametrize("schedule", ("1f1b", "zero_bubble"))
 def test_pp2_x_dp2_parity(pp4, schedule):
     rows = _by_tag(pp4)[f"pp2xdp2_{schedule}"]
-    assert all(r["shape"] == [2, 1, 2, 1] for r in rows)  # pp=2 x dp_shard=2 (FSDP2 on dp)
+    assert all(r["shape"] == [2, 1, 2, 1, 1] for r in rows)  # pp=2 x dp_shard=2 (FSDP2 on dp)
     _check_parity(rows, world=4, pp=2)
 
 
@@ -133,7 +133,7 @@ def test_pp2_x_dp2_parity(pp4, schedule):
 def test_pp2_x_tp2_parity(pp4, schedule):
     """Tensor parallelism inside the stages: one plan checked on the whole network, applied per stage."""
     rows = _by_tag(pp4)[f"pp2xtp2_{schedule}"]
-    assert all(r["shape"] == [2, 1, 1, 2] for r in rows)  # pp=2 x tp=2
+    assert all(r["shape"] == [2, 1, 1, 1, 2] for r in rows)  # pp=2 x tp=2
     _check_parity(rows, world=4, pp=2)
     for r in rows:
         held = {k.rsplit(".", 1)[0] for k in r["keys"]}
@@ -151,7 +151,7 @@ def test_pp2_x_tp2_parity(pp4, schedule):
 def test_pp2_x_dp2_x_tp2_parity():
     """The full 3-D composition on 8 processes: split -> TP per stage -> FSDP2 per stage over the TP shards."""
     rows = _by_tag(results(run_torchrun("pipeline_parity.py", "3d", nproc=8, timeout=600)))["pp2xdp2xtp2_1f1b"]
-    assert all(r["shape"] == [2, 1, 2, 2] for r in rows)
+    assert all(r["shape"] == [2, 1, 2, 1, 2] for r in rows)
     _check_parity(rows, world=8, pp=2)
     for r in rows:
         assert r["tp_sharded"] and r["clipped"] == [True, True, True], r
@@ -248,4 +248,4 @@ def test_pp2_x_dp2_block_used_twice_in_one_stage(pp4):
     rows = [r for r in pp4 if r["kind"] == "silent" and r["case"] == "shared_block_dp2"]
     assert len(rows) == 4, rows
     for r in rows:  # FSDP2 over the stage keeps the shared block in the stage's root unit: one-device parity
-        assert r["shape"] == [2, 1, 2, 1] and r["diff"] <= TOL, r
+        assert r["shape"] == [2, 1, 2, 1, 1] and r["diff"] <= TOL, r

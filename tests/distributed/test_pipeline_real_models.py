@@ -112,7 +112,7 @@ def test_pp2_checkpoint_resumes_in_another_layout_and_loads_on_one_device(pp2, m
 @pytest.mark.parametrize("model", MODELS)
 def test_pp2_x_dp2_parity(pp4, model):
     rows = pp4[f"pp2xdp2_1f1b_{model}"]
-    assert all(r["shape"] == [2, 1, 2, 1] for r in rows)  # pp=2 x dp_shard=2 (FSDP2 on dp)
+    assert all(r["shape"] == [2, 1, 2, 1, 1] for r in rows)  # pp=2 x dp_shard=2 (FSDP2 on dp)
     _check(rows, world=4, pp=2)
 
 
@@ -127,7 +127,7 @@ def test_pp4_parity(pp4, schedule, model):
 @pytest.mark.distributed
 def test_pp2_x_tp2_parity_on_llama(pp4):
     rows = pp4["pp2xtp2_1f1b_llama"]
-    assert all(r["shape"] == [2, 1, 1, 2] for r in rows)  # pp=2 x tp=2
+    assert all(r["shape"] == [2, 1, 1, 1, 2] for r in rows)  # pp=2 x tp=2
     _check(rows, world=4, pp=2)
 
 

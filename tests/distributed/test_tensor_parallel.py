@@ -73,7 +73,7 @@ def test_tp2_on_2_processes_parity_and_checkpoint():
     ckpt = [r for r in rows if r["kind"] == "checkpoint"]
     assert len(ckpt) == 2
     for r in ckpt:
-        assert r["tp1_mesh"] == [1, 1, 2, 1] and r["global_step"] == 3
+        assert r["tp1_mesh"] == [1, 1, 2, 1, 1] and r["global_step"] == 3
         assert r["tp1_diff"] == 0.0, r  # the tp=2 checkpoint reloads on tp=1 bit for bit
     assert ckpt[0]["single_diff"] == 0.0, ckpt[0]  # ... and, consolidated, on a single device
 
@@ -104,4 +104,4 @@ def test_tp2_with_dp_shard_and_dp_replicate_on_4_processes_and_without_seed():
         assert not refused, refused
     assert seen == expected
     for r in (r for r in rows if r["kind"] == "parity"):
-        assert r["mesh"] == ([1, 1, 2, 2] if r["options"]["dp_shard"] == 2 else [1, 2, 1, 2])
+        assert r["mesh"] == ([1, 1, 2, 1, 2] if r["options"]["dp_shard"] == 2 else [1, 2, 1, 1, 2])
