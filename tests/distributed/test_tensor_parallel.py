@@ -69,7 +69,7 @@ def test_tp2_on_2_processes_parity_and_checkpoint():
         (m, sp, 1, 1, False) for m, sp in (("gpt", False), ("gpt", True), ("vit", False), ("vit", True), ("mlp", False))
     }
     for r in (r for r in rows if r["kind"] == "parity"):
-        assert r["mesh"] == [1, 1, 1, 2]
+        assert r["mesh"] == [1, 1, 1, 1, 2]
     ckpt = [r for r in rows if r["kind"] == "checkpoint"]
     assert len(ckpt) == 2
     for r in ckpt:
