@@ -234,3 +234,25 @@ def all_to_all_autograd(input: Any, group: Any) -> Any:
 
     out = funcol.all_to_all_single_autograd(input, None, None, group)
     return funcol.wait_tensor(out)
+
+
+@lru_cache(maxsize=None)
+def dcp_async_staging() -> bool:
+    """True when DCP can make an async save's staging copy in the background (checkpoint_async.py).
+
+    ``DefaultStager(StagingOptions(use_async_staging=True))`` copies the state on a thread of its own, and
+    ``async_save`` then returns an ``AsyncSaveResponse`` whose ``staging_completion`` says when the copy is done;
+    training waits for it before the next optimizer step changes the state. Probed, not version-compared: run on
+    torch 2.13; the pre-2.13 ``DefaultStager`` (the single-use one above) was read, not run: the same threaded
+    ``_stage`` and ``AsyncSaveResponse``. Without them a save stages on the calling thread, as before.
+    """
+    import dataclasses
+
+    from torch.distributed.checkpoint import staging, state_dict_saver
+
+    options = getattr(staging, "StagingOptions", None)
+    return (
+        options is not None
+        and "use_async_staging" in {f.name for f in dataclasses.fields(options)}
+        and hasattr(state_dict_saver, "AsyncSaveResponse")
+    )

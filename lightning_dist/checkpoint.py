@@ -21,6 +21,7 @@ explicitly trusts the file.
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 import sys
@@ -149,6 +150,12 @@ def _atomic_torch_save(obj: Any, path: Path) -> None:
     atomic_write(path, lambda f: torch.save(obj, f))
 
 
+def _serialized(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
 def save(
     checkpoint: dict[str, Any], path: str | os.PathLike, *, sharded: bool, writer: BackgroundWriter | None = None
 ) -> None:
@@ -156,7 +163,8 @@ def save(
 
     `checkpoint` is what Lightning's ``dump_checkpoint`` built from :func:`model_state` and
     :func:`optimizer_state` with the same `sharded` choice. `writer` (sharded only): wait for its pending
-    save, then stage this one and return while it writes (``meta.pt`` and ZeRO-1 files are written now).
+    save, then stage this one and return while it writes (``meta.pt`` and ZeRO-1 files are serialized now and
+    written before the commit).
     """
     path = Path(path)
     if writer is not None:
@@ -164,7 +172,9 @@ def save(
             raise ValueError(
                 "A background checkpoint save needs sharded checkpoints (save_distributed_checkpoint=True)."
             )
-        writer.wait()  # one save in flight: the previous one is committed before this one starts
+        # one save in flight: the previous one is committed before this one starts (the barrier after rank 0's
+        # mkdir below keeps every rank behind that commit)
+        writer.wait(barrier=False)
     tmp = path.with_name(path.name + ".tmp")
     rank = _rank()
     if not sharded:
@@ -193,12 +203,19 @@ def save(
         else:
             state[f"optimizer_{i}"] = osd
     if writer is not None:
-        if rank == 0:  # small, and Lightning's objects in them may change while training goes on: written now
-            for i, osd in zero_states.items():
-                _atomic_torch_save(osd, tmp / f"optimizer_{i}.pt")
-            _atomic_torch_save(checkpoint, tmp / META)
-        # `_swap_in` looked up at commit time (tests/scenarios/fault_save.py wraps the module global)
-        writer.start(state, tmp, path, commit=(lambda: _swap_in(tmp, path)) if rank == 0 else None)
+        commit = None
+        if rank == 0:
+            # Lightning's objects in them may change while training goes on: serialized now (small), written to
+            # disk (fsync) in the background, before the rename
+            files = {tmp / f"optimizer_{i}.pt": _serialized(osd) for i, osd in zero_states.items()}
+            files[tmp / META] = _serialized(checkpoint)
+
+            def commit() -> None:
+                for file, data in files.items():
+                    atomic_write(file, lambda f, data=data: f.write(data))
+                _swap_in(tmp, path)  # looked up at commit time (tests/scenarios/fault_save.py wraps the global)
+
+        writer.start(state, tmp, path, commit=commit)
         return
     dcp.save(state, checkpoint_id=tmp)
     if rank == 0:

@@ -2,15 +2,16 @@
 
 Lightning's checkpoint hooks routed to :mod:`lightning_dist.checkpoint`: atomic sharded (DCP) or
 consolidated files, loaded with ``weights_only=True`` into the parallelized model after ``setup``. With
-``async_checkpoint=True`` a sharded save returns once the state is staged in host memory
-(:mod:`lightning_dist.checkpoint_async`); the next save, ``teardown`` (end of fit, or a failure) and the
-loading of a checkpoint wait for it, and checkpoint removals wait until it is committed.
+``async_checkpoint=True`` a sharded save returns while the state is copied into host memory in the background
+(:mod:`lightning_dist.checkpoint_async`); the next optimizer step waits for that copy (it changes the saved
+tensors), the next save, ``teardown`` (end of fit, or a failure) and the loading of a checkpoint wait for the
+whole save, and checkpoint removals wait until it is committed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from lightning.fabric.utilities.types import _PATH
@@ -18,7 +19,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 from typing_extensions import override
 
 from lightning_dist import checkpoint as ckpt
-from lightning_dist.checkpoint_async import BackgroundWriter
+from lightning_dist.checkpoint_async import BackgroundWriter, clone_buffers
 
 
 class ShardedCheckpointMixin(ParallelStrategy):
@@ -28,6 +29,7 @@ class ShardedCheckpointMixin(ParallelStrategy):
     _async_checkpoint: bool = False
     _writer: Optional[BackgroundWriter] = None
     _failed: bool = False
+    _stepping: bool = False  # inside an optimizer step, past its closure: the state is about to change
 
     @property
     @override
@@ -56,7 +58,31 @@ class ShardedCheckpointMixin(ParallelStrategy):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options (no CheckpointIO).")
         path = self.broadcast(filepath)  # rank 0 decides the path
-        ckpt.save(checkpoint, path, sharded=self._save_distributed_checkpoint, writer=self.checkpoint_writer())
+        writer = self.checkpoint_writer()
+        if writer is not None and writer.background_staging and ckpt.MODEL_KEY in checkpoint:
+            assert self.model is not None
+            checkpoint = {**checkpoint, ckpt.MODEL_KEY: clone_buffers(checkpoint[ckpt.MODEL_KEY], self.model)}
+        ckpt.save(checkpoint, path, sharded=self._save_distributed_checkpoint, writer=writer)
+        if writer is not None and self._stepping:  # saved between the closure and the update: copy it now
+            writer.wait_staged()
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        writer = self._writer
+        if writer is None or not writer.background_staging:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+        def closure_then_staged() -> Any:
+            # forward and backward overlapped the background staging copy; the update changes what it copies
+            result = closure()
+            writer.wait_staged()
+            self._stepping = True
+            return result
+
+        try:
+            return super().optimizer_step(optimizer, closure_then_staged, model, **kwargs)
+        finally:
+            self._stepping = False
 
     def checkpoint_writer(self) -> Optional[BackgroundWriter]:
         """The background writer of ``async_checkpoint=True`` (None: saves block until written)."""

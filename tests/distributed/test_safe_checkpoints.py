@@ -115,6 +115,29 @@ def test_kill_during_background_write_keeps_previous_checkpoint_and_last_resumes
     assert meta["global_step"] == 8
 
 
+@pytest.mark.compat
+def test_background_staging_copy_holds_the_state_at_save_time(tmp_path):
+    """async_checkpoint=True, fsdp2 1x2, a staging copy made slow on purpose: the save returns before the copy is
+    made, the next step's forward and backward overlap it, and the checkpoint still holds the state at save
+    time (this rank's shards of parameters and AdamW states, bitwise, and a buffer the forward changes); the
+    resume from it is bitwise. The controls show each guard is needed: without the strategy's wait for the
+    copy the parameters in the checkpoint are the next step's, without the buffer clone the buffer is."""
+    from lightning_dist._compat import dcp_async_staging
+
+    rows = [r for r in results(run_script("async_staging.py", str(tmp_path), timeout=600)) if r.get("kind")]
+    assert len(rows) == 2, rows
+    background = dcp_async_staging()  # this torch can stage in the background (else the save copies first)
+    for r in rows:
+        assert r["staging_after_save"] is background, r
+        assert r["checkpointing_changes_nothing"] and r["resumed_bitwise"] and r["resumed_step"] == 6, r
+        assert r["loaded"]["params_optimizer"] and r["loaded"]["buffer"] and r["loaded_step"] == 3, r
+        assert r["forwards"] == [3, 3, 6], r  # buffer at the save, after loading, after resuming to step 6
+        if background:
+            assert r["control_unguarded_staging"] and not r["control_unguarded"]["params_optimizer"], r
+            assert r["control_unguarded"]["buffer"], r
+            assert r["control_uncloned"]["params_optimizer"] and not r["control_uncloned"]["buffer"], r
+
+
 def test_rendezvous_listens_on_loopback_only(tmp_path):
     """Lightning's launcher defaults MASTER_ADDR to 127.0.0.1; every listening socket of the job is loopback."""
     proc = run_script("fault_save.py", "listen", str(tmp_path), env={"MASTER_ADDR": ""}, timeout=300)
