@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from lightning_dist import planner
-from lightning_dist.mesh import DP, DP_REPLICATE, DP_SHARD, PP, TP, DistMesh
+from lightning_dist.mesh import DP, DP_CP, DP_REPLICATE, DP_SHARD, DP_SHARD_CP, PP, TP, DistMesh
 from lightning_dist.precision import precision_flag as lightning_precision_flag
 
 # Preferred names when one group spans several dims (1x4 FSDP: dp_shard == dp): elementary dims first.
@@ -77,7 +77,8 @@ def run_layout(strategy: Any) -> RunLayout | None:
     mesh = strategy_mesh(strategy)
     if mesh is not None:
         stage = getattr(strategy, "zero_stage", 3)
-        dp, shard, rep = mesh.dp_size, mesh.size(DP_SHARD), mesh.size(DP_REPLICATE)
+        # context parallelism: FSDP2 shards over dp_shard x cp, and the cp ranks average gradients with the dp ones
+        dp, shard, rep = mesh.size(DP_CP), mesh.size(DP_SHARD_CP), mesh.size(DP_REPLICATE)
         offload = getattr(strategy, "offload_policy", None) is not None  # FSDP2 even without sharding
         if dp == 1:
             return RunLayout(mode="single", zero_stage=0, shard_size=1, shard_rank=0, replicate_size=1, dp_size=1)
@@ -92,7 +93,7 @@ def run_layout(strategy: Any) -> RunLayout | None:
             mode="fsdp",
             zero_stage=stage,
             shard_size=shard,
-            shard_rank=mesh.local_rank(DP_SHARD),
+            shard_rank=mesh.local_rank(DP_SHARD_CP),
             replicate_size=rep,
             dp_size=dp,
         )
@@ -225,8 +226,10 @@ def planned_traffic(
     `activation` = ``{"batch", "seq", "hidden", "bytes", "blocks", "row_parallel_per_block"}`` is known)."""
     layout = run_layout(trainer.strategy)
     mesh = strategy_mesh(trainer.strategy)
-    if layout is None or (mesh is not None and mesh.size(PP) > 1):
-        return None  # pipeline: stage-boundary activations and per-micro-batch gathers are not predicted here
+    if layout is None or (mesh is not None and (mesh.size(PP) > 1 or mesh.cp_size > 1)):
+        # pipeline: stage-boundary activations and per-micro-batch gathers are not predicted here; context
+        # parallelism: its all-to-alls and the dp_shard x cp gathers are not planned yet (no plan, not a wrong one)
+        return None
     # traffic depends on the gather / reduce dtypes only, not on the optimizer
     state = planner.state_bytes(precision=precision_flag(trainer), optimizer="sgd")
     out: list[planner.Collective] = []

@@ -37,7 +37,7 @@ import inspect
 import logging
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -73,18 +73,17 @@ def cp_style_problems(cp_style: Any, cp: Any, device_type: Optional[str] = None)
     return []
 
 
-def head_counts(network: nn.Module) -> tuple[Optional[int], Optional[int]]:
-    """(attention heads, key/value heads) of a known network (HF config or the pack's GPT), else (None, None)."""
+def attention_heads(network: nn.Module) -> Optional[int]:
+    """The attention heads of a known network (HF config or the pack's GPT), else None. Key/value heads need no
+    check: those that do not divide over cp are repeated first (:func:`ulysses_sdpa`)."""
     config = getattr(network, "config", None)
-    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
-    kv = getattr(config, "num_key_value_heads", None) or getattr(config, "n_kv_head", None) or heads
-    return heads, kv
+    return getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
 
 
 def cp_model_problems(network: nn.Module, *, cp: int, tp: int = 1) -> list[str]:
     """What makes `network` unsplittable over `cp` ranks (with `tp`-way head sharding inside), as messages."""
     problems = []
-    heads, _ = head_counts(network)  # key/value heads that do not divide are repeated first (ulysses_sdpa)
+    heads = attention_heads(network)
     if isinstance(heads, int) and heads % (cp * tp):
         local = f" per tensor-parallel rank ({heads} / tp={tp})" if tp > 1 else ""
         problems.append(
@@ -142,17 +141,32 @@ class CPGroup:
     size: int
     rank: int
     group: Any
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+    """Index tensors per (what, length, device): every step and every attention layer asks for the same few."""
 
     def positions(self, seq_len: int, device: Any) -> Tensor:
         """The token positions this rank holds, in its local order (int64 ``[seq_len / cp]``)."""
-        return torch.cat([torch.arange(a, b, device=device) for a, b in cp_chunks(seq_len, self.size, self.rank)])
+        key = ("positions", seq_len, str(device))
+        if key not in self._cache:
+            chunks = cp_chunks(seq_len, self.size, self.rank)  # raises ValueError naming the fix for bad lengths
+            self._cache[key] = torch.cat([torch.arange(a, b, device=device) for a, b in chunks])
+        return self._cache[key]
 
-    def gathered_order(self, local_len: int, device: Any) -> Tensor:
-        """For the sequence as the all-to-all gathers it (rank 0's chunks, rank 1's, ...): each entry's position."""
-        seq_len = local_len * self.size
-        return torch.cat(
-            [torch.arange(a, b, device=device) for r in range(self.size) for a, b in cp_chunks(seq_len, self.size, r)]
-        )
+    def gathered_order(self, local_len: int, device: Any) -> tuple[Tensor, Tensor]:
+        """For the sequence as the all-to-all gathers it (rank 0's chunks, rank 1's, ...): each entry's position,
+        and its inverse (the gathered index of each position)."""
+        key = ("gathered", local_len, str(device))
+        if key not in self._cache:
+            seq_len = local_len * self.size
+            order = torch.cat(
+                [
+                    torch.arange(a, b, device=device)
+                    for r in range(self.size)
+                    for a, b in cp_chunks(seq_len, self.size, r)
+                ]
+            )
+            self._cache[key] = (order, torch.argsort(order))
+        return self._cache[key]
 
 
 def _seq_to_heads(t: Tensor, cp: CPGroup) -> Tensor:
@@ -188,8 +202,7 @@ def ulysses_sdpa(cp: CPGroup, q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) ->
     if k.shape[1] % cp.size:  # grouped-query attention with fewer key/value heads than cp: one per query head
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
         kwargs["enable_gqa"] = False
-    order = cp.gathered_order(q.shape[2], q.device)
-    to_natural = torch.argsort(order)
+    order, to_natural = cp.gathered_order(q.shape[2], q.device)
     q, k, v = (_seq_to_heads(t, cp).index_select(2, to_natural) for t in (q, k, v))
     out = _SDPA(q, k, v, **kwargs)
     return _heads_to_seq(out.index_select(2, order), cp)
@@ -232,6 +245,7 @@ class ContextParallel:
         self.calls = 0  # attention calls served by Ulysses so far (the split really ran)
         self._handle: Any = None
         self._hf = False
+        self._names: list[str] = []
         self._hf_attention: Optional[str] = None  # the HF model's own attention implementation, restored on detach
 
     # ---- the step ------------------------------------------------------------------------------
@@ -245,9 +259,6 @@ class ContextParallel:
         finally:
             self.calls += mode.calls
 
-    def split(self, t: Tensor, positions: Tensor, dim: int = 1) -> Tensor:
-        return t.index_select(dim, positions)
-
     def split_target(self, output: Any, target: Any) -> Optional[Tensor]:
         """`target`'s chunks when `output` comes from the last network call (seq dim local) and `target` is whole."""
         call = self.last
@@ -260,7 +271,7 @@ class ContextParallel:
             and output.shape[1] == len(call.positions)
             and target.shape[1] == call.seq_len
         ):
-            return self.split(target, call.positions.to(target.device))
+            return target.index_select(1, call.positions.to(target.device))
         return None
 
     # ---- the network's inputs ------------------------------------------------------------------
@@ -269,6 +280,7 @@ class ContextParallel:
         if self._handle is not None:
             return
         self.network = network
+        self._names = list(inspect.signature(network.forward).parameters)  # once: the hook binds each call to them
         self._hf = _is_hf(network)
         if self._hf:
             self._hf_attention = _use_hf_attention(network)
@@ -284,8 +296,7 @@ class ContextParallel:
             self._hf_attention = None
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        names = list(inspect.signature(module.forward).parameters)
-        bound = dict(zip(names, args))
+        bound = dict(zip(self._names, args))
         bound.update(kwargs)
         lead = bound.get("input_ids", bound.get("inputs_embeds"))
         if lead is None:
@@ -317,7 +328,7 @@ class ContextParallel:
             bound["num_items_in_batch"] = count / self.cp.size
         for key, value in list(bound.items()):
             if isinstance(value, Tensor) and value.dim() >= 2 and value.shape[1] == seq_len:
-                bound[key] = self.split(value, positions.to(value.device))
+                bound[key] = value.index_select(1, positions.to(value.device))
         if bound.get("position_ids") is None:
             bound["position_ids"] = positions.unsqueeze(0).expand(lead.shape[0], -1)
         self.last = _Call(seq_len=seq_len, positions=positions)
@@ -365,6 +376,6 @@ __all__ = [
     "cp_model_problems",
     "cp_style_problems",
     "find_network",
-    "head_counts",
+    "attention_heads",
     "ulysses_sdpa",
 ]

@@ -359,23 +359,24 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
         """Attention calls that ran through context parallelism's all-to-all so far (0 without cp)."""
         return self._cp.calls if self._cp is not None else 0
 
-    def cp_step(self) -> Any:
-        """The context a step (and its backward) runs in: Ulysses attention under cp, else nothing."""
+    def step_context(self) -> Any:
+        """The context every training/validation/test step runs in (subclasses add theirs around it): context
+        parallelism's attention mode under cp, else nothing."""
         return self._cp.active() if self._cp is not None else contextlib.nullcontext()
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.cp_step():
+        with self.step_context():
             return super().training_step(*args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.cp_step():
+        with self.step_context():
             return super().validation_step(*args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.cp_step():
+        with self.step_context():
             return super().test_step(*args, **kwargs)
 
     @override

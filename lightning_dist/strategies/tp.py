@@ -202,24 +202,16 @@ class TensorParallelStrategy(HybridShardStrategy):
         )
 
     @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._loss_parallel():
-            return super().training_step(*args, **kwargs)
+    def step_context(self) -> Any:
+        stack = contextlib.ExitStack()
+        stack.enter_context(self._loss_parallel())  # outside the base's (context parallelism), as before
+        stack.enter_context(super().step_context())
+        return stack
 
     @override
     def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         with self._loss_parallel(step=False):  # torch: the backward of loss_parallel's cross-entropy runs inside it too
             return super().backward(closure_loss, optimizer, *args, **kwargs)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._loss_parallel():
-            return super().validation_step(*args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._loss_parallel():
-            return super().test_step(*args, **kwargs)
 
     def __repr__(self) -> str:
         return (

@@ -51,6 +51,9 @@ def test_context_parallel_2_processes():
         assert calls == 16, r
         # payload = input size: [batch 4, heads 4, seq 16 / 2, head dim 8] float64 per call
         assert nbytes == 16 * 4 * 4 * 8 * 8 * 8, r
+        # MemoryReport's planned model state is the dp_shard x cp shards (2-way here), as measured on the live tensors
+        measured, planned = r["memory_measured"]["total"], r["memory_planned"]["total"]
+        assert abs(planned - measured) <= 0.02 * measured, r
     resumed = {r["name"]: r for r in rows if r["kind"] == "cp_resume"}
     assert set(resumed) == {"cp2_to_cp1", "cp1_to_cp2"}
     assert all(r["diff"] <= TOL for r in rows if r["kind"] == "cp_resume"), resumed
