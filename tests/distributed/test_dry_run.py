@@ -42,11 +42,11 @@ def test_dry_run_1024_ranks_matches_the_plan():
     report = dry_run(_config(ranks=(0, 1023)), timeout=300)
     assert [r["rank"] for r in report.ranks] == [0, 1023]
     first, last = report.ranks
-    assert first["coords"] == {"pp": 0, "dp_replicate": 0, "dp_shard": 0, "tp": 0, "dp": 0}
-    assert last["coords"] == {"pp": 3, "dp_replicate": 3, "dp_shard": 7, "tp": 7, "dp": 31}
+    assert first["coords"] == {"pp": 0, "dp_replicate": 0, "dp_shard": 0, "cp": 0, "tp": 0, "dp": 0}
+    assert last["coords"] == {"pp": 3, "dp_replicate": 3, "dp_shard": 7, "cp": 0, "tp": 7, "dp": 31}
     assert first["stages"] == [0] and last["stages"] == [3]
     for r in report.ranks:
-        assert r["mesh"] == {"pp": 4, "dp_replicate": 4, "dp_shard": 8, "tp": 8}
+        assert r["mesh"] == {"pp": 4, "dp_replicate": 4, "dp_shard": 8, "cp": 1, "tp": 8}
         for part in ("params", "grads", "optimizer", "total"):
             assert r["states"][part] > 0
             assert abs(r["states"][part] / r["planned"]["states"][part] - 1) <= 0.01, (r["rank"], part)
@@ -121,7 +121,7 @@ def test_dry_run_tensor_parallel_and_hybrid_sharding():
         timeout=300,
     )
     (r,) = report.ranks
-    assert r["coords"] == {"pp": 0, "dp_replicate": 1, "dp_shard": 1, "tp": 3, "dp": 3}
+    assert r["coords"] == {"pp": 0, "dp_replicate": 1, "dp_shard": 1, "cp": 0, "tp": 3, "dp": 3}
     assert abs(r["states"]["total"] / r["planned"]["states"]["total"] - 1) <= 0.01
     comm = report.collective_ratios(r)
     assert {dim for _, dim in comm} == {"dp_shard", "dp_replicate", "tp"}

@@ -95,8 +95,8 @@ def test_auto_plan_on_real_models_tp2():
     pytest.importorskip("transformers")
     rows = results(run_torchrun("tp_real_models.py", nproc=2, timeout=900))
     _ROWS_TP2[:] = rows
-    _check(rows, 2, [1, 1, 1, 2])
-    _check_compile(rows, 2, [1, 1, 1, 2])
+    _check(rows, 2, [1, 1, 1, 1, 2])
+    _check_compile(rows, 2, [1, 1, 1, 1, 2])
     _check_fused_checkpoint(rows, 2)
     _check_hf(rows, {(m, s) for m in ("gpt2_tied", "llama") for s in ("tp2", "fsdp2")}, 2)
     units = [r for r in rows if r["kind"] == "fsdp_units"]
