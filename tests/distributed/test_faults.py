@@ -85,8 +85,10 @@ def summary(stderr: str) -> str:
 def assert_first_failure(stderr: str, rank: int, error: str, torchrun: bool) -> None:
     """The job's summary names `rank` as the first failure, with `error`."""
     if torchrun:  # torchelastic's summary, with the error file the strategy wrote
-        root = stderr.split("Root Cause (first observed failure):", 1)[-1]
-        assert re.search(rf"rank\s*: {rank} \(local_rank: {rank}\)", root.split("[1]:")[0]) and error in root, stderr[
+        # the root-cause block runs to torchelastic's next ==== rule; its entry is labelled [<rank>]:, so it is not
+        # cut at "[1]:" (with rank 1 the root cause, that cut left nothing before it)
+        root = stderr.split("Root Cause (first observed failure):", 1)[-1].split("=====", 1)[0]
+        assert re.search(rf"rank\s*: {rank} \(local_rank: {rank}\)", root) and error in root, stderr[
             -4000:
         ]
     else:
