@@ -88,9 +88,7 @@ def assert_first_failure(stderr: str, rank: int, error: str, torchrun: bool) -> 
         # the root-cause block runs to torchelastic's next ==== rule; its entry is labelled [<rank>]:, so it is not
         # cut at "[1]:" (with rank 1 the root cause, that cut left nothing before it)
         root = stderr.split("Root Cause (first observed failure):", 1)[-1].split("=====", 1)[0]
-        assert re.search(rf"rank\s*: {rank} \(local_rank: {rank}\)", root) and error in root, stderr[
-            -4000:
-        ]
+        assert re.search(rf"rank\s*: {rank} \(local_rank: {rank}\)", root) and error in root, stderr[-4000:]
     else:
         print(summary(stderr))
         assert f"lightning_dist: rank {rank} failed first: {error}" in stderr, (summary(stderr), stderr[-2000:])
