@@ -22,7 +22,8 @@ the peer is the cause), else the earliest collective failure; a child that recor
 Children also ask the kernel to kill them when the launcher dies (``PR_SET_PDEATHSIG`` on Linux), so a
 launcher killed from outside (SIGKILL, OOM) leaves no rank behind. Under torchrun or SLURM the agent owns
 the processes and only :func:`record_rank_error` applies: it writes torchelastic's error file, so that
-torchrun's summary shows the failed rank's error, not only its exit code.
+torchrun's summary shows the failed rank's error, not only its exit code (a collective's failure is recorded
+in the second after it, so that torchelastic's whole-second ordering names the peer that caused it).
 """
 
 from __future__ import annotations
@@ -246,6 +247,13 @@ def record_rank_error(exception: BaseException, rank: int) -> None:
     if os.environ.get("TORCHELASTIC_ERROR_FILE"):
         from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
+        if _from_collective(exception):
+            # A collective fails because a peer went away, and that peer recorded its error before its sockets
+            # closed. torchelastic's root cause is the smallest timestamp, in whole seconds, ties going to the
+            # lower rank: recorded in the same second, this consequence would be named the cause. Recording it
+            # in the next second keeps the order in which the two failures really happened (<= 1 s, on a
+            # failing rank only).
+            time.sleep(1.0 - time.time() % 1.0 + 0.01)
         get_error_handler().record_exception(exception)
         return
     folder = os.environ.get(_ERROR_DIR)
