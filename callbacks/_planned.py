@@ -16,11 +16,11 @@ import torch
 from torch import nn
 
 from lightning_dist import planner
-from lightning_dist.mesh import DP, DP_CP, DP_REPLICATE, DP_SHARD, DP_SHARD_CP, PP, TP, DistMesh
+from lightning_dist.mesh import CP, DP, DP_CP, DP_REPLICATE, DP_SHARD, DP_SHARD_CP, PP, TP, DistMesh
 from lightning_dist.precision import precision_flag as lightning_precision_flag
 
 # Preferred names when one group spans several dims (1x4 FSDP: dp_shard == dp): elementary dims first.
-_LABEL_ORDER = (TP, DP_SHARD, DP_REPLICATE, PP, DP)
+_LABEL_ORDER = (TP, CP, DP_SHARD, DP_REPLICATE, PP, DP_SHARD_CP, DP, DP_CP)
 # torch optimizer class -> planner optimizer name (state tensors per parameter)
 _OPTIMIZERS = {"Adam": "adam", "AdamW": "adamw", "SGD": "sgd"}
 
@@ -223,13 +223,17 @@ def planned_traffic(
     trainer: Any, module: nn.Module, *, activation: dict | None = None
 ) -> list[planner.Collective] | None:
     """The planner's collectives per step for this run (data-parallel, plus tensor-parallel activations when
-    `activation` = ``{"batch", "seq", "hidden", "bytes", "blocks", "row_parallel_per_block"}`` is known)."""
+    `activation` = ``{"batch", "seq", "hidden", "bytes", "blocks", "row_parallel_per_block"}`` is known; under
+    context parallelism also ``"attention"`` = (heads, kv heads, head dim) and ``"recomputed_blocks"``, for the
+    all-to-alls)."""
     layout = run_layout(trainer.strategy)
     mesh = strategy_mesh(trainer.strategy)
-    if layout is None or (mesh is not None and (mesh.size(PP) > 1 or mesh.cp_size > 1)):
-        # pipeline: stage-boundary activations and per-micro-batch gathers are not predicted here; context
-        # parallelism: its all-to-alls and the dp_shard x cp gathers are not planned yet (no plan, not a wrong one)
+    if layout is None or (mesh is not None and mesh.size(PP) > 1):
+        # pipeline: stage-boundary activations and per-micro-batch gathers are not predicted here
         return None
+    cp = mesh.cp_size if mesh is not None else 1
+    if cp > 1 and (activation is None or activation.get("attention") is None):
+        return None  # the all-to-alls need the attention's shape: no plan rather than one without them
     # traffic depends on the gather / reduce dtypes only, not on the optimizer
     state = planner.state_bytes(precision=precision_flag(trainer), optimizer="sgd")
     out: list[planner.Collective] = []
@@ -248,6 +252,22 @@ def planned_traffic(
             replicate_size=layout.replicate_size,
             state=state,
             zero_stage=3,
+            frozen_shapes=[tp_local_shape(p) for p in module.parameters() if not p.requires_grad],
+        )
+    out = planner.with_cp_dims(out, cp)  # FSDP2 over dp_shard x cp
+    if cp > 1:
+        heads, kv_heads, head_dim = activation["attention"]
+        out += planner.cp_attention_traffic(
+            batch=activation["batch"],
+            seq=activation["seq"] * cp,  # the blocks see this rank's seq / cp tokens
+            heads=heads,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            attention_calls=activation["blocks"],  # one attention per block
+            recomputed_calls=activation.get("recomputed_blocks", 0),
+            cp=cp,
+            tp=mesh.size(TP),
+            bytes_per_element=activation["bytes"],
         )
     if activation is not None and mesh is not None and mesh.size(TP) > 1:
         out += planner.tp_activation_traffic(

@@ -206,11 +206,14 @@ class CommunicationLedger(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.steps, self.summary, self._activation, self._pending, self.group_sizes = [], [], None, {}, {}
-        if _planned.strategy_mesh(trainer.strategy) is not None and trainer.strategy.mesh.size("tp") > 1:
+        mesh = _planned.strategy_mesh(trainer.strategy)
+        if mesh is not None and (mesh.size("tp") > 1 or mesh.cp_size > 1):
             self._watch_activation(trainer, pl_module)
 
     def _watch_activation(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Measure the block input (batch, seq, hidden, dtype) once, for the tensor-parallel prediction."""
+        """Measure the block input (batch, seq, hidden, dtype) once, for the tensor- and context-parallel
+        predictions (with the attention's shape and the recomputed blocks under cp)."""
+        from lightning_dist.parallelize import cp as context_parallel
         from lightning_dist.parallelize.units import find_block_lists
 
         lists = find_block_lists(pl_module)
@@ -221,6 +224,9 @@ class CommunicationLedger(Callback):
         prefixes = tuple(f"{name}." for name, _ in lists)
         rows = sum(1 for e in entries if e.active and e.style == "rowwise" and e.fqn.startswith(prefixes))
         first = lists[0][1][0]
+        state = getattr(trainer.strategy, "cp_state", None)
+        attention = None if state is None or state.network is None else context_parallel.attention_shape(state.network)
+        recomputed = sum(1 for _, b in lists for block in b if context_parallel.recomputes_attention(block))
 
         def hook(module, args):
             x = args[0]
@@ -232,6 +238,8 @@ class CommunicationLedger(Callback):
                 "bytes": x.element_size(),
                 "blocks": blocks,
                 "row_parallel_per_block": max(1, rows // blocks),
+                "attention": attention,
+                "recomputed_blocks": recomputed,
             }
             self._hook.remove()
 

@@ -47,7 +47,7 @@ from typing import Any, Optional
 
 from lightning_dist.atomic import atomic_write
 from lightning_dist.dryrun_report import DryRunReport
-from lightning_dist.mesh import DIM_NAMES, DP_REPLICATE, DP_SHARD, PP, TP, MeshSpec
+from lightning_dist.mesh import CP, DIM_NAMES, DP_REPLICATE, DP_SHARD, PP, TP, MeshSpec
 
 # strategies whose setup the dry run can replay (the DeepSpeed offload engine starts its own communication)
 _UNSUPPORTED = ("OffloadStrategy",)
@@ -543,9 +543,10 @@ def plan_rank(
     numel = {n: math.prod(local_shape.get(n, shapes[n])) for n in names}
     P = sum(numel.values())
     root = sum(v for n, v in numel.items() if n not in in_blocks)
-    R, S, T = spec.size(DP_REPLICATE), spec.size(DP_SHARD), spec.size(TP)
+    R, T, C = spec.size(DP_REPLICATE), spec.size(TP), spec.size(CP)
+    S = spec.size(DP_SHARD) * C  # context parallelism: FSDP2 shards over dp_shard x cp
     zero = (3 if strategy.reshard_after_forward else 2) if pipelined else strategy.zero_stage
-    replicate_only = not pipelined and rules.replicates(zero_stage=zero, dp_shard=S, tp=T)
+    replicate_only = not pipelined and rules.replicates(zero_stage=zero, dp_shard=S, tp=T, cp=C)
     dp = R * S
     if replicate_only:
         memory = planner.model_state_bytes(P, state=state, zero_stage=zero if zero == 1 else 0, shard_size=dp)
@@ -565,6 +566,7 @@ def plan_rank(
             if dp > 1
             else []
         )
+    traffic = planner.with_cp_dims(traffic, C)
     seq = config.seq_len or getattr(cfg, "block_size", 1)
     hidden, vocab = getattr(cfg, "n_embd", None), getattr(cfg, "vocab_size", None)
     stage = strategy.local_stages[0] if pipelined else 0
@@ -581,7 +583,7 @@ def plan_rank(
         # half the all-reduces are forward outputs (compute dtype), half backward input gradients (residual dtype)
         traffic += planner.tp_activation_traffic(
             batch=config.batch_size,
-            seq=seq,
+            seq=seq // C,  # the tokens of this rank's sequence chunks
             hidden=hidden,
             blocks=blocks,
             tp=T,
@@ -591,7 +593,7 @@ def plan_rank(
         if (
             has_head and head_gathered and vocab is not None
         ):  # the colwise_gather head: logits gathered, input grad reduced
-            tokens = config.batch_size * seq
+            tokens = config.batch_size * seq // C
             traffic.append(
                 planner.Collective(
                     op="all_gather", dim=TP, group_size=T, payload_bytes=tokens * vocab * act_bytes, what="logits"
@@ -605,6 +607,25 @@ def plan_rank(
                     payload_bytes=tokens * hidden * resid_bytes,
                     what="head input gradient",
                 )
+            )
+    cp_state = getattr(strategy, "cp_state", None)
+    if C > 1 and cp_state is not None and cp_state.network is not None:
+        from lightning_dist.parallelize import cp as context_parallel
+
+        shape = context_parallel.attention_shape(cp_state.network)
+        if shape is not None:
+            lists = find_block_lists(module)
+            traffic += planner.cp_attention_traffic(
+                batch=config.batch_size,
+                seq=seq,
+                heads=shape[0],
+                kv_heads=shape[1],
+                head_dim=shape[2],
+                attention_calls=blocks,
+                recomputed_calls=sum(1 for _, b in lists for m in b if context_parallel.recomputes_attention(m)),
+                cp=C,
+                tp=T,
+                bytes_per_element=act_bytes,
             )
     if pipelined and stages > 1 and boundaries is not None:
         import torch
@@ -649,7 +670,7 @@ def plan_rank(
                 vocab=vocab,
                 kv_heads=getattr(cfg, "n_kv_head", None),
             ),
-            tokens=config.batch_size // m * seq,
+            tokens=config.batch_size // m * seq // C,  # context parallelism: each rank holds seq / cp tokens
             blocks=blocks,
             tp=T,
             bytes_per_element=act_bytes,
@@ -662,8 +683,14 @@ def plan_rank(
             checkpointed=getattr(strategy, "activation_checkpointing", False) or False,
             offloaded=bool(getattr(strategy, "offload_activations", False)),
         )
+    from lightning_dist.callbacks import _planned
+
     merged: dict[tuple[str, str], float] = {}
     for c in traffic:
+        # the recorder's name for the group (one group can be several dims: cp and dp_shard_cp when dp_shard=1)
+        c = dataclasses.replace(
+            c, dim=_planned.dim_label(c.dim, mesh=strategy.mesh, rank=strategy.global_rank, world=config.world_size)
+        )
         if c.group_size > 1:
             # the recorder counts each side of a point-to-point transfer; the planner's payload is what one rank
             # sends, and a stage receives as many bytes as it sends (activations in, their gradients back)

@@ -27,7 +27,7 @@ import logging
 import types
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -220,6 +220,7 @@ def apply_ac(
     if recompute_context is not None:
         context_fn = _recompute_under(context_fn, recompute_context)
     for module in wrapped:
+        module._lightning_dist_ac = mode  # read by the planners (checkpointed_mode)
         if context_fn is None:
             checkpoint(module)
         elif mode == "full":
@@ -228,6 +229,12 @@ def apply_ac(
             _checkpoint_forward(module, context_fn)
     log.info("applied %s activation checkpointing to %d of %d blocks", mode, len(wrapped), len(picked))
     return wrapped
+
+
+def checkpointed_mode(module: nn.Module) -> Optional[str]:
+    """``"full"`` or ``"selective"`` when :func:`apply_ac` checkpointed `module` (or the module it wraps), else None."""
+    inner = getattr(module, "_orig_mod", module)  # a compiled block
+    return getattr(module, "_lightning_dist_ac", None) or getattr(inner, "_lightning_dist_ac", None)
 
 
 def _recompute_under(context_fn: Any, extra: Any) -> Any:

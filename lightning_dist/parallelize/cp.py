@@ -80,6 +80,29 @@ def attention_heads(network: nn.Module) -> Optional[int]:
     return getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
 
 
+def attention_shape(network: nn.Module) -> Optional[tuple[int, int, int]]:
+    """(query heads, key/value heads, head dim) of a known network (HF config or the pack's GPT), else None: what
+    the planner needs for the all-to-all bytes (:func:`~lightning_dist.planner.cp_attention_traffic`)."""
+    config = getattr(network, "config", None)
+    heads = attention_heads(network)
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
+    if not isinstance(heads, int) or not isinstance(hidden, int):
+        return None
+    # the key/value heads that reach SDPA: HF's SDPA attention passes the grouped ones (enable_gqa; cp's mask is
+    # None); the pack's attention (models/layers.py) repeats them to the query heads first
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    return heads, kv, getattr(config, "head_dim", None) or hidden // heads
+
+
+def recomputes_attention(block: nn.Module) -> bool:
+    """Whether activation checkpointing of `block` repeats its attention's forward all-to-alls in backward."""
+    from lightning_dist.parallelize.ac import checkpointed_mode
+
+    # selective AC keeps the all-to-alls' outputs (collectives are in its saved op list): measured, 16 calls per
+    # step at 2 blocks as without AC; full AC recomputes the block's forward, 4 more per block
+    return checkpointed_mode(block) == "full"
+
+
 def cp_model_problems(network: nn.Module, *, cp: int, tp: int = 1) -> list[str]:
     """What makes `network` unsplittable over `cp` ranks (with `tp`-way head sharding inside), as messages."""
     problems = []
@@ -377,5 +400,7 @@ __all__ = [
     "cp_style_problems",
     "find_network",
     "attention_heads",
+    "attention_shape",
+    "recomputes_attention",
     "ulysses_sdpa",
 ]

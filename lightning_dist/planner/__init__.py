@@ -69,6 +69,7 @@ from lightning_dist.planner.shards import (
 from lightning_dist.planner.traffic import (
     SCHEDULES,
     Collective,
+    cp_attention_traffic,
     data_parallel_traffic,
     fsdp2_traffic,
     pipeline_idle_fraction,
@@ -76,6 +77,7 @@ from lightning_dist.planner.traffic import (
     ring_all_gather_bytes,
     ring_all_reduce_bytes,
     tp_activation_traffic,
+    with_cp_dims,
 )
 
 __all__ = [
@@ -95,6 +97,7 @@ __all__ = [
     "StateBytes",
     "activation_bytes",
     "candidate_layouts",
+    "cp_attention_traffic",
     "data_parallel_traffic",
     "ddp_bytes",
     "fsdp2_local_numel",
@@ -113,6 +116,7 @@ __all__ = [
     "split_stages",
     "state_bytes",
     "tp_activation_traffic",
+    "with_cp_dims",
     "tp_bytes",
     "tp_local_params",
     "zero_bytes",

@@ -27,6 +27,9 @@ calls) and its ring-algorithm *wire* bytes (what one device sends, = what it rec
   payload ``2 n_row L * b s h * b_act`` on ``tp`` (:func:`tp_activation_traffic`). With sequence parallelism
   each all-reduce becomes an all-gather + a reduce-scatter of the same payload: same wire bytes. Only the
   blocks are counted (not a vocabulary-parallel embedding or loss-parallel head).
+* Context parallelism, Ulysses (:func:`cp_attention_traffic`): per attention call, forward all-to-alls of q, k, v
+  (sequence shards to head shards) and of the output (back), backward the same four; payload = the local tensor,
+  ``b (s / c) h_kv_or_q d a`` each, on ``cp``. FSDP2 then shards over ``dp_shard x cp`` (:func:`with_cp_dims`).
 * Pipeline: per micro-batch, each stage boundary carries the activation forward and its gradient back;
   an interior stage sends ``2 m v A`` bytes per step (``A`` = activation bytes per micro-batch,
   :func:`pipeline_p2p_traffic`): all the runtime sends, besides the batch loss (one scalar broadcast
@@ -41,11 +44,11 @@ gathers ``k`` times while DDP under ``no_sync`` still all-reduces once.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from lightning_dist import rules
-from lightning_dist.mesh import DP, DP_REPLICATE, DP_SHARD, PP, TP
+from lightning_dist.mesh import CP, DP, DP_CP, DP_REPLICATE, DP_SHARD, DP_SHARD_CP, PP, TP
 from lightning_dist.planner._checks import check_count, check_size, check_zero_stage
 from lightning_dist.planner.memory import StateBytes
 from lightning_dist.planner.shards import fsdp2_local_numel
@@ -61,6 +64,7 @@ _WIRE_FACTOR = {
     "reduce_scatter": lambda w: (w - 1) / w,
     "broadcast": lambda w: (w - 1) / w,
     "send_recv": lambda w: 1.0,
+    "all_to_all": lambda w: (w - 1) / w,  # every rank keeps its own 1/W of the input and sends the rest
 }
 
 
@@ -69,9 +73,10 @@ class Collective:
     """One kind of communication per training step on one mesh dim."""
 
     op: str
-    """``all_reduce``, ``all_gather``, ``reduce_scatter``, ``broadcast`` or ``send_recv``."""
+    """``all_reduce``, ``all_gather``, ``reduce_scatter``, ``broadcast``, ``send_recv`` or ``all_to_all``."""
     dim: str
-    """Mesh dim (``dp``, ``dp_shard``, ``dp_replicate``, ``tp``, ``pp``)."""
+    """Mesh dim (``dp``, ``dp_shard``, ``dp_replicate``, ``cp``, ``tp``, ``pp``; under cp FSDP2's dim is
+    ``dp_shard_cp`` and the flattened data-parallel one ``dp_cp``: :func:`with_cp_dims`)."""
     group_size: int
     """Ranks in the group."""
     payload_bytes: float
@@ -171,8 +176,12 @@ def fsdp2_traffic(
     replicate_size: int = 1,
     state: StateBytes,
     zero_stage: int = 3,
+    frozen_shapes: Iterable[Sequence[int]] = (),
 ) -> list[Collective]:
     """Exact FSDP2 collectives per step (one forward + backward), padding included.
+
+    ``frozen_shapes``: those of the parameters (among the units' and the root's) that do not require grad: gathered,
+    but they have no gradient to reduce-scatter.
 
     FSDP2 gathers and reduce-scatters the *padded* shards: a parameter of dim 0 ``d0`` moves
     ``S * ceil(d0 / S) * rest`` elements (``S * padded`` of :func:`fsdp2_local_numel`), which for small or
@@ -191,6 +200,7 @@ def fsdp2_traffic(
         return sum(shard_size * fsdp2_local_numel(tuple(s), shard_size, 0, padded=True) for s in shapes)
 
     units, root = padded(unit_shapes), padded(root_shapes)
+    reduced = units + root - padded(frozen_shapes)
     gathered = (2 if zero_stage == 3 else 1) * units + root
     out = [
         Collective(
@@ -204,7 +214,7 @@ def fsdp2_traffic(
             op="reduce_scatter",
             dim=DP_SHARD,
             group_size=shard_size,
-            payload_bytes=(units + root) * state.reduce,
+            payload_bytes=reduced * state.reduce,
             what="gradients (padded)",
         ),
     ]
@@ -214,7 +224,7 @@ def fsdp2_traffic(
                 op="all_reduce",
                 dim=DP_REPLICATE,
                 group_size=replicate_size,
-                payload_bytes=(units + root) / shard_size * state.reduce,
+                payload_bytes=reduced / shard_size * state.reduce,
                 what="gradient shards",
             )
         )
@@ -266,6 +276,67 @@ def tp_activation_traffic(
     if head_in:
         out.append(Collective(op="all_reduce", dim=TP, group_size=tp, payload_bytes=head_in, what="head input grad"))
     return out
+
+
+def cp_attention_traffic(
+    *,
+    batch: int,
+    seq: int,
+    heads: int,
+    head_dim: int,
+    attention_calls: int,
+    cp: int,
+    kv_heads: int | None = None,
+    tp: int = 1,
+    bytes_per_element: float,
+    recomputed_calls: int = 0,
+) -> list[Collective]:
+    """Ulysses context parallelism's all-to-alls per step on ``cp`` (``parallelize/cp.py``).
+
+    Each attention call sends this rank's q, k, v ``[batch, heads / tp, seq / cp, head_dim]`` to head shards and the
+    output back (4 all-to-alls), and its backward the 4 gradients the other way; a block that activation
+    checkpointing recomputes repeats the forward 4 (``recomputed_calls``). Key/value heads per tp rank that do not
+    divide by ``cp`` are repeated to one per query head before the exchange. ``seq`` is the whole sequence;
+    ``batch`` the samples per data-parallel rank per step. Payload = each call's input (what the recorder counts).
+    """
+    for name, value in (
+        ("batch", batch),
+        ("seq", seq),
+        ("heads", heads),
+        ("head_dim", head_dim),
+        ("cp", cp),
+        ("tp", tp),
+    ):
+        check_size(name, value)
+    check_count("attention_calls", attention_calls)
+    check_count("recomputed_calls", recomputed_calls)
+    check_count("bytes_per_element", bytes_per_element)
+    if cp == 1:
+        return []
+    q = heads // tp
+    kv = (kv_heads or heads) // tp
+    kv = q if kv % cp else kv  # repeated to the query heads (ulysses_sdpa)
+    per_head = batch * (seq // cp) * head_dim * bytes_per_element
+    forward = (2 * q + 2 * kv) * per_head  # q, k, v out and the attention output back
+    payload = (2 * attention_calls + recomputed_calls) * forward
+    return [
+        Collective(
+            op="all_to_all",
+            dim=CP,
+            group_size=cp,
+            payload_bytes=payload,
+            what="attention q, k, v and output, forward and backward",
+        )
+    ]
+
+
+def with_cp_dims(collectives: Iterable[Collective], cp: int) -> list[Collective]:
+    """The data-parallel collectives of a cp run on the dims they run on: FSDP2 shards over ``dp_shard x cp``
+    (``dp_shard`` -> ``dp_shard_cp``) and the flattened data-parallel dim includes cp (``dp`` -> ``dp_cp``)."""
+    if cp == 1:
+        return list(collectives)
+    rename = {DP_SHARD: DP_SHARD_CP, DP: DP_CP}
+    return [replace(c, dim=rename.get(c.dim, c.dim)) for c in collectives]
 
 
 def check_schedule(schedule: str, virtual_stages: int) -> str:

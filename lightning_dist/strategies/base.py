@@ -355,6 +355,12 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
             self._cp_loss = serve_pipeline_loss(self.lightning_module, serve) or False
 
     @property
+    def cp_state(self) -> Any:
+        """Context parallelism's state (:class:`~lightning_dist.parallelize.cp.ContextParallel`: the hooked network,
+        the cp group), None without cp."""
+        return self._cp
+
+    @property
     def cp_attention_calls(self) -> int:
         """Attention calls that ran through context parallelism's all-to-all so far (0 without cp)."""
         return self._cp.calls if self._cp is not None else 0

@@ -51,6 +51,11 @@ def test_context_parallel_2_processes():
         assert calls == 16, r
         # payload = input size: [batch 4, heads 4, seq 16 / 2, head dim 8] float64 per call
         assert nbytes == 16 * 4 * 4 * 8 * 8 * 8, r
+        # and the ledger's plan (the planner's all-to-alls and FSDP2 over dp_shard x cp) is what ran, row by row
+        # (the all-reduce on cp is the step's `self.log(sync_dist=True)`: the user's, not planned)
+        planned = {k: v for k, v in r["ledger_ratio"].items() if v is not None}
+        assert set(planned) == {"all_gather@cp", "reduce_scatter@cp", "all_to_all@cp"}, r["ledger_ratio"]
+        assert all(abs(v - 1) <= 1e-12 for v in planned.values()), r["ledger_ratio"]
         # MemoryReport's planned model state is the dp_shard x cp shards (2-way here), as measured on the live tensors
         measured, planned = r["memory_measured"]["total"], r["memory_planned"]["total"]
         assert abs(planned - measured) <= 0.02 * measured, r

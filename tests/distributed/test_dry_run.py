@@ -193,6 +193,7 @@ def dry_and_real():
         "pp2_interleaved_dp2",
         "pp2_zero_bubble_dp2",
         "pp2_tp2",
+        "cp2_dp2",
     ],
 )
 def test_dry_run_sends_what_the_real_run_sends(dry_and_real, case):
@@ -209,3 +210,42 @@ def test_dry_run_sends_what_the_real_run_sends(dry_and_real, case):
         want = {(c["op"], c["dim"]): (c["calls"], c["bytes"]) for c in real[rank]["rows"]}
         got = {(c["op"], c["dim"]): (c["calls"], c["bytes"]) for c in dry[rank]["rows"]}
         assert got == want, (case, rank, got, want)
+
+
+def test_context_parallel_fits_a_4x_longer_sequence():
+    # "will a 4x longer sequence fit with cp=4?": the device is sized to what one rank of a 4-way sharded run at
+    # sequence 256 measures (+15%); sequence 1024 then does not fit without cp and fits with cp=4 (each rank holds
+    # 256 tokens of it), on the same 4 ranks
+    gpt = {"n_layer": 2, "n_head": 4, "n_embd": 64, "vocab_size": 512, "block_size": 1024, "bias": False}
+
+    def run(seq: int, cp: int, memory: float | None = None):
+        config = _config(
+            init_args=gpt,
+            strategy="hsdp",
+            strategy_args={"cp": cp, "dp_replicate": 1},
+            world_size=4,
+            devices_per_node=4,
+            precision="32-true",
+            batch_size=1,
+            seq_len=seq,
+            device_memory=memory,
+            ranks=(0,),
+        )
+        report = dry_run(config, timeout=300)
+        (r,) = report.ranks
+        return report, r
+
+    _, short = run(256, 1)
+    device = 1.15 * (short["states"]["total"] + short["peak_activation_bytes"])
+    long_report, long = run(1024, 1, device)
+    cp_report, cp = run(1024, 4, device)
+    assert long_report.fits(long) is False and cp_report.fits(cp) is True, (short, long, cp)
+    assert cp["mesh"]["cp"] == 4 and cp["mesh"]["dp_shard"] == 1
+    # activations divide by cp, as the planner says
+    assert abs(cp["peak_activation_bytes"] / long["peak_activation_bytes"] - 1 / 4) <= 0.05, (long, cp)
+    assert abs(cp["peak_activation_bytes"] / cp["planned"]["peak_activation_bytes"] - 1) <= 0.2, cp
+    # and its collectives are the planned ones: Ulysses all-to-alls on cp, FSDP2's on dp_shard x cp (= cp here)
+    comm = cp_report.collective_ratios(cp)
+    assert ("all_to_all", "cp") in comm, comm
+    for key, (measured, planned) in comm.items():
+        assert measured == planned, (key, measured, planned)

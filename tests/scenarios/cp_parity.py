@@ -218,6 +218,7 @@ if args.features == "on" or (args.features == "auto" and world == 2 and "gpt_gqa
         val_ref=val_reference(full_params(task)),
         val_samples=float(t.callback_metrics.get("val_samples", -1)),
         ledger={f"{op}@{dim}": list(v) for (op, dim), v in ledger.per_step().items()},
+        ledger_ratio={f"{row['op']}@{row['dim']}": row["ratio"] for row in ledger.summary},
         memory_measured=memory.measured,
         memory_planned=memory.planned,
     )

@@ -38,6 +38,8 @@ CASES = {
     "pp2_interleaved_dp2": ("pipeline", {**PIPE, "schedule": "interleaved_1f1b"}),
     "pp2_zero_bubble_dp2": ("pipeline", {**PIPE, "schedule": "zero_bubble"}),
     "pp2_tp2": ("pipeline", {**PIPE, "tp": 2}),
+    # context parallelism: Ulysses all-to-alls on cp, FSDP2 over dp_shard x cp
+    "cp2_dp2": ("hsdp", {"cp": 2, "dp_replicate": 1}),
 }
 
 

@@ -699,3 +699,43 @@ def test_tp_traffic_counts_a_gathered_head():
         c.op: c.payload_bytes for c in planner.tp_activation_traffic(**kw, sequence_parallel=True, gathered=[(256, 64)])
     }
     assert sp["all_reduce"] == 256 and sp["all_gather"] == sp["reduce_scatter"] + 64
+
+
+def test_cp_attention_traffic_counts_each_exchange():
+    from lightning_dist import planner
+
+    base = dict(batch=2, seq=64, heads=8, head_dim=16, attention_calls=3, bytes_per_element=2)
+    assert planner.cp_attention_traffic(**base, cp=1) == []
+    (mha,) = planner.cp_attention_traffic(**base, cp=2)
+    assert (mha.op, mha.dim, mha.group_size) == ("all_to_all", "cp", 2)
+    # every call: q, k, v and the output of this rank's seq / cp tokens, forward and backward
+    local = base["batch"] * base["seq"] // 2 * base["heads"] * base["head_dim"] * base["bytes_per_element"]
+    assert mha.payload_bytes == 3 * 2 * 4 * local
+    assert mha.wire_bytes == mha.payload_bytes / 2  # each rank keeps its own half
+    # grouped key/value heads that divide by cp are sent as they are; those that do not are repeated first
+    (gqa,) = planner.cp_attention_traffic(**base, cp=2, kv_heads=2)
+    assert gqa.payload_bytes == 3 * 2 * (2 + 2 * 2 / 8) * local
+    (repeated,) = planner.cp_attention_traffic(**base, cp=4, kv_heads=2)
+    (mha4,) = planner.cp_attention_traffic(**base, cp=4)
+    assert repeated.payload_bytes == mha4.payload_bytes
+    # a block recomputed by full activation checkpointing repeats its forward exchanges
+    (ac,) = planner.cp_attention_traffic(**base, cp=2, recomputed_calls=3)
+    assert ac.payload_bytes == 1.5 * mha.payload_bytes
+    # tensor parallelism inside: each tp rank exchanges its own heads
+    (tp,) = planner.cp_attention_traffic(**base, cp=2, tp=2)
+    assert tp.payload_bytes == mha.payload_bytes / 2
+    with pytest.raises(ValueError, match="cp"):
+        planner.cp_attention_traffic(**base, cp=0)
+
+
+def test_with_cp_dims_moves_data_parallel_traffic_to_the_cp_flattened_dims():
+    from lightning_dist import planner
+
+    state = planner.state_bytes(precision="32-true", optimizer="adamw")
+    fsdp = planner.data_parallel_traffic(1000, state=state, zero_stage=3, shard_size=4, replicate_size=2)
+    assert planner.with_cp_dims(fsdp, 1) == fsdp
+    moved = planner.with_cp_dims(fsdp, 2)
+    assert [c.dim for c in moved] == ["dp_shard_cp", "dp_shard_cp", "dp_replicate"]
+    assert [c.payload_bytes for c in moved] == [c.payload_bytes for c in fsdp]
+    ddp = planner.data_parallel_traffic(1000, state=state, zero_stage=0, shard_size=4)
+    assert [c.dim for c in planner.with_cp_dims(ddp, 2)] == ["dp_cp"]
