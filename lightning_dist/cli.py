@@ -81,6 +81,12 @@ def _add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=None, help="samples per data-parallel rank per step (activations)")
     p.add_argument("--seq-len", type=int, default=1, help="sequence length (activations, default 1)")
     p.add_argument("--hidden-size", type=int, default=None, help="hidden size between blocks (activations)")
+    p.add_argument(
+        "--heads",
+        type=int,
+        default=None,
+        help="attention heads: context-parallel layouts (listed for --seq-len > 1) need cp to divide them",
+    )
     p.add_argument("--json", action="store_true", help="print machine-readable JSON instead of the table")
     p.add_argument("--plot", metavar="FILE.png", default=None, help="save a stacked bar chart of memory per device")
     return p
@@ -123,7 +129,11 @@ def run_plan(args: argparse.Namespace) -> int:
         )
     if args.batch_size is not None:
         activation = planner.ActivationShape(
-            batch=args.batch_size, seq=args.seq_len, hidden=args.hidden_size, bytes_per_element=state.gather
+            batch=args.batch_size,
+            seq=args.seq_len,
+            hidden=args.hidden_size,
+            bytes_per_element=state.gather,
+            heads=args.heads,
         )
     counts, label = _plan_counts(args)
     layouts = planner.candidate_layouts(
@@ -177,7 +187,8 @@ def _print_plan(layouts, best, *, label, counts, state, device_memory) -> None:
         caption=f"{unit} per device (1 kB = 1e3 B, model states only). traffic: {unit} one device sends"
         " per step"
         " (ring collectives); +act: tensor/pipeline activations not counted (give --batch-size"
-        " and --hidden-size). mesh: pp x dp_replicate x dp_shard x tp. * = recommended.",
+        " and --hidden-size). mesh: pp x dp_replicate x dp_shard x cp x tp; a cp layout holds 1/cp of each"
+        " sequence per device (activations / cp). * = recommended.",
     )
     for col in ("layout", "mesh", "params", "grads", "optim", "device", "host", "traffic", "idle", "fits"):
         table.add_column(col, justify="left" if col in ("layout", "mesh") else "right", no_wrap=True)

@@ -3,8 +3,9 @@
 Choosing a layout (:func:`candidate_layouts`, :func:`recommend`)
 -----------------------------------------------------------------
 Candidates: ddp, zero1, zero2, fsdp (zero3), hsdp for every shard size dividing the world size, tp x dp
-(replicated or sharded dp), pp x dp, and two offload variants. The recommendation is the first that fits
-in :data:`KIND_ORDER` (least parallelism first: ddp < zero1 < zero2 < hsdp < fsdp < tp < pp < offload),
+(replicated or sharded dp), cp x dp (sequence models, given an activation shape), pp x dp, and two offload
+variants. The recommendation is the first that fits
+in :data:`KIND_ORDER` (least parallelism first: ddp < zero1 < zero2 < hsdp < fsdp < tp < cp < pp < offload),
 ties broken by wire bytes per step, then by device memory. Memory counts model states only: activations,
 communication buckets, the all-gathered unit and allocator fragmentation need headroom on top.
 """
@@ -15,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from lightning_dist.mesh import DP_REPLICATE, DP_SHARD, PP, TP
+from lightning_dist.mesh import CP, DP_REPLICATE, DP_SHARD, PP, TP
 from lightning_dist.planner._checks import check_count, check_size, divisors
 from lightning_dist.planner.memory import (
     MemoryBreakdown,
@@ -29,14 +30,16 @@ from lightning_dist.planner.model import ParamCounts
 from lightning_dist.planner.traffic import (
     Collective,
     check_schedule,
+    cp_attention_traffic,
     data_parallel_traffic,
     pipeline_idle_fraction,
     pipeline_p2p_traffic,
     tp_activation_traffic,
+    with_cp_dims,
 )
 
 # Least parallelism first: the recommendation walks this order.
-KIND_ORDER: tuple[str, ...] = ("ddp", "zero1", "zero2", "hsdp", "fsdp", "tp", "pp", "offload")
+KIND_ORDER: tuple[str, ...] = ("ddp", "zero1", "zero2", "hsdp", "fsdp", "tp", "cp", "pp", "offload")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,11 +54,15 @@ class ActivationShape:
     """Hidden size of the activation between blocks."""
     bytes_per_element: float = 2
     """Activation dtype size."""
+    heads: int | None = None
+    """Attention heads (context-parallel layouts need cp to divide them); None: not checked."""
 
     def __post_init__(self) -> None:
         for name in ("batch", "seq", "hidden"):
             check_size(name, getattr(self, name))
         check_count("bytes_per_element", self.bytes_per_element)
+        if self.heads is not None:
+            check_size("heads", self.heads)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,7 +74,7 @@ class Layout:
     kind: str
     """One of :data:`KIND_ORDER`."""
     mesh: dict[str, int]
-    """Sizes of ``pp``, ``dp_replicate``, ``dp_shard``, ``tp``."""
+    """Sizes of ``pp``, ``dp_replicate``, ``dp_shard``, ``cp``, ``tp``."""
     zero_stage: int
     """ZeRO stage on the data-parallel dims."""
     memory: MemoryBreakdown
@@ -84,6 +91,9 @@ class Layout:
     """False for tp / pp layouts planned without an :class:`ActivationShape`: their traffic lacks activations."""
     note: str = ""
     """What the layout is, in words."""
+    sequence_share: float = 1.0
+    """Share of each sequence's tokens one device holds: ``1 / cp`` (context parallelism), so its activations are
+    that share of a device's without cp (the model states above do not include activations)."""
 
     @property
     def wire_bytes(self) -> float:
@@ -111,11 +121,12 @@ class Layout:
             "fits": self.fits,
             "activations_counted": self.activations_counted,
             "note": self.note,
+            "sequence_share": self.sequence_share,
         }
 
 
-def _mesh(pp: int = 1, rep: int = 1, shard: int = 1, tp: int = 1) -> dict[str, int]:
-    return {PP: pp, DP_REPLICATE: rep, DP_SHARD: shard, TP: tp}
+def _mesh(pp: int = 1, rep: int = 1, shard: int = 1, tp: int = 1, cp: int = 1) -> dict[str, int]:
+    return {PP: pp, DP_REPLICATE: rep, DP_SHARD: shard, CP: cp, TP: tp}
 
 
 def candidate_layouts(
@@ -133,6 +144,9 @@ def candidate_layouts(
 
     ddp; zero1, zero2, fsdp (zero3) over all ranks; hsdp for each shard size ``1 < S < W`` dividing ``W``;
     ``tp x dp`` for each ``1 < t <= devices_per_node`` dividing both (dp replicated, and dp fully sharded);
+    with an `activation` shape of a sequence (``seq > 1``) and known blocks, ``cp x dp`` for each
+    ``1 < c <= devices_per_node`` dividing ``W`` with ``2 c`` dividing the sequence (and ``c`` the heads, when
+    given): FSDP2 over all ranks, ``sequence_share = 1 / c`` of each sequence per device;
     ``pp x dp`` (dp replicated) for each ``1 < p`` dividing ``W`` with at least ``p`` blocks, sized by the
     largest stage, with ``max(micro_batches, p)`` micro-batches; zero-offload (ZeRO-2, optimizer state and
     gradients on host) and fsdp-offload (ZeRO-3, everything on host). ``fits`` compares the device total with
@@ -229,6 +243,38 @@ def candidate_layouts(
                 )
             )
 
+    # context parallel (Ulysses) x FSDP2 over dp_shard x cp, for sequence models: the states of fsdp over all ranks,
+    # each device 1 / c of every sequence (its activations / c), plus the attention's all-to-alls on cp
+    if activation is not None and activation.seq > 1 and counts.layer_params:
+        for c in divisors(W)[1:]:
+            if c > per_node or activation.seq % (2 * c) or (activation.heads is not None and activation.heads % c):
+                continue  # cp inside a node; the load-balanced split needs 2 c chunks; whole heads per rank
+            dp = W // c
+            traffic = with_cp_dims(data_parallel_traffic(P, state=state, zero_stage=3, shard_size=W), c)
+            # q, k, v and output of the whole width (heads x head dim = hidden; grouped key/value heads send less)
+            traffic += cp_attention_traffic(
+                batch=activation.batch,
+                seq=activation.seq,
+                heads=1,
+                head_dim=activation.hidden,
+                attention_calls=len(counts.layer_params),
+                cp=c,
+                bytes_per_element=activation.bytes_per_element,
+            )
+            out.append(
+                Layout(
+                    name=f"cp{c}-fsdp{dp}" if dp > 1 else f"cp{c}",
+                    kind="cp",
+                    mesh=_mesh(shard=dp, cp=c),
+                    zero_stage=3,
+                    memory=model_state_bytes(P, state=state, zero_stage=3, shard_size=W),
+                    traffic=tuple(traffic),
+                    sequence_share=1 / c,
+                    note=f"context parallel x{c} (each device 1/{c} of every sequence: activations / {c}), dp x{dp}"
+                    f", FSDP2 over dp_shard x cp",
+                )
+            )
+
     # pipeline x data parallel
     max_stages = len(counts.layer_params) if counts.layer_params else W
     for p in (d for d in divisors(W)[1:] if d <= max_stages):
@@ -308,7 +354,7 @@ def recommend(layouts: Sequence[Layout]) -> Layout | None:
 # replication (hsdp with shard groups of one), hybrid sharding, full sharding, tensor x data, pipeline x data,
 # FSDP2 with everything in host memory. (The planner's zero1/zero2 rows are DeepSpeed's conventions and its
 # zero-offload row DeepSpeed's ZeRO-2 offload, which the FSDP2-based choices do not run.)
-AUTO_KINDS: tuple[str, ...] = ("ddp", "hsdp", "fsdp", "tp", "pp", "offload")
+AUTO_KINDS: tuple[str, ...] = ("ddp", "hsdp", "fsdp", "tp", "cp", "pp", "offload")
 
 
 def rank_layouts(
@@ -345,6 +391,6 @@ def rank_layouts(
     def key(layout: Layout) -> tuple:
         m = layout.mesh
         first = prefer.index(layout.kind) if layout.kind in prefer else len(prefer)
-        return (first, AUTO_KINDS.index(layout.kind), m[PP] * m[TP], m[DP_SHARD], layout.wire_bytes)
+        return (first, AUTO_KINDS.index(layout.kind), m[PP] * m[TP] * m.get(CP, 1), m[DP_SHARD], layout.wire_bytes)
 
     return sorted(out, key=key)

@@ -6,8 +6,8 @@ the planner for every candidate layout of this model on this many devices, keeps
 strategies run and that fit ``device_memory`` (:func:`lightning_dist.planner.rank_layouts`), optionally
 checks the top candidates with the dry run (``verify=True``, :mod:`lightning_dist.dryrun`), prints the
 choice and the runner-up with their figures, and broadcasts the choice. Every rank then builds that
-strategy (:meth:`AutoParallelStrategy.build`: :class:`HybridShardStrategy` for DDP-style replication and hybrid
-sharding, :class:`FullyShardStrategy`, :class:`TensorParallelStrategy`, :class:`PipelineStrategy`, and
+strategy (:meth:`AutoParallelStrategy.build`: :class:`HybridShardStrategy` for DDP-style replication, hybrid
+sharding and context parallelism, :class:`FullyShardStrategy`, :class:`TensorParallelStrategy`, :class:`PipelineStrategy`, and
 :class:`HybridShardStrategy` with FSDP2's ``CPUOffloadPolicy`` for offload) and hands the run to it: the built
 strategy takes what Lightning set on this one and becomes ``trainer.strategy``
 (:func:`~lightning_dist._integrations.lightning.hand_over_strategy`), then sets itself up. From there on
@@ -19,13 +19,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional, Union
 
+import torch
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_dist import inputs, planner, rules
 from lightning_dist._integrations.lightning import hand_over_strategy
-from lightning_dist.mesh import DP_REPLICATE, DP_SHARD, PP, TP
+from lightning_dist.mesh import CP, DP_REPLICATE, DP_SHARD, PP, TP
 from lightning_dist.parallelize.ac import ACOption, ac_problems
 from lightning_dist.parallelize.counts import count_params
 from lightning_dist.precision import precision_flag
@@ -45,6 +46,8 @@ def strategy_for(layout: planner.Layout) -> tuple[type, dict[str, Any]]:
         return FullyShardStrategy, {}
     if layout.kind == "tp":
         return TensorParallelStrategy, {"tp": m[TP], "dp_replicate": m[DP_REPLICATE], "dp_shard": m[DP_SHARD]}
+    if layout.kind == "cp":
+        return HybridShardStrategy, {"cp": m[CP], "dp_replicate": m[DP_REPLICATE], "shard_size": m[DP_SHARD]}
     if layout.kind == "pp":
         return PipelineStrategy, {"pp": m[PP], "dp_replicate": m[DP_REPLICATE], "dp_shard": m[DP_SHARD]}
     if layout.kind == "offload":  # FSDP2OffloadStrategy's policy; its report mixin cannot be swapped into
@@ -63,7 +66,7 @@ class AutoParallelStrategy(MeshStrategy):
     Args:
         device_memory: bytes per device (a number, or text such as ``"80GB"`` / ``"24GiB"``); None: the total
             memory of the CUDA device (``strategy="auto_parallel"``); required on CPU.
-        prefer: layout kinds to try first, in order (``"ddp"``, ``"hsdp"``, ``"fsdp"``, ``"tp"``, ``"pp"``,
+        prefer: layout kinds to try first, in order (``"ddp"``, ``"hsdp"``, ``"fsdp"``, ``"tp"``, ``"cp"``, ``"pp"``,
             ``"offload"``); otherwise least parallelism first.
         verify: also dry-run (fake process group, fake tensors) the candidates in order until one fits (at
             most 4 dry runs, on rank 0) and skip those whose measured model states + peak activations do not. Needs the
@@ -72,7 +75,9 @@ class AutoParallelStrategy(MeshStrategy):
         global_batch: samples per optimizer step over all ranks; layouts whose data-parallel size does not
             divide it are skipped (each data-parallel rank needs the same whole number of samples).
         optimizer: optimizer the planner sizes the state for (``"adamw"``, ``"adam"``, ``"sgd"``, ``"sgd-momentum"``).
-        batch_size, seq_len: per data-parallel rank, for ``verify``'s dry run (default 8 samples, block size).
+        batch_size, seq_len: per data-parallel rank, for ``verify``'s dry run (default 8 samples, block size). With
+            ``seq_len`` (and a network whose attention is known: the pack's GPT, HF models) the candidates include
+            context-parallel layouts (``cp x dp``: activations / cp), and tp / pp traffic counts activations.
         activation_checkpointing, selective_ac_ops, offload_activations: given to whichever strategy is chosen
             (every choice takes them; see :mod:`lightning_dist.parallelize.ac`), checked here first.
         options: extra keyword arguments per chosen strategy class name, e.g.
@@ -147,8 +152,27 @@ class AutoParallelStrategy(MeshStrategy):
             devices_per_node=self.num_processes,
             state=state,
             device_memory=self.device_memory,
+            activation=self._activation(state),
         )
         return planner.rank_layouts(layouts, global_batch=self.global_batch, prefer=self.prefer)
+
+    def _activation(self, state: planner.StateBytes) -> Optional[planner.ActivationShape]:
+        """The step's activation shape when ``seq_len`` is given and the network's attention is known (the pack's
+        GPT, HF models): it adds the context-parallel layouts and the tp / pp activation traffic."""
+        from lightning_dist.parallelize.cp import attention_shape
+
+        network = getattr(self.lightning_module, "model", None)
+        shape = attention_shape(network) if isinstance(network, torch.nn.Module) else None
+        if not self.seq_len or self.seq_len < 2 or shape is None:
+            return None
+        heads, _, head_dim = shape
+        return planner.ActivationShape(
+            batch=self.batch_size,
+            seq=self.seq_len,
+            hidden=heads * head_dim,
+            bytes_per_element=state.gather,
+            heads=heads,
+        )
 
     def _verified(self, ranked: list[planner.Layout], *, max_runs: int = 4) -> list[planner.Layout]:
         """Dry-run the candidates in order until one fits (at most `max_runs` dry runs; rank 0 only); drop
@@ -162,7 +186,7 @@ class AutoParallelStrategy(MeshStrategy):
             # offload keeps nothing on the device; replicated layouts hold the whole model per rank (the planner's
             # figure is exact) and the dry run cannot replay torch's DDP reducer: neither is dry-run
             replicated = layout.kind != "pp" and rules.replicates(
-                zero_stage=layout.zero_stage, dp_shard=layout.mesh[DP_SHARD], tp=layout.mesh[TP]
+                zero_stage=layout.zero_stage, dp_shard=layout.mesh[DP_SHARD], tp=layout.mesh[TP], cp=layout.mesh[CP]
             )
             if found or layout.kind == "offload" or replicated or runs >= max_runs:
                 kept.append(layout)

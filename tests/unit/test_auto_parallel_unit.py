@@ -36,13 +36,13 @@ def _memory(counts, name, **kw):
 @pytest.mark.parametrize(
     ("target", "global_batch", "prefer", "per_node", "cls", "mesh"),
     [
-        ("ddp", None, (), 4, "HybridShardStrategy", (1, 4, 1, 1)),
-        ("hsdp-2", None, (), 4, "HybridShardStrategy", (1, 2, 2, 1)),
-        ("fsdp", None, (), 4, "FullyShardStrategy", (1, 1, 4, 1)),
-        ("tp2-fsdp2", 6, (), 4, "TensorParallelStrategy", (1, 1, 2, 2)),
-        ("pp2-ddp2", 6, (), 1, "PipelineStrategy", (2, 2, 1, 1)),  # one device per node: no tensor parallelism
-        ("pp2-ddp2", 6, ("pp",), 4, "PipelineStrategy", (2, 2, 1, 1)),
-        ("fsdp-offload", None, (), 4, "HybridShardStrategy", (1, 1, 4, 1)),
+        ("ddp", None, (), 4, "HybridShardStrategy", (1, 4, 1, 1, 1)),
+        ("hsdp-2", None, (), 4, "HybridShardStrategy", (1, 2, 2, 1, 1)),
+        ("fsdp", None, (), 4, "FullyShardStrategy", (1, 1, 4, 1, 1)),
+        ("tp2-fsdp2", 6, (), 4, "TensorParallelStrategy", (1, 1, 2, 1, 2)),
+        ("pp2-ddp2", 6, (), 1, "PipelineStrategy", (2, 2, 1, 1, 1)),  # one device per node: no tensor parallelism
+        ("pp2-ddp2", 6, ("pp",), 4, "PipelineStrategy", (2, 2, 1, 1, 1)),
+        ("fsdp-offload", None, (), 4, "HybridShardStrategy", (1, 1, 4, 1, 1)),
     ],
 )
 def test_budget_forces_each_choice(counts, target, global_batch, prefer, per_node, cls, mesh):
@@ -55,7 +55,7 @@ def test_budget_forces_each_choice(counts, target, global_batch, prefer, per_nod
         assert type(kwargs["offload_policy"]).__name__ == "CPUOffloadPolicy"
     # every less parallel layout the order prefers is too big (or cannot split the global batch)
     assert all(layout.memory.total <= budget for layout in ranked)
-    assert tuple(ranked[0].mesh.values()) == mesh
+    assert tuple(ranked[0].mesh.values()) == mesh  # pp, dp_replicate, dp_shard, cp, tp
     if len(ranked) > 1:
         assert "runner-up" in format_choice(ranked[:2], device_memory=budget)
 
@@ -246,3 +246,58 @@ def test_the_dry_run_refuses_auto_parallel_and_names_what_to_dry_run(strategy):
     )
     with pytest.raises(ValueError, match="AutoParallelStrategy is not one .*auto_parallel picks one: dry-run that one"):
         dry_run(config)
+
+
+def test_context_parallel_layouts_for_long_sequences(counts):
+    # listed only for a sequence activation shape: FSDP2's states over all ranks, 1 / c of each sequence per device,
+    # and the attention's all-to-alls on cp on top of fsdp's traffic
+    assert not [layout for layout in _layouts(counts, None) if layout.kind == "cp"]
+    act = planner.ActivationShape(batch=2, seq=64, hidden=16, bytes_per_element=8, heads=4)
+    layouts = {
+        x.name: x
+        for x in planner.candidate_layouts(counts, world_size=4, devices_per_node=4, state=STATE, activation=act)
+    }
+    assert {"cp2-fsdp2", "cp4"} <= set(layouts), sorted(layouts)
+    cp2, fsdp = layouts["cp2-fsdp2"], layouts["fsdp"]
+    assert cp2.memory.total == fsdp.memory.total and cp2.sequence_share == 0.5
+    assert cp2.mesh == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 2, "tp": 1}
+    by_op = {(c.op, c.dim): c for c in cp2.traffic}
+    assert {("all_gather", "dp_shard_cp"), ("reduce_scatter", "dp_shard_cp"), ("all_to_all", "cp")} == set(by_op)
+    blocks = len(counts.layer_params)
+    assert by_op[("all_to_all", "cp")].payload_bytes == blocks * 2 * 4 * act.batch * act.seq // 2 * act.hidden * 8
+    # the heads and the load-balanced split decide which cp sizes are listed
+    odd = planner.ActivationShape(batch=2, seq=12, hidden=16, heads=4)  # 12 splits into 2 x 2 chunks, not 2 x 4
+    names = {
+        x.name
+        for x in planner.candidate_layouts(counts, world_size=4, devices_per_node=4, state=STATE, activation=odd)
+        if x.kind == "cp"
+    }
+    assert names == {"cp2-fsdp2"}
+    three = planner.ActivationShape(batch=2, seq=64, hidden=18, heads=3)
+    assert not [
+        x
+        for x in planner.candidate_layouts(counts, world_size=4, devices_per_node=4, state=STATE, activation=three)
+        if x.kind == "cp"
+    ]
+    # auto_parallel runs it as HybridShardStrategy(cp=...), whose mesh is the layout's
+    cls, kwargs = strategy_for(cp2)
+    assert cls.__name__ == "HybridShardStrategy" and kwargs == {"cp": 2, "dp_replicate": 1, "shard_size": 2}
+    built = cls(**kwargs)
+    built.parallel_devices, built.num_nodes = [torch.device("cpu")] * 4, 1
+    spec = built.mesh_spec().resolve()
+    assert (spec.cp, spec.dp_shard, spec.dp_replicate) == (2, 2, 1)
+
+
+def test_auto_parallel_lists_cp_with_seq_len():
+    def chooser(**kw):
+        s = AutoParallelStrategy(device_memory=10e9, **kw)
+        s.parallel_devices, s.num_nodes = [torch.device("cpu")] * 4, 1
+        s.connect(CharGPT(vocab_size=32, block_size=64, n_layer=2, n_head=4, n_embd=16, bias=False))
+        return s
+
+    assert not [x for x in chooser().candidates() if x.kind == "cp"]
+    ranked = chooser(seq_len=64, prefer=("cp",)).candidates()
+    assert ranked[0].kind == "cp" and ranked[0].name == "cp2-fsdp2", [x.name for x in ranked]
+    strategy = chooser(seq_len=64, prefer=("cp",)).build(ranked[0])
+    strategy.parallel_devices, strategy.num_nodes = [torch.device("cpu")] * 4, 1
+    assert type(strategy).__name__ == "HybridShardStrategy" and strategy.mesh_spec().resolve().cp == 2

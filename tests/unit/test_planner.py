@@ -276,7 +276,7 @@ def test_candidate_layouts_enumeration():
     ]
     by = {lay.name: lay for lay in layouts}
     assert all(lay.fits is None for lay in layouts)
-    assert by["hsdp-4"].mesh == {"pp": 1, "dp_replicate": 2, "dp_shard": 4, "tp": 1}
+    assert by["hsdp-4"].mesh == {"pp": 1, "dp_replicate": 2, "dp_shard": 4, "cp": 1, "tp": 1}
     assert by["hsdp-4"].memory.total == pytest.approx(16 * PSI / 4)
     assert by["tp2-fsdp4"].memory.total == pytest.approx(16 * PSI / 2 / 4)
     assert by["pp4-ddp2"].idle_fraction == pytest.approx(3 / (8 + 3))
