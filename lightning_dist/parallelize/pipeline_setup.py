@@ -167,9 +167,10 @@ def tied_groups(
 
     Collective when there are any (``new_group`` on every rank); the refusal comes first, on every rank.
     """
-    from lightning_dist.mesh import TP
+    from lightning_dist.mesh import DP_CP, TP
 
-    problems = tied_problems(tied, stage_ranks, dp_size=mesh.dp_size, tp_size=mesh.size(TP))
+    # FSDP2 shards each stage over dp x cp (context peers average gradients too)
+    problems = tied_problems(tied, stage_ranks, dp_size=mesh.size(DP_CP), tp_size=mesh.size(TP))
     if problems:
         raise ValueError("Cannot pipeline tied parameters:\n  - " + "\n  - ".join(problems))
     if tied:

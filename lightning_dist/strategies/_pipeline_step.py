@@ -13,6 +13,11 @@ closure (training_step -> zero_grad -> backward), gradient accumulation and manu
 their meaning. Gradient-norm clipping uses the global norm across stages (and FSDP shards).
 ``strategy.last_loss`` holds the mean ``pipeline_loss`` of the last step's micro-batches on every pp rank.
 
+Under context parallelism the call first cuts the batch to this rank's part of each sequence (:func:`cut_for_cp`,
+before the schedule splits it into micro-batches along dim 0), gives the schedule the target's matching chunks
+(:func:`cut_target`; HF ``labels``: shifted over the whole sequences, then cut, :func:`cp_share`) and runs the
+schedule under the Ulysses attention mode.
+
 A :class:`PipelineStep` holds everything one step knows (its batch, its network call, the gradients held
 aside): the strategy makes one in each step hook and drops it when the step is over (training: after the
 ``backward`` that adds its gradients), so nothing of a step reaches the next one.

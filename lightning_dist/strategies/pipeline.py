@@ -20,6 +20,10 @@ What the LightningModule must provide (checked on every rank before the first co
 * a forward that is its children run in order: checked on ``example_input_array`` before any collective,
   else on the first micro-batch against a host copy of the unsplit network (one verdict for all ranks).
 
+Context parallelism (``cp > 1``): the network call cuts each sequence to this rank's chunks before the schedule's
+micro-batch split (:func:`~lightning_dist.strategies._pipeline_step.cut_for_cp`), every stage gets ``position_ids``,
+each micro-batch's loss the matching chunks of the target, and the schedule runs under the Ulysses attention mode.
+
 Calling the network in ``training_step``/``validation_step`` runs the whole schedule; only the boundary
 activations and their gradients cross the pp group, plus the batch loss as a scalar: every rank's step sees
 a stand-in output that answers ``self.pipeline_loss(out, target)`` / HF ``out.loss`` and refuses other uses
