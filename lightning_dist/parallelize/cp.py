@@ -22,6 +22,9 @@ fails with "no sharding strategy registered" for the CPU flash kernel, and torch
   passes ``num_items_in_batch`` so the loss averages over the tokens of the cp group, not over ranks; HF's causal mask
   builder is told to build none (mask None: SDPA's ``is_causal`` on the gathered sequence).
 * ``pipeline_loss(output, target)`` gets the matching chunks of `target` (the pack's loss convention).
+* A pipeline (``PipelineStrategy``) hooks nothing: its network call cuts the batch with
+  :meth:`ContextParallel.split_sequences` before the schedule's micro-batch split and holds the mode around the
+  schedule (see :mod:`lightning_dist.strategies._pipeline_step`).
 
 Refused, on every rank before any collective, with the fix named: a sequence not divisible by ``2 x cp``, attention
 heads (per tensor-parallel rank) not divisible by cp (key/value heads that do not divide are repeated to one per
@@ -298,16 +301,20 @@ class ContextParallel:
         return None
 
     # ---- the network's inputs ------------------------------------------------------------------
-    def attach(self, network: nn.Module) -> None:
-        """Hook `network` so each call sees this rank's chunks (see the module doc); once per network."""
-        if self._handle is not None:
+    def attach(self, network: nn.Module, *, hook: bool = True) -> None:
+        """Hook `network` so each call sees this rank's chunks (see the module doc); once per network.
+
+        ``hook=False`` (a pipeline, whose schedule calls the stages with inputs :meth:`split_sequences` cut):
+        only the network's attention set-up (HF models: :func:`_use_hf_attention`), undone by :meth:`detach`."""
+        if self._handle is not None or self.network is network:
             return
         self.network = network
         self._names = list(inspect.signature(network.forward).parameters)  # once: the hook binds each call to them
         self._hf = _is_hf(network)
         if self._hf:
             self._hf_attention = _use_hf_attention(network)
-        self._handle = network.register_forward_pre_hook(self._pre_forward, with_kwargs=True, prepend=True)
+        if hook:
+            self._handle = network.register_forward_pre_hook(self._pre_forward, with_kwargs=True, prepend=True)
         log.info("context parallelism: %s split over cp=%d (ulysses)", type(network).__name__, self.cp.size)
 
     def detach(self) -> None:
@@ -317,6 +324,7 @@ class ContextParallel:
         if self._hf_attention is not None and self.network is not None:
             self.network.set_attn_implementation(self._hf_attention)
             self._hf_attention = None
+        self.network = None
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         bound = dict(zip(self._names, args))
@@ -329,33 +337,45 @@ class ContextParallel:
                 f"Context parallelism splits the sequence dim (1) of the token ids {type(module).__name__} is called"
                 f" with; found no [batch, seq] tensor among its arguments {sorted(bound)}."
             )
-        seq_len = lead.shape[1]
-        positions = self.cp.positions(seq_len, lead.device)  # raises ValueError naming the fix for bad lengths
-        mask = bound.pop("attention_mask", None)
-        if mask is not None and not bool(torch.all(mask != 0)):
-            raise ValueError(
-                "Context parallelism got an attention_mask with padding (zeros): padded batches are not supported"
-                " under cp yet. Pack the sequences to full length (no padding), or use cp=1."
-            )
         labels = bound.get("labels")
         if self._hf and isinstance(labels, Tensor):
-            # shift before the split: the last token of a chunk predicts the first of the next (held by another rank)
             shifted = bound.pop("shift_labels", None)
             if shifted is None:
-                shifted = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), -100)], dim=1)
+                shifted = shift_labels(labels)
             bound["shift_labels"] = shifted
             count = bound.pop("num_items_in_batch", None)
             if count is None:  # the tokens of the whole sequences (every cp rank holds them here, before the split)
                 count = (shifted != -100).sum().to(torch.float32)
             # FSDP averages gradients over the cp ranks: each rank's sum over `count / cp` tokens
             bound["num_items_in_batch"] = count / self.cp.size
-        for key, value in list(bound.items()):
+        return (), self.split_sequences(lead, bound)
+
+    def split_sequences(self, lead: Tensor, values: dict) -> dict:
+        """`values` with every ``[B, S, ...]`` tensor (S: `lead`'s dim 1) cut to this rank's chunks, an all-ones
+        ``attention_mask`` dropped (padding refused) and ``position_ids`` added when absent; recorded as the last
+        call (:meth:`split_target`). The network's hook uses it, and the pipeline for its micro-batches' inputs."""
+        values = dict(values)
+        seq_len = lead.shape[1]
+        positions = self.cp.positions(seq_len, lead.device)  # raises ValueError naming the fix for bad lengths
+        mask = values.pop("attention_mask", None)
+        if mask is not None and not bool(torch.all(mask != 0)):
+            raise ValueError(
+                "Context parallelism got an attention_mask with padding (zeros): padded batches are not supported"
+                " under cp yet. Pack the sequences to full length (no padding), or use cp=1."
+            )
+        for key, value in list(values.items()):
             if isinstance(value, Tensor) and value.dim() >= 2 and value.shape[1] == seq_len:
-                bound[key] = value.index_select(1, positions.to(value.device))
-        if bound.get("position_ids") is None:
-            bound["position_ids"] = positions.unsqueeze(0).expand(lead.shape[0], -1)
+                values[key] = value.index_select(1, positions.to(value.device))
+        if values.get("position_ids") is None:
+            values["position_ids"] = positions.unsqueeze(0).expand(lead.shape[0], -1)
         self.last = _Call(seq_len=seq_len, positions=positions)
-        return (), bound
+        return values
+
+
+def shift_labels(labels: Tensor) -> Tensor:
+    """HF's causal-LM shift, done before the split: position i holds the label of token i + 1 (-100 at the end), so
+    the last token of a chunk predicts the first of the next (held by another rank)."""
+    return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), -100)], dim=1)
 
 
 def _is_hf(network: nn.Module) -> bool:
@@ -402,5 +422,6 @@ __all__ = [
     "attention_heads",
     "attention_shape",
     "recomputes_attention",
+    "shift_labels",
     "ulysses_sdpa",
 ]

@@ -134,19 +134,25 @@ def hf_call_output(shown: torch.Tensor, loss: Any, labels: Any) -> Any:
     return CausalLMOutputWithPast(loss=None if labels is None else loss, logits=shown)
 
 
-def hf_labels_loss(logits: torch.Tensor, labels: torch.Tensor, *, num_items: Any = None) -> torch.Tensor:
+def hf_labels_loss(
+    logits: torch.Tensor, labels: torch.Tensor, *, num_items: Any = None, shifted: bool = False
+) -> torch.Tensor:
     """HF's causal-LM ``labels`` convention: next-token cross-entropy (labels shifted by one, -100 ignored).
 
     `num_items`: divide the summed loss by this instead of the count of labelled tokens: the pipeline divides
     each micro-batch by the whole batch's count, so the micro-batches' losses add up to the batch mean.
+    ``shifted=True``: `labels` are shifted already (HF's ``shift_labels``; context parallelism shifts the whole
+    sequences before cutting them into chunks).
     Written out (not ``model.loss_function``) because HF's upcast ``logits.float()`` would *downcast* float64.
     """
     import torch.nn.functional as F
 
     dtype = torch.promote_types(logits.dtype, torch.float32)
-    shifted = F.pad(labels, (0, 1), value=-100)[..., 1:]
-    loss = F.cross_entropy(logits.to(dtype).flatten(0, -2), shifted.flatten(), ignore_index=-100, reduction="sum")
-    return loss / (labelled_tokens(labels) if num_items is None else num_items)
+    targets = labels if shifted else F.pad(labels, (0, 1), value=-100)[..., 1:]
+    loss = F.cross_entropy(logits.to(dtype).flatten(0, -2), targets.flatten(), ignore_index=-100, reduction="sum")
+    if num_items is None:
+        num_items = (labels != -100).sum() if shifted else labelled_tokens(labels)
+    return loss / num_items
 
 
 def pipeline_loss_function(

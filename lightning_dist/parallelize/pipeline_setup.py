@@ -19,9 +19,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 
 from lightning_dist.parallelize.compile import check_compile_option
-from lightning_dist.parallelize.pipeline import NetworkLayout, PipelineSplit, layout_kind, plan_split
+from lightning_dist.parallelize.pipeline import NetworkLayout, PipelineSplit, layout_kind, network_layout, plan_split
 from lightning_dist.parallelize.pipeline_checks import check_splittable, staged_forward_problem
-from lightning_dist.parallelize.pipeline_stages import is_pipelined_module
+from lightning_dist.parallelize.pipeline_stages import is_pipelined_module, keyword_inputs
 from lightning_dist.parallelize.pipeline_tied import tied_gradient_groups, tied_problems
 
 
@@ -70,6 +70,27 @@ def module_problems(module: Any, network: str, net: Any) -> list[str]:
             " schedule computes the loss of each micro-batch on the last stage with it."
         )
     return problems
+
+
+def cp_stage_problems(net: nn.Module) -> list[str]:
+    """What keeps `net`'s stages from taking context parallelism's ``position_ids`` (pure): a plain layout's stages
+    run its children in order, so a stem or block child must name ``position_ids`` (the pack's ``GPT.pos_emb``); a
+    model split into pruned copies of itself takes them in its own forward (checked with the model's cp problems)."""
+    try:
+        layout = network_layout(net)
+    except TypeError:
+        return []  # the split's own check reports it
+    if type(layout) is not NetworkLayout:
+        return []
+    parts = [net.get_submodule(n) for n in layout.stem] + [layout.block(net, i) for i in range(len(layout.blocks))]
+    if any("position_ids" in keyword_inputs(p) for p in parts):
+        return []
+    return [
+        f"{type(net).__name__}'s pipeline stages run its children in order, and none of its stem or block children"
+        " takes `position_ids`: context parallelism gives each rank a part of every sequence, whose positions the"
+        " network must be told. Give the positional part a `forward(x, position_ids=None)` (as the pack's GPT's"
+        " `pos_emb`), or use cp=1."
+    ]
 
 
 def check_balanced_sample(module: Any, net: nn.Module, mode: Any) -> None:
@@ -146,9 +167,10 @@ def tied_groups(
 
     Collective when there are any (``new_group`` on every rank); the refusal comes first, on every rank.
     """
-    from lightning_dist.mesh import TP
+    from lightning_dist.mesh import DP_CP, TP
 
-    problems = tied_problems(tied, stage_ranks, dp_size=mesh.dp_size, tp_size=mesh.size(TP))
+    # FSDP2 shards each stage over dp x cp (context peers average gradients too)
+    problems = tied_problems(tied, stage_ranks, dp_size=mesh.size(DP_CP), tp_size=mesh.size(TP))
     if problems:
         raise ValueError("Cannot pipeline tied parameters:\n  - " + "\n  - ".join(problems))
     if tied:
@@ -179,6 +201,7 @@ __all__ = [
     "PipelinePlan",
     "check_balanced_sample",
     "check_options",
+    "cp_stage_problems",
     "first_batch_problem",
     "module_problems",
     "pipeline_sample",

@@ -10,6 +10,8 @@ compute the network's forward (:func:`plain_forward_problem`) and joining the st
 
 from __future__ import annotations
 
+import functools
+import inspect
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -44,15 +46,16 @@ class StageModule(nn.Module):
         self.runner: Callable | None = None
         """Set by the strategy: the whole-network call on the pipelined model runs the schedule instead."""
 
-    def run_local(self, x):
-        """Apply this module's parts in order (what a PipelineStage runs)."""
+    def run_local(self, x, **kwargs):
+        """Apply this module's parts in order (what a PipelineStage runs). Keyword inputs (context parallelism's
+        ``position_ids``) go to each part whose forward names them, as the network's forward passes them."""
         # `_modules`, not `children()`: children() yields a module used twice (weight sharing) only once
         for child in self._modules.values():
             if isinstance(child, nn.ModuleDict):
                 for block in child.values():
-                    x = block(x)
+                    x = block(x, **_taken(block, kwargs)) if kwargs else block(x)
             else:
-                x = child(x)
+                x = child(x, **_taken(child, kwargs)) if kwargs else child(x)
         return x
 
     def forward(self, *args, **kwargs):
@@ -71,6 +74,22 @@ class StageModule(nn.Module):
         """FSDP2's ``"auto"`` units: the entries of its block list (a split ``nn.Sequential``: none, its
         children shard with the stage's root unit)."""
         return [b for child in self._modules.values() if isinstance(child, nn.ModuleDict) for b in child.values()]
+
+
+@functools.cache
+def _class_keywords(cls: type) -> frozenset[str]:
+    params = inspect.signature(cls.forward).parameters.values()
+    return frozenset(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+
+
+def keyword_inputs(module: nn.Module) -> frozenset[str]:
+    """The keyword inputs `module`'s forward names (its class's: FSDP2 and activation checkpointing keep it)."""
+    return _class_keywords(type(module))
+
+
+def _taken(module: nn.Module, kwargs: dict) -> dict:
+    names = keyword_inputs(module)
+    return {k: v for k, v in kwargs.items() if k in names}
 
 
 def is_pipelined_module(net: object) -> bool:
@@ -239,6 +258,7 @@ __all__ = [
     "StageModule",
     "build_plain_stage",
     "is_pipelined_module",
+    "keyword_inputs",
     "join_plain",
     "plain_forward_problem",
     "profile_plain",

@@ -44,7 +44,7 @@ def tied_problems(
         if len(set(ranks)) < len(ranks) and dp_size > 1:
             out.append(
                 f"{list(names)} is held by stages {list(stages)}, two of them on one rank: FSDP2 would shard it"
-                " once per stage. Use another schedule or split, or no data parallelism."
+                " once per stage. Use another schedule or split, or no data (nor context) parallelism."
             )
     return out
 

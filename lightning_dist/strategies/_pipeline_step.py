@@ -13,6 +13,11 @@ closure (training_step -> zero_grad -> backward), gradient accumulation and manu
 their meaning. Gradient-norm clipping uses the global norm across stages (and FSDP shards).
 ``strategy.last_loss`` holds the mean ``pipeline_loss`` of the last step's micro-batches on every pp rank.
 
+Under context parallelism the call first cuts the batch to this rank's part of each sequence (:func:`cut_for_cp`,
+before the schedule splits it into micro-batches along dim 0), gives the schedule the target's matching chunks
+(:func:`cut_target`; HF ``labels``: shifted over the whole sequences, then cut, :func:`cp_share`) and runs the
+schedule under the Ulysses attention mode.
+
 A :class:`PipelineStep` holds everything one step knows (its batch, its network call, the gradients held
 aside): the strategy makes one in each step hook and drops it when the step is over (training: after the
 ``backward`` that adds its gradients), so nothing of a step reaches the next one.
@@ -20,12 +25,14 @@ aside): the strategy makes one in each step hook and drops it when the step is o
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
 from lightning_dist.mesh import PP
+from lightning_dist.parallelize.cp import shift_labels
 from lightning_dist.parallelize.pipeline_hf import hf_labels_loss, labelled_tokens
 from lightning_dist.parallelize.pipeline_output import (
     PipelineOutput,
@@ -93,18 +100,25 @@ class PipelineStep:
             problem = first_batch_problem(unsplit, x[: batch // m], strategy.root_device)
             if problem is not None:
                 raise ValueError(problem)
+        cp, count, given = strategy._cp, None, None
+        if cp is not None:  # each sequence cut to this rank's chunks before the micro-batch split (dim 0)
+            x, extra, labels, count = cut_for_cp(cp, x, extra, labels)
         target, loss_fn = None, None
         if train:
-            target, loss_fn = self._loss_of_step(labels, m)
+            given, loss_fn = self._loss_of_step(labels, m, count)
+            # the schedule's target: the chunks matching this rank's part of the sequences (HF labels: cut above)
+            target = cut_target(cp, given, type(module).__name__) if cp is not None and count is None else given
         params = list(strategy.model.parameters())
         if train:  # the schedule's gradients go aside; `backward` adds them to .grad
             held = [p.grad for p in params]
             for p in params:
                 p.grad = None
         events: Optional[list] = [] if strategy.record_timeline and train else None
-        out, loss, record = runner.step(
-            x, n_microbatches=m, loss_fn=loss_fn, target=target, timeline=events, kwargs=extra
-        )
+        # every stage's attention under context parallelism's mode (its checkpointed blocks recompute under it too)
+        with cp.active() if cp is not None else contextlib.nullcontext():
+            out, loss, record = runner.step(
+                x, n_microbatches=m, loss_fn=loss_fn, target=target, timeline=events, kwargs=extra
+            )
         if train:
             sum_tied_gradients(strategy._tied)
             self.pending = False
@@ -119,8 +133,15 @@ class PipelineStep:
                 strategy.timelines.append({**record, "rank": rank, "events": events, "n_microbatches": m})
         shown = self._shown_output(out, train, key=("out", train, tuple(x.shape), m))
         if not train and labels is not None:  # HF's eval loss: computed on the last stage, a scalar to every rank
-            loss = runner.from_last_stage(None if out is None else hf_labels_loss(out, labels), ("loss", "eval"))
-        self.call = NetworkCall(shown, None if train else out, loss, target, train, loss_fn, m)
+            value = None
+            if out is not None:
+                # under cp: this rank's sum over the whole sequences' tokens / cp (the loss group's mean is the batch's)
+                value = (
+                    hf_labels_loss(out, labels) if cp is None else hf_labels_loss(out, labels, **cp_share(cp, count))
+                )
+            loss = runner.from_last_stage(value, ("loss", "eval"))
+        # the target as training_step passes it (whole sequences), for `pipeline_loss(out, target)`'s check
+        self.call = NetworkCall(shown, None if train else out, loss, given, train, loss_fn, m)
         return strategy.split.layout.call_output(shown, loss, labels)  # a HF model: its ModelOutput
 
     def _shown_output(self, out: Optional[Tensor], train: bool, *, key: tuple) -> Tensor:
@@ -141,12 +162,16 @@ class PipelineStep:
             shape, dtype, strategy.root_device, owner=type(module).__name__, where=where, step=strategy._calls
         )
 
-    def _loss_of_step(self, labels: Optional[Tensor], m: int) -> tuple[Any, Any]:
-        """The schedule's target and per-micro-batch loss: HF ``labels``, or ``pipeline_target``/``pipeline_loss``."""
+    def _loss_of_step(self, labels: Optional[Tensor], m: int, count: Optional[Tensor] = None) -> tuple[Any, Any]:
+        """The step's target and per-micro-batch loss: HF ``labels``, or ``pipeline_target``/``pipeline_loss``.
+        `count`: context parallelism's labelled tokens of the whole sequences (`labels`: this rank's shifted chunks)."""
         module = self.strategy.lightning_module
         if labels is not None:
             # each micro-batch's summed loss over the whole batch's labelled tokens (x m: the runner divides by m),
             # so the micro-batches add up to the batch mean whatever tokens each one holds
+            if count is not None:
+                kw = cp_share(self.strategy._cp, count, m)
+                return labels, lambda out, tgt: hf_labels_loss(out, tgt, **kw)
             share = labelled_tokens(labels).clamp_min(1) / m
             return labels, lambda out, tgt: hf_labels_loss(out, tgt, num_items=share)
         if not callable(getattr(module, "pipeline_loss", None)):
@@ -244,6 +269,44 @@ class PipelineStep:
         return extra
 
 
+def cut_for_cp(cp: Any, x: Tensor, extra: dict, labels: Optional[Tensor]) -> tuple[Tensor, dict, Any, Any]:
+    """Context parallelism's cut of one network call, before the schedule splits it into micro-batches (dim 0): the
+    first stage's input and every ``[B, S, ...]`` keyword input cut to this rank's chunks, ``position_ids`` added
+    (every stage takes them), HF ``labels`` shifted over the whole sequences, then cut. Returns (input, keyword
+    inputs, labels, labelled tokens of the whole sequences; None without labels)."""
+    values = {**extra, _INPUT: x}
+    count = None
+    if labels is not None:
+        values[_LABELS] = shifted = shift_labels(labels)
+        count = (shifted != -100).sum()
+    values = cp.split_sequences(x, values)
+    return values.pop(_INPUT), values, values.pop(_LABELS, None), count
+
+
+_INPUT, _LABELS = "\0input", "\0labels"  # keys no keyword input has
+
+
+def cp_share(cp: Any, count: Tensor, m: int = 1) -> dict:
+    """``hf_labels_loss`` options for this rank's shifted chunks: the sum over them divided by the whole sequences'
+    labelled tokens / cp (gradients average over the cp ranks), and / m (the runner divides each micro-batch by m)."""
+    return {"num_items": count.clamp_min(1) / (cp.cp.size * m), "shifted": True}
+
+
+def cut_target(cp: Any, target: Any, owner: str) -> Tensor:
+    """`target`'s chunks matching the last cut (:func:`cut_for_cp`): refused, on every rank (each holds the same
+    target shape), unless it is ``[batch, seq, ...]`` with the inputs' sequence length."""
+    call = cp.last
+    if not (isinstance(target, Tensor) and target.dim() >= 2 and target.shape[1] == call.seq_len):
+        got = tuple(target.shape) if isinstance(target, Tensor) else type(target).__name__
+        raise ValueError(
+            f"Context parallelism (cp={cp.cp.size}) gives each rank's pipeline_loss the target's chunks matching its"
+            f" part of the sequences: the target ({owner}.pipeline_target(batch), by default batch[1]) must be"
+            f" [batch, seq, ...] with the inputs' sequence length {call.seq_len}; got {got}. Use per-token targets,"
+            " or cp=1."
+        )
+    return target.index_select(1, call.positions.to(target.device))
+
+
 def serve_loss(strategy: Any, call: Optional[NetworkCall], output: Any, target: Any, original: Any) -> Optional[Tensor]:
     """``pipeline_loss(out, target)``: the batch loss when `output` is what `call` (the step's last network call,
     None: no step or no call) returned; None for any other tensor (the module's own loss computes it)."""
@@ -260,8 +323,10 @@ def serve_loss(strategy: Any, call: Optional[NetworkCall], output: Any, target: 
         return call.loss
     if not isinstance(output, PipelineOutput):  # the whole output is here (opt-in, predict): computed as usual
         return None
+    if strategy._cp is not None:  # this rank's part of the sequences: the target's matching chunks
+        target = cut_target(strategy._cp, target, owner)
     value = None if call.local is None else original(call.local, target)  # the whole batch: one device's value
     return strategy._runner.from_last_stage(value, ("loss", "eval"))
 
 
-__all__ = ["NetworkCall", "PipelineStep", "serve_loss"]
+__all__ = ["NetworkCall", "PipelineStep", "cp_share", "cut_for_cp", "cut_target", "serve_loss"]

@@ -8,8 +8,8 @@ checks the top candidates with the dry run (``verify=True``, :mod:`lightning_dis
 choice and the runner-up with their figures, and broadcasts the choice. Every rank then builds that
 strategy (:meth:`AutoParallelStrategy.build`: :class:`HybridShardStrategy` for DDP-style replication, hybrid
 sharding and context parallelism, :class:`FullyShardStrategy`, :class:`TensorParallelStrategy`,
-:class:`PipelineStrategy`, and :class:`HybridShardStrategy` with FSDP2's ``CPUOffloadPolicy`` for offload) and hands the run to it: the built
-strategy takes what Lightning set on this one and becomes ``trainer.strategy``
+:class:`PipelineStrategy`, and :class:`HybridShardStrategy` with FSDP2's ``CPUOffloadPolicy`` for offload) and
+hands the run to it: the built strategy takes what Lightning set on this one and becomes ``trainer.strategy``
 (:func:`~lightning_dist._integrations.lightning.hand_over_strategy`), then sets itself up. From there on
 training runs as that strategy alone; this object takes no further part.
 """

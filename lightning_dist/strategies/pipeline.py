@@ -20,6 +20,10 @@ What the LightningModule must provide (checked on every rank before the first co
 * a forward that is its children run in order: checked on ``example_input_array`` before any collective,
   else on the first micro-batch against a host copy of the unsplit network (one verdict for all ranks).
 
+Context parallelism (``cp > 1``): the network call cuts each sequence to this rank's chunks before the schedule's
+micro-batch split (:func:`~lightning_dist.strategies._pipeline_step.cut_for_cp`), every stage gets ``position_ids``,
+each micro-batch's loss the matching chunks of the target, and the schedule runs under the Ulysses attention mode.
+
 Calling the network in ``training_step``/``validation_step`` runs the whole schedule; only the boundary
 activations and their gradients cross the pp group, plus the batch loss as a scalar: every rank's step sees
 a stand-in output that answers ``self.pipeline_loss(out, target)`` / HF ``out.loss`` and refuses other uses
@@ -31,6 +35,7 @@ and load into any pipeline layout or, consolidated, into the plain single-device
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional, Union
@@ -133,6 +138,12 @@ class PipelineStrategy(MeshStrategy):
         )
         if problems:
             raise ValueError(f"Invalid {type(self).__name__} configuration:\n  - " + "\n  - ".join(problems))
+        if kwargs.get("cp_network", "auto") not in ("auto", network):
+            raise ValueError(
+                f"`cp_network={kwargs['cp_network']!r}` differs from `network={network!r}`: a pipeline splits the"
+                " sequences of the network it pipelines. Pass `network` only."
+            )
+        kwargs["cp_network"] = network
         super().__init__(pp=1 if pp is None else pp, tp=tp, **kwargs)
         self.tp_plan = dict(tp_plan) if isinstance(tp_plan, Mapping) else tp_plan
         self.compile = compile
@@ -217,16 +228,18 @@ class PipelineStrategy(MeshStrategy):
             check_offload_device(True, self.root_device)
         pp, problems = spec.size(PP), []
         problems += schedule_problems(self.schedule, pp, self.n_microbatches, self.stages_per_rank)
-        if spec.cp > 1:
+        if spec.cp > 1 and self.broadcast_output:
             problems.append(
-                f"cp={spec.cp} with a pipeline is not available yet (the micro-batches' sequence split is not wired"
-                " into the schedule): use cp with HybridShardStrategy or TensorParallelStrategy, or cp=1."
+                f"broadcast_output=True with cp={spec.cp}: each rank's output holds its part of the sequences only."
+                " Use the default stand-in (pipeline_loss(out, target) / HF out.loss), or cp=1."
             )
         module = self.lightning_module
         net = getattr(module, self.network, None)
         if self._is_pipelined(net):
             return  # the same Trainer again (validate/test after fit): already split and checked
         problems += checks.module_problems(module, self.network, net)
+        if spec.cp > 1 and isinstance(net, nn.Module):
+            problems += checks.cp_stage_problems(net)
         if problems or net is None:
             raise ValueError(f"Invalid {type(self).__name__} configuration:\n  - " + "\n  - ".join(problems))
         # split arithmetic (TypeError for a network of another shape), the sample and the staged forward on it,
@@ -294,6 +307,7 @@ class PipelineStrategy(MeshStrategy):
             offload_activations=self.offload_activations,
             tp_entries=entries,
             tp_owner=module,
+            recompute_context=self._cp.active if self._cp is not None else None,
         )
         # before the split drops the rest of the network
         tied_names = tied_stages(net, self.split)
@@ -338,6 +352,24 @@ class PipelineStrategy(MeshStrategy):
             unserve_pipeline_loss(self.lightning_module, self._own_loss)
         self._own_loss, self._step = None, None
         super().teardown()
+
+    # ---- context parallelism: the network call cuts the sequences (see `_pipeline_step.cut_for_cp`) ----------
+    @override
+    def _check_cp_model(self) -> None:
+        if not self._is_pipelined(getattr(self.lightning_module, self.network, None)):  # checked before its split
+            super()._check_cp_model()
+
+    @override
+    def _attach_cp(self) -> None:
+        # no hook on the network's inputs and no target server: the pipeline step cuts the batch before the schedule
+        # splits it into micro-batches, and gives each micro-batch's loss its chunks of the target
+        assert self._cp is not None
+        self._cp.attach(getattr(self.lightning_module, self.network), hook=False)
+
+    @override
+    def step_context(self) -> Any:
+        # the network call holds the attention mode around the schedule itself (not around the first-batch check)
+        return contextlib.nullcontext()
 
     # ---- the step ------------------------------------------------------------------------------
     def _run(self, *args: Any, **kwargs: Any) -> Any:

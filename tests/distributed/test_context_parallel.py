@@ -6,6 +6,10 @@ too) and 4 processes (cp2 x dp_shard2, cp2 x tp2, cp4). HF models also train thr
 (shifted before the split, averaged over tokens). Each row: parameters at float64 round-off, the logged loss equal to
 the reference's, the attention calls served by the all-to-all (the split ran), the sampler over dp only and FSDP2 over
 dp_shard x cp.
+
+A third launch (4 processes) runs PipelineStrategy pp2 x cp2: the pack's GPT (also with activation checkpointing, and a
+validation pass) and HF Llama (``pipeline_loss``, and its ``labels=``), each rank's stage parameters at float64
+round-off, and the pipeline's refusals under cp.
 """
 
 import math
@@ -77,3 +81,38 @@ def test_context_parallel_4_processes():
     expected = {(mesh, m) for mesh in ("cp2_dp2", "cp2_tp2") for m in models} | {("cp4", "gpt_gqa")}
     expected |= {("hf_labels", m) for m in models[1:]}
     _check(rows, 4, expected)
+
+
+def test_context_parallel_with_pipeline_4_processes():
+    rows = results(run_script("cp_parity.py", "--devices", "4", "--pipeline", "--models", "gpt_gqa,llama", timeout=900))
+    runs = [r for r in rows if r["kind"] == "cp_pp"]
+    expected = {("pp2_cp2", "gpt_gqa"), ("pp2_cp2_ac", "gpt_gqa"), ("pp2_cp2", "llama"), ("pp2_cp2_hf_labels", "llama")}
+    assert {(r["name"], r["model"]) for r in runs} == expected
+    assert len(runs) == 4 * len(expected)
+    for r in runs:
+        assert r["diff"] <= TOL, r
+        # the loss group's (cp peers') mean of the chunks' losses is the whole sequences' loss, both loss conventions
+        assert math.isclose(r["loss"], r["ref_loss"], rel_tol=1e-12), r
+        assert r["shape"] == [2, 1, 1, 2, 1] and r["sampler"]["num_replicas"] == 1 and r["fsdp_size"] == 2, r
+        # each rank's stage holds 1 of the 2 layers: 4 micro-batches x 3 steps through the all-to-all, doubled by the
+        # recomputation of checkpointed blocks, 2 batches x 4 micro-batches of validation; torch's metadata inference
+        # runs each new schedule once more on fake tensors
+        real = 4 * 3 * (2 if r["name"].endswith("_ac") else 1) + (8 if r["val_loss"] is not None else 0)
+        assert real <= r["attention_calls"] <= real + 2, r
+        if r["val_loss"] is not None:
+            assert math.isclose(r["val_loss"], r["val_ref"], rel_tol=1e-12), r
+    for name, model in expected:  # the two stages together hold every parameter, each cp rank a whole stage's
+        these = [r for r in runs if (r["name"], r["model"]) == (name, model)]
+        stages = {tuple(r["names"]) for r in these}
+        assert len(stages) == 2 and sorted(n for names in stages for n in names) == these[0]["all_names"], name
+    refusals = {}
+    for r in rows:
+        if r["kind"] == "cp_pp_refusal":
+            refusals.setdefault(r["name"], []).append(r["error"])
+    assert set(refusals) == {"broadcast_output", "per_sequence_target"}
+    want = {
+        "broadcast_output": "broadcast_output=True with cp=2",
+        "per_sequence_target": "must be [batch, seq, ...] with the inputs' sequence length 16; got (4,)",
+    }
+    for name, errors in refusals.items():
+        assert len(errors) == 4 and all(e and want[name] in e for e in errors), (name, errors)  # on every rank

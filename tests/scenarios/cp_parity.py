@@ -8,6 +8,11 @@ through their own ``labels=`` loss (shifted before the split, averaged over toke
 is held to float32 round-off). Meshes: 2 processes cp2 (also with activation checkpointing); 4 processes cp2 x
 dp_shard2, cp2 x tp2 and cp4. Every row also reports the attention calls the Ulysses mode served (the split really
 ran), the logged loss against the reference's, the sampler's split (dp only) and the FSDP2 mesh size.
+
+``--pipeline`` (4 processes): PipelineStrategy pp2 x cp2 (1F1B, 4 micro-batches of one sequence) instead, each rank
+comparing the parameters of its stage: the pack's GPT (GQA; also with activation checkpointing, whose recomputation
+runs the exchange, and a validation pass), HF Llama through ``pipeline_loss`` and through its ``labels=`` (the
+pipeline's float64 loss on both sides), and the refusals (``broadcast_output=True``, a per-sequence target).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_dist  # noqa: F401  (registers the strategies)
 from lightning_dist.models import GPT
-from lightning_dist.strategies import HybridShardStrategy, TensorParallelStrategy
+from lightning_dist.strategies import HybridShardStrategy, PipelineStrategy, TensorParallelStrategy
 
 STEPS, GLOBAL_BATCH, N, SEQ, VOCAB = 3, 4, 12, 16, 64
 
@@ -94,8 +99,14 @@ class Task(pl.LightningModule):
         return DataLoader(sampler.dataset, batch_size=GLOBAL_BATCH // kw["num_replicas"], sampler=sampler)
 
 
-def reference(kind: str, hf_labels: bool = False, dtype=torch.float64, steps: int | None = None) -> tuple[dict, float]:
+def reference(
+    kind: str, hf_labels: bool = False, dtype=torch.float64, steps: int | None = None, pipeline: bool = False
+) -> tuple[dict, float]:
     model = build(kind).to(dtype)
+    if pipeline and hf_labels:  # the pipeline's `labels` loss (float64; HF's own casts the logits to float32)
+        from lightning_dist.parallelize.pipeline_hf import pipeline_loss_function
+
+        model.loss_function = pipeline_loss_function
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     ds = data()
     for k in range(STEPS if steps is None else steps):
@@ -138,10 +149,94 @@ parser.add_argument("--models", default="gpt_gqa,llama,qwen2_gqa")
 parser.add_argument("--steps", type=int, default=STEPS)
 parser.add_argument("--cp", type=int, default=2)
 parser.add_argument("--features", default="auto", help="'on', 'off' or 'auto' (on with 2 processes)")
+parser.add_argument("--pipeline", action="store_true", help="the pp2 x cp2 rows only (4 processes)")
 args = parser.parse_args()
 STEPS = args.steps
 world = args.devices
 models = [m for m in args.models.split(",") if m and m != "ac"]
+
+
+def stage_diff(module, ref: dict) -> tuple[float, list[str]]:
+    """Max relative difference of the parameters this rank's pipeline stage holds (FSDP2 shards gathered)."""
+    held = full_params(module)
+    return max(((p.double() - ref[n]).norm() / ref[n].norm()).item() for n, p in held.items()), sorted(held)
+
+
+class Validated(Task):
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", self.pipeline_loss(logits(self.model, x), y), sync_dist=True)
+
+    def val_dataloader(self):  # 8 sequences in 2 batches of 4 (one micro-batch each)
+        g = torch.Generator().manual_seed(2)
+        ds = TensorDataset(
+            torch.randint(0, VOCAB, (8, SEQ), generator=g), torch.randint(0, VOCAB, (8, SEQ), generator=g)
+        )
+        return DataLoader(ds, batch_size=4)
+
+
+def val_reference(kind: str, params: dict) -> float:
+    model = build(kind).double()
+    model.load_state_dict({k[len("model.") :]: v for k, v in params.items()})
+    x, y = Validated(kind).val_dataloader().dataset.tensors
+    with torch.no_grad():  # the mean of the 2 batches' means (equal batches: the mean over all tokens)
+        return float(F.cross_entropy(logits(model, x).flatten(0, 1), y.flatten()))
+
+
+def run_pipeline(kind: str, name: str, *, hf_labels: bool = False, validate: bool = False, **options) -> None:
+    ref, ref_loss = reference(kind, hf_labels, pipeline=True)
+    task = (Validated if validate else Task)(kind, hf_labels)
+    extra = dict(limit_val_batches=None, val_check_interval=STEPS, num_sanity_val_steps=0) if validate else {}
+    t = trainer(PipelineStrategy(pp=2, cp=2, dp_replicate=1, **options), devices=world, steps=STEPS, **extra)
+    t.fit(task)
+    diff, names = stage_diff(task, ref)
+    mesh = t.strategy.mesh
+    emit(
+        kind="cp_pp",
+        name=name,
+        model=kind,
+        hf_labels=hf_labels,
+        diff=diff,
+        names=names,
+        all_names=sorted(ref),
+        loss=float(t.callback_metrics["train_loss"]),
+        ref_loss=ref_loss,
+        val_loss=float(t.callback_metrics["val_loss"]) if validate else None,
+        val_ref=val_reference(kind, ref) if validate else None,
+        attention_calls=t.strategy.cp_attention_calls,
+        shape=list(mesh.spec.shape),
+        sampler=t.strategy.distributed_sampler_kwargs,
+        fsdp_size=mesh.fsdp_mesh().size(),
+    )
+
+
+if args.pipeline:
+    assert world == 4, "--pipeline runs pp2 x cp2 on 4 processes"
+    for kind in models:
+        run_pipeline(kind, "pp2_cp2", validate=kind == "gpt_gqa")
+        if kind == "gpt_gqa":
+            run_pipeline(kind, "pp2_cp2_ac", activation_checkpointing="full")
+        else:
+            run_pipeline(kind, "pp2_cp2_hf_labels", hf_labels=True)
+
+    class PerSequenceTarget(Task):
+        def pipeline_target(self, batch):
+            return batch[1][:, 0]
+
+        def pipeline_loss(self, output, target):
+            return F.cross_entropy(output[:, -1], target)
+
+    refusals = (
+        ("broadcast_output", Task("gpt_gqa"), dict(broadcast_output=True)),
+        ("per_sequence_target", PerSequenceTarget("gpt_gqa"), {}),
+    )
+    for name, module, options in refusals:
+        try:
+            trainer(PipelineStrategy(pp=2, cp=2, dp_replicate=1, **options), devices=world, steps=1).fit(module)
+            emit(kind="cp_pp_refusal", name=name, error=None)
+        except ValueError as err:
+            emit(kind="cp_pp_refusal", name=name, error=str(err))
+    models = []  # the rows below are the other launches'
 if world == 2:
     meshes = {f"cp{args.cp}": lambda: HybridShardStrategy(cp=args.cp, dp_replicate=1)}
 else:

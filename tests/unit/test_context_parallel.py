@@ -10,9 +10,14 @@ from torch import nn
 
 from lightning_dist.mesh import MeshSpec
 from lightning_dist.models import GPT
-from lightning_dist.parallelize.cp import cp_model_problems, cp_style_problems, find_network
+from lightning_dist.parallelize.cp import ContextParallel, CPGroup, cp_model_problems, cp_style_problems, find_network
+from lightning_dist.parallelize.pipeline import network_layout
+from lightning_dist.parallelize.pipeline_hf import hf_labels_loss
+from lightning_dist.parallelize.pipeline_setup import cp_stage_problems
+from lightning_dist.parallelize.pipeline_stages import build_plain_stage
 from lightning_dist.rules import cp_chunks, replicates
 from lightning_dist.strategies import HybridShardStrategy, PipelineStrategy
+from lightning_dist.strategies._pipeline_step import cp_share, cut_for_cp, cut_target
 
 
 def test_chunks_balance_causal_work_and_cover_the_sequence():
@@ -138,10 +143,49 @@ def test_gpt_positions_are_those_given():
     assert torch.equal(net(idx), net(idx, position_ids=torch.arange(6).expand(2, -1)))
 
 
-def test_pipeline_and_zero1_refuse_cp():
+def test_pipeline_cp_refusals_and_zero1():
     spec = MeshSpec(world_size=4, devices_per_node=4, pp=2, cp=2).resolve()
-    with pytest.raises(ValueError, match="cp=2 with a pipeline is not available yet"):
-        PipelineStrategy(pp=2, cp=2).validate_config(spec)
+    with pytest.raises(ValueError, match="broadcast_output=True with cp=2: each rank's output holds its part"):
+        PipelineStrategy(pp=2, cp=2, broadcast_output=True).validate_config(spec)
+    with pytest.raises(ValueError, match="`cp_network='net'` differs from `network='model'`"):
+        PipelineStrategy(pp=2, cp=2, cp_network="net")
     spec = MeshSpec(world_size=4, devices_per_node=4, cp=2).resolve()
     with pytest.raises(ValueError, match="zero_stage=1 .* cp=2 .* zero_stage=2 or 3"):
         HybridShardStrategy(cp=2, zero_stage=1).validate_config(spec)
+
+
+def test_plain_pipeline_stages_take_positions():
+    torch.manual_seed(0)
+    net = GPT(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=8).double()
+    assert cp_stage_problems(net) == []  # its pos_emb names position_ids
+    (msg,) = cp_stage_problems(nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 4), nn.Linear(4, 8)))
+    assert "none of its stem or block children takes `position_ids`" in msg and "cp=1" in msg
+    # the stages (children in order) pass position_ids to the children that name them, as GPT.forward does
+    stage = build_plain_stage(net, network_layout(net), [0, 1], first=True, last=True)
+    idx, pos = torch.randint(0, 32, (2, 4)), torch.tensor([[0, 1, 6, 7]] * 2)
+    assert torch.equal(stage.run_local(idx, position_ids=pos), net(idx, position_ids=pos))
+
+
+def test_pipeline_cut_and_hf_loss_shares_add_up_to_the_whole_sequences_loss():
+    torch.manual_seed(0)
+    B, S, V, cp = 2, 8, 5, 2
+    x, labels, logits = torch.randint(0, V, (B, S)), torch.randint(0, V, (B, S)), torch.randn(B, S, V).double()
+    labels[0, 3] = -100
+    whole = hf_labels_loss(logits, labels)
+    total = 0.0
+    for rank in range(cp):
+        state = ContextParallel(CPGroup(cp, rank, None))  # the cut needs no group (the exchange does)
+        cut_x, extra, cut_labels, count = cut_for_cp(state, x, {"attention_mask": torch.ones(B, S)}, labels)
+        positions = state.cp.positions(S, x.device)
+        assert torch.equal(cut_x, x[:, positions]) and set(extra) == {"position_ids"}  # the all-ones mask dropped
+        assert torch.equal(extra["position_ids"], positions.expand(B, -1))
+        assert count == (labels[:, 1:] != -100).sum()
+        # the micro-batches (dim 0) of this rank: each its share; the runner divides each by m
+        m = B
+        for i in range(m):
+            share = hf_labels_loss(logits[i : i + 1, positions], cut_labels[i : i + 1], **cp_share(state, count, m))
+            total += share / m / cp  # FSDP2 averages the gradients (and the loss group the loss) over cp
+        with pytest.raises(ValueError, match=r"target .* must be \[batch, seq, ...\] .* length 8; got \(2,\)"):
+            cut_target(state, labels[:, 0], "Task")
+        assert torch.equal(cut_target(state, labels, "Task"), labels[:, positions])
+    assert torch.allclose(total, whole, rtol=1e-14, atol=0)  # the cp ranks' mean is the whole sequences' loss
