@@ -83,6 +83,9 @@ class ParallelizeConfig:
     recompute_context: Any | None = None
     """A context-manager factory the recomputation of checkpointed blocks runs under (context parallelism's
     attention mode, which torch's autograd engine does not carry into backward)."""
+    split_backward: bool = False
+    """The pipeline schedule runs input- and weight-gradient passes (zero-bubble): checkpointed blocks are
+    recomputed in each (``apply_ac(split_backward=True)``)."""
     fsdp_root: Literal["children", "model"] = "children"
     """FSDP2/replicate roots: the model's direct children (a LightningModule) or the model itself (a pipeline stage)."""
 
@@ -113,6 +116,7 @@ def parallelize_model(model: nn.Module, mesh: DistMesh, config: ParallelizeConfi
             every=ac.every,
             ops=ac.ops,
             recompute_context=config.recompute_context,
+            split_backward=config.split_backward,
         )
     if config.offload_activations:  # the blocks AC left keep their saved tensors: those go to host memory
         apply_offload_activations(model, units=blocks, skip=checkpointed)

@@ -125,6 +125,24 @@ def ac_problems(value: Any, *, selective_ops: Any = None, offload_activations: A
     return problems
 
 
+def split_backward_problems(value: Any, schedule: str) -> list[str]:
+    """Problems of activation checkpointing under a schedule that splits the backward into input- and
+    weight-gradient passes (zero-bubble): selective AC's saved outputs serve one backward only (torch raises
+    "Trying to backward an extra time" in the second pass)."""
+    try:
+        plan = parse_ac(value)
+    except ValueError:
+        return []  # reported by ac_problems
+    if plan is not None and plan.mode == "selective":
+        return [
+            f"activation_checkpointing='selective' with schedule={schedule!r}: a zero-bubble schedule runs each"
+            " micro-batch's backward in two passes (input gradients, then weight gradients), and torch's"
+            " selective checkpoint serves one backward only. Use activation_checkpointing='full' or 'every:N'"
+            " (recomputed in each pass), or schedule='1f1b' / 'interleaved_1f1b' with 'selective'."
+        ]
+    return []
+
+
 def check_offload_device(offload_activations: bool, device: Any) -> None:
     """ValueError when activations would be offloaded from a device that is host memory already."""
     if offload_activations and torch.device(device).type != "cuda":
@@ -196,12 +214,19 @@ def apply_ac(
     every: int = 1,
     ops: Sequence[Any] = SELECTIVE_AC_OPS,
     recompute_context: Any = None,
+    split_backward: bool = False,
 ) -> list[nn.Module]:
     """Checkpoint each unit (each block by default; every `every`-th with ``every > 1``); returns the wrapped.
 
     `recompute_context`: a factory of a context manager each recomputation (in backward) runs under, as the forward
     ran under the step's: context parallelism's attention mode (torch's autograd engine does not carry a
     ``TorchFunctionMode`` into backward).
+
+    `split_backward`: the schedule computes input and weight gradients in two passes over the graph (zero-bubble
+    pipelines), so each checkpointed block is recomputed twice: full AC then runs through
+    ``torch.utils.checkpoint.checkpoint`` of the forward, which recomputes once per pass (torch's composable
+    ``checkpoint`` enters a one-shot context per forward and fails at the second); selective AC cannot (torch's
+    cache of the saved ops serves one backward) and is refused by :func:`split_backward_problems`.
 
     ``mode="full"``: torch's composable ``checkpoint`` (non-reentrant, hooks on the module);
     ``mode="selective"``: ``torch.utils.checkpoint.checkpoint`` of the module's forward with a selective
@@ -219,9 +244,15 @@ def apply_ac(
     context_fn = _selective_context(ops) if mode == "selective" else None
     if recompute_context is not None:
         context_fn = _recompute_under(context_fn, recompute_context)
+    if split_backward and mode == "full" and context_fn is None:
+        from torch.utils.checkpoint import noop_context_fn
+
+        context_fn = noop_context_fn
     for module in wrapped:
         module._lightning_dist_ac = mode  # read by the planners (checkpointed_mode)
-        if context_fn is None:
+        if split_backward and mode == "full":
+            _checkpoint_forward(module, context_fn)
+        elif context_fn is None:
             checkpoint(module)
         elif mode == "full":
             checkpoint(module, context_fn=context_fn)
@@ -237,18 +268,33 @@ def checkpointed_mode(module: nn.Module) -> Optional[str]:
     return getattr(module, "_lightning_dist_ac", None) or getattr(inner, "_lightning_dist_ac", None)
 
 
+class _Both:
+    """``first`` and a fresh ``extra()`` entered together, as often as it is entered: a zero-bubble schedule's
+    input-gradient and weight-gradient passes each recompute a checkpointed block (a generator-based context
+    manager can be entered only once)."""
+
+    def __init__(self, first: Any, extra: Any) -> None:
+        self.first, self.extra, self.stacks = first, extra, []
+
+    def __enter__(self) -> None:
+        import contextlib
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.first)
+        stack.enter_context(self.extra())
+        self.stacks.append(stack)
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self.stacks.pop().__exit__(*exc)
+
+
 def _recompute_under(context_fn: Any, extra: Any) -> Any:
     """A checkpoint ``context_fn`` whose recomputation also runs under ``extra()``."""
     import contextlib
 
-    @contextlib.contextmanager
-    def both(first: Any) -> Any:
-        with first, extra():
-            yield
-
     def fn() -> Any:
         forward, recompute = context_fn() if context_fn is not None else (contextlib.nullcontext(),) * 2
-        return forward, both(recompute)
+        return forward, _Both(recompute, extra)
 
     return fn
 
@@ -358,4 +404,5 @@ __all__ = [
     "offloaded_bytes",
     "parse_ac",
     "resolve_ops",
+    "split_backward_problems",
 ]

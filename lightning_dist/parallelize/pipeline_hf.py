@@ -82,7 +82,20 @@ class HFStageMixin(PrunedStage):
     def run_local(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         key = "input_ids" if self._ld_first else "inputs_embeds"
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
-        return self._ld_model.forward(self, **{key: x}, **kwargs, use_cache=False).logits
+        out = self._ld_model.forward(self, **{key: x}, **kwargs, use_cache=False).logits
+        base = out._base
+        if (
+            base is not None
+            and base.grad_fn is not None
+            and out.grad_fn is not None
+            and base.shape == out.shape
+            and base.stride() == out.stride()
+            and base.storage_offset() == out.storage_offset()
+        ):
+            # a stage without the head returns HF's `hidden[:, slice(0, None), :]`: a view of the whole tensor, which
+            # torch's split backward (zero-bubble schedules) cannot `detach_()` in place; the tensor itself is the same
+            out = base
+        return out
 
     @staticmethod
     def whole_output(net: nn.Module, sample: Any) -> torch.Tensor:

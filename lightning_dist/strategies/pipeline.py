@@ -50,7 +50,7 @@ from lightning_dist.mesh import PP, TP, MeshSpec
 from lightning_dist.parallelize import ParallelizeConfig, pipeline_model
 from lightning_dist.parallelize import pipeline as plan
 from lightning_dist.parallelize import pipeline_setup as checks
-from lightning_dist.parallelize.ac import ACOption, ac_problems, check_offload_device
+from lightning_dist.parallelize.ac import ACOption, ac_problems, check_offload_device, split_backward_problems
 from lightning_dist.parallelize.pipeline_checks import host_copy, tied_stages
 from lightning_dist.parallelize.pipeline_output import serve_pipeline_loss, unserve_pipeline_loss
 from lightning_dist.parallelize.pipeline_schedule import PipelineRunner, schedule_problems
@@ -136,6 +136,8 @@ class PipelineStrategy(MeshStrategy):
         problems = ac_problems(
             activation_checkpointing, selective_ops=selective_ac_ops, offload_activations=offload_activations
         )
+        if isinstance(schedule, str) and "zero_bubble" in schedule:
+            problems += split_backward_problems(activation_checkpointing, schedule)
         if problems:
             raise ValueError(f"Invalid {type(self).__name__} configuration:\n  - " + "\n  - ".join(problems))
         if kwargs.get("cp_network", "auto") not in ("auto", network):
@@ -308,6 +310,7 @@ class PipelineStrategy(MeshStrategy):
             tp_entries=entries,
             tp_owner=module,
             recompute_context=self._cp.active if self._cp is not None else None,
+            split_backward="zero_bubble" in self.schedule,
         )
         # before the split drops the rest of the network
         tied_names = tied_stages(net, self.split)

@@ -64,7 +64,14 @@ def test_pp2_parity(pp2, schedule, model):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    "tag", ("pp2_1f1b_llama_ac_selective", "pp2_interleaved_llama_ac_every2", "pp2_1f1b_pack_gpt_tied_ac_selective")
+    "tag",
+    (
+        "pp2_1f1b_llama_ac_selective",
+        "pp2_interleaved_llama_ac_every2",
+        "pp2_1f1b_pack_gpt_tied_ac_selective",
+        "pp2_zero_bubble_llama_ac_full",
+        "pp2_interleaved_zero_bubble_qwen2_gqa_ac_every2",
+    ),
 )
 def test_pp2_activation_checkpointing_modes_keep_parity(pp2, tag):
     rows = pp2[tag]

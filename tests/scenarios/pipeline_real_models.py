@@ -367,6 +367,16 @@ def main() -> None:
             schedule="interleaved_1f1b",
             activation_checkpointing="every:2",
         )
+        # zero-bubble schedules recompute each checkpointed block in both backward passes (input, then weight
+        # gradients); HF stages hand on their hidden states, not a view of them, which that backward detaches
+        run("pp2_zero_bubble_llama_ac_full", "llama", pp=2, schedule="zero_bubble", activation_checkpointing="full")
+        run(
+            "pp2_interleaved_zero_bubble_qwen2_gqa_ac_every2",
+            "qwen2_gqa",
+            pp=2,
+            schedule="interleaved_zero_bubble",
+            activation_checkpointing="every:2",
+        )
         run(
             "pp2_1f1b_pack_gpt_tied_ac_selective",
             "pack_gpt_tied",

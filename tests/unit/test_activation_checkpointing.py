@@ -259,3 +259,34 @@ def test_planner_offloaded_blocks_leave_one_set_on_the_device():
     every2 = planner.activation_bytes(block, checkpointed="every:2", **kw)
     # two checkpointed blocks keep their inputs, the two others go to host memory but one block's set
     assert planner.activation_bytes(block, checkpointed="every:2", offloaded=True, **kw) == every2 - one
+
+
+@pytest.mark.parametrize("schedule", ["zero_bubble", "interleaved_zero_bubble"])
+def test_selective_ac_is_refused_under_zero_bubble_schedules(schedule):
+    from lightning_dist.strategies import PipelineStrategy
+
+    # the input- and weight-gradient passes each recompute a block; torch's selective cache serves one backward
+    with pytest.raises(ValueError, match=rf"activation_checkpointing='selective' with schedule='{schedule}'"):
+        PipelineStrategy(pp=2, schedule=schedule, activation_checkpointing="selective")
+    for ok in ("full", "every:2", False):  # recomputed in each pass
+        PipelineStrategy(pp=2, schedule=schedule, activation_checkpointing=ok)
+    PipelineStrategy(pp=2, schedule="1f1b", activation_checkpointing="selective")
+
+
+def test_recompute_context_can_be_entered_once_per_backward_pass():
+    import contextlib
+
+    from lightning_dist.parallelize.ac import _recompute_under
+
+    entered = []
+
+    @contextlib.contextmanager
+    def extra():
+        entered.append(1)
+        yield
+
+    forward, recompute = _recompute_under(None, extra)()
+    for _ in range(2):  # a zero-bubble schedule recomputes in its input- and its weight-gradient pass
+        with recompute:
+            pass
+    assert len(entered) == 2
