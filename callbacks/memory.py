@@ -128,6 +128,10 @@ class MemoryReport(Callback):
         # async_checkpoint=True: the host copy of this rank's shards that background saves stage (kept for reuse)
         writer = trainer.strategy.checkpoint_writer() if hasattr(trainer.strategy, "checkpoint_writer") else None
         row["checkpoint_staging_bytes"] = writer.staging_bytes if writer is not None else 0
+        # planned: what a checkpoint holds of this rank's model states (its parameter and optimizer shards)
+        row["planned_checkpoint_staging_bytes"] = (
+            self.planned["params"] + self.planned["optimizer"] if writer is not None and self.planned else None
+        )
         if initialized:
             rows: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(rows, row)

@@ -393,6 +393,15 @@ def simulate_rank(config: DryRunConfig, rank: int) -> dict[str, Any]:
         )
         with fake, answers:
             recorder, peak, states = _step(strategy, make_batch(config.batch_size), optimizers, warm_up=pipelined)
+        staging = None
+        if getattr(strategy, "_async_checkpoint", False):
+            # async_checkpoint=True: the host copy a background save stages, measured as the writer measures it
+            # (`local_tensor_bytes`) on the state the strategy's own save collects
+            from lightning_dist.checkpoint_async import local_tensor_bytes
+
+            with fake:
+                saved = [strategy.lightning_module_state_dict(), *(strategy.optimizer_state(o) for o in optimizers)]
+            staging = local_tensor_bytes(saved)
         dev = next(iter(peak.values())) if peak else {}
         cat = {str(getattr(k, "value", k)): v for k, v in dev.items()}
         return {
@@ -404,6 +413,7 @@ def simulate_rank(config: DryRunConfig, rank: int) -> dict[str, Any]:
             # activations saved for backward and the temporaries live with them at the step's peak
             "peak_activation_bytes": cat.get("Activation", 0) + cat.get("Temp", 0),
             "peak_breakdown": cat,
+            "checkpoint_staging_bytes": staging,
             "collectives": _collective_rows(recorder, mesh, rank, config.world_size),
             "planned": planned,
             "seconds": time.perf_counter() - start,
@@ -696,7 +706,9 @@ def plan_rank(
             # sends, and a stage receives as many bytes as it sends (activations in, their gradients back)
             for op in ("send", "recv") if c.op == "send_recv" else (c.op,):
                 merged[(op, c.dim)] = merged.get((op, c.dim), 0.0) + c.payload_bytes
+    staged = memory.params + memory.optimizer  # what a checkpoint holds of this rank's states
     return {
+        "checkpoint_staging_bytes": staged if getattr(strategy, "_async_checkpoint", False) else None,
         "states": {**memory.to_dict()},
         "collectives": [{"op": o, "dim": d, "payload_bytes": v} for (o, d), v in sorted(merged.items())],
         "peak_activation_bytes": activation,

@@ -82,6 +82,13 @@ class DryRunReport:
                 f"{r['seconds']:.0f} s",
             )
         console.print(table)
+        for r in self.ranks:
+            staged, planned = r.get("checkpoint_staging_bytes"), r["planned"].get("checkpoint_staging_bytes")
+            if staged is not None:
+                console.print(
+                    f"rank {r['rank']}: async_checkpoint=True stages {format_bytes(staged)} in host memory per save"
+                    f" (planned {format_bytes(planned or 0)}), held until the write finishes"
+                )
         comm = Table(title="Collective payload bytes per step (measured / planned)")
         for col in ("rank", "op", "dim", "calls", "measured", "planned", "m/p"):
             comm.add_column(col, justify="left" if col in ("op", "dim") else "right", no_wrap=True)

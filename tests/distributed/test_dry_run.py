@@ -249,3 +249,24 @@ def test_context_parallel_fits_a_4x_longer_sequence():
     assert ("all_to_all", "cp") in comm, comm
     for key, (measured, planned) in comm.items():
         assert measured == planned, (key, measured, planned)
+
+
+def test_dry_run_reports_the_async_checkpoint_staging_copy():
+    # async_checkpoint=True: the host copy of this rank's shards a background save stages, measured on the state
+    # the strategy's own save collects, next to the planner's parameter + optimizer shards
+    report = dry_run(
+        _config(
+            init_args={"n_layer": 2, "n_head": 4, "n_embd": 64, "vocab_size": 512, "block_size": 64, "bias": False},
+            strategy="hsdp",
+            strategy_args={"async_checkpoint": True},
+            world_size=4,
+            devices_per_node=4,
+            ranks=(3,),
+        ),
+        timeout=300,
+    )
+    (r,) = report.ranks
+    staged, planned = r["checkpoint_staging_bytes"], r["planned"]["checkpoint_staging_bytes"]
+    assert staged > 0 and abs(staged - planned) <= 0.01 * planned, r
+    assert r["states"]["params"] + r["states"]["optimizer"] <= staged  # plus the step counters and buffers
+    assert "stages" in report.format() and "in host memory" in report.format()

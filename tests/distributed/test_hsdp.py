@@ -64,6 +64,8 @@ def test_checkpoint_resume_reshard_and_single_device(tmp_path):
         assert r["files"] == ["g3.ckpt", "g6.ckpt"] and r["staged"] > 0, r  # the step-6 save was waited for
         # the staged copy: this rank's shards of parameters and AdamW state, as MemoryReport shows it
         assert r["reported"] == r["staged"], r
+        # and the planner's figure for it (parameter + optimizer shards), step counters aside
+        assert abs(r["planned_staging"] - r["staged"]) <= 0.01 * r["staged"], r
         assert abs(r["staged"] - r["params_optimizer"]) <= 0.01 * r["params_optimizer"], r  # step counters aside
     for r in saved:
         assert r["bitwise"] and r["diff"] == 0.0, r  # resume continues exactly (float64, same mesh)

@@ -74,6 +74,7 @@ if mode == "save":
         files=g_files,
         staged=tg.strategy.checkpoint_writer().staging_bytes,
         reported=memory.rows[torch.distributed.get_rank()]["checkpoint_staging_bytes"],
+        planned_staging=memory.rows[torch.distributed.get_rank()]["planned_checkpoint_staging_bytes"],
         params_optimizer=memory.measured["params"] + memory.measured["optimizer"],
     )
     emit(
