@@ -322,27 +322,47 @@ def _selective_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 class OffloadedActivations(torch.autograd.graph.saved_tensors_hooks):
     """Saved tensors to (pinned) host memory in forward, back to their device in backward; parameters stay.
 
-    torch's ``save_on_cpu`` packing, except that parameters (kept alive by the module anyway) are not copied.
-    The device->host copy is queued on the current stream (``non_blocking`` into pinned memory), so it is
-    ordered after the op that produced the tensor and overlaps the compute queued after it. ``bytes`` counts
-    what was moved to host memory since the block's last forward started (measured, for ``MemoryReport``).
+    torch's ``save_on_cpu`` packing, except that parameters (kept alive by the module anyway) are not copied, and
+    that with a `stream` (CUDA: one side stream per device, :func:`apply_offload_activations`) the device->host
+    copies run on that stream, overlapped with the compute queued after them on the compute stream:
+
+    * the side stream first waits for the compute stream (the copy reads the tensor after the op that made it);
+    * the saved tensor is marked used by the side stream (``record_stream``), so that the caching allocator does
+      not hand its memory to a later op before the copy has read it, although autograd drops it at once;
+    * an event recorded after the copy is waited for by the compute stream before the host->device copy in
+      backward (a GPU-side wait: the host does not block).
+
+    Without a stream the copy is queued on the current stream (``non_blocking`` into pinned memory). ``bytes``
+    counts what was moved to host memory since the block's last forward started (measured, for ``MemoryReport``).
+    Written here because torch's ``save_on_cpu`` copies on the compute stream and copies parameters too.
     """
 
-    def __init__(self, *, pin_memory: bool, device_type: str = "cuda") -> None:
+    def __init__(self, *, pin_memory: bool, device_type: str = "cuda", stream: Any = None) -> None:
         self.bytes = 0
+        self.stream = stream
+        device_module = torch.get_device_module(device_type) if stream is not None else None
 
         def pack(t: Tensor) -> Any:
             if isinstance(t, nn.Parameter) or t.device.type != device_type:
                 return t
-            host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, device="cpu", pin_memory=pin_memory)
-            host.copy_(t, non_blocking=pin_memory)
+            # same strides as `t` (a saved weight.t() stays transposed: backward's matmuls round as without offload)
+            host = torch.empty_like(t, device="cpu", pin_memory=pin_memory)
             self.bytes += host.numel() * host.element_size()
-            return (t.device, host)
+            if stream is None:
+                host.copy_(t, non_blocking=pin_memory)
+                return (t.device, host, None)
+            stream.wait_stream(device_module.current_stream(t.device))
+            with device_module.stream(stream):
+                host.copy_(t, non_blocking=pin_memory)
+            t.record_stream(stream)
+            return (t.device, host, stream.record_event())
 
         def unpack(packed: Any) -> Tensor:
             if isinstance(packed, Tensor):
                 return packed
-            device, host = packed
+            device, host, copied = packed
+            if copied is not None:
+                device_module.current_stream(device).wait_event(copied)
             return host.to(device, non_blocking=pin_memory)
 
         super().__init__(pack, unpack)
@@ -372,8 +392,10 @@ def apply_offload_activations(
         picked = [module for _, module in select_units(model, units)]
     skipped = {id(m) for m in skip}
     out = []
+    # one side stream for the copies of all blocks (CUDA; elsewhere the copies stay on the current stream)
+    stream = torch.cuda.Stream() if device_type == "cuda" and torch.cuda.is_available() else None
     for module in (m for m in picked if id(m) not in skipped):
-        hooks = OffloadedActivations(pin_memory=pin_memory, device_type=device_type)
+        hooks = OffloadedActivations(pin_memory=pin_memory, device_type=device_type, stream=stream)
         module.register_forward_pre_hook(hooks.start)
         module.register_forward_hook(hooks.stop, always_call=True)
         module._ld_offload = hooks

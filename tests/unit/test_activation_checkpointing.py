@@ -290,3 +290,56 @@ def test_recompute_context_can_be_entered_once_per_backward_pass():
         with recompute:
             pass
     assert len(entered) == 2
+
+
+def test_offload_copies_run_on_the_side_stream_in_order(monkeypatch):
+    from torch import nn
+
+    # CPU stands in for CUDA's stream calls (recorded): the side stream waits for the compute stream before each
+    # copy, each saved tensor is marked used by the side stream, and backward's compute stream waits for the
+    # copy's event before the tensor comes back; the gradients are those without offload
+    from lightning_dist.parallelize.ac import OffloadedActivations
+
+    log = []
+
+    class Event:
+        pass
+
+    class Side:
+        def wait_stream(self, other):
+            log.append(("side waits", other))
+
+        def record_event(self):
+            event = Event()
+            log.append(("copied", event))
+            return event
+
+    class Compute:
+        def wait_event(self, event):
+            log.append(("compute waits", event))
+
+    compute = Compute()
+    monkeypatch.setattr(torch.cpu, "current_stream", lambda device=None: compute)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: log.append(("in use", stream)))
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)).double()
+    x = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
+    net(x).square().sum().backward()
+    want = [p.grad.clone() for p in net.parameters()] + [x.grad.clone()]
+    net.zero_grad()
+    x.grad = None
+    side = Side()
+    hooks = OffloadedActivations(pin_memory=False, device_type="cpu", stream=side)
+    with hooks:
+        loss = net(x).square().sum()
+    copies = [entry for entry in log if entry[0] == "copied"]
+    assert copies and hooks.bytes > 0
+    for i, entry in enumerate(log):  # forward: wait, copy (marked in use), event - per saved tensor
+        if entry[0] == "copied":
+            assert log[i - 1] == ("in use", side) and log[i - 2] == ("side waits", compute), log
+    n = len(log)
+    loss.backward()
+    waited = [entry[1] for entry in log[n:] if entry[0] == "compute waits"]
+    assert {id(e) for e in waited} == {id(e) for _, e in copies}  # every offloaded tensor waited for before use
+    got = [p.grad for p in net.parameters()] + [x.grad]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))

@@ -520,3 +520,25 @@ def test_deepspeed_offload_on_one_gpu_runs_cpu_adam_and_reports_host_memory():
     assert row["measured_places"] and row["mismatches"] == [], row
     assert row["table"]["optimizer"]["host"] > 0 and row["table"]["optimizer"]["device"] == 0, row
     assert row["table"]["parameters"]["device"] > 0, row
+
+
+@needs_cuda
+def test_offloaded_activations_on_the_side_stream_give_the_same_gradients_on_cuda():
+    from torch import nn
+
+    from lightning_dist.parallelize.ac import apply_offload_activations, offloaded_bytes
+
+    torch.manual_seed(0)
+    net = nn.Sequential(*[nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)) for _ in range(3)]).cuda()
+    x = torch.randn(32, 64, device="cuda", requires_grad=True)
+    net(x).square().sum().backward()
+    want = [p.grad.clone() for p in net.parameters()] + [x.grad.clone()]
+    net.zero_grad()
+    x.grad = None
+    hooks = apply_offload_activations(net, units=list(net), device_type="cuda")
+    assert all(h.stream is not None for h in hooks)  # the copies run on a side stream
+    net(x).square().sum().backward()
+    torch.cuda.synchronize()
+    assert offloaded_bytes(net) > 0
+    got = [p.grad for p in net.parameters()] + [x.grad]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
