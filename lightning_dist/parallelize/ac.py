@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import types
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Union
@@ -319,27 +320,66 @@ def _selective_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     )
 
 
+class _Saved:
+    """One offloaded tensor: its device, host copy, the event of that copy, and a prefetched device copy."""
+
+    __slots__ = ("device", "host", "copied", "fetched", "ready", "group", "__weakref__")
+
+    def __init__(self, device: Any, host: Tensor, copied: Any, group: "_Group") -> None:
+        self.device, self.host, self.copied, self.group = device, host, copied, group
+        self.fetched: Optional[Tensor] = None
+        self.ready: Any = None
+
+
+class _Group:
+    """The tensors one block's forward offloaded (weakly: autograd owns them), and the group whose forward ran just
+    before it (weakly), which its backward prefetches."""
+
+    __slots__ = ("saved", "previous", "started", "__weakref__")
+
+    def __init__(self, previous: Optional["_Group"]) -> None:
+        self.saved: list[Any] = []
+        self.previous = weakref.ref(previous) if previous is not None else None
+        self.started = False  # its backward has begun (nothing left to prefetch)
+
+
+class _Chain:
+    """The last block forward that offloaded, shared by the blocks of one model (forward order = reverse of
+    backward order, so the block before is the one whose tensors backward needs next)."""
+
+    def __init__(self) -> None:
+        self.last: Optional[_Group] = None
+
+
 class OffloadedActivations(torch.autograd.graph.saved_tensors_hooks):
     """Saved tensors to (pinned) host memory in forward, back to their device in backward; parameters stay.
 
     torch's ``save_on_cpu`` packing, except that parameters (kept alive by the module anyway) are not copied, and
-    that with a `stream` (CUDA: one side stream per device, :func:`apply_offload_activations`) the device->host
-    copies run on that stream, overlapped with the compute queued after them on the compute stream:
+    that with a `stream` (CUDA: one side stream per device, :func:`apply_offload_activations`) the copies run on
+    that stream, overlapped with the compute on the compute stream:
 
-    * the side stream first waits for the compute stream (the copy reads the tensor after the op that made it);
-    * the saved tensor is marked used by the side stream (``record_stream``), so that the caching allocator does
-      not hand its memory to a later op before the copy has read it, although autograd drops it at once;
-    * an event recorded after the copy is waited for by the compute stream before the host->device copy in
-      backward (a GPU-side wait: the host does not block).
+    * forward: the side stream waits for the compute stream (the copy reads the tensor after the op that made it),
+      copies to host, and marks the saved tensor used by the side stream (``record_stream``), so that the caching
+      allocator does not hand its memory to a later op before the copy has read it (autograd drops it at once);
+    * backward: the first tensor a block's backward unpacks starts the copies back of the block that ran forward
+      just before it (the next one backward needs) on the side stream, overlapped with this block's backward;
+      the compute stream waits for a prefetched tensor's event (a GPU-side wait) and the tensor is marked used by
+      it. A tensor not prefetched (the first block's backward, a second backward pass of a zero-bubble schedule)
+      is copied back on the compute stream after waiting for its copy to host.
 
-    Without a stream the copy is queued on the current stream (``non_blocking`` into pinned memory). ``bytes``
+    Without a stream the copies are queued on the current stream (``non_blocking`` with pinned memory). ``bytes``
     counts what was moved to host memory since the block's last forward started (measured, for ``MemoryReport``).
-    Written here because torch's ``save_on_cpu`` copies on the compute stream and copies parameters too.
+    Written here because torch's ``save_on_cpu`` copies on the compute stream, does not prefetch and copies
+    parameters too.
     """
 
-    def __init__(self, *, pin_memory: bool, device_type: str = "cuda", stream: Any = None) -> None:
+    def __init__(
+        self, *, pin_memory: bool, device_type: str = "cuda", stream: Any = None, chain: Optional[_Chain] = None
+    ) -> None:
         self.bytes = 0
         self.stream = stream
+        self.chain = chain if chain is not None else _Chain()
+        self._group: Optional[_Group] = None
         device_module = torch.get_device_module(device_type) if stream is not None else None
 
         def pack(t: Tensor) -> Any:
@@ -348,31 +388,56 @@ class OffloadedActivations(torch.autograd.graph.saved_tensors_hooks):
             # same strides as `t` (a saved weight.t() stays transposed: backward's matmuls round as without offload)
             host = torch.empty_like(t, device="cpu", pin_memory=pin_memory)
             self.bytes += host.numel() * host.element_size()
+            group = self._group if self._group is not None else _Group(None)
             if stream is None:
                 host.copy_(t, non_blocking=pin_memory)
-                return (t.device, host, None)
-            stream.wait_stream(device_module.current_stream(t.device))
-            with device_module.stream(stream):
-                host.copy_(t, non_blocking=pin_memory)
-            t.record_stream(stream)
-            return (t.device, host, stream.record_event())
+                saved = _Saved(t.device, host, None, group)
+            else:
+                stream.wait_stream(device_module.current_stream(t.device))
+                with device_module.stream(stream):
+                    host.copy_(t, non_blocking=pin_memory)
+                t.record_stream(stream)
+                saved = _Saved(t.device, host, stream.record_event(), group)
+            group.saved.append(weakref.ref(saved))
+            return saved
 
-        def unpack(packed: Any) -> Tensor:
-            if isinstance(packed, Tensor):
-                return packed
-            device, host, copied = packed
-            if copied is not None:
-                device_module.current_stream(device).wait_event(copied)
-            return host.to(device, non_blocking=pin_memory)
+        def prefetch(group: Optional[_Group]) -> None:
+            if group is None or group.started:
+                return
+            with device_module.stream(stream):  # after the copies to host: the same stream, in order
+                for ref in group.saved:
+                    saved = ref()
+                    if saved is not None and saved.fetched is None:
+                        saved.fetched = saved.host.to(saved.device, non_blocking=pin_memory)
+                        saved.ready = stream.record_event()
+
+        def unpack(saved: Any) -> Tensor:
+            if isinstance(saved, Tensor):
+                return saved
+            group = saved.group
+            if stream is not None and not group.started:
+                group.started = True
+                prefetch(group.previous() if group.previous is not None else None)
+            if saved.fetched is not None:  # prefetched on the side stream
+                out, saved.fetched = saved.fetched, None
+                compute = device_module.current_stream(saved.device)
+                compute.wait_event(saved.ready)
+                out.record_stream(compute)
+                return out
+            if saved.copied is not None:
+                device_module.current_stream(saved.device).wait_event(saved.copied)
+            return saved.host.to(saved.device, non_blocking=pin_memory)
 
         super().__init__(pack, unpack)
 
     def start(self, *_: Any) -> None:
         self.bytes = 0
+        self._group = self.chain.last = _Group(self.chain.last)
         self.__enter__()
 
     def stop(self, *_: Any) -> None:
         self.__exit__(None, None, None)
+        self._group = None
 
 
 def apply_offload_activations(
@@ -382,6 +447,7 @@ def apply_offload_activations(
     skip: Sequence[nn.Module] = (),
     pin_memory: bool = True,
     device_type: str = "cuda",
+    stream: Any = "auto",
 ) -> list[OffloadedActivations]:
     """Offload the tensors each unit saves for backward from `device_type` to host memory (not those of `skip`:
     the checkpointed blocks); returns one hook object per unit, also kept as ``unit._ld_offload``. The hooks
@@ -392,10 +458,11 @@ def apply_offload_activations(
         picked = [module for _, module in select_units(model, units)]
     skipped = {id(m) for m in skip}
     out = []
-    # one side stream for the copies of all blocks (CUDA; elsewhere the copies stay on the current stream)
-    stream = torch.cuda.Stream() if device_type == "cuda" and torch.cuda.is_available() else None
+    if stream == "auto":  # one side stream for the copies of all blocks (CUDA; else on the current stream)
+        stream = torch.cuda.Stream() if device_type == "cuda" and torch.cuda.is_available() else None
+    chain = _Chain()  # the blocks' forward order, for the prefetch in backward
     for module in (m for m in picked if id(m) not in skipped):
-        hooks = OffloadedActivations(pin_memory=pin_memory, device_type=device_type, stream=stream)
+        hooks = OffloadedActivations(pin_memory=pin_memory, device_type=device_type, stream=stream, chain=chain)
         module.register_forward_pre_hook(hooks.start)
         module.register_forward_hook(hooks.stop, always_call=True)
         module._ld_offload = hooks

@@ -293,12 +293,14 @@ def test_recompute_context_can_be_entered_once_per_backward_pass():
 
 
 def test_offload_copies_run_on_the_side_stream_in_order(monkeypatch):
+    # CPU stands in for CUDA's stream calls (recorded). Forward: the side stream waits for the compute stream before
+    # each copy to host and the saved tensor is marked used by it. Backward: the last block's tensors come back on
+    # the compute stream after their copy's event; its backward prefetches the block before it on the side stream,
+    # and so on, each prefetched tensor waited for (its event) and marked used by the compute stream. Gradients are
+    # bitwise those without offload.
     from torch import nn
 
-    # CPU stands in for CUDA's stream calls (recorded): the side stream waits for the compute stream before each
-    # copy, each saved tensor is marked used by the side stream, and backward's compute stream waits for the
-    # copy's event before the tensor comes back; the gradients are those without offload
-    from lightning_dist.parallelize.ac import OffloadedActivations
+    from lightning_dist.parallelize.ac import apply_offload_activations, offloaded_bytes
 
     log = []
 
@@ -311,35 +313,38 @@ def test_offload_copies_run_on_the_side_stream_in_order(monkeypatch):
 
         def record_event(self):
             event = Event()
-            log.append(("copied", event))
+            log.append(("event", event))
             return event
 
     class Compute:
         def wait_event(self, event):
             log.append(("compute waits", event))
 
-    compute = Compute()
+    side, compute = Side(), Compute()
     monkeypatch.setattr(torch.cpu, "current_stream", lambda device=None: compute)
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: log.append(("in use", stream)))
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)).double()
+    net = nn.Sequential(*[nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)) for _ in range(3)]).double()
     x = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
     net(x).square().sum().backward()
     want = [p.grad.clone() for p in net.parameters()] + [x.grad.clone()]
     net.zero_grad()
     x.grad = None
-    side = Side()
-    hooks = OffloadedActivations(pin_memory=False, device_type="cpu", stream=side)
-    with hooks:
-        loss = net(x).square().sum()
-    copies = [entry for entry in log if entry[0] == "copied"]
-    assert copies and hooks.bytes > 0
-    for i, entry in enumerate(log):  # forward: wait, copy (marked in use), event - per saved tensor
-        if entry[0] == "copied":
-            assert log[i - 1] == ("in use", side) and log[i - 2] == ("side waits", compute), log
-    n = len(log)
+    hooks = apply_offload_activations(net, units=list(net), pin_memory=False, device_type="cpu", stream=side)
+    loss = net(x).square().sum()
+    forward = list(log)
+    copied = [e for kind, e in forward if kind == "event"]
+    assert copied and offloaded_bytes(net) == sum(h.bytes for h in hooks) > 0
+    for i, (kind, _) in enumerate(forward):  # per saved tensor: wait for compute, copy (marked in use), event
+        if kind == "event":
+            assert forward[i - 1] == ("in use", side) and forward[i - 2] == ("side waits", compute), forward
     loss.backward()
-    waited = [entry[1] for entry in log[n:] if entry[0] == "compute waits"]
-    assert {id(e) for e in waited} == {id(e) for _, e in copies}  # every offloaded tensor waited for before use
+    backward = log[len(forward) :]
+    prefetched = [e for kind, e in backward if kind == "event"]
+    waited = [e for kind, e in backward if kind == "compute waits"]
+    per_block = len(copied) // 3
+    assert len(prefetched) == 2 * per_block  # blocks 1 and 0, each started by the backward of the block after it
+    assert {id(e) for e in waited} == {id(e) for e in prefetched} | {id(e) for e in copied[-per_block:]}
+    assert sum(1 for entry in backward if entry == ("in use", compute)) == len(prefetched)
     got = [p.grad for p in net.parameters()] + [x.grad]
     assert all(torch.equal(a, b) for a, b in zip(got, want))
