@@ -203,6 +203,25 @@ class PipelineStep:
                 " the network call runs the pipeline's forward and backward."
             )
 
+    def whole_loss(self, returned: Any, group: Any) -> Optional[Tensor]:
+        """The value one device would have for the returned loss: the pipeline's batch loss plus the other terms
+        (a weight penalty) summed over the pp ranks, each of which holds its stages' parameters only. One scalar
+        all-reduced over `group` when the returned loss is not the pipeline's loss itself (every pp rank runs the
+        same ``training_step``, so all of them or none); None when the step returned no loss tensor or did not
+        call the network."""
+        import torch.distributed as dist
+
+        call = self.call
+        if call is None or not isinstance(returned, Tensor) or returned.dim() != 0 or call.loss is None:
+            return None
+        if returned is call.loss:  # the pipeline's loss itself (no other terms): the same on every rank already
+            return returned.detach()
+        base = call.loss.detach().to(returned.dtype)
+        extra = returned.detach() - base  # this rank's share of the other terms (0 without any)
+        if group is not None:
+            dist.all_reduce(extra, group=group)
+        return base + extra
+
     def backward(self, closure_loss: Tensor, scale: float) -> None:
         """Add the schedule's gradients (times `scale`) and those of the returned loss's other terms to ``.grad``."""
         assert self.grads is not None, "backward of a step whose network call ran no schedule backward"

@@ -388,12 +388,31 @@ class PipelineStrategy(MeshStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         # the network call finds the target in the step's batch (HF `labels`, or `pipeline_target(batch)`)
         self._step = step = PipelineStep(self, args[0] if args else kwargs["batch"], training=True)
+        module = self.lightning_module
+        # `self.log` calls wait for the step's end: a logged returned loss holding a weight penalty holds only the
+        # parameters of this rank's stages; it is logged as one device's value (the penalty summed over pp)
+        logged: list[tuple[tuple, dict]] = []
+        had_own = "log" in module.__dict__
+        own = module.__dict__.get("log")
+        module.log = lambda *a, **k: logged.append((a, k))
         try:
             out = super().training_step(*args, **kwargs)
             step.check_called()
         except BaseException:
             self._step = None
             raise
+        finally:
+            if had_own:
+                module.log = own
+            else:
+                del module.log
+        returned = out.get("loss") if isinstance(out, Mapping) else out
+        whole = step.whole_loss(returned, self.mesh.group(PP) if self.mesh.size(PP) > 1 else None)
+        for a, k in logged:
+            value = k["value"] if "value" in k else (a[1] if len(a) > 1 else None)
+            if whole is not None and value is returned:
+                a, k = ((a[0], whole, *a[2:]), k) if "value" not in k else (a, {**k, "value": whole})
+            module.log(*a, **k)
         return out
 
     @override

@@ -219,6 +219,11 @@ def test_pp2_silent_cases_match_one_device_or_refuse_on_every_rank(pp2):
     # 5: an L2 term on the parameters in training_step gets its gradient (it would differ by ~5e-2 without)
     for r in rows["l2_penalty"]:
         assert r["diff"] <= TOL and r["without_l2"] > 1e-3, r
+        # the logged loss is one device's (the penalty over every stage's parameters), the same on both pp ranks,
+        # and a logged value that is not the returned loss is logged as it is
+        assert r["logged"] == pytest.approx(r["ref_loss"], rel=1e-12, abs=0), r
+        assert r["penalty_free"] == r["last_loss"] != r["logged"], r
+    assert rows["l2_penalty"][0]["logged"] == rows["l2_penalty"][1]["logged"]
     # ... while a loss that scales the output term cannot be back-propagated by the schedule: refused
     for r in rows["scaled_output_loss"]:
         assert r["type"] == "ValueError" and "uses the network's output differently" in r["message"], r

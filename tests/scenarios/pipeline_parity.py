@@ -240,6 +240,7 @@ def single_device(model, steps, *, l2=0.0, global_batch=16):
             loss = loss + l2 * sum(p.pow(2).sum() for p in model.parameters())
         loss.backward()
         opt.step()
+    single_device.last_loss = loss.item()  # the last step's loss (penalty included), for the logged-value checks
     return {f"model.{k}": p.detach().clone() for k, p in model.named_parameters()}
 
 
@@ -263,19 +264,27 @@ def silent_cases():
         except ValueError as err:
             emit(kind="silent", case=case, type=type(err).__name__, message=str(err))
 
-    class Penalized(PipeClassifier):  # case 5: an L2 term on the parameters in training_step
+    class Penalized(PipeClassifier):  # case 5: an L2 term on the parameters in training_step, logged with it
         def training_step(self, batch, batch_idx):
             x, y = batch
-            return self.pipeline_loss(self(x), y) + L2 * sum(p.pow(2).sum() for p in self.parameters())
+            loss = self.pipeline_loss(self(x), y) + L2 * sum(p.pow(2).sum() for p in self.parameters())
+            self.log("train_loss", loss, sync_dist=True)
+            self.log("penalty_free", self.trainer.strategy.last_loss, sync_dist=True)  # logged as it is
+            return loss
 
     torch.manual_seed(0)
     ref = single_device(MLP(depth=DEPTH), 3, l2=L2)
-    module, _ = fit(PipelineStrategy(pp=2, schedule="1f1b", n_microbatches=4, split="params"), 3, module=Penalized())
+    ref_loss = single_device.last_loss
+    module, t = fit(PipelineStrategy(pp=2, schedule="1f1b", n_microbatches=4, split="params"), 3, module=Penalized())
     emit(
         kind="silent",
         case="l2_penalty",
         diff=local_diff(module, ref)[0],
         without_l2=local_diff(module, single_device(_seeded_mlp(), 3))[0],
+        logged=t.callback_metrics["train_loss"].item(),
+        ref_loss=ref_loss,
+        penalty_free=t.callback_metrics["penalty_free"].item(),
+        last_loss=float(t.strategy.last_loss),
     )
 
     class Scaled(PipeClassifier):  # a term on the output the schedule cannot back-propagate: refused
