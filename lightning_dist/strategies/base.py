@@ -214,7 +214,14 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
         """Reduce over the data-parallel ranks (tensor/pipeline peers hold the same samples) and the context-parallel
         ones (each holds part of the same sequences: the mean over them is the whole sequences' loss)."""
         if isinstance(tensor, Tensor):
-            return sync_ddp_if_available(tensor, group if group is not None else self.mesh.loss_group, reduce_op)
+            import torch
+            import torch.distributed as dist
+
+            group = group if group is not None else self.mesh.loss_group
+            if group is not None and dist.get_world_size(group) == 1:  # one rank (pp or tp only): nothing to reduce
+                mean = reduce_op is None or str(reduce_op).lower() in ("mean", "avg", "reduceop.avg")
+                return tensor if tensor.is_floating_point() or not mean else tensor.to(torch.get_default_dtype())
+            return sync_ddp_if_available(tensor, group, reduce_op)
         return tensor
 
     @override
