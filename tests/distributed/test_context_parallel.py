@@ -84,9 +84,11 @@ def test_context_parallel_4_processes():
 
 
 def test_context_parallel_with_pipeline_4_processes():
-    rows = results(run_script("cp_parity.py", "--devices", "4", "--pipeline", "--models", "gpt_gqa,llama", timeout=900))
+    models = "gpt_gqa,llama,qwen2_gqa"
+    rows = results(run_script("cp_parity.py", "--devices", "4", "--pipeline", "--models", models, timeout=900))
     runs = [r for r in rows if r["kind"] == "cp_pp"]
-    expected = {("pp2_cp2", "gpt_gqa"), ("pp2_cp2_ac", "gpt_gqa"), ("pp2_cp2", "llama"), ("pp2_cp2_hf_labels", "llama")}
+    expected = {("pp2_cp2", "gpt_gqa"), ("pp2_cp2_ac", "gpt_gqa")}
+    expected |= {(name, hf) for hf in ("llama", "qwen2_gqa") for name in ("pp2_cp2", "pp2_cp2_hf_labels")}
     assert {(r["name"], r["model"]) for r in runs} == expected
     assert len(runs) == 4 * len(expected)
     for r in runs:
