@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_dist import planner
+from lightning_dist import planner, rules
 from lightning_dist.mesh import CP, DP, DP_CP, DP_REPLICATE, DP_SHARD, DP_SHARD_CP, PP, TP, DistMesh
 from lightning_dist.precision import precision_flag as lightning_precision_flag
 
@@ -82,8 +82,9 @@ def run_layout(strategy: Any) -> RunLayout | None:
         offload = getattr(strategy, "offload_policy", None) is not None  # FSDP2 even without sharding
         if dp == 1:
             return RunLayout(mode="single", zero_stage=0, shard_size=1, shard_rank=0, replicate_size=1, dp_size=1)
-        # same rule as parallelize_model: nothing to shard -> DDP's all-reduce (ZeRO-1 adds a sharded optimizer)
-        if not offload and (stage == 1 or (shard == 1 and mesh.size(TP) == 1)):
+        # parallelize_model's rule (rules.replicates): nothing to shard -> DDP's all-reduce (ZeRO-1 adds a sharded
+        # optimizer)
+        if rules.replicates(zero_stage=stage, dp_shard=shard, tp=mesh.size(TP), offload=offload, cp=mesh.cp_size):
             if stage == 1:
                 return RunLayout(
                     mode="replicate", zero_stage=1, shard_size=dp, shard_rank=mesh.dp_rank, replicate_size=1, dp_size=dp
