@@ -167,6 +167,9 @@ class CPGroup:
     size: int
     rank: int
     group: Any
+    dp_group: Any = None
+    """The data-parallel group (HF ``labels=``: the labelled tokens are counted over it, for the token mean)."""
+    dp_size: int = 1
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
     """Index tensors per (what, length, device): every step and every attention layer asks for the same few."""
 
@@ -346,7 +349,13 @@ class ContextParallel:
             count = bound.pop("num_items_in_batch", None)
             if count is None:  # the tokens of the whole sequences (every cp rank holds them here, before the split)
                 count = (shifted != -100).sum().to(torch.float32)
-            # FSDP averages gradients over the cp ranks: each rank's sum over `count / cp` tokens
+                if self.cp.dp_size > 1:  # the mean over the dp ranks' batches: each rank divides by the same count
+                    import torch.distributed as dist
+
+                    dist.all_reduce(count, group=self.cp.dp_group)
+                    count = count / self.cp.dp_size
+            # FSDP averages gradients over dp x cp: each rank's sum over `count / cp` tokens, so that the mean of the
+            # ranks' losses (and gradients) is the whole global batch's token mean
             bound["num_items_in_batch"] = count / self.cp.size
         return (), self.split_sequences(lead, bound)
 

@@ -193,7 +193,9 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
         assert self.lightning_module is not None
         attach_mesh(self.lightning_module, mesh)
         if mesh.cp_size > 1:
-            self._cp = ContextParallel(CPGroup(mesh.cp_size, mesh.local_rank(CP), mesh.group(CP)))
+            self._cp = ContextParallel(
+                CPGroup(mesh.cp_size, mesh.local_rank(CP), mesh.group(CP), dp_group=mesh.dp_group, dp_size=mesh.dp_size)
+            )
 
     def validate_config(self, spec: MeshSpec) -> None:
         """Subclasses check option combinations against the resolved mesh here (raise ValueError)."""

@@ -79,8 +79,11 @@ def test_context_parallel_4_processes():
     rows = results(run_script("cp_parity.py", "--devices", "4", timeout=1500))
     models = ("gpt_gqa", "llama", "qwen2_gqa")
     expected = {(mesh, m) for mesh in ("cp2_dp2", "cp2_tp2") for m in models} | {("cp4", "gpt_gqa")}
-    expected |= {("hf_labels", m) for m in models[1:]}
+    expected |= {("hf_labels", m) for m in models[1:]} | {("hf_labels_padded", "llama")}
     _check(rows, 4, expected)
+    # the dp ranks' batches hold different numbers of labelled tokens: the loss is the global batch's token mean
+    padded = [r for r in rows if r.get("name") == "hf_labels_padded"]
+    assert len(padded) == 4 and padded[0]["sampler"]["num_replicas"] == 2, padded
 
 
 def test_context_parallel_with_pipeline_4_processes():
