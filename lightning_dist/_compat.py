@@ -124,6 +124,19 @@ def check_torch_pipelining(patch: str) -> None:
         )
 
 
+def check_torch_internals(patch: str) -> None:
+    """RuntimeError naming the release and the fix when the dry run's `patch` (a subclass or replacement of a private
+    part of torch: pipelining's peer metadata, MemTracker / ModTracker) would run on a torch it was not tested on
+    (the same releases as the pipelining patches, ``TORCH_PIPELINING_TESTED``)."""
+    if not torch_pipelining_tested():
+        low, high = TORCH_PIPELINING_TESTED
+        raise RuntimeError(
+            f"lightning-dist's dry run `{patch}` replaces private parts of torch tested on torch {low} to {high}.x;"
+            f" found torch {torch.__version__}. Install a tested torch for the dry run (training is not affected), or"
+            " run tests/distributed/test_dry_run.py on this release and extend TORCH_PIPELINING_TESTED."
+        )
+
+
 def deepspeed_available() -> bool:
     return module_available("deepspeed")
 

@@ -232,6 +232,10 @@ def _peer_answers(strategy: Any, boundaries: list[Any], output: Any, batch_size:
     metadata a stage would send is not sent (first step only: the measured step is the second).
     """
     import torch
+
+    from lightning_dist._compat import check_torch_internals
+
+    check_torch_internals("_peer_answers (PipelineStage metadata, the schedule's warm-up)")
     from torch.distributed.pipelining import schedules, stage
     from torch.distributed.pipelining._utils import (
         InferenceMode,
@@ -434,6 +438,10 @@ def _step(strategy: Any, batch: Any, optimizers: list, *, warm_up: bool) -> tupl
     its stages' shapes, with autograd calls on leaf inputs that MemTracker's backward hooks cannot follow.
     """
     import torch
+
+    from lightning_dist._compat import check_torch_internals
+
+    check_torch_internals("_step (MemTracker / ModTracker subclasses)")
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed._tools.mod_tracker import ModTracker
     from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten

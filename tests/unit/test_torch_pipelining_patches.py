@@ -68,3 +68,12 @@ def test_timed_stage_records_each_action(one_rank_group):
     sched.step(torch.randn(4, 2, dtype=torch.float64), target=torch.zeros(4), losses=losses)
     assert [(s, k, mb) for s, k, mb, *_ in stage.timeline] == [(0, "F", 0), (0, "F", 1), (0, "B", 0), (0, "B", 1)]
     assert stage.peak_held == 2 and all(end >= start for *_, start, end, _ in stage.timeline)
+
+
+def test_the_dry_runs_torch_internals_are_checked_against_the_tested_releases(monkeypatch):
+    from lightning_dist import _compat
+
+    _compat.check_torch_internals("x")  # this torch is one of the tested releases
+    monkeypatch.setattr(_compat, "torch_pipelining_tested", lambda: False)
+    with pytest.raises(RuntimeError, match=r"dry run `_step` replaces private parts of torch tested on torch 2\.11"):
+        _compat.check_torch_internals("_step")
