@@ -225,15 +225,27 @@ def planned_traffic(
 ) -> list[planner.Collective] | None:
     """The planner's collectives per step for this run (data-parallel, plus tensor-parallel activations when
     `activation` = ``{"batch", "seq", "hidden", "bytes", "blocks", "row_parallel_per_block"}`` is known; under
-    context parallelism also ``"attention"`` = (heads, kv heads, head dim) and ``"recomputed_blocks"``, for the
-    all-to-alls)."""
+    context parallelism also ``"cp_network"`` and ``"block_lists"``, for the all-to-alls)."""
     layout = run_layout(trainer.strategy)
     mesh = strategy_mesh(trainer.strategy)
     if layout is None or (mesh is not None and mesh.size(PP) > 1):
         # pipeline: stage-boundary activations and per-micro-batch gathers are not predicted here
         return None
     cp = mesh.cp_size if mesh is not None else 1
-    if cp > 1 and (activation is None or activation.get("attention") is None):
+    all_to_alls = None
+    if cp > 1 and activation is not None and activation.get("cp_network") is not None:
+        from lightning_dist.parallelize.cp import planned_all_to_alls
+
+        all_to_alls = planned_all_to_alls(
+            activation["cp_network"],
+            activation["block_lists"],
+            batch=activation["batch"],
+            seq=activation["seq"] * cp,  # the blocks see this rank's seq / cp tokens
+            cp=cp,
+            tp=mesh.size(TP),
+            bytes_per_element=activation["bytes"],
+        )
+    if cp > 1 and all_to_alls is None:
         return None  # the all-to-alls need the attention's shape: no plan rather than one without them
     # traffic depends on the gather / reduce dtypes only, not on the optimizer
     state = planner.state_bytes(precision=precision_flag(trainer), optimizer="sgd")
@@ -256,20 +268,7 @@ def planned_traffic(
             frozen_shapes=[tp_local_shape(p) for p in module.parameters() if not p.requires_grad],
         )
     out = planner.with_cp_dims(out, cp)  # FSDP2 over dp_shard x cp
-    if cp > 1:
-        heads, kv_heads, head_dim = activation["attention"]
-        out += planner.cp_attention_traffic(
-            batch=activation["batch"],
-            seq=activation["seq"] * cp,  # the blocks see this rank's seq / cp tokens
-            heads=heads,
-            kv_heads=kv_heads,
-            head_dim=head_dim,
-            attention_calls=activation["blocks"],  # one attention per block
-            recomputed_calls=activation.get("recomputed_blocks", 0),
-            cp=cp,
-            tp=mesh.size(TP),
-            bytes_per_element=activation["bytes"],
-        )
+    out += all_to_alls or []
     if activation is not None and mesh is not None and mesh.size(TP) > 1:
         out += planner.tp_activation_traffic(
             batch=activation["batch"],

@@ -212,8 +212,7 @@ class CommunicationLedger(Callback):
 
     def _watch_activation(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Measure the block input (batch, seq, hidden, dtype) once, for the tensor- and context-parallel
-        predictions (with the attention's shape and the recomputed blocks under cp)."""
-        from lightning_dist.parallelize import cp as context_parallel
+        predictions (with the network and its blocks under cp, for the attention's all-to-alls)."""
         from lightning_dist.parallelize.units import find_block_lists
 
         lists = find_block_lists(pl_module)
@@ -225,8 +224,7 @@ class CommunicationLedger(Callback):
         rows = sum(1 for e in entries if e.active and e.style == "rowwise" and e.fqn.startswith(prefixes))
         first = lists[0][1][0]
         state = getattr(trainer.strategy, "cp_state", None)
-        attention = None if state is None or state.network is None else context_parallel.attention_shape(state.network)
-        recomputed = sum(1 for _, b in lists for block in b if context_parallel.recomputes_attention(block))
+        cp_network = None if state is None else state.network
 
         def hook(module, args):
             x = args[0]
@@ -238,8 +236,8 @@ class CommunicationLedger(Callback):
                 "bytes": x.element_size(),
                 "blocks": blocks,
                 "row_parallel_per_block": max(1, rows // blocks),
-                "attention": attention,
-                "recomputed_blocks": recomputed,
+                "cp_network": cp_network,
+                "block_lists": lists,
             }
             self._hook.remove()
 

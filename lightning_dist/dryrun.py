@@ -630,21 +630,18 @@ def plan_rank(
     if C > 1 and cp_state is not None and cp_state.network is not None:
         from lightning_dist.parallelize import cp as context_parallel
 
-        shape = context_parallel.attention_shape(cp_state.network)
-        if shape is not None:
-            lists = find_block_lists(module)
-            traffic += planner.cp_attention_traffic(
+        traffic += (
+            context_parallel.planned_all_to_alls(
+                cp_state.network,
+                find_block_lists(module),
                 batch=config.batch_size,
                 seq=seq,
-                heads=shape[0],
-                kv_heads=shape[1],
-                head_dim=shape[2],
-                attention_calls=blocks,
-                recomputed_calls=sum(1 for _, b in lists for m in b if context_parallel.recomputes_attention(m)),
                 cp=C,
                 tp=T,
                 bytes_per_element=act_bytes,
             )
+            or []
+        )
     if pipelined and stages > 1 and boundaries is not None:
         import torch
 

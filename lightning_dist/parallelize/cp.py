@@ -106,6 +106,32 @@ def recomputes_attention(block: nn.Module) -> bool:
     return checkpointed_mode(block) == "full"
 
 
+def planned_all_to_alls(
+    network: nn.Module, block_lists: Any, *, batch: int, seq: int, cp: int, tp: int, bytes_per_element: float
+) -> Optional[list]:
+    """The planner's all-to-alls per step for `network` under cp (one attention per block of `block_lists`, as
+    ``find_block_lists`` gives them; those full AC checkpoints repeat their forward exchanges); None when the
+    attention's shape is unknown. ``seq``: the whole sequence. Shared by the ledger's plan and the dry run's."""
+    from lightning_dist import planner
+
+    shape = attention_shape(network)
+    if shape is None:
+        return None
+    blocks = [block for _, blocks in block_lists for block in blocks]
+    return planner.cp_attention_traffic(
+        batch=batch,
+        seq=seq,
+        heads=shape[0],
+        kv_heads=shape[1],
+        head_dim=shape[2],
+        attention_calls=len(blocks),
+        recomputed_calls=sum(1 for block in blocks if recomputes_attention(block)),
+        cp=cp,
+        tp=tp,
+        bytes_per_element=bytes_per_element,
+    )
+
+
 def cp_model_problems(network: nn.Module, *, cp: int, tp: int = 1) -> list[str]:
     """What makes `network` unsplittable over `cp` ranks (with `tp`-way head sharding inside), as messages."""
     problems = []
@@ -430,6 +456,7 @@ __all__ = [
     "find_network",
     "attention_heads",
     "attention_shape",
+    "planned_all_to_alls",
     "recomputes_attention",
     "shift_labels",
     "ulysses_sdpa",
