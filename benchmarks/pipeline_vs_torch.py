@@ -17,9 +17,10 @@ per stage, stages 0, 2 on rank 0) and the same SGD, trained:
 
 Per (vocabulary, schedule) it prints the median step time of each side (steps after warm-up, the slower
 rank), their ratio pack / hand, and the bytes per op of one step on rank 0 from the pack's
-``CommunicationLedger`` and from the same recorder around one hand step. The rounds alternate (hand,
-pack, pack, hand, ...) so a slow moment of the machine hits both. ``--profile`` prints the cProfile top of one
-step of each side on rank 0.
+``CommunicationLedger`` and from the same recorder around one hand step. The two sides run paired in one
+process per rank: between every two steps of the pack's ``Trainer.fit`` one hand step runs between two barriers,
+timed on its own (the pack's step time excludes it), so a slow spell of the machine hits both sides alike.
+``--profile`` prints the cProfile top of one step of each side on rank 0 (``--profile-rank``: another rank).
 """
 
 from __future__ import annotations
@@ -37,6 +38,24 @@ import time
 from pathlib import Path
 
 WIDTH, BLOCKS, SEQ, BATCH, MICRO, HEADS = 128, 4, 64, 16, 4, 4
+# wall time of every torch schedule ``step`` (both sides run torch's schedules): what of each side's step is the
+# schedule itself, and what the rest (optimizer, Lightning's loop, the pack's own work around the schedule)
+_SCHEDULE_TIMES: list[float] = []
+
+
+def _time_schedules() -> None:
+    from torch.distributed.pipelining import schedules
+
+    for cls in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
+
+        def timed(self, *args, _step=cls.step, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return _step(self, *args, **kwargs)
+            finally:
+                _SCHEDULE_TIMES.append(time.perf_counter() - t0)
+
+        cls.step = timed
 
 
 def _launch(argv: list[str]) -> int:
@@ -128,42 +147,34 @@ class _Hand:
         self.opt.step()
 
 
-def _hand_times(vocab: int, schedule: str, steps: int, warmup: int, profile: bool) -> tuple[list[float], dict, str]:
+def _hand_extras(hand: _Hand, profile: bool) -> tuple[dict, str]:
+    """Bytes per op of one hand step (the pack's recorder around it) and, with `profile`, its cProfile top."""
     from lightning_dist.callbacks.ledger import CollectiveRecorder
 
-    hand = _Hand(vocab, schedule)
-    times = []
-    for _ in range(warmup):
-        hand.step()
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        hand.step()
-        times.append(time.perf_counter() - t0)
     with CollectiveRecorder() as rec:
         hand.step()
     ops: dict[str, int] = {}
     for op, _, nbytes in rec.calls:
         ops[op] = ops.get(op, 0) + nbytes
-    return times, ops, _profiled(hand.step) if profile else ""
-
-
-def _profiled(fn) -> str:
+    if not profile:
+        return ops, ""
     prof = cProfile.Profile()
     prof.enable()
-    fn()
+    hand.step()
     prof.disable()
-    buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(18)
-    return buf.getvalue()
+    return ops, _stats(prof)
 
 
 def _pack_times(
-    vocab: int, schedule: str, steps: int, warmup: int, profile: bool, ledger: bool = False
-) -> tuple[list[float], dict, str]:
-    """The pack's step times; with `ledger`, the CommunicationLedger's bytes per op instead (its dispatch mode
-    sees every op of the step: a separate fit, not timed)."""
+    vocab: int, schedule: str, steps: int, warmup: int, profile: bool, ledger: bool = False, hand: _Hand | None = None
+) -> tuple[list[float], list[float], dict, str, tuple[list[float], list[float]]]:
+    """The pack's step times and, with `hand`, one hand step timed between every two pack steps (paired: a slow
+    spell of the machine hits both sides alike); with `ledger`, the CommunicationLedger's bytes per op instead (its
+    dispatch mode sees every op of the step: a separate fit, not timed); last, the time in torch's schedule of
+    each timed step (pack, hand)."""
     import lightning.pytorch as pl
     import torch
+    import torch.distributed as dist
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_dist.callbacks import CommunicationLedger
@@ -175,23 +186,41 @@ def _pack_times(
             return torch.optim.SGD(self.parameters(), lr=1e-3)
 
     class Timer(pl.Callback):
-        """Wall time from one step's start to the next's: the whole loop (data, hooks, step, optimizer)."""
+        """Wall time from one step's start to the next's: the whole loop (data, hooks, step, optimizer), less the
+        hand step run (and timed on its own) in between."""
 
         def __init__(self) -> None:
             self.times: list[float] = []
+            self.hand_times: list[float] = []
+            self.schedule_times: tuple[list[float], list[float]] = ([], [])  # (pack, hand)
+            self.mark = 0
             self.prof: cProfile.Profile | None = None
+            self.text = ""
             self.t0 = 0.0
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             now = time.perf_counter()
             if warmup < batch_idx <= warmup + steps:
                 self.times.append(now - self.t0)
+                self.schedule_times[0].append(sum(_SCHEDULE_TIMES[self.mark :]))
             if self.prof is not None:
                 self.prof.disable()
+                self.text, self.prof = _stats(self.prof), None
+            if hand is not None and batch_idx <= warmup + steps:
+                # barriers around the hand step: each side's step starts with the ranks aligned, so neither side's
+                # time holds the other's tail (the last stage waiting for the first's last backward)
+                dist.barrier()
+                t0 = time.perf_counter()
+                hand.step()
+                if batch_idx >= warmup:
+                    self.hand_times.append(time.perf_counter() - t0)
+                    self.schedule_times[1].append(_SCHEDULE_TIMES[-1])
+                dist.barrier()
             if profile and batch_idx == warmup + steps:
                 self.prof = cProfile.Profile()
                 self.prof.enable()
-            self.t0 = now
+            self.mark = len(_SCHEDULE_TIMES)
+            self.t0 = time.perf_counter()
 
     task = Task(vocab_size=vocab, block_size=SEQ, n_layer=BLOCKS, n_head=HEADS, n_embd=WIDTH)
     task.model.load_state_dict(_model(vocab).state_dict())
@@ -220,12 +249,13 @@ def _pack_times(
     ops: dict[str, int] = {}
     for (op, dim), (_, nbytes) in recorder.per_step().items() if ledger else ():
         ops[f"{op}/{dim}"] = ops.get(f"{op}/{dim}", 0) + int(nbytes)
-    text = ""
-    if timer.prof is not None:
-        buf = io.StringIO()
-        pstats.Stats(timer.prof, stream=buf).sort_stats("tottime").print_stats(18)
-        text = buf.getvalue()
-    return timer.times, ops, text
+    return timer.times, timer.hand_times, ops, timer.text, timer.schedule_times
+
+
+def _stats(prof: cProfile.Profile) -> str:
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(18)
+    return buf.getvalue()
 
 
 def _slowest(value: float) -> float:
@@ -244,21 +274,28 @@ def _worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    _time_schedules()
     results = []
     for vocab in args.vocabs:
         for schedule in args.schedules:
-            hand, pack, prof = [], [], {}
-            for r in range(args.rounds):  # alternating (hand, pack, pack, hand, ...): a slow spell hits both sides
+            hand, pack, prof, in_schedule = [], [], {}, ([], [])
+            for r in range(args.rounds):  # each round a fit with a hand step timed between every two pack steps
                 last = args.profile and r == args.rounds - 1
-                for side in ("hand", "pack") if r % 2 == 0 else ("pack", "hand"):
-                    if side == "hand":
-                        times, hand_ops, prof["hand"] = _hand_times(vocab, schedule, args.steps, args.warmup, last)
-                        hand += times
-                    else:
-                        times, _, prof["pack"] = _pack_times(vocab, schedule, args.steps, args.warmup, last)
-                        pack += times
-            _, pack_ops, _ = _pack_times(vocab, schedule, 2, 1, False, ledger=True)
+                paired = _Hand(vocab, schedule)
+                pack_times, hand_times, _, prof["pack"], sched = _pack_times(
+                    vocab, schedule, args.steps, args.warmup, last, hand=paired
+                )
+                pack += pack_times
+                hand += hand_times
+                in_schedule[0].extend(sched[0])
+                in_schedule[1].extend(sched[1])
+            hand_ops, prof["hand"] = _hand_extras(paired, args.profile)
+            _, _, pack_ops, _, _ = _pack_times(vocab, schedule, 2, 1, False, ledger=True)
             h, p = _slowest(statistics.median(hand)), _slowest(statistics.median(pack))
+            # the rest of each side's step outside torch's schedule, on rank 0 (stage 0's rank: its schedule ends
+            # last, with the last backward, so its rest holds no wait for a peer)
+            rest_p = statistics.median(t - s for t, s in zip(pack, in_schedule[0]))
+            rest_h = statistics.median(t - s for t, s in zip(hand, in_schedule[1]))
             row = {
                 "vocab": vocab,
                 "vocab_per_width": vocab / WIDTH,
@@ -266,27 +303,36 @@ def _worker(args: argparse.Namespace) -> None:
                 "hand_ms": 1e3 * h,
                 "pack_ms": 1e3 * p,
                 "ratio": p / h,
+                "hand_outside_schedule_ms": 1e3 * rest_h,
+                "pack_outside_schedule_ms": 1e3 * rest_p,
                 "hand_bytes": hand_ops,
                 "pack_bytes": pack_ops,
             }
             results.append(row)
+            if args.profile and rank == args.profile_rank:
+                for side in ("hand", "pack"):
+                    print(f"---- cProfile, one {side} step, rank {rank} ({schedule}, vocab {vocab}) ----\n{prof[side]}")
             if rank == 0:
                 print(
                     f"vocab {vocab} (vocab/width {vocab / WIDTH:g}) {schedule}: hand {1e3 * h:.1f} ms,"
                     f" pack {1e3 * p:.1f} ms, pack/hand {p / h:.3f}",
                     flush=True,
                 )
+                print(
+                    f"  rank 0 outside torch's schedule (optimizer, loop, the pack's work):"
+                    f" hand {1e3 * rest_h:.1f} ms,"
+                    f" pack {1e3 * rest_p:.1f} ms",
+                    flush=True,
+                )
                 print(f"  bytes per step on rank 0: hand {hand_ops}; pack {pack_ops}", flush=True)
-                if args.profile:
-                    for side in ("hand", "pack"):
-                        print(f"---- cProfile, one {side} step, rank 0 ({schedule}, vocab {vocab}) ----\n{prof[side]}")
     if rank == 0:
-        print("\n| vocab | vocab/width | schedule | hand (ms) | pack (ms) | pack/hand |")
-        print("| --- | --- | --- | --- | --- | --- |")
+        print("\n| vocab | vocab/width | schedule | hand (ms) | pack (ms) | pack/hand | rank 0 outside schedule (ms) |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
         for r in results:
             print(
                 f"| {r['vocab']} | {r['vocab_per_width']:g} | {r['schedule']} | {r['hand_ms']:.1f} |"
-                f" {r['pack_ms']:.1f} | {r['ratio']:.3f} |"
+                f" {r['pack_ms']:.1f} | {r['ratio']:.3f} | hand {r['hand_outside_schedule_ms']:.1f},"
+                f" pack {r['pack_outside_schedule_ms']:.1f} |"
             )
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=2))
@@ -294,12 +340,13 @@ def _worker(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=8, help="timed steps per round and side")
+    parser.add_argument("--steps", type=int, default=12, help="timed steps per round and side")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=4, help="alternating hand/pack rounds")
+    parser.add_argument("--rounds", type=int, default=3, help="fits per case, each with its paired hand steps")
     parser.add_argument("--vocabs", type=int, nargs="+", default=[32 * WIDTH, 2 * WIDTH])
     parser.add_argument("--schedules", nargs="+", default=["1f1b", "interleaved_1f1b"])
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--profile-rank", type=int, default=0, help="the rank whose cProfile --profile prints")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if "LOCAL_RANK" not in os.environ:
