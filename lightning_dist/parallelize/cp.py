@@ -199,6 +199,18 @@ class CPGroup:
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
     """Index tensors per (what, length, device): every step and every attention layer asks for the same few."""
 
+    def labelled_tokens(self, shifted: Tensor) -> Tensor:
+        """The labelled tokens (``!= -100``) of the whole shifted labels, as the mean over the dp ranks' batches
+        (float32; one all-reduce over dp when dp > 1): each rank divides its sum by the same count, so the dp mean of
+        the ranks' losses is the global batch's token mean. Every cp rank calls it with the whole sequences."""
+        count = (shifted != -100).sum().to(torch.float32)
+        if self.dp_size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(count, group=self.dp_group)
+            count = count / self.dp_size
+        return count
+
     def positions(self, seq_len: int, device: Any) -> Tensor:
         """The token positions this rank holds, in its local order (int64 ``[seq_len / cp]``)."""
         key = ("positions", seq_len, str(device))
@@ -374,12 +386,7 @@ class ContextParallel:
             bound["shift_labels"] = shifted
             count = bound.pop("num_items_in_batch", None)
             if count is None:  # the tokens of the whole sequences (every cp rank holds them here, before the split)
-                count = (shifted != -100).sum().to(torch.float32)
-                if self.cp.dp_size > 1:  # the mean over the dp ranks' batches: each rank divides by the same count
-                    import torch.distributed as dist
-
-                    dist.all_reduce(count, group=self.cp.dp_group)
-                    count = count / self.cp.dp_size
+                count = self.cp.labelled_tokens(shifted)
             # FSDP averages gradients over dp x cp: each rank's sum over `count / cp` tokens, so that the mean of the
             # ranks' losses (and gradients) is the whole global batch's token mean
             bound["num_items_in_batch"] = count / self.cp.size

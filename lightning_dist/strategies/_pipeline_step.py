@@ -297,7 +297,7 @@ def cut_for_cp(cp: Any, x: Tensor, extra: dict, labels: Optional[Tensor]) -> tup
     count = None
     if labels is not None:
         values[_LABELS] = shifted = shift_labels(labels)
-        count = (shifted != -100).sum()
+        count = cp.cp.labelled_tokens(shifted)  # over the dp ranks' batches too: the global batch's token mean
     values = cp.split_sequences(x, values)
     return values.pop(_INPUT), values, values.pop(_LABELS, None), count
 
