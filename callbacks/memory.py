@@ -55,14 +55,29 @@ class MemoryReport(Callback):
     activation bytes per mode are :func:`lightning_dist.planner.activation_bytes` (``checkpointed=``), checked
     against torch's ``MemTracker`` by ``lightning-dist dry-run``.
 
+    Step peak (``track_step=N``): torch's ``MemTracker`` around training step ``N`` (0: the first; the
+    ``training_step`` and ``backward``, up to the optimizer step), the same tracker as ``lightning-dist dry-run``
+    puts around its simulated step: its peak bytes per category (parameters, gradients, optimizer state,
+    activations, temporaries) on this rank, comparable with the dry run's figures for the same layout
+    (``peak_total_bytes``, ``peak_activation_bytes``). It counts tensors (the dry run's fake ones have no
+    allocator), not the allocator's caching or the Python runtime. The tracker's hooks slow that step; the
+    others run untracked.
+
     Args:
         log: log the figures through ``pl_module.log``.
         print_table: print the rank-0 table at the end of fit.
+        track_step: the training step (``trainer.global_step``) to measure under ``MemTracker``; None: none.
     """
 
-    def __init__(self, *, log: bool = True, print_table: bool = True) -> None:
+    def __init__(self, *, log: bool = True, print_table: bool = True, track_step: int | None = None) -> None:
+        if track_step is not None and (not isinstance(track_step, int) or track_step < 0):
+            raise ValueError(f"MemoryReport(track_step={track_step!r}): give a step index >= 0, or None.")
         # not `self.log`: Lightning sets every callback's `log` attribute to `pl_module.log` at fit start
-        self.log_figures, self.print_table = log, print_table
+        self.log_figures, self.print_table, self.track_step = log, print_table, track_step
+        self.step_peak: dict[str, Any] | None = None
+        """MemTracker's peak figures of step ``track_step`` on this rank (``peak_total_bytes``,
+        ``peak_activation_bytes``, ``peak_breakdown``); None until that step ran."""
+        self._tracker: Any = None
         self.measured: dict[str, int] | None = None
         """This rank's live model-state bytes after the last step."""
         self.planned: dict[str, float] | None = None
@@ -78,8 +93,45 @@ class MemoryReport(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.measured = self.planned = self.peak = self.places = self.offloaded = None
+        self.measured = self.planned = self.peak = self.places = self.offloaded = self.step_peak = None
         self.rows = []
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self.track_step is None or self._tracker is not None or self.step_peak is not None:
+            return
+        if trainer.global_step != self.track_step:
+            return
+        from lightning_dist._integrations.torch_memtracker import step_tracker
+
+        # the optimizer state and the parameters that exist before the step count as theirs, not as the step's
+        self._tracker = step_tracker()
+        self._tracker.track_external(pl_module, *(getattr(o, "_optimizer", o) for o in trainer.optimizers))
+        self._tracker.__enter__()
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if self._tracker is None:
+            return
+        from lightning_dist._integrations.torch_memtracker import peak_figures
+
+        self.step_peak = peak_figures(self._tracker)
+        self._stop_tracking()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._stop_tracking()
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._stop_tracking()  # a step that never reached its optimizer step (manual optimization without one)
+
+    def _stop_tracking(self) -> None:
+        tracker, self._tracker = self._tracker, None
+        if tracker is not None:
+            tracker.__exit__(None, None, None)
 
     @override
     def on_train_batch_end(
@@ -116,6 +168,7 @@ class MemoryReport(Callback):
             else None,
             "activation_checkpointing": getattr(trainer.strategy, "activation_checkpointing", False),
             "offloaded_activation_bytes": self.offloaded,
+            "step_peak": self.step_peak,
         }
         device = trainer.strategy.root_device
         planned_places = _planned.planned_places(trainer.strategy)
@@ -174,6 +227,9 @@ def format_memory(rows: list[dict[str, Any]], *, title: str = "Model-state bytes
         peak = f"{r['peak_bytes']:,} ({r['peak_what']})"
         if r.get("cuda"):
             peak += f"; allocated {r['cuda']['allocated']:,}"
+        if r.get("step_peak"):
+            step = r["step_peak"]
+            peak += f"; step MemTracker {step['peak_total_bytes']:,} (act. {step['peak_activation_bytes']:,})"
         ac, off = r.get("activation_checkpointing") or "none", r.get("offloaded_activation_bytes")
         table.add_row(
             str(r["rank"]),

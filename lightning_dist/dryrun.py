@@ -406,17 +406,12 @@ def simulate_rank(config: DryRunConfig, rank: int) -> dict[str, Any]:
             with fake:
                 saved = [strategy.lightning_module_state_dict(), *(strategy.optimizer_state(o) for o in optimizers)]
             staging = local_tensor_bytes(saved)
-        dev = next(iter(peak.values())) if peak else {}
-        cat = {str(getattr(k, "value", k)): v for k, v in dev.items()}
         return {
             "rank": rank,
             "coords": spec.coords(rank),
             "mesh": dict(zip(DIM_NAMES, spec.shape)),
             "states": states,
-            "peak_total_bytes": cat.get("Total", 0),
-            # activations saved for backward and the temporaries live with them at the step's peak
-            "peak_activation_bytes": cat.get("Activation", 0) + cat.get("Temp", 0),
-            "peak_breakdown": cat,
+            **peak,  # peak_total_bytes, peak_activation_bytes, peak_breakdown
             "checkpoint_staging_bytes": staging,
             "collectives": _collective_rows(recorder, mesh, rank, config.world_size),
             "planned": planned,
@@ -431,79 +426,36 @@ def simulate_rank(config: DryRunConfig, rank: int) -> dict[str, Any]:
 def _step(strategy: Any, batch: Any, optimizers: list, *, warm_up: bool) -> tuple[Any, dict, dict]:
     """One training step as Lightning's loop runs it: the strategy's ``training_step`` and ``backward`` (the
     pipeline strategy runs its schedule in them), then each optimizer's step. Returns the recorder of its
-    collectives, MemTracker's peak snapshot (forward and backward) and the model-state bytes after the step.
+    collectives, MemTracker's peak figures (forward and backward) and the model-state bytes after the step.
 
     ``warm_up``: one untracked step first, so that the measured step is a steady one, as every step after the
     first of a real run (which a ledger's ``skip_steps=1`` compares): a pipeline schedule's first step infers
-    its stages' shapes, with autograd calls on leaf inputs that MemTracker's backward hooks cannot follow.
+    its stages' shapes, with autograd calls on leaf inputs that MemTracker's backward hooks cannot follow. Its
+    gradients stay until the measured step's ``zero_grad``, as in Lightning's loop.
     """
-    import torch
-
-    from lightning_dist._compat import check_torch_internals
-
-    check_torch_internals("_step (MemTracker / ModTracker subclasses)")
-    from torch.distributed._tools.mem_tracker import MemTracker
-    from torch.distributed._tools.mod_tracker import ModTracker
-    from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
-
     from lightning_dist import measure
+    from lightning_dist._integrations.torch_memtracker import peak_figures, step_tracker
     from lightning_dist.callbacks.ledger import CollectiveRecorder
-    from lightning_dist.parallelize.pipeline_output import PipelineOutput
-
-    class Modules(ModTracker):
-        # torch's ModTracker resets the modules in progress to none ("Global") at the end of each backward; a
-        # pipeline schedule runs its backwards inside the network's forward (inside training_step), so the end
-        # of a backward goes back to the modules in progress when it started
-        def _maybe_set_engine_callback(self) -> None:
-            if self._has_callback:
-                return
-            outer = set(self.parents)
-            super()._maybe_set_engine_callback()
-
-            def restore() -> None:
-                self.parents = set(outer)
-
-            torch.autograd.Variable._execution_engine.queue_callback(restore)
-
-        def _fw_pre_hook(self, mod: Any, input: Any) -> None:
-            # no backward hook on inputs that are autograd leaves (a stage's received activation): torch's
-            # multi-grad hooks refuse leaves under `autograd.grad(inputs=...)`, which zero-bubble schedules call
-            # for the input gradients; such a module leaves the modules in progress at the end of the backward
-            args, spec = tree_flatten(input)
-            leaf = [isinstance(a, torch.Tensor) and a.requires_grad and a.grad_fn is None for a in args]
-            if any(leaf):
-                input = tree_unflatten([a.detach() if x else a for a, x in zip(args, leaf)], spec)
-            super()._fw_pre_hook(mod, input)
-
-    class Tracker(MemTracker):
-        def __init__(self) -> None:
-            super().__init__()
-            self._mod_tracker = Modules()
-
-        def _track_inputs_or_outputs(self, args: Any) -> int:
-            # a pipelined network's output on a rank is a stand-in with no storage (PipelineOutput): nothing held
-            return super()._track_inputs_or_outputs(tree_map_only(PipelineOutput, lambda _: None, args))
 
     def forward_backward() -> None:
+        # Lightning's closure order: training_step, then zero_grad, then backward; the last step's gradients live
+        # until that zero_grad (under a pipeline, through the whole schedule, which runs inside training_step)
         out = strategy.training_step(batch, 0)
         loss = out["loss"] if isinstance(out, Mapping) else out
-        strategy.backward(loss, optimizers[0] if optimizers else None)
-
-    def optimizer_step() -> None:
-        for opt in optimizers:
-            opt.step()
         for opt in optimizers:
             opt.zero_grad(set_to_none=True)
+        strategy.backward(loss, optimizers[0] if optimizers else None)
 
     if warm_up:
         forward_backward()
-        optimizer_step()
-    tracker = Tracker()
+        for opt in optimizers:
+            opt.step()
+    tracker = step_tracker()  # the one MemoryReport(track_step=...) puts around a real step
     tracker.track_external(strategy.model, *optimizers)
     with CollectiveRecorder() as recorder:
         with tracker:
             forward_backward()
-            peak = tracker.get_tracker_snapshot("peak")
+            peak = peak_figures(tracker)
         for opt in optimizers:
             opt.step()
         states = measure.model_state_bytes(strategy.model, optimizers)

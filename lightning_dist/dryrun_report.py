@@ -21,10 +21,17 @@ class DryRunReport:
     ranks: list[dict[str, Any]]
     """One :func:`simulate_rank` result per rank (``planned`` holds the planner's figures)."""
 
+    @staticmethod
+    def need(rank: dict[str, Any]) -> float:
+        """The bytes a rank needs: model states (after the step) + peak activations, or MemTracker's whole peak
+        when larger (a pipeline holds the last step's gradients through its schedule, until Lightning's
+        ``zero_grad`` after ``training_step``: two sets of gradients at its peak)."""
+        return max(rank["states"]["total"] + rank["peak_activation_bytes"], rank.get("peak_total_bytes", 0))
+
     def fits(self, rank: dict[str, Any]) -> Optional[bool]:
         if self.config.device_memory is None:
             return None
-        return rank["states"]["total"] + rank["peak_activation_bytes"] <= self.config.device_memory
+        return self.need(rank) <= self.config.device_memory
 
     def collective_ratios(self, rank: dict[str, Any]) -> dict[tuple[str, str], tuple[float, float]]:
         """(op, dim) -> (measured, planned) payload bytes of one rank (groups of one rank left out)."""
@@ -50,7 +57,8 @@ class DryRunReport:
             title=f"Dry run: {cfg.model.rsplit('.', 1)[-1]} on {cfg.world_size} ranks ({mesh},"
             f" {cfg.devices_per_node}/node), strategy {cfg.strategy}, {cfg.precision}{mem}",
             caption="bytes per rank, measured on fake tensors / planned (lightning_dist.planner);"
-            " activations: peak saved activations + backward temporaries. 1 GB = 1e9 B.",
+            " activations: peak saved activations + backward temporaries; total: states + activations, or"
+            " MemTracker's whole peak when larger. 1 GB = 1e9 B.",
         )
         for col in (
             "rank",
@@ -77,7 +85,7 @@ class DryRunReport:
                 f"{m['total'] / p['total']:.3f}" if p["total"] else "-",
                 format_bytes(act),
                 f"{act / act_p:.2f}" if act_p else "-",
-                format_bytes(m["total"] + act),
+                format_bytes(self.need(r)),
                 "-" if fits is None else ("yes" if fits else "NO"),
                 f"{r['seconds']:.0f} s",
             )

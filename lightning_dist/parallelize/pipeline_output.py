@@ -90,6 +90,29 @@ def loss_leaf(loss: Tensor) -> Tensor:
     return loss.detach().clone().requires_grad_()
 
 
+def reached_leaves(loss: Tensor) -> set[int]:
+    """The ids of the leaf tensors `loss`'s autograd graph reaches (its ``AccumulateGrad`` nodes' variables).
+
+    ``backward`` asks ``autograd.grad`` for the returned loss's gradients on these only: a returned loss that is
+    the pipeline's loss (scaled) reaches none of the parameters, and asking for all of them cost more than the
+    rest of the step's own work on a small model (autograd builds an input edge for each). Written by hand: torch
+    has no public "leaves of this graph" query.
+    """
+    seen: set[int] = set()
+    leaves: set[int] = set()
+    stack = [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)  # AccumulateGrad: the leaf it accumulates into
+        if variable is not None:
+            leaves.add(id(variable))
+        stack.extend(child for child, _ in node.next_functions)
+    return leaves
+
+
 def _fix(owner: str) -> str:
     return (
         f" Put every term that depends on the output into `{owner}.pipeline_loss(output, target)` (the mean loss"
@@ -184,6 +207,7 @@ __all__ = [
     "check_target",
     "loss_leaf",
     "output_term_problem",
+    "reached_leaves",
     "refusal",
     "returned_loss_problem",
     "serve_pipeline_loss",

@@ -39,6 +39,7 @@ from lightning_dist.parallelize.pipeline_output import (
     check_target,
     loss_leaf,
     output_term_problem,
+    reached_leaves,
     returned_loss_problem,
 )
 from lightning_dist.parallelize.pipeline_schedule import returned_loss_gradients
@@ -250,10 +251,11 @@ class PipelineStep:
             return []
         strategy = self.strategy
         owner = type(strategy.lightning_module).__name__
-        params = [p for p in strategy.model.parameters() if p.requires_grad]
         direct = isinstance(call.out, Tensor) and not isinstance(call.out, PipelineOutput) and call.out.requires_grad
         if not isinstance(loss, Tensor) or not loss.requires_grad:
             raise ValueError(returned_loss_problem(None, scale, owner))
+        reached = reached_leaves(loss)  # the parameters the returned loss's other terms use (none: the loss alone)
+        params = [p for p in strategy.model.parameters() if p.requires_grad and id(p) in reached]
         inputs = [call.loss, *([call.out] if direct else []), *params]
         grads = list(torch.autograd.grad(loss, inputs, allow_unused=True, retain_graph=direct))
         d_loss = grads.pop(0)

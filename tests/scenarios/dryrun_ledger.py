@@ -6,6 +6,8 @@ step) and prints ``RESULT {"case", "kind": "ledger", "rows"}`` with the mean cal
 of the steps after the first. Then it leaves the gloo group and runs the dry run of its own rank for the same
 cases (:func:`lightning_dist.dryrun.dry_run`, a fresh process per rank on torch's fake process group: same world
 size, model, batch and precision) and prints ``RESULT {"case", "kind": "dry", "rows"}`` or the dry run's refusal.
+Both results carry ``peak``: torch's MemTracker figures of the same step (the real run's through
+``MemoryReport(track_step=...)``, the same tracker as the dry run's).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_dist  # noqa: F401  (registers the strategies)
-from lightning_dist.callbacks import CommunicationLedger
+from lightning_dist.callbacks import CommunicationLedger, MemoryReport
 from lightning_dist.dryrun import DryRunConfig, dry_run
 from lightning_dist.models.gpt import CharGPT
 
@@ -66,10 +68,13 @@ def real(case: str) -> None:
     entry = StrategyRegistry[name]  # as Trainer(strategy=name) and the dry run build it, with these arguments
     strategy = entry["strategy"](**{**entry["init_params"], **args})
     ledger = CommunicationLedger(planned=None, log=False, print_table=False)
+    # the dry run's tracker around the step the dry run measures: a pipeline's second (after a warm-up), else the first
+    memory = MemoryReport(log=False, print_table=False, track_step=1 if name == "pipeline" else 0)
     torch.manual_seed(0)
-    t = trainer(strategy, devices=int(os.environ["WORLD_SIZE"]), steps=STEPS, precision="32-true", callbacks=[ledger])
+    devices = int(os.environ["WORLD_SIZE"])
+    t = trainer(strategy, devices=devices, steps=STEPS, precision="32-true", callbacks=[ledger, memory])
     t.fit(QuietGPT(**GPT))
-    emit(case=case, kind="ledger", rows=rows(ledger.per_step()), steps=len(ledger.steps))
+    emit(case=case, kind="ledger", rows=rows(ledger.per_step()), steps=len(ledger.steps), peak=memory.step_peak)
 
 
 def dry(case: str, rank: int, world: int) -> None:
@@ -94,7 +99,8 @@ def dry(case: str, rank: int, world: int) -> None:
         {"op": c["op"], "dim": c["dim"], "calls": c["calls"], "bytes": c["payload_bytes"]}
         for c in result["collectives"]
     ]
-    emit(case=case, kind="dry", rank=rank, rows=got, seconds=result["seconds"])
+    peak = {k: result[k] for k in ("peak_total_bytes", "peak_activation_bytes", "peak_breakdown")}
+    emit(case=case, kind="dry", rank=rank, rows=got, seconds=result["seconds"], peak=peak)
 
 
 if __name__ == "__main__":

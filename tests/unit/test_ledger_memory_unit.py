@@ -164,3 +164,35 @@ def test_log_false_is_respected_although_lightning_sets_callback_log_attributes(
     trainer.fit(_Tiny())
     assert not any(k.startswith(("memory/", "comm/")) for k in trainer.callback_metrics)
     assert memory.measured["total"] > 0  # measured all the same
+
+
+@pytest.mark.parametrize("step", [0, 1])
+def test_memory_report_tracks_one_step_under_memtracker(step, capsys):
+    # the dry run's tracker around a real step: parameters and Adam's state (from the first optimizer step on) counted
+    # as such, the step's activations apart; step 0 runs before Adam has any state
+    memory = MemoryReport(log=False, track_step=step)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[memory],
+    )
+    trainer.fit(_Tiny())
+    n = 6 * 10 + 10 + 10 * 3 + 3
+    cat = memory.step_peak["peak_breakdown"]
+    assert cat["Parameter"] == 4 * n
+    assert cat.get("Optstate", 0) == (8 * n + 4 * 4 if step else 0)  # exp_avg, exp_avg_sq and 4 float32 `step`s
+    # saved for backward: at least tanh's output [4, 10] in float32; the peak holds parameters and activations
+    assert memory.step_peak["peak_activation_bytes"] >= 4 * 10 * 4
+    assert memory.step_peak["peak_total_bytes"] >= 4 * n + memory.step_peak["peak_activation_bytes"]
+    assert memory.rows[0]["step_peak"] == memory.step_peak
+    assert f"step MemTracker {memory.step_peak['peak_total_bytes']:,}" in capsys.readouterr().out
+
+
+def test_memory_report_track_step_is_validated():
+    with pytest.raises(ValueError, match=r"track_step=-1.*index >= 0"):
+        MemoryReport(track_step=-1)

@@ -10,6 +10,7 @@ from lightning_dist.parallelize.pipeline_output import (
     PipelineOutput,
     check_target,
     loss_leaf,
+    reached_leaves,
     returned_loss_problem,
     serve_pipeline_loss,
     unserve_pipeline_loss,
@@ -60,6 +61,22 @@ def test_returned_loss_verdict_on_the_scalar():
         (d,) = torch.autograd.grad(2 * leaf * scale, [leaf])
         assert "its gradient on that loss is 2 x" in returned_loss_problem(d, scale, "Task")
     assert "does not contain the pipeline's loss" in returned_loss_problem(None, 1.0, "Task")
+
+
+def test_reached_leaves_are_the_parameters_the_returned_loss_uses():
+    lin, other = torch.nn.Linear(3, 2), torch.nn.Linear(2, 2)
+    loss = loss_leaf(torch.tensor(1.5))
+    assert reached_leaves(loss / 2) == {id(loss)}  # Lightning's division by accumulate_grad_batches: no parameter
+    penalised = loss / 2 + 1e-2 * (lin.weight**2).sum() + lin.weight.abs().sum()  # one parameter, reached twice
+    assert reached_leaves(penalised) == {id(loss), id(lin.weight)}
+    assert id(other.weight) not in reached_leaves(penalised) and id(lin.bias) not in reached_leaves(penalised)
+    # backward asks autograd for these only: the gradients equal those over every parameter
+    inputs = [loss, lin.weight, lin.bias, other.weight]
+    every = torch.autograd.grad(penalised, inputs, allow_unused=True, retain_graph=True)
+    asked = [t for t in inputs if id(t) in reached_leaves(penalised)]
+    some = dict(zip(map(id, asked), torch.autograd.grad(penalised, asked)))
+    for t, g in zip(inputs, every):
+        assert (g is None) == (id(t) not in some) and (g is None or torch.equal(g, some[id(t)]))
 
 
 def test_target_check():

@@ -1,0 +1,91 @@
+"""Subclasses of torch's ``MemTracker`` / ``ModTracker`` (private :mod:`torch.distributed._tools`) for a step.
+
+One tracker serves the dry run (fake tensors on a fake process group) and
+:class:`~lightning_dist.callbacks.MemoryReport`'s ``track_step`` (a real step), so the two peaks are the same
+measurement of the same code path. On a torch release outside
+:data:`~lightning_dist._compat.TORCH_PIPELINING_TESTED` :func:`step_tracker` raises a ``RuntimeError`` naming
+the release and the fix.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def step_tracker() -> Any:
+    """A fresh ``MemTracker`` for one step of any strategy (pipelined steps included); enter it around
+    ``training_step`` + ``backward``, after ``track_external(model, *optimizers)``.
+
+    Reasons for the two overrides (upstream: no issue found):
+
+    - torch's ModTracker resets the modules in progress to none ("Global") at the end of each backward; a
+      pipeline schedule runs its backwards inside the network's forward (inside ``training_step``), so the end
+      of a backward goes back to the modules in progress when it started;
+    - no backward hook on inputs that are autograd leaves (a stage's received activation): torch's multi-grad
+      hooks refuse leaves under ``autograd.grad(inputs=...)``, which zero-bubble schedules call for the input
+      gradients;
+    - a pipelined network's output on a rank is a stand-in with no storage
+      (:class:`~lightning_dist.parallelize.pipeline_output.PipelineOutput`): nothing held;
+    - no optimizer-step hooks: the tracked window ends before any optimizer step, and Lightning's automatic
+      optimization runs ``training_step`` + ``backward`` as the closure inside ``optimizer.step``, whose pre-hook
+      would file every tensor of the step as optimizer state.
+    """
+    from lightning_dist._compat import check_torch_internals
+
+    check_torch_internals("step_tracker (MemTracker / ModTracker subclasses)")
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed._tools.mod_tracker import ModTracker
+    from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
+
+    from lightning_dist.parallelize.pipeline_output import PipelineOutput
+
+    class Modules(ModTracker):
+        def _maybe_set_engine_callback(self) -> None:
+            if self._has_callback:
+                return
+            outer = set(self.parents)
+            super()._maybe_set_engine_callback()
+
+            def restore() -> None:
+                self.parents = set(outer)
+
+            torch.autograd.Variable._execution_engine.queue_callback(restore)
+
+        def _fw_pre_hook(self, mod: Any, input: Any) -> None:
+            args, spec = tree_flatten(input)
+            leaf = [isinstance(a, torch.Tensor) and a.requires_grad and a.grad_fn is None for a in args]
+            if any(leaf):
+                input = tree_unflatten([a.detach() if x else a for a, x in zip(args, leaf)], spec)
+            super()._fw_pre_hook(mod, input)
+
+    class Tracker(MemTracker):
+        def __init__(self) -> None:
+            super().__init__()
+            self._mod_tracker = Modules()
+
+        def _register_global_optimizer_hook(self) -> None:
+            self._optimizer_hook_handles = None
+
+        def _track_inputs_or_outputs(self, args: Any) -> int:
+            return super()._track_inputs_or_outputs(tree_map_only(PipelineOutput, lambda _: None, args))
+
+    return Tracker()
+
+
+def peak_figures(tracker: Any) -> dict[str, Any]:
+    """The tracker's peak snapshot as the dry run reports it: ``peak_total_bytes``, ``peak_activation_bytes``
+    (activations saved for backward and the temporaries live with them at the peak) and ``peak_breakdown``
+    (bytes per MemTracker category: Parameter, Gradient, Activation, Temp, Optstate, Buffer, Input)."""
+    peak = tracker.get_tracker_snapshot("peak")
+    dev = next(iter(peak.values())) if peak else {}
+    cat = {str(getattr(k, "value", k)): int(v) for k, v in dev.items()}
+    return {
+        "peak_total_bytes": cat.get("Total", 0),
+        "peak_activation_bytes": cat.get("Activation", 0) + cat.get("Temp", 0),
+        "peak_breakdown": cat,
+    }
+
+
+__all__ = ["peak_figures", "step_tracker"]
