@@ -10,7 +10,8 @@ The same model (the pack's :class:`~lightning_dist.models.gpt.GPT`: width 128, 4
 per stage, stages 0, 2 on rank 0) and the same SGD, trained:
 
 * by hand, as torchtitan does: a ``PipelineStage`` per stage module, ``Schedule1F1B`` /
-  ``ScheduleInterleaved1F1B`` with the loss on the last stage, ``optimizer.step()`` around it;
+  ``ScheduleInterleaved1F1B`` with the loss on the last stage (``return_outputs=False``: no logits kept or
+  joined), ``optimizer.step()`` around it;
 * by Lightning with ``PipelineStrategy(pp=2, n_microbatches=4, schedule=...)`` and the unchanged
   :class:`~lightning_dist.models.gpt.CharGPT` ``training_step`` (``self.pipeline_loss(self(idx), target)``,
   ``self.log(..., sync_dist=True)``).
@@ -143,7 +144,8 @@ class _Hand:
         self.opt.zero_grad()
         losses: list = []
         kw = {"target": self.y, "losses": losses} if self.last else {}
-        self.sched.step(*((self.x,) if self.first else ()), **kw)
+        # no output kept or joined on the last stage (the stronger baseline; the pack's training steps do the same)
+        self.sched.step(*((self.x,) if self.first else ()), **kw, return_outputs=False)
         self.opt.step()
 
 

@@ -115,6 +115,7 @@ class PipelineRunner:
         # the running step's loss, which the cached schedules call (a loss may change per batch: HF labels
         # divide by the batch's token count); set for one step only
         self._loss_fn: Optional[Callable] = None
+        self._seen: list[tuple[tuple[int, ...], torch.dtype]] = []  # the running step's micro-batch output metas
 
     @property
     def num_stages(self) -> int:
@@ -129,10 +130,15 @@ class PipelineRunner:
         target: Any = None,
         timeline: Optional[list] = None,
         kwargs: Optional[dict] = None,
+        keep_output: bool = True,
     ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], dict]:
         """Run the schedule on `x` (used on the first stage's rank); returns (output, loss, record).
 
         output: the network's output on the last stage's rank (the micro-batches' outputs joined), else None.
+        ``keep_output=False`` (training, when nothing reads the values): torch's schedule keeps no micro-batch
+        output and joins none (``return_outputs=False``), and the last stage's rank gets a meta tensor of the
+        output's shape and dtype instead: at language-model shapes the kept logits were the largest tensors of
+        the step (two copies of the batch's logits at its end: the micro-batches' and the joined one).
 
         kwargs: more inputs every stage takes (an attention mask, position ids): torch's schedule splits each
         tensor into the micro-batches along dim 0, like `x`, and passes every stage its micro-batch's values.
@@ -146,8 +152,13 @@ class PipelineRunner:
         shapes = tuple((k, tuple(v.shape) if isinstance(v, torch.Tensor) else None) for k, v in sorted(kwargs.items()))
         key = (train, tuple(x.shape), x.dtype, m, shapes)
         if key not in self._schedules:
-            # each micro-batch's share of the batch mean: the accumulated gradients are the mean's
-            share = (lambda out, tgt: self._loss_fn(out, tgt) / m) if train else None
+            # each micro-batch's share of the batch mean: the accumulated gradients are the mean's; its output's
+            # shape and dtype noted (the joined output's, when the schedule keeps no output)
+            def share(out: torch.Tensor, tgt: Any) -> torch.Tensor:
+                self._seen.append((tuple(out.shape), out.dtype))
+                return self._loss_fn(out, tgt) / m
+
+            share = share if train else None
             self._schedules[key] = build_schedule(
                 self.views,
                 self.local_stages,
@@ -164,10 +175,11 @@ class PipelineRunner:
         kw = {"target": target, "losses": losses} if train and has_last else {}
         for st in stages:
             st.timeline, st.peak_held = timeline, 0
-        self._loss_fn = loss_fn
+        self._loss_fn, self._seen = loss_fn, []
+        keep = keep_output or not train
         try:
             start = time.perf_counter()
-            out = sched.step(*((x,) if 0 in self.local_stages else ()), **kw, **kwargs)
+            out = sched.step(*((x,) if 0 in self.local_stages else ()), **kw, **kwargs, return_outputs=keep)
             end = time.perf_counter()
         finally:  # nothing of this step stays with the runner
             self._loss_fn = None
@@ -175,6 +187,14 @@ class PipelineRunner:
                 st.timeline = None
         record = {"start": start, "end": end, "peak_held": {st.stage_index: st.peak_held for st in stages}}
         out = out if has_last else None
+        if has_last and not keep:  # the joined output's shape: the micro-batches' along dim 0 (torch's default merge)
+            # the last m calls are the micro-batches' (a schedule's first step also calls the loss once to infer the
+            # backward's metadata)
+            seen = self._seen[-m:]
+            assert len(seen) == m, f"{len(seen)} micro-batch losses for {m} micro-batches"
+            (first, dtype), rows = seen[0], sum(shape[0] for shape, _ in seen)
+            out = torch.empty((rows, *first[1:]), dtype=dtype, device="meta")
+        self._seen = []
         loss = None
         if train:
             loss = self.from_last_stage(

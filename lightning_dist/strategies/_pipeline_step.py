@@ -118,7 +118,13 @@ class PipelineStep:
         # every stage's attention under context parallelism's mode (its checkpointed blocks recompute under it too)
         with cp.active() if cp is not None else contextlib.nullcontext():
             out, loss, record = runner.step(
-                x, n_microbatches=m, loss_fn=loss_fn, target=target, timeline=events, kwargs=extra
+                x,
+                n_microbatches=m,
+                loss_fn=loss_fn,
+                target=target,
+                timeline=events,
+                kwargs=extra,
+                keep_output=self._shows_values(),  # else the step sees a stand-in: no output values kept
             )
         if train:
             sum_tied_gradients(strategy._tied)
@@ -145,14 +151,17 @@ class PipelineStep:
         self.call = NetworkCall(shown, None if train else out, loss, given, train, loss_fn, m)
         return strategy.split.layout.call_output(shown, loss, labels)  # a HF model: its ModelOutput
 
+    def _shows_values(self) -> bool:
+        """Whether the step sees the output's values (``broadcast_output=True``, predict) or a stand-in."""
+        trainer = getattr(self.strategy.lightning_module, "_trainer", None)
+        return self.strategy.broadcast_output or (trainer is not None and trainer.predicting)
+
     def _shown_output(self, out: Optional[Tensor], train: bool, *, key: tuple) -> Tensor:
         """What the step sees of the output: a stand-in (default), or the whole output broadcast (the opt-in,
         predict)."""
         strategy = self.strategy
         module = strategy.lightning_module
-        trainer = getattr(module, "_trainer", None)
-        predicting = trainer is not None and trainer.predicting
-        if strategy.broadcast_output or predicting:
+        if self._shows_values():
             whole = strategy._runner.from_last_stage(out, key)
             # a leaf: `backward` finds what training_step's loss did with the output (see `_extra_gradients`)
             return whole.requires_grad_() if train and whole.is_floating_point() else whole

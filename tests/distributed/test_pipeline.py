@@ -44,6 +44,8 @@ def _check_parity(rows: list[dict], world: int, pp: int) -> None:
         # validation and predict run forward-only through the pipeline and give the single-device values
         assert r["val"] == pytest.approx(r["ref_val"], rel=TOL, abs=0), (r["tag"], r["val"], r["ref_val"])
         assert r["predict_diff"] <= TOL, (r["tag"], r["predict_diff"])
+        # training_step's stand-in has the whole batch's output shape (no output kept: read off the micro-batches)
+        assert r["out_shapes"] and all(s == [s[0], s[0], 5] for s in r["out_shapes"]), (r["tag"], r["out_shapes"])
     # the pp ranks of one dp replica hold disjoint parameters that together make the whole model
     dp = world // pp
     for replica in range(dp):

@@ -44,13 +44,16 @@ class PipeClassifier(Classifier):
         super().__init__(**kw)
         self.example_input_array = torch.randn(micro, 12, dtype=torch.float64)
         self.step_losses: list[float] = []
+        self.out_shapes: list[list[int]] = []
 
     def pipeline_loss(self, output, target):
         return F.cross_entropy(output, target)
 
     def training_step(self, batch, batch_idx):
         x, y = batch  # the pattern every pp rank serves: the loss through pipeline_loss (a scalar on each rank)
-        loss = self.pipeline_loss(self(x), y)
+        out = self(x)
+        self.out_shapes.append([len(x), *out.shape])  # the stand-in's shape: the whole batch's output, on every rank
+        loss = self.pipeline_loss(out, y)
         self.log("train_loss", loss, sync_dist=True)
         self.step_losses.append(loss.item())
         return loss
@@ -144,6 +147,7 @@ def parity(tag, strategy, steps=3, **kw):
         keys=keys,
         n_keys=len(ref),
         losses=module.step_losses,
+        out_shapes=module.out_shapes,
         ref_losses=ref_losses,
         logged=logged,
         val=metrics["val_loss"],

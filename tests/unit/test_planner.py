@@ -533,24 +533,41 @@ def test_cli_plan_model_from_a_file_or_the_working_folder(tmp_path):
         "import json, sys; from lightning_dist.cli import main;"
         " sys.exit(main(['plan', '--model', sys.argv[1], '--world-size', '2', '--json']))"
     )
-    for model in (
+    good = [
         "./my_model.py",
         "./my_model.py:Net",
         str(tmp_path / "my_model.py") + ":Net",
         "my_model.Net",
         "my_model:Net",
-    ):
-        run = subprocess.run([sys.executable, "-P", "-c", code, model], cwd=tmp_path, capture_output=True, text=True)
-        assert run.returncode == 0, (model, run.stderr)
-        assert json.loads(run.stdout)["params"] == 55, model
-    for model, needle in [
+    ]
+    bad = [
         ("./two.py", "defines 2 nn.Module classes ['A', 'B']; name the one to build: './two.py:B'"),
         ("./absent.py:Net", "'./absent.py' is not a Python file (not found)"),
         ("absent.Net", "No module named 'absent' (searched sys.path and the working folder"),
-    ]:
-        run = subprocess.run([sys.executable, "-P", "-c", code, model], cwd=tmp_path, capture_output=True, text=True)
-        assert run.returncode == 2 and needle in run.stderr, (model, run.stderr)
-        assert "./my_model.py:Net" in run.stderr or "two.py" in model  # the accepted forms are shown
+    ]
+    # one fresh process per form, all started at once (each pays torch's import)
+    procs = {
+        model: subprocess.Popen(
+            [sys.executable, "-P", "-c", code, model],
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for model in [*good, *(m for m, _ in bad)]
+    }
+    runs = {}
+    for model, proc in procs.items():
+        out, err = proc.communicate(timeout=300)  # reads both pipes while waiting: no full-pipe stall
+        runs[model] = (proc.returncode, out, err)
+    for model in good:
+        rc, out, err = runs[model]
+        assert rc == 0, (model, err)
+        assert json.loads(out)["params"] == 55, model
+    for model, needle in bad:
+        rc, _, err = runs[model]
+        assert rc == 2 and needle in err, (model, err)
+        assert "./my_model.py:Net" in err or "two.py" in model  # the accepted forms are shown
 
 
 def test_cli_plan_config_and_plot(tmp_path, capsys):

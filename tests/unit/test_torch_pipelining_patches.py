@@ -77,3 +77,25 @@ def test_the_dry_runs_torch_internals_are_checked_against_the_tested_releases(mo
     monkeypatch.setattr(_compat, "torch_pipelining_tested", lambda: False)
     with pytest.raises(RuntimeError, match=r"dry run `_step` replaces private parts of torch tested on torch 2\.11"):
         _compat.check_torch_internals("_step")
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_training_step_keeps_no_output_on_the_last_stage_unless_asked(one_rank_group, keep):
+    # keep_output=False (the default of a training step that shows a stand-in): torch's schedule keeps and joins no
+    # micro-batch output; the runner returns a meta tensor of the joined output's shape, and the same loss
+    import torch.distributed as dist
+
+    from lightning_dist.parallelize.pipeline_schedule import PipelineRunner
+
+    torch.manual_seed(0)
+    net = nn.Linear(3, 5).double()
+    runner = PipelineRunner([net], [0], [0], schedule="1f1b", device=torch.device("cpu"), group=dist.group.WORLD)
+    x, y = torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 5, dtype=torch.float64)
+    loss_fn = lambda out, tgt: ((out - tgt) ** 2).mean()  # noqa: E731
+    out, loss, _ = runner.step(x, n_microbatches=4, loss_fn=loss_fn, target=y, keep_output=keep)
+    ((_, stages),) = runner._schedules.values()
+    assert (stages[0].output_chunks == []) is not keep  # torch keeps the micro-batch outputs only when asked
+    assert out.shape == (8, 5) and out.dtype == torch.float64 and out.is_meta is not keep
+    if keep:
+        torch.testing.assert_close(out, net(x), rtol=0, atol=1e-15)
+    torch.testing.assert_close(loss, loss_fn(net(x), y), rtol=1e-14, atol=0)  # the micro-batches' mean = the batch's
