@@ -674,14 +674,20 @@ def plan_rank(
 
 
 # ---- the driver: one process per representative rank -------------------------------------------------------
-def dry_run(config: DryRunConfig, *, timeout: float = 600.0, python: str = sys.executable) -> DryRunReport:
-    """Simulate each representative rank in its own process (one after the other) and collect the figures.
+def dry_run(
+    config: DryRunConfig, *, timeout: float = 600.0, python: str = sys.executable, jobs: Optional[int] = None
+) -> DryRunReport:
+    """Simulate each representative rank in its own process and collect the figures (in rank order).
 
     Checks the cluster and the mesh arithmetic here first (same errors as the strategy), so a bad layout
     fails before any process starts; a rank's error (e.g. the tensor-parallel plan's head check) is raised
-    here as the same exception type with the rank's message.
+    here as the same exception type with the rank's message (the first failing rank's, in rank order).
+
+    ``jobs``: rank processes run at once (default: one per CPU core, at most one per rank); each simulated
+    rank is one mostly single-threaded process, so on ``jobs`` <= cores each one's time is its own.
     """
     import tempfile
+    from concurrent.futures import ThreadPoolExecutor
 
     check_cluster(config.world_size, config.devices_per_node)
     _check_replayable(_strategy_class(config))
@@ -694,9 +700,12 @@ def dry_run(config: DryRunConfig, *, timeout: float = 600.0, python: str = sys.e
         )
     ranks = list(config.ranks) if config.ranks is not None else _representative_for(config)
     env = {k: v for k, v in os.environ.items() if not k.startswith(_JOB_ENV)}
-    results = []
+    if jobs is not None and (not isinstance(jobs, int) or jobs < 1):
+        raise ValueError(f"dry_run(jobs={jobs!r}): give the number of rank processes to run at once (>= 1), or None.")
+    workers = max(1, min(jobs or os.cpu_count() or 1, len(ranks)))
     with tempfile.TemporaryDirectory() as tmp:
-        for rank in ranks:
+
+        def simulate(rank: int) -> tuple[Optional[dict], str]:
             out = os.path.join(tmp, f"rank{rank}.json")
             cmd = [
                 python,
@@ -710,12 +719,19 @@ def dry_run(config: DryRunConfig, *, timeout: float = 600.0, python: str = sys.e
                 str(rank),
             ]
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-            data = json.load(open(out)) if os.path.exists(out) else None
-            if data is None or "error" in data:
-                kind, message = data["error"] if data else ("RuntimeError", proc.stderr[-4000:])
-                exc = {"ValueError": ValueError, "TypeError": TypeError}.get(kind, RuntimeError)
-                raise exc(message)
-            results.append(data)
+            with contextlib.suppress(FileNotFoundError), open(out) as f:
+                return json.load(f), proc.stderr
+            return None, proc.stderr
+
+        with ThreadPoolExecutor(max_workers=workers) as pool:  # threads only wait on the rank processes
+            done = list(pool.map(simulate, ranks))
+    results = []
+    for data, stderr in done:
+        if data is None or "error" in data:
+            kind, message = data["error"] if data else ("RuntimeError", stderr[-4000:])
+            exc = {"ValueError": ValueError, "TypeError": TypeError}.get(kind, RuntimeError)
+            raise exc(message)
+        results.append(data)
     return DryRunReport(config=config, ranks=results)
 
 
