@@ -151,6 +151,18 @@ def _uses_ddp_replicate(model: Any) -> bool:
     return any("replicate" in (_get_registry(m) or {}) for m in model.modules())
 
 
+def _init_replicate(model: Any) -> None:
+    """Build the DDP reducer of each composable ``replicate`` module now (torch does it at the first forward)."""
+    from torch.distributed._composable.contract import _get_registry
+    from torch.distributed._composable.replicate import replicate
+
+    for module in model.modules():
+        if "replicate" in (_get_registry(module) or {}):
+            state = replicate.state(module)
+            if state._init_args:  # not built yet
+                state.lazy_init()
+
+
 def _check_replayable(cls: type) -> None:
     from lightning_dist.strategies.base import MeshStrategy
 
@@ -314,6 +326,7 @@ def simulate_rank(config: DryRunConfig, rank: int) -> dict[str, Any]:
 
     from lightning_dist import inputs
     from lightning_dist._compat import init_fake_process_group
+    from lightning_dist._integrations.torch_distributed import ddp_on_fake_process_group
     from lightning_dist.mesh import DistMesh
     from lightning_dist.parallelize.pipeline import pipeline_view
     from lightning_dist.parallelize.units import find_block_lists
@@ -360,6 +373,8 @@ def simulate_rank(config: DryRunConfig, rank: int) -> dict[str, Any]:
     spec = strategy.mesh_spec()
     strategy.validate_config(spec)
     init_fake_process_group(rank=rank, world_size=config.world_size)
+    replicated = ddp_on_fake_process_group()  # torch's DDP reducer (replicated layouts) on the fake group
+    replicated.__enter__()
     try:
         mesh = DistMesh.build(spec, "cpu")
         strategy.use_mesh(mesh)
@@ -381,14 +396,10 @@ def simulate_rank(config: DryRunConfig, rank: int) -> dict[str, Any]:
         strategy.allocate_under(fake)
         strategy.setup(trainer)
         if _uses_ddp_replicate(strategy.model):
-            # torch's DDP reducer (composable `replicate`) compares real parameter storages across processes at
-            # its first forward, which fake tensors on a fake process group do not have
-            raise ValueError(
-                f"The dry run cannot replay DDP-style replication ({type(strategy).__name__} with a shard"
-                " group of 1 or zero_stage=1): torch's reducer checks real tensors across ranks. Every rank"
-                " holds the whole model there, so `lightning-dist plan` gives its model-state bytes exactly;"
-                " dry-run a sharded layout (shard_size > 1, zero_stage 2/3) to simulate the step."
-            )
+            # DDP's one-time set-up (its parameter broadcast from rank 0), which a real run does in its first forward,
+            # before the measured step: a ledger's steady step has none (a second step cannot run here: the
+            # reducer's bucket rebuild reads tensor data)
+            _init_replicate(strategy.model)
         built = time.perf_counter()
         planned = plan_rank(strategy, module, cfg, config, spec, shapes, in_blocks, boundaries)
         optimizers = [getattr(o, "_optimizer", o) for o in strategy.optimizers]
@@ -420,6 +431,7 @@ def simulate_rank(config: DryRunConfig, rank: int) -> dict[str, Any]:
             "stages": list(strategy.local_stages) if pipelined else None,
         }
     finally:
+        replicated.__exit__(None, None, None)
         dist.destroy_process_group()
 
 

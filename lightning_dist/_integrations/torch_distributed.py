@@ -28,15 +28,22 @@ on, and without it the flush is skipped (plain ``destroy_process_group``). Test:
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from lightning_dist._compat import TORCH_GROUP_REGISTRY
+from lightning_dist._compat import TORCH_GROUP_REGISTRY, check_torch_internals
 
-__all__ = ["destroy_process_groups_at_exit", "destroy_process_groups_for_exit", "gloo_groups"]
+__all__ = [
+    "ddp_on_fake_process_group",
+    "destroy_process_groups_at_exit",
+    "destroy_process_groups_for_exit",
+    "gloo_groups",
+]
 
 FLUSH_ROUNDS = 4
 _AT_EXIT: list[bool] = []  # registered already in this process
@@ -94,3 +101,44 @@ def destroy_process_groups_at_exit() -> None:
     if not _AT_EXIT:
         atexit.register(destroy_process_groups_for_exit)
         _AT_EXIT.append(True)
+
+
+@contextlib.contextmanager
+def ddp_on_fake_process_group() -> Iterator[None]:
+    """Let torch's DDP reducer (composable ``replicate``, ``DistributedDataParallel``) run on torch's fake process
+    group with fake tensors: the dry run of replicated layouts (hsdp ``shard_size=1``, ``zero_stage=1``).
+
+    Reasons (upstream: no issue found), two places where DDP needs values a fake group does not deliver:
+
+    - ``DistributedDataParallel.__init__`` checks that every rank's parameter shapes agree by reading the
+      parameters' data (``_verify_param_shape_across_processes``), which fake tensors do not hold: skipped (every
+      simulated rank builds the same model from the same config);
+    - the reducer requires its communication hook's future to hold the reduced bucket, and the fake group's
+      ``allreduce`` future holds none: each DDP built meanwhile gets the hook DDP's default one does, the bucket
+      divided by the group size and all-reduced (the same ``c10d.allreduce_`` call on the same bucket, which the
+      collective recorder counts as a real run's), its future completed with the bucket.
+    """
+    check_torch_internals("ddp_on_fake_process_group (DDP's shape check and communication hook)")
+    from torch.nn.parallel import distributed as ddp_module
+
+    def allreduce_bucket(group, bucket):  # unannotated: DDP checks a hook's annotations against its own types
+        buffer = bucket.buffer()
+        buffer.div_(group.size())
+        dist.all_reduce(buffer, group=group)
+        done: torch.futures.Future = torch.futures.Future()
+        done.set_result(buffer)
+        return done
+
+    init, verify = ddp_module.DistributedDataParallel.__init__, ddp_module._verify_param_shape_across_processes
+
+    def patched_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        self.register_comm_hook(self.process_group, allreduce_bucket)
+
+    ddp_module._verify_param_shape_across_processes = lambda *args, **kwargs: None
+    ddp_module.DistributedDataParallel.__init__ = patched_init
+    try:
+        yield
+    finally:
+        ddp_module.DistributedDataParallel.__init__ = init
+        ddp_module._verify_param_shape_across_processes = verify

@@ -154,26 +154,25 @@ def test_auto_parallel_verify_keeps_only_layouts_the_dry_run_fits():
     ranked = roomy.candidates()
     assert ranked[0].kind == "fsdp"
     assert roomy._verified(ranked)[0].name == ranked[0].name
-    # a replicated layout is not dry-run (torch's DDP reducer needs real tensors): said plainly if asked
-    with pytest.raises(ValueError, match="cannot replay DDP-style replication"):
-        dry_run(
-            DryRunConfig(
-                model="lightning_dist.models.gpt.CharGPT",
-                init_args={"vocab_size": 64, "block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 32},
-                strategy="hsdp",
-                strategy_args={"shard_size": 1, "dp_replicate": 2},
-                world_size=2,
-                devices_per_node=2,
-                precision="32-true",
-                batch_size=8,
-                device_memory=100e6,
-            ),
-            timeout=300,
-        )
-
-
-# layouts the dry run does not simulate yet, with the reason it gives
-NOT_SIMULATED = {"hsdp_shard1": "cannot replay DDP-style replication"}
+    # a replicated layout is dry-run too (torch's DDP reducer on the fake group): its gradients all-reduced over
+    # dp_replicate, the whole model on every rank
+    (rank,) = dry_run(
+        DryRunConfig(
+            model="lightning_dist.models.gpt.CharGPT",
+            init_args={"vocab_size": 64, "block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 32},
+            strategy="hsdp",
+            strategy_args={"shard_size": 1, "dp_replicate": 2},
+            world_size=2,
+            devices_per_node=2,
+            precision="32-true",
+            batch_size=8,
+            device_memory=100e6,
+            ranks=(1,),
+        ),
+        timeout=300,
+    ).ranks
+    (reduce,) = [c for c in rank["collectives"] if c["op"] == "all_reduce"]
+    assert reduce["dim"] == "dp_replicate" and reduce["payload_bytes"] == rank["states"]["params"] > 0, rank
 
 
 @pytest.fixture(scope="module")
@@ -188,6 +187,7 @@ def dry_and_real():
         "hsdp_2x2",
         "fsdp2_1x4",
         "hsdp_shard1",
+        "zero1",
         "tp2_dp2",
         "pp2_1f1b_dp2",
         "pp2_interleaved_dp2",
@@ -203,9 +203,6 @@ def test_dry_run_sends_what_the_real_run_sends(dry_and_real, case):
     dry = {r["rank"]: r for r in dry_and_real if r["case"] == case and r["kind"] == "dry"}
     assert set(real) == set(dry) == {0, 1, 2, 3}, (sorted(real), sorted(dry))
     for rank in range(4):
-        if case in NOT_SIMULATED:
-            assert NOT_SIMULATED[case] in dry[rank]["refused"], dry[rank]
-            continue
         assert "rows" in dry[rank], dry[rank]  # the dry run's refusal
         want = {(c["op"], c["dim"]): (c["calls"], c["bytes"]) for c in real[rank]["rows"]}
         got = {(c["op"], c["dim"]): (c["calls"], c["bytes"]) for c in dry[rank]["rows"]}
@@ -217,6 +214,8 @@ def test_dry_run_sends_what_the_real_run_sends(dry_and_real, case):
     [
         "hsdp_2x2",
         "fsdp2_1x4",
+        "hsdp_shard1",
+        "zero1",
         "tp2_dp2",
         "pp2_1f1b_dp2",
         "pp2_interleaved_dp2",
