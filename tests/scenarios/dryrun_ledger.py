@@ -36,6 +36,7 @@ CASES = {
     "fsdp2_1x4": ("fsdp2", {}),
     "hsdp_shard1": ("hsdp", {"shard_size": 1}),
     "zero1": ("hsdp", {"zero_stage": 1}),  # DDP's reducer and ZeroRedundancyOptimizer's parameter broadcasts
+    "offload_fsdp2": ("offload_fsdp2", {}),  # FSDP2 with CPUOffloadPolicy (DeepSpeed's engine is not simulated)
     "tp2_dp2": ("tp", {"tp": 2, "dp_shard": 2, "dp_replicate": 1}),
     "pp2_1f1b_dp2": ("pipeline", {**PIPE, "schedule": "1f1b"}),
     "pp2_interleaved_dp2": ("pipeline", {**PIPE, "schedule": "interleaved_1f1b"}),
