@@ -634,10 +634,7 @@ def plan_rank(
                 what="activations + their gradients",
             )
         )
-        # the batch loss, a float32 scalar, from the last stage to every pp rank (PipelineRunner.from_last_stage)
-        traffic.append(
-            planner.Collective(op="broadcast", dim=PP, group_size=spec.size(PP), payload_bytes=4, what="loss")
-        )
+        traffic.append(planner.pipeline_loss_broadcast(spec.size(PP)))
     activation = None
     if hidden is not None and cfg is not None:
         held = (m if strategy.schedule == "gpipe" else min(stages - stage, m)) if pipelined else 1

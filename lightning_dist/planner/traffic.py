@@ -370,8 +370,8 @@ def pipeline_p2p_traffic(
 ) -> list[Collective]:
     """Stage-boundary traffic per step for an interior rank: each micro-batch's activation
     (``activation_bytes``) goes forward and its gradient back at each of the rank's ``v`` stages:
-    ``2 m v A`` bytes sent (and the same received); the output is not broadcast (the loss is computed on the
-    last stage, every rank gets it as one scalar, left out here). Empty for a single stage."""
+    ``2 m v A`` bytes sent (and the same received); the output is not broadcast: the loss is computed on the
+    last stage and every rank gets it as one scalar (:func:`pipeline_loss_broadcast`). Empty for a single stage."""
     check_count("activation_bytes", activation_bytes)
     check_size("micro_batches", micro_batches)
     check_size("stages", stages)
@@ -382,5 +382,12 @@ def pipeline_p2p_traffic(
     return [
         Collective(
             op="send_recv", dim=PP, group_size=stages, payload_bytes=payload, what="activations + their gradients"
-        )
+        ),
+        pipeline_loss_broadcast(stages),
     ]
+
+
+def pipeline_loss_broadcast(stages: int) -> Collective:
+    """The batch loss, a float32 scalar, from the last stage to every pp rank, once per training step
+    (``PipelineRunner.from_last_stage``)."""
+    return Collective(op="broadcast", dim=PP, group_size=stages, payload_bytes=4, what="loss")

@@ -324,30 +324,38 @@ def test_stateful_dataloader_gets_a_plain_distributed_sampler_and_resumes_mid_ep
     assert head + [b[0].tolist() for b in resumed] == whole
 
 
+_DDP_ON_FAKE_GROUP = """
+import pytest, torch, torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.parallel import DistributedDataParallel as DDP
+from lightning_dist import _compat
+from lightning_dist._integrations.torch_distributed import ddp_on_fake_process_group
+from lightning_dist.callbacks.ledger import CollectiveRecorder
+
+_compat.init_fake_process_group(rank=1, world_size=2)
+init = DDP.__init__
+with FakeTensorMode():
+    net = torch.nn.Linear(6, 4)
+    with pytest.raises(RuntimeError, match="data is not allocated"):
+        DDP(net)
+    with ddp_on_fake_process_group():
+        model = DDP(net)
+        with CollectiveRecorder() as rec:
+            model(torch.randn(3, 6)).sum().backward()
+assert DDP.__init__ is init
+assert [(op, nbytes) for op, _, nbytes in rec.calls] == [("all_reduce", (6 * 4 + 4) * 4)], rec.calls  # one bucket
+assert net.weight.grad is not None and net.weight.grad.shape == (4, 6)
+dist.destroy_process_group()
+print("OK")
+"""
+
+
 def test_ddp_runs_on_the_fake_process_group_only_under_its_patch():
     # the dry run of a replicated layout: DDP built on fake tensors and torch's fake group, one step recorded; the
-    # patch leaves DDP as it found it (outside it, the same construction fails on its shape check)
-    import torch.distributed as dist
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.nn.parallel import DistributedDataParallel as DDP
+    # patch leaves DDP as it found it (outside it, the same construction fails on its shape check). In a fresh
+    # process: the fake group must be the process's default group
+    import subprocess
+    import sys
 
-    from lightning_dist._integrations.torch_distributed import ddp_on_fake_process_group
-    from lightning_dist.callbacks.ledger import CollectiveRecorder
-
-    assert not dist.is_initialized()
-    _compat.init_fake_process_group(rank=1, world_size=2)
-    init = DDP.__init__
-    try:
-        with FakeTensorMode():
-            net = torch.nn.Linear(6, 4)
-            with pytest.raises(RuntimeError, match="data is not allocated"):
-                DDP(net)
-            with ddp_on_fake_process_group():
-                model = DDP(net)
-                with CollectiveRecorder() as rec:
-                    model(torch.randn(3, 6)).sum().backward()
-        assert DDP.__init__ is init
-        assert [(op, nbytes) for op, _, nbytes in rec.calls] == [("all_reduce", (6 * 4 + 4) * 4)]  # one bucket
-        assert net.weight.grad is not None and net.weight.grad.shape == (4, 6)
-    finally:
-        dist.destroy_process_group()
+    run = subprocess.run([sys.executable, "-c", _DDP_ON_FAKE_GROUP], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip().endswith("OK"), run.stderr[-3000:]

@@ -248,8 +248,9 @@ def test_pipeline_idle_fraction_and_p2p():
         stages=4, micro_batches=8, schedule="interleaved-1f1b", virtual_stages=2
     ) == pytest.approx(3 / (2 * 8 + 3))
     assert planner.pipeline_idle_fraction(stages=1, micro_batches=1) == 0
-    (c,) = planner.pipeline_p2p_traffic(activation_bytes=1000, micro_batches=8, stages=4, virtual_stages=2)
+    c, loss = planner.pipeline_p2p_traffic(activation_bytes=1000, micro_batches=8, stages=4, virtual_stages=2)
     assert (c.op, c.dim, c.wire_bytes) == ("send_recv", "pp", 2 * 8 * 2 * 1000)
+    assert (loss.op, loss.dim, loss.payload_bytes) == ("broadcast", "pp", 4)  # the batch loss to every pp rank
     assert planner.pipeline_p2p_traffic(activation_bytes=1000, micro_batches=8, stages=1) == []
 
 
@@ -342,7 +343,8 @@ def test_tp_and_pp_activation_traffic_in_layouts():
     assert dims["dp"] == pytest.approx(2 * (2 - 1) / 2 * (800 / 2 + 200) * 4)
     pp = layouts["pp2-ddp2"]
     assert pp.memory.total == (100 + 400) * 16  # stages [500, 500]: 2 blocks each + embeddings / head
-    assert pp.wire_bytes_by_dim()["pp"] == 2 * 4 * (8 / 4) * 16 * 32 * 2
+    # boundary activations and gradients, plus the loss broadcast (4 B, wire (2 - 1) / 2 of it)
+    assert pp.wire_bytes_by_dim()["pp"] == 2 * 4 * (8 / 4) * 16 * 32 * 2 + 4 * (2 - 1) / 2
     assert "pp8" not in layouts and "pp4" in layouts  # no more stages than blocks
 
 
