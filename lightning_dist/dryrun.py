@@ -551,11 +551,17 @@ def plan_rank(
     traffic = planner.with_cp_dims(traffic, C)
     seq = config.seq_len or getattr(cfg, "block_size", 1)
     hidden, vocab = getattr(cfg, "n_embd", None), getattr(cfg, "vocab_size", None)
-    stage = strategy.local_stages[0] if pipelined else 0
+    # every stage this rank holds (interleaved and V schedules hold several): their blocks, the stem, the head
+    local = list(strategy.local_stages) if pipelined else [0]
     stages = strategy.split.num_stages if pipelined else 1
     m = strategy.n_microbatches if pipelined else 1
-    blocks = len(strategy.split.stages[stage].blocks) if pipelined else sum(len(b) for _, b in find_block_lists(module))
-    has_head = stage == stages - 1
+    stage_blocks = (
+        {s: len(strategy.split.stages[s].blocks) for s in local}
+        if pipelined
+        else {0: sum(len(b) for _, b in find_block_lists(module))}
+    )
+    blocks = sum(stage_blocks.values())
+    has_head = stages - 1 in local
     head_gathered = any(
         e.style == "colwise_gather" and e.active
         for e in getattr(strategy, "tp_entries", [])
@@ -637,27 +643,31 @@ def plan_rank(
         traffic.append(planner.pipeline_loss_broadcast(spec.size(PP)))
     activation = None
     if hidden is not None and cfg is not None:
-        held = (m if strategy.schedule == "gpipe" else min(stages - stage, m)) if pipelined else 1
-        activation = planner.activation_bytes(
-            planner.BlockShape(
-                hidden=hidden,
-                heads=cfg.n_head,
-                mlp_hidden=cfg.mlp_ratio * hidden,
-                vocab=vocab,
-                kv_heads=getattr(cfg, "n_kv_head", None),
-            ),
-            tokens=config.batch_size // m * seq // C,  # context parallelism: each rank holds seq / cp tokens
-            blocks=blocks,
-            tp=T,
-            bytes_per_element=act_bytes,
-            residual_bytes=resid_bytes,
-            micro_batches_held=held,
-            stem=stage == 0,
-            head=has_head,
-            head_gathered=head_gathered,
-            autocast=pipelined,
-            checkpointed=getattr(strategy, "activation_checkpointing", False) or False,
-            offloaded=bool(getattr(strategy, "offload_activations", False)),
+        # each local stage holds its micro-batches in flight at the peak (1F1B: stages - s of them; GPipe: all m);
+        # for several stages per rank the sum of each one's 1F1B count is an estimate (their peaks need not meet)
+        activation = sum(
+            planner.activation_bytes(
+                planner.BlockShape(
+                    hidden=hidden,
+                    heads=cfg.n_head,
+                    mlp_hidden=cfg.mlp_ratio * hidden,
+                    vocab=vocab,
+                    kv_heads=getattr(cfg, "n_kv_head", None),
+                ),
+                tokens=config.batch_size // m * seq // C,  # context parallelism: each rank holds seq / cp tokens
+                blocks=n_blocks,
+                tp=T,
+                bytes_per_element=act_bytes,
+                residual_bytes=resid_bytes,
+                micro_batches_held=(m if strategy.schedule == "gpipe" else min(stages - s, m)) if pipelined else 1,
+                stem=s == 0,
+                head=s == stages - 1,
+                head_gathered=head_gathered,
+                autocast=pipelined,
+                checkpointed=getattr(strategy, "activation_checkpointing", False) or False,
+                offloaded=bool(getattr(strategy, "offload_activations", False)),
+            )
+            for s, n_blocks in stage_blocks.items()
         )
     from lightning_dist.callbacks import _planned
 

@@ -130,6 +130,22 @@ def test_dry_run_tensor_parallel_and_hybrid_sharding():
     assert abs(r["peak_activation_bytes"] / r["planned"]["peak_activation_bytes"] - 1) <= 0.15
 
 
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zero_bubble"])
+def test_the_plan_of_several_stages_per_rank_is_what_the_dry_run_sends(schedule):
+    # interleaved (stages 0, 2 | 1, 3) and V (0, 3 | 1, 2) schedules under pp2 x tp2 x hsdp 2x2: every collective's
+    # planned bytes are the measured ones, the tensor-parallel all-reduces of both local stages and the gathered
+    # head on whichever rank holds the last stage included
+    mesh = {"pp": 2, "dp_replicate": 2, "dp_shard": 2, "tp": 2, "split": "params", "schedule": schedule}
+    report = dry_run(_config(world_size=16, strategy_args=mesh, ranks=(0, 15)), timeout=300)
+    for r in report.ranks:
+        assert len(r["stages"]) == 2, r["stages"]
+        comm = report.collective_ratios(r)
+        assert (("all_gather", "tp") in comm) == (3 in r["stages"]), comm  # the head's logits, on the last stage
+        assert {dim for _, dim in comm} >= {"tp", "pp", "dp_shard", "dp_replicate"}, comm
+        for key, (measured, planned) in comm.items():
+            assert planned > 0 and measured == pytest.approx(planned, rel=1e-9), (schedule, r["rank"], key)
+
+
 def test_auto_parallel_verify_keeps_only_layouts_the_dry_run_fits():
     import torch
 
