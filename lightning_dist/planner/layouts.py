@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from lightning_dist import rules
 from lightning_dist.mesh import CP, DP_REPLICATE, DP_SHARD, PP, TP
 from lightning_dist.planner._checks import check_count, check_size, divisors
 from lightning_dist.planner.memory import (
@@ -275,9 +276,10 @@ def candidate_layouts(
                 )
             )
 
-    # pipeline x data parallel
+    # pipeline x data parallel: v stages per rank (interleaved and V schedules run 2), p x v stages of blocks
     max_stages = len(counts.layer_params) if counts.layer_params else W
-    for p in (d for d in divisors(W)[1:] if d <= max_stages):
+    v = rules.SCHEDULES[schedule][1]
+    for p in (d for d in divisors(W)[1:] if d * v <= max_stages):
         dp, m = W // p, max(micro_batches, p)
         stages = counts.stage_params(p)
         mem = max(pipeline_bytes(stages, state=state), key=lambda b: b.total)
@@ -288,7 +290,7 @@ def candidate_layouts(
         )
         if activation is not None:
             a_bytes = activation.batch / m * activation.seq * activation.hidden * activation.bytes_per_element
-            traffic += pipeline_p2p_traffic(activation_bytes=a_bytes, micro_batches=m, stages=p)
+            traffic += pipeline_p2p_traffic(activation_bytes=a_bytes, micro_batches=m, stages=p, virtual_stages=v)
         out.append(
             Layout(
                 name=f"pp{p}-ddp{dp}" if dp > 1 else f"pp{p}",
@@ -298,8 +300,8 @@ def candidate_layouts(
                 memory=mem,
                 traffic=tuple(traffic),
                 activations_counted=activation is not None,
-                idle_fraction=pipeline_idle_fraction(stages=p, micro_batches=m, schedule=schedule),
-                note=f"{p} pipeline stages ({schedule}, {m} micro-batches), dp x{dp} replicated",
+                idle_fraction=pipeline_idle_fraction(stages=p, micro_batches=m, schedule=schedule, virtual_stages=v),
+                note=f"{p * v} pipeline stages on {p} ranks ({schedule}, {m} micro-batches), dp x{dp} replicated",
             )
         )
 

@@ -346,6 +346,25 @@ def test_tp_and_pp_activation_traffic_in_layouts():
     # boundary activations and gradients, plus the loss broadcast (4 B, wire (2 - 1) / 2 of it)
     assert pp.wire_bytes_by_dim()["pp"] == 2 * 4 * (8 / 4) * 16 * 32 * 2 + 4 * (2 - 1) / 2
     assert "pp8" not in layouts and "pp4" in layouts  # no more stages than blocks
+    # interleaved 1F1B runs 2 stages per rank: each micro-batch crosses twice as many rank boundaries, the bubble
+    # shrinks, and 4 blocks allow pp2 only (pp4 would need 8 stages)
+    inter = {
+        x.name: x
+        for x in planner.candidate_layouts(
+            counts,
+            world_size=4,
+            devices_per_node=4,
+            state=FP32,
+            activation=act,
+            micro_batches=4,
+            schedule="interleaved_1f1b",
+        )
+    }
+    assert "pp4" not in inter and "pp2-ddp2" in inter
+    ipp = inter["pp2-ddp2"]
+    assert ipp.wire_bytes_by_dim()["pp"] == 2 * 2 * 4 * (8 / 4) * 16 * 32 * 2 + 4 * (2 - 1) / 2
+    assert ipp.idle_fraction == pytest.approx((2 - 1) / (2 * 4 + 2 - 1))
+    assert ipp.idle_fraction < pp.idle_fraction
 
 
 # ---- models ------------------------------------------------------------------------------------------------
