@@ -145,14 +145,11 @@ def _strategy_class(config: DryRunConfig) -> type:
     )
 
 
-def _uses_ddp_replicate(model: Any) -> bool:
-    from torch.distributed._composable.contract import _get_registry
-
-    return any("replicate" in (_get_registry(m) or {}) for m in model.modules())
-
-
 def _init_replicate(model: Any) -> None:
-    """Build the DDP reducer of each composable ``replicate`` module now (torch does it at the first forward)."""
+    """Build the DDP reducer of each composable ``replicate`` module now (torch does it at the first forward):
+    DDP's one-time set-up (its parameter broadcast from rank 0) stays out of the measured step, as a real run's
+    steady step has none; a second DDP step cannot run on the fake group (the bucket rebuild reads tensor data).
+    A model without ``replicate`` is left as it is."""
     from torch.distributed._composable.contract import _get_registry
     from torch.distributed._composable.replicate import replicate
 
@@ -373,9 +370,9 @@ def simulate_rank(config: DryRunConfig, rank: int) -> dict[str, Any]:
     spec = strategy.mesh_spec()
     strategy.validate_config(spec)
     init_fake_process_group(rank=rank, world_size=config.world_size)
-    replicated = ddp_on_fake_process_group()  # torch's DDP reducer (replicated layouts) on the fake group
-    replicated.__enter__()
+    patches = contextlib.ExitStack()
     try:
+        patches.enter_context(ddp_on_fake_process_group())  # torch's DDP reducer (replicated layouts) on the fake group
         mesh = DistMesh.build(spec, "cpu")
         strategy.use_mesh(mesh)
         pipelined = pipeline_view(strategy) is not None
@@ -395,11 +392,7 @@ def simulate_rank(config: DryRunConfig, rank: int) -> dict[str, Any]:
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         strategy.allocate_under(fake)
         strategy.setup(trainer)
-        if _uses_ddp_replicate(strategy.model):
-            # DDP's one-time set-up (its parameter broadcast from rank 0), which a real run does in its first forward,
-            # before the measured step: a ledger's steady step has none (a second step cannot run here: the
-            # reducer's bucket rebuild reads tensor data)
-            _init_replicate(strategy.model)
+        _init_replicate(strategy.model)
         built = time.perf_counter()
         planned = plan_rank(strategy, module, cfg, config, spec, shapes, in_blocks, boundaries)
         optimizers = [getattr(o, "_optimizer", o) for o in strategy.optimizers]
@@ -431,7 +424,7 @@ def simulate_rank(config: DryRunConfig, rank: int) -> dict[str, Any]:
             "stages": list(strategy.local_stages) if pipelined else None,
         }
     finally:
-        replicated.__exit__(None, None, None)
+        patches.close()
         dist.destroy_process_group()
 
 

@@ -124,20 +124,24 @@ class _Tiny(pl.LightningModule):
         return DataLoader(TensorDataset(torch.randn(16, 6), torch.randint(0, 3, (16,))), batch_size=4)
 
 
-def test_single_device_fit_reports_exact_bytes_and_no_collectives(capsys):
-    ledger, memory = CommunicationLedger(), MemoryReport()
-    # two micro-batches per optimizer step: the ledger's steps are optimizer steps
-    trainer = pl.Trainer(
+def _trainer(callbacks: list, **kwargs) -> pl.Trainer:
+    """A one-device CPU Trainer with nothing but `callbacks` (no logger, checkpoints, progress bar or summary)."""
+    return pl.Trainer(
         accelerator="cpu",
         devices=1,
-        max_steps=2,
-        accumulate_grad_batches=2,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[ledger, memory],
+        callbacks=callbacks,
+        **kwargs,
     )
+
+
+def test_single_device_fit_reports_exact_bytes_and_no_collectives(capsys):
+    ledger, memory = CommunicationLedger(), MemoryReport()
+    # two micro-batches per optimizer step: the ledger's steps are optimizer steps
+    trainer = _trainer([ledger, memory], max_steps=2, accumulate_grad_batches=2)
     trainer.fit(_Tiny())
     n = 6 * 10 + 10 + 10 * 3 + 3
     assert memory.measured == {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n, "total": 16 * n}
@@ -151,16 +155,7 @@ def test_single_device_fit_reports_exact_bytes_and_no_collectives(capsys):
 
 def test_log_false_is_respected_although_lightning_sets_callback_log_attributes():
     ledger, memory = CommunicationLedger(log=False, print_table=False), MemoryReport(log=False, print_table=False)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[ledger, memory],
-    )
+    trainer = _trainer([ledger, memory], max_steps=1)
     trainer.fit(_Tiny())
     assert not any(k.startswith(("memory/", "comm/")) for k in trainer.callback_metrics)
     assert memory.measured["total"] > 0  # measured all the same
@@ -171,16 +166,7 @@ def test_memory_report_tracks_one_step_under_memtracker(step, capsys):
     # the dry run's tracker around a real step: parameters and Adam's state (from the first optimizer step on) counted
     # as such, the step's activations apart; step 0 runs before Adam has any state
     memory = MemoryReport(log=False, track_step=step)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[memory],
-    )
+    trainer = _trainer([memory], max_steps=3)
     trainer.fit(_Tiny())
     n = 6 * 10 + 10 + 10 * 3 + 3
     cat = memory.step_peak["peak_breakdown"]
