@@ -98,14 +98,17 @@ def reached_leaves(loss: Tensor) -> set[int]:
     rest of the step's own work on a small model (autograd builds an input edge for each). Written by hand: torch
     has no public "leaves of this graph" query.
     """
-    seen: set[int] = set()
+    # Node wrappers are made on demand and freed with their last reference, and a freed wrapper's id is reused by
+    # the next one (torch 2.11 does: every node but the root looked seen, so no leaf was found): `seen` holds the
+    # visited nodes themselves, which keeps their ids unique for the walk.
+    seen: dict[int, Any] = {}
     leaves: set[int] = set()
     stack = [loss.grad_fn]
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         variable = getattr(node, "variable", None)  # AccumulateGrad: the leaf it accumulates into
         if variable is not None:
             leaves.add(id(variable))
