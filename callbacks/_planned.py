@@ -232,11 +232,11 @@ def planned_traffic(
         # pipeline: stage-boundary activations and per-micro-batch gathers are not predicted here
         return None
     cp = mesh.cp_size if mesh is not None else 1
-    all_to_alls = None
+    attention_traffic = None
     if cp > 1 and activation is not None and activation.get("cp_network") is not None:
-        from lightning_dist.parallelize.cp import planned_all_to_alls
+        from lightning_dist.parallelize.cp import planned_attention_traffic
 
-        all_to_alls = planned_all_to_alls(
+        attention_traffic = planned_attention_traffic(
             activation["cp_network"],
             activation["block_lists"],
             batch=activation["batch"],
@@ -244,8 +244,9 @@ def planned_traffic(
             cp=cp,
             tp=mesh.size(TP),
             bytes_per_element=activation["bytes"],
+            style=getattr(trainer.strategy, "cp_style", "ulysses"),
         )
-    if cp > 1 and all_to_alls is None:
+    if cp > 1 and attention_traffic is None:
         return None  # the all-to-alls need the attention's shape: no plan rather than one without them
     # traffic depends on the gather / reduce dtypes only, not on the optimizer
     state = planner.state_bytes(precision=precision_flag(trainer), optimizer="sgd")
@@ -268,7 +269,7 @@ def planned_traffic(
             frozen_shapes=[tp_local_shape(p) for p in module.parameters() if not p.requires_grad],
         )
     out = planner.with_cp_dims(out, cp)  # FSDP2 over dp_shard x cp
-    out += all_to_alls or []
+    out += attention_traffic or []
     if activation is not None and mesh is not None and mesh.size(TP) > 1:
         out += planner.tp_activation_traffic(
             batch=activation["batch"],

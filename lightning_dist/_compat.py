@@ -137,6 +137,20 @@ def check_torch_internals(patch: str) -> None:
         )
 
 
+def check_torch_ring_attention() -> None:
+    """RuntimeError naming the release and the fix when ``cp_style="ring"`` would call torch's private ring attention
+    functions (``_integrations/torch_ring_attention.py``) on a torch they were not tested on (the same releases as the
+    pipelining patches, ``TORCH_PIPELINING_TESTED``)."""
+    if not torch_pipelining_tested():
+        low, high = TORCH_PIPELINING_TESTED
+        raise RuntimeError(
+            f"cp_style='ring' calls torch's private ring attention (torch.distributed.tensor.experimental."
+            f"_context_parallel), tested on torch {low} to {high}.x; found torch {torch.__version__}. Install a tested"
+            " torch, use cp_style='ulysses', or run tests/unit/test_context_parallel.py on this release and extend"
+            " TORCH_PIPELINING_TESTED."
+        )
+
+
 def deepspeed_available() -> bool:
     return module_available("deepspeed")
 

@@ -594,7 +594,7 @@ def plan_rank(
         from lightning_dist.parallelize import cp as context_parallel
 
         traffic += (
-            context_parallel.planned_all_to_alls(
+            context_parallel.planned_attention_traffic(
                 cp_state.network,
                 find_block_lists(module),
                 batch=config.batch_size,
@@ -602,6 +602,7 @@ def plan_rank(
                 cp=C,
                 tp=T,
                 bytes_per_element=act_bytes,
+                style=cp_state.cp.style,
             )
             or []
         )

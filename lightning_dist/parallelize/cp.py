@@ -63,15 +63,10 @@ def cp_style_problems(cp_style: Any, cp: Any, device_type: Optional[str] = None)
     """Problems of the ``cp_style`` option (collected into the strategy's one ValueError)."""
     if cp_style not in CP_STYLES:
         return [f"`cp_style={cp_style!r}` must be one of {CP_STYLES}."]
-    if cp_style == "ring" and isinstance(cp, int) and cp > 1:
-        if device_type is not None and device_type != "cuda":
-            return [
-                f"`cp_style='ring'` runs torch's ring attention (`context_parallel`), which needs CUDA SDPA kernels;"
-                f" this run is on {device_type!r}. Use cp_style='ulysses' (all-to-all; every device, CPU included)."
-            ]
+    if cp_style == "ring" and isinstance(cp, int) and cp > 1 and device_type not in (None, "cpu", "cuda"):
         return [
-            "`cp_style='ring'` is not available yet in this pack: use cp_style='ulysses' (exact, every device;"
-            " the heads must divide by cp)."
+            f"`cp_style='ring'` runs torch's ring attention with the CPU or CUDA attention kernels; this run is on"
+            f" {device_type!r}. Use cp_style='ulysses' (all-to-all; every device)."
         ]
     return []
 
@@ -106,12 +101,21 @@ def recomputes_attention(block: nn.Module) -> bool:
     return checkpointed_mode(block) == "full"
 
 
-def planned_all_to_alls(
-    network: nn.Module, block_lists: Any, *, batch: int, seq: int, cp: int, tp: int, bytes_per_element: float
+def planned_attention_traffic(
+    network: nn.Module,
+    block_lists: Any,
+    *,
+    batch: int,
+    seq: int,
+    cp: int,
+    tp: int,
+    bytes_per_element: float,
+    style: str = "ulysses",
 ) -> Optional[list]:
-    """The planner's all-to-alls per step for `network` under cp (one attention per block of `block_lists`, as
-    ``find_block_lists`` gives them; those full AC checkpoints repeat their forward exchanges); None when the
-    attention's shape is unknown. ``seq``: the whole sequence. Shared by the ledger's plan and the dry run's."""
+    """The planner's attention exchange per step for `network` under cp (`style`: Ulysses' all-to-alls or the ring's
+    all-gathers and all-to-alls; one attention per block of `block_lists`, as ``find_block_lists`` gives them; those
+    full AC checkpoints repeat their forward exchanges); None when the attention's shape is unknown. ``seq``: the whole
+    sequence. Shared by the ledger's plan and the dry run's."""
     from lightning_dist import planner
 
     shape = attention_shape(network)
@@ -129,18 +133,21 @@ def planned_all_to_alls(
         cp=cp,
         tp=tp,
         bytes_per_element=bytes_per_element,
+        style=style,
     )
 
 
-def cp_model_problems(network: nn.Module, *, cp: int, tp: int = 1) -> list[str]:
-    """What makes `network` unsplittable over `cp` ranks (with `tp`-way head sharding inside), as messages."""
+def cp_model_problems(network: nn.Module, *, cp: int, tp: int = 1, style: str = "ulysses") -> list[str]:
+    """What makes `network` unsplittable over `cp` ranks (with `tp`-way head sharding inside), as messages. The ring
+    (`style`) keeps every head on every rank: only Ulysses needs the heads to divide by cp."""
     problems = []
     heads = attention_heads(network)
-    if isinstance(heads, int) and heads % (cp * tp):
+    if style == "ulysses" and isinstance(heads, int) and heads % (cp * tp):
         local = f" per tensor-parallel rank ({heads} / tp={tp})" if tp > 1 else ""
         problems.append(
             f"{heads} attention heads{local} do not divide over cp={cp}: Ulysses context parallelism gives each cp"
-            f" rank whole heads. Pick cp dividing {heads // tp if tp > 1 and heads % tp == 0 else heads}."
+            f" rank whole heads. Pick cp dividing {heads // tp if tp > 1 and heads % tp == 0 else heads}, or"
+            " cp_style='ring' (every rank keeps every head)."
         )
     if any(isinstance(m, nn.MultiheadAttention) for m in network.modules()):
         problems.append(
@@ -188,7 +195,8 @@ def find_network(module: nn.Module, name: str = "auto") -> nn.Module:
 
 @dataclass
 class CPGroup:
-    """The cp process group this rank is in: ``size``, ``rank``, ``group``."""
+    """The cp process group this rank is in: ``size``, ``rank``, ``group``, and how attention is exchanged over it
+    (``style``: ``"ulysses"`` or ``"ring"``)."""
 
     size: int
     rank: int
@@ -196,6 +204,7 @@ class CPGroup:
     dp_group: Any = None
     """The data-parallel group (HF ``labels=``: the labelled tokens are counted over it, for the token mean)."""
     dp_size: int = 1
+    style: str = "ulysses"
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
     """Index tensors per (what, length, device): every step and every attention layer asks for the same few."""
 
@@ -275,8 +284,39 @@ def ulysses_sdpa(cp: CPGroup, q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) ->
     return _heads_to_seq(out.index_select(2, order), cp)
 
 
+def ring_sdpa(cp: CPGroup, q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Tensor:
+    """``F.scaled_dot_product_attention`` on sequence shards through torch's ring attention, exact: this rank keeps its
+    queries and every head; the key/value chunks go round the cp ranks (torch's rotation, an all-gather by default) and
+    the partial results merge by their log-sum-exp. The chunks are the load-balanced head and tail ones, torch's
+    order, so each rank does the same causal work. Key/value heads fewer than the query heads are repeated first (the
+    kernels take equal heads)."""
+    from lightning_dist._integrations.torch_ring_attention import ring_attention
+
+    if kwargs.get("attn_mask") is not None:
+        raise RuntimeError(
+            "Context parallelism got an explicit `attn_mask` for scaled_dot_product_attention: it is built for one"
+            " rank's part of the sequence and cannot be split here. Use is_causal=True (or no mask), or cp=1."
+        )
+    if kwargs.get("dropout_p", 0.0):
+        raise RuntimeError(
+            f"cp_style='ring' runs attention without dropout; the model asked for dropout_p={kwargs['dropout_p']}."
+            " Set the attention dropout to 0, or use cp_style='ulysses'."
+        )
+    if q.dim() != 4 or q.shape[1] % k.shape[1]:
+        raise RuntimeError(
+            f"Context parallelism needs [batch, heads, seq, dim] attention inputs (query heads a multiple of the"
+            f" key/value heads); got q {tuple(q.shape)}, k {tuple(k.shape)}."
+        )
+    if k.shape[1] != q.shape[1]:
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    return ring_attention(
+        q, k, v, group=cp.group, is_causal=bool(kwargs.get("is_causal", False)), scale=kwargs.get("scale")
+    )
+
+
 class UlyssesAttention(TorchFunctionMode):
-    """Routes every ``F.scaled_dot_product_attention`` call made while active through :func:`ulysses_sdpa`."""
+    """Routes every ``F.scaled_dot_product_attention`` call made while active through context parallelism's exchange:
+    :func:`ulysses_sdpa`, or :func:`ring_sdpa` when the group's ``style`` is ``"ring"``."""
 
     def __init__(self, cp: CPGroup) -> None:
         super().__init__()
@@ -290,7 +330,8 @@ class UlyssesAttention(TorchFunctionMode):
             q, k, v, *rest = args
             names = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
             kwargs = {**dict(zip(names, rest)), **kwargs}
-            return ulysses_sdpa(self.cp, q, k, v, **kwargs)
+            exchange = ring_sdpa if self.cp.style == "ring" else ulysses_sdpa
+            return exchange(self.cp, q, k, v, **kwargs)
         return func(*args, **kwargs)
 
 
@@ -356,7 +397,7 @@ class ContextParallel:
             self._hf_attention = _use_hf_attention(network)
         if hook:
             self._handle = network.register_forward_pre_hook(self._pre_forward, with_kwargs=True, prepend=True)
-        log.info("context parallelism: %s split over cp=%d (ulysses)", type(network).__name__, self.cp.size)
+        log.info("context parallelism: %s split over cp=%d (%s)", type(network).__name__, self.cp.size, self.cp.style)
 
     def detach(self) -> None:
         if self._handle is not None:
@@ -463,8 +504,9 @@ __all__ = [
     "find_network",
     "attention_heads",
     "attention_shape",
-    "planned_all_to_alls",
+    "planned_attention_traffic",
     "recomputes_attention",
+    "ring_sdpa",
     "shift_labels",
     "ulysses_sdpa",
 ]

@@ -29,7 +29,10 @@ calls) and its ring-algorithm *wire* bytes (what one device sends, = what it rec
   blocks are counted (not a vocabulary-parallel embedding or loss-parallel head).
 * Context parallelism, Ulysses (:func:`cp_attention_traffic`): per attention call, forward all-to-alls of q, k, v
   (sequence shards to head shards) and of the output (back), backward the same four; payload = the local tensor,
-  ``b (s / c) h_kv_or_q d a`` each, on ``cp``. FSDP2 then shards over ``dp_shard x cp`` (:func:`with_cp_dims`).
+  ``b (s / c) h_kv_or_q d a`` each, on ``cp``. The ring (``style="ring"``, torch's ring attention as the pack runs
+  it): per attention call one all-gather of this rank's keys and values (repeated to the query heads) forward and
+  one in backward, and ``c`` all-to-alls rotating their gradients in backward. FSDP2 then shards over
+  ``dp_shard x cp`` (:func:`with_cp_dims`).
 * Pipeline: per micro-batch, each stage boundary carries the activation forward and its gradient back;
   an interior stage sends ``2 m v A`` bytes per step (``A`` = activation bytes per micro-batch,
   :func:`pipeline_p2p_traffic`): all the runtime sends, besides the batch loss (one scalar broadcast
@@ -290,15 +293,25 @@ def cp_attention_traffic(
     tp: int = 1,
     bytes_per_element: float,
     recomputed_calls: int = 0,
+    style: str = "ulysses",
 ) -> list[Collective]:
-    """Ulysses context parallelism's all-to-alls per step on ``cp`` (``parallelize/cp.py``).
+    """Context parallelism's attention exchange per step on ``cp`` (``parallelize/cp.py``): Ulysses' all-to-alls, or
+    (``style="ring"``) the ring's all-gathers and all-to-alls.
 
     Each attention call sends this rank's q, k, v ``[batch, heads / tp, seq / cp, head_dim]`` to head shards and the
     output back (4 all-to-alls), and its backward the 4 gradients the other way; a block that activation
     checkpointing recomputes repeats the forward 4 (``recomputed_calls``). Key/value heads per tp rank that do not
     divide by ``cp`` are repeated to one per query head before the exchange. ``seq`` is the whole sequence;
     ``batch`` the samples per data-parallel rank per step. Payload = each call's input (what the recorder counts).
+
+    The ring (torch's ``_templated_ring_attention`` with its default all-gather rotation, as measured through the
+    recorder): this rank's keys and values ``2 b (h_q / tp) (s / cp) d a`` (key/value heads repeated to the query
+    heads, as :func:`~lightning_dist.parallelize.cp.ring_sdpa` does) are all-gathered once per forward (recomputed
+    ones too) and once per backward (payload: the gathered output, ``cp`` times them), and their gradients go round in
+    ``cp`` all-to-alls per backward (payload: the same ``2 b (h_q / tp) (s / cp) d a`` each).
     """
+    if style not in ("ulysses", "ring"):
+        raise ValueError(f"`style={style!r}` must be 'ulysses' or 'ring'.")
     for name, value in (
         ("batch", batch),
         ("seq", seq),
@@ -313,6 +326,24 @@ def cp_attention_traffic(
     check_count("bytes_per_element", bytes_per_element)
     if cp == 1:
         return []
+    if style == "ring":
+        kv_bytes = 2 * batch * (heads // tp) * (seq // cp) * head_dim * bytes_per_element
+        return [
+            Collective(
+                op="all_gather",
+                dim=CP,
+                group_size=cp,
+                payload_bytes=(2 * attention_calls + recomputed_calls) * cp * kv_bytes,
+                what="ring attention keys and values, forward and backward",
+            ),
+            Collective(
+                op="all_to_all",
+                dim=CP,
+                group_size=cp,
+                payload_bytes=attention_calls * cp * kv_bytes,
+                what="ring attention key and value gradients, backward",
+            ),
+        ]
     q = heads // tp
     kv = (kv_heads or heads) // tp
     kv = q if kv % cp else kv  # repeated to the query heads (ulysses_sdpa)

@@ -76,8 +76,9 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
     Args:
         pp, dp_replicate, dp_shard, cp, tp: mesh sizes; ``"auto"`` data-parallel sizes shard inside a node
             and replicate across nodes. ``cp``: context parallelism, each sequence split over `cp` ranks.
-        cp_style: ``"ulysses"`` (all-to-all of q/k/v to head shards; every device, CPU included) or ``"ring"``
-            (torch's ring attention; CUDA only, not available yet).
+        cp_style: ``"ulysses"`` (all-to-all of q/k/v to head shards; every device; the heads must divide by cp) or
+            ``"ring"`` (torch's ring attention: key/value chunks rotate over the cp ranks, every rank keeps every head;
+            CPU and CUDA kernels, no attention dropout).
         cp_network: the attribute of the LightningModule holding the network called with the token ids
             (``"auto"``: ``model``, else its one child).
         allow_cross_node_tp: accept a ``tp`` group larger than one node.
@@ -194,7 +195,14 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
         attach_mesh(self.lightning_module, mesh)
         if mesh.cp_size > 1:
             self._cp = ContextParallel(
-                CPGroup(mesh.cp_size, mesh.local_rank(CP), mesh.group(CP), dp_group=mesh.dp_group, dp_size=mesh.dp_size)
+                CPGroup(
+                    mesh.cp_size,
+                    mesh.local_rank(CP),
+                    mesh.group(CP),
+                    dp_group=mesh.dp_group,
+                    dp_size=mesh.dp_size,
+                    style=self.cp_style,
+                )
             )
 
     def validate_config(self, spec: MeshSpec) -> None:
@@ -342,7 +350,10 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
 
         problems = cp_style_problems(self.cp_style, self.mesh.cp_size, self.root_device.type)
         problems += cp_model_problems(
-            find_network(self.lightning_module, self.cp_network), cp=self.mesh.cp_size, tp=self.mesh.size(TP)
+            find_network(self.lightning_module, self.cp_network),
+            cp=self.mesh.cp_size,
+            tp=self.mesh.size(TP),
+            style=self.cp_style,
         )
         if problems:
             raise ValueError("Invalid context parallelism for this model:\n  - " + "\n  - ".join(problems))

@@ -1,5 +1,8 @@
-"""Context parallelism (Ulysses) under Lightning's launcher: float64 parity with single-device training on the global
-batch (3 AdamW steps) on the pack's GPT (GQA), unmodified HF Llama and HF Qwen2 (GQA).
+"""Context parallelism (Ulysses, and the ring: torch's ring attention with CPU's flash kernel) under Lightning's
+launcher: float64 parity with single-device training on the global batch (3 AdamW steps) on the pack's GPT (GQA),
+unmodified HF Llama and HF Qwen2 (GQA). The ring rows: cp2 on every model (HF labels= too, activation checkpointing,
+and a GPT with 3 heads, which Ulysses refuses), cp2 x dp_shard2, cp2 x tp2, cp4 and pp2 x cp2 on the pack's GPT, and
+the ring function against one device's SDPA (causal, no mask, grouped key/value heads; outputs and gradients).
 
 Two launches: 2 processes (cp2, and cp2 with activation checkpointing, whose recomputation must run the exchange
 too) and 4 processes (cp2 x dp_shard2, cp2 x tp2, cp4). HF models also train through their own ``labels=`` loss
@@ -42,8 +45,13 @@ def _check(rows: list[dict], world: int, expected: set[tuple[str, str]]) -> None
 def test_context_parallel_2_processes():
     rows = results(run_script("cp_parity.py", "--devices", "2", timeout=900))
     models = ("gpt_gqa", "llama", "qwen2_gqa")
-    expected = {("cp2", m) for m in models} | {("hf_labels", m) for m in models[1:]} | {("cp2_ac", "gpt_gqa")}
+    expected = {(mesh, m) for mesh in ("cp2", "cp2_ring") for m in models} | {("hf_labels", m) for m in models[1:]}
+    expected |= {("cp2_ac", "gpt_gqa"), ("cp2_ring_ac", "gpt_gqa"), ("cp2_ring", "gpt_3heads")}
+    expected |= {("ring_hf_labels", "llama")}
     _check(rows, 2, expected)
+    ring = [r for r in rows if r["kind"] == "ring_sdpa"]
+    assert sorted(r["name"] for r in ring) == sorted(2 * ["causal", "no_mask", "gqa"])  # on both ranks
+    assert all(r["diff"] <= 1e-14 for r in ring), ring
     # the pack's tools under cp: gradient check, exact evaluation, the ledger's all-to-all, resharded checkpoints
     tools = [r for r in rows if r["kind"] == "cp_tools"]
     assert len(tools) == 2
@@ -79,6 +87,7 @@ def test_context_parallel_4_processes():
     rows = results(run_script("cp_parity.py", "--devices", "4", timeout=1500))
     models = ("gpt_gqa", "llama", "qwen2_gqa")
     expected = {(mesh, m) for mesh in ("cp2_dp2", "cp2_tp2") for m in models} | {("cp4", "gpt_gqa")}
+    expected |= {(mesh, "gpt_gqa") for mesh in ("cp2_dp2_ring", "cp2_tp2_ring", "cp4_ring")}
     expected |= {("hf_labels", m) for m in models[1:]} | {("hf_labels_padded", "llama")}
     _check(rows, 4, expected)
     # the dp ranks' batches hold different numbers of labelled tokens: the loss is the global batch's token mean
@@ -90,7 +99,7 @@ def test_context_parallel_with_pipeline_4_processes():
     models = "gpt_gqa,llama,qwen2_gqa"
     rows = results(run_script("cp_parity.py", "--devices", "4", "--pipeline", "--models", models, timeout=900))
     runs = [r for r in rows if r["kind"] == "cp_pp"]
-    expected = {("pp2_cp2", "gpt_gqa"), ("pp2_cp2_ac", "gpt_gqa")}
+    expected = {("pp2_cp2", "gpt_gqa"), ("pp2_cp2_ac", "gpt_gqa"), ("pp2_cp2_ring", "gpt_gqa")}
     expected |= {(name, hf) for hf in ("llama", "qwen2_gqa") for name in ("pp2_cp2", "pp2_cp2_hf_labels")}
     assert {(r["name"], r["model"]) for r in runs} == expected
     assert len(runs) == 4 * len(expected)

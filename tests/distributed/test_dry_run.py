@@ -204,6 +204,7 @@ LAYOUTS = (
     "pp2_zero_bubble_dp2",
     "pp2_tp2",
     "cp2_dp2",
+    "cp2_dp2_ring",
 )
 
 

@@ -1,5 +1,7 @@
-"""Context parallelism (cp_style="ulysses") against single-device training on the global batch, under Lightning's
-launcher (``python cp_parity.py --devices N``: Lightning spawns the other ranks).
+"""Context parallelism (cp_style="ulysses", and "ring": torch's ring attention) against single-device training on the
+global batch, under Lightning's launcher (``python cp_parity.py --devices N``: Lightning spawns the other ranks).
+The ring rows (``*_ring``) run the same meshes on the pack's GPT (every model at cp2, and a GPT with 3 heads, which
+only the ring can split over cp=2), plus the ring function itself against one device's SDPA.
 
 float64, 3 AdamW steps, max relative parameter difference vs the reference computed in this process, on the
 pack's GPT (grouped-query attention: 4 heads, 2 key/value heads), unmodified HF Llama and HF Qwen2 (GQA). The
@@ -37,6 +39,8 @@ def build(kind: str) -> torch.nn.Module:
     torch.manual_seed(0)  # identical initial weights on every rank and in the reference
     if kind == "gpt_gqa":
         model = GPT(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, mlp_ratio=2)
+    elif kind == "gpt_3heads":  # heads that do not divide over cp=2: the ring trains it, Ulysses refuses it
+        model = GPT(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=3, n_embd=24, mlp_ratio=2)
     else:
         import transformers as tf
 
@@ -222,6 +226,7 @@ if args.pipeline:
         run_pipeline(kind, "pp2_cp2", validate=kind == "gpt_gqa")
         if kind == "gpt_gqa":
             run_pipeline(kind, "pp2_cp2_ac", activation_checkpointing="full")
+            run_pipeline(kind, "pp2_cp2_ring", cp_style="ring")
         else:
             run_pipeline(kind, "pp2_cp2_hf_labels", hf_labels=True)
 
@@ -244,29 +249,84 @@ if args.pipeline:
             emit(kind="cp_pp_refusal", name=name, error=str(err))
     models = []  # the rows below are the other launches'
 if world == 2:
-    meshes = {f"cp{args.cp}": lambda: HybridShardStrategy(cp=args.cp, dp_replicate=1)}
+    meshes = {
+        f"cp{args.cp}": lambda: HybridShardStrategy(cp=args.cp, dp_replicate=1),
+        f"cp{args.cp}_ring": lambda: HybridShardStrategy(cp=args.cp, dp_replicate=1, cp_style="ring"),
+    }
 else:
     meshes = {
         "cp2_dp2": lambda: HybridShardStrategy(cp=2, dp_replicate=1),
         "cp2_tp2": lambda: TensorParallelStrategy(cp=2, tp=2, dp_replicate=1),
         "cp4": lambda: HybridShardStrategy(cp=4, dp_replicate=1),
+        # the ring (torch's ring attention with CPU's flash kernel): the same meshes, the pack's GPT
+        "cp2_dp2_ring": lambda: HybridShardStrategy(cp=2, dp_replicate=1, cp_style="ring"),
+        "cp2_tp2_ring": lambda: TensorParallelStrategy(cp=2, tp=2, dp_replicate=1, cp_style="ring"),
+        "cp4_ring": lambda: HybridShardStrategy(cp=4, dp_replicate=1, cp_style="ring"),
     }
 for kind in models:
     for name, make in meshes.items():
-        if kind != "gpt_gqa" and name == "cp4":
+        if kind != "gpt_gqa" and name.startswith("cp4"):
             continue  # 4 heads / 2 key/value heads: cp4 only for the model whose heads allow it (4 kv heads: llama)
+        if kind != "gpt_gqa" and world == 4 and name.endswith("_ring"):
+            continue  # the HF models' ring runs are the 2-process launch's
         run(kind, make(), world, name=name)
     if kind != "gpt_gqa":
         run(kind, HybridShardStrategy(cp=2, dp_replicate=1), world, hf_labels=True, name="hf_labels")
     if kind == "llama" and world == 4:  # cp2 x dp2, labelled-token counts differing between the dp ranks
         run(kind, HybridShardStrategy(cp=2, dp_replicate=1), world, hf_labels="padded", name="hf_labels_padded")
 if world == 2 and ("gpt_gqa" in models or args.models == "ac"):
-    run(
-        "gpt_gqa",
-        HybridShardStrategy(cp=2, dp_replicate=1, activation_checkpointing="full"),
-        world,
-        name="cp2_ac",
-    )
+    for style in ("ulysses", "ring"):
+        run(
+            "gpt_gqa",
+            HybridShardStrategy(cp=2, dp_replicate=1, activation_checkpointing="full", cp_style=style),
+            world,
+            name="cp2_ac" if style == "ulysses" else "cp2_ring_ac",
+        )
+    # the ring keeps every head on every rank: 3 heads over cp=2 train (Ulysses refuses them: see the refusals)
+    run("gpt_3heads", HybridShardStrategy(cp=2, dp_replicate=1, cp_style="ring"), world, name="cp2_ring")
+    if "llama" in models:  # HF's own labels= loss through the ring
+        run(
+            "llama",
+            HybridShardStrategy(cp=2, dp_replicate=1, cp_style="ring"),
+            world,
+            hf_labels=True,
+            name="ring_hf_labels",
+        )
+
+    # the ring function itself against one device's SDPA (forward and backward, float64): causal, no mask with a
+    # scale, grouped key/value heads; each rank's chunks of the outputs and of the gradients
+    import torch.distributed as dist
+
+    from lightning_dist.parallelize.cp import CPGroup, UlyssesAttention
+
+    ring = CPGroup(2, dist.get_rank(), dist.group.WORLD, style="ring")
+    for name, causal, kv_heads, scale in (
+        ("causal", True, 4, None),
+        ("no_mask", False, 4, 0.3),
+        ("gqa", True, 2, None),
+    ):
+        g = torch.Generator().manual_seed(3)
+        q = torch.randn(2, 4, SEQ, 8, dtype=torch.float64, generator=g, requires_grad=True)
+        k, v = (torch.randn(2, kv_heads, SEQ, 8, dtype=torch.float64, generator=g, requires_grad=True) for _ in "kv")
+        gqa = kv_heads != 4
+        want = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
+        grad = torch.randn(want.shape, dtype=torch.float64, generator=g)
+        want.backward(grad)
+        mine = ring.positions(SEQ, "cpu")
+        local = [t.detach()[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
+        with UlyssesAttention(ring):
+            got = F.scaled_dot_product_attention(*local, is_causal=causal, scale=scale, enable_gqa=gqa)
+        got.backward(grad[:, :, mine])
+        diffs = [
+            (got - want.detach()[:, :, mine]).abs().max().item(),
+            (local[0].grad - q.grad[:, :, mine]).abs().max().item(),
+        ]
+        for t, whole in zip(local[1:], (k, v)):  # key/value gradients: each rank's share of every position, summed
+            summed = torch.zeros_like(whole)
+            summed[:, :, mine] = t.grad
+            dist.all_reduce(summed)
+            diffs.append((summed - whole.grad).abs().max().item())
+        emit(kind="ring_sdpa", name=name, diff=max(diffs))
 
 
 # the pack's tools under cp (2 processes, the pack's GPT): GradientParityCheck at step 0, ExactEvaluation of a

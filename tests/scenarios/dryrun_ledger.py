@@ -44,6 +44,8 @@ CASES = {
     "pp2_tp2": ("pipeline", {**PIPE, "tp": 2}),
     # context parallelism: Ulysses all-to-alls on cp, FSDP2 over dp_shard x cp
     "cp2_dp2": ("hsdp", {"cp": 2, "dp_replicate": 1}),
+    # the ring: torch's ring attention's all-gathers and all-to-alls on cp
+    "cp2_dp2_ring": ("hsdp", {"cp": 2, "dp_replicate": 1, "cp_style": "ring"}),
 }
 
 

@@ -40,9 +40,10 @@ def test_cp_always_shards_with_fsdp2():
     assert replicates(zero_stage=3, dp_shard=1, tp=1, cp=2) is False
 
 
-def test_ring_is_refused_off_cuda_naming_ulysses():
-    (msg,) = cp_style_problems("ring", 2, "cpu")
-    assert "needs CUDA" in msg and "cp_style='ulysses'" in msg
+def test_ring_runs_on_cpu_and_cuda_and_is_refused_elsewhere_naming_ulysses():
+    assert cp_style_problems("ring", 2, "cpu") == [] and cp_style_problems("ring", 2, "cuda") == []
+    (msg,) = cp_style_problems("ring", 2, "mps")
+    assert "'mps'" in msg and "cp_style='ulysses'" in msg
     (msg,) = cp_style_problems("zigzag", 2)
     assert "`cp_style='zigzag'` must be one of" in msg
     assert cp_style_problems("ulysses", 2, "cpu") == []
@@ -51,8 +52,7 @@ def test_ring_is_refused_off_cuda_naming_ulysses():
 def test_strategy_options_are_checked_at_construction():
     with pytest.raises(ValueError, match=r"`cp=0` must be an integer >= 1"):
         HybridShardStrategy(cp=0)
-    with pytest.raises(ValueError, match=r"cp_style='ring'.*ulysses"):
-        HybridShardStrategy(cp=2, cp_style="ring")
+    assert HybridShardStrategy(cp=2, cp_style="ring").cp_style == "ring"
     assert "cp=2" in repr(HybridShardStrategy(cp=2))
 
 
@@ -189,3 +189,44 @@ def test_pipeline_cut_and_hf_loss_shares_add_up_to_the_whole_sequences_loss():
             cut_target(state, labels[:, 0], "Task")
         assert torch.equal(cut_target(state, labels, "Task"), labels[:, positions])
     assert torch.allclose(total, whole, rtol=1e-14, atol=0)  # the cp ranks' mean is the whole sequences' loss
+
+
+def test_ring_kernel_is_the_devices_and_refuses_what_none_serves():
+    from lightning_dist._integrations.torch_ring_attention import ring_kernel
+
+    aten = torch.ops.aten
+    for dtype in (torch.float64, torch.float32, torch.bfloat16):  # CPU's flash kernel takes every floating dtype
+        assert ring_kernel("cpu", dtype).forward is aten._scaled_dot_product_flash_attention_for_cpu.default
+    # CUDA: torch's own ring wrappers' kernels, flash for half precision and memory-efficient for float32
+    assert ring_kernel("cuda", torch.bfloat16).backward is aten._scaled_dot_product_flash_attention_backward.default
+    assert ring_kernel("cuda", torch.float16).forward is aten._scaled_dot_product_flash_attention.default
+    efficient = ring_kernel("cuda", torch.float32)
+    assert efficient.forward is aten._scaled_dot_product_efficient_attention.default
+    assert efficient.grad_out_name == "grad_out_" and efficient.forward_kwargs(None)["compute_log_sumexp"] is True
+    seed, offset = torch.tensor(1), torch.tensor(2)
+    assert efficient.backward_kwargs(0.5, (seed, offset))["philox_seed"] is seed
+    flash = ring_kernel("cuda", torch.bfloat16).backward_kwargs(None, (None, None, 8, 8, seed, offset, None))
+    assert flash["max_q"] == 8 and flash["philox_offset"] is offset and flash["dropout_p"] == 0.0
+    with pytest.raises(RuntimeError, match=r"torch.float64.*cp_style='ulysses'"):
+        ring_kernel("cuda", torch.float64)
+    with pytest.raises(RuntimeError, match=r"'xla'.*cp_style='ulysses'"):
+        ring_kernel("xla", torch.float32)
+
+
+def test_ring_refuses_a_mask_and_dropout_before_any_collective():
+    from lightning_dist.parallelize.cp import ring_sdpa
+
+    cp = CPGroup(2, 0, group=None, style="ring")  # no group: a refusal must come before the ring's first collective
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(RuntimeError, match="explicit `attn_mask`"):
+        ring_sdpa(cp, q, q, q, attn_mask=torch.ones(4, 4, dtype=torch.bool))
+    with pytest.raises(RuntimeError, match=r"dropout_p=0.1.*cp_style='ulysses'"):
+        ring_sdpa(cp, q, q, q, dropout_p=0.1, is_causal=True)
+    with pytest.raises(RuntimeError, match="query heads a multiple of the key/value heads"):
+        ring_sdpa(cp, torch.randn(1, 3, 4, 8), q, q, is_causal=True)
+
+
+def test_the_ring_needs_no_heads_divisible_by_cp():
+    net = GPT(vocab_size=32, block_size=16, n_layer=1, n_head=3, n_embd=24)
+    assert any("do not divide over cp=2" in p for p in cp_model_problems(net, cp=2))
+    assert cp_model_problems(net, cp=2, style="ring") == []
