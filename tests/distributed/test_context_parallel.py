@@ -54,7 +54,7 @@ def test_context_parallel_2_processes():
     assert all(r["diff"] <= 1e-14 for r in ring), ring
     # the pack's tools under cp: gradient check, exact evaluation, the ledger's all-to-all, resharded checkpoints
     tools = [r for r in rows if r["kind"] == "cp_tools"]
-    assert len(tools) == 2
+    assert len(tools) == 2 and len([r for r in rows if r["kind"] == "cp_ring_ledger"]) == 2
     for r in tools:
         assert r["diff"] <= TOL and r["grad_parity"] <= 1e-12, r
         assert r["val_samples"] == 10 and math.isclose(r["val_loss"], r["val_ref"], rel_tol=1e-12), r
@@ -71,6 +71,14 @@ def test_context_parallel_2_processes():
         # MemoryReport's planned model state is the dp_shard x cp shards (2-way here), as measured on the live tensors
         measured, planned = r["memory_measured"]["total"], r["memory_planned"]["total"]
         assert abs(planned - measured) <= 0.02 * measured, r
+    for r in [r for r in rows if r["kind"] == "cp_ring_ledger"]:
+        # the ring, per attention layer: one all-gather of k and v forward and one backward (payload: the gathered
+        # [4, 4 heads (kv repeated), 16, 8] x 2 float64) and 2 all-to-alls of their gradients (this rank's half each)
+        gathered = 2 * 4 * 4 * 16 * 8 * 8
+        assert r["ledger"]["all_to_all@cp"] == [2 * 2, 2 * 2 * gathered // 2], r
+        planned = {k: v for k, v in r["ledger_ratio"].items() if v is not None}
+        assert set(planned) == {"all_gather@cp", "reduce_scatter@cp", "all_to_all@cp"}, r["ledger_ratio"]
+        assert all(abs(v - 1) <= 1e-12 for v in planned.values()), r["ledger_ratio"]
     resumed = {r["name"]: r for r in rows if r["kind"] == "cp_resume"}
     assert set(resumed) == {"cp2_to_cp1", "cp1_to_cp2"}
     assert all(r["diff"] <= TOL for r in rows if r["kind"] == "cp_resume"), resumed

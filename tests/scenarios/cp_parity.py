@@ -386,6 +386,17 @@ if args.features == "on" or (args.features == "auto" and world == 2 and "gpt_gqa
         memory_planned=memory.planned,
     )
 
+    # the ring's collectives (all-gathers and all-to-alls on cp) against the ledger's plan
+    ring_ledger = CommunicationLedger()
+    trainer(
+        HybridShardStrategy(cp=2, dp_replicate=1, cp_style="ring"), devices=world, steps=STEPS, callbacks=[ring_ledger]
+    ).fit(Task("gpt_gqa"))
+    emit(
+        kind="cp_ring_ledger",
+        ledger={f"{op}@{dim}": list(v) for (op, dim), v in ring_ledger.per_step().items()},
+        ledger_ratio={f"{row['op']}@{row['dim']}": row["ratio"] for row in ring_ledger.summary},
+    )
+
     box = [Path(tempfile.mkdtemp()) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, 0)
     folder = box[0]
