@@ -95,6 +95,8 @@ class Layout:
     sequence_share: float = 1.0
     """Share of each sequence's tokens one device holds: ``1 / cp`` (context parallelism), so its activations are
     that share of a device's without cp (the model states above do not include activations)."""
+    cp_style: str = "ulysses"
+    """How a cp layout exchanges attention: ``"ulysses"``, or ``"ring"`` where the heads do not divide by cp."""
 
     @property
     def wire_bytes(self) -> float:
@@ -114,6 +116,7 @@ class Layout:
             "mesh": dict(self.mesh),
             "zero_stage": self.zero_stage,
             "offload": asdict(self.offload),
+            "cp_style": self.cp_style,
             "memory": self.memory.to_dict(),
             "traffic": [c.to_dict() for c in self.traffic],
             "wire_bytes": self.wire_bytes,
@@ -244,12 +247,14 @@ def candidate_layouts(
                 )
             )
 
-    # context parallel (Ulysses) x FSDP2 over dp_shard x cp, for sequence models: the states of fsdp over all ranks,
-    # each device 1 / c of every sequence (its activations / c), plus the attention's all-to-alls on cp
+    # context parallel x FSDP2 over dp_shard x cp, for sequence models: the states of fsdp over all ranks, each
+    # device 1 / c of every sequence (its activations / c), plus the attention's exchange on cp: Ulysses' all-to-alls,
+    # or the ring's all-gathers and all-to-alls where the heads do not divide by c (Ulysses gives each rank whole heads)
     if activation is not None and activation.seq > 1 and counts.layer_params:
         for c in divisors(W)[1:]:
-            if c > per_node or activation.seq % (2 * c) or (activation.heads is not None and activation.heads % c):
-                continue  # cp inside a node; the load-balanced split needs 2 c chunks; whole heads per rank
+            if c > per_node or activation.seq % (2 * c):
+                continue  # cp inside a node; the load-balanced split needs 2 c chunks
+            style = "ring" if activation.heads is not None and activation.heads % c else "ulysses"
             dp = W // c
             traffic = with_cp_dims(data_parallel_traffic(P, state=state, zero_stage=3, shard_size=W), c)
             # q, k, v and output of the whole width (heads x head dim = hidden; grouped key/value heads send less)
@@ -261,18 +266,20 @@ def candidate_layouts(
                 attention_calls=len(counts.layer_params),
                 cp=c,
                 bytes_per_element=activation.bytes_per_element,
+                style=style,
             )
             out.append(
                 Layout(
-                    name=f"cp{c}-fsdp{dp}" if dp > 1 else f"cp{c}",
+                    name=(f"cp{c}" + ("-ring" if style == "ring" else "")) + (f"-fsdp{dp}" if dp > 1 else ""),
                     kind="cp",
                     mesh=_mesh(shard=dp, cp=c),
                     zero_stage=3,
                     memory=model_state_bytes(P, state=state, zero_stage=3, shard_size=W),
                     traffic=tuple(traffic),
                     sequence_share=1 / c,
-                    note=f"context parallel x{c} (each device 1/{c} of every sequence: activations / {c}), dp x{dp}"
-                    f", FSDP2 over dp_shard x cp",
+                    cp_style=style,
+                    note=f"context parallel x{c} ({style}; each device 1/{c} of every sequence: activations / {c}),"
+                    f" dp x{dp}, FSDP2 over dp_shard x cp",
                 )
             )
 

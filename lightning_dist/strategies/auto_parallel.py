@@ -47,7 +47,12 @@ def strategy_for(layout: planner.Layout) -> tuple[type, dict[str, Any]]:
     if layout.kind == "tp":
         return TensorParallelStrategy, {"tp": m[TP], "dp_replicate": m[DP_REPLICATE], "dp_shard": m[DP_SHARD]}
     if layout.kind == "cp":
-        return HybridShardStrategy, {"cp": m[CP], "dp_replicate": m[DP_REPLICATE], "shard_size": m[DP_SHARD]}
+        return HybridShardStrategy, {
+            "cp": m[CP],
+            "cp_style": layout.cp_style,
+            "dp_replicate": m[DP_REPLICATE],
+            "shard_size": m[DP_SHARD],
+        }
     if layout.kind == "pp":
         return PipelineStrategy, {"pp": m[PP], "dp_replicate": m[DP_REPLICATE], "dp_shard": m[DP_SHARD]}
     if layout.kind == "offload":  # FSDP2OffloadStrategy's policy; its report mixin cannot be swapped into

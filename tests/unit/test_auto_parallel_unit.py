@@ -273,15 +273,24 @@ def test_context_parallel_layouts_for_long_sequences(counts):
         if x.kind == "cp"
     }
     assert names == {"cp2-fsdp2"}
+    # heads that do not divide by cp: the ring (every rank keeps every head), with its keys and values gathered
     three = planner.ActivationShape(batch=2, seq=64, hidden=18, heads=3)
-    assert not [
-        x
+    rings = {
+        x.name: x
         for x in planner.candidate_layouts(counts, world_size=4, devices_per_node=4, state=STATE, activation=three)
         if x.kind == "cp"
-    ]
+    }
+    assert set(rings) == {"cp2-ring-fsdp2", "cp4-ring"} and {x.cp_style for x in rings.values()} == {"ring"}
+    ring_ops = {(c.op, c.dim): c.payload_bytes for c in rings["cp2-ring-fsdp2"].traffic}
+    kv = (
+        2 * three.batch * three.seq // 2 * three.hidden * three.bytes_per_element
+    )  # this rank's keys and values, whole width
+    assert ring_ops[("all_gather", "cp")] == blocks * 2 * 2 * kv and ring_ops[("all_to_all", "cp")] == blocks * 2 * kv
+    assert cp2.cp_style == "ulysses" and strategy_for(rings["cp4-ring"])[1]["cp_style"] == "ring"
     # auto_parallel runs it as HybridShardStrategy(cp=...), whose mesh is the layout's
     cls, kwargs = strategy_for(cp2)
-    assert cls.__name__ == "HybridShardStrategy" and kwargs == {"cp": 2, "dp_replicate": 1, "shard_size": 2}
+    assert cls.__name__ == "HybridShardStrategy"
+    assert kwargs == {"cp": 2, "cp_style": "ulysses", "dp_replicate": 1, "shard_size": 2}
     built = cls(**kwargs)
     built.parallel_devices, built.num_nodes = [torch.device("cpu")] * 4, 1
     spec = built.mesh_spec().resolve()

@@ -764,6 +764,15 @@ def test_cp_attention_traffic_counts_each_exchange():
     assert tp.payload_bytes == mha.payload_bytes / 2
     with pytest.raises(ValueError, match="cp"):
         planner.cp_attention_traffic(**base, cp=0)
+    # the ring: this rank's keys and values (grouped heads repeated to the query heads) gathered forward and backward
+    # (payload: the gathered output, cp x theirs; a recomputed forward gathers again), and cp all-to-alls of their
+    # gradients per backward
+    gather, rotate = planner.cp_attention_traffic(**base, cp=4, kv_heads=2, recomputed_calls=1, style="ring")
+    kv4 = 2 * base["batch"] * base["seq"] // 4 * base["heads"] * base["head_dim"] * base["bytes_per_element"]
+    assert (gather.op, gather.dim, gather.payload_bytes) == ("all_gather", "cp", (2 * 3 + 1) * 4 * kv4)
+    assert (rotate.op, rotate.dim, rotate.payload_bytes) == ("all_to_all", "cp", 3 * 4 * kv4)
+    with pytest.raises(ValueError, match="style='zigzag'"):
+        planner.cp_attention_traffic(**base, cp=2, style="zigzag")
 
 
 def test_with_cp_dims_moves_data_parallel_traffic_to_the_cp_flattened_dims():
