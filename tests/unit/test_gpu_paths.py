@@ -542,3 +542,40 @@ def test_offloaded_activations_on_the_side_stream_give_the_same_gradients_on_cud
     assert offloaded_bytes(net) > 0
     got = [p.grad for p in net.parameters()] + [x.grad]
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_ring_attention_runs_the_cuda_kernels_with_torchs_arguments(tmp_path, dtype):
+    # cp_style="ring" on CUDA: flash (bfloat16) or memory-efficient (float32) kernel through torch's ring, forward and
+    # backward (the kernels' extra outputs passed to their backward), against SDPA on one GPU (a ring of one rank)
+    import torch.distributed as dist
+
+    from lightning_dist._integrations.torch_ring_attention import ring_attention
+
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group(
+            "nccl",
+            store=dist.FileStore(str(tmp_path / "store"), 1),
+            rank=0,
+            world_size=1,
+            device_id=torch.device("cuda", 0),
+        )
+    try:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v = (torch.randn(2, 4, 64, 32, device="cuda", dtype=dtype, generator=g) for _ in "qkv")
+        want_in = [t.clone().requires_grad_() for t in (q, k, v)]
+        got_in = [t.clone().requires_grad_() for t in (q, k, v)]
+        want = F.scaled_dot_product_attention(*want_in, is_causal=True)
+        got = ring_attention(*got_in, group=dist.group.WORLD, is_causal=True)
+        dy = torch.randn_like(want)
+        want.backward(dy)
+        got.backward(dy)
+        tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+        assert torch.allclose(got, want, atol=tol, rtol=tol)
+        for a, b in zip(got_in, want_in):
+            assert torch.allclose(a.grad, b.grad, atol=tol, rtol=tol)
+    finally:
+        if started:
+            dist.destroy_process_group()
