@@ -34,7 +34,9 @@ def _check_parity(out: list[dict], combos: list[str]) -> None:
     assert sorted({r["combo"] for r in parity}) == sorted(combos)
     for r in parity:
         assert r["seen"] == 24, r  # 3 steps x 8 samples per rank
-        assert r["diff"] <= TOL, r
+        # float32: within TOL, or no further from one device than Lightning's DDPStrategy is on the same work where
+        # DDP's own distance is larger (seen: 3.4e-5 for DDP and ZeRO-3 with parameters on NVMe alike)
+        assert r["diff"] <= max(TOL, r["ddp"]), r
         # float32 rounding: no worse than 3x what Lightning's DDPStrategy shows on the same work
         assert r["diff"] <= 3 * r["ddp"] + 1e-7, r
 
