@@ -105,6 +105,7 @@ def torch_sync_batchnorm_function():
 TORCH_PIPELINING_TESTED = ("2.11", "2.14")
 
 
+@lru_cache(maxsize=1)  # asked on hot paths (each ring attention call): the release does not change in a process
 def torch_pipelining_tested() -> bool:
     """True on the torch releases the pipelining patches were tested on (``TORCH_PIPELINING_TESTED``)."""
     low, high = TORCH_PIPELINING_TESTED

@@ -145,21 +145,6 @@ def _strategy_class(config: DryRunConfig) -> type:
     )
 
 
-def _init_replicate(model: Any) -> None:
-    """Build the DDP reducer of each composable ``replicate`` module now (torch does it at the first forward):
-    DDP's one-time set-up (its parameter broadcast from rank 0) stays out of the measured step, as a real run's
-    steady step has none; a second DDP step cannot run on the fake group (the bucket rebuild reads tensor data).
-    A model without ``replicate`` is left as it is."""
-    from torch.distributed._composable.contract import _get_registry
-    from torch.distributed._composable.replicate import replicate
-
-    for module in model.modules():
-        if "replicate" in (_get_registry(module) or {}):
-            state = replicate.state(module)
-            if state._init_args:  # not built yet
-                state.lazy_init()
-
-
 def _check_replayable(cls: type) -> None:
     from lightning_dist.strategies.base import MeshStrategy
 
@@ -323,7 +308,7 @@ def simulate_rank(config: DryRunConfig, rank: int) -> dict[str, Any]:
 
     from lightning_dist import inputs
     from lightning_dist._compat import init_fake_process_group
-    from lightning_dist._integrations.torch_distributed import ddp_on_fake_process_group
+    from lightning_dist._integrations.torch_distributed import build_replicate_reducers, ddp_on_fake_process_group
     from lightning_dist.mesh import DistMesh
     from lightning_dist.parallelize.pipeline import pipeline_view
     from lightning_dist.parallelize.units import find_block_lists
@@ -392,7 +377,8 @@ def simulate_rank(config: DryRunConfig, rank: int) -> dict[str, Any]:
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         strategy.allocate_under(fake)
         strategy.setup(trainer)
-        _init_replicate(strategy.model)
+        # DDP's one-time set-up (its broadcast from rank 0) out of the measured step, as a real run's steady step
+        build_replicate_reducers(strategy.model)
         built = time.perf_counter()
         planned = plan_rank(strategy, module, cfg, config, spec, shapes, in_blocks, boundaries)
         optimizers = [getattr(o, "_optimizer", o) for o in strategy.optimizers]

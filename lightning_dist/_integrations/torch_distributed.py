@@ -39,6 +39,7 @@ import torch.distributed as dist
 from lightning_dist._compat import TORCH_GROUP_REGISTRY, check_torch_internals
 
 __all__ = [
+    "build_replicate_reducers",
     "ddp_on_fake_process_group",
     "destroy_process_groups_at_exit",
     "destroy_process_groups_for_exit",
@@ -142,3 +143,21 @@ def ddp_on_fake_process_group() -> Iterator[None]:
     finally:
         ddp_module.DistributedDataParallel.__init__ = init
         ddp_module._verify_param_shape_across_processes = verify
+
+
+def build_replicate_reducers(model: Any) -> None:
+    """Build the DDP reducer of each composable ``replicate`` module of `model` now; torch builds it at the first
+    forward. Reason: the dry run (:func:`ddp_on_fake_process_group`) keeps DDP's one-time set-up (its parameter
+    broadcast from rank 0) out of the step it measures, as a real run's steady step has none; a second DDP step cannot
+    run on the fake group (the bucket rebuild reads tensor data). Reads composable ``replicate``'s private state
+    (``_init_args``, ``lazy_init``). A model without ``replicate`` is left as it is."""
+    from torch.distributed._composable.contract import _get_registry
+    from torch.distributed._composable.replicate import replicate
+
+    modules = [m for m in model.modules() if "replicate" in (_get_registry(m) or {})]
+    if modules:
+        check_torch_internals("build_replicate_reducers (composable replicate's lazy set-up)")
+    for module in modules:
+        state = replicate.state(module)
+        if state._init_args:  # not built yet
+            state.lazy_init()

@@ -7,12 +7,15 @@ all-to-all to head-sharded ``[B, H/cp, S, D]``, attention runs on whole sequence
 causal mask is the usual one), and a second all-to-all brings the output back to sequence shards. Exact: every
 head sees every key, and gradients flow back through the reverse all-to-alls.
 
-What is written here and why (torch's ``context_parallel`` is ring attention for CUDA SDPA kernels only: on CPU it
-fails with "no sharding strategy registered" for the CPU flash kernel, and torch has no Ulysses):
+``cp_style="ring"``: this rank keeps its queries and every head; torch's own ring attention rotates the key/value
+chunks and merges the partial results (:func:`ring_sdpa`, through ``_integrations/torch_ring_attention.py``).
 
-* :class:`UlyssesAttention`, a ``TorchFunctionMode`` that catches ``F.scaled_dot_product_attention`` wherever a model
-  calls it (the pack's GPT, HF models through their ``sdpa`` implementation, users' own attention), so models run
-  unmodified. The strategy holds it around the training/validation/test step; torch's autograd engine does not
+What is written here and why (torch's ``context_parallel`` reaches its ring only through DTensor dispatch of the CUDA
+SDPA kernels: on CPU it fails with "no sharding strategy registered" for the CPU flash kernel; torch has no Ulysses):
+
+* :class:`ContextParallelAttention`, a ``TorchFunctionMode`` that catches ``F.scaled_dot_product_attention`` wherever
+  a model calls it (the pack's GPT, HF models through their ``sdpa`` implementation, users' own attention), so models
+  run unmodified. The strategy holds it around the training/validation/test step; torch's autograd engine does not
   carry it into backward, so the blocks the strategy checkpoints recompute under it explicitly (``apply_ac``'s
   ``recompute_context``). A model checkpointing itself (HF ``gradient_checkpointing_enable``) fails loudly under cp
   (torch's "different number of tensors saved" check): use the strategy's ``activation_checkpointing``.
@@ -262,14 +265,20 @@ def _heads_to_seq(t: Tensor, cp: CPGroup) -> Tensor:
     return recv.transpose(0, 1).reshape(B, cp.size * H_local, S_local, D)
 
 
-def ulysses_sdpa(cp: CPGroup, q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Tensor:
-    """``F.scaled_dot_product_attention`` on sequence shards, exact: all-to-all to head shards, attention over the
-    whole sequence in natural order, all-to-all back."""
+def _refuse_mask(kwargs: dict) -> None:
+    """Both exchanges take whole-sequence causal (or unmasked) attention only: a mask built for one rank's part of the
+    sequence cannot be split."""
     if kwargs.get("attn_mask") is not None:
         raise RuntimeError(
             "Context parallelism got an explicit `attn_mask` for scaled_dot_product_attention: it is built for one"
             " rank's part of the sequence and cannot be split here. Use is_causal=True (or no mask), or cp=1."
         )
+
+
+def ulysses_sdpa(cp: CPGroup, q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Tensor:
+    """``F.scaled_dot_product_attention`` on sequence shards, exact: all-to-all to head shards, attention over the
+    whole sequence in natural order, all-to-all back."""
+    _refuse_mask(kwargs)
     if q.dim() != 4 or q.shape[1] % cp.size or q.shape[1] % k.shape[1]:
         raise RuntimeError(
             f"Context parallelism needs [batch, heads, seq, dim] attention inputs whose heads divide by cp={cp.size};"
@@ -292,11 +301,7 @@ def ring_sdpa(cp: CPGroup, q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Te
     kernels take equal heads)."""
     from lightning_dist._integrations.torch_ring_attention import ring_attention
 
-    if kwargs.get("attn_mask") is not None:
-        raise RuntimeError(
-            "Context parallelism got an explicit `attn_mask` for scaled_dot_product_attention: it is built for one"
-            " rank's part of the sequence and cannot be split here. Use is_causal=True (or no mask), or cp=1."
-        )
+    _refuse_mask(kwargs)
     if kwargs.get("dropout_p", 0.0):
         raise RuntimeError(
             f"cp_style='ring' runs attention without dropout; the model asked for dropout_p={kwargs['dropout_p']}."
@@ -314,7 +319,7 @@ def ring_sdpa(cp: CPGroup, q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Te
     )
 
 
-class UlyssesAttention(TorchFunctionMode):
+class ContextParallelAttention(TorchFunctionMode):
     """Routes every ``F.scaled_dot_product_attention`` call made while active through context parallelism's exchange:
     :func:`ulysses_sdpa`, or :func:`ring_sdpa` when the group's ``style`` is ``"ring"``."""
 
@@ -350,7 +355,7 @@ class ContextParallel:
         self.cp = cp
         self.network: Optional[nn.Module] = None
         self.last: Optional[_Call] = None
-        self.calls = 0  # attention calls served by Ulysses so far (the split really ran)
+        self.calls = 0  # attention calls served by the exchange so far (the split really ran)
         self._handle: Any = None
         self._hf = False
         self._names: list[str] = []
@@ -359,8 +364,8 @@ class ContextParallel:
     # ---- the step ------------------------------------------------------------------------------
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
-        """Attention calls inside go through Ulysses (the step; and each recomputation of a checkpointed block)."""
-        mode = UlyssesAttention(self.cp)
+        """Attention calls inside go through the exchange (the step; and each recomputation of a checkpointed block)."""
+        mode = ContextParallelAttention(self.cp)
         try:
             with mode:
                 yield
@@ -469,7 +474,7 @@ def _is_hf(network: nn.Module) -> bool:
 def _use_hf_attention(network: nn.Module) -> str:
     """HF models: attention through transformers' own SDPA function under a name of the pack's, whose causal mask
     builder returns None (its packed-sequence detection would read the split positions as several sequences);
-    SDPA then gets ``is_causal`` and :class:`UlyssesAttention` gathers the whole sequence."""
+    SDPA then gets ``is_causal`` and :class:`ContextParallelAttention` exchanges the whole sequence."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface
@@ -497,7 +502,7 @@ __all__ = [
     "CP_STYLES",
     "CPGroup",
     "ContextParallel",
-    "UlyssesAttention",
+    "ContextParallelAttention",
     "apply_cp",
     "cp_model_problems",
     "cp_style_problems",

@@ -348,6 +348,10 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
     def _check_cp_model(self) -> None:
         from lightning_dist.parallelize.cp import cp_model_problems, cp_style_problems, find_network
 
+        if self.cp_style == "ring":  # torch's private ring functions: an untested torch refused at set-up, every rank
+            from lightning_dist._compat import check_torch_ring_attention
+
+            check_torch_ring_attention()
         problems = cp_style_problems(self.cp_style, self.mesh.cp_size, self.root_device.type)
         problems += cp_model_problems(
             find_network(self.lightning_module, self.cp_network),
@@ -382,7 +386,7 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
 
     @property
     def cp_attention_calls(self) -> int:
-        """Attention calls that ran through context parallelism's all-to-all so far (0 without cp)."""
+        """Attention calls that ran through context parallelism's exchange (all-to-all or ring) so far; 0 without cp."""
         return self._cp.calls if self._cp is not None else 0
 
     def step_context(self) -> Any:

@@ -297,7 +297,7 @@ if world == 2 and ("gpt_gqa" in models or args.models == "ac"):
     # scale, grouped key/value heads; each rank's chunks of the outputs and of the gradients
     import torch.distributed as dist
 
-    from lightning_dist.parallelize.cp import CPGroup, UlyssesAttention
+    from lightning_dist.parallelize.cp import ContextParallelAttention, CPGroup
 
     ring = CPGroup(2, dist.get_rank(), dist.group.WORLD, style="ring")
     for name, causal, kv_heads, scale in (
@@ -314,7 +314,7 @@ if world == 2 and ("gpt_gqa" in models or args.models == "ac"):
         want.backward(grad)
         mine = ring.positions(SEQ, "cpu")
         local = [t.detach()[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
-        with UlyssesAttention(ring):
+        with ContextParallelAttention(ring):
             got = F.scaled_dot_product_attention(*local, is_causal=causal, scale=scale, enable_gqa=gqa)
         got.backward(grad[:, :, mine])
         diffs = [

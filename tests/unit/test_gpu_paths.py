@@ -3,6 +3,8 @@ reports, DeepSpeedCPUAdam, the SyncBatchNorm kernel dispatch. GPU-only checks sk
 
 from __future__ import annotations
 
+import contextlib
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -13,6 +15,27 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_dist._compat import CUDA_AVAILABLE
 
 needs_cuda = pytest.mark.skipif(not CUDA_AVAILABLE, reason="needs a CUDA device (GPU-only check)")
+
+
+@contextlib.contextmanager
+def _one_rank_nccl_group(tmp_path):
+    """A one-rank NCCL default group on GPU 0 for the duration (an existing one is used as it is)."""
+    import torch.distributed as dist
+
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group(
+            "nccl",
+            store=dist.FileStore(str(tmp_path / "store"), 1),
+            rank=0,
+            world_size=1,
+            device_id=torch.device("cuda", 0),
+        )
+    try:
+        yield
+    finally:
+        if started:
+            dist.destroy_process_group()
 
 
 class _Net(nn.Module):
@@ -107,16 +130,7 @@ def test_sync_batchnorm_torch_kernels_match_the_handwritten_path_on_cuda(tmp_pat
     from lightning_dist._compat import torch_sync_batchnorm_function
     from lightning_dist.callbacks.sync_batchnorm import _SyncBatchNormFn
 
-    started = not dist.is_initialized()
-    if started:
-        dist.init_process_group(
-            "nccl",
-            store=dist.FileStore(str(tmp_path / "store"), 1),
-            rank=0,
-            world_size=1,
-            device_id=torch.device("cuda", 0),
-        )
-    try:
+    with _one_rank_nccl_group(tmp_path):
         g = torch.Generator(device="cuda").manual_seed(0)
         x = torch.randn(8, 4, 5, 5, device="cuda", dtype=torch.float64, generator=g) * 3 + 1
         w = torch.rand(4, device="cuda", dtype=torch.float64, generator=g)
@@ -134,9 +148,6 @@ def test_sync_batchnorm_torch_kernels_match_the_handwritten_path_on_cuda(tmp_pat
             outs.append((y.detach(), xi.grad, wi.grad, bi.grad, rm, rv))
         for a, c in zip(*outs):
             assert ((a - c).abs().max() / c.abs().max()).item() <= 1e-12
-    finally:
-        if started:
-            dist.destroy_process_group()
 
 
 # ---- 3. DeepSpeedCPUAdam for the offloaded step ----------------------------------------------------
@@ -553,16 +564,7 @@ def test_ring_attention_runs_the_cuda_kernels_with_torchs_arguments(tmp_path, dt
 
     from lightning_dist._integrations.torch_ring_attention import ring_attention
 
-    started = not dist.is_initialized()
-    if started:
-        dist.init_process_group(
-            "nccl",
-            store=dist.FileStore(str(tmp_path / "store"), 1),
-            rank=0,
-            world_size=1,
-            device_id=torch.device("cuda", 0),
-        )
-    try:
+    with _one_rank_nccl_group(tmp_path):
         g = torch.Generator(device="cuda").manual_seed(0)
         q, k, v = (torch.randn(2, 4, 64, 32, device="cuda", dtype=dtype, generator=g) for _ in "qkv")
         want_in = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -576,6 +578,3 @@ def test_ring_attention_runs_the_cuda_kernels_with_torchs_arguments(tmp_path, dt
         assert torch.allclose(got, want, atol=tol, rtol=tol)
         for a, b in zip(got_in, want_in):
             assert torch.allclose(a.grad, b.grad, atol=tol, rtol=tol)
-    finally:
-        if started:
-            dist.destroy_process_group()

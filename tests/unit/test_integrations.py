@@ -345,6 +345,22 @@ with FakeTensorMode():
 assert DDP.__init__ is init
 assert [(op, nbytes) for op, _, nbytes in rec.calls] == [("all_reduce", (6 * 4 + 4) * 4)], rec.calls  # one bucket
 assert net.weight.grad is not None and net.weight.grad.shape == (4, 6)
+
+# composable replicate: its reducer (and DDP's one-time broadcast from rank 0) built before the step, not in it
+from torch.distributed._composable.replicate import replicate
+from lightning_dist._integrations.torch_distributed import build_replicate_reducers
+
+with FakeTensorMode(), ddp_on_fake_process_group():
+    rep = replicate(torch.nn.Linear(6, 4))
+    assert replicate.state(rep)._init_args  # torch builds it lazily, at the first forward
+    with CollectiveRecorder() as setup:
+        build_replicate_reducers(rep)
+    assert not replicate.state(rep)._init_args
+    assert [(op, nbytes) for op, _, nbytes in setup.calls] == [("broadcast", (6 * 4 + 4) * 4)], setup.calls
+    with CollectiveRecorder() as step:
+        rep(torch.randn(3, 6)).sum().backward()
+    assert [op for op, _, _ in step.calls] == ["all_reduce"], step.calls
+    build_replicate_reducers(torch.nn.Linear(2, 2))  # no replicate: left as it is
 dist.destroy_process_group()
 print("OK")
 """
@@ -352,8 +368,9 @@ print("OK")
 
 def test_ddp_runs_on_the_fake_process_group_only_under_its_patch():
     # the dry run of a replicated layout: DDP built on fake tensors and torch's fake group, one step recorded; the
-    # patch leaves DDP as it found it (outside it, the same construction fails on its shape check). In a fresh
-    # process: the fake group must be the process's default group
+    # patch leaves DDP as it found it (outside it, the same construction fails on its shape check); composable
+    # replicate's reducer built ahead of the step by build_replicate_reducers. In a fresh process: the fake group must
+    # be the process's default group
     import subprocess
     import sys
 
