@@ -10,8 +10,10 @@ The same model (the pack's :class:`~lightning_dist.models.gpt.GPT`: width 128, 4
 per stage, stages 0, 2 on rank 0) and the same SGD, trained:
 
 * by hand, as torchtitan does: a ``PipelineStage`` per stage module, ``Schedule1F1B`` /
-  ``ScheduleInterleaved1F1B`` with the loss on the last stage (``return_outputs=False``: no logits kept or
-  joined), ``optimizer.step()`` around it;
+  ``ScheduleInterleaved1F1B`` with the loss on the last stage (each micro-batch's loss / m with
+  ``scale_grads=False``: the mean accumulates, no pass over every gradient at the end; ``return_outputs=False``: no
+  logits kept or joined), each step's batch read from a ``DataLoader`` (torchtitan's ``next(data_iterator)``),
+  ``optimizer.step()`` around it;
 * by Lightning with ``PipelineStrategy(pp=2, n_microbatches=4, schedule=...)`` and the unchanged
   :class:`~lightning_dist.models.gpt.CharGPT` ``training_step`` (``self.pipeline_loss(self(idx), target)``,
   ``self.log(..., sync_dist=True)``).
@@ -116,7 +118,8 @@ def _stage_module(model, blocks: list[int], first: bool, last: bool):
 def _loss(out, target):
     import torch.nn.functional as F
 
-    return F.cross_entropy(out.flatten(0, 1), target.flatten(0, 1))
+    # each micro-batch's share of the batch mean (the schedule runs with scale_grads=False, as torchtitan's does)
+    return F.cross_entropy(out.flatten(0, 1), target.flatten(0, 1)) / MICRO
 
 
 class _Hand:
@@ -126,6 +129,7 @@ class _Hand:
         import torch
         import torch.distributed as dist
         from torch.distributed import pipelining
+        from torch.utils.data import DataLoader, TensorDataset
 
         rank = dist.get_rank()
         model = _model(vocab)
@@ -135,17 +139,27 @@ class _Hand:
         local = [s for s in range(n) if ranks[s] == rank]
         stages = [pipelining.PipelineStage(m, s, n, torch.device("cpu")) for m, s in zip(self.mods, local)]
         cls = pipelining.Schedule1F1B if schedule == "1f1b" else pipelining.ScheduleInterleaved1F1B
-        self.sched = cls(stages[0] if schedule == "1f1b" else stages, n_microbatches=MICRO, loss_fn=_loss)
+        self.sched = cls(
+            stages[0] if schedule == "1f1b" else stages, n_microbatches=MICRO, loss_fn=_loss, scale_grads=False
+        )
         self.first, self.last = 0 in local, n - 1 in local
         self.opt = torch.optim.SGD([p for m in self.mods for p in m.parameters()], lr=1e-3)
-        self.x, self.y = _data(vocab, BATCH)
+        # the same batch as the pack's loader gives, read from a DataLoader every step as a training loop does
+        x, y = _data(vocab, BATCH)
+        self.loader = DataLoader(TensorDataset(x.repeat(64, 1), y.repeat(64, 1)), batch_size=BATCH)
+        self.batches = iter(self.loader)
 
     def step(self) -> None:
+        batch = next(self.batches, None)
+        if batch is None:
+            self.batches = iter(self.loader)
+            batch = next(self.batches)
+        x, y = batch
         self.opt.zero_grad()
         losses: list = []
-        kw = {"target": self.y, "losses": losses} if self.last else {}
+        kw = {"target": y, "losses": losses} if self.last else {}
         # no output kept or joined on the last stage (the stronger baseline; the pack's training steps do the same)
-        self.sched.step(*((self.x,) if self.first else ()), **kw, return_outputs=False)
+        self.sched.step(*((x,) if self.first else ()), **kw, return_outputs=False)
         self.opt.step()
 
 
@@ -298,6 +312,7 @@ def _worker(args: argparse.Namespace) -> None:
             # last, with the last backward, so its rest holds no wait for a peer)
             rest_p = statistics.median(t - s for t, s in zip(pack, in_schedule[0]))
             rest_h = statistics.median(t - s for t, s in zip(hand, in_schedule[1]))
+            sched_p, sched_h = statistics.median(in_schedule[0]), statistics.median(in_schedule[1])
             row = {
                 "vocab": vocab,
                 "vocab_per_width": vocab / WIDTH,
@@ -307,6 +322,8 @@ def _worker(args: argparse.Namespace) -> None:
                 "ratio": p / h,
                 "hand_outside_schedule_ms": 1e3 * rest_h,
                 "pack_outside_schedule_ms": 1e3 * rest_p,
+                "hand_in_schedule_ms": 1e3 * sched_h,
+                "pack_in_schedule_ms": 1e3 * sched_p,
                 "hand_bytes": hand_ops,
                 "pack_bytes": pack_ops,
             }
@@ -323,7 +340,7 @@ def _worker(args: argparse.Namespace) -> None:
                 print(
                     f"  rank 0 outside torch's schedule (optimizer, loop, the pack's work):"
                     f" hand {1e3 * rest_h:.1f} ms,"
-                    f" pack {1e3 * rest_p:.1f} ms",
+                    f" pack {1e3 * rest_p:.1f} ms; in it: hand {1e3 * sched_h:.1f} ms, pack {1e3 * sched_p:.1f} ms",
                     flush=True,
                 )
                 print(f"  bytes per step on rank 0: hand {hand_ops}; pack {pack_ops}", flush=True)

@@ -331,8 +331,10 @@ class CommunicationLedger(Callback):
         mesh, rank, world = self._where(trainer)
         out: dict[tuple[str, str], float] = defaultdict(float)
         for c in collectives:
-            op = "send" if c.op == "send_recv" else c.op  # planner payload = bytes one rank sends
-            out[(op, _planned.dim_label(c.dim, mesh=mesh, rank=rank, world=world))] += c.payload_bytes
+            # the recorder counts each side of a point-to-point transfer; a send_recv's payload is what one rank
+            # sends, and it receives as many bytes (activations in, their gradients back)
+            for op in ("send", "recv") if c.op == "send_recv" else (c.op,):
+                out[(op, _planned.dim_label(c.dim, mesh=mesh, rank=rank, world=world))] += c.payload_bytes
         return dict(out)
 
     @override

@@ -620,7 +620,8 @@ def plan_rank(
                 what="activations + their gradients",
             )
         )
-        traffic.append(planner.pipeline_loss_broadcast(spec.size(PP)))
+        # the batch loss from the last stage's rank to each other pp rank (`PipelineRunner._loss_to_all`)
+        traffic.append(planner.pipeline_loss_transfer(spec.size(PP), last_stage=stages - 1 in strategy.local_stages))
     activation = None
     if hidden is not None and cfg is not None:
         # each local stage holds its micro-batches in flight at the peak (1F1B: stages - s of them; GPipe: all m);

@@ -89,6 +89,9 @@ def build_schedule(
     return sched, stages
 
 
+_LOSS_TAG = 0x1055  # the tag of the batch loss's transfer to the pp ranks (torch's schedules send with tag 0)
+
+
 class PipelineRunner:
     """This rank's pipeline stages and the schedules that run them: one per (training?, input shape, dtype, m).
 
@@ -109,6 +112,8 @@ class PipelineRunner:
         group: Optional[Any],
     ) -> None:
         self.views, self.local_stages, self.stage_ranks = list(views), list(local_stages), list(stage_ranks)
+        # this rank's stage parameters, each once: listed at set-up, not by walking the modules every step
+        self.params = list({id(p): p for view in self.views for p in view.parameters()}.values())
         self.schedule, self.device, self.group = schedule, device, group
         self._schedules: dict[tuple, tuple[Any, list[TimedStage]]] = {}
         self._meta: dict[tuple, Any] = {}
@@ -116,6 +121,17 @@ class PipelineRunner:
         # divide by the batch's token count); set for one step only
         self._loss_fn: Optional[Callable] = None
         self._seen: list[tuple[tuple[int, ...], torch.dtype]] = []  # the running step's micro-batch output metas
+        # the batch loss goes from the last stage's rank to the others point to point (see `_loss_to_all`)
+        self._last, self._peers = None, []
+        if group is not None:
+            self._last = dist.get_global_rank(group, self.stage_ranks[-1])
+            self._peers = [
+                dist.get_global_rank(group, r) for r in range(dist.get_world_size(group)) if r != self.stage_ranks[-1]
+            ]
+        # gloo matches a receive by sender and tag, so a receive with the loss's own tag can wait through the schedule
+        # (torch's schedules send with tag 0); NCCL ignores tags (its transfers between two ranks arrive in order), so
+        # there the receive is posted after the schedule, behind the schedule's own transfers
+        self.receive_loss_early = group is not None and dist.get_backend(group) == "gloo"
 
     @property
     def num_stages(self) -> int:
@@ -177,6 +193,9 @@ class PipelineRunner:
             st.timeline, st.peak_held = timeline, 0
         self._loss_fn, self._seen = loss_fn, []
         keep = keep_output or not train
+        meta = self._meta.get(("loss",))  # the loss's dtype, known from the first step on
+        early = train and not has_last and meta is not None and self.receive_loss_early
+        posted = self._post_loss_receive(meta[1]) if early else None
         try:
             start = time.perf_counter()
             out = sched.step(*((x,) if 0 in self.local_stages else ()), **kw, **kwargs, return_outputs=keep)
@@ -197,10 +216,34 @@ class PipelineRunner:
         self._seen = []
         loss = None
         if train:
-            loss = self.from_last_stage(
-                torch.stack([micro_loss.detach() for micro_loss in losses]).sum() if losses else None, ("loss",)
-            )
+            value = torch.stack([micro_loss.detach() for micro_loss in losses]).sum() if losses else None
+            loss = self._loss_to_all(value, posted)
         return out, loss, record
+
+    def _post_loss_receive(self, dtype: torch.dtype) -> tuple[Any, torch.Tensor]:
+        buf = torch.empty((), dtype=dtype, device=self.device)
+        return dist.irecv(buf, src=self._last, group=self.group, tag=_LOSS_TAG), buf
+
+    def _loss_to_all(self, value: Optional[torch.Tensor], posted: Optional[tuple[Any, torch.Tensor]]) -> torch.Tensor:
+        """The batch loss (`value`, held by the last stage's rank) on every rank of the pp group.
+
+        Sent point to point (by hand: no collective sends one scalar without a rendezvous): a broadcast's root waits
+        for every receiver to reach it, and a receiver that posts its receive only then waits a round trip (0.3-0.5
+        ms on gloo, on the first stage's rank: the step's critical path, whose schedule ends last). The last stage's
+        rank sends as soon as its schedule is over; under gloo the others posted their receive before their schedule
+        (`posted`) and find the loss there when theirs ends. The first step gives every rank the loss's dtype (one
+        object broadcast)."""
+        if self.group is None:
+            assert value is not None
+            return value
+        _, dtype = self.output_meta(value, ("loss",))
+        if value is not None:
+            for work in [dist.isend(value, dst=peer, group=self.group, tag=_LOSS_TAG) for peer in self._peers]:
+                work.wait()
+            return value
+        work, buf = posted if posted is not None else self._post_loss_receive(dtype)
+        work.wait()
+        return buf
 
     def output_meta(self, value: Optional[torch.Tensor], key: tuple) -> tuple[tuple[int, ...], torch.dtype]:
         """(shape, dtype) of a tensor held by the last stage's rank, on every pp rank (one object broadcast per

@@ -35,8 +35,8 @@ calls) and its ring-algorithm *wire* bytes (what one device sends, = what it rec
   ``dp_shard x cp`` (:func:`with_cp_dims`).
 * Pipeline: per micro-batch, each stage boundary carries the activation forward and its gradient back;
   an interior stage sends ``2 m v A`` bytes per step (``A`` = activation bytes per micro-batch,
-  :func:`pipeline_p2p_traffic`): all the runtime sends, besides the batch loss (one scalar broadcast
-  from the last stage, left out). The network's output stays on the last stage (``broadcast_output=True``
+  :func:`pipeline_p2p_traffic`), plus the batch loss, one scalar the last stage's rank sends to every other pp
+  rank (:func:`pipeline_loss_transfer`). The network's output stays on the last stage (``broadcast_output=True``
   would add its bytes per step to every pp rank; not planned). Idle (bubble) fraction of a step with equal stage times:
   GPipe and 1F1B ``(p - 1) / (m + p - 1)``; interleaved 1F1B ``(p - 1) / (v m + p - 1)``.
 
@@ -67,6 +67,8 @@ _WIRE_FACTOR = {
     "reduce_scatter": lambda w: (w - 1) / w,
     "broadcast": lambda w: (w - 1) / w,
     "send_recv": lambda w: 1.0,
+    "send": lambda w: 1.0,  # one-way point to point (the pipeline's loss scalar)
+    "recv": lambda w: 1.0,
     "all_to_all": lambda w: (w - 1) / w,  # every rank keeps its own 1/W of the input and sends the rest
 }
 
@@ -76,7 +78,8 @@ class Collective:
     """One kind of communication per training step on one mesh dim."""
 
     op: str
-    """``all_reduce``, ``all_gather``, ``reduce_scatter``, ``broadcast``, ``send_recv`` or ``all_to_all``."""
+    """``all_reduce``, ``all_gather``, ``reduce_scatter``, ``broadcast``, ``send_recv`` (a rank sends the payload and
+    receives as much), ``send`` / ``recv`` (one way) or ``all_to_all``."""
     dim: str
     """Mesh dim (``dp``, ``dp_shard``, ``dp_replicate``, ``cp``, ``tp``, ``pp``; under cp FSDP2's dim is
     ``dp_shard_cp`` and the flattened data-parallel one ``dp_cp``: :func:`with_cp_dims`)."""
@@ -402,7 +405,8 @@ def pipeline_p2p_traffic(
     """Stage-boundary traffic per step for an interior rank: each micro-batch's activation
     (``activation_bytes``) goes forward and its gradient back at each of the rank's ``v`` stages:
     ``2 m v A`` bytes sent (and the same received); the output is not broadcast: the loss is computed on the
-    last stage and every rank gets it as one scalar (:func:`pipeline_loss_broadcast`). Empty for a single stage."""
+    last stage and every rank gets it as one scalar (:func:`pipeline_loss_transfer`: an interior rank receives it).
+    Empty for a single stage."""
     check_count("activation_bytes", activation_bytes)
     check_size("micro_batches", micro_batches)
     check_size("stages", stages)
@@ -414,11 +418,15 @@ def pipeline_p2p_traffic(
         Collective(
             op="send_recv", dim=PP, group_size=stages, payload_bytes=payload, what="activations + their gradients"
         ),
-        pipeline_loss_broadcast(stages),
+        pipeline_loss_transfer(stages),
     ]
 
 
-def pipeline_loss_broadcast(stages: int) -> Collective:
-    """The batch loss, a float32 scalar, from the last stage to every pp rank, once per training step
-    (``PipelineRunner.from_last_stage``)."""
-    return Collective(op="broadcast", dim=PP, group_size=stages, payload_bytes=4, what="loss")
+def pipeline_loss_transfer(pp: int, *, last_stage: bool = False, loss_bytes: int = 4) -> Collective:
+    """The batch loss (a float32 scalar: `loss_bytes`) on every pp rank, once per training step: the last stage's
+    rank sends it to each of the other ``pp - 1`` ranks, point to point, and each of those receives one copy
+    (``PipelineRunner._loss_to_all``). `last_stage`: the figure of the rank holding the last stage."""
+    check_size("pp", pp)
+    if last_stage:
+        return Collective(op="send", dim=PP, group_size=pp, payload_bytes=loss_bytes * (pp - 1), what="loss")
+    return Collective(op="recv", dim=PP, group_size=pp, payload_bytes=loss_bytes, what="loss")

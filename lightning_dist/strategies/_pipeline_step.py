@@ -109,12 +109,13 @@ class PipelineStep:
             given, loss_fn = self._loss_of_step(labels, m, count)
             # the schedule's target: the chunks matching this rank's part of the sequences (HF labels: cut above)
             target = cut_target(cp, given, type(module).__name__) if cp is not None and count is None else given
-        params = list(strategy.model.parameters())
+        params = runner.params  # the schedule accumulates gradients into these only
         if train:  # the schedule's gradients go aside; `backward` adds them to .grad
             held = [p.grad for p in params]
             for p in params:
                 p.grad = None
         events: Optional[list] = [] if strategy.record_timeline and train else None
+        shows = self._shows_values()
         # every stage's attention under context parallelism's mode (its checkpointed blocks recompute under it too)
         with cp.active() if cp is not None else contextlib.nullcontext():
             out, loss, record = runner.step(
@@ -124,7 +125,7 @@ class PipelineStep:
                 target=target,
                 timeline=events,
                 kwargs=extra,
-                keep_output=self._shows_values(),  # else the step sees a stand-in: no output values kept
+                keep_output=shows,  # else the step sees a stand-in: no output values kept
             )
         if train:
             sum_tied_gradients(strategy._tied)
@@ -138,7 +139,7 @@ class PipelineStep:
                 mesh = strategy.mesh
                 rank = mesh.local_rank(PP) if mesh.size(PP) > 1 else 0
                 strategy.timelines.append({**record, "rank": rank, "events": events, "n_microbatches": m})
-        shown = self._shown_output(out, train, key=("out", train, tuple(x.shape), m))
+        shown = self._shown_output(out, train, shows, key=("out", train, tuple(x.shape), m), device=x.device)
         if not train and labels is not None:  # HF's eval loss: computed on the last stage, a scalar to every rank
             value = None
             if out is not None:
@@ -156,21 +157,19 @@ class PipelineStep:
         trainer = getattr(self.strategy.lightning_module, "_trainer", None)
         return self.strategy.broadcast_output or (trainer is not None and trainer.predicting)
 
-    def _shown_output(self, out: Optional[Tensor], train: bool, *, key: tuple) -> Tensor:
-        """What the step sees of the output: a stand-in (default), or the whole output broadcast (the opt-in,
-        predict)."""
+    def _shown_output(self, out: Optional[Tensor], train: bool, shows: bool, *, key: tuple, device: Any) -> Tensor:
+        """What the step sees of the output: a stand-in on `device` (default), or the whole output broadcast (the
+        opt-in, predict: `shows`)."""
         strategy = self.strategy
         module = strategy.lightning_module
-        if self._shows_values():
+        if shows:
             whole = strategy._runner.from_last_stage(out, key)
             # a leaf: `backward` finds what training_step's loss did with the output (see `_extra_gradients`)
             return whole.requires_grad_() if train and whole.is_floating_point() else whole
         shape, dtype = strategy._runner.output_meta(out, key)
         strategy._calls += 1
         where = "training_step" if train else "an evaluation step (validation_step / test_step)"
-        return PipelineOutput(
-            shape, dtype, strategy.root_device, owner=type(module).__name__, where=where, step=strategy._calls
-        )
+        return PipelineOutput(shape, dtype, device, owner=type(module).__name__, where=where, step=strategy._calls)
 
     def _loss_of_step(self, labels: Optional[Tensor], m: int, count: Optional[Tensor] = None) -> tuple[Any, Any]:
         """The step's target and per-micro-batch loss: HF ``labels``, or ``pipeline_target``/``pipeline_loss``.
@@ -213,12 +212,12 @@ class PipelineStep:
                 " the network call runs the pipeline's forward and backward."
             )
 
-    def whole_loss(self, returned: Any, group: Any) -> Optional[Tensor]:
+    def whole_loss(self, returned: Any, mesh: Any) -> Optional[Tensor]:
         """The value one device would have for the returned loss: the pipeline's batch loss plus the other terms
         (a weight penalty) summed over the pp ranks, each of which holds its stages' parameters only. One scalar
-        all-reduced over `group` when the returned loss is not the pipeline's loss itself (every pp rank runs the
-        same ``training_step``, so all of them or none); None when the step returned no loss tensor or did not
-        call the network."""
+        all-reduced over `mesh`'s pp group when the returned loss is not the pipeline's loss itself (every pp rank
+        runs the same ``training_step``, so all of them or none); None when the step returned no loss tensor or did
+        not call the network."""
         import torch.distributed as dist
 
         call = self.call
@@ -228,8 +227,8 @@ class PipelineStep:
             return returned.detach()
         base = call.loss.detach().to(returned.dtype)
         extra = returned.detach() - base  # this rank's share of the other terms (0 without any)
-        if group is not None:
-            dist.all_reduce(extra, group=group)
+        if mesh.size(PP) > 1:
+            dist.all_reduce(extra, group=mesh.group(PP))
         return base + extra
 
     def backward(self, closure_loss: Tensor, scale: float) -> None:
@@ -264,7 +263,8 @@ class PipelineStep:
         if not isinstance(loss, Tensor) or not loss.requires_grad:
             raise ValueError(returned_loss_problem(None, scale, owner))
         reached = reached_leaves(loss)  # the parameters the returned loss's other terms use (none: the loss alone)
-        params = [p for p in strategy.model.parameters() if p.requires_grad and id(p) in reached]
+        reached.discard(id(call.loss))
+        params = [p for p in strategy.model.parameters() if p.requires_grad and id(p) in reached] if reached else []
         inputs = [call.loss, *([call.out] if direct else []), *params]
         grads = list(torch.autograd.grad(loss, inputs, allow_unused=True, retain_graph=direct))
         d_loss = grads.pop(0)

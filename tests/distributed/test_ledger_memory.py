@@ -90,4 +90,5 @@ def test_pipeline_send_recv_recorded(rows):
         ops = {(c["op"], c["dim"]): c for c in r["comm"]}
         # 2 stages, 4 micro-batches: each rank sends activations or gradients across the stage boundary
         assert ops[("send", "pp")]["bytes"] > 0 and ops[("recv", "pp")]["bytes"] > 0, r["comm"]
-        assert ops[("send", "pp")]["bytes"] == ops[("recv", "pp")]["bytes"], r["comm"]
+        # as many bytes each way, but for the batch loss: one scalar from the last stage's rank to the other
+        assert 0 < abs(ops[("send", "pp")]["bytes"] - ops[("recv", "pp")]["bytes"]) <= 8, r["comm"]

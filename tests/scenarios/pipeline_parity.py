@@ -13,6 +13,7 @@ import os
 import sys
 import tempfile
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -420,14 +421,20 @@ def ledger():
         def __init__(self):
             super().__init__(n_out=256)
 
+    class LateReceive(pl.Callback):
+        """The loss's receive posted after the schedule, as under NCCL (which matches no tags), here on gloo."""
+
+        def on_train_start(self, trainer, pl_module):
+            trainer.strategy._runner.receive_loss_early = False
+
     rows = {}
-    for opt_in in (False, True):
+    for opt_in in (False, True, "late"):
         cb = CommunicationLedger(planned=None, print_table=False, log=False)
         module, t = fit(
-            PipelineStrategy(pp=2, schedule="1f1b", n_microbatches=4, split="params", broadcast_output=opt_in),
+            PipelineStrategy(pp=2, schedule="1f1b", n_microbatches=4, split="params", broadcast_output=opt_in is True),
             3,
             module=Wide(),
-            callbacks=[cb],
+            callbacks=[cb, *([LateReceive()] if opt_in == "late" else [])],
         )
         rows[str(opt_in)] = {f"{op}/{dim}": nbytes for (op, dim), (_, nbytes) in cb.per_step().items()}
         rows[f"logged_{opt_in}"] = t.callback_metrics["train_loss"].item()

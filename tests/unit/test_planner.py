@@ -250,7 +250,12 @@ def test_pipeline_idle_fraction_and_p2p():
     assert planner.pipeline_idle_fraction(stages=1, micro_batches=1) == 0
     c, loss = planner.pipeline_p2p_traffic(activation_bytes=1000, micro_batches=8, stages=4, virtual_stages=2)
     assert (c.op, c.dim, c.wire_bytes) == ("send_recv", "pp", 2 * 8 * 2 * 1000)
-    assert (loss.op, loss.dim, loss.payload_bytes) == ("broadcast", "pp", 4)  # the batch loss to every pp rank
+    # the batch loss: an interior rank receives it from the last stage's rank, which sends one copy to each other rank
+    assert (loss.op, loss.dim, loss.payload_bytes, loss.wire_bytes) == ("recv", "pp", 4, 4)
+    last = planner.pipeline_loss_transfer(4, last_stage=True)
+    assert (last.op, last.payload_bytes) == ("send", 3 * 4)
+    with pytest.raises(ValueError, match="pp"):
+        planner.pipeline_loss_transfer(0)
     assert planner.pipeline_p2p_traffic(activation_bytes=1000, micro_batches=8, stages=1) == []
 
 
@@ -343,8 +348,8 @@ def test_tp_and_pp_activation_traffic_in_layouts():
     assert dims["dp"] == pytest.approx(2 * (2 - 1) / 2 * (800 / 2 + 200) * 4)
     pp = layouts["pp2-ddp2"]
     assert pp.memory.total == (100 + 400) * 16  # stages [500, 500]: 2 blocks each + embeddings / head
-    # boundary activations and gradients, plus the loss broadcast (4 B, wire (2 - 1) / 2 of it)
-    assert pp.wire_bytes_by_dim()["pp"] == 2 * 4 * (8 / 4) * 16 * 32 * 2 + 4 * (2 - 1) / 2
+    # boundary activations and gradients, plus the loss (4 B received from the last stage's rank)
+    assert pp.wire_bytes_by_dim()["pp"] == 2 * 4 * (8 / 4) * 16 * 32 * 2 + 4
     assert "pp8" not in layouts and "pp4" in layouts  # no more stages than blocks
     # interleaved 1F1B runs 2 stages per rank: each micro-batch crosses twice as many rank boundaries, the bubble
     # shrinks, and 4 blocks allow pp2 only (pp4 would need 8 stages)
@@ -362,7 +367,7 @@ def test_tp_and_pp_activation_traffic_in_layouts():
     }
     assert "pp4" not in inter and "pp2-ddp2" in inter
     ipp = inter["pp2-ddp2"]
-    assert ipp.wire_bytes_by_dim()["pp"] == 2 * 2 * 4 * (8 / 4) * 16 * 32 * 2 + 4 * (2 - 1) / 2
+    assert ipp.wire_bytes_by_dim()["pp"] == 2 * 2 * 4 * (8 / 4) * 16 * 32 * 2 + 4
     assert ipp.idle_fraction == pytest.approx((2 - 1) / (2 * 4 + 2 - 1))
     assert ipp.idle_fraction < pp.idle_fraction
 
