@@ -23,7 +23,10 @@ rank), their ratio pack / hand, and the bytes per op of one step on rank 0 from 
 ``CommunicationLedger`` and from the same recorder around one hand step. The two sides run paired in one
 process per rank: between every two steps of the pack's ``Trainer.fit`` one hand step runs between two barriers,
 timed on its own (the pack's step time excludes it), so a slow spell of the machine hits both sides alike.
-``--profile`` prints the cProfile top of one step of each side on rank 0 (``--profile-rank``: another rank).
+``--profile`` prints the cProfile top of one step of each side on rank 0 (``--profile-rank``: another rank);
+``--breakdown`` prints, on rank 0, the medians of the pieces of the pack's step outside torch's schedule: the pack's
+network call around the schedule and its backward, Lightning's ``self.log``, the SIGTERM flag its loop broadcasts
+every step, its data fetch, and the rest of its loop (hooks, closure, ``zero_grad``, the optimizer step).
 """
 
 from __future__ import annotations
@@ -59,6 +62,56 @@ def _time_schedules() -> None:
                 _SCHEDULE_TIMES.append(time.perf_counter() - t0)
 
         cls.step = timed
+
+
+# --breakdown: wall time per step of the calls a pack step makes around torch's schedule (rank 0's are printed)
+_PIECES: dict[str, float] = {}
+
+
+def _time_pieces() -> None:
+    """Wrap the strategy's ``training_step`` (the network call: the schedule and the pack's work around it, and the
+    replayed ``self.log`` calls) and ``backward`` (the held gradients added, the returned loss checked), Lightning's
+    ``self.log``, the SIGTERM flag its loop broadcasts every step and its data fetch (Lightning's private names, in
+    this benchmark only)."""
+    from lightning.pytorch.core.module import LightningModule
+    from lightning.pytorch.loops.fetchers import _PrefetchDataFetcher
+    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+
+    from lightning_dist.strategies import PipelineStrategy
+
+    for owner, name, label in (
+        (PipelineStrategy, "training_step", "training_step"),
+        (PipelineStrategy, "backward", "backward"),
+        (LightningModule, "log", "log"),
+        (_TrainingEpochLoop, "_broadcast_sigterm_tensor", "sigterm"),
+        (_PrefetchDataFetcher, "__next__", "fetch"),
+    ):
+
+        def timed(*args, _call=getattr(owner, name), _label=label, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return _call(*args, **kwargs)
+            finally:
+                _PIECES[_label] = _PIECES.get(_label, 0.0) + time.perf_counter() - t0
+
+        setattr(owner, name, timed)
+
+
+def _breakdown(pieces: list[dict], steps: list[float], scheduled: list[float]) -> str:
+    """The medians of a pack step's pieces outside torch's schedule (ms)."""
+
+    def med(values) -> float:
+        return 1e3 * statistics.median(values)
+
+    get = [lambda d, k=k: d.get(k, 0.0) for k in ("training_step", "backward", "log", "sigterm", "fetch")]
+    ts, bw, log, sig, fetch = ([g(d) for d in pieces] for g in get)
+    own = [t - s - lg for t, s, lg in zip(ts, scheduled, log)]
+    rest = [st - t - b - sg - f for st, t, b, sg, f in zip(steps, ts, bw, sig, fetch)]
+    return (
+        f"the pack's network call around the schedule {med(own):.2f} ms, its backward {med(bw):.2f} ms;"
+        f" Lightning's self.log {med(log):.2f} ms, SIGTERM broadcast {med(sig):.2f} ms, data fetch {med(fetch):.2f} ms,"
+        f" the rest of its loop (hooks, closure, zero_grad, the optimizer step) {med(rest):.2f} ms"
+    )
 
 
 def _launch(argv: list[str]) -> int:
@@ -183,11 +236,11 @@ def _hand_extras(hand: _Hand, profile: bool) -> tuple[dict, str]:
 
 def _pack_times(
     vocab: int, schedule: str, steps: int, warmup: int, profile: bool, ledger: bool = False, hand: _Hand | None = None
-) -> tuple[list[float], list[float], dict, str, tuple[list[float], list[float]]]:
+) -> tuple[list[float], list[float], dict, str, tuple[list[float], list[float]], list[dict]]:
     """The pack's step times and, with `hand`, one hand step timed between every two pack steps (paired: a slow
     spell of the machine hits both sides alike); with `ledger`, the CommunicationLedger's bytes per op instead (its
     dispatch mode sees every op of the step: a separate fit, not timed); last, the time in torch's schedule of
-    each timed step (pack, hand)."""
+    each timed step (pack, hand), and the pieces of each timed pack step (``--breakdown``)."""
     import lightning.pytorch as pl
     import torch
     import torch.distributed as dist
@@ -209,6 +262,7 @@ def _pack_times(
             self.times: list[float] = []
             self.hand_times: list[float] = []
             self.schedule_times: tuple[list[float], list[float]] = ([], [])  # (pack, hand)
+            self.pieces: list[dict] = []  # --breakdown: each timed step's pieces
             self.mark = 0
             self.prof: cProfile.Profile | None = None
             self.text = ""
@@ -219,6 +273,7 @@ def _pack_times(
             if warmup < batch_idx <= warmup + steps:
                 self.times.append(now - self.t0)
                 self.schedule_times[0].append(sum(_SCHEDULE_TIMES[self.mark :]))
+                self.pieces.append(dict(_PIECES))
             if self.prof is not None:
                 self.prof.disable()
                 self.text, self.prof = _stats(self.prof), None
@@ -236,6 +291,7 @@ def _pack_times(
                 self.prof = cProfile.Profile()
                 self.prof.enable()
             self.mark = len(_SCHEDULE_TIMES)
+            _PIECES.clear()
             self.t0 = time.perf_counter()
 
     task = Task(vocab_size=vocab, block_size=SEQ, n_layer=BLOCKS, n_head=HEADS, n_embd=WIDTH)
@@ -265,7 +321,7 @@ def _pack_times(
     ops: dict[str, int] = {}
     for (op, dim), (_, nbytes) in recorder.per_step().items() if ledger else ():
         ops[f"{op}/{dim}"] = ops.get(f"{op}/{dim}", 0) + int(nbytes)
-    return timer.times, timer.hand_times, ops, timer.text, timer.schedule_times
+    return timer.times, timer.hand_times, ops, timer.text, timer.schedule_times, timer.pieces
 
 
 def _stats(prof: cProfile.Profile) -> str:
@@ -291,22 +347,25 @@ def _worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     _time_schedules()
+    if args.breakdown:
+        _time_pieces()
     results = []
     for vocab in args.vocabs:
         for schedule in args.schedules:
-            hand, pack, prof, in_schedule = [], [], {}, ([], [])
+            hand, pack, prof, in_schedule, pieces = [], [], {}, ([], []), []
             for r in range(args.rounds):  # each round a fit with a hand step timed between every two pack steps
                 last = args.profile and r == args.rounds - 1
                 paired = _Hand(vocab, schedule)
-                pack_times, hand_times, _, prof["pack"], sched = _pack_times(
+                pack_times, hand_times, _, prof["pack"], sched, step_pieces = _pack_times(
                     vocab, schedule, args.steps, args.warmup, last, hand=paired
                 )
+                pieces += step_pieces
                 pack += pack_times
                 hand += hand_times
                 in_schedule[0].extend(sched[0])
                 in_schedule[1].extend(sched[1])
             hand_ops, prof["hand"] = _hand_extras(paired, args.profile)
-            _, _, pack_ops, _, _ = _pack_times(vocab, schedule, 2, 1, False, ledger=True)
+            _, _, pack_ops, _, _, _ = _pack_times(vocab, schedule, 2, 1, False, ledger=True)
             h, p = _slowest(statistics.median(hand)), _slowest(statistics.median(pack))
             # the rest of each side's step outside torch's schedule, on rank 0 (stage 0's rank: its schedule ends
             # last, with the last backward, so its rest holds no wait for a peer)
@@ -343,6 +402,8 @@ def _worker(args: argparse.Namespace) -> None:
                     f" pack {1e3 * rest_p:.1f} ms; in it: hand {1e3 * sched_h:.1f} ms, pack {1e3 * sched_p:.1f} ms",
                     flush=True,
                 )
+                if args.breakdown:
+                    print(f"  rank 0's pack step outside the schedule: {_breakdown(pieces, pack, in_schedule[0])}")
                 print(f"  bytes per step on rank 0: hand {hand_ops}; pack {pack_ops}", flush=True)
     if rank == 0:
         print("\n| vocab | vocab/width | schedule | hand (ms) | pack (ms) | pack/hand | rank 0 outside schedule (ms) |")
@@ -365,6 +426,11 @@ def main() -> None:
     parser.add_argument("--vocabs", type=int, nargs="+", default=[32 * WIDTH, 2 * WIDTH])
     parser.add_argument("--schedules", nargs="+", default=["1f1b", "interleaved_1f1b"])
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="time the pieces of the pack's step outside torch's schedule (rank 0's medians; a few us of wrappers)",
+    )
     parser.add_argument("--profile-rank", type=int, default=0, help="the rank whose cProfile --profile prints")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
