@@ -42,6 +42,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 WIDTH, BLOCKS, SEQ, BATCH, MICRO, HEADS = 128, 4, 64, 16, 4, 4
 # wall time of every torch schedule ``step`` (both sides run torch's schedules): what of each side's step is the
@@ -49,19 +50,25 @@ WIDTH, BLOCKS, SEQ, BATCH, MICRO, HEADS = 128, 4, 64, 16, 4, 4
 _SCHEDULE_TIMES: list[float] = []
 
 
+def _timed(owner: type, name: str, record: Callable[[float], None]) -> None:
+    """Replace ``owner.name`` with a wrapper that passes each call's wall time to `record`."""
+    call = getattr(owner, name)
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return call(*args, **kwargs)
+        finally:
+            record(time.perf_counter() - t0)
+
+    setattr(owner, name, timed)
+
+
 def _time_schedules() -> None:
     from torch.distributed.pipelining import schedules
 
     for cls in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
-
-        def timed(self, *args, _step=cls.step, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return _step(self, *args, **kwargs)
-            finally:
-                _SCHEDULE_TIMES.append(time.perf_counter() - t0)
-
-        cls.step = timed
+        _timed(cls, "step", _SCHEDULE_TIMES.append)
 
 
 # --breakdown: wall time per step of the calls a pack step makes around torch's schedule (rank 0's are printed)
@@ -86,15 +93,7 @@ def _time_pieces() -> None:
         (_TrainingEpochLoop, "_broadcast_sigterm_tensor", "sigterm"),
         (_PrefetchDataFetcher, "__next__", "fetch"),
     ):
-
-        def timed(*args, _call=getattr(owner, name), _label=label, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return _call(*args, **kwargs)
-            finally:
-                _PIECES[_label] = _PIECES.get(_label, 0.0) + time.perf_counter() - t0
-
-        setattr(owner, name, timed)
+        _timed(owner, name, lambda dt, label=label: _PIECES.__setitem__(label, _PIECES.get(label, 0.0) + dt))
 
 
 def _breakdown(pieces: list[dict], steps: list[float], scheduled: list[float]) -> str:
@@ -103,8 +102,9 @@ def _breakdown(pieces: list[dict], steps: list[float], scheduled: list[float]) -
     def med(values) -> float:
         return 1e3 * statistics.median(values)
 
-    get = [lambda d, k=k: d.get(k, 0.0) for k in ("training_step", "backward", "log", "sigterm", "fetch")]
-    ts, bw, log, sig, fetch = ([g(d) for d in pieces] for g in get)
+    ts, bw, log, sig, fetch = (
+        [d.get(k, 0.0) for d in pieces] for k in ("training_step", "backward", "log", "sigterm", "fetch")
+    )
     own = [t - s - lg for t, s, lg in zip(ts, scheduled, log)]
     rest = [st - t - b - sg - f for st, t, b, sg, f in zip(steps, ts, bw, sig, fetch)]
     return (

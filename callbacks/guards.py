@@ -121,8 +121,10 @@ def check_data_runs_out_together(trainer: Trainer, batch_idx: int, *, group: Any
     per step, only for training data without a length (a sized dataset is split evenly by the sampler).
     Call from ``on_train_batch_start``, before the step's collectives.
     """
+    if dp_size <= 1:  # first: this runs every step
+        return
     loaders = dataloaders_in(trainer.train_dataloader)
-    if dp_size <= 1 or not loaders or all(isinstance(getattr(dl, "dataset", None), Sized) for dl in loaders):
+    if not loaders or all(isinstance(getattr(dl, "dataset", None), Sized) for dl in loaders):
         return
     epoch_loop = trainer.fit_loop.epoch_loop
     last = bool(epoch_loop.batch_progress.is_last_batch)

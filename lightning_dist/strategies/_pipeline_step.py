@@ -212,12 +212,12 @@ class PipelineStep:
                 " the network call runs the pipeline's forward and backward."
             )
 
-    def whole_loss(self, returned: Any, mesh: Any) -> Optional[Tensor]:
+    def whole_loss(self, returned: Any, group: Any) -> Optional[Tensor]:
         """The value one device would have for the returned loss: the pipeline's batch loss plus the other terms
         (a weight penalty) summed over the pp ranks, each of which holds its stages' parameters only. One scalar
-        all-reduced over `mesh`'s pp group when the returned loss is not the pipeline's loss itself (every pp rank
-        runs the same ``training_step``, so all of them or none); None when the step returned no loss tensor or did
-        not call the network."""
+        all-reduced over `group` when the returned loss is not the pipeline's loss itself (every pp rank runs the
+        same ``training_step``, so all of them or none); None when the step returned no loss tensor or did not
+        call the network."""
         import torch.distributed as dist
 
         call = self.call
@@ -227,8 +227,8 @@ class PipelineStep:
             return returned.detach()
         base = call.loss.detach().to(returned.dtype)
         extra = returned.detach() - base  # this rank's share of the other terms (0 without any)
-        if mesh.size(PP) > 1:
-            dist.all_reduce(extra, group=mesh.group(PP))
+        if group is not None:
+            dist.all_reduce(extra, group=group)
         return base + extra
 
     def backward(self, closure_loss: Tensor, scale: float) -> None:

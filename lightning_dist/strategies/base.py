@@ -249,11 +249,9 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
 
         # iterable data that ends on some dp ranks only: refuse on every rank before the step's collectives
         assert self.lightning_module is not None
-        mesh = self.mesh
-        if mesh.dp_size > 1:  # (the group looked up only where there is one: this runs every step)
-            check_data_runs_out_together(
-                self.lightning_module.trainer, batch_idx, group=mesh.dp_group, dp_size=mesh.dp_size
-            )
+        check_data_runs_out_together(
+            self.lightning_module.trainer, batch_idx, group=self.mesh.dp_group, dp_size=self.mesh.dp_size
+        )
 
     # ---- model set-up --------------------------------------------------------------------------
     def parallelize(self, module: pl.LightningModule) -> None:

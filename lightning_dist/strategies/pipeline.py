@@ -407,7 +407,7 @@ class PipelineStrategy(MeshStrategy):
             else:
                 del module.log
         returned = out.get("loss") if isinstance(out, Mapping) else out
-        whole = step.whole_loss(returned, self.mesh)
+        whole = step.whole_loss(returned, self.mesh.group(PP) if self.mesh.size(PP) > 1 else None)
         for a, k in logged:
             value = k["value"] if "value" in k else (a[1] if len(a) > 1 else None)
             if whole is not None and value is returned:
