@@ -3,7 +3,7 @@
 One invocation (it starts torchrun itself)::
 
     python benchmarks/pipeline_vs_torch.py [--steps 12] [--vocabs 4096 256] [--schedules 1f1b interleaved_1f1b]
-                                           [--profile] [--json FILE]
+                                           [--no-lightning-hand] [--breakdown] [--profile] [--json FILE]
 
 The same model (the pack's :class:`~lightning_dist.models.gpt.GPT`: width 128, 4 blocks, sequence 64, batch 16,
 4 micro-batches), the same split (1F1B: embeddings + 2 blocks | 2 blocks + norm + head; interleaved: one block
@@ -16,10 +16,14 @@ per stage, stages 0, 2 on rank 0) and the same SGD, trained:
   ``optimizer.step()`` around it;
 * by Lightning with ``PipelineStrategy(pp=2, n_microbatches=4, schedule=...)`` and the unchanged
   :class:`~lightning_dist.models.gpt.CharGPT` ``training_step`` (``self.pipeline_loss(self(idx), target)``,
-  ``self.log(..., sync_dist=True)``).
+  ``self.log(..., sync_dist=True)``);
+* by Lightning with the same hand-driven schedule in ``training_step`` ("Lightning-hand", see
+  :func:`_lightning_hand`; ``--no-lightning-hand`` skips it): what a Lightning user writes without the pack. Against
+  the bare hand loop it measures Lightning's own loop; against it the pack's own cost.
 
 Per (vocabulary, schedule) it prints the median step time of each side (steps after warm-up, the slower
-rank), their ratio pack / hand, and the bytes per op of one step on rank 0 from the pack's
+rank), their ratios (pack / hand; Lightning-hand / hand and pack / Lightning-hand, each Lightning side against the
+hand steps run beside it), and the bytes per op of one step on rank 0 from the pack's
 ``CommunicationLedger`` and from the same recorder around one hand step. The two sides run paired in one
 process per rank: between every two steps of the pack's ``Trainer.fit`` one hand step runs between two barriers,
 timed on its own (the pack's step time excludes it), so a slow spell of the machine hits both sides alike.
@@ -175,27 +179,41 @@ def _loss(out, target):
     return F.cross_entropy(out.flatten(0, 1), target.flatten(0, 1)) / MICRO
 
 
+def _hand_pipeline(vocab: int, schedule: str, device) -> tuple[list, object, bool, bool]:
+    """This rank's stage modules, torch's schedule over them (the loss on the last stage, torchtitan's way), and
+    whether the rank holds the first / the last stage."""
+    import torch.distributed as dist
+    from torch.distributed import pipelining
+
+    rank = dist.get_rank()
+    model = _model(vocab)
+    blocks, ranks = _stages(schedule)
+    n = len(blocks)
+    local = [s for s in range(n) if ranks[s] == rank]
+    mods = [_stage_module(model, blocks[s], s == 0, s == n - 1) for s in local]
+    stages = [pipelining.PipelineStage(m, s, n, device) for m, s in zip(mods, local)]
+    cls = pipelining.Schedule1F1B if schedule == "1f1b" else pipelining.ScheduleInterleaved1F1B
+    sched = cls(stages[0] if schedule == "1f1b" else stages, n_microbatches=MICRO, loss_fn=_loss, scale_grads=False)
+    return mods, sched, 0 in local, n - 1 in local
+
+
+def _hand_step(sched, first: bool, last: bool, x, y) -> list:
+    """One schedule step; the micro-batches' losses (on the last stage's rank)."""
+    losses: list = []
+    kw = {"target": y, "losses": losses} if last else {}
+    # no output kept or joined on the last stage (the stronger baseline; the pack's training steps do the same)
+    sched.step(*((x,) if first else ()), **kw, return_outputs=False)
+    return losses
+
+
 class _Hand:
     """torch's pipelining driven by hand (torchtitan's way): stages, schedule, loss on the last stage, SGD."""
 
     def __init__(self, vocab: int, schedule: str) -> None:
         import torch
-        import torch.distributed as dist
-        from torch.distributed import pipelining
         from torch.utils.data import DataLoader, TensorDataset
 
-        rank = dist.get_rank()
-        model = _model(vocab)
-        blocks, ranks = _stages(schedule)
-        n = len(blocks)
-        self.mods = [_stage_module(model, blocks[s], s == 0, s == n - 1) for s in range(n) if ranks[s] == rank]
-        local = [s for s in range(n) if ranks[s] == rank]
-        stages = [pipelining.PipelineStage(m, s, n, torch.device("cpu")) for m, s in zip(self.mods, local)]
-        cls = pipelining.Schedule1F1B if schedule == "1f1b" else pipelining.ScheduleInterleaved1F1B
-        self.sched = cls(
-            stages[0] if schedule == "1f1b" else stages, n_microbatches=MICRO, loss_fn=_loss, scale_grads=False
-        )
-        self.first, self.last = 0 in local, n - 1 in local
+        self.mods, self.sched, self.first, self.last = _hand_pipeline(vocab, schedule, torch.device("cpu"))
         self.opt = torch.optim.SGD([p for m in self.mods for p in m.parameters()], lr=1e-3)
         # the same batch as the pack's loader gives, read from a DataLoader every step as a training loop does
         x, y = _data(vocab, BATCH)
@@ -209,10 +227,7 @@ class _Hand:
             batch = next(self.batches)
         x, y = batch
         self.opt.zero_grad()
-        losses: list = []
-        kw = {"target": y, "losses": losses} if self.last else {}
-        # no output kept or joined on the last stage (the stronger baseline; the pack's training steps do the same)
-        self.sched.step(*((x,) if self.first else ()), **kw, return_outputs=False)
+        _hand_step(self.sched, self.first, self.last, x, y)
         self.opt.step()
 
 
@@ -234,13 +249,59 @@ def _hand_extras(hand: _Hand, profile: bool) -> tuple[dict, str]:
     return ops, _stats(prof)
 
 
+def _lightning_hand(vocab: int, schedule: str):
+    """torch's pipelining driven by hand inside Lightning: what a Lightning user writes without the pack.
+
+    Lightning's ``ModelParallelStrategy`` starts the processes (it wraps nothing), manual optimization, the stages
+    and schedule built in ``setup``, one schedule step in ``training_step`` between ``zero_grad`` and ``step``, the
+    loss logged on the last stage's rank only (where it is: torchtitan reports a pipeline's loss from there too).
+    Against the bare hand loop it measures Lightning's own loop; against the pack, the pack's cost for a step
+    Lightning users write unchanged (the loss on every rank, identical logged values, gradient checks)."""
+    import lightning.pytorch as pl
+    import torch
+
+    class LightningHand(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+        def setup(self, stage: str) -> None:
+            mods, self.sched, self.first, self.last = _hand_pipeline(vocab, schedule, self.trainer.strategy.root_device)
+            self.mods = torch.nn.ModuleList(mods)
+
+        def configure_model(self) -> None:  # ModelParallelStrategy requires it; the stages are built in `setup`
+            pass
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            opt = self.optimizers()
+            opt.zero_grad()
+            losses = _hand_step(self.sched, self.first, self.last, x, y)
+            opt.step()
+            if self.last:
+                self.log("train_loss", torch.stack(losses).sum())
+
+    return LightningHand()
+
+
 def _pack_times(
-    vocab: int, schedule: str, steps: int, warmup: int, profile: bool, ledger: bool = False, hand: _Hand | None = None
+    vocab: int,
+    schedule: str,
+    steps: int,
+    warmup: int,
+    profile: bool,
+    ledger: bool = False,
+    hand: _Hand | None = None,
+    lightning_hand: bool = False,
 ) -> tuple[list[float], list[float], dict, str, tuple[list[float], list[float]], list[dict]]:
-    """The pack's step times and, with `hand`, one hand step timed between every two pack steps (paired: a slow
-    spell of the machine hits both sides alike); with `ledger`, the CommunicationLedger's bytes per op instead (its
-    dispatch mode sees every op of the step: a separate fit, not timed); last, the time in torch's schedule of
-    each timed step (pack, hand), and the pieces of each timed pack step (``--breakdown``)."""
+    """The pack's step times (`lightning_hand`: those of :func:`_lightning_hand` instead) and, with `hand`, one hand
+    step timed between every two pack steps (paired: a slow spell of the machine hits both sides alike); with
+    `ledger`, the CommunicationLedger's bytes per op instead (its dispatch mode sees every op of the step: a separate
+    fit, not timed); last, the time in torch's schedule of each timed step (pack, hand), and the pieces of each timed
+    pack step (``--breakdown``)."""
     import lightning.pytorch as pl
     import torch
     import torch.distributed as dist
@@ -294,12 +355,19 @@ def _pack_times(
             _PIECES.clear()
             self.t0 = time.perf_counter()
 
-    task = Task(vocab_size=vocab, block_size=SEQ, n_layer=BLOCKS, n_head=HEADS, n_embd=WIDTH)
-    task.model.load_state_dict(_model(vocab).state_dict())
+    if lightning_hand:
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        task = _lightning_hand(vocab, schedule)
+        strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2)
+    else:
+        task = Task(vocab_size=vocab, block_size=SEQ, n_layer=BLOCKS, n_head=HEADS, n_embd=WIDTH)
+        task.model.load_state_dict(_model(vocab).state_dict())
+        split = [2] if schedule == "1f1b" else [1, 2, 3]
+        strategy = PipelineStrategy(pp=2, n_microbatches=MICRO, schedule=schedule, split=split)
     x, y = _data(vocab, BATCH)
     total = warmup + steps + 2
     loader = DataLoader(TensorDataset(x.repeat(total, 1), y.repeat(total, 1)), batch_size=BATCH)
-    split = [2] if schedule == "1f1b" else [1, 2, 3]
     timer = Timer()
     recorder = CommunicationLedger(skip_steps=warmup, planned=None, log=False, print_table=False)
     trainer = pl.Trainer(
@@ -308,7 +376,7 @@ def _pack_times(
         precision="32-true",
         max_steps=total,
         logger=False,
-        strategy=PipelineStrategy(pp=2, n_microbatches=MICRO, schedule=schedule, split=split),
+        strategy=strategy,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -353,6 +421,11 @@ def _worker(args: argparse.Namespace) -> None:
     for vocab in args.vocabs:
         for schedule in args.schedules:
             hand, pack, prof, in_schedule, pieces = [], [], {}, ([], []), []
+            lit, lit_hand, lit_schedule = (
+                [],
+                [],
+                [],
+            )  # Lightning + torch's pipelining by hand, and its paired hand steps
             for r in range(args.rounds):  # each round a fit with a hand step timed between every two pack steps
                 last = args.profile and r == args.rounds - 1
                 paired = _Hand(vocab, schedule)
@@ -364,6 +437,19 @@ def _worker(args: argparse.Namespace) -> None:
                 hand += hand_times
                 in_schedule[0].extend(sched[0])
                 in_schedule[1].extend(sched[1])
+                if args.lightning_hand:  # the same round for the hand pipeline inside Lightning
+                    lit_times, lit_hand_times, _, _, lit_sched, _ = _pack_times(
+                        vocab,
+                        schedule,
+                        args.steps,
+                        args.warmup,
+                        False,
+                        hand=_Hand(vocab, schedule),
+                        lightning_hand=True,
+                    )
+                    lit += lit_times
+                    lit_hand += lit_hand_times
+                    lit_schedule += lit_sched[0]
             hand_ops, prof["hand"] = _hand_extras(paired, args.profile)
             _, _, pack_ops, _, _, _ = _pack_times(vocab, schedule, 2, 1, False, ledger=True)
             h, p = _slowest(statistics.median(hand)), _slowest(statistics.median(pack))
@@ -386,6 +472,16 @@ def _worker(args: argparse.Namespace) -> None:
                 "hand_bytes": hand_ops,
                 "pack_bytes": pack_ops,
             }
+            if lit:
+                # each Lightning side against the hand steps run beside it in its own fits
+                lh, lhh = _slowest(statistics.median(lit)), _slowest(statistics.median(lit_hand))
+                rest_l = statistics.median(t - s for t, s in zip(lit, lit_schedule))
+                row.update(
+                    lightning_hand_ms=1e3 * lh,
+                    lightning_hand_ratio=lh / lhh,
+                    pack_vs_lightning_hand=(p / h) / (lh / lhh),
+                    lightning_hand_outside_schedule_ms=1e3 * rest_l,
+                )
             results.append(row)
             if args.profile and rank == args.profile_rank:
                 for side in ("hand", "pack"):
@@ -402,17 +498,32 @@ def _worker(args: argparse.Namespace) -> None:
                     f" pack {1e3 * rest_p:.1f} ms; in it: hand {1e3 * sched_h:.1f} ms, pack {1e3 * sched_p:.1f} ms",
                     flush=True,
                 )
+                if lit:
+                    print(
+                        f"  Lightning + torch's pipelining by hand: {row['lightning_hand_ms']:.1f} ms,"
+                        f" its paired hand steps {1e3 * lhh:.1f} ms:"
+                        f" Lightning-hand/hand {row['lightning_hand_ratio']:.3f}"
+                        f" (rank 0 outside the schedule {1e3 * rest_l:.1f} ms); pack/Lightning-hand"
+                        f" {row['pack_vs_lightning_hand']:.3f}",
+                        flush=True,
+                    )
                 if args.breakdown:
                     print(f"  rank 0's pack step outside the schedule: {_breakdown(pieces, pack, in_schedule[0])}")
                 print(f"  bytes per step on rank 0: hand {hand_ops}; pack {pack_ops}", flush=True)
     if rank == 0:
-        print("\n| vocab | vocab/width | schedule | hand (ms) | pack (ms) | pack/hand | rank 0 outside schedule (ms) |")
-        print("| --- | --- | --- | --- | --- | --- | --- |")
+        lit = args.lightning_hand
+        extra = " Lightning-hand/hand | pack/Lightning-hand |" if lit else ""
+        print(
+            "\n| vocab | vocab/width | schedule | hand (ms) | pack (ms) | pack/hand | rank 0 outside schedule (ms) |"
+            + extra
+        )
+        print("| --- | --- | --- | --- | --- | --- | --- |" + (" --- | --- |" if lit else ""))
         for r in results:
+            cells = f" {r['lightning_hand_ratio']:.3f} | {r['pack_vs_lightning_hand']:.3f} |" if lit else ""
             print(
                 f"| {r['vocab']} | {r['vocab_per_width']:g} | {r['schedule']} | {r['hand_ms']:.1f} |"
                 f" {r['pack_ms']:.1f} | {r['ratio']:.3f} | hand {r['hand_outside_schedule_ms']:.1f},"
-                f" pack {r['pack_outside_schedule_ms']:.1f} |"
+                f" pack {r['pack_outside_schedule_ms']:.1f} |" + cells
             )
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=2))
@@ -426,6 +537,12 @@ def main() -> None:
     parser.add_argument("--vocabs", type=int, nargs="+", default=[32 * WIDTH, 2 * WIDTH])
     parser.add_argument("--schedules", nargs="+", default=["1f1b", "interleaved_1f1b"])
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument(
+        "--no-lightning-hand",
+        dest="lightning_hand",
+        action="store_false",
+        help="skip the third side: torch's pipelining driven by hand inside Lightning (ModelParallelStrategy)",
+    )
     parser.add_argument(
         "--breakdown",
         action="store_true",
