@@ -287,7 +287,7 @@ def _lightning_hand(vocab: int, schedule: str):
     return LightningHand()
 
 
-def _pack_times(
+def _fit_times(
     vocab: int,
     schedule: str,
     steps: int,
@@ -297,11 +297,11 @@ def _pack_times(
     hand: _Hand | None = None,
     lightning_hand: bool = False,
 ) -> tuple[list[float], list[float], dict, str, tuple[list[float], list[float]], list[dict]]:
-    """The pack's step times (`lightning_hand`: those of :func:`_lightning_hand` instead) and, with `hand`, one hand
-    step timed between every two pack steps (paired: a slow spell of the machine hits both sides alike); with
-    `ledger`, the CommunicationLedger's bytes per op instead (its dispatch mode sees every op of the step: a separate
-    fit, not timed); last, the time in torch's schedule of each timed step (pack, hand), and the pieces of each timed
-    pack step (``--breakdown``)."""
+    """The step times of a Lightning fit: the pack's (`lightning_hand`: :func:`_lightning_hand`'s instead) and,
+    with `hand`, one hand step timed between every two of its steps (paired: a slow spell of the machine hits both
+    sides alike); with `ledger`, the CommunicationLedger's bytes per op instead (its dispatch mode sees every op of
+    the step: a separate fit, not timed); last, the time in torch's schedule of each timed step (fit, hand), and the
+    pieces of each timed step (``--breakdown``)."""
     import lightning.pytorch as pl
     import torch
     import torch.distributed as dist
@@ -421,15 +421,12 @@ def _worker(args: argparse.Namespace) -> None:
     for vocab in args.vocabs:
         for schedule in args.schedules:
             hand, pack, prof, in_schedule, pieces = [], [], {}, ([], []), []
-            lit, lit_hand, lit_schedule = (
-                [],
-                [],
-                [],
-            )  # Lightning + torch's pipelining by hand, and its paired hand steps
+            # Lightning + torch's pipelining by hand: its step times, its paired hand steps, its times in the schedule
+            lit, lit_hand, lit_schedule = [], [], []
             for r in range(args.rounds):  # each round a fit with a hand step timed between every two pack steps
                 last = args.profile and r == args.rounds - 1
                 paired = _Hand(vocab, schedule)
-                pack_times, hand_times, _, prof["pack"], sched, step_pieces = _pack_times(
+                pack_times, hand_times, _, prof["pack"], sched, step_pieces = _fit_times(
                     vocab, schedule, args.steps, args.warmup, last, hand=paired
                 )
                 pieces += step_pieces
@@ -438,7 +435,7 @@ def _worker(args: argparse.Namespace) -> None:
                 in_schedule[0].extend(sched[0])
                 in_schedule[1].extend(sched[1])
                 if args.lightning_hand:  # the same round for the hand pipeline inside Lightning
-                    lit_times, lit_hand_times, _, _, lit_sched, _ = _pack_times(
+                    lit_times, lit_hand_times, _, _, lit_sched, _ = _fit_times(
                         vocab,
                         schedule,
                         args.steps,
@@ -451,7 +448,7 @@ def _worker(args: argparse.Namespace) -> None:
                     lit_hand += lit_hand_times
                     lit_schedule += lit_sched[0]
             hand_ops, prof["hand"] = _hand_extras(paired, args.profile)
-            _, _, pack_ops, _, _, _ = _pack_times(vocab, schedule, 2, 1, False, ledger=True)
+            _, _, pack_ops, _, _, _ = _fit_times(vocab, schedule, 2, 1, False, ledger=True)
             h, p = _slowest(statistics.median(hand)), _slowest(statistics.median(pack))
             # the rest of each side's step outside torch's schedule, on rank 0 (stage 0's rank: its schedule ends
             # last, with the last backward, so its rest holds no wait for a peer)
