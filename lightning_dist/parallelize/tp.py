@@ -54,7 +54,7 @@ on ``example_input_array`` against the unsplit one's.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import nn
@@ -81,7 +81,9 @@ def _placement(layout: str | None, default: Any) -> Any:
     return Replicate() if kind == "replicate" else Shard(dim)
 
 
-def _to_style(entry: TPEntry, *, sequence_parallel: bool, sequence_dim: int, loss_parallel: bool = False) -> Any:
+def _to_style(
+    entry: TPEntry, *, sequence_parallel: bool, sequence_dim: int, loss_parallel: bool = False
+) -> Optional[Any]:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -94,6 +96,12 @@ def _to_style(entry: TPEntry, *, sequence_parallel: bool, sequence_dim: int, los
 
     seq, rep = Shard(sequence_dim), Replicate()
     opts = entry.options
+    if entry.style == "replicate":
+        return None  # whole on every rank: nothing to apply
+    if entry.style == "replicate_grad_sum":
+        from lightning_dist.parallelize.tp_styles import ReplicateGradSum
+
+        return ReplicateGradSum()
     if entry.style == "colwise_qkv":
         from lightning_dist.parallelize.tp_styles import FusedQKVParallel
 
@@ -246,9 +254,10 @@ def apply_tp(
         for e in entries
         if e.active
     }
+    styles = {fqn: style for fqn, style in styles.items() if style is not None}
     ties = shared_parameters(model)  # found before sharding: parallelize_module gives each owner a new parameter
     parallelize_module(model, tp_mesh, styles)
-    _repack_gathered(model, {e.fqn: e.style for e in entries if e.active})
+    _repack_gathered(model, {e.fqn: e.style for e in entries if e.fqn in styles})
     retie(model, ties)  # resolve_plan checked that every owner is sharded alike: one DTensor serves all
     set_local_attrs(model, entries, tp)  # forwards that read a head count attribute see their local heads
     log.info(
@@ -303,12 +312,11 @@ def apply_tp_entries(
         for name, m in part.named_modules()
         if name and id(m) in by_id
     }
+    styles = {name: style for name, style in styles.items() if style is not None}
     if styles:
         ties = shared_parameters(part)
         parallelize_module(part, tp_mesh, styles)
-        _repack_gathered(
-            part, {name: by_id[id(m)].style for name, m in part.named_modules() if name and id(m) in by_id}
-        )
+        _repack_gathered(part, {name: by_id[id(m)].style for name, m in part.named_modules() if name in styles})
         retie(part, ties)
         set_local_attrs(owner, entries, tp_mesh.size(), within=part)
     return len(styles)

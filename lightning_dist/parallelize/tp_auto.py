@@ -39,16 +39,37 @@ from collections.abc import Callable, Mapping
 from torch import nn
 
 from lightning_dist.parallelize.shared import shared_parameters
-from lightning_dist.parallelize.tp_vocab import is_conv1d, is_norm, linear_like, pattern_matches, plan_roots
+from lightning_dist.parallelize.tp_vocab import PlanValue, is_conv1d, is_norm, linear_like, pattern_matches, plan_roots
 from lightning_dist.parallelize.units import find_block_lists
 
-# HuggingFace style name -> ours; styles HF has and we lack are refused by name
-HF_STYLES = {
+# HuggingFace style name (transformers.distributed.tensor_parallel) -> ours; styles HF has and we lack (packed,
+# unit-head, MoE/expert, MLA and parameter-level styles) are refused by name (HF_REFUSED says why)
+_ROWWISE_WHOLE_INPUT = {"style": "rowwise", "input": "replicate"}  # HF: input replicated, split on entry
+HF_STYLES: dict[str, PlanValue] = {
     "colwise": "colwise",
     "rowwise": "rowwise",
     "colwise_gather_output": "colwise_gather",
+    "colwise_rep": "colwise_gather",
     "embedding_rowwise": "rowwise",
+    "embedding_colwise": {"style": "colwise", "output": "replicate"},
     "rowwise_replicate": "rowwise",
+    "rowwise_split_input": _ROWWISE_WHOLE_INPUT,
+    "rowwise_rep": _ROWWISE_WHOLE_INPUT,
+    "replicated_with_grad_allreduce": "replicate_grad_sum",
+    "replicate": "replicate",
+}
+HF_REFUSED = {
+    "packed_colwise": "a fused [gate | up] weight split per block with a strided shard",
+    "packed_rowwise": "a fused weight split per block with a strided shard",
+    "unit_colwise": "heads replicated over ranks when there are fewer heads than ranks",
+    "unit_rowwise": "heads replicated over ranks when there are fewer heads than ranks",
+    "mla_kv_a_proj": "multi-head latent attention's rotary part summed over ranks",
+    "moe_tp_experts": "experts split inside each expert (deprecated by transformers)",
+    "grouped_gemm": "expert parallelism (an ep plan)",
+    "ep_dispatch_experts": "expert parallelism (an ep plan)",
+    "local_params": "a module run with its own sharded parameters as local tensors",
+    "all_reduce": "a module whose output is a partial sum",
+    "sequence_parallel": "norms on sequence shards (the pack's sequence_parallel=True inserts its own)",
 }
 
 # (column-wise names, row-wise names) of an attention region; fused names must be head-major
@@ -269,19 +290,29 @@ def hf_plan(model: nn.Module, *, tp: int = 1) -> dict[str, str]:
     if not found:
         raise ValueError("no HuggingFace module with a `_tp_plan` (config.base_model_tp_plan)")
     prefix, owner = found[0]  # the outermost: its plan includes its base model's
-    plan: dict[str, str] = {}
+    roots, names = plan_roots(model), [n for n, _ in model.named_modules() if n]
+    params = [n for n, _ in model.named_parameters()]
+    plan: dict[str, PlanValue] = {}
     lacking = []
     for pattern, style in owner._tp_plan.items():
-        ours = HF_STYLES.get(style)
-        if ours is None:
-            lacking.append(f"{pattern!r}: {style!r}")
+        full = f"{prefix}.{pattern}" if prefix else pattern
+        if not any(pattern_matches(n, full, roots) for n in names):
+            if any(pattern_matches(n, full, roots) for n in params):
+                lacking.append(f"{pattern!r}: {style!r} (names a parameter; the pack's plans name modules)")
+            # else: HF writes one plan for every size of a family (dense MLP entries of an all-MoE config): unused
             continue
-        plan[f"{prefix}.{pattern}" if prefix else pattern] = ours
+        if style not in HF_STYLES:
+            why = HF_REFUSED.get(style, "a style this pack does not know")
+            lacking.append(f"{pattern!r}: {style!r} ({why})")
+            continue
+        plan[full] = HF_STYLES[style]
     if lacking:
         raise ValueError(
             f"{type(owner).__name__}'s own plan uses style(s) the pack does not implement: {', '.join(lacking)}"
-            f" (the pack has {sorted(HF_STYLES)}); pass plan='transformer' or your own mapping"
+            f" (the pack maps {sorted(HF_STYLES)}); pass plan='transformer' or your own mapping"
         )
+    if not plan:
+        raise ValueError(f"{type(owner).__name__}'s own plan matches none of its modules")
     return plan
 
 

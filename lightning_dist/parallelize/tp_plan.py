@@ -26,7 +26,9 @@ from lightning_dist.parallelize.tp_checks import (
     local_attr_problems,
     region_problems,
 )
+from lightning_dist.parallelize.tp_flow import split_flow
 from lightning_dist.parallelize.tp_vocab import (
+    GRAD_SUM_RULE,
     STYLES,
     Plan,
     PlanValue,
@@ -220,6 +222,8 @@ class ResolvedPlan:
     """The tensor-parallel degree it was checked for."""
     sequence_parallel: bool
     """Whether the sequence-parallel entries are active."""
+    flow_traced: bool = True
+    """Whether the split-flow rule (:mod:`.tp_flow`) ran a forward (else it read the plan's regions)."""
 
 
 def resolve_tp_plan(
@@ -233,7 +237,29 @@ def resolve_tp_plan(
     if plan is None or isinstance(plan, str):
         name, plan = builtin_plan(model, "auto" if plan is None else plan, tp=tp)
     entries = resolve_plan(model, plan, tp=tp, sequence_parallel=sequence_parallel)
-    return ResolvedPlan(name=name, entries=tuple(entries), tp=tp, sequence_parallel=sequence_parallel)
+    flow = split_flow(model, entries, tp)
+    if flow.problems:
+        raise ValueError(
+            f"Invalid tensor-parallel plan for tp={tp} (modules it leaves whole meet its split activations):\n  - "
+            + "\n  - ".join(flow.problems)
+        )
+    modules = dict(model.named_modules())
+    order = {n: i for i, n in enumerate(modules)}
+    added = [
+        TPEntry(
+            fqn=fqn,
+            style="replicate_grad_sum",
+            pattern=GRAD_SUM_RULE,
+            module_type=type(modules[fqn]).__name__,
+            shapes=_local_shapes(modules[fqn], "replicate_grad_sum", tp),
+            kind=module_kind(modules[fqn]),
+        )
+        for fqn in flow.grad_sum
+    ]
+    entries = sorted([*entries, *added], key=lambda e: order[e.fqn])
+    return ResolvedPlan(
+        name=name, entries=tuple(entries), tp=tp, sequence_parallel=sequence_parallel, flow_traced=flow.traced
+    )
 
 
 __all__ = ["ResolvedPlan", "format_plan", "resolve_plan", "resolve_tp_plan"]

@@ -197,13 +197,29 @@ def probe_output(
     return None
 
 
-def _run(module: nn.Module, sample: Any) -> Any:
+def probe_samples(module: nn.Module) -> list[tuple[nn.Module, Any]]:
+    """(network, sample) guesses to run `module` on, cast to its parameters' device and dtype (meta included):
+    ``example_input_array`` or made-up inputs (see the module docstring). Empty when it has no parameters."""
+    params = list(module.parameters())
+    if not params:
+        return []
+    sample = getattr(module, "example_input_array", None)
+    guesses = [(module, sample)] if sample is not None else _made_up(module)
+    return [(net, _cast(s, params[0].device, params[0].dtype)) for net, s in guesses]
+
+
+def run_eval(module: nn.Module, sample: Any, *, grad: bool = False) -> Any:
+    """`module` on `sample` in eval mode (no dropout), eager, with autograd only when `grad`."""
+    return _run(module, sample, grad=grad)
+
+
+def _run(module: nn.Module, sample: Any, grad: bool = False) -> Any:
     training = module.training
     module.eval()
     try:
         # eager even where blocks are compiled: the probe checks the plan, and a compile for its one sample
         # (eval, no grad, its own sizes) would cost a compile and mark the sizes dynamic for training's
-        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+        with torch.set_grad_enabled(grad), torch.compiler.set_stance("force_eager"):
             if isinstance(sample, Mapping):
                 return module(**sample)
             return module(*sample) if isinstance(sample, tuple) else module(sample)
@@ -242,4 +258,4 @@ def check_probe(module: nn.Module, sample: Any, expected: Tensor, *, describe: s
     return rel
 
 
-__all__ = ["check_probe", "probe_output"]
+__all__ = ["check_probe", "probe_output", "probe_samples", "run_eval"]

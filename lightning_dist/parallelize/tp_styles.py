@@ -83,6 +83,43 @@ class Conv1DParallel(ParallelStyle):
         return distribute_module(module, device_mesh, self._partition, self._input, self._output)
 
 
+class ReplicateGradSum(ParallelStyle):
+    """Keep a module whole on every tp rank while it runs on each rank's part of a split activation, and sum its
+    parameters' gradients over tp (a per-head q/k norm after a head-split projection: each rank's gradient covers
+    its own heads only).
+
+    The parameters become ``Replicate()`` DTensors and the first input is taken as ``Shard(0)``: each rank holds a
+    disjoint part of the whole activation, so DTensor treats it as a shard of the leading dim, leaves the module's
+    work along its other dims local and reduces the parameters' gradients (``Partial`` -> ``Replicate``: one
+    all-reduce per parameter and micro-batch, inside the backward, so gradient accumulation stays exact). torch's
+    ``SequenceParallel`` does the same for norms on sequence shards; this one takes any leading split and the module's
+    own parameters only. The module must not mix positions along its input's first dim (norms and element-wise
+    modules do not); the strategy's gradient self-check verifies it.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: "DeviceMesh") -> nn.Module:
+        def params(name: str, mod: nn.Module, mesh: "DeviceMesh") -> None:
+            for pname, param in list(mod.named_parameters(recurse=False)):
+                local = param.to_local() if isinstance(param, DTensor) else param
+                dparam = DTensor.from_local(local, mesh, [Replicate()], run_check=False)
+                mod.register_parameter(pname, nn.Parameter(dparam, requires_grad=param.requires_grad))
+
+        def inputs(mod: nn.Module, args: tuple, mesh: "DeviceMesh") -> tuple:
+            x = args[0]
+            if isinstance(x, DTensor):
+                x = x.to_local()  # a DTensor input is someone's split layout: this module sees its local part
+            return (DTensor.from_local(x, mesh, (Shard(0),), run_check=False), *args[1:])
+
+        def outputs(mod: nn.Module, out: Any, mesh: "DeviceMesh") -> Any:
+            if isinstance(out, DTensor):
+                return out.to_local()
+            if isinstance(out, (tuple, list)):
+                return type(out)(o.to_local() if isinstance(o, DTensor) else o for o in out)
+            return out
+
+        return distribute_module(module, device_mesh, params, inputs, outputs)
+
+
 FUSED_SHAPES_KEY = "_tp_fused_shapes"
 """``module.__dict__`` key: {parameter name: original shape} of a layer split by :class:`FusedQKVParallel`."""
 
@@ -183,4 +220,4 @@ def _fused_shape_load(module: nn.Module, state_dict: dict, prefix: str, *args: A
         state_dict[key] = distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None)
 
 
-__all__ = ["Conv1DParallel", "FUSED_SHAPES_KEY", "FusedQKVParallel", "fused_qkv_forward"]
+__all__ = ["Conv1DParallel", "FUSED_SHAPES_KEY", "FusedQKVParallel", "ReplicateGradSum", "fused_qkv_forward"]

@@ -67,6 +67,10 @@ def _any(module: nn.Module) -> bool:
     return True
 
 
+def _has_own_params(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters(recurse=False))
+
+
 _SHARDABLE = "['Linear', 'Conv1D', 'Embedding']"
 STYLES: dict[str, _Style] = {
     "colwise": _Style(
@@ -90,7 +94,16 @@ STYLES: dict[str, _Style] = {
     "region_input": _Style("input replicated (gathered with SP)", _any, "any module"),
     "sp_exit": _Style("output gathered from sequence shards", _any, "any module", sp_only=True),
     "sp_region": _Style("input split, output gathered", _any, "any module", sp_only=True),
+    "replicate_grad_sum": _Style(
+        "whole on every rank, run on each rank's part of a split activation: gradient summed over tp",
+        _has_own_params,
+        "modules holding parameters",
+    ),
+    "replicate": _Style("whole on every rank, nothing reduced (a module the plan leaves alone)", _any, "any module"),
 }
+
+GRAD_SUM_RULE = "(rule) runs on split activations"
+"""The pattern of a ``replicate_grad_sum`` entry added by the plan's split-flow rule (:mod:`.tp_flow`), not the user."""
 
 COLWISE = ("colwise", "colwise_gather", "colwise_qkv")
 """Styles that split a layer's output features (its weight's output dim; ``colwise_qkv`` per [q | k | v] block)."""
@@ -159,6 +172,7 @@ def pattern_matches(fqn: str, pattern: str, roots: list[str]) -> bool:
 
 __all__ = [
     "COLWISE",
+    "GRAD_SUM_RULE",
     "STYLES",
     "Plan",
     "PlanValue",

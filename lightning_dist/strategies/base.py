@@ -336,6 +336,15 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
                     " buffers left uninitialized because they do not define `reset_parameters()`."
                 )
 
+    def check_split_model(self) -> None:
+        """The self-check of a strategy that changes the model's math, run once before the first training step (weights
+        loaded by callbacks at fit start are in place then); none here."""
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self.check_split_model()
+
     def apply_parallelism(self) -> None:
         """The user's ``parallelize_fn`` or the built-in :meth:`parallelize` (:meth:`prepare_model` calls it once, on a
         model that is not parallelized yet)."""

@@ -8,16 +8,19 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_dist._compat import TP_SEQUENCE_PARALLEL_WITH_DP_HANGS
 from lightning_dist.mesh import TP, MeshSpec
 from lightning_dist.parallelize import ParallelizeConfig, parallelize_model
+from lightning_dist.parallelize.self_check import SelfCheckReport, check_split_model
 from lightning_dist.parallelize.tp_auto import BUILTIN_PLANS
 from lightning_dist.parallelize.tp_loss import LogitsGuard, head_entry, loss_parallel_step
 from lightning_dist.parallelize.tp_plan import ResolvedPlan, format_plan, resolve_tp_plan
+from lightning_dist.parallelize.tp_probe import probe_samples, run_eval
 from lightning_dist.parallelize.tp_vocab import TPEntry
+from lightning_dist.parallelize.units import select_units
 from lightning_dist.strategies.hsdp import HybridShardStrategy
 
 
@@ -48,6 +51,10 @@ class TensorParallelStrategy(HybridShardStrategy):
         zero_stage: 3 or 2 (FSDP2 reshards parameters after forward or not); 1 needs ``tp=1``.
         activation_checkpointing: ``True``/``"full"``, ``"selective"``, ``"every:N"`` or block class names
             (as :class:`HybridShardStrategy`; with ``selective_ac_ops`` and ``offload_activations``).
+        self_check: at setup, run one forward and backward of the split model on a probe sample and hold each block's
+            output and gradients to an unsplit copy of that block, and the gradients of parameters held whole to each
+            other over tp; a difference is refused naming the block or parameter (``docs/self_checks.md``). Its cost is
+            printed once. ``False`` skips it, for a model you have checked yourself.
         **kwargs: the other options of :class:`HybridShardStrategy` / :class:`MeshStrategy`.
     """
 
@@ -65,9 +72,12 @@ class TensorParallelStrategy(HybridShardStrategy):
         dp_shard: Union[int, Literal["auto"]] = "auto",
         zero_stage: Literal[1, 2, 3] = 3,
         activation_checkpointing: Union[bool, str, Sequence[str]] = False,
+        self_check: bool = True,
         **kwargs: Any,
     ) -> None:
         problems = []
+        if not isinstance(self_check, bool):
+            problems.append(f"`self_check={self_check!r}` must be True or False.")
         if tp != "auto" and (isinstance(tp, bool) or not isinstance(tp, int) or tp < 1):
             problems.append(f'`tp={tp!r}` must be an integer >= 1 or "auto" (the devices of one node).')
         if isinstance(plan, str) and plan != "auto" and plan not in BUILTIN_PLANS:
@@ -104,6 +114,10 @@ class TensorParallelStrategy(HybridShardStrategy):
         """The resolved plan (filled in when the model is parallelized)."""
         self.tp_probe_diff: Optional[float] = None
         """Relative output difference split vs unsplit on one sample (None: no sample could run)."""
+        self.self_check = self_check
+        self.self_check_report: Optional[SelfCheckReport] = None
+        """What the setup self-check measured (None: it did not run)."""
+        self._self_check_pending = False
         self._checked: Optional[tuple[tuple[str, ...], ResolvedPlan]] = None
         """(module names, plan) resolved by ``validate_config`` when the model had parameters then: the plan
         ``parallelize`` applies if the model still has those modules."""
@@ -189,6 +203,43 @@ class TensorParallelStrategy(HybridShardStrategy):
         if probe is not None:
             self.tp_probe_diff = check_probe(*probe, describe=f"tensor-parallel plan (tp={tp})")
             self.reshard()  # a forward without backward leaves FSDP2 roots gathered: the optimizer must see shards
+        self._self_check_pending = tp > 1 and self.self_check
+
+    @override
+    def check_split_model(self) -> None:
+        """Each split block held to an unsplit copy of it, forward and backward (:mod:`~lightning_dist.parallelize.
+        self_check`), once per parallelization."""
+        if not self._self_check_pending:
+            return
+        self._self_check_pending = False
+        module, tp = self.lightning_module, self.mesh.size(TP)
+        planned = {module.get_submodule(e.fqn) for e in self.tp_entries if e.active and e.style != "replicate"}
+        blocks = [(n, b) for n, b in select_units(module) if any(m in planned for m in b.modules())]
+        for net, sample in probe_samples(module):
+            try:
+                report = check_split_model(
+                    module,
+                    lambda: run_eval(net, sample, grad=True),
+                    blocks,
+                    replica_group=self.mesh.group(TP),
+                    describe=f"tensor-parallel plan (tp={tp})",
+                )
+            except ValueError:
+                raise
+            except Exception:  # a made-up sample this forward does not take: the next guess (the same on every rank)
+                continue
+            self.self_check_report = report
+            self.reshard()
+            rank_zero_info(
+                f"tensor-parallel self-check: {report.blocks} block(s) and the parameters held whole on every tp rank,"
+                f" forward and backward, match one device (worst relative difference {report.worst:.1e});"
+                f" {report.seconds:.2f} s. self_check=False skips it."
+            )
+            return
+        rank_zero_warn(
+            "tensor-parallel self-check skipped: no probe sample runs through the model (set `example_input_array`"
+            " on the LightningModule to have the split checked against one device at setup)."
+        )
 
     def _loss_parallel(self, step: bool = True) -> Any:
         """torch's ``loss_parallel`` around a step (the logits' uses checked from the head on) or a backward."""

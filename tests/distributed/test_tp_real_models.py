@@ -1,5 +1,5 @@
-"""plan="auto" on real models (HF Llama, Qwen2 GQA, GPT-2 tied, GPT-NeoX; user GPTs; the pack's tied GPT;
-Lightning's demos.Transformer).
+"""plan="auto" on real models (HF Llama, Qwen2 GQA, GPT-2 tied, GPT-NeoX, Qwen3, Gemma 3, OLMo 2, Phi-3, Qwen3-MoE,
+Mixtral; user GPTs; the pack's tied GPT; Lightning's demos.Transformer; litgpt).
 
 Two launches in all (one per mesh), every model in each: float64 parity with single-device training on
 the global batch after 3 AdamW steps, GradientParityCheck at step 0 (no false alarm on tied models), and
@@ -34,18 +34,39 @@ MODELS = {
     "config_heads_gpt",
     "pack_gpt_tied",
     "lightning_demo",
+    # the models people bring now: per-head q/k norms (their gradients summed over tp by the split-flow rule),
+    # whole-projection q/k norms and fused projections (their own plans: gathered, split on entry), mixtures of experts
+    "qwen3",
+    "gemma3",
+    "olmo2",
+    "phi3",
+    "qwen3_moe",
+    "mixtral",
 } | ({"litgpt_mha"} if HAS_LITGPT else set())
+# per-head norms whose gradient the rule sums over tp (replicate_grad_sum)
+GRAD_SUM = {"qwen3", "gemma3", "qwen3_moe"}
+
+
+def _bound(r: dict) -> float:
+    """1e-12, or 10x Lightning DDP's distance on the same model (measured in the same launch where a model's own
+    float32 parts, as Gemma 3's norms, put even plain data parallelism above 1e-12)."""
+    return TOL if r.get("ddp_diff") is None else max(TOL, 10 * r["ddp_diff"])
 
 
 def _check(rows: list[dict], world: int, mesh: list[int]) -> None:
     rows = [r for r in rows if r["kind"] == "tp"]
     assert len(rows) == world * len(MODELS) and {r["model"] for r in rows} == MODELS
     for r in rows:
-        assert r["diff"] <= TOL, r
-        assert r["grad_parity"] <= 1e-12, r
+        assert r["diff"] <= _bound(r), r
+        assert r["ddp_diff"] is None or r["diff"] > TOL, r  # DDP's floor is measured only where 1e-12 is missed
+        assert r["grad_parity"] <= (1e-12 if r["ddp_diff"] is None else 1e-9), r
         assert r["probe_diff"] is not None and r["probe_diff"] <= 1e-12, r  # split vs unsplit on example_input_array
+        # the setup self-check ran on every model: each split block's output and gradients vs an unsplit copy
+        assert r["self_check"]["blocks"] >= 2 and r["self_check"]["worst"] <= 1e-6, r
+        assert r["replicas_equal"], r  # parameters held whole on the tp ranks stay bitwise equal after 3 steps
         assert r["mesh"] == mesh, r
         assert r["n_split"] >= 6, r  # the plan really split layers (attention and/or MLP, head)
+        assert ("replicate_grad_sum" in r["styles"]) == (r["model"] in GRAD_SUM), r
     tied = {r["model"]: r["tied"] for r in rows if r["rank"] == 0}
     # the tie survived sharding: one parameter under both names, as the user built it
     assert tied["gpt2_tied"] == [["model.transformer.wte.weight", "model.lm_head.weight"]]
@@ -96,6 +117,7 @@ def test_auto_plan_on_real_models_tp2():
     rows = results(run_torchrun("tp_real_models.py", nproc=2, timeout=900))
     _ROWS_TP2[:] = rows
     _check(rows, 2, [1, 1, 1, 1, 2])
+    _check_planted(rows)
     _check_compile(rows, 2, [1, 1, 1, 1, 2])
     _check_fused_checkpoint(rows, 2)
     _check_hf(rows, {(m, s) for m in ("gpt2_tied", "llama") for s in ("tp2", "fsdp2")}, 2)
@@ -103,8 +125,9 @@ def test_auto_plan_on_real_models_tp2():
     assert {r["model"] for r in units} == MODELS - {"pack_gpt_tied", "config_heads_gpt"} and len(units) == 2 * (
         len(MODELS) - 2
     )
+    floors = {r["model"]: _bound(r) for r in rows if r["kind"] == "tp"}
     for r in units:
-        assert r["diff"] <= TOL, r
+        assert r["diff"] <= floors[r["model"]], r
         assert len(r["units"]) >= 2 and all(u.rsplit(".", 1)[0].endswith(("layers", ".h")) for u in r["units"]), r
         assert r["all_gathers"] == [len(r["units"]) + 1.0], r  # each block once (ZeRO-2), the root once
     # a fused qkv laid out [q | k | v] would train a different model: refused by the output probe
@@ -116,6 +139,16 @@ def test_auto_plan_on_real_models_tp2():
         and "not head-major" in r["error"]
         for r in refusals
     ), refusals
+
+
+def _check_planted(rows: list[dict]) -> None:
+    """A plan that leaves Qwen3's per-head norms whole without summing their gradients: the forward is exact, the
+    gradients are not. The self-check before the first step refuses it on every rank, naming a norm."""
+    planted = [r for r in rows if r["kind"] == "refusal" and r["model"] == "qwen3_planted"]
+    assert len(planted) == 2, planted
+    for r in planted:
+        assert r["error"] and "self-check" in r["error"] and "_norm.weight" in r["error"], r
+        assert "replicate_grad_sum" in r["error"] and r["steps"] == 0, r  # the fix named; no step was taken
 
 
 def _check_litgpt(rows: list[dict]) -> None:

@@ -321,3 +321,107 @@ def test_loss_parallel_guard_lets_only_cross_entropy_reach_the_logits():
             ".*F.cross_entropy .* or pass loss_parallel=False",
         ):
             run(bad)
+
+
+# ---- the split-flow rule and HuggingFace's own styles (one process) ------------------------------------------------
+class _HeadNormAttention(nn.Module):
+    """q/k projections split by heads, a norm on each head (Qwen3-style) or on the whole projection (OLMo 2-style)."""
+
+    def __init__(self, per_head: bool, dim: int = 16, heads: int = 4) -> None:
+        super().__init__()
+        self.heads, self.per_head = heads, per_head
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
+        self.q_norm = nn.RMSNorm(dim // heads if per_head else dim)
+        self.gate = nn.Linear(dim, dim)  # runs on the region's whole input: never summed
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        shape = (B, T, -1, x.shape[-1] // self.heads)
+        x = x + self.gate(x)
+        q = self.q_norm(self.q(x).view(shape)) if self.per_head else self.q_norm(self.q(x)).view(shape)
+        k, v = self.k(x).view(shape), self.v(x).view(shape)
+        y = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)))
+        return self.o(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class _HeadNormNet(nn.Module):
+    def __init__(self, per_head: bool) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_HeadNormAttention(per_head) for _ in range(2))
+        self.example_input_array = torch.randn(2, 4, 16)  # what the rule's forward runs on
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_split_flow_rule_sums_the_gradients_of_per_head_norms():
+    from lightning_dist.parallelize.tp_plan import resolve_tp_plan
+
+    net = _HeadNormNet(per_head=True)
+    resolved = resolve_tp_plan(
+        net,
+        {"layers.*.q": "colwise", "layers.*.k": "colwise", "layers.*.v": "colwise", "layers.*.o": "rowwise"},
+        tp=2,
+    )
+    added = {e.fqn: e.pattern for e in resolved.entries if e.style == "replicate_grad_sum"}
+    assert added == {f"layers.{i}.q_norm": "(rule) runs on split activations" for i in range(2)}, added
+    assert resolved.flow_traced  # found by a forward on its example_input_array, not guessed
+    # a style the user wrote is kept: 'replicate' on the norm leaves it to the setup self-check (no rule entry)
+    user = resolve_tp_plan(
+        net,
+        {
+            "layers.*.q": "colwise",
+            "layers.*.k": "colwise",
+            "layers.*.v": "colwise",
+            "layers.*.o": "rowwise",
+            "layers.*.q_norm": "replicate",
+        },
+        tp=2,
+    )
+    assert not any(e.style == "replicate_grad_sum" for e in user.entries)
+
+
+def test_split_flow_rule_refuses_a_norm_across_the_split_dimension():
+    from lightning_dist.parallelize.tp_plan import resolve_tp_plan
+
+    plan = {"layers.*.q": "colwise", "layers.*.k": "colwise", "layers.*.v": "colwise", "layers.*.o": "rowwise"}
+    with pytest.raises(ValueError, match=r"layers.0.q_norm \(RMSNorm\) runs on the output of 'layers.0.q'.*spans 16"):
+        resolve_tp_plan(_HeadNormNet(per_head=False), plan, tp=2)
+    # the fix it names: the projection gathered, the row-wise layer split on entry (HuggingFace's plan for OLMo 2)
+    fixed = dict(plan, **{"layers.*.q": "colwise_gather", "layers.*.o": {"style": "rowwise", "input": "replicate"}})
+    fixed.update({"layers.*.k": "colwise_gather", "layers.*.v": "colwise_gather"})
+    assert not any(e.style == "replicate_grad_sum" for e in resolve_tp_plan(_HeadNormNet(False), fixed, tp=2).entries)
+
+
+def test_split_flow_rule_traces_a_model_on_the_meta_device():
+    from lightning_dist.parallelize.tp_plan import resolve_tp_plan
+
+    with torch.device("meta"):
+        net = _HeadNormNet(per_head=True)
+    plan = {"layers.*.q": "colwise", "layers.*.k": "colwise", "layers.*.v": "colwise", "layers.*.o": "rowwise"}
+    resolved = resolve_tp_plan(net, plan, tp=2)
+    assert resolved.flow_traced and sum(e.style == "replicate_grad_sum" for e in resolved.entries) == 2
+
+
+def test_hf_styles_map_or_are_refused_by_name():
+    transformers = pytest.importorskip("transformers")
+    from lightning_dist.parallelize.tp_auto import HF_STYLES, hf_plan
+
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    olmo = transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**common, eos_token_id=0))
+    plan = hf_plan(olmo, tp=2)
+    assert plan["model.layers.*.self_attn.q_proj"] == "colwise_gather"  # its norms see the whole projection
+    assert plan["model.layers.*.self_attn.o_proj"] == {"style": "rowwise", "input": "replicate"}
+    qwen = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, num_key_value_heads=2, head_dim=8))
+    assert hf_plan(qwen, tp=2)["model.layers.*.self_attn.q_norm"] == "replicate_grad_sum"
+    # every style the installed transformers registers is mapped or refused with its reason
+    styles = pytest.importorskip("transformers.distributed.tensor_parallel").ALL_PARALLEL_STYLES
+    from lightning_dist.parallelize.tp_auto import HF_REFUSED
+
+    unknown = set(styles.valid_keys()) - set(HF_STYLES) - set(HF_REFUSED)
+    assert not unknown, unknown
+    qwen._tp_plan = dict(qwen._tp_plan, **{"model.layers.*.mlp.gate_proj": "packed_colwise"})
+    with pytest.raises(ValueError, match=r"'packed_colwise' \(a fused \[gate \| up\] weight"):
+        hf_plan(qwen, tp=2)

@@ -1,0 +1,231 @@
+"""The self-check of a split model: one forward and backward on a probe sample, each block held to an unsplit copy.
+
+What the optimizer will use is compared, not only outputs: for every block, the gradients the split run gave its
+parameters and the block's output against those of a plain copy of that block (weights gathered, one block at a time)
+run on the same inputs with the same output gradient; and every parameter held whole on several ranks must get the
+same gradient on each. It scales with the block, not the model (see ``docs/self_checks.md``).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.utils._pytree import tree_map
+
+from lightning_dist.parallelize.clone import full_tensor_of, unsharded_clone
+
+# relative difference a correct split stays under (rounding of another reduction order, with a wide margin); a
+# missing or doubled reduction is off by tens of percent
+TOLERANCE = {torch.float64: 1e-5, torch.float32: 1e-3, torch.bfloat16: 0.15, torch.float16: 0.15}
+
+
+@dataclass
+class SelfCheckReport:
+    """What the check measured (the same on every rank)."""
+
+    blocks: int
+    """Blocks compared with an unsplit copy."""
+    worst: float
+    """Largest relative difference found (outputs and gradients), over every rank."""
+    where: str
+    """The block output or parameter it was found on."""
+    seconds: float
+    """Wall time of the whole check on the slowest rank."""
+
+
+def _first_tensor(out: Any) -> Optional[Tensor]:
+    if isinstance(out, Tensor):
+        return out
+    logits = getattr(out, "logits", None)
+    if isinstance(logits, Tensor):
+        return logits
+    if isinstance(out, (list, tuple)):
+        return next((t for t in map(_first_tensor, out) if t is not None), None)
+    if isinstance(out, dict):
+        return next((v for v in out.values() if isinstance(v, Tensor)), None)
+    return None
+
+
+def _rel(got: Optional[Tensor], ref: Optional[Tensor]) -> float:
+    if got is None and ref is None:
+        return 0.0
+    if got is None or ref is None or got.shape != ref.shape:
+        return float("inf")
+    ref64 = ref.detach().double()
+    return ((got.detach().double() - ref64).norm() / ref64.norm().clamp_min(1e-30)).item()
+
+
+def _detached(value: Any) -> Any:
+    """A copy of captured inputs that later ops cannot change: tensors detached and cloned, other values deep-copied
+    where they can be (a key/value cache holding graded tensors cannot: it is dropped, the copy recomputes its keys)."""
+
+    def one(x: Any) -> Any:
+        if isinstance(x, Tensor):
+            return x.detach().clone()
+        try:
+            return copy.deepcopy(x)
+        except Exception:
+            return None
+
+    return tree_map(one, value)
+
+
+def _seeded_like(t: Tensor, seed: int) -> Tensor:
+    """A random tensor shaped like `t`'s whole value, the same on every rank (laid out as `t` when a DTensor)."""
+    g = torch.Generator().manual_seed(seed)
+    whole = torch.randn(tuple(t.shape), generator=g, dtype=torch.float64).to(t.device, t.dtype)
+    if hasattr(t, "device_mesh"):
+        from torch.distributed.tensor import distribute_tensor
+
+        return distribute_tensor(whole, t.device_mesh, t.placements, src_data_rank=None)
+    return whole
+
+
+class _Capture:
+    """Each block's inputs as it received them, its output as it returned it, and the gradient that output got."""
+
+    def __init__(self, blocks: Sequence[tuple[str, nn.Module]]) -> None:
+        self.inputs: dict[str, tuple] = {}
+        self.outputs: dict[str, Tensor] = {}
+        self.grads: dict[str, Tensor] = {}
+        self.handles = []
+        for name, block in blocks:
+            # first among the pre-hooks: the inputs before any style's layout hook changes them
+            self.handles.append(block.register_forward_pre_hook(self._pre(name), prepend=True, with_kwargs=True))
+            self.handles.append(block.register_forward_hook(self._post(name)))
+
+    def _pre(self, name: str) -> Callable:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if name not in self.inputs:  # a block called twice (shared): its first call
+                self.inputs[name] = _detached((args, kwargs))
+
+        return hook
+
+    def _post(self, name: str) -> Callable:
+        def hook(module: nn.Module, args: tuple, out: Any) -> None:
+            t = _first_tensor(out)
+            if t is None or name in self.outputs:
+                return
+            self.outputs[name] = t.detach().clone()
+            if t.requires_grad:
+                t.register_hook(lambda g: self.grads.setdefault(name, g.detach().clone()))
+
+        return hook
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _compare_block(name: str, block: nn.Module, cap: _Capture) -> tuple[float, str]:
+    """(worst relative difference, where) of one block against its unsplit copy. Collective (gathers weights)."""
+    split_grads = {n: None if p.grad is None else full_tensor_of(p.grad) for n, p in block.named_parameters()}
+    ref = unsharded_clone(block, {}, {})
+    args, kwargs = tree_map(lambda x: full_tensor_of(x) if isinstance(x, Tensor) else x, cap.inputs[name])
+    with torch.enable_grad(), torch.compiler.set_stance("force_eager"):
+        out = _first_tensor(ref(*args, **kwargs))
+        grad = cap.grads.get(name)
+        if out is not None and grad is not None and out.requires_grad:
+            out.backward(full_tensor_of(grad).to(out.dtype))
+    worst, where = _rel(full_tensor_of(cap.outputs[name]), out), f"{name} (its output)"
+    for n, p in ref.named_parameters():
+        if not p.requires_grad:
+            continue
+        d = _rel(split_grads.get(n), p.grad if p.grad is not None else torch.zeros_like(p))
+        if split_grads.get(n) is None and p.grad is None:
+            d = 0.0
+        if d > worst:
+            worst, where = d, f"{name}.{n} (its gradient)"
+    return worst, where
+
+
+def _replicas_disagree(model: nn.Module, group: Any) -> tuple[float, str]:
+    """(worst relative spread, parameter) of the gradients of parameters held whole on every rank of `group`."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    worst, where = 0.0, ""
+    for n, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        g = p.grad
+        if isinstance(g, DTensor):
+            if any(not isinstance(pl, Replicate) for pl in g.placements):
+                continue  # split: each rank holds its own part
+            g = g.to_local()
+        local = g.detach().double().flatten()
+        gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, local, group=group)
+        d = max(_rel(other, gathered[0]) for other in gathered[1:])
+        if d > worst:
+            worst, where = d, f"{n} (its gradient differs between the ranks that hold it whole)"
+    return worst, where
+
+
+def check_split_model(
+    model: nn.Module,
+    run: Callable[[], Any],
+    blocks: Sequence[tuple[str, nn.Module]],
+    *,
+    replica_group: Any = None,
+    describe: str,
+) -> SelfCheckReport:
+    """Run `run()` (the split model's forward on a probe sample, eval mode) and a backward of a seeded projection of its
+    output, then compare each of `blocks` with an unsplit copy and the whole-held parameters' gradients over
+    `replica_group` (e.g. the tp group). Raises ``ValueError`` on every rank naming the worst block or parameter.
+
+    Collective: call on every rank of the model's mesh, with the same sample. Leaves no gradient behind.
+    """
+    start = time.perf_counter()
+    params = [p for p in model.parameters() if p.requires_grad]
+    dtype = params[0].dtype if params else torch.float32
+    cap = _Capture(blocks)
+    try:
+        with torch.enable_grad(), torch.compiler.set_stance("force_eager"):
+            out = _first_tensor(run())
+            if out is None or not out.requires_grad:
+                return SelfCheckReport(0, 0.0, "no graded output", time.perf_counter() - start)
+            (out * _seeded_like(out, 1234)).sum().backward()
+    finally:
+        cap.close()
+    try:
+        worst, where = 0.0, ""
+        for name, block in blocks:
+            if name in cap.inputs and name in cap.outputs:
+                d, w = _compare_block(name, block, cap)
+                if d > worst:
+                    worst, where = d, w
+        if replica_group is not None and dist.get_world_size(replica_group) > 1:
+            d, w = _replicas_disagree(model, replica_group)
+            if d > worst:
+                worst, where = d, w
+    finally:
+        for p in model.parameters():
+            p.grad = None
+    # one verdict on every rank: the worst difference anywhere, and where it was
+    seconds = time.perf_counter() - start
+    if dist.is_available() and dist.is_initialized():
+        rows: list = [None] * dist.get_world_size()
+        dist.all_gather_object(rows, (worst, where, seconds))
+        worst, where, _ = max(rows, key=lambda r: r[0])
+        seconds = max(r[2] for r in rows)
+    tol = TOLERANCE.get(dtype, 1e-3)
+    if not worst <= tol:
+        raise ValueError(
+            f"{describe}: the setup self-check ran one forward and backward of the split model and of unsplit copies of"
+            f" its blocks on a probe sample, and they differ: relative difference {worst:.3e} > {tol:.0e} in {where}."
+            " The split trains a different model than one device would. A parameter held whole on every rank but"
+            " computed on each rank's part of a split activation (a per-head norm) needs style 'replicate_grad_sum';"
+            " a module whose forward reads a global size needs to be left out of the plan. Fix the plan (or the"
+            " model), or pass self_check=False if you have checked this model yourself."
+        )
+    return SelfCheckReport(len(cap.inputs), worst, where, seconds)
+
+
+__all__ = ["SelfCheckReport", "TOLERANCE", "check_split_model"]

@@ -1,0 +1,199 @@
+"""The plan's split-flow rule: which modules left whole run on activations that tensor parallelism splits.
+
+A column-wise layer's output stays split over the tp ranks until its region's row-wise layer sums it back. A
+module the plan leaves whole that meets that split activation on the way (Qwen3's and Gemma 3's per-head q/k norms)
+sees only its rank's part: its gradient must be summed over tp (``replicate_grad_sum``), and if its parameters span
+more than one rank's part (OLMo 2's norm over the whole q projection) it cannot run on the split at all. One unsplit
+forward on a probe sample (on the meta device for a model not materialized yet), every torch call watched, finds
+both; without a sample that runs, nothing is added and the strategy's gradient self-check has the last word
+(``docs/self_checks.md``).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
+
+from lightning_dist.parallelize.tp_vocab import TPEntry, is_conv1d
+
+SOURCES = ("colwise", "colwise_qkv")
+"""Styles whose output stays split over tp (without an ``output`` layout of their own)."""
+
+
+@dataclass
+class SplitFlow:
+    """What the rule found: modules to give ``replicate_grad_sum`` and problems no style can fix."""
+
+    grad_sum: list[str] = field(default_factory=list)
+    """Modules left whole whose parameters meet split activations (in module order)."""
+    problems: list[str] = field(default_factory=list)
+    traced: bool = False
+    """True when a forward showed it; False when no probe sample ran (nothing found, nothing added)."""
+
+
+def _unit(module: nn.Module, style: str, tp: int) -> int:
+    """Features of one rank's contiguous part of a source layer's output (per [q | k | v] block for colwise_qkv)."""
+    out = module.nf if is_conv1d(module) else getattr(module, "out_features", None)
+    if not isinstance(out, int):
+        out = module.weight.shape[0]
+    return out // tp // (3 if style == "colwise_qkv" else 1)
+
+
+def _regions(entries: list[TPEntry]) -> set[str]:
+    """Parents of both a splitting and a row-wise layer: the attention/MLP modules the plan splits."""
+    kinds: dict[str, set[str]] = {}
+    for e in entries:
+        if e.active and e.style in (*SOURCES, "rowwise") and not ({"input", "output"} & set(e.options)):
+            kinds.setdefault(e.fqn.rpartition(".")[0], set()).add("row" if e.style == "rowwise" else "col")
+    return {p for p, k in kinds.items() if k == {"row", "col"}}
+
+
+class _Watch(TorchFunctionMode):
+    """Marks every tensor computed from a split activation, and records what meets one in a torch call: parameters of
+    modules left whole (or tensors computed from them alone, as Gemma's ``1 + weight``) and other graded activations.
+    Tensors are held weakly: an id freed and reused is not mistaken for a marked tensor."""
+
+    def __init__(self, owners: dict[int, tuple[str, str, Tensor]], planned: set[int]) -> None:
+        super().__init__()
+        self.owners, self.planned = owners, planned
+        self.split: dict[int, tuple[Any, int, str]] = {}  # id -> (weakref, unit, source layer)
+        self.derived: dict[int, tuple[Any, frozenset]] = {}  # id -> (weakref, owner params it is computed from)
+        self.meets: dict[str, dict[str, tuple[int, int, str]]] = {}  # module -> {param: (numel, unit, source)}
+        self.joins: dict[str, str] = {}  # "source -> call" -> the graded replicated activation that joined
+
+    @staticmethod
+    def _get(table: dict, t: Tensor) -> Any:
+        got = table.get(id(t))
+        return got if got is not None and got[0]() is t else None
+
+    def mark(self, out: Any, unit: int, source: str) -> None:
+        for t in tree_leaves(out):
+            if isinstance(t, Tensor):
+                self.split[id(t)] = (weakref.ref(t), unit, source)
+
+    def unmark(self, out: Any) -> None:
+        for t in tree_leaves(out):
+            if isinstance(t, Tensor):
+                self.split.pop(id(t), None)
+
+    def _params_of(self, t: Tensor) -> Optional[frozenset]:
+        """The whole-kept parameters `t` is (or is computed from alone); None for anything else."""
+        if id(t) in self.owners and self.owners[id(t)][2] is t:
+            return frozenset([id(t)])
+        got = self._get(self.derived, t)
+        return got[1] if got is not None else None
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        operands = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+        hit = next((got for t in operands if (got := self._get(self.split, t)) is not None), None)
+        if hit is None:
+            sources = [self._params_of(t) for t in operands]
+            graded_others = any(t.requires_grad and p is None for t, p in zip(operands, sources))
+            if any(sources) and not graded_others:  # computed from whole-kept parameters alone
+                params = frozenset().union(*(p for p in sources if p))
+                for t in tree_leaves(out):
+                    if isinstance(t, Tensor):
+                        self.derived[id(t)] = (weakref.ref(t), params)
+            return out
+        _, unit, source = hit
+        for t in operands:
+            if self._get(self.split, t) is not None:
+                continue
+            params = self._params_of(t)
+            if params:
+                for pid in params - self.planned:  # a planned module's parameters are its style's business
+                    fqn, pname, _ = self.owners[pid]
+                    self.meets.setdefault(fqn, {})[pname] = (t.numel(), unit, source)
+            elif t.requires_grad and t.grad_fn is not None:
+                name = getattr(func, "__name__", str(func))
+                self.joins.setdefault(f"{source} -> {name}", f"a {tuple(t.shape)} activation computed without it")
+        self.mark(out, unit, source)
+        return out
+
+
+def trace_split_flow(model: nn.Module, entries: list[TPEntry], tp: int, run: Any) -> SplitFlow:
+    """The rule from one unsplit forward: `run()` calls the model on a probe sample (under grad mode)."""
+    modules = dict(model.named_modules())
+    active = [e for e in entries if e.active]
+    planned_fqns = {e.fqn for e in active} | {e.fqn for e in entries if e.style == "replicate"}
+    planned = {id(p) for f in planned_fqns for p in modules[f].parameters(recurse=False)}
+    owners = {}  # every parameter (the planned ones too: what is computed from them is no stray activation)
+    for fqn, mod in modules.items():
+        for pname, p in mod.named_parameters(recurse=False):
+            owners.setdefault(id(p), (fqn, pname, p))
+    watch = _Watch(owners, planned)
+    handles = []
+    for e in active:
+        mod = modules[e.fqn]
+        if e.style in SOURCES and "output" not in e.options:
+            unit = _unit(mod, e.style, tp)
+            handles.append(mod.register_forward_hook(lambda m, a, o, u=unit, f=e.fqn: watch.mark(o, u, f)))
+        elif e.style in ("rowwise", "colwise_gather"):
+            handles.append(mod.register_forward_hook(lambda m, a, o: watch.unmark(o)))
+    try:
+        with watch, torch.enable_grad():
+            run()
+    finally:
+        for h in handles:
+            h.remove()
+    found = SplitFlow(traced=True)
+    regions = _regions(entries)
+    for fqn in modules:  # module order
+        if fqn in watch.meets:
+            _classify(found, fqn, modules[fqn], watch.meets[fqn], fqn in regions)
+    for where, what in watch.joins.items():
+        found.problems.append(
+            f"{where}: {what} joins the split activation of {where.split(' ->')[0]!r} inside its region, so its"
+            " gradient on each rank covers that rank's part only and no style of the plan sums it (multi-head latent"
+            " attention's rotary key is one such). Leave that region whole, or split the layer that computes it."
+        )
+    return found
+
+
+def split_flow(model: nn.Module, entries: list[TPEntry], tp: int) -> SplitFlow:
+    """The rule for `entries` on `model`: traced on a probe sample where one runs (meta-device models too), else read
+    from the plan's regions. One process, no collective: the same result on every rank."""
+    from lightning_dist.parallelize.tp_probe import probe_samples, run_eval
+
+    if not _regions(entries):
+        return SplitFlow(traced=True)  # nothing is split inside a region: nothing to meet
+    for net, sample in probe_samples(model):
+        try:
+            return trace_split_flow(model, entries, tp, lambda: run_eval(net, sample, grad=True))
+        except Exception:  # a sample the forward does not take (or an op the meta device lacks): the next guess
+            continue
+    return SplitFlow(traced=False)  # the setup's gradient self-check decides (see tp_grad_probe)
+
+
+def _classify(found: SplitFlow, fqn: str, module: nn.Module, meets: dict, is_region: bool) -> None:
+    kind = type(module).__name__
+    if is_region:
+        found.problems.append(
+            f"{fqn} ({kind}) is a region the plan splits, and its own parameter(s) {sorted(meets)} meet its split"
+            " activations (a per-head parameter held by the attention itself): each rank would use every head's"
+            " values on its own heads. Leave this region whole (drop its column-/row-wise entries)."
+        )
+        return
+    wide = {n: m for n, m in meets.items() if m[1] % m[0]}
+    if wide:
+        name, (numel, unit, source) = next(iter(wide.items()))
+        found.problems.append(
+            f"{fqn} ({kind}) runs on the output of {source!r}, which the plan splits into parts of {unit} features"
+            f" per rank, but its {name!r} spans {numel} values: it works across the split dimension (a norm over the"
+            f" whole projection, as OLMo 2's q/k norms). Keep that projection whole: give {source!r}"
+            " 'colwise_gather' and its region's row-wise layer {style: rowwise, input: replicate} (a HuggingFace"
+            " model's own plan does this: plan='hf'), or leave the region out of the plan."
+        )
+        return
+    found.grad_sum.append(fqn)
+
+
+__all__ = ["SOURCES", "SplitFlow", "split_flow", "trace_split_flow"]
