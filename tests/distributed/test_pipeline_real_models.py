@@ -132,8 +132,10 @@ def test_pp4_parity(pp4, schedule, model):
 
 
 @pytest.mark.distributed
-def test_pp2_x_tp2_parity_on_llama(pp4):
-    rows = pp4["pp2xtp2_1f1b_llama"]
+@pytest.mark.parametrize("model", ["llama", "qwen3", "olmo2"])
+def test_pp2_x_tp2_parity_on_hf_models(pp4, model):
+    """The built-in plan inside each stage: Llama's, Qwen3's per-head norms summed over tp, OLMo 2's q/k/v gathered."""
+    rows = pp4[f"pp2xtp2_1f1b_{model}"]
     assert all(r["shape"] == [2, 1, 1, 1, 2] for r in rows)  # pp=2 x tp=2
     _check(rows, world=4, pp=2)
 

@@ -35,7 +35,7 @@ from lightning_dist.strategies import PipelineStrategy
 WORLD = int(os.environ.get("WORLD_SIZE", "2"))
 STEPS, GLOBAL_BATCH, N, SEQ, VOCAB, LAYERS = 3, 8, 24, 8, 32, 8
 MODELS = ("llama", "qwen2_gqa", "gpt2_tied", "pack_gpt_tied")
-HF = ("llama", "qwen2_gqa", "gpt2_tied")
+HF = ("llama", "qwen2_gqa", "gpt2_tied", "qwen3", "olmo2")
 # litgpt's GPT, unchanged: its block list `transformer.h` sits inside the ModuleDict `transformer` (pp=2 launch only)
 LITGPT = ("litgpt",) if importlib.util.find_spec("litgpt") is not None else ()
 PADS = (0, 1, 1, 0)  # right padding of sample i: i % 4 (each dp rank's batch holds as many labelled tokens)
@@ -71,6 +71,10 @@ def build(kind: str) -> torch.nn.Module:
             model = tf.LlamaForCausalLM(tf.LlamaConfig(**common, num_key_value_heads=4))
         elif kind == "qwen2_gqa":
             model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**common, num_key_value_heads=2))
+        elif kind == "qwen3":  # per-head q/k norms: under tp their gradients are summed (the split-flow rule)
+            model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**common, num_key_value_heads=2, head_dim=4))
+        elif kind == "olmo2":  # q/k norms over the whole projection: under tp its own plan gathers q/k/v
+            model = tf.Olmo2ForCausalLM(tf.Olmo2Config(**common, num_key_value_heads=4, eos_token_id=0))
         else:
             model = tf.GPT2LMHeadModel(
                 tf.GPT2Config(
@@ -357,7 +361,8 @@ def main() -> None:
         run(f"pp2_1f1b_{kind}", kind, pp=2, schedule="1f1b")
         run(f"pp2_interleaved_{kind}", kind, pp=2, schedule="interleaved_1f1b")
     if mode == "pp4":  # tensor parallelism inside the stages of an unmodified HF model (the built-in plan)
-        run("pp2xtp2_1f1b_llama", "llama", pp=2, tp=2, schedule="1f1b")
+        for kind in ("llama", "qwen3", "olmo2"):
+            run(f"pp2xtp2_1f1b_{kind}", kind, pp=2, tp=2, schedule="1f1b")
     if mode == "pp2":  # activation checkpointing modes per stage, HF Llama and the pack's GPT
         run("pp2_1f1b_llama_ac_selective", "llama", pp=2, schedule="1f1b", activation_checkpointing="selective")
         run(
