@@ -250,7 +250,28 @@ def check_pruned_stages(net: nn.Module, stages: Sequence[nn.Module], sample: Any
     if not torch.allclose(x, expected, rtol=1e-5, atol=1e-6):
         gap = (x - expected).abs().max().item()
         return f"the stages compute another function (max abs difference {gap:.3g} on one micro-batch)"
-    return None
+    return _pruned_gradient_problem(net, stages, sample, convention)
+
+
+def _pruned_gradient_problem(net: nn.Module, stages: Sequence[nn.Module], sample: Any, convention: Any) -> str | None:
+    """The stages' gradients against the model's on `sample` (what the optimizer will use; eval mode)."""
+    from lightning_dist.parallelize.self_check import gradient_problem
+
+    def staged() -> Any:
+        x, kw = convention.split_sample(sample)
+        for stage in stages:
+            x = stage.run_local(x, **kw)
+        return x
+
+    modules = [net, *stages]
+    was = [m.training for m in modules]
+    for m in modules:
+        m.eval()
+    try:
+        return gradient_problem(dict(net.named_parameters()), lambda: convention.whole_output(net, sample), staged)
+    finally:
+        for m, w in zip(modules, was):
+            m.train(w)
 
 
 def profile_pruned(

@@ -228,4 +228,38 @@ def check_split_model(
     return SelfCheckReport(len(cap.inputs), worst, where, seconds)
 
 
-__all__ = ["SelfCheckReport", "TOLERANCE", "check_split_model"]
+def gradient_problem(
+    params: dict[str, nn.Parameter], whole: Callable[[], Tensor], staged: Callable[[], Tensor]
+) -> Optional[str]:
+    """Why `staged()` would train differently from `whole()` (None when it would not): the gradients of `params` for
+    the same seeded projection of each output differ beyond rounding. One process, no collective; the parameters'
+    own gradients are left as they were."""
+    graded = {n: p for n, p in params.items() if p.requires_grad}
+    kept = {n: p.grad for n, p in graded.items()}
+    runs = []
+    try:
+        for fn in (whole, staged):
+            for p in graded.values():
+                p.grad = None
+            with torch.enable_grad():
+                out = fn()
+                (out * _seeded_like(out, 4321)).sum().backward()
+            runs.append({n: p.grad for n, p in graded.items()})
+    finally:
+        for n, p in graded.items():
+            p.grad = kept[n]
+    tol = TOLERANCE.get(next(iter(graded.values())).dtype, 1e-3) if graded else 0.0
+    diffs = {
+        n: _rel(runs[1][n], runs[0][n]) if runs[0][n] is not None or runs[1][n] is not None else 0.0 for n in graded
+    }
+    worst = max(diffs, key=diffs.get, default=None)
+    if worst is None or diffs[worst] <= tol:
+        return None
+    return (
+        f"the stages' forward matches but their gradients do not: {worst} differs by {diffs[worst]:.3e} (relative) from"
+        " the whole network's on one micro-batch (a tensor detached or recomputed between children, or a parameter the"
+        " stages use differently)"
+    )
+
+
+__all__ = ["SelfCheckReport", "TOLERANCE", "check_split_model", "gradient_problem"]

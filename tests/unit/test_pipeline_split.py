@@ -566,3 +566,30 @@ def test_nested_block_list_refusals_name_the_route_and_why():
         with pytest.raises(TypeError) as err:
             network_layout(net)
         assert f"taken out of the child holding them: {why}" in str(err.value), str(err.value)
+
+
+def test_staged_check_compares_gradients_not_only_outputs():
+    """A forward that detaches between its children: the stages compute the same output but would train the stem,
+    which one device never does (it gets no gradient). The staged check looks at the gradients and refuses."""
+    from lightning_dist.parallelize.pipeline_checks import staged_forward_problem
+
+    class Detaching(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stem = nn.Linear(8, 8)
+            self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+            self.head = nn.Linear(8, 3)
+
+        def forward(self, x, detach: bool = True):
+            x = self.stem(x)
+            x = x.detach() if detach else x
+            for b in self.blocks:
+                x = b(x)
+            return self.head(x)
+
+    torch.manual_seed(0)
+    net, x = Detaching().double(), torch.randn(4, 8, dtype=torch.float64)
+    problem = staged_forward_problem(net, x)
+    assert problem is not None and "gradients do not" in problem and "stem.weight" in problem, problem
+    net.forward = lambda x: Detaching.forward(net, x, detach=False)  # the same network without the detach: splits
+    assert staged_forward_problem(net, x) is None
