@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # torch first, pinned: a bare `torch` would pull a multi-GB CUDA build. Override e.g. TORCH_SPEC="torch==2.14.1".
 TORCH_SPEC ?= torch==2.13.0
-# the ends of the supported torch range (pyproject.toml, README): `make test-compat-all` tests both
+# the ends of the supported torch range (pyproject.toml, docs/getting_started.md): `make test-compat-all` tests both
 TORCH_OLDEST := torch==2.11.0
 TORCH_NEWEST := torch==2.14.1
 EXTRAS ?= test,plot,deepspeed
@@ -19,7 +19,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo "sudo -n")
 # one venv per torch release for the compatibility subset, e.g. .venv-torch-2.11.0
 COMPAT_VENV = .venv-$(subst ==,-,$(TORCH_SPEC))
 
-.PHONY: compat-torch demo lint test test-unit test-distributed test-compat test-compat-all install install-base clean bench
+.PHONY: compat-torch demo docs lint test test-unit test-distributed test-compat test-compat-all install install-base clean bench
 
 # What the demo needs: torch and the package's own dependencies (no extras, nothing compiled).
 $(VENV)/.base: pyproject.toml Makefile
@@ -56,6 +56,10 @@ lint: $(VENV)/.lint
 
 demo: install-base
 	$(PY) -m lightning_dist.demo
+
+# the documentation site into site/ (`make test` builds it too, in strict mode: tests/unit/test_docs.py)
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 test: install
 	$(PY) -m pytest -q $(UNIT_ARGS) -m "not distributed" $(PYTEST_ARGS)

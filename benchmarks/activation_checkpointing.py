@@ -1,7 +1,7 @@
 """Benchmark: activation checkpointing modes on one training step of the pack's GPT, side by side in one run.
 
-    python benchmarks/activation_checkpointing.py [--json out.json] [--steps 5] [--layers 8] [--width 256]
-        [--seq 256] [--batch 4] [--dtype float32]
+    python benchmarks/activation_checkpointing.py [--json out.json] [--plot out.png] [--steps 5] [--layers 8]
+        [--width 256] [--seq 256] [--batch 4] [--dtype float32]
 
 For each of ``activation_checkpointing=`` none / ``"full"`` / ``"selective"`` / ``"every:2"`` (applied with
 :func:`lightning_dist.parallelize.apply_ac`, as every strategy does) on the same weights and batch:
@@ -73,6 +73,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--dtype", default="float32", choices=("float32", "float64", "bfloat16"))
     parser.add_argument("--json", default=None, help="write the figures as JSON here")
+    parser.add_argument("--plot", default=None, help="draw activations and step time per mode into this PNG")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
@@ -151,6 +152,31 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": vars(args), "rows": rows, "goal_met": goal}, f, indent=2)
+    if args.plot:
+        plot(rows, args.plot, title=f"GPT {args.layers} x {args.width}, batch {args.batch} x {args.seq}, {args.dtype}")
+        print(f"Saved the figure to {args.plot}")
+
+
+def plot(rows: list[dict], path: str, *, title: str) -> None:
+    """Two panels per mode: measured and planned peak activations (MiB), and step time against no AC."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 3.6), layout="constrained")
+    FigureCanvasAgg(fig)  # renders without a display
+    memory, time_ax = fig.subplots(1, 2)
+    modes = [r["mode"] for r in rows]
+    at = range(len(rows))
+    memory.bar([i - 0.2 for i in at], [r["activation_bytes"] / 2**20 for r in rows], 0.4, label="measured")
+    memory.bar([i + 0.2 for i in at], [r["planned_activation_bytes"] / 2**20 for r in rows], 0.4, label="planner")
+    memory.set_xticks(list(at), modes)
+    memory.set_ylabel("peak saved activations (MiB)")
+    memory.legend()
+    time_ax.bar(modes, [r["time_ratio"] for r in rows], color="tab:gray")
+    time_ax.axhline(1.0, color="black", linewidth=0.8)
+    time_ax.set_ylabel("step time / no AC")
+    fig.suptitle(title)
+    fig.savefig(path, dpi=100)
 
 
 if __name__ == "__main__":

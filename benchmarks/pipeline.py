@@ -111,7 +111,7 @@ def _worker(args: argparse.Namespace) -> None:
 
         def training_step(self, batch, _):
             x, y = batch
-            loss = F.cross_entropy(self.model(x), y)
+            loss = self.pipeline_loss(self.model(x), y)  # the pipeline's loss on its last stage; under DDP the same
             self.log("loss", loss)
             return loss
 

@@ -87,6 +87,20 @@ def _add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         default=None,
         help="attention heads: context-parallel layouts (listed for --seq-len > 1) need cp to divide them",
     )
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="transformer blocks (activations; with --params, --model/--config count them)",
+    )
+    p.add_argument("--mlp-hidden", type=int, default=None, help="MLP inner width (activations; default 4 x hidden)")
+    p.add_argument("--vocab", type=int, default=None, help="vocabulary size: the output head's activations")
+    p.add_argument(
+        "--activation-checkpointing",
+        default="none",
+        metavar="MODE",
+        help="activations kept per block: none (default), full, selective or every:N",
+    )
     p.add_argument("--json", action="store_true", help="print machine-readable JSON instead of the table")
     p.add_argument("--plot", metavar="FILE.png", default=None, help="save a stacked bar chart of memory per device")
     return p
@@ -121,20 +135,7 @@ def run_plan(args: argparse.Namespace) -> int:
         optimizer_state_bytes=args.optimizer_state_bytes,
     )
     device_memory = inputs.parse_bytes(args.device_memory) if args.device_memory is not None else None
-    activation = None
-    if (args.batch_size is None) != (args.hidden_size is None):
-        raise ValueError(
-            "Give --batch-size and --hidden-size together to count activation traffic"
-            f" (got batch_size={args.batch_size}, hidden_size={args.hidden_size})."
-        )
-    if args.batch_size is not None:
-        activation = planner.ActivationShape(
-            batch=args.batch_size,
-            seq=args.seq_len,
-            hidden=args.hidden_size,
-            bytes_per_element=state.gather,
-            heads=args.heads,
-        )
+    activation = _activation_shape(args, state)
     counts, label = _plan_counts(args)
     layouts = planner.candidate_layouts(
         counts,
@@ -143,6 +144,15 @@ def run_plan(args: argparse.Namespace) -> int:
         state=state,
         device_memory=device_memory,
         activation=activation,
+        micro_batches=args.micro_batches,
+        schedule=args.schedule,
+    )
+    layouts = planner.count_activations(
+        layouts,
+        counts,
+        activation=activation,
+        state=state,
+        device_memory=device_memory,
         micro_batches=args.micro_batches,
         schedule=args.schedule,
     )
@@ -160,12 +170,13 @@ def run_plan(args: argparse.Namespace) -> int:
                     "state_bytes": dataclasses.asdict(state),
                     "layouts": [layout.to_dict() for layout in layouts],
                     "recommended": best.name if best else None,
+                    "recommendation": _recommendation(best, args),
                 },
                 indent=2,
             )
         )
     else:
-        _print_plan(layouts, best, label=label, counts=counts, state=state, device_memory=device_memory)
+        _print_plan(layouts, best, label=label, counts=counts, state=state, device_memory=device_memory, args=args)
     if args.plot:
         _plot_plan(layouts, best, path=args.plot, device_memory=device_memory, title=label)
         if not args.json:
@@ -173,45 +184,100 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_plan(layouts, best, *, label, counts, state, device_memory) -> None:
+def _activation_shape(args: argparse.Namespace, state: Any):
+    """The activation shape of ``--batch-size``, ``--seq-len``, ``--hidden-size`` and the block options; None
+    without a batch size and hidden size."""
+    from lightning_dist import planner
+
+    if (args.batch_size is None) != (args.hidden_size is None):
+        raise ValueError(
+            "Give --batch-size and --hidden-size together to count activations"
+            f" (got batch_size={args.batch_size}, hidden_size={args.hidden_size})."
+        )
+    if args.batch_size is None:
+        return None
+    checkpointed = {"none": False, "full": True}.get(args.activation_checkpointing, args.activation_checkpointing)
+    return planner.ActivationShape(
+        batch=args.batch_size,
+        seq=args.seq_len,
+        hidden=args.hidden_size,
+        bytes_per_element=state.gather,
+        heads=args.heads,
+        blocks=args.layers,
+        mlp_hidden=args.mlp_hidden,
+        vocab=args.vocab,
+        checkpointed=checkpointed,
+    )
+
+
+# the planner's reasons for a row without activations that the command's options answer
+_ROW_REASONS = {"no activation shape": "no shape", "blocks unknown": "needs --layers"}
+
+
+def _missing_flags(args: argparse.Namespace) -> str:
+    """The options that would let the plan count activations, in words."""
+    if args.batch_size is None:
+        layers = " and --layers" if args.params is not None and args.layers is None else ""
+        return f"give --batch-size, --seq-len, --hidden-size{layers}"
+    return "give --layers (the number of blocks)"
+
+
+def _recommendation(best, args: argparse.Namespace) -> str:
+    """The recommendation line: the layout, and whether its activations were counted (and if not, how to)."""
+    if best is None:
+        return "No layout fits the device memory."
+    if best.activations is not None:
+        counted = "model states + activations fit"
+    elif best.activations_missing in _ROW_REASONS:
+        counted = f"model states fit; activations NOT counted: {_missing_flags(args)}"
+    else:
+        counted = f"model states fit; activations NOT counted: {best.activations_missing}"
+    return f"Recommended (least parallelism whose {counted}): {best.name} - {best.note}"
+
+
+def _print_plan(layouts, best, *, label, counts, state, device_memory, args) -> None:
     from rich.console import Console
     from rich.table import Table
 
     scale, unit = _unit(
-        max(max(lay.memory.total + lay.memory.host + lay.memory.nvme for lay in layouts), device_memory or 0)
+        max(
+            max(lay.memory.total + (lay.activations or 0) + lay.memory.host + lay.memory.nvme for lay in layouts),
+            device_memory or 0,
+        )
     )
     mem = f", device memory {device_memory / scale:.3g} {unit}" if device_memory else ""
     table = Table(
         title=f"{label}: {counts.total:,} params, {state.param:g} + {state.grad:g} + {state.optimizer:g}"
         f" bytes/param{mem}; memory and traffic in {unit}",
-        caption=f"{unit} per device (1 kB = 1e3 B, model states only). traffic: {unit} one device sends"
-        " per step"
-        " (ring collectives); +act: tensor/pipeline activations not counted (give --batch-size"
-        " and --hidden-size). mesh: pp x dp_replicate x dp_shard x cp x tp; a cp layout holds 1/cp of each"
-        " sequence per device (activations / cp). * = recommended.",
+        caption=f"{unit} per device (1 kB = 1e3 B). act: peak activations (why not, where they cannot be"
+        " counted); device: model states + act. traffic: what one device sends per step (ring collectives;"
+        " +act: without the activations' share). mesh: pp x dp_replicate x dp_shard x cp x tp; a cp layout"
+        " holds 1/cp of each sequence per device. * = recommended.",
     )
-    for col in ("layout", "mesh", "params", "grads", "optim", "device", "host", "traffic", "idle", "fits"):
-        table.add_column(col, justify="left" if col in ("layout", "mesh") else "right", no_wrap=True)
+    for col in ("layout", "mesh", "params", "grads", "optim", "act", "device", "host", "traffic", "idle", "fits"):
+        table.add_column(col, justify="left" if col in ("layout", "mesh") else "right", no_wrap=col != "act")
     for lay in layouts:
         m = lay.memory
         mark = " *" if best is not None and lay.name == best.name else ""
         traffic = f"{lay.wire_bytes / scale:.3g}" + ("" if lay.activations_counted else " +act")
+        missing = _ROW_REASONS.get(lay.activations_missing, lay.activations_missing)
+        act = missing if lay.activations is None else f"{lay.activations / scale:.3g}"
         fits = "-" if lay.fits is None else ("yes" if lay.fits else "no")
         table.add_row(
             lay.name + mark,
             "x".join(str(v) for v in lay.mesh.values()),
-            *(f"{v / scale:.3g}" for v in (m.params, m.grads, m.optimizer, m.total, m.host + m.nvme)),
+            *(f"{v / scale:.3g}" for v in (m.params, m.grads, m.optimizer)),
+            act,
+            f"{(m.total + (lay.activations or 0)) / scale:.3g}",
+            f"{(m.host + m.nvme) / scale:.3g}",
             traffic,
             f"{lay.idle_fraction:.1%}" if lay.idle_fraction else "",
             fits,
             style="bold green" if mark else None,
         )
-    console = Console() if sys.stdout.isatty() else Console(width=120)  # pipes/files: don't squeeze to 80 columns
+    console = Console() if sys.stdout.isatty() else Console(width=140)  # pipes/files: don't squeeze to 80 columns
     console.print(table)
-    if best is None:
-        console.print("No layout fits the device memory.")
-    else:
-        console.print(f"Recommended (least parallelism that fits): {best.name} - {best.note}")
+    console.print(_recommendation(best, args), soft_wrap=True)
 
 
 def _plot_plan(layouts, best, *, path: str, device_memory: float | None, title: str) -> None:
@@ -226,15 +292,18 @@ def _plot_plan(layouts, best, *, path: str, device_memory: float | None, title: 
     fig = Figure(figsize=(max(6.0, 0.6 * len(layouts) + 2), 4.5), layout="constrained")
     FigureCanvasAgg(fig)  # Agg canvas: renders without a display
     ax = fig.add_subplot()
-    scale, unit = _unit(max(max(lay.memory.total for lay in layouts), device_memory or 0))
+    scale, unit = _unit(max(max(lay.memory.total + (lay.activations or 0) for lay in layouts), device_memory or 0))
     bottom = [0.0] * len(layouts)
-    for part in ("params", "grads", "optimizer"):
-        heights = [getattr(lay.memory, part) / scale for lay in layouts]
+    parts = {part: [getattr(lay.memory, part) for lay in layouts] for part in ("params", "grads", "optimizer")}
+    if any(lay.activations is not None for lay in layouts):  # rows that cannot count them get no bar
+        parts["activations"] = [lay.activations or 0.0 for lay in layouts]
+    for part, values in parts.items():
+        heights = [v / scale for v in values]
         ax.bar(names, heights, bottom=bottom, label=part)
         bottom = [b + h for b, h in zip(bottom, heights)]
     if device_memory:
         ax.axhline(device_memory / scale, color="black", linestyle="--", linewidth=1, label="device memory")
-    ax.set_ylabel(f"model-state memory per device ({unit})")
+    ax.set_ylabel(f"memory per device ({unit})")
     ax.set_title(f"{title} (* = recommended)")
     ax.tick_params(axis="x", labelrotation=60)
     for tick in ax.get_xticklabels():

@@ -69,6 +69,9 @@ class MeshSpec:
     """Tensor-parallel degree (innermost dim, inside a node)."""
     allow_cross_node_tp: bool = False
     """Opt in to a ``tp`` group larger than one node (tensor-parallel traffic belongs inside a node)."""
+    arg_names: tuple[tuple[str, str], ...] = ()
+    """The argument a user wrote for a dim where it has another name (``(("dp_shard", "shard_size"),)``):
+    errors name what was written."""
 
     def __post_init__(self) -> None:
         problems = self._problems()
@@ -77,8 +80,14 @@ class MeshSpec:
 
     # ---- arithmetic and validation -------------------------------------------------------------
     def _describe(self) -> str:
-        dims = ", ".join(f"{n}={getattr(self, n)!r}" for n in DIM_NAMES if n != CP or self.cp != 1)
+        dims = ", ".join(self._written(n) for n in DIM_NAMES if n != CP or self.cp != 1)
         return f"({dims}; world_size={self.world_size}, devices_per_node={self.devices_per_node})"
+
+    def _written(self, name: str) -> str:
+        """``dp_shard=3``, or ``shard_size=3 (dp_shard)`` when the user wrote the dim under another name."""
+        value = getattr(self, name)
+        written = dict(self.arg_names).get(name)
+        return f"{name}={value!r}" if written is None else f"{written}={value!r} ({name})"
 
     def _problems(self) -> list[str]:
         problems: list[str] = []
@@ -92,9 +101,9 @@ class MeshSpec:
                 continue
             if not isinstance(value, int) or isinstance(value, bool):
                 allowed = 'an integer >= 1 or "auto"' if name in (DP_REPLICATE, DP_SHARD) else "an integer >= 1"
-                problems.append(f"`{name}={value!r}` must be {allowed}.")
+                problems.append(f"`{self._written(name)}` must be {allowed}.")
             elif value < 1:
-                problems.append(f"`{name}={value}` must be >= 1; use 1 to switch that dim off.")
+                problems.append(f"`{self._written(name)}` must be >= 1; use 1 to switch that dim off.")
         if problems:
             return problems  # the arithmetic below needs valid numbers
         fixed = self.pp * self.cp * self.tp
@@ -113,12 +122,12 @@ class MeshSpec:
                 f"pp x dp_replicate x dp_shard x cp x tp = {self.pp} x {rep} x {shard} x {self.cp} x {self.tp}"
                 f" = {self.pp * rep * shard * self.cp * self.tp} != world_size={self.world_size};"
                 f" the product of the dims must equal the number of processes"
-                f" (e.g. dp_replicate={rest // shard if rest % shard == 0 else 'auto'}, dp_shard={shard})."
+                f" (e.g. dp_replicate={rest // shard if rest % shard == 0 else 'auto'}, {self._written(DP_SHARD)})."
             )
         for name, value in ((DP_REPLICATE, rep), (DP_SHARD, shard)):
             if value != "auto" and rest % value:
                 problems.append(
-                    f"`{name}={value}` does not divide the {rest} data-parallel ranks"
+                    f"`{self._written(name)}` does not divide the {rest} data-parallel ranks"
                     f" (world_size {self.world_size} / (pp x cp x tp) {fixed}); pick a divisor of {rest}."
                 )
         if self.tp > self.devices_per_node and not self.allow_cross_node_tp:

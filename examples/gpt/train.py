@@ -11,6 +11,7 @@ from __future__ import annotations
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import lightning_dist  # noqa: F401  (importing the pack registers its strategy names)
+from lightning_dist.lightning_cli import SuggestingArgumentParser
 from lightning_dist.models import CharDataModule, CharGPT
 
 
@@ -26,7 +27,12 @@ class CharGPTCLI(LightningCLI):
 def main(args: list[str] | None = None) -> LightningCLI:
     """Run the CLI on ``args`` (default: the command line) and return it (its ``trainer`` and ``model``)."""
     return CharGPTCLI(
-        CharGPT, CharDataModule, seed_everything_default=0, save_config_kwargs={"overwrite": True}, args=args
+        CharGPT,
+        CharDataModule,
+        seed_everything_default=0,
+        save_config_kwargs={"overwrite": True},
+        parser_class=SuggestingArgumentParser,  # a misspelt config key: the closest one, said first
+        args=args,
     )
 
 

@@ -10,6 +10,9 @@
   (``strategy="auto_parallel"`` hands the run to the strategy it picks at setup);
 * :func:`distributed_sampler_for_stateful_loaders`: torchdata's ``StatefulDataLoader(shuffle=True)`` gets
   Lightning's plain ``DistributedSampler``, as a ``DataLoader`` does;
+* :func:`use_default_progress_bar`: the pack's configured Rich bar as the Trainer's default progress bar;
+* :func:`explain_unknown_strategy`: Lightning's "invalid strategy name" error replaced by one that names the
+  closest registered names;
 * the private Lightning helpers the pack calls because there is no public one (process-group start,
   ``sync_dist`` reduction, optimizer-state moves, thread setup), imported here under their own names so
   that every reach into Lightning's private modules is listed in this file.
@@ -62,6 +65,8 @@ __all__ = [
     "route_gradient_clipping",
     "set_module_device_mesh",
     "unwrap_strategy_methods",
+    "use_default_progress_bar",
+    "explain_unknown_strategy",
     "wrap_strategy_methods",
 ]
 
@@ -193,3 +198,48 @@ def distributed_sampler_for_stateful_loaders() -> None:
     get_distributed_sampler._lightning_dist_patch = True  # type: ignore[attr-defined]
     get_distributed_sampler.__wrapped__ = original  # type: ignore[attr-defined]
     data_connector._get_distributed_sampler = get_distributed_sampler
+
+
+def use_default_progress_bar(bar_class: type) -> None:
+    """Make ``bar_class`` (a ``RichProgressBar`` subclass) the bar a Trainer adds when none is given.
+
+    Reason: the Trainer builds its default bar as ``RichProgressBar()`` from a name of its private
+    ``callback_connector`` module whenever ``rich`` is installed (the pack depends on it), and that bar labels a
+    ``max_steps`` run ``Epoch 0/-2``; there is no setting for the default bar. A bar the user passes is kept.
+    """
+    from lightning.pytorch.callbacks import RichProgressBar
+    from lightning.pytorch.trainer.connectors import callback_connector
+
+    require_tested_lightning("callback_connector.RichProgressBar (use_default_progress_bar)")
+    if not issubclass(bar_class, RichProgressBar):
+        raise TypeError(f"{bar_class.__name__} must subclass RichProgressBar (the Trainer builds it with no argument).")
+    callback_connector.RichProgressBar = bar_class
+
+
+def explain_unknown_strategy(explain: Callable[[str], str]) -> None:
+    """Make ``Trainer(strategy=<unknown name>)`` raise ``ValueError(explain(name))`` (once per process).
+
+    Reason: the accelerator connector (private) checks the name against ``StrategyRegistry`` in
+    ``_check_config_and_set_final_flags`` and raises a fixed message listing four of Lightning's names; a
+    registry cannot add to it. The wrapper re-raises Lightning's error with ``explain(name)`` first.
+    """
+    from lightning.pytorch.strategies import StrategyRegistry
+    from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+
+    require_tested_lightning("_AcceleratorConnector._check_config_and_set_final_flags (explain_unknown_strategy)")
+    original = _AcceleratorConnector._check_config_and_set_final_flags
+    if getattr(original, "_lightning_dist_patch", False):
+        return
+
+    def check_config_and_set_final_flags(self: Any, strategy: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            original(self, strategy, *args, **kwargs)
+        except ValueError as err:
+            name = strategy.lower() if isinstance(strategy, str) else None
+            if name is None or name == "auto" or name in StrategyRegistry:
+                raise
+            raise ValueError(explain(name)) from err
+
+    check_config_and_set_final_flags._lightning_dist_patch = True  # type: ignore[attr-defined]
+    check_config_and_set_final_flags.__wrapped__ = original  # type: ignore[attr-defined]
+    _AcceleratorConnector._check_config_and_set_final_flags = check_config_and_set_final_flags

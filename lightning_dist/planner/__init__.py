@@ -21,7 +21,8 @@ Modules
 :mod:`~lightning_dist.planner.traffic`      collectives per step (payload and ring wire bytes), pipeline bubble
 :mod:`~lightning_dist.planner.activations`  peak activation bytes of transformer blocks
 :mod:`~lightning_dist.planner.model`        what the planner knows of a model (:class:`ParamCounts`)
-:mod:`~lightning_dist.planner.layouts`      candidate layouts, the recommendation, auto_parallel's ranking
+:mod:`~lightning_dist.planner.layouts`      candidate layouts, their activation memory, the recommendation,
+                                             auto_parallel's ranking
 
 The planner imports no runtime module (``parallelize/``, ``strategies/``, the dry run): the decisions it shares
 with them live in :mod:`lightning_dist.rules`. A module's counts come from
@@ -31,13 +32,14 @@ with them live in :mod:`lightning_dist.rules`. A module's counts come from
 
 from __future__ import annotations
 
-from lightning_dist.planner.activations import BlockShape, activation_bytes
+from lightning_dist.planner.activations import BlockShape, activation_bytes, check_checkpointed
 from lightning_dist.planner.layouts import (
     AUTO_KINDS,
     KIND_ORDER,
     ActivationShape,
     Layout,
     candidate_layouts,
+    count_activations,
     rank_layouts,
     recommend,
 )
@@ -97,7 +99,9 @@ __all__ = [
     "ParamCounts",
     "StateBytes",
     "activation_bytes",
+    "check_checkpointed",
     "candidate_layouts",
+    "count_activations",
     "cp_attention_traffic",
     "data_parallel_traffic",
     "ddp_bytes",

@@ -38,12 +38,17 @@ def _ac_mode(value: bool | str | object) -> tuple[str | None, int]:
         return "selective", 1
     if isinstance(value, str) and value.startswith("every:"):
         n = value[len("every:") :]
-        if not n.isdigit() or int(n) < 1:
+        if not (n.isascii() and n.isdigit()) or int(n) < 1:  # ASCII: str.isdigit() accepts '²', int() does not
             raise ValueError(f"checkpointed={value!r}: N in 'every:N' must be an integer >= 1.")
         return "full", int(n)
     if value is True or value == "full" or (isinstance(value, (list, tuple)) and value):
         return "full", 1
     raise ValueError(f"checkpointed={value!r} must be False, True/'full', 'selective', 'every:N' or class names.")
+
+
+def check_checkpointed(value: bool | str | object) -> None:
+    """Raise ``ValueError`` unless `value` is an ``activation_checkpointing=`` value :func:`activation_bytes` takes."""
+    _ac_mode(value)
 
 
 def activation_bytes(

@@ -6,8 +6,9 @@ Candidates: ddp, zero1, zero2, fsdp (zero3), hsdp for every shard size dividing 
 (replicated or sharded dp), cp x dp (sequence models, given an activation shape), pp x dp, and two offload
 variants. The recommendation is the first that fits
 in :data:`KIND_ORDER` (least parallelism first: ddp < zero1 < zero2 < hsdp < fsdp < tp < cp < pp < offload),
-ties broken by wire bytes per step, then by device memory. Memory counts model states only: activations,
-communication buckets, the all-gathered unit and allocator fragmentation need headroom on top.
+ties broken by wire bytes per step, then by device memory. :func:`candidate_layouts` counts model states;
+:func:`count_activations` adds each layout's peak activations (given their shape and the number of blocks).
+Communication buckets, the all-gathered unit and allocator fragmentation need headroom on top.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 from lightning_dist import rules
 from lightning_dist.mesh import CP, DP_REPLICATE, DP_SHARD, PP, TP
 from lightning_dist.planner._checks import check_count, check_size, divisors
+from lightning_dist.planner.activations import BlockShape, activation_bytes, check_checkpointed
 from lightning_dist.planner.memory import (
     MemoryBreakdown,
     OffloadTiers,
@@ -57,13 +59,27 @@ class ActivationShape:
     """Activation dtype size."""
     heads: int | None = None
     """Attention heads (context-parallel layouts need cp to divide them); None: not checked."""
+    blocks: int | None = None
+    """Transformer blocks of the model; None: the length of the model's block list, when it was counted."""
+    mlp_hidden: int | None = None
+    """MLP inner width (activation memory); None: ``4 x hidden``."""
+    vocab: int | None = None
+    """Vocabulary of the output head (its loss's saved tensors, activation memory); None: no head term."""
+    residual_bytes: float | None = None
+    """Element size of the residual stream between blocks; None: ``bytes_per_element``."""
+    checkpointed: bool | str = False
+    """The run's ``activation_checkpointing=`` (False, True/``"full"``, ``"selective"``, ``"every:N"``)."""
 
     def __post_init__(self) -> None:
         for name in ("batch", "seq", "hidden"):
             check_size(name, getattr(self, name))
         check_count("bytes_per_element", self.bytes_per_element)
-        if self.heads is not None:
-            check_size("heads", self.heads)
+        for name in ("heads", "blocks", "mlp_hidden", "vocab"):
+            if getattr(self, name) is not None:
+                check_size(name, getattr(self, name))
+        if self.residual_bytes is not None:
+            check_count("residual_bytes", self.residual_bytes)
+        check_checkpointed(self.checkpointed)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,6 +106,10 @@ class Layout:
     """Device total within the device memory (None when no memory was given)."""
     activations_counted: bool = True
     """False for tp / pp layouts planned without an :class:`ActivationShape`: their traffic lacks activations."""
+    activations: float | None = None
+    """Peak activation bytes of the most loaded device (:func:`count_activations`); None: not counted."""
+    activations_missing: str = ""
+    """Why :attr:`activations` could not be counted on this layout, in words (empty when counted)."""
     note: str = ""
     """What the layout is, in words."""
     sequence_share: float = 1.0
@@ -124,6 +144,8 @@ class Layout:
             "idle_fraction": self.idle_fraction,
             "fits": self.fits,
             "activations_counted": self.activations_counted,
+            "activations": self.activations,
+            "activations_missing": self.activations_missing,
             "note": self.note,
             "sequence_share": self.sequence_share,
         }
@@ -170,6 +192,7 @@ def candidate_layouts(
         check_count("device_memory", device_memory, minimum=1)
     P, W = counts.total, world_size
     per_node = min(devices_per_node, W)
+    n_blocks = _blocks(counts, activation)
     out: list[Layout] = []
 
     def dp_layout(name, kind, stage, shard, rep, note, offload=None):
@@ -212,12 +235,12 @@ def candidate_layouts(
             tp_sharded_params=counts.tp_sharded_params, replicated_params=P - counts.tp_sharded_params, tp=t
         )
         act = []
-        if activation is not None and counts.layer_params:
+        if activation is not None and n_blocks:
             act = tp_activation_traffic(
                 batch=activation.batch,
                 seq=activation.seq,
                 hidden=activation.hidden,
-                blocks=len(counts.layer_params),
+                blocks=n_blocks,
                 tp=t,
                 bytes_per_element=activation.bytes_per_element,
             )
@@ -250,7 +273,7 @@ def candidate_layouts(
     # context parallel x FSDP2 over dp_shard x cp, for sequence models: the states of fsdp over all ranks, each
     # device 1 / c of every sequence (its activations / c), plus the attention's exchange on cp: Ulysses' all-to-alls,
     # or the ring's all-gathers and all-to-alls where the heads do not divide by c (Ulysses gives each rank whole heads)
-    if activation is not None and activation.seq > 1 and counts.layer_params:
+    if activation is not None and activation.seq > 1 and n_blocks:
         for c in divisors(W)[1:]:
             if c > per_node or activation.seq % (2 * c):
                 continue  # cp inside a node; the load-balanced split needs 2 c chunks
@@ -263,7 +286,7 @@ def candidate_layouts(
                 seq=activation.seq,
                 heads=1,
                 head_dim=activation.hidden,
-                attention_calls=len(counts.layer_params),
+                attention_calls=n_blocks,
                 cp=c,
                 bytes_per_element=activation.bytes_per_element,
                 style=style,
@@ -284,7 +307,7 @@ def candidate_layouts(
             )
 
     # pipeline x data parallel: v stages per rank (interleaved and V schedules run 2), p x v stages of blocks
-    max_stages = len(counts.layer_params) if counts.layer_params else W
+    max_stages = n_blocks or W
     v = rules.SCHEDULES[schedule][1]
     for p in (d for d in divisors(W)[1:] if d * v <= max_stages):
         dp, m = W // p, max(micro_batches, p)
@@ -356,6 +379,123 @@ def recommend(layouts: Sequence[Layout]) -> Layout | None:
     if not fitting:
         return None
     return min(fitting, key=lambda layout: (KIND_ORDER.index(layout.kind), layout.wire_bytes, layout.memory.total))
+
+
+def _blocks(counts: ParamCounts, activation: ActivationShape | None) -> int | None:
+    """Blocks of the model: its counted block list, else the activation shape's ``blocks``; None: unknown."""
+    if counts.layer_params:
+        return len(counts.layer_params)
+    return activation.blocks if activation is not None else None
+
+
+# ---- activation memory per layout (`lightning-dist plan`) ------------------------------------------------
+def count_activations(
+    layouts: Sequence[Layout],
+    counts: ParamCounts | int,
+    *,
+    activation: ActivationShape | None,
+    state: StateBytes,
+    device_memory: float | None = None,
+    micro_batches: int = 8,
+    schedule: str = "1f1b",
+) -> list[Layout]:
+    """The `layouts` with each one's peak activation bytes per device (:func:`activation_bytes` of the
+    pack's pre-norm blocks) and ``fits`` taken on model states + activations; a layout whose activations
+    cannot be counted keeps ``activations=None`` and says why in ``activations_missing``.
+
+    Per layout: data-parallel and offload layouts hold the whole per-rank batch (``batch x seq`` tokens) through
+    every block; tensor parallelism divides the split activations by ``tp`` (the output head gathered);
+    context parallelism holds ``1 / cp`` of each sequence; a pipeline rank holds its stages' blocks (the
+    runtime's split) and the micro-batches in flight at its peak (1F1B: ``stages - s``; GPipe: all), under
+    autocast when the precision is mixed (the pipeline casts in each op, as the dry run does), the sum over
+    its stages (interleaved schedules: an estimate, their peaks need not meet). Activations need the
+    shape (batch, sequence, hidden size) and the number of blocks (``counts``' block list or ``blocks=``).
+    """
+    counts = counts if isinstance(counts, ParamCounts) else ParamCounts(total=counts)
+    schedule = check_schedule(schedule, 1)
+    if device_memory is not None:
+        check_count("device_memory", device_memory, minimum=1)
+    out = []
+    for layout in layouts:
+        act, missing = _layout_activations(layout, counts, activation, state, micro_batches, schedule)
+        fits = layout.fits
+        if act is not None and device_memory is not None:
+            fits = layout.memory.total + act <= device_memory
+        out.append(replace(layout, activations=act, activations_missing=missing, fits=fits))
+    return out
+
+
+def _layout_activations(
+    layout: Layout,
+    counts: ParamCounts,
+    activation: ActivationShape | None,
+    state: StateBytes,
+    micro_batches: int,
+    schedule: str,
+) -> tuple[float | None, str]:
+    """(peak activation bytes of the layout's most loaded device, or None and why not)."""
+    if activation is None:
+        return None, "no activation shape"
+    blocks = _blocks(counts, activation)
+    if blocks is None:
+        return None, "blocks unknown"
+    C = activation.hidden
+    block = BlockShape(
+        hidden=C, heads=activation.heads or 1, mlp_hidden=activation.mlp_hidden or 4 * C, vocab=activation.vocab
+    )
+    mesh = layout.mesh
+    common = {
+        "bytes_per_element": activation.bytes_per_element,
+        "checkpointed": activation.checkpointed,
+        "tp": mesh[TP],
+        "head_gathered": mesh[TP] > 1,  # the default head plan (colwise_gather) gathers the logits
+    }
+    if mesh[PP] == 1:
+        tokens = activation.batch * activation.seq // mesh[CP]  # cp: each device holds 1 / cp of every sequence
+        residual = activation.residual_bytes
+        return activation_bytes(block, tokens=tokens, blocks=blocks, residual_bytes=residual, **common), ""
+    return _pipeline_activations(layout, counts, activation, block, blocks, state, micro_batches, schedule, common)
+
+
+def _pipeline_activations(
+    layout: Layout,
+    counts: ParamCounts,
+    activation: ActivationShape,
+    block: BlockShape,
+    blocks: int,
+    state: StateBytes,
+    micro_batches: int,
+    schedule: str,
+    common: dict[str, Any],
+) -> tuple[float | None, str]:
+    """The pipeline rank holding the most activations: its stages' blocks and micro-batches in flight."""
+    p = layout.mesh[PP]
+    _, v, style = rules.SCHEDULES[schedule]
+    stages, m = p * v, max(micro_batches, p)
+    if blocks < stages:
+        return None, f"{stages} stages > {blocks} blocks"
+    if activation.batch % m:
+        short = activation.batch < m
+        return None, f"{m} micro-batches > batch {activation.batch}" if short else f"batch not / {m} micro-batches"
+    same_list = len(counts.layer_params) == blocks
+    costs = [float(n) for n in counts.layer_params] if same_list else [1.0] * blocks
+    first, last = (float(counts.pre_params), float(counts.post_params)) if same_list else (0.0, 0.0)
+    bounds = [0, *rules.partition(costs, stages, first=first, last=last), blocks]
+    mixed = state.gather < state.param  # Lightning's autocast: each op casts, the residual stream keeps its dtype
+    per_rank = [0.0] * p
+    for s, rank in enumerate(rules.stage_ranks(stages, p, style)):
+        per_rank[rank] += activation_bytes(
+            block,
+            tokens=activation.batch // m * activation.seq,
+            blocks=bounds[s + 1] - bounds[s],
+            residual_bytes=state.param if mixed else activation.residual_bytes,
+            micro_batches_held=m if schedule == "gpipe" else min(stages - s, m),
+            stem=s == 0,
+            head=s == stages - 1,
+            autocast=mixed,
+            **common,
+        )
+    return max(per_rank), ""
 
 
 # ---- choosing a runnable layout (strategy="auto_parallel") ---------------------------------------------

@@ -1,7 +1,10 @@
 """The pack's Lightning strategies, registered by name in Lightning's StrategyRegistry."""
 
+import difflib
+
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_dist._integrations.lightning import explain_unknown_strategy
 from lightning_dist.strategies.auto_parallel import AutoParallelStrategy
 from lightning_dist.strategies.base import MeshStrategy, attach_mesh
 from lightning_dist.strategies.hsdp import FullyShardStrategy, HybridShardStrategy
@@ -68,10 +71,25 @@ REGISTERED: dict[str, tuple[type, str, dict]] = {
 
 
 def register_strategies(registry=StrategyRegistry) -> None:
-    """Register every name of :data:`REGISTERED` (idempotent)."""
+    """Register every name of :data:`REGISTERED` (idempotent); an unknown name then gets the closest ones."""
     for name, (cls, description, params) in REGISTERED.items():
         if name not in registry:
             registry.register(name, cls, description=description, **params)
+    explain_unknown_strategy(unknown_strategy_message)
+
+
+def unknown_strategy_message(name: str, registry=StrategyRegistry) -> str:
+    """What ``Trainer(strategy=name)`` says for a name nobody registered: the closest names first, then the pack's."""
+    close = difflib.get_close_matches(name, list(registry), n=3, cutoff=0.6)
+    # a prefix of several names (``pipeline_``, ``offload``) is closer to them than difflib's ratio says
+    close += [n for n in registry if len(name) >= 3 and n.startswith(name) and n not in close][: 3 - len(close)]
+    guess = f" Did you mean {' or '.join(repr(n) for n in close)}?" if close else ""
+    return (
+        f"Unknown strategy name strategy={name!r}.{guess}\n"
+        f"lightning-dist's names: {', '.join(REGISTERED)}.\n"
+        "Lightning's include auto, ddp, ddp_spawn, deepspeed, fsdp (all: StrategyRegistry.available_strategies())."
+        " Or pass a Strategy object, e.g. lightning_dist.strategies.HybridShardStrategy(shard_size=8)."
+    )
 
 
 __all__ = [
@@ -86,5 +104,6 @@ __all__ = [
     "FSDP2OffloadStrategy",
     "attach_mesh",
     "register_strategies",
+    "unknown_strategy_message",
     "REGISTERED",
 ]

@@ -96,6 +96,8 @@ class HybridShardStrategy(MeshStrategy):
         if shard != "auto":
             kwargs["dp_shard"] = shard
         super().__init__(**kwargs)
+        if shard != "auto":
+            self._mesh_arg_names = (("dp_shard", "shard_size"),)  # mesh errors name what the user wrote
         self.zero_stage = zero_stage
         self.units = units
         self.activation_checkpointing = activation_checkpointing

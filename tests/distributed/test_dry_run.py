@@ -305,7 +305,7 @@ def test_dry_run_reports_the_async_checkpoint_staging_copy():
 
 
 def test_the_readme_llama3_8b_shape_dry_run_meets_its_estimates_and_time():
-    # the README's command on its YAML (four of its five ranks: 1023 is 768's stage): the planner's activation
+    # docs/planner.md's command on its YAML (four of its five ranks: 1023 is 768's stage): the planner's activation
     # estimate within 15% of the measurement on every stage, states exact. Its time per rank (goal: under 2 min) is
     # benchmarks/dry_run.py's to print: timings are not asserted in tests (a loaded CI machine is not a measurement)
     import json

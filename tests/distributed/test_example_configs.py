@@ -124,6 +124,8 @@ def test_example_config_runs(config, launches):
         assert r["global_step"] == r["max_steps"] == _trainer_cfg(config)["max_steps"], r
         assert all(v == v for v in r["metrics"].values()), r  # no NaN loss
     assert len({r["metrics"]["train_loss"] for r in out}) == 1, out  # logged with sync_dist: one value
+    # an example shows the pack used as intended: nothing of the pack's own warns (e.g. unsynced BatchNorm)
+    assert [w for r in out for w in r["pack_warnings"]] == [], config.name
 
 
 def test_callbacks_config_logs_throughput_memory_and_comm(launches):

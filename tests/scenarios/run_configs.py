@@ -18,6 +18,7 @@ import re
 import sys
 import time
 import traceback
+import warnings
 from pathlib import Path
 
 import torch.distributed as dist
@@ -53,10 +54,26 @@ def prepare(config: Path) -> None:
         os.makedirs(nvme, exist_ok=True)
 
 
+PACK = (ROOT / "lightning_dist", ROOT / "callbacks")
+
+
+def pack_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
+    """The warnings raised by the pack's own code (its files are where they point: rank_zero_warn's stacklevel)."""
+    return [
+        f"{w.filename}:{w.lineno}: {w.message}"
+        for w in caught
+        if any(Path(w.filename).resolve().is_relative_to(p) for p in PACK)
+    ]
+
+
 def run(config: Path) -> dict:
     prepare(config)
     start = time.perf_counter()
-    cli = load_main(entry_point(config))(["fit", "--config", str(config)])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cli = load_main(entry_point(config))(["fit", "--config", str(config)])
+    shown = {warnings.formatwarning(w.message, w.category, w.filename, w.lineno) for w in caught}
+    print("".join(sorted(shown)), file=sys.stderr, end="")  # each once, as without the recording
     trainer = cli.trainer
     out = {
         "config": config.stem,
@@ -66,6 +83,7 @@ def run(config: Path) -> dict:
         "seconds": round(time.perf_counter() - start, 2),
         "strategy": type(trainer.strategy).__name__,
         "metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1},
+        "pack_warnings": pack_warnings(caught),
     }
     for cb in trainer.callbacks:
         if type(cb).__name__ == "ThroughputSummary":

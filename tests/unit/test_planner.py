@@ -512,8 +512,52 @@ def test_cli_plan_with_params(capsys):
         == 0
     )
     out = capsys.readouterr().out
-    assert re.search(r"zero2 \*", out) and "Recommended (least parallelism that fits): zero2" in out
+    assert re.search(r"zero2 \*", out)
+    # with --params only, the recommendation line itself says what it could not count, and how to
+    assert (
+        "Recommended (least parallelism whose model states fit; activations NOT counted: give --batch-size,"
+        " --seq-len, --hidden-size and --layers): zero2"
+    ) in out
     assert re.search(r"ddp\s.*\b24\b.*\bno\b", out)
+
+
+# the issue's case: 8e9 parameters on 64 x 80 GB, one 8192-token sequence of width 4096 per rank
+LLAMA_8B_SHAPE = [
+    "plan", "--params", "8e9", "--world-size", "64", "--devices-per-node", "8", "--device-memory", "80GB",
+    "--precision", "bf16-mixed", "--batch-size", "1", "--seq-len", "8192", "--hidden-size", "4096",
+]  # fmt: skip
+
+
+def test_cli_plan_with_shapes_says_on_every_row_why_activations_are_missing(capsys):
+    assert main([*LLAMA_8B_SHAPE, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["layouts"] and all(
+        lay["activations"] is None and lay["activations_missing"] == "blocks unknown" for lay in data["layouts"]
+    )
+    assert "activations NOT counted: give --layers" in data["recommendation"]
+    assert main(LLAMA_8B_SHAPE) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("│")]
+    assert len(rows) == len(data["layouts"]) and all("needs --layers" in row for row in rows)
+
+
+def test_cli_plan_with_shapes_and_layers_counts_activations_on_every_row(capsys):
+    assert main([*LLAMA_8B_SHAPE, "--layers", "32", "--micro-batches", "1", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    by = {lay["name"]: lay for lay in data["layouts"]}
+    for lay in data["layouts"]:
+        # every row counts them, or says why: a pipeline cannot split one sequence into pp micro-batches
+        assert lay["activations"] is not None or lay["activations_missing"].endswith("micro-batches > batch 1"), lay
+        assert lay["activations_counted"] or lay["kind"] == "pp", lay  # tp / cp traffic counts activations too
+    states, act = by["zero1"]["memory"]["total"], by["zero1"]["activations"]
+    assert states == pytest.approx(65e9, rel=0.01) and act > 15e9  # 32 blocks x 8192 tokens: no longer fits 80 GB
+    assert by["zero1"]["fits"] is False and data["recommended"] != "zero1"
+    # tensor parallelism splits a block's activations (not the norms' inputs): less per device, more with tp
+    assert by["tp2-fsdp32"]["activations"] < by["fsdp"]["activations"]
+    assert by["tp8-fsdp8"]["activations"] < by["tp2-fsdp32"]["activations"]
+    assert by["cp2-fsdp32"]["activations"] == pytest.approx(by["fsdp"]["activations"] / 2, rel=1e-3)
+    assert "model states + activations fit" in data["recommendation"]
+    best = by[data["recommended"]]
+    assert best["memory"]["total"] + best["activations"] <= 80e9
 
 
 def test_cli_plan_model_json(capsys):
@@ -791,3 +835,27 @@ def test_with_cp_dims_moves_data_parallel_traffic_to_the_cp_flattened_dims():
     assert [c.payload_bytes for c in moved] == [c.payload_bytes for c in fsdp]
     ddp = planner.data_parallel_traffic(1000, state=state, zero_stage=0, shard_size=4)
     assert [c.dim for c in planner.with_cp_dims(ddp, 2)] == ["dp_cp"]
+
+
+def test_count_activations_per_layout_kind():
+    counts = planner.ParamCounts(total=8 * 12 * 32 * 32, layer_params=(12 * 32 * 32,) * 8)
+    shape = planner.ActivationShape(batch=8, seq=16, hidden=32, bytes_per_element=4)
+    state = planner.state_bytes(precision="32-true")
+
+    def by_name(schedule: str) -> dict:
+        layouts = planner.candidate_layouts(counts, world_size=4, devices_per_node=4, state=state, activation=shape)
+        counted = planner.count_activations(layouts, counts, activation=shape, state=state, schedule=schedule)
+        return {lay.name: lay for lay in counted}
+
+    by = by_name("1f1b")
+    whole = planner.activation_bytes(
+        planner.BlockShape(hidden=32, heads=1, mlp_hidden=128), tokens=128, blocks=8, bytes_per_element=4
+    )
+    assert by["ddp"].activations == pytest.approx(whole) and by["fsdp"].activations == by["ddp"].activations
+    assert by["tp2-fsdp2"].activations < by["fsdp"].activations  # the split activations are 1/tp
+    # 1F1B: stage 0 holds its 4 blocks for the 2 micro-batches in flight (of 8, one sample each), not the whole batch
+    assert by["pp2-ddp2"].activations < by["ddp"].activations / 4
+    assert by_name("gpipe")["pp2-ddp2"].activations > by["pp2-ddp2"].activations  # GPipe holds all 8
+    # without an activation shape nothing is counted, and each layout says why
+    bare = planner.count_activations(list(by.values()), counts, activation=None, state=state)
+    assert all(lay.activations is None and lay.activations_missing == "no activation shape" for lay in bare)

@@ -1,0 +1,92 @@
+"""A LightningCLI argument parser that names a misspelt config key, and the closest accepted one, first.
+
+jsonargparse reports a key it does not know after the whole usage text (60 lines for a Trainer), without a
+suggestion. :class:`SuggestingArgumentParser` says it in the first lines::
+
+    LightningCLI(Model, Data, parser_class=SuggestingArgumentParser)
+
+    error: `zero_stag` is not an argument of lightning_dist.strategies.HybridShardStrategy: did you mean `zero_stage`?
+
+The examples' entry points use it; any other error reads as jsonargparse writes it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+import re
+import sys
+from collections.abc import Iterable
+from typing import Any, NoReturn
+
+from lightning.pytorch.cli import LightningArgumentParser
+from typing_extensions import override
+
+__all__ = ["SuggestingArgumentParser", "class_arguments", "misspelt_key_hint"]
+
+# a key of the command (YAML or --flag) that no option has; jsonargparse's wording (4.27 to 4.53)
+_UNKNOWN_OPTION = re.compile(r"(?:Subcommand '\w+' does not accept option|Option) '(?P<key>[\w.]+)'")
+# a key under init_args of a class_path that the class does not take
+_UNKNOWN_INIT_ARG = re.compile(
+    r"Problem with given class_path '(?P<cls>[\w.]+)':\s*Option '(?P<key>\w+)' is not accepted"
+)
+
+
+def class_arguments(class_path: str) -> list[str]:
+    """Keyword arguments ``class_path`` accepts, following ``**kwargs`` into its base classes (as jsonargparse
+    does); [] when it cannot be imported."""
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return []
+    names: list[str] = []
+    for klass in inspect.getmro(cls) if inspect.isclass(cls) else ():
+        params = inspect.signature(klass.__init__).parameters.values()
+        names += [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self"]
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            break  # no **kwargs: what the class takes ends here
+    return list(dict.fromkeys(names))
+
+
+def _closest(key: str, candidates: Iterable[str]) -> list[str]:
+    candidates = list(candidates)
+    close = difflib.get_close_matches(key, candidates, n=2, cutoff=0.6)
+    if not close and "." in key:  # a nested key: match its last part among the same parent's options
+        parent, _, last = key.rpartition(".")
+        siblings = [c.rpartition(".")[2] for c in candidates if c.startswith(parent + ".")]
+        close = [f"{parent}.{c}" for c in difflib.get_close_matches(last, siblings, n=2, cutoff=0.6)]
+    return close
+
+
+def misspelt_key_hint(message: str, keys: Iterable[str], command: str = "this command") -> str | None:
+    """One line naming the unknown key of a jsonargparse error `message` and the closest accepted ones (among
+    `keys`, the arguments of `command`, or a class_path's arguments); None when the message is about something
+    else."""
+    match = _UNKNOWN_INIT_ARG.search(message)
+    if match:
+        owner, key, candidates = match["cls"], match["key"], class_arguments(match["cls"])
+    else:
+        match = _UNKNOWN_OPTION.search(message)
+        if match is None:
+            return None
+        owner, key, candidates = command, match["key"], list(keys)
+    close = _closest(key, candidates)
+    guess = f": did you mean {' or '.join(f'`{c}`' for c in close)}?" if close else "."
+    return f"`{key}` is not an argument of {owner}{guess}"
+
+
+class SuggestingArgumentParser(LightningArgumentParser):
+    """LightningCLI's parser; a misspelt key is reported first, with the closest accepted key, and without the
+    usage text (``--help`` prints it)."""
+
+    @override
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        parser: Any = getattr(ex, "subcommand_parser", None) or self
+        command = parser.prog.replace(" [options]", "")  # as jsonargparse prints it in its tip
+        hint = misspelt_key_hint(message, (a.dest for a in parser._actions), f"`{command}`")
+        if hint is None or not self.exit_on_error:  # parsers nested in a Union raise instead of exiting
+            super().error(message, ex)
+        sys.stderr.write(f"error: {hint}\n{message}\ntip: `{command} --help` lists every argument.\n")
+        self.exit(2)
