@@ -227,6 +227,8 @@ class CommunicationLedger(Callback):
         cp_network = None if state is None else state.network
 
         def hook(module, args):
+            if self._recorder is None:
+                return  # a forward outside a training step (the strategy's setup self-check): not the step's shapes
             x = args[0]
             seq = x.shape[1] if x.dim() == 3 else 1
             self._activation = {
@@ -250,7 +252,11 @@ class CommunicationLedger(Callback):
             if e.active and e.style == "colwise_gather" and e.fqn in modules:
 
                 def gather_hook(module, args, out, fqn=e.fqn):
-                    if isinstance(args[0], torch.Tensor) and isinstance(out, torch.Tensor):
+                    if (
+                        self._recorder is not None
+                        and isinstance(args[0], torch.Tensor)
+                        and isinstance(out, torch.Tensor)
+                    ):
                         self._gathered[fqn] = (
                             args[0].numel() * args[0].element_size(),
                             out.numel() * out.element_size(),

@@ -16,6 +16,9 @@ from lightning_utilities.core.imports import compare_version
 # (`make test-compat-all`), everything on the pinned release in between. pyproject.toml states the same range.
 TORCH_MIN, TORCH_MAX_TESTED = "2.11.0", "2.14"
 LIGHTNING_RANGE = ("2.6.0", "2.7.0")
+# transformers releases whose MoE modeling modules' router loss the pack swaps for the global one
+# (_integrations/transformers_moe.py; the swap also holds itself to the model's own function on first use)
+TRANSFORMERS_MOE_TESTED = ("5.0.0", "6.0.0")
 
 TORCH_GE_2_13 = compare_version("torch", lambda a, b: a >= b, "2.13.0")
 

@@ -16,6 +16,7 @@ from lightning_dist.models.data import (
 )
 from lightning_dist.models.gpt import GPT, CharGPT, GPTBlock, GPTConfig, PositionEmbedding
 from lightning_dist.models.layers import MLP, Attention, TransformerBlock, init_weights
+from lightning_dist.models.moe import MoE, MoEBlock, MoEGPT
 from lightning_dist.models.vision import ClsPool, ConvBlock, PatchEmbed, ShapesClassifier, ShapesCNN, ViT, ViTBlock
 
 __all__ = [
@@ -23,6 +24,9 @@ __all__ = [
     "CHAR_VOCAB_SIZE",
     "MLP",
     "GPT",
+    "MoE",
+    "MoEBlock",
+    "MoEGPT",
     "Attention",
     "CharDataModule",
     "CharGPT",

@@ -129,16 +129,17 @@ class GPT(nn.Module):
         with deferred_init(self):
             self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
             self.pos_emb = PositionEmbedding(block_size=cfg.block_size, dim=cfg.n_embd)
-            self.blocks = nn.ModuleList(
-                GPTBlock(
-                    dim=cfg.n_embd, n_heads=cfg.n_head, mlp_ratio=cfg.mlp_ratio, bias=cfg.bias, n_kv_heads=cfg.n_kv_head
-                )
-                for _ in range(cfg.n_layer)
-            )
+            self.blocks = nn.ModuleList(self.make_block(cfg) for _ in range(cfg.n_layer))
             self.norm = nn.LayerNorm(cfg.n_embd)
             self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if tie_weights:
             self.tie_weights_()
+
+    def make_block(self, cfg: GPTConfig) -> nn.Module:
+        """One block (subclasses change the block type: :class:`~lightning_dist.models.moe.MoEGPT`)."""
+        return GPTBlock(
+            dim=cfg.n_embd, n_heads=cfg.n_head, mlp_ratio=cfg.mlp_ratio, bias=cfg.bias, n_kv_heads=cfg.n_kv_head
+        )
 
     def tie_weights_(self) -> None:
         """Share ``lm_head.weight`` with ``tok_emb.weight``; call again after ``to_empty`` (it unties them)."""

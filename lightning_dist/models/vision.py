@@ -82,6 +82,7 @@ class PatchEmbed(nn.Module):
         if image_size % patch_size:
             raise ValueError(f"image_size={image_size} must be divisible by patch_size={patch_size}.")
         n_patches = (image_size // patch_size) ** 2
+        self.image_size = image_size  # what a made-up probe image needs (the strategies' setup self-checks)
         self.proj = nn.Conv2d(in_channels, dim, kernel_size=patch_size, stride=patch_size)
         self.cls_token = nn.Parameter(torch.empty(1, 1, dim))
         self.pos_embed = nn.Parameter(torch.empty(1, n_patches + 1, dim))

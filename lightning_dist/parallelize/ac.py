@@ -168,7 +168,8 @@ def parse_ac(value: Any, *, ops: Any = None) -> ACPlan | None:
         return ACPlan(mode="selective", ops=SELECTIVE_AC_OPS if ops is None else tuple(ops))
     if isinstance(value, str) and value.startswith("every:"):
         n = value[len("every:") :]
-        if n.isdigit() and int(n) >= 1:
+        # ASCII digits only: str.isdigit() accepts '²' and other digits int() refuses
+        if n.isascii() and n.isdigit() and int(n) >= 1:
             return ACPlan(mode="full", every=int(n))
         raise ValueError(
             f"`activation_checkpointing={value!r}`: N in 'every:N' must be an integer >= 1"

@@ -33,7 +33,10 @@ Refused, on every rank before any collective, with the fix named: a sequence not
 heads (per tensor-parallel rank) not divisible by cp (key/value heads that do not divide are repeated to one per
 query head before the exchange: exact, more bytes), a padding ``attention_mask``, an explicit ``attn_mask``, a
 network without ``position_ids``, sliding-window attention, ``nn.MultiheadAttention``, and ``cp_style="ring"``
-(off CUDA; not available yet on CUDA either).
+(off CUDA; not available yet on CUDA either); at the step, a token loss comparing this rank's chunks with the whole
+target (:func:`loss_split_problem`). What no structural check can see (an attention written by hand, positions the
+model numbers itself, an output pooled over the sequence) the strategy's setup self-check finds by running the model
+split and unsplit (:mod:`~lightning_dist.parallelize.cp_probe`, through :meth:`ContextParallel.unsplit`).
 """
 
 from __future__ import annotations
@@ -319,9 +322,50 @@ def ring_sdpa(cp: CPGroup, q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Te
     )
 
 
+# losses that compare an output with a target token by token: (input, target) first, class dim 1 for the first two
+_TOKEN_LOSSES = {
+    F.cross_entropy: True,
+    F.nll_loss: True,
+    F.mse_loss: False,
+    F.l1_loss: False,
+    F.smooth_l1_loss: False,
+    F.binary_cross_entropy: False,
+    F.binary_cross_entropy_with_logits: False,
+}
+
+
+def loss_split_problem(func: Any, args: tuple, kwargs: dict, cp: int) -> Optional[str]:
+    """Why a token loss called under cp compares this rank's part of the sequences with a whole target (None: it
+    does not). Seen as the input holding 1/cp of the target's tokens, where torch would fail with a bare shape
+    error ("Expected input batch_size (64) to match target batch_size (128)")."""
+    values = dict(zip(("input", "target"), args))
+    values.update({k: v for k, v in kwargs.items() if k in ("input", "target")})
+    x, y = values.get("input"), values.get("target")
+    if not (isinstance(x, Tensor) and isinstance(y, Tensor)) or x.dim() == 0:
+        return None
+    if _TOKEN_LOSSES[func]:  # [N, C, ...] against class ids [N, ...] or probabilities [N, C, ...]
+        classes = x.shape[1] if x.dim() >= 2 else x.shape[0]
+        got, want = x.numel() // max(classes, 1), y.numel() if y.dim() < x.dim() else y.numel() // max(classes, 1)
+    else:
+        got, want = x.numel(), y.numel()
+    if got == want or got * cp != want:
+        return None
+    return (
+        f"{func.__name__} got an input of shape {tuple(x.shape)} and a target of shape {tuple(y.shape)}: under"
+        f" context parallelism (cp={cp}) the network returns this rank's part of each sequence (1/{cp} of its"
+        " tokens) and the target is whole. Compute the loss in the LightningModule's"
+        " `pipeline_loss(self, output, target)` and call `loss = self.pipeline_loss(logits, target)` in"
+        " training_step: the strategy hands it the target's chunks that match (a HuggingFace model: pass"
+        " `labels=` and use `out.loss`). Or use cp=1."
+    )
+
+
 class ContextParallelAttention(TorchFunctionMode):
     """Routes every ``F.scaled_dot_product_attention`` call made while active through context parallelism's exchange:
-    :func:`ulysses_sdpa`, or :func:`ring_sdpa` when the group's ``style`` is ``"ring"``."""
+    :func:`ulysses_sdpa`, or :func:`ring_sdpa` when the group's ``style`` is ``"ring"``. A token loss (cross-entropy,
+    MSE...) comparing this rank's part of the sequences with a whole target is refused naming the fix
+    (:func:`loss_split_problem`): every cp rank holds the same shapes, so all of them raise at that line, before the
+    step's backward."""
 
     def __init__(self, cp: CPGroup) -> None:
         super().__init__()
@@ -330,6 +374,10 @@ class ContextParallelAttention(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
+        if func in _TOKEN_LOSSES:
+            problem = loss_split_problem(func, args, kwargs, self.cp.size)
+            if problem is not None:
+                raise ValueError(problem)
         if func is _SDPA:
             self.calls += 1
             q, k, v, *rest = args
@@ -360,17 +408,31 @@ class ContextParallel:
         self._hf = False
         self._names: list[str] = []
         self._hf_attention: Optional[str] = None  # the HF model's own attention implementation, restored on detach
+        self._off = False  # inside `unsplit`: the network runs on whole sequences
 
     # ---- the step ------------------------------------------------------------------------------
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
         """Attention calls inside go through the exchange (the step; and each recomputation of a checkpointed block)."""
+        if self._off:  # the unsplit reference pass: its checkpointed blocks recompute without the exchange too
+            yield
+            return
         mode = ContextParallelAttention(self.cp)
         try:
             with mode:
                 yield
         finally:
             self.calls += mode.calls
+
+    @contextlib.contextmanager
+    def unsplit(self) -> Iterator[None]:
+        """Inside, the network runs as without cp: the hook passes its inputs through and :meth:`active` holds no
+        mode (the self-check's reference pass on the real, sharded model: :mod:`.cp_probe`)."""
+        self._off = True
+        try:
+            yield
+        finally:
+            self._off = False
 
     def split_target(self, output: Any, target: Any) -> Optional[Tensor]:
         """`target`'s chunks when `output` comes from the last network call (seq dim local) and `target` is whole."""
@@ -413,7 +475,9 @@ class ContextParallel:
             self._hf_attention = None
         self.network = None
 
-    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+        if self._off:
+            return None  # the inputs as given
         bound = dict(zip(self._names, args))
         bound.update(kwargs)
         lead = bound.get("input_ids", bound.get("inputs_embeds"))
@@ -508,6 +572,7 @@ __all__ = [
     "cp_style_problems",
     "find_network",
     "attention_heads",
+    "loss_split_problem",
     "attention_shape",
     "planned_attention_traffic",
     "recomputes_attention",

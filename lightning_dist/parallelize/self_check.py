@@ -53,13 +53,22 @@ def _first_tensor(out: Any) -> Optional[Tensor]:
     return None
 
 
-def _rel(got: Optional[Tensor], ref: Optional[Tensor]) -> float:
+# a gradient is compared relative to its own size, or to this share of its block's when smaller: a parameter whose exact
+# gradient is zero (a key bias: softmax ignores a shift) holds rounding noise only, which is no split error
+FLOOR = 1e-3
+
+
+def _rel(got: Optional[Tensor], ref: Optional[Tensor], floor: float = 0.0) -> float:
     if got is None and ref is None:
         return 0.0
     if got is None or ref is None or got.shape != ref.shape:
         return float("inf")
     ref64 = ref.detach().double()
-    return ((got.detach().double() - ref64).norm() / ref64.norm().clamp_min(1e-30)).item()
+    return ((got.detach().double() - ref64).norm() / max(ref64.norm().item(), floor, 1e-30)).item()
+
+
+def _norm(grads: Any) -> float:
+    return float(sum(g.detach().double().norm() ** 2 for g in grads if g is not None) ** 0.5)
 
 
 def _detached(value: Any) -> Any:
@@ -135,10 +144,11 @@ def _compare_block(name: str, block: nn.Module, cap: _Capture) -> tuple[float, s
         if out is not None and grad is not None and out.requires_grad:
             out.backward(full_tensor_of(grad).to(out.dtype))
     worst, where = _rel(full_tensor_of(cap.outputs[name]), out), f"{name} (its output)"
+    floor = FLOOR * _norm(p.grad for p in ref.parameters())
     for n, p in ref.named_parameters():
         if not p.requires_grad:
             continue
-        d = _rel(split_grads.get(n), p.grad if p.grad is not None else torch.zeros_like(p))
+        d = _rel(split_grads.get(n), p.grad if p.grad is not None else torch.zeros_like(p), floor)
         if split_grads.get(n) is None and p.grad is None:
             d = 0.0
         if d > worst:
@@ -146,11 +156,16 @@ def _compare_block(name: str, block: nn.Module, cap: _Capture) -> tuple[float, s
     return worst, where
 
 
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def _replicas_disagree(model: nn.Module, group: Any) -> tuple[float, str]:
     """(worst relative spread, parameter) of the gradients of parameters held whole on every rank of `group`."""
     from torch.distributed.tensor import DTensor, Replicate
 
     worst, where = 0.0, ""
+    floor = FLOOR * _norm(_local(p.grad) for p in model.parameters() if p.grad is not None)
     for n, p in model.named_parameters():
         if p.grad is None:
             continue
@@ -162,7 +177,7 @@ def _replicas_disagree(model: nn.Module, group: Any) -> tuple[float, str]:
         local = g.detach().double().flatten()
         gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
         dist.all_gather(gathered, local, group=group)
-        d = max(_rel(other, gathered[0]) for other in gathered[1:])
+        d = max(_rel(other, gathered[0], floor) for other in gathered[1:])
         if d > worst:
             worst, where = d, f"{n} (its gradient differs between the ranks that hold it whole)"
     return worst, where
@@ -249,8 +264,10 @@ def gradient_problem(
         for n, p in graded.items():
             p.grad = kept[n]
     tol = TOLERANCE.get(next(iter(graded.values())).dtype, 1e-3) if graded else 0.0
+    floor = FLOOR * _norm(runs[0].values())
     diffs = {
-        n: _rel(runs[1][n], runs[0][n]) if runs[0][n] is not None or runs[1][n] is not None else 0.0 for n in graded
+        n: _rel(runs[1][n], runs[0][n], floor) if runs[0][n] is not None or runs[1][n] is not None else 0.0
+        for n in graded
     }
     worst = max(diffs, key=diffs.get, default=None)
     if worst is None or diffs[worst] <= tol:

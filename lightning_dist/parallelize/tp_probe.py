@@ -58,8 +58,8 @@ def _made_up(module: nn.Module) -> list[tuple[nn.Module, Any]]:
     net = children[0] if len(children) == 1 else module
     first = next((m for m in net.modules() if any(True for _ in m.parameters(recurse=False))), None)
     # registration order is not forward order (litgpt registers lm_head before its token embedding): token ids
-    # for the first nn.Embedding are tried too
-    embedding = next((m for m in net.modules() if isinstance(m, nn.Embedding)), None)
+    # for the first nn.Embedding (images for the first nn.Conv2d) are tried too
+    embedding = next((m for m in net.modules() if isinstance(m, (nn.Embedding, nn.Conv2d))), None)
     g = torch.Generator().manual_seed(0)  # the same sample on every rank
     guesses = []
     for layer in dict.fromkeys(m for m in (first, embedding) if m is not None):
@@ -67,6 +67,13 @@ def _made_up(module: nn.Module) -> list[tuple[nn.Module, Any]]:
             guesses.append((net, torch.randint(0, layer.num_embeddings, (2, 4), generator=g)))
         elif isinstance(layer, nn.Linear):
             guesses.append((net, torch.randn(2, layer.in_features, generator=g)))
+        elif isinstance(layer, nn.Conv2d):  # an image model: square images of the size it declares, if it does
+            size = next(
+                (getattr(m, "image_size") for m in net.modules() if isinstance(getattr(m, "image_size", None), int)),
+                None,
+            )
+            if size is not None:
+                guesses.append((net, torch.randn(2, layer.in_channels, size, size, generator=g)))
     return guesses
 
 

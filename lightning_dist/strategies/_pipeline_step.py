@@ -33,6 +33,7 @@ from torch import Tensor
 
 from lightning_dist.mesh import PP
 from lightning_dist.parallelize.cp import shift_labels
+from lightning_dist.parallelize.cp_probe import evaluating, module_names
 from lightning_dist.parallelize.pipeline_hf import hf_labels_loss, labelled_tokens
 from lightning_dist.parallelize.pipeline_output import (
     PipelineOutput,
@@ -337,6 +338,41 @@ def cut_target(cp: Any, target: Any, owner: str) -> Tensor:
     return target.index_select(1, call.positions.to(target.device))
 
 
+class PipelineProbe:
+    """Context parallelism's self-check passes (:mod:`~lightning_dist.parallelize.cp_probe`) through the pipeline
+    schedule: `inputs` (one sequence per micro-batch) cut as the network call cuts a batch (:func:`cut_for_cp`,
+    :func:`cut_target`) in the split pass, whole with ``position_ids`` 0, 1, ... in the unsplit one; the schedule's loss
+    is the probe's and its target each token's index. Every pp rank runs it (the schedule is collective)."""
+
+    def __init__(self, strategy: Any, inputs: Tensor) -> None:
+        self.strategy, self.inputs = strategy, inputs
+        self.order = min(strategy.local_stages)  # the first stage's rank runs the forward's first modules
+
+    def run(self, *, split: bool, loss: Any, index: Tensor, position_ids: Optional[Tensor] = None) -> Optional[Tensor]:
+        strategy = self.strategy
+        cp, runner, x = strategy._cp, strategy._runner, self.inputs
+        if position_ids is None and not split:  # every stage takes them under cp; the split adds its own
+            position_ids = torch.arange(x.shape[1], device=x.device).expand(x.shape[0], -1)
+        extra = {} if position_ids is None else {"position_ids": position_ids}
+        target = index
+        if split:
+            x, extra, _, _ = cut_for_cp(cp, x, extra, None)
+            target = cut_target(cp, index, type(strategy.lightning_module).__name__)
+        mode = cp.active() if split else cp.unsplit()  # the unsplit pass's checkpointed blocks recompute without it
+        # eager where blocks are compiled: a compile for the probe's sizes would mark training's sizes dynamic
+        eager = torch.compiler.set_stance("force_eager")
+        with evaluating(*runner.views), mode, eager, torch.set_grad_enabled(loss is not None):
+            out, _, _ = runner.step(
+                x, n_microbatches=x.shape[0], loss_fn=loss, target=target, kwargs=extra, keep_output=True
+            )
+        if loss is not None:
+            sum_tied_gradients(strategy._tied)  # as each training step does
+        return None if out is None else out.detach()
+
+    def modules(self) -> list[tuple[str, Any]]:
+        return [pair for view in self.strategy._runner.views for pair in module_names(view, self.strategy.network)]
+
+
 def serve_loss(strategy: Any, call: Optional[NetworkCall], output: Any, target: Any, original: Any) -> Optional[Tensor]:
     """``pipeline_loss(out, target)``: the batch loss when `output` is what `call` (the step's last network call,
     None: no step or no call) returned; None for any other tensor (the module's own loss computes it)."""
@@ -359,4 +395,4 @@ def serve_loss(strategy: Any, call: Optional[NetworkCall], output: Any, target: 
     return strategy._runner.from_last_stage(value, ("loss", "eval"))
 
 
-__all__ = ["NetworkCall", "PipelineStep", "cp_share", "cut_for_cp", "cut_target", "serve_loss"]
+__all__ = ["NetworkCall", "PipelineProbe", "PipelineStep", "cp_share", "cut_for_cp", "cut_target", "serve_loss"]

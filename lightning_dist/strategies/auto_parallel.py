@@ -17,6 +17,7 @@ training runs as that strategy alone; this object takes no further part.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any, Optional, Union
 
 import torch
@@ -127,6 +128,9 @@ class AutoParallelStrategy(MeshStrategy):
             isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1
         ):
             problems.append(f"`global_batch={global_batch!r}` must be an integer >= 1.")
+        for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
+            if (value is not None or name == "batch_size") and not _positive_int(value):
+                problems.append(f"`{name}={value!r}` must be an integer >= 1{_SIZES[name]}.")
         if optimizer not in planner.OPTIMIZER_SLOTS:
             problems.append(f"`optimizer={optimizer!r}` must be one of {sorted(planner.OPTIMIZER_SLOTS)}.")
         if problems:
@@ -148,18 +152,25 @@ class AutoParallelStrategy(MeshStrategy):
     # ---- choosing ------------------------------------------------------------------------------
     def candidates(self) -> list[planner.Layout]:
         """The planner's fitting, runnable layouts for the attached model, best first (pure arithmetic)."""
+        return planner.rank_layouts(self._layouts(), global_batch=self.global_batch, prefer=self.prefer)
+
+    def _layouts(self, *, fitted: bool = True) -> list[planner.Layout]:
+        """Every candidate layout, with ``fits`` judged by :func:`device_need` (`fitted=False`: not judged)."""
         assert self.lightning_module is not None
         state = planner.state_bytes(precision=precision_flag(self.precision_plugin), optimizer=self.optimizer)
-        world = self.num_nodes * self.num_processes
+        counts = count_params(self.lightning_module)
         layouts = planner.candidate_layouts(
-            count_params(self.lightning_module),
-            world_size=world,
+            counts,
+            world_size=self.num_nodes * self.num_processes,
             devices_per_node=self.num_processes,
             state=state,
-            device_memory=self.device_memory,
             activation=self._activation(state),
         )
-        return planner.rank_layouts(layouts, global_batch=self.global_batch, prefer=self.prefer)
+        memory = self.device_memory if fitted else None
+        return [
+            replace(layout, fits=None if memory is None else device_need(layout, counts, state) <= memory)
+            for layout in layouts
+        ]
 
     def _activation(self, state: planner.StateBytes) -> Optional[planner.ActivationShape]:
         """The step's activation shape when ``seq_len`` is given and the network's attention is known (the pack's
@@ -257,11 +268,24 @@ class AutoParallelStrategy(MeshStrategy):
         chosen.setup_environment()
 
     def _nothing_fits(self) -> str:
+        """The refusal when no layout fits, naming the smallest need (the same on every rank: pure arithmetic)."""
+        state = planner.state_bytes(precision=precision_flag(self.precision_plugin), optimizer=self.optimizer)
+        counts = count_params(self.lightning_module)
+        runnable = planner.rank_layouts(self._layouts(fitted=False), global_batch=self.global_batch)
+        smallest = min(runnable, key=lambda layout: device_need(layout, counts, state), default=None)
+        if smallest is None:
+            need = f" No layout's data-parallel size divides global_batch={self.global_batch}: change global_batch."
+        else:
+            what = " (the largest FSDP unit gathered, with its gradient)" if smallest.kind == "offload" else ""
+            need = (
+                f" The smallest layout, {smallest.name}, needs {device_need(smallest, counts, state):,.0f} bytes per"
+                f" device{what}: give at least that much device_memory, or use more devices or a smaller model."
+            )
         return (
             f"auto_parallel: no layout fits device_memory={self.device_memory or 0:,} bytes"
             f"{f' with global_batch={self.global_batch}' if self.global_batch else ''} on"
-            f" {self.num_nodes * self.num_processes} devices, not even with everything offloaded to host memory."
-            " Use more devices, a smaller model, or `lightning-dist plan` to see what each layout needs."
+            f" {self.num_nodes * self.num_processes} devices, not even with everything offloaded to host memory.{need}"
+            " `lightning-dist plan` shows what each layout needs."
         )
 
     def build(self, layout: planner.Layout) -> MeshStrategy:
@@ -277,6 +301,27 @@ class AutoParallelStrategy(MeshStrategy):
             f"AutoParallelStrategy(device_memory={self.device_memory}, prefer={list(self.prefer)},"
             f" verify={self.verify})"
         )
+
+
+_SIZES = {
+    "batch_size": " (samples per data-parallel rank for the dry run)",
+    "seq_len": " (tokens per sequence, e.g. 8192 rather than '8k'), or None",
+}
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def device_need(layout: planner.Layout, counts: planner.ParamCounts, state: planner.StateBytes) -> float:
+    """The device bytes `layout` needs at least: its model states on the device, and for an offload layout (model
+    states in host memory, 0 bytes on the device in the planner's column) the largest FSDP unit, which FSDP2 copies to
+    the device and gathers for its forward and backward and whose gradient it reduces there before moving it back."""
+    if layout.offload.params == "device":
+        return layout.memory.total
+    # FSDP units: each block of the block list, and the root holding the rest (embeddings, head); one unit: all
+    unit = max((*counts.layer_params, counts.pre_params + counts.post_params)) if counts.layer_params else counts.total
+    return layout.memory.total + unit * (state.gather + state.reduce)
 
 
 def format_choice(ranked: Sequence[planner.Layout], *, device_memory: float) -> str:
@@ -316,4 +361,4 @@ def format_choice(ranked: Sequence[planner.Layout], *, device_memory: float) -> 
     return buf.getvalue()
 
 
-__all__ = ["AutoParallelStrategy", "format_choice", "strategy_for"]
+__all__ = ["AutoParallelStrategy", "device_need", "format_choice", "strategy_for"]

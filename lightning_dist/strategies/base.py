@@ -10,7 +10,8 @@ materialization. It does not subclass ``ModelParallelStrategy``, whose accelerat
 * samplers over the data-parallel mesh ``dp`` only, so ranks that saw the same samples (tensor/pipeline/context
   peers) are not double-counted; ``reduce`` and ``self.log(..., sync_dist=True)`` over ``dp`` (x ``cp``: context
   peers hold parts of the same sequences, and their mean is the whole sequences' loss);
-* context parallelism (``cp > 1``): each sequence split over the cp ranks (``lightning_dist.parallelize.cp``);
+* context parallelism (``cp > 1``): each sequence split over the cp ranks (``lightning_dist.parallelize.cp``), checked
+  at setup by running a probe batch split and unsplit (``lightning_dist.parallelize.cp_probe``; ``self_check``);
 * the model is parallelized by the strategy (built-in plans via ``parallelize_model``, or the user's
   ``parallelize_fn(model, mesh)``), so ``configure_model`` is optional;
 * atomic sharded / consolidated checkpoints that load into any mesh (``lightning_dist.checkpoint``).
@@ -42,7 +43,7 @@ from lightning_dist._integrations.lightning import (
     sync_ddp_if_available,
 )
 from lightning_dist.grads import clip_grads_by_norm_, clip_grads_by_value_
-from lightning_dist.mesh import CP, DIM_NAMES, TP, DistMesh, MeshSpec
+from lightning_dist.mesh import CP, DIM_NAMES, DP_CP, TP, DistMesh, MeshSpec
 from lightning_dist.parallelize.sync import broadcast_module_states, materialize_in_sync, shared_seed
 from lightning_dist.strategies._checkpoints import ShardedCheckpointMixin
 from lightning_dist.strategies._processes import ProcessesMixin, as_timeout
@@ -81,6 +82,13 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
             CPU and CUDA kernels, no attention dropout).
         cp_network: the attribute of the LightningModule holding the network called with the token ids
             (``"auto"``: ``model``, else its one child).
+        self_check: under context parallelism, run one forward and backward of a probe batch split and unsplit
+            through the model at setup, compare the outputs and the gradients, and refuse a difference naming the
+            module and the likely reason (``docs/self_checks.md``; its cost is printed once). ``False`` skips it, for
+            a model known to be exact under cp.
+        moe_aux_loss: ``"global"``: a HuggingFace mixture of experts' router load-balancing loss is the one of the
+            global batch, as one device computes it (its per-expert sums all-reduced over the data-parallel ranks
+            each step); ``"local"``: each rank's own loss on its tokens, averaged (what plain DDP gives).
         allow_cross_node_tp: accept a ``tp`` group larger than one node.
         parallelize_fn: ``fn(model, mesh)`` that parallelizes the LightningModule in place, replacing the
             strategy's built-in plan (for models the built-in plans do not cover).
@@ -103,6 +111,8 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
         tp: int = 1,
         cp_style: str = "ulysses",
         cp_network: str = "auto",
+        self_check: bool = True,
+        moe_aux_loss: str = "global",
         allow_cross_node_tp: bool = False,
         parallelize_fn: Optional[ParallelizeFn] = None,
         save_distributed_checkpoint: bool = True,
@@ -122,15 +132,29 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
                 "`async_checkpoint=True` writes sharded checkpoints in the background; it needs"
                 " `save_distributed_checkpoint=True` (a consolidated file is gathered on rank 0 first)."
             )
+        if not isinstance(self_check, bool):
+            problems.append(f"`self_check={self_check!r}` must be True or False.")
+        if moe_aux_loss not in ("global", "local"):
+            problems.append(
+                f"`moe_aux_loss={moe_aux_loss!r}` must be 'global' (a mixture of experts' router loss over the global"
+                " batch, as one device computes it) or 'local' (each data-parallel rank's own, averaged)."
+            )
         if parallelize_fn is not None and not callable(parallelize_fn):
             problems.append(f"`parallelize_fn={parallelize_fn!r}` must be callable as fn(model, mesh).")
         if problems:
             raise ValueError(f"Invalid {type(self).__name__} configuration:\n  - " + "\n  - ".join(problems))
         self._sizes = {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp, "tp": tp}
+        self._mesh_arg_names: tuple[tuple[str, str], ...] = ()  # a subclass's own name of a dim (shard_size)
         self.cp_style = cp_style
         self.cp_network = cp_network
         self._cp: Any = None  # the ContextParallel state (cp > 1), built with the mesh
         self._cp_loss: Any = None  # the module's own pipeline_loss while cp serves it the target's chunks
+        self.self_check = self_check
+        self.moe_aux_loss = moe_aux_loss
+        self.cp_probe_report: Any = None
+        """What context parallelism's self-check measured (a :class:`~lightning_dist.parallelize.cp_probe.ProbeReport`;
+        None: it did not run)."""
+        self._cp_probe_due = False  # set by `prepare_model` for a model this setup parallelized under cp
         self._allow_cross_node_tp = allow_cross_node_tp
         self._parallelize_fn = parallelize_fn
         self._mesh: Optional[DistMesh] = None
@@ -155,6 +179,7 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
             world_size=self.num_nodes * self.num_processes,
             devices_per_node=self.num_processes,
             allow_cross_node_tp=self._allow_cross_node_tp,
+            arg_names=self._mesh_arg_names,
             **self._sizes,
         ).resolve()
 
@@ -279,6 +304,8 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
         with self._allocation_mode or contextlib.nullcontext():
             self.materialize_model(seed)
             self.barrier()
+            if self._allocation_mode is None:  # evaluation too: a wrong split gives wrong metrics
+                self.check_context_parallel()
             if trainer.state.fn == TrainerFn.FITTING:
                 self.setup_optimizers(trainer)
             self.setup_precision_plugin()
@@ -323,6 +350,7 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
             self.apply_parallelism()
         if self._cp is not None:
             self._attach_cp()
+        self._cp_probe_due = not parallelized and self._cp is not None
         return seed
 
     def materialize_model(self, seed: Optional[int]) -> None:
@@ -343,7 +371,9 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        self.check_split_model()
+        # on whole sequences (cp's split has its own check, `check_context_parallel`): every cp rank computes alike
+        with self._cp.unsplit() if self._cp is not None else contextlib.nullcontext():
+            self.check_split_model()
 
     def apply_parallelism(self) -> None:
         """The user's ``parallelize_fn`` or the built-in :meth:`parallelize` (:meth:`prepare_model` calls it once, on a
@@ -387,6 +417,48 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
 
             self._cp_loss = serve_pipeline_loss(self.lightning_module, serve) or False
 
+    def check_context_parallel(self) -> None:
+        """Context parallelism's self-check of the materialized, parallelized model, once per model (``setup``;
+        ``self_check=False`` skips it): a probe batch split and unsplit, forward and backward
+        (:mod:`~lightning_dist.parallelize.cp_probe`). Collective: every rank runs it, every rank refuses together."""
+        due, self._cp_probe_due = self._cp_probe_due, False
+        if not (due and self.self_check):
+            return
+        from lightning_dist.parallelize.cp_probe import run_cp_probe
+
+        found = self.cp_probe()
+        if found is None:
+            rank_zero_warn(
+                "The context-parallel self-check found no probe batch for this network (no `example_input_array`,"
+                " no nn.Embedding or nn.Linear to make one for): it did not run. Set `example_input_array` to token"
+                " ids of the network, or pass self_check=False to silence this."
+            )
+            return
+        probe, sample = found
+        params = [(n, p) for n, p in self.lightning_module.named_parameters() if p.requires_grad]
+        describe = f"context-parallel (cp={self.mesh.cp_size}, {self.cp_style})"
+        self.cp_probe_report = run_cp_probe(probe, self._cp, params, sample=sample)
+        self.reshard()
+        rank_zero_info(self.cp_probe_report.format(describe))
+
+    def cp_probe(self) -> Optional[tuple[Any, str]]:
+        """(the self-check's way to run a probe batch through this strategy's model, the batch in words), or None
+        when no batch can be made. Here: through the network's cp hook (the pipeline runs its schedule instead)."""
+        from lightning_dist.parallelize.cp_probe import NetworkProbe, probe_inputs
+
+        network = self._cp.network
+        example = getattr(self.lightning_module, "example_input_array", None)
+        found = probe_inputs(network, self.mesh.cp_size, example=example)
+        if found is None:
+            return None
+        inputs, sample = found
+        dtype = next(network.parameters()).dtype if inputs.is_floating_point() else None
+        name = next(n for n, m in self.lightning_module.named_modules() if m is network)
+        context = self.precision_plugin.forward_context
+        return NetworkProbe(
+            self._cp, network, name, inputs.to(self.root_device, dtype), forward_context=context
+        ), sample
+
     @property
     def cp_state(self) -> Any:
         """Context parallelism's state (:class:`~lightning_dist.parallelize.cp.ContextParallel`: the hooked network,
@@ -400,8 +472,18 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
 
     def step_context(self) -> Any:
         """The context every training/validation/test step runs in (subclasses add theirs around it): context
-        parallelism's attention mode under cp, else nothing."""
-        return self._cp.active() if self._cp is not None else contextlib.nullcontext()
+        parallelism's attention mode under cp; a mixture of experts' router loss over the global batch."""
+        stack = contextlib.ExitStack()
+        if self._cp is not None:
+            stack.enter_context(self._cp.active())
+        if self.moe_aux_loss == "global" and self.mesh.size(DP_CP) > 1:
+            from lightning_dist._integrations.transformers_moe import global_router_loss
+            from lightning_dist.parallelize.moe import global_balance_loss
+
+            group = self.mesh.group(DP_CP)
+            stack.enter_context(global_balance_loss(group))  # the pack's own MoE layers
+            stack.enter_context(global_router_loss(self.lightning_module, group))  # a transformers model's
+        return stack
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

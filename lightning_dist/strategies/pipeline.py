@@ -46,11 +46,13 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_dist import rules
+from lightning_dist._integrations.transformers_moe import router_loss_in_use
 from lightning_dist.mesh import PP, TP, MeshSpec
 from lightning_dist.parallelize import ParallelizeConfig, pipeline_model
 from lightning_dist.parallelize import pipeline as plan
 from lightning_dist.parallelize import pipeline_setup as checks
 from lightning_dist.parallelize.ac import ACOption, ac_problems, check_offload_device, split_backward_problems
+from lightning_dist.parallelize.cp_probe import probe_inputs
 from lightning_dist.parallelize.pipeline_checks import host_copy, tied_stages
 from lightning_dist.parallelize.pipeline_output import serve_pipeline_loss, unserve_pipeline_loss
 from lightning_dist.parallelize.pipeline_schedule import PipelineRunner, schedule_problems
@@ -61,7 +63,7 @@ from lightning_dist.parallelize.tp_plan import format_plan
 from lightning_dist.parallelize.tp_vocab import TPEntry
 from lightning_dist.rules import SCHEDULES
 from lightning_dist.strategies import _pipeline_checkpoints as checkpoints
-from lightning_dist.strategies._pipeline_step import PipelineStep, serve_loss
+from lightning_dist.strategies._pipeline_step import PipelineProbe, PipelineStep, serve_loss
 from lightning_dist.strategies.base import MeshStrategy
 
 log = logging.getLogger(__name__)
@@ -182,6 +184,7 @@ class PipelineStrategy(MeshStrategy):
         self._calls = 0  # network calls so far: a stand-in names the call it came from
         self._own_loss: Any = None  # the module's pipeline_loss while the strategy serves it (see `setup`)
         self._unsplit: Optional[nn.Module] = None  # CPU copy of the network until the first batch checked the stages
+        self._cp_probe_inputs: Optional[tuple[Tensor, str]] = None  # made before the split (stage 0 holds the vocab)
 
     # ---- configuration -------------------------------------------------------------------------
     @property
@@ -240,6 +243,15 @@ class PipelineStrategy(MeshStrategy):
         if self._is_pipelined(net):
             return  # the same Trainer again (validate/test after fit): already split and checked
         problems += checks.module_problems(module, self.network, net)
+        if isinstance(net, nn.Module) and (moe := router_loss_in_use(net)) is not None:
+            # the loss sums router statistics over every layer before multiplying them: no stage can add its part
+            problems.append(
+                f"{moe} adds a router load-balancing loss computed from every layer's router statistics together"
+                " (config.output_router_logits=True, router_aux_loss_coef > 0); a pipeline stage holds some layers"
+                " only, so its loss would leave out the others'. Set output_router_logits=False (or"
+                " router_aux_loss_coef=0) to pipeline it, or train it with hsdp/fsdp2/tp, where that loss is taken"
+                " over the global batch."
+            )
         if spec.cp > 1 and isinstance(net, nn.Module):
             problems += checks.cp_stage_problems(net)
         if problems or net is None:
@@ -282,6 +294,9 @@ class PipelineStrategy(MeshStrategy):
             # no sample micro-batch: the staged forward is compared with this copy on the first batch (in `_run`)
             self._unsplit = host_copy(net)
         self.split = setup.split
+        if self._cp is not None:  # cp's self-check batch, one sequence per micro-batch (see `check_context_parallel`)
+            example = getattr(module, "example_input_array", None)
+            self._cp_probe_inputs = probe_inputs(net, mesh.cp_size, example=example, rows=self.n_microbatches)
         if setup.mode == "balanced":
             assert sample is not None
             # profiled on global rank 0 alone (the others would compete for its cores), the same split everywhere
@@ -373,6 +388,24 @@ class PipelineStrategy(MeshStrategy):
     def step_context(self) -> Any:
         # the network call holds the attention mode around the schedule itself (not around the first-batch check)
         return contextlib.nullcontext()
+
+    @override
+    def cp_probe(self) -> Optional[tuple[Any, str]]:
+        found, self._cp_probe_inputs = self._cp_probe_inputs, None
+        if found is None or self._runner is None:
+            return None
+        inputs, sample = found
+        dtype = next(iter(self._runner.params)).dtype if inputs.is_floating_point() else None
+        return PipelineProbe(self, inputs.to(self.root_device, dtype)), f"{sample} (one per micro-batch)"
+
+    @override
+    def check_context_parallel(self) -> None:
+        probed = self._cp_probe_due and self.self_check
+        try:
+            super().check_context_parallel()
+        finally:
+            if probed and self._runner is not None:
+                self._runner.clear()  # the probe's schedules (its own batch shape) are not training's
 
     # ---- the step ------------------------------------------------------------------------------
     def _run(self, *args: Any, **kwargs: Any) -> Any:

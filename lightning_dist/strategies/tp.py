@@ -72,12 +72,9 @@ class TensorParallelStrategy(HybridShardStrategy):
         dp_shard: Union[int, Literal["auto"]] = "auto",
         zero_stage: Literal[1, 2, 3] = 3,
         activation_checkpointing: Union[bool, str, Sequence[str]] = False,
-        self_check: bool = True,
         **kwargs: Any,
     ) -> None:
         problems = []
-        if not isinstance(self_check, bool):
-            problems.append(f"`self_check={self_check!r}` must be True or False.")
         if tp != "auto" and (isinstance(tp, bool) or not isinstance(tp, int) or tp < 1):
             problems.append(f'`tp={tp!r}` must be an integer >= 1 or "auto" (the devices of one node).')
         if isinstance(plan, str) and plan != "auto" and plan not in BUILTIN_PLANS:
@@ -114,7 +111,6 @@ class TensorParallelStrategy(HybridShardStrategy):
         """The resolved plan (filled in when the model is parallelized)."""
         self.tp_probe_diff: Optional[float] = None
         """Relative output difference split vs unsplit on one sample (None: no sample could run)."""
-        self.self_check = self_check
         self.self_check_report: Optional[SelfCheckReport] = None
         """What the setup self-check measured (None: it did not run)."""
         self._self_check_pending = False

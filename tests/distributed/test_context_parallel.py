@@ -13,6 +13,10 @@ dp_shard x cp.
 A third launch (4 processes) runs PipelineStrategy pp2 x cp2: the pack's GPT (also with activation checkpointing, and a
 validation pass) and HF Llama (``pipeline_loss``, and its ``labels=``), each rank's stage parameters at float64
 round-off, and the pipeline's refusals under cp.
+
+Every run also passes the setup self-check (the probe batch split and unsplit: outputs and gradients at float64
+round-off), and the self-check refuses issue 38's silent cases on every rank with the reason: a hand-written attention,
+positions numbered by the model, outputs pooled over the sequence (Ulysses and the ring at cp2, and pp2 x cp2).
 """
 
 import math
@@ -24,6 +28,30 @@ from tests._harness import results, run_script
 pytestmark = pytest.mark.distributed
 
 TOL = 1e-12
+# what the self-check's refusal names for each silent case (the module and the likely reason), on every rank
+SILENT = {
+    "hand_attention": ("`model.blocks.0.attn`", "no attention call went through the exchange (0 calls of"),
+    "own_positions": ("`model.pos_emb`", "does not change when it is given other `position_ids`"),
+    "pooled": ("no row per token to compare", "it is pooled over the sequence"),
+}
+
+
+def _probe_passed(r: dict) -> None:
+    """The setup self-check ran on this run and found the split exact (float64): it can refuse, see the silent cases."""
+    probe = r["probe"]
+    assert probe is not None and probe["calls"] > 0 and probe["s"] > 0, r
+    assert probe["output"] <= TOL and probe["grads"] <= TOL, r
+
+
+def _refused_with_reason(rows: list[dict], kind: str, world: int, styles: tuple) -> None:
+    found = [r for r in rows if r["kind"] == kind]
+    assert sorted((r["name"], r.get("style")) for r in found) == sorted(
+        (name, style) for name in SILENT for style in styles for _ in range(world)
+    ), found
+    for r in found:
+        module, reason = SILENT[r["name"]]
+        assert r["error"] and "would train a different model than one device" in r["error"], r
+        assert module in r["error"] and reason in r["error"] and "self_check=False" in r["error"], r
 
 
 def _check(rows: list[dict], world: int, expected: set[tuple[str, str]]) -> None:
@@ -40,6 +68,7 @@ def _check(rows: list[dict], world: int, expected: set[tuple[str, str]]) -> None
         dp = world // (cp * tp)
         assert r["sampler"]["num_replicas"] == dp, r  # cp peers read the same samples
         assert r["fsdp_size"] == dp * cp, r  # parameters sharded over dp_shard x cp
+        _probe_passed(r)
 
 
 @pytest.mark.compat  # the ring calls torch's private ring attention functions: checked on both ends of the range
@@ -90,6 +119,22 @@ def test_context_parallel_2_processes():
             "3 attention heads do not divide over cp=2" if r["name"] == "heads" else "sequence length 6 does not divide"
         )
         assert r["error"] and want in r["error"], r
+    # issue 38's silent cases, each trained a different model with exit 0: refused at setup under both exchanges
+    _refused_with_reason(rows, "cp_self_check", 2, ("ulysses", "ring"))
+    # gradients left unaveraged over cp by a parallelize_fn (an exact forward): each replicated parameter's gradient
+    # differs between the cp ranks, refused naming why
+    grads = [r for r in rows if r["kind"] == "cp_self_check_grads"]
+    assert len(grads) == 2 and all("the outputs agree and the gradients do not" in (r["error"] or "") for r in grads)
+    # the opt-out trains the hand-written attention (as the user asked) without running the check
+    off = [r for r in rows if r["kind"] == "cp_self_check_off"]
+    assert len(off) == 2 and all(r["error"] is None and r["report"] is None for r in off), off
+    # a plain cross_entropy(self(x), y) on the whole target: refused at the first step naming the loss convention
+    # (torch alone: "Expected input batch_size (32) to match target batch_size (64)")
+    plain = [r for r in rows if r["kind"] == "cp_plain_loss"]
+    assert len(plain) == 2, plain
+    for r in plain:
+        assert r["error"] and "input of shape (32, 64) and a target of shape (64,)" in r["error"], r
+        assert "`loss = self.pipeline_loss(logits, target)`" in r["error"], r
 
 
 def test_context_parallel_4_processes():
@@ -124,6 +169,7 @@ def test_context_parallel_with_pipeline_4_processes():
         assert real <= r["attention_calls"] <= real + 2, r
         if r["val_loss"] is not None:
             assert math.isclose(r["val_loss"], r["val_ref"], rel_tol=1e-12), r
+        _probe_passed(r)  # through the schedule: each rank's stage gradients, the output on the last stage
     for name, model in expected:  # the two stages together hold every parameter, each cp rank a whole stage's
         these = [r for r in runs if (r["name"], r["model"]) == (name, model)]
         stages = {tuple(r["names"]) for r in these}
@@ -139,3 +185,4 @@ def test_context_parallel_with_pipeline_4_processes():
     }
     for name, errors in refusals.items():
         assert len(errors) == 4 and all(e and want[name] in e for e in errors), (name, errors)  # on every rank
+    _refused_with_reason(rows, "cp_pp_self_check", 4, (None,))

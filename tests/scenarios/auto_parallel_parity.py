@@ -21,6 +21,7 @@ from lightning_dist import planner
 from lightning_dist.models.gpt import CharGPT
 from lightning_dist.parallelize.counts import count_params
 from lightning_dist.strategies import AutoParallelStrategy
+from lightning_dist.strategies.auto_parallel import device_need
 
 STEPS, SEQ, N = 2, 8, 48
 SIZES = dict(vocab_size=32, block_size=SEQ, n_layer=2, n_head=4, n_embd=16, bias=False)
@@ -56,15 +57,12 @@ def reference(global_batch: int) -> dict:
 
 
 def budget(target: str, world: int) -> float:
-    """The target layout's planned device bytes (float64 AdamW) + 1%."""
-    layouts = planner.candidate_layouts(
-        count_params(Task(8)),
-        world_size=world,
-        devices_per_node=world,
-        state=planner.state_bytes(precision="64-true"),
-    )
+    """The target layout's device bytes as the chooser counts them (float64 AdamW; for the offload layout, the largest
+    FSDP unit gathered with its gradient) + 1%."""
+    counts, state = count_params(Task(8)), planner.state_bytes(precision="64-true")
+    layouts = planner.candidate_layouts(counts, world_size=world, devices_per_node=world, state=state)
     layout = next(lay for lay in layouts if lay.name == target)
-    return max(1.0, layout.memory.total * 1.01)
+    return device_need(layout, counts, state) * 1.01
 
 
 world = int(os.environ["WORLD_SIZE"])
@@ -98,9 +96,12 @@ for target, global_batch, prefer in runs:
         offload_policy=type(getattr(t.strategy, "offload_policy", None)).__name__,
     )
 
-# nothing fits: 1 byte per device and a global batch of 6 (rules out full sharding with everything offloaded)
-try:
-    trainer(AutoParallelStrategy(device_memory=1, global_batch=6), devices=world, steps=STEPS).fit(Task(6))
-    emit(kind="nothing-fits", error=None)
-except ValueError as err:
-    emit(kind="nothing-fits", error=str(err))
+# nothing fits: 1 byte per device and a global batch of 6 (rules out full sharding with everything offloaded); 1 KB,
+# less than the offload layout's largest FSDP unit gathered on the device (it trained with "device bytes 0 B")
+for name, memory, global_batch in (("batch6", 1, 6), ("1KB", "1KB", None)):
+    try:
+        strategy = AutoParallelStrategy(device_memory=memory, global_batch=global_batch)
+        trainer(strategy, devices=world, steps=STEPS).fit(Task(global_batch or 8))
+        emit(kind="nothing-fits", name=name, error=None)
+    except ValueError as err:
+        emit(kind="nothing-fits", name=name, error=str(err))

@@ -20,6 +20,7 @@ pipeline's float64 loss on both sides), and the refusals (``broadcast_output=Tru
 from __future__ import annotations
 
 import argparse
+import math
 
 import lightning.pytorch as pl
 import torch
@@ -30,6 +31,8 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_dist  # noqa: F401  (registers the strategies)
 from lightning_dist.models import GPT
+from lightning_dist.models.gpt import PositionEmbedding
+from lightning_dist.models.layers import Attention
 from lightning_dist.strategies import HybridShardStrategy, PipelineStrategy, TensorParallelStrategy
 
 STEPS, GLOBAL_BATCH, N, SEQ, VOCAB = 3, 4, 12, 16, 64
@@ -63,6 +66,55 @@ def build(kind: str) -> torch.nn.Module:
         # rounding noise into lr-sized steps, on the reference and the split runs alike
         if name.endswith(("k_proj.bias", ".k.bias")):
             p.requires_grad_(False)
+    return model
+
+
+class HandAttention(Attention):
+    """The pack's attention written by hand (softmax(q k^T / sqrt(d) + causal mask) v): no call the exchange sees."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (t.unflatten(-1, (-1, self.head_dim)).transpose(1, 2) for t in (self.q(x), self.k(x), self.v(x)))
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+        scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)
+        future = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device).triu(1)
+        y = scores.masked_fill(future, float("-inf")).softmax(-1) @ v
+        return self.proj(y.transpose(1, 2).flatten(2))
+
+
+class OwnPositions(PositionEmbedding):
+    """Takes `position_ids` and numbers the positions itself (0 .. T-1 of whatever part of the sequence it sees)."""
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return x + self.weight[: x.shape[1]]
+
+
+class Pool(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean(1)
+
+
+class PooledGPT(GPT):
+    """Sequence classification: the logits pooled over the sequence, [batch, classes] (its last child: a pipeline
+    stage runs the children in order)."""
+
+    def __init__(self, **sizes) -> None:
+        super().__init__(**sizes)
+        self.pool = Pool()
+
+    def forward(self, idx, position_ids=None):
+        return self.pool(super().forward(idx, position_ids))
+
+
+def silent_case(case: str) -> torch.nn.Module:
+    """A model cp cannot split exactly and does not see into (issue 38): the self-check must refuse it."""
+    torch.manual_seed(0)
+    sizes = dict(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, mlp_ratio=2)
+    model = (PooledGPT if case == "pooled" else GPT)(**sizes)
+    if case == "hand_attention":
+        for block in model.blocks:
+            block.attn.__class__ = HandAttention
+    if case == "own_positions":
+        model.pos_emb.__class__ = OwnPositions
     return model
 
 
@@ -150,7 +202,48 @@ def run(kind: str, strategy, world: int, *, hf_labels: bool = False, name: str) 
         shape=list(mesh.spec.shape),
         sampler=t.strategy.distributed_sampler_kwargs,
         fsdp_size=mesh.fsdp_mesh().size(),
+        probe=probe_figures(t.strategy),
     )
+
+
+def probe_figures(strategy) -> dict | None:
+    """The setup self-check's figures (None: it did not run)."""
+    report = strategy.cp_probe_report
+    if report is None:
+        return None
+    return dict(output=report.output_diff, grads=report.grad_diff, calls=report.attention_calls, s=report.seconds)
+
+
+class SilentCase(Task):
+    """A model of issue 38's silent cases, with the convention's loss (per sequence for the pooled one)."""
+
+    def __init__(self, case: str) -> None:
+        super().__init__("gpt_gqa")
+        self.model = silent_case(case)
+        self.pooled = case == "pooled"
+
+    def pipeline_target(self, batch):
+        return batch[1][:, 0] if self.pooled else batch[1]
+
+    def training_step(self, batch, batch_idx):
+        loss = self.pipeline_loss(logits(self.model, batch[0]), self.pipeline_target(batch))
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def pipeline_loss(self, output, target):
+        return F.cross_entropy(output, target) if self.pooled else super().pipeline_loss(output, target)
+
+
+SILENT_CASES = ("hand_attention", "own_positions", "pooled")
+
+
+def refused(make_strategy, module, *, steps: int = 1) -> str | None:
+    """The ValueError a fit raised (None: it trained)."""
+    try:
+        trainer(make_strategy(), devices=world, steps=steps).fit(module)
+    except ValueError as err:
+        return str(err)
+    return None
 
 
 parser = argparse.ArgumentParser()
@@ -163,7 +256,7 @@ parser.add_argument("--pipeline", action="store_true", help="the pp2 x cp2 rows 
 args = parser.parse_args()
 STEPS = args.steps
 world = args.devices
-models = [m for m in args.models.split(",") if m and m != "ac"]
+models = [m for m in args.models.split(",") if m and m not in ("ac", "self_check")]
 
 
 def stage_diff(module, ref: dict) -> tuple[float, list[str]]:
@@ -217,6 +310,7 @@ def run_pipeline(kind: str, name: str, *, hf_labels: bool = False, validate: boo
         shape=list(mesh.spec.shape),
         sampler=t.strategy.distributed_sampler_kwargs,
         fsdp_size=mesh.fsdp_mesh().size(),
+        probe=probe_figures(t.strategy),
     )
 
 
@@ -247,6 +341,10 @@ if args.pipeline:
             emit(kind="cp_pp_refusal", name=name, error=None)
         except ValueError as err:
             emit(kind="cp_pp_refusal", name=name, error=str(err))
+    # issue 38's silent cases under pp2 x cp2: refused by the setup self-check, through the schedule
+    for case in SILENT_CASES:
+        strategy = lambda: PipelineStrategy(pp=2, cp=2, dp_replicate=1)  # noqa: E731
+        emit(kind="cp_pp_self_check", name=case, error=refused(strategy, SilentCase(case)))
     models = []  # the rows below are the other launches'
 if world == 2:
     meshes = {
@@ -328,6 +426,30 @@ if world == 2 and ("gpt_gqa" in models or args.models == "ac"):
             diffs.append((summed - whole.grad).abs().max().item())
         emit(kind="ring_sdpa", name=name, diff=max(diffs))
 
+
+# the setup self-check (2 processes): issue 38's silent cases refused under both exchanges, on every rank, with the
+# reason; the opt-out trains without it; a plain cross-entropy on the whole target refused at the first step naming
+# the loss convention
+if world == 2 and ("gpt_gqa" in models or "self_check" in args.models.split(",")):
+    for style in ("ulysses", "ring"):
+        for case in SILENT_CASES:
+            error = refused(lambda: HybridShardStrategy(cp=2, dp_replicate=1, cp_style=style), SilentCase(case))
+            emit(kind="cp_self_check", name=case, style=style, error=error)
+    # a parallelize_fn that leaves the parameters replicated and their gradients unaveraged over cp: the forward is
+    # exact, each cp rank's gradient is its own chunks' (the check compares every rank's with the whole sequences')
+    unaveraged = lambda: HybridShardStrategy(cp=2, dp_replicate=1, parallelize_fn=lambda module, mesh: None)  # noqa: E731
+    emit(kind="cp_self_check_grads", error=refused(unaveraged, Task("gpt_gqa")))
+    skipped = HybridShardStrategy(cp=2, dp_replicate=1, self_check=False)
+    error = refused(lambda: skipped, SilentCase("hand_attention"))
+    emit(kind="cp_self_check_off", error=error, report=probe_figures(skipped))
+
+    class PlainLoss(Task):
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.cross_entropy(logits(self.model, x).flatten(0, 1), y.flatten())
+
+    error = refused(lambda: HybridShardStrategy(cp=2, dp_replicate=1), PlainLoss("gpt_gqa"))
+    emit(kind="cp_plain_loss", error=error)
 
 # the pack's tools under cp (2 processes, the pack's GPT): GradientParityCheck at step 0, ExactEvaluation of a
 # validation set of 10 sequences (dp = 1: every sample once), MemoryReport, CommunicationLedger (all-to-all on cp),

@@ -310,3 +310,33 @@ def test_auto_parallel_lists_cp_with_seq_len():
     strategy = chooser(seq_len=64, prefer=("cp",)).build(ranked[0])
     strategy.parallel_devices, strategy.num_nodes = [torch.device("cpu")] * 4, 1
     assert type(strategy).__name__ == "HybridShardStrategy" and strategy.mesh_spec().resolve().cp == 2
+
+
+@pytest.mark.parametrize("name", ["seq_len", "batch_size"])
+@pytest.mark.parametrize("value", ["8k", -1, 0, 2.5, True])
+def test_invalid_sizes_are_refused_naming_the_value(name, value):
+    # seq_len="8k" failed later with "'<' not supported between instances of 'str' and 'int'"; seq_len=-1 was dropped
+    with pytest.raises(ValueError, match=f"`{name}={value!r}` must be an integer >= 1"):
+        AutoParallelStrategy(device_memory="1GB", **{name: value})
+    assert AutoParallelStrategy(device_memory="1GB", seq_len=8192, batch_size=1).seq_len == 8192
+
+
+def test_impossible_device_memory_is_refused_naming_the_smallest_need():
+    def chooser(memory):
+        s = AutoParallelStrategy(device_memory=memory)
+        s.parallel_devices, s.num_nodes = [torch.device("cpu")] * 4, 1
+        s.connect(CharGPT(vocab_size=32, block_size=8, n_layer=2, n_head=4, n_embd=16, bias=False))
+        return s
+
+    state = planner.state_bytes(precision="32-true")
+    with torch.device("meta"):
+        counts = count_params(CharGPT(vocab_size=32, block_size=8, n_layer=2, n_head=4, n_embd=16, bias=False))
+    # everything in host memory still gathers one FSDP unit (a block here) on the device with its gradient
+    need = max(counts.layer_params) * (state.gather + state.reduce)
+    assert counts.pre_params + counts.post_params < max(counts.layer_params)
+    small = chooser("1KB")
+    assert small.candidates() == []  # the offload layout's "0 bytes on the device" no longer fits anything
+    assert f"The smallest layout, fsdp-offload, needs {need:,} bytes per device" in small._nothing_fits()
+    assert "no layout fits device_memory=1,000 bytes on 4 devices" in small._nothing_fits()
+    assert chooser(need).candidates()[0].name == "fsdp-offload"
+    assert chooser(need - 1).candidates() == []

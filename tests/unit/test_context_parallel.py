@@ -230,3 +230,119 @@ def test_the_ring_needs_no_heads_divisible_by_cp():
     net = GPT(vocab_size=32, block_size=16, n_layer=1, n_head=3, n_embd=24)
     assert any("do not divide over cp=2" in p for p in cp_model_problems(net, cp=2))
     assert cp_model_problems(net, cp=2, style="ring") == []
+
+
+def test_a_loss_on_the_whole_target_is_refused_naming_the_convention():
+    import torch.nn.functional as F
+
+    from lightning_dist.parallelize.cp import ContextParallelAttention, loss_split_problem
+
+    cp = CPGroup(2, 0, None)
+    logits, target = torch.randn(32, 64), torch.randint(0, 64, (64,))  # this rank's 32 of the 64 tokens, whole target
+    # torch alone: "Expected input batch_size (32) to match target batch_size (64)"
+    with ContextParallelAttention(cp), pytest.raises(ValueError) as err:
+        F.cross_entropy(logits, target)
+    msg = str(err.value)
+    assert "shape (32, 64) and a target of shape (64,)" in msg and "(cp=2)" in msg
+    assert "self.pipeline_loss(logits, target)" in msg and "labels=" in msg
+    # class dim 1 ([B, V, S/cp] vs [B, S]), elementwise losses, keyword arguments
+    assert loss_split_problem(F.cross_entropy, (torch.randn(2, 9, 4), torch.zeros(2, 8)), {}, 2)
+    assert loss_split_problem(F.mse_loss, (), {"input": torch.randn(2, 4), "target": torch.randn(2, 8)}, 2)
+    # what the strategy serves (the target's chunks) and any mismatch that is not cp's pass through to torch
+    with ContextParallelAttention(cp):
+        assert F.cross_entropy(logits, target[:32]).dim() == 0
+        with pytest.raises((RuntimeError, ValueError), match="batch_size"):
+            F.cross_entropy(logits, target[:40])
+    assert loss_split_problem(F.nll_loss, (torch.randn(4, 3), torch.zeros(12, dtype=torch.long)), {}, 2) is None
+
+
+def test_unsplit_passes_the_inputs_through_the_hook_and_holds_no_mode():
+    net = GPT(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=8)
+    state = ContextParallel(CPGroup(2, 1, None))
+    state.attach(net)
+    idx = torch.randint(0, 32, (2, 8))
+    assert net(idx).shape[1] == 4  # this rank's chunks
+    with state.unsplit():
+        assert torch.equal(net(idx), GPT.forward(net, idx))  # whole sequences, positions 0..7
+        with state.active():
+            assert torch._C._len_torch_function_stack() == 0  # no exchange in the reference pass
+    assert state._off is False and net(idx).shape[1] == 4
+    state.detach()
+
+
+def test_probe_batches_fit_the_network_and_the_split():
+    from lightning_dist.parallelize.cp_probe import probe_inputs
+
+    net = GPT(vocab_size=50, block_size=16, n_layer=1, n_head=2, n_embd=8)
+    x, what = probe_inputs(net, 2)
+    assert x.shape == (2, 8) and x.dtype == torch.long and int(x.max()) < 50
+    two = nn.ModuleDict({"tok": nn.Embedding(50, 4), "pos": nn.Embedding(16, 4)})
+    assert int(probe_inputs(two, 2)[0].max()) < 16  # below the smallest embedding: valid ids for any of them
+    assert what == "2 x 8 made-up tokens" and torch.equal(x, probe_inputs(net, 2)[0])  # the same on every rank
+    assert probe_inputs(net, 4)[0].shape == (2, 16) and probe_inputs(net, 8)[0].shape == (2, 16)  # 4 cp, else 2 cp
+    assert probe_inputs(net, 16) is None  # 2 x cp = 32 positions > block_size 16: cp cannot split it either
+    example = torch.arange(60).view(3, 20)  # cut to the longest multiple of 2 cp within 4 cp, rows repeated
+    got, what = probe_inputs(net, 2, example=example, rows=4)
+    assert torch.equal(got, torch.cat([example[:, :8], example[:1, :8]])) and "example_input_array" in what
+    assert probe_inputs(nn.Sequential(nn.Linear(3, 4)), 2)[0].shape == (2, 8, 3)
+
+
+def test_probe_loss_of_the_chunks_adds_up_to_the_whole_and_notes_pooling():
+    from lightning_dist.parallelize.cp_probe import ProbeLoss
+
+    out = torch.randn(2, 8, 5, dtype=torch.float64)
+    index = torch.arange(16).view(2, 8)
+    whole = ProbeLoss(16)(out, index)
+    # each rank's chunks meet the same weights as in the whole pass: the ranks' losses sum to the whole's
+    parts = [
+        ProbeLoss(16)(out[:, pos], index[:, pos]) for pos in (CPGroup(2, r, None).positions(8, "cpu") for r in (0, 1))
+    ]
+    assert torch.allclose(sum(parts), whole, rtol=1e-14, atol=0)
+    assert ProbeLoss(16, scale=2.0)(out, index) == 2 * whole
+    pooled = ProbeLoss(16)
+    pooled(out.mean(1), index)
+    assert pooled.pooled and not ProbeLoss(16).pooled
+
+
+def test_self_check_option_is_checked_and_documented():
+    with pytest.raises(ValueError, match="`self_check='no'` must be True or False"):
+        HybridShardStrategy(cp=2, self_check="no")
+    assert HybridShardStrategy(cp=2, self_check=False).self_check is False
+    assert PipelineStrategy(pp=2, cp=2, self_check=False).self_check is False
+    assert "self_check" in HybridShardStrategy.__mro__[1].__doc__  # MeshStrategy's Args
+
+
+def test_the_unsplit_pass_runs_the_whole_sequences_and_a_network_it_cannot_call_is_refused():
+    import contextlib
+
+    from lightning_dist.parallelize.cp_probe import NetworkProbe, ProbeLoss, probe_inputs
+
+    torch.manual_seed(0)
+    net = GPT(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=8).double()
+    state = ContextParallel(CPGroup(2, 0, None))
+    state.attach(net)
+    x, _ = probe_inputs(net, 2)
+    probe = NetworkProbe(state, net, "model", x, forward_context=contextlib.nullcontext)
+    index = torch.arange(16).view(2, 8)
+    out = probe.run(split=False, loss=ProbeLoss(16), index=index)
+    assert torch.equal(out, GPT.forward(net, x).detach()) and net.lm_head.weight.grad is not None
+    assert net.training and not out.requires_grad  # eval inside the pass only; the output detached
+
+    class NeedsTargets(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(32, 4)
+
+        def forward(self, idx, targets, position_ids=None):
+            return self.emb(idx)
+
+    other = NeedsTargets()
+    state.detach()
+    state.attach(other)
+    with pytest.raises(
+        ValueError, match=r"could not call NeedsTargets on its probe batch \(2, 8\).*example_input_array"
+    ):
+        NetworkProbe(state, other, "model", x, forward_context=contextlib.nullcontext).run(
+            split=False, loss=None, index=index
+        )
+    state.detach()

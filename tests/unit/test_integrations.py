@@ -376,3 +376,48 @@ def test_ddp_runs_on_the_fake_process_group_only_under_its_patch():
 
     run = subprocess.run([sys.executable, "-c", _DDP_ON_FAKE_GROUP], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and run.stdout.strip().endswith("OK"), run.stderr[-3000:]
+
+
+_MOE_IN_ONE_GROUP = r"""
+import sys, types
+import pytest, torch, torch.distributed as dist, transformers as tf
+from lightning_dist._integrations import transformers_moe as tm
+
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=0, world_size=1)
+torch.manual_seed(0)
+cfg = tf.Qwen3MoeConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+    num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_experts=4, num_experts_per_tok=2,
+    moe_intermediate_size=8, output_router_logits=True, router_aux_loss_coef=0.1, experts_implementation="eager")
+model = tf.Qwen3MoeForCausalLM(cfg).double()
+ids = torch.randint(0, 32, (2, 6))
+mask = torch.ones(2, 6, dtype=torch.long); mask[1, -2:] = 0
+theirs = model(ids, attention_mask=mask).aux_loss
+assert tm.router_loss_in_use(model) == "Qwen3MoeForCausalLM"
+with tm.global_router_loss(model, dist.group.WORLD) as swapped:
+    ours = model(ids, attention_mask=mask).aux_loss
+    assert swapped == ["transformers.models.qwen3_moe.modeling_qwen3_moe"]
+assert torch.allclose(ours, theirs, rtol=1e-6), (ours, theirs)  # one rank: the global loss is the model's own
+assert sys.modules[swapped[0]].load_balancing_loss_func.__qualname__ == "load_balancing_loss_func"  # restored
+# a modeling module whose router loss is another formula: refused, not replaced
+module = sys.modules[swapped[0]]
+original = module.load_balancing_loss_func
+module.load_balancing_loss_func = lambda *a, **k: original(*a, **k) * 2
+tm._CHECKED.clear()
+with pytest.raises(RuntimeError, match="not the Switch-Transformer load-balancing loss"):
+    with tm.global_router_loss(model, dist.group.WORLD):
+        model(ids, attention_mask=mask)
+print("OK")
+"""
+
+
+def test_global_router_loss_is_the_models_own_on_one_rank_and_refuses_another_formula():
+    import subprocess
+    import sys
+
+    pytest.importorskip("transformers")
+    from tests._harness import free_port
+
+    out = subprocess.run(
+        [sys.executable, "-c", _MOE_IN_ONE_GROUP, str(free_port())], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0 and "OK" in out.stdout, out.stdout[-2000:] + out.stderr[-4000:]

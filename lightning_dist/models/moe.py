@@ -1,0 +1,147 @@
+"""A mixture-of-experts GPT: the pack's :class:`~lightning_dist.models.gpt.GPT` with expert feed-forward layers.
+
+Routing as the models people train: top-k over a softmax (Mixtral, Qwen3-MoE) or over sigmoid scores normalized on the
+chosen experts, with always-on shared experts (DeepSeek-V3); many small experts make the fine-grained shape. Experts
+are held as 3-D parameters (``gate_up [E, 2H, C]``, ``down [E, C, H]``, the layout of transformers' fused experts)
+and run one at a time on the tokens routed to them (exact in float64 on CPU). The router's load-balancing loss is
+:func:`lightning_dist.parallelize.moe.balance_loss`: over the global batch when a strategy runs the step.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_dist.models.gpt import GPT, GPTBlock, GPTConfig
+from lightning_dist.parallelize.moe import RouterStats, balance_loss
+
+
+class Experts(nn.Module):
+    """`n` SwiGLU feed-forward experts of width `hidden`, as two 3-D parameters."""
+
+    def __init__(self, *, n: int, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.gate_up = nn.Parameter(torch.empty(n, 2 * hidden, dim))
+        self.down = nn.Parameter(torch.empty(n, dim, hidden))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for w in (self.gate_up, self.down):
+            nn.init.normal_(w, std=1 / math.sqrt(w.shape[-1]))
+
+    def expert(self, e: int, x: Tensor) -> Tensor:
+        """Expert `e` on tokens `x` [N, C]."""
+        gate, up = F.linear(x, self.gate_up[e]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down[e])
+
+
+class MoE(nn.Module):
+    """Routed experts plus optional shared ones: ``y = sum_k w_k * expert_k(x) + shared(x)`` per token.
+
+    Args:
+        dim: model width. n_experts, top_k: experts and how many each token uses. hidden: each expert's width.
+        n_shared: shared experts every token goes through (their width ``n_shared * hidden``).
+        router: ``"softmax"`` (weights: the chosen experts' softmax probabilities, renormalized) or ``"sigmoid"``
+            (DeepSeek-V3: sigmoid scores, the chosen ones normalized to sum to one).
+    """
+
+    def __init__(
+        self,
+        *,
+        dim: int,
+        n_experts: int,
+        top_k: int,
+        hidden: int,
+        n_shared: int = 0,
+        router: Literal["softmax", "sigmoid"] = "softmax",
+    ) -> None:
+        super().__init__()
+        if not 1 <= top_k <= n_experts:
+            raise ValueError(f"top_k={top_k} must be between 1 and n_experts={n_experts}.")
+        if router not in ("softmax", "sigmoid"):
+            raise ValueError(f"router={router!r} must be 'softmax' or 'sigmoid'.")
+        self.n_experts, self.top_k, self.router_kind = n_experts, top_k, router
+        self.router = nn.Linear(dim, n_experts, bias=False)
+        self.experts = Experts(n=n_experts, dim=dim, hidden=hidden)
+        self.shared = Experts(n=1, dim=dim, hidden=n_shared * hidden) if n_shared else None
+        self.stats: RouterStats | None = None
+        """This forward's routing statistics (the load-balancing loss is computed from them)."""
+
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(chosen experts [N, k], their weights [N, k], per-expert probabilities [N, E]) of tokens `x` [N, C]."""
+        logits = self.router(x)
+        scores = logits.softmax(-1) if self.router_kind == "softmax" else logits.sigmoid()
+        weights, chosen = scores.topk(self.top_k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        probs = scores if self.router_kind == "softmax" else scores / scores.sum(-1, keepdim=True)
+        return chosen, weights, probs
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        chosen, weights, probs = self.route(x)
+        self.stats = RouterStats.of(chosen, probs, self.n_experts)
+        out = torch.zeros_like(x)
+        for e in range(self.n_experts):  # one expert at a time: exact, and a rank's experts may get no token at all
+            rows, slot = (chosen == e).nonzero(as_tuple=True)
+            if rows.numel():
+                out = out.index_add(0, rows, self.experts.expert(e, x[rows]) * weights[rows, slot, None])
+        if self.shared is not None:
+            out = out + self.shared.expert(0, x)
+        return out.reshape(shape)
+
+
+class MoEBlock(GPTBlock):
+    """:class:`GPTBlock` whose feed-forward is a :class:`MoE` (``mlp``)."""
+
+    def __init__(self, *, dim: int, n_heads: int, moe: dict, bias: bool = True, n_kv_heads: int | None = None) -> None:
+        super().__init__(dim=dim, n_heads=n_heads, bias=bias, n_kv_heads=n_kv_heads)
+        self.mlp = MoE(dim=dim, **moe)
+
+
+class MoEGPT(GPT):
+    """:class:`GPT` whose blocks are :class:`MoEBlock`; :meth:`aux_loss` is the router load-balancing loss.
+
+    Args:
+        n_experts, top_k, expert_hidden, n_shared, router: each block's :class:`MoE` (``hidden=expert_hidden``).
+        **gpt: :class:`GPT`'s sizes (``vocab_size``, ``block_size``, ``n_layer``, ``n_head``, ``n_embd``...).
+    """
+
+    def __init__(
+        self,
+        *,
+        n_experts: int = 8,
+        top_k: int = 2,
+        expert_hidden: int = 32,
+        n_shared: int = 0,
+        router: Literal["softmax", "sigmoid"] = "softmax",
+        **gpt,
+    ) -> None:
+        # read by make_block while GPT.__init__ builds the blocks (before nn.Module attributes can be set)
+        object.__setattr__(
+            self, "_moe", dict(n_experts=n_experts, top_k=top_k, hidden=expert_hidden, n_shared=n_shared, router=router)
+        )
+        super().__init__(**gpt)
+
+    def make_block(self, cfg: GPTConfig) -> nn.Module:
+        return MoEBlock(dim=cfg.n_embd, n_heads=cfg.n_head, moe=self._moe, bias=cfg.bias, n_kv_heads=cfg.n_kv_head)
+
+    def aux_loss(self) -> Tensor:
+        """The router load-balancing loss of the last forward, summed over the layers (each layer's on the global
+        batch when a strategy runs the step: :func:`~lightning_dist.parallelize.moe.balance_loss`)."""
+        if len(self.blocks) != self.config.n_layer or any(b is None for b in self.blocks):
+            raise RuntimeError(
+                f"MoEGPT.aux_loss() on a pipeline stage: it holds {sum(b is not None for b in self.blocks)} of the"
+                f" {self.config.n_layer} blocks, and a loss from its own routers only would leave out the other"
+                " stages'. Train the router loss with hsdp/fsdp2/tp (it is taken over the global batch there), or"
+                " pipeline the model without it."
+            )
+        layers = [b.mlp.stats for b in self.blocks if b.mlp.stats is not None]
+        return sum((balance_loss(s) for s in layers), torch.zeros((), device=self.lm_head.weight.device))
+
+
+__all__ = ["Experts", "MoE", "MoEBlock", "MoEGPT"]

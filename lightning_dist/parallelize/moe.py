@@ -1,0 +1,75 @@
+"""The router load-balancing loss of a mixture of experts, over the global batch under data parallelism.
+
+The Switch-Transformer loss ``E * sum_e f_e * P_e`` (``f_e``: the share of token choices that went to expert ``e``,
+``P_e``: its mean router probability) is a product of two means over the tokens, so the mean of the data-parallel
+ranks' losses is not the loss of the global batch. :func:`balance_loss` sums each rank's per-expert statistics over
+the group that :func:`global_balance_loss` names for the step (one all-reduce of ``2E + 1`` numbers; the
+probabilities' differentiable, so the backward takes the global loss's gradient) before forming the loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+_GROUP: contextvars.ContextVar[Any] = contextvars.ContextVar("lightning_dist_moe_group", default=None)
+
+
+@dataclass(frozen=True)
+class RouterStats:
+    """One forward's routing, summed over its tokens."""
+
+    counts: Tensor
+    """Token choices per expert ``[E]`` (no gradient)."""
+    probs: Tensor
+    """Router probability per expert, summed over the tokens ``[E]`` (graded)."""
+    rows: Tensor
+    """Number of tokens (a scalar)."""
+
+    @staticmethod
+    def of(chosen: Tensor, probs: Tensor, n_experts: int) -> RouterStats:
+        """From the chosen experts ``[N, k]`` and the per-expert probabilities ``[N, E]`` of `N` tokens."""
+        counts = torch.bincount(chosen.reshape(-1), minlength=n_experts).to(probs.dtype)
+        return RouterStats(counts, probs.sum(0), torch.tensor(float(probs.shape[0]), dtype=probs.dtype))
+
+
+def reduce_stats(counts: Tensor, probs: Tensor, rows: Tensor, group: Any) -> tuple[Tensor, Tensor, Tensor]:
+    """The statistics summed over `group` (None: as they are): counts and rows in one all-reduce, the
+    probabilities in a differentiable one (its backward sums every rank's gradient)."""
+    if group is None:
+        return counts, probs, rows
+    from torch.distributed.nn.functional import all_reduce as differentiable_all_reduce
+
+    numbers = torch.cat([counts.detach(), rows.detach().reshape(1).to(counts)])
+    torch.distributed.all_reduce(numbers, group=group)
+    return numbers[:-1], differentiable_all_reduce(probs, group=group), numbers[-1]
+
+
+def switch_loss(counts: Tensor, probs: Tensor, rows: Tensor) -> Tensor:
+    """``E * sum_e (counts_e / rows) * (probs_e / rows)``."""
+    return torch.sum((counts / rows) * (probs / rows)) * counts.numel()
+
+
+def balance_loss(stats: RouterStats) -> Tensor:
+    """The load-balancing loss of `stats`, over the global batch when a step runs under :func:`global_balance_loss`."""
+    counts, probs, rows = reduce_stats(stats.counts, stats.probs, stats.rows, _GROUP.get())
+    return switch_loss(counts, probs, rows.to(probs.device))
+
+
+@contextlib.contextmanager
+def global_balance_loss(group: Any) -> Iterator[None]:
+    """:func:`balance_loss` reduces over `group` (the data-parallel ranks, cp included) inside the block."""
+    token = _GROUP.set(group)
+    try:
+        yield
+    finally:
+        _GROUP.reset(token)
+
+
+__all__ = ["RouterStats", "balance_loss", "global_balance_loss", "reduce_stats", "switch_loss"]

@@ -1,0 +1,153 @@
+"""Mixtures of experts against one device on the global batch, float64, the router's auxiliary loss included.
+
+Unmodified HF Qwen3-MoE and Mixtral (tiny configs, experts run eagerly: float64 on CPU), `output_router_logits=True`
+and `router_aux_loss_coef=0.05`: the loss is the cross-entropy plus the coefficient times the model's own `aux_loss`.
+``torchrun --nproc-per-node 2 moe_parity.py``: fsdp2 (dp_shard=2) and tp=2; with ``local`` as argv[1] also the
+per-rank auxiliary loss kept on purpose (``moe_aux_loss="local"``), which must differ from one device's; and a
+pipeline refused (its stages cannot compute that loss). 4 processes: hsdp 2 x 2 and tp2 x dp_shard2. One RESULT row
+per case and rank.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from _common import emit_gathered as emit
+from _common import full_params, max_rel_diff, trainer
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import lightning_dist  # noqa: F401  (registers the strategies)
+from lightning_dist.strategies import FullyShardStrategy, HybridShardStrategy, TensorParallelStrategy
+
+STEPS, GLOBAL_BATCH, N, SEQ, VOCAB, COEF = 3, 8, 24, 8, 64, 0.05
+MODELS = ("qwen3_moe", "mixtral", "pack_moe", "pack_moe_ds")
+
+
+def build(kind: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if kind.startswith("pack_moe"):  # the pack's MoE GPT: top-2 of 8 softmax; DeepSeek-V3 style (sigmoid, 1 shared)
+        from lightning_dist.models.moe import MoEGPT
+
+        ds = kind == "pack_moe_ds"
+        model = MoEGPT(
+            vocab_size=VOCAB,
+            block_size=SEQ,
+            n_layer=2,
+            n_head=4,
+            n_embd=32,
+            n_experts=8,
+            top_k=2,
+            expert_hidden=8,
+            n_shared=1 if ds else 0,
+            router="sigmoid" if ds else "softmax",
+        ).double()
+        for block in model.blocks:
+            # a key bias has zero gradient in exact arithmetic (softmax ignores a shift): AdamW would turn its
+            # rounding noise into lr-sized steps, on the reference and the distributed run alike
+            block.attn.k.bias.requires_grad_(False)
+        return model
+    import transformers as tf
+
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
+        output_router_logits=True,
+        router_aux_loss_coef=COEF,
+        experts_implementation="eager",
+    )
+    if kind == "qwen3_moe":
+        cfg = tf.Qwen3MoeConfig(**common, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+        return tf.Qwen3MoeForCausalLM(cfg).double()
+    assert kind == "mixtral", kind
+    return tf.MixtralForCausalLM(tf.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)).double()
+
+
+def data() -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    return TensorDataset(torch.randint(0, VOCAB, (N, SEQ), generator=g), torch.randint(0, VOCAB, (N, SEQ), generator=g))
+
+
+def step_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    out = model(x)
+    if isinstance(out, torch.Tensor):  # the pack's MoE GPT: logits, and its router loss from the layers
+        return F.cross_entropy(out.flatten(0, 1), y.flatten()) + COEF * model.aux_loss()
+    return F.cross_entropy(out.logits.flatten(0, 1), y.flatten()) + COEF * out.aux_loss
+
+
+class Task(pl.LightningModule):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.model = build(kind)
+        self.example_input_array = data().tensors[0][:2]
+
+    def forward(self, x):
+        out = self.model(x)
+        return out if isinstance(out, torch.Tensor) else out.logits
+
+    def training_step(self, batch, batch_idx):
+        return step_loss(self.model, *batch)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
+
+    def train_dataloader(self):
+        kw = self.trainer.strategy.distributed_sampler_kwargs
+        sampler = DistributedSampler(data(), shuffle=False, **kw)
+        return DataLoader(sampler.dataset, batch_size=GLOBAL_BATCH // kw["num_replicas"], sampler=sampler)
+
+
+def reference(kind: str) -> dict:
+    model = build(kind)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    ds = data()
+    for k in range(STEPS):
+        x, y = ds[k * GLOBAL_BATCH : (k + 1) * GLOBAL_BATCH]
+        opt.zero_grad()
+        step_loss(model, x, y).backward()
+        opt.step()
+    return {f"model.{n}": p.detach().clone() for n, p in model.named_parameters()}
+
+
+def main() -> None:
+    world = int(os.environ["WORLD_SIZE"])
+    if world == 2:
+        cases = {
+            "fsdp2": lambda **kw: FullyShardStrategy(**kw),
+            "tp2": lambda **kw: TensorParallelStrategy(tp=2, **kw),
+        }
+    else:
+        cases = {
+            "hsdp2x2": lambda **kw: HybridShardStrategy(dp_replicate=2, shard_size=2, **kw),
+            "tp2_dp_shard2": lambda **kw: TensorParallelStrategy(tp=2, dp_shard=2, dp_replicate=1, **kw),
+        }
+    modes = ("global", "local") if sys.argv[1:2] == ["local"] else ("global",)
+    for kind in MODELS:
+        ref = reference(kind)
+        for case, make in cases.items():
+            for mode in modes:
+                task = Task(kind)
+                kw = {} if mode == "global" else {"moe_aux_loss": "local"}
+                trainer(make(**kw), devices=world, steps=STEPS).fit(task)
+                emit(kind="moe", model=kind, case=case, mode=mode, diff=max_rel_diff(full_params(task), ref))
+    if world == 2:
+        # a pipeline stage holds some layers: the router loss, a product of sums over every layer, cannot be split
+        from lightning_dist.strategies import PipelineStrategy
+
+        try:
+            trainer(PipelineStrategy(pp=2), devices=world, steps=STEPS).fit(Task("qwen3_moe"))
+            emit(kind="refusal", case="pp2", error=None)
+        except ValueError as err:
+            emit(kind="refusal", case="pp2", error=str(err))
+
+
+if __name__ == "__main__":
+    main()
