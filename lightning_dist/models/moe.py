@@ -21,10 +21,13 @@ from lightning_dist.parallelize.moe import RouterStats, balance_loss
 
 
 class Experts(nn.Module):
-    """`n` SwiGLU feed-forward experts of width `hidden`, as two 3-D parameters."""
+    """`n` SwiGLU feed-forward experts of width `hidden`, as two 3-D parameters; ``forward(x, top_k_index,
+    top_k_weights)`` sums each token's chosen experts' outputs, weighted (the interface of transformers' experts,
+    which expert parallelism keeps: ``parallelize.ep``)."""
 
     def __init__(self, *, n: int, dim: int, hidden: int) -> None:
         super().__init__()
+        self.num_experts = n
         self.gate_up = nn.Parameter(torch.empty(n, 2 * hidden, dim))
         self.down = nn.Parameter(torch.empty(n, dim, hidden))
         self.reset_parameters()
@@ -37,6 +40,27 @@ class Experts(nn.Module):
         """Expert `e` on tokens `x` [N, C]."""
         gate, up = F.linear(x, self.gate_up[e]).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, self.down[e])
+
+    def forward(self, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):  # one expert at a time: exact, and an expert may get no token at all
+            rows, slot = (top_k_index == e).nonzero(as_tuple=True)
+            if rows.numel():
+                out = out.index_add(0, rows, self.expert(e, x[rows]) * top_k_weights[rows, slot, None])
+        return out
+
+
+class SwiGLU(nn.Module):
+    """A SwiGLU feed-forward of width `hidden` (the shared experts: every token goes through it)."""
+
+    def __init__(self, *, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.gate_up = nn.Linear(dim, 2 * hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
 
 
 class MoE(nn.Module):
@@ -67,15 +91,22 @@ class MoE(nn.Module):
         self.n_experts, self.top_k, self.router_kind = n_experts, top_k, router
         self.router = nn.Linear(dim, n_experts, bias=False)
         self.experts = Experts(n=n_experts, dim=dim, hidden=hidden)
-        self.shared = Experts(n=1, dim=dim, hidden=n_shared * hidden) if n_shared else None
+        self.shared = SwiGLU(dim=dim, hidden=n_shared * hidden) if n_shared else None
+        self.register_buffer("select_bias", torch.zeros(n_experts), persistent=True)
+        """Added to the scores to choose the experts, not to weigh them (DeepSeek-V3's balancing bias; zero)."""
         self.stats: RouterStats | None = None
         """This forward's routing statistics (the load-balancing loss is computed from them)."""
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.select_bias.zero_()  # after meta-device materialization too (to_empty leaves it unset)
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """(chosen experts [N, k], their weights [N, k], per-expert probabilities [N, E]) of tokens `x` [N, C]."""
         logits = self.router(x)
         scores = logits.softmax(-1) if self.router_kind == "softmax" else logits.sigmoid()
-        weights, chosen = scores.topk(self.top_k, dim=-1)
+        chosen = (scores + self.select_bias).topk(self.top_k, dim=-1).indices
+        weights = scores.gather(-1, chosen)
         weights = weights / weights.sum(-1, keepdim=True)
         probs = scores if self.router_kind == "softmax" else scores / scores.sum(-1, keepdim=True)
         return chosen, weights, probs
@@ -85,13 +116,9 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         chosen, weights, probs = self.route(x)
         self.stats = RouterStats.of(chosen, probs, self.n_experts)
-        out = torch.zeros_like(x)
-        for e in range(self.n_experts):  # one expert at a time: exact, and a rank's experts may get no token at all
-            rows, slot = (chosen == e).nonzero(as_tuple=True)
-            if rows.numel():
-                out = out.index_add(0, rows, self.experts.expert(e, x[rows]) * weights[rows, slot, None])
+        out = self.experts(x, chosen, weights)
         if self.shared is not None:
-            out = out + self.shared.expert(0, x)
+            out = out + self.shared(x)
         return out.reshape(shape)
 
 
@@ -144,4 +171,4 @@ class MoEGPT(GPT):
         return sum((balance_loss(s) for s in layers), torch.zeros((), device=self.lm_head.weight.device))
 
 
-__all__ = ["Experts", "MoE", "MoEBlock", "MoEGPT"]
+__all__ = ["Experts", "MoE", "MoEBlock", "MoEGPT", "SwiGLU"]

@@ -3,7 +3,8 @@
 Order (each step changes the model in place and logs one line):
 
 1. tensor parallelism on ``tp`` (DTensor ``parallelize_module``): it rewrites Linear weights into
-   DTensors, which must happen before anything wraps or checkpoints those modules;
+   DTensors, which must happen before anything wraps or checkpoints those modules; then expert parallelism
+   (``ep.py``): each experts module keeps this rank's experts as DTensors on ``ep``;
 2. activation checkpointing per block (``full``, ``selective``, ``every:N``; ``ac.py``), then activation
    offload of the blocks left uncheckpointed: after TP (it recomputes TP-parallel code as is) and before
    FSDP (FSDP must see the checkpointed blocks as its units);
@@ -86,6 +87,8 @@ class ParallelizeConfig:
     split_backward: bool = False
     """The pipeline schedule runs input- and weight-gradient passes (zero-bubble): checkpointed blocks are
     recomputed in each (``apply_ac(split_backward=True)``)."""
+    ep: int = 1
+    """Expert parallelism: each experts module split over ``ep`` ranks of ``dp_shard`` (``parallelize.ep``)."""
     fsdp_root: Literal["children", "model"] = "children"
     """FSDP2/replicate roots: the model's direct children (a LightningModule) or the model itself (a pipeline stage)."""
 
@@ -103,6 +106,15 @@ def parallelize_model(model: nn.Module, mesh: DistMesh, config: ParallelizeConfi
         else:
             entries = apply_tp(model, mesh.get_mesh(TP), plan=config.tp_plan, **config.tp_options)
             tp_styles = {model.get_submodule(e.fqn): e.style for e in entries if e.active}
+
+    # 1b. expert parallelism after TP and before FSDP: each rank keeps its experts, which FSDP then shards further
+    experts: list[nn.Module] = []
+    experts_fsdp_mesh = None
+    if config.ep > 1:
+        from lightning_dist.parallelize.ep import apply_ep
+
+        ep_mesh, experts_fsdp_mesh = mesh.expert_meshes(config.ep)
+        experts = [model.get_submodule(n) for n in apply_ep(model, ep_mesh)]
 
     # 2. activation checkpointing after TP and before FSDP, so FSDP's units are the checkpointed blocks
     ac = parse_ac(config.activation_checkpointing, ops=config.selective_ac_ops)
@@ -157,6 +169,7 @@ def parallelize_model(model: nn.Module, mesh: DistMesh, config: ParallelizeConfi
             reshard_after_forward=config.zero_stage == 3,
             mp_policy=config.mp_policy,
             offload_policy=config.offload_policy,
+            experts=[(m, experts_fsdp_mesh) for m in experts],
         )
     return model
 

@@ -60,8 +60,12 @@ def apply_fsdp(
     reshard_after_forward: bool = True,
     mp_policy: Any | None = None,
     offload_policy: Any | None = None,
+    experts: Sequence[tuple[nn.Module, "DeviceMesh"]] = (),
 ) -> int:
     """``fully_shard`` each unit bottom-up, then each root; returns the number of FSDP groups.
+
+    `experts`: (experts module, its FSDP2 mesh) of expert parallelism, sharded first on their own mesh (the
+    data-parallel ranks left besides ``ep``).
 
     A 1-D `mesh` shards fully over it; a 2-D ``(dp_replicate, dp_shard)`` mesh gives hybrid sharding
     (shard inside a group, all-reduce across groups). ``reshard_after_forward=False`` keeps parameters
@@ -71,6 +75,8 @@ def apply_fsdp(
     kwargs = _shard_kwargs(mesh, reshard_after_forward, mp_policy, offload_policy)
     picked = select_units(model, units)
     _refuse_split_ties(model, [n for n, _ in picked])
+    for module, experts_mesh in experts:
+        fully_shard(module, **{**kwargs, "mesh": experts_mesh})
     # bottom-up: inner units first so each root only holds what no unit claimed
     for _, module in reversed(picked):
         fully_shard(module, **kwargs)

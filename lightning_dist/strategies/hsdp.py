@@ -16,6 +16,7 @@ from lightning_dist.mesh import MeshSpec
 from lightning_dist.parallelize import ParallelizeConfig, parallelize_model
 from lightning_dist.parallelize.ac import ACOption, ac_problems, check_offload_device
 from lightning_dist.parallelize.compile import check_compile_option
+from lightning_dist.parallelize.ep import ep_problems
 from lightning_dist.precision import precision_dtypes
 from lightning_dist.strategies.base import MeshStrategy
 
@@ -60,9 +61,17 @@ class HybridShardStrategy(MeshStrategy):
         offload_activations: bool = False,
         offload_policy: Optional[Any] = None,
         compile: Union[bool, Sequence[str]] = False,
+        ep: int = 1,
         **kwargs: Any,
     ) -> None:
         problems = check_compile_option(compile)
+        if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+            problems.append(f"`ep={ep!r}` must be an integer >= 1 (the expert-parallel degree).")
+        elif ep > 1 and zero_stage == 1:
+            problems.append(
+                f"ep={ep} shards each expert over the data-parallel ranks left with FSDP2; zero_stage=1 replicates"
+                " parameters instead: pass zero_stage=2 or 3."
+            )
         problems += ac_problems(
             activation_checkpointing, selective_ops=selective_ac_ops, offload_activations=offload_activations
         )
@@ -105,6 +114,7 @@ class HybridShardStrategy(MeshStrategy):
         self.offload_activations = offload_activations
         self.offload_policy = offload_policy
         self.compile = compile
+        self.ep = ep
 
     @override
     def validate_config(self, spec: MeshSpec) -> None:
@@ -116,6 +126,17 @@ class HybridShardStrategy(MeshStrategy):
                 "offload_policy=CPUOffloadPolicy(pin_memory=True) needs a CUDA device (pinning host"
                 " memory needs an accelerator): pass CPUOffloadPolicy(pin_memory=False) on CPU."
             )
+        if self.ep > 1:  # the model's experts and the mesh, on every rank before any collective
+            problems = [
+                f"ep={self.ep} with {dim}={spec.size(dim)}: expert parallelism composes with data parallelism"
+                f" (dp_replicate, dp_shard) for now; set {dim}=1."
+                for dim in ("pp", "cp", "tp")
+                if spec.size(dim) > 1
+            ]
+            if self.lightning_module is not None:
+                problems += ep_problems(self.lightning_module, ep=self.ep, dp_shard=spec.size("dp_shard"))
+            if problems:
+                raise ValueError(f"Invalid {type(self).__name__} configuration:\n  - " + "\n  - ".join(problems))
         if self.zero_stage == 1 and spec.cp > 1:
             raise ValueError(
                 f"zero_stage=1 replicates parameters over the data-parallel ranks; with cp={spec.cp} the"
@@ -149,6 +170,7 @@ class HybridShardStrategy(MeshStrategy):
             offload_policy=self.offload_policy,
             compile=self.compile,
             recompute_context=self._cp.active if self._cp is not None else None,
+            ep=self.ep,
         )
 
     @override

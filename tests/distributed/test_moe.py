@@ -1,8 +1,10 @@
 """Mixtures of experts (HF Qwen3-MoE, Mixtral; the pack's MoEGPT, softmax and DeepSeek-V3-style routing) against one
 device, float64, the router's auxiliary loss included.
 
-Two launches: 2 processes (fsdp2 and tp2, the exact global router loss and the per-rank one kept on purpose, a
-pipeline refused) and 4 processes (hsdp 2 x 2, tp2 x dp_shard2).
+Two launches: 2 processes (fsdp2, tp2 and expert parallelism ep2; the exact global router loss and the per-rank one
+kept on purpose; a pipeline, ep on a dense model and ep with tp refused) and 4 processes (hsdp 2 x 2, tp2 x
+dp_shard2, ep4, ep2 x dp_shard2, hsdp 2 x 2 with ep2, an ep rank that receives no token, a checkpoint from ep4 to ep2
+to one device).
 """
 
 import pytest
@@ -24,20 +26,33 @@ def _rows(rows: list[dict], world: int, cases: set[str], modes: set[str]) -> lis
     return moe
 
 
-def test_router_loss_over_the_global_batch_2_processes():
+def test_moe_and_expert_parallelism_2_processes():
     pytest.importorskip("transformers")
     rows = results(run_torchrun("moe_parity.py", "local", nproc=2, timeout=600))
-    for r in _rows(rows, 2, {"fsdp2", "tp2"}, {"global", "local"}):
+    for r in _rows(rows, 2, {"fsdp2", "tp2", "ep2"}, {"global", "local"}):
         if r["mode"] == "global" or r["case"] == "tp2":  # tp2 alone has one data-parallel rank: both are one device's
             assert r["diff"] <= TOL, r
         else:  # each rank's own router loss, averaged: not the global batch's (so the exact path's test can fail)
             assert r["diff"] > 1e-3, r
-    refusals = [r for r in rows if r["kind"] == "refusal"]
-    assert len(refusals) == 2 and all("router load-balancing loss" in (r["error"] or "") for r in refusals), refusals
+    refusals = {(r["case"], r["rank"]): r["error"] or "" for r in rows if r["kind"] == "refusal"}
+    assert len(refusals) == 6, refusals
+    for rank in (0, 1):  # each refused on every rank, with the reason and the fix
+        assert "router load-balancing loss" in refusals["pp2", rank]
+        assert "has no experts module" in refusals["ep_dense", rank] and "drop ep" in refusals["ep_dense", rank]
+        assert "ep=2 with tp=2" in refusals["ep_tp", rank] and "set tp=1" in refusals["ep_tp", rank]
 
 
-def test_router_loss_over_the_global_batch_4_processes():
+def test_moe_and_expert_parallelism_4_processes():
     pytest.importorskip("transformers")
     rows = results(run_torchrun("moe_parity.py", nproc=4, timeout=600))
-    for r in _rows(rows, 4, {"hsdp2x2", "tp2_dp_shard2"}, {"global"}):
+    cases = {"hsdp2x2", "tp2_dp_shard2", "ep4", "ep2_dp_shard2", "hsdp2x2_ep2"}
+    for r in _rows([r for r in rows if r.get("model") != "pack_moe_idle"], 4, cases, {"global"}):
         assert r["diff"] <= TOL, r
+    # expert parallelism with a rank whose experts are never chosen: it receives no token, and stays exact
+    idle = sorted((r for r in rows if r.get("model") == "pack_moe_idle"), key=lambda r: r["rank"])
+    assert len(idle) == 4 and all(r["diff"] <= TOL for r in idle), idle
+    assert idle[3]["arrived"] == [0, 0] and all(min(r["arrived"]) > 0 for r in idle[:3]), idle
+    # sharded at ep=4, resumed at ep=2, consolidated for one device: every state arrives exactly
+    (ck,) = [r for r in rows if r["kind"] == "ep_checkpoint" and r["rank"] == 0]
+    assert ck["trained_diff"] <= TOL and ck["ep2_loaded_diff"] == 0.0 and ck["ep2_adam_steps"] == [3.0], ck
+    assert ck["single_diff"] == 0.0, ck

@@ -32,7 +32,7 @@ def build(kind: str) -> torch.nn.Module:
     if kind.startswith("pack_moe"):  # the pack's MoE GPT: top-2 of 8 softmax; DeepSeek-V3 style (sigmoid, 1 shared)
         from lightning_dist.models.moe import MoEGPT
 
-        ds = kind == "pack_moe_ds"
+        ds = kind == "pack_moe_ds"  # pack_moe_idle: pack_moe whose experts 6 and 7 are never chosen
         model = MoEGPT(
             vocab_size=VOCAB,
             block_size=SEQ,
@@ -46,6 +46,8 @@ def build(kind: str) -> torch.nn.Module:
             router="sigmoid" if ds else "softmax",
         ).double()
         for block in model.blocks:
+            if kind == "pack_moe_idle":
+                block.mlp.select_bias[6:] = -1e9
             # a key bias has zero gradient in exact arithmetic (softmax ignores a shift): AdamW would turn its
             # rounding noise into lr-sized steps, on the reference and the distributed run alike
             block.attn.k.bias.requires_grad_(False)
@@ -123,13 +125,26 @@ def main() -> None:
         cases = {
             "fsdp2": lambda **kw: FullyShardStrategy(**kw),
             "tp2": lambda **kw: TensorParallelStrategy(tp=2, **kw),
+            "ep2": lambda **kw: FullyShardStrategy(ep=2, **kw),
         }
     else:
         cases = {
             "hsdp2x2": lambda **kw: HybridShardStrategy(dp_replicate=2, shard_size=2, **kw),
             "tp2_dp_shard2": lambda **kw: TensorParallelStrategy(tp=2, dp_shard=2, dp_replicate=1, **kw),
+            "ep4": lambda **kw: FullyShardStrategy(ep=4, **kw),
+            "ep2_dp_shard2": lambda **kw: FullyShardStrategy(ep=2, **kw),
+            "hsdp2x2_ep2": lambda **kw: HybridShardStrategy(dp_replicate=2, shard_size=2, ep=2, **kw),
         }
     modes = ("global", "local") if sys.argv[1:2] == ["local"] else ("global",)
+    if world == 4:  # the last ep rank's experts (6 and 7 of 8) never chosen: it receives no token and sends none
+        ref = reference("pack_moe_idle")
+        task = Task("pack_moe_idle")
+        trainer(FullyShardStrategy(ep=4), devices=world, steps=STEPS).fit(task)
+        from lightning_dist.parallelize.ep import GLOBAL_EXPERTS_KEY
+
+        arrived = [b.mlp.experts.__dict__[GLOBAL_EXPERTS_KEY]["arrived"] for b in task.model.blocks]
+        diff = max_rel_diff(full_params(task), ref)
+        emit(kind="moe", model="pack_moe_idle", case="ep4", mode="global", diff=diff, arrived=arrived)
     for kind in MODELS:
         ref = reference(kind)
         for case, make in cases.items():
@@ -138,6 +153,27 @@ def main() -> None:
                 kw = {} if mode == "global" else {"moe_aux_loss": "local"}
                 trainer(make(**kw), devices=world, steps=STEPS).fit(task)
                 emit(kind="moe", model=kind, case=case, mode=mode, diff=max_rel_diff(full_params(task), ref))
+    if world == 4:
+        checkpoints_across_ep_degrees()
+    if world == 2:
+        # expert parallelism refused on every rank before any collective: a model without experts, tp with ep
+        from lightning_dist.models import GPT
+
+        class Dense(Task):
+            def __init__(self) -> None:
+                pl.LightningModule.__init__(self)
+                torch.manual_seed(0)
+                self.model = GPT(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=4, n_embd=32).double()
+
+        for case, make, task in (
+            ("ep_dense", lambda: FullyShardStrategy(ep=2), Dense),
+            ("ep_tp", lambda: TensorParallelStrategy(tp=2, ep=2), lambda: Task("pack_moe")),
+        ):
+            try:
+                trainer(make(), devices=world, steps=1).fit(task())
+                emit(kind="refusal", case=case, error=None)
+            except ValueError as err:
+                emit(kind="refusal", case=case, error=str(err))
     if world == 2:
         # a pipeline stage holds some layers: the router loss, a product of sums over every layer, cannot be split
         from lightning_dist.strategies import PipelineStrategy
@@ -147,6 +183,55 @@ def main() -> None:
             emit(kind="refusal", case="pp2", error=None)
         except ValueError as err:
             emit(kind="refusal", case="pp2", error=str(err))
+
+
+def checkpoints_across_ep_degrees() -> None:
+    """Trained at ep=4 and saved (sharded), resumed at ep=2 for one more step, saved and consolidated into one file for
+    one device: the weights and AdamW's state arrive exactly each time."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    import torch.distributed as dist
+    from lightning.pytorch import Callback
+
+    from lightning_dist.checkpoint import consolidate
+
+    class AtStart(Callback):
+        def on_train_start(self, trainer, pl_module):
+            self.params = full_params(pl_module)
+            self.steps = sorted({float(s["step"]) for s in trainer.optimizers[0].state.values()})
+
+    box = [Path(tempfile.mkdtemp()) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, 0)
+    folder = box[0]
+    ref = reference("pack_moe")
+    task = Task("pack_moe")
+    t = trainer(FullyShardStrategy(ep=4), devices=4, steps=STEPS)
+    t.fit(task)
+    saved = full_params(task)
+    t.save_checkpoint(folder / "ep4")
+    at_start = AtStart()
+    resumed = Task("pack_moe")
+    t = trainer(FullyShardStrategy(ep=2), devices=4, steps=STEPS + 1, callbacks=[at_start])
+    t.fit(resumed, ckpt_path=folder / "ep4")  # one more step at ep=2
+    t.save_checkpoint(folder / "ep2")
+    final = full_params(resumed)
+    row = {
+        "trained_diff": max_rel_diff(saved, ref),
+        "ep2_loaded_diff": max((at_start.params[k] - v).abs().max().item() for k, v in saved.items()),
+        "ep2_adam_steps": at_start.steps,
+    }
+    if dist.get_rank() == 0:
+        consolidate(folder / "ep2", folder / "single.ckpt")
+        state = torch.load(folder / "single.ckpt", weights_only=True)["state_dict"]
+        single = Task("pack_moe")
+        single.load_state_dict(state)
+        row["single_diff"] = max((p.detach() - final[n]).abs().max().item() for n, p in single.named_parameters())
+    emit(kind="ep_checkpoint", **row)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 if __name__ == "__main__":

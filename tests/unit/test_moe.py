@@ -19,7 +19,7 @@ def test_moe_is_the_weighted_sum_of_each_tokens_chosen_experts(router, n_shared)
     expected = torch.stack(
         [
             sum(w * moe.experts.expert(int(e), t[None])[0] for e, w in zip(c, ws))
-            + (moe.shared.expert(0, t[None])[0] if n_shared else 0)
+            + (moe.shared(t[None])[0] if n_shared else 0)
             for t, c, ws in zip(flat, chosen, weights)
         ]
     )
@@ -47,3 +47,43 @@ def test_balance_loss_is_the_switch_loss_and_pipelines_are_refused():
     model.blocks = model.blocks[:1]  # a pipeline stage holds some blocks
     with pytest.raises(RuntimeError, match="pipeline stage: it holds 1 of the 2 blocks"):
         model.aux_loss()
+
+
+def test_expert_parallel_configuration_is_checked_before_any_collective():
+    from lightning_dist.models import GPT
+    from lightning_dist.parallelize.ep import ep_problems, find_experts
+    from lightning_dist.strategies import FullyShardStrategy
+
+    moe = MoEGPT(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=8, n_experts=6, top_k=2, expert_hidden=4)
+    assert [n for n, _ in find_experts(moe)] == ["blocks.0.mlp.experts", "blocks.1.mlp.experts"]  # not the router
+    assert ep_problems(moe, ep=2, dp_shard=4) == []
+    (problem,) = ep_problems(moe, ep=3, dp_shard=4)[:1]
+    assert "ep=3 must divide dp_shard=4" in problem
+    assert any("holds 6 experts, not divisible by ep=4" in p for p in ep_problems(moe, ep=4, dp_shard=4))
+    dense = GPT(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=8)
+    assert any("has no experts module" in p for p in ep_problems(dense, ep=2, dp_shard=2))
+    with pytest.raises(ValueError, match="zero_stage=1 replicates parameters instead"):
+        FullyShardStrategy(ep=2, zero_stage=1)
+    with pytest.raises(ValueError, match=r"`ep=0` must be an integer >= 1"):
+        FullyShardStrategy(ep=0)
+
+
+def test_hf_experts_are_found_by_their_interface():
+    transformers = pytest.importorskip("transformers")
+    from lightning_dist.parallelize.ep import expert_count, find_experts
+
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=8,
+    )
+    found = find_experts(transformers.Qwen3MoeForCausalLM(cfg))
+    assert [n for n, _ in found] == [f"model.layers.{i}.mlp.experts" for i in range(2)]
+    assert all(expert_count(m) == 4 for _, m in found)

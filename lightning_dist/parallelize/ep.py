@@ -1,0 +1,179 @@
+"""Expert parallelism: each rank of an ``ep`` group holds ``E / ep`` experts and the tokens travel to them.
+
+An experts module is what transformers' mixtures of experts call ``experts`` (and the pack's
+:class:`~lightning_dist.models.moe.Experts`): 3-D parameters with the expert first, and a forward
+``(hidden [N, C], top_k_index [N, k], top_k_weights [N, k]) -> [N, C]`` that sums each token's chosen experts' outputs.
+:func:`apply_ep` keeps the module and its own per-expert code and changes where it runs (torchtitan's layout):
+
+1. the parameters become ``Shard(0)`` DTensors on the ``ep`` mesh: this rank's experts, contiguous;
+2. a forward sorts the (token, choice) pairs by expert, exchanges the per-expert counts (one ``all_to_all_single``),
+   sends each pair's token to the rank holding its expert (``all_to_all_single`` with uneven splits, differentiable),
+   runs the module's own forward on what arrived (every row routed to its local expert with weight 1), sends the
+   outputs back the same way and adds them into each token, weighted, in expert order: the order one device adds them;
+3. data parallelism shards the experts over the data-parallel ranks left (``dp_shard / ep``, times ``dp_replicate``);
+   their gradients, which sum the losses of the ``ep`` peers whose tokens they ran, are divided by ``ep`` first, so
+   that both end as the data-parallel mean, as the dense parameters' gradients do.
+
+Dropless: every token reaches every expert it chose; a rank whose experts get no token sends and runs nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+log = logging.getLogger(__name__)
+
+GLOBAL_EXPERTS_KEY = "_ep_global_experts"
+"""``module.__dict__`` key: the number of experts of the whole model (``num_experts`` is the local count under ep)."""
+
+
+def expert_count(module: nn.Module) -> int | None:
+    """The number of experts of an experts module (the leading size shared by all its own parameters), or None when
+    `module` is not one: its own parameters are not all 3-D with one leading size, or its forward does not take
+    ``(hidden, top_k_index, top_k_weights)``."""
+    import inspect
+
+    params = list(module.parameters(recurse=False))
+    if not params or any(p.dim() != 3 for p in params) or len({p.shape[0] for p in params}) != 1:
+        return None
+    try:
+        names = [p.name for p in inspect.signature(module.forward).parameters.values()]
+    except (TypeError, ValueError):
+        return None
+    if len(names) < 3:
+        return None
+    return int(params[0].shape[0])
+
+
+def find_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every experts module of `model` (see :func:`expert_count`), outermost first."""
+    return [(n, m) for n, m in model.named_modules() if expert_count(m) is not None]
+
+
+def ep_problems(model: nn.Module, *, ep: int, dp_shard: int) -> list[str]:
+    """Why `model` cannot run with `ep` (one process, no collective): the same answer on every rank."""
+    if ep == 1:
+        return []
+    problems = []
+    if dp_shard % ep:
+        problems.append(
+            f"ep={ep} must divide dp_shard={dp_shard}: the expert-parallel groups are formed inside the sharding"
+            " ranks (each group holds every expert once). Choose an ep that divides it."
+        )
+    experts = find_experts(model)
+    if not experts:
+        problems.append(
+            f"ep={ep} but {type(model).__name__} has no experts module (3-D parameters with the expert first and a"
+            " forward (hidden, top_k_index, top_k_weights), as transformers' mixtures of experts and the pack's"
+            " MoEGPT have); drop ep, or write the experts that way."
+        )
+    for name, module in experts:
+        n = expert_count(module)
+        if n % ep:
+            problems.append(f"{name} holds {n} experts, not divisible by ep={ep}; choose an ep that divides {n}.")
+    return problems
+
+
+def _dispatch_forward(self: nn.Module, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+    """The forward of an experts module under expert parallelism (bound to the module: see :func:`apply_ep`)."""
+    from torch.distributed.nn.functional import all_to_all_single
+
+    state = self.__dict__[GLOBAL_EXPERTS_KEY]
+    group, ranks, n_global = state["group"], state["ranks"], state["experts"]
+    n_local = n_global // ranks
+    n_tokens, k = top_k_index.shape
+    # the (token, choice) pairs in expert order (stable: a token's choices keep their order within an expert)
+    experts = top_k_index.reshape(-1)
+    order = torch.argsort(experts, stable=True)
+    tokens = torch.arange(n_tokens, device=hidden.device).repeat_interleave(k)[order]
+    counts = torch.bincount(experts, minlength=n_global)
+    # how many rows each rank sends to each other rank: counts first, in one exchange
+    received = torch.empty_like(counts)
+    torch.distributed.all_to_all_single(received, counts, group=group)
+    send = counts.view(ranks, n_local).sum(1).tolist()
+    per_source = received.view(ranks, n_local)
+    recv = per_source.sum(1).tolist()
+    state["arrived"] = sum(recv)  # rows this rank's experts ran in the last forward (0: none of them was chosen)
+    x = hidden[tokens]
+    arrived = all_to_all_single(x.new_empty(sum(recv), x.shape[-1]), x, recv, send, group=group)
+    # each arrived row goes to its local expert with weight 1: the module's own per-expert code runs unchanged
+    local_ids = torch.repeat_interleave(
+        torch.arange(n_local, device=hidden.device).repeat(ranks), per_source.reshape(-1)
+    ).unsqueeze(1)
+    ones = torch.ones(local_ids.shape, dtype=top_k_weights.dtype, device=hidden.device)
+    with _local_params(self):
+        out = state["forward"](arrived, local_ids, ones)
+        if not len(arrived):
+            # none of this rank's experts was chosen: keep the exchanges and the experts in the backward all the
+            # same (the peers' backward all-to-alls wait for this rank; FSDP2 reduces every rank's expert gradients)
+            touched = [p for p in self._parameters.values() if p is not None and p.requires_grad]
+            out = out + 0 * arrived.sum() + sum(0 * p.sum() for p in touched)
+    back = all_to_all_single(out.new_empty(x.shape), out, send, recv, group=group)
+    weights = top_k_weights.reshape(-1)[order].unsqueeze(1)
+    return torch.zeros_like(hidden).index_add(0, tokens, (back * weights).to(hidden.dtype))
+
+
+class _local_params:
+    """The module's DTensor parameters as their local parts (its forward indexes them by local expert), and
+    ``num_experts`` the local count, for the length of the block."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __enter__(self) -> None:
+        m = self.module
+        state = m.__dict__[GLOBAL_EXPERTS_KEY]
+        self.saved = dict(m._parameters)
+        for name, p in self.saved.items():
+            if p is not None and hasattr(p, "to_local"):
+                local = p.to_local()
+                if local.requires_grad:
+                    # these experts ran on the tokens of all `ranks` ep peers: their gradient sums those ranks' losses,
+                    # where a dense parameter's holds this rank's only (data parallelism then averages both alike)
+                    local.register_hook(lambda g, n=state["ranks"]: g / n)
+                m._parameters[name] = local
+        self.had = "num_experts" in m.__dict__
+        self.count = m.__dict__.get("num_experts")
+        if self.had:
+            m.__dict__["num_experts"] = state["experts"] // state["ranks"]
+
+    def __exit__(self, *exc: Any) -> None:
+        self.module._parameters.update(self.saved)
+        if self.had:
+            self.module.__dict__["num_experts"] = self.count
+
+
+def apply_ep(model: nn.Module, ep_mesh: "DeviceMesh") -> list[str]:
+    """Split every experts module of `model` over the 1-D `ep_mesh` (each rank its ``E / ep`` experts, contiguous) and
+    route tokens to them (module docstring). Before FSDP (which then shards the local experts); returns their names."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    ranks = ep_mesh.size()
+    names = []
+    for name, module in find_experts(model):
+        n = expert_count(module)
+        for pname, p in list(module.named_parameters(recurse=False)):
+            # every rank holds the whole value (broadcast from rank 0 at set-up): each keeps its own experts
+            shard = distribute_tensor(p.detach(), ep_mesh, [Shard(0)], src_data_rank=None)
+            module.register_parameter(pname, nn.Parameter(shard, requires_grad=p.requires_grad))
+        module.__dict__[GLOBAL_EXPERTS_KEY] = {
+            "group": ep_mesh.get_group(),
+            "ranks": ranks,
+            "experts": n,
+            "forward": module.forward,
+        }
+        module.forward = types.MethodType(_dispatch_forward, module)
+        names.append(name)
+    log.info("expert parallelism: %d experts module(s) split over ep=%d", len(names), ranks)
+    return names
+
+
+__all__ = ["GLOBAL_EXPERTS_KEY", "apply_ep", "ep_problems", "expert_count", "find_experts"]
