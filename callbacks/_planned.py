@@ -193,13 +193,19 @@ def planned_memory(trainer: Any, module: nn.Module) -> planner.MemoryBreakdown |
     """``fsdp2_state_bytes`` for this rank's parameters and layout; None when the layout or optimizer is unknown."""
     layout = run_layout(trainer.strategy)
     opt = optimizer_name(list(trainer.optimizers))
-    if layout is None or opt is None:
+    if layout is None or opt is None or _expert_parallel(trainer.strategy):
         return None
     state = planner.state_bytes(precision=precision_flag(trainer), optimizer=opt)
     shapes = [tp_local_shape(p) for p in module.parameters()]
     return planner.fsdp2_state_bytes(
         shapes, shard_size=layout.shard_size, rank=layout.shard_rank, state=state, zero_stage=layout.zero_stage
     )
+
+
+def _expert_parallel(strategy: Any) -> bool:
+    """Expert parallelism: experts sharded over ep and tokens exchanged are not in the planner yet: no plan rather
+    than a wrong one (the measured rows stand alone)."""
+    return getattr(strategy, "ep", 1) > 1
 
 
 def planned_places(strategy: Any) -> dict[str, str]:
@@ -228,7 +234,7 @@ def planned_traffic(
     context parallelism also ``"cp_network"`` and ``"block_lists"``, for the all-to-alls)."""
     layout = run_layout(trainer.strategy)
     mesh = strategy_mesh(trainer.strategy)
-    if layout is None or (mesh is not None and mesh.size(PP) > 1):
+    if layout is None or (mesh is not None and mesh.size(PP) > 1) or _expert_parallel(trainer.strategy):
         # pipeline: stage-boundary activations and per-micro-batch gathers are not predicted here
         return None
     cp = mesh.cp_size if mesh is not None else 1

@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from lightning_dist.parallelize.moe import all_to_all
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -84,8 +86,6 @@ def ep_problems(model: nn.Module, *, ep: int, dp_shard: int) -> list[str]:
 
 def _dispatch_forward(self: nn.Module, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
     """The forward of an experts module under expert parallelism (bound to the module: see :func:`apply_ep`)."""
-    from torch.distributed.nn.functional import all_to_all_single
-
     state = self.__dict__[GLOBAL_EXPERTS_KEY]
     group, ranks, n_global = state["group"], state["ranks"], state["experts"]
     n_local = n_global // ranks
@@ -103,7 +103,7 @@ def _dispatch_forward(self: nn.Module, hidden: Tensor, top_k_index: Tensor, top_
     recv = per_source.sum(1).tolist()
     state["arrived"] = sum(recv)  # rows this rank's experts ran in the last forward (0: none of them was chosen)
     x = hidden[tokens]
-    arrived = all_to_all_single(x.new_empty(sum(recv), x.shape[-1]), x, recv, send, group=group)
+    arrived = all_to_all(x, recv, send, group)
     # each arrived row goes to its local expert with weight 1: the module's own per-expert code runs unchanged
     local_ids = torch.repeat_interleave(
         torch.arange(n_local, device=hidden.device).repeat(ranks), per_source.reshape(-1)
@@ -116,7 +116,7 @@ def _dispatch_forward(self: nn.Module, hidden: Tensor, top_k_index: Tensor, top_
             # same (the peers' backward all-to-alls wait for this rank; FSDP2 reduces every rank's expert gradients)
             touched = [p for p in self._parameters.values() if p is not None and p.requires_grad]
             out = out + 0 * arrived.sum() + sum(0 * p.sum() for p in touched)
-    back = all_to_all_single(out.new_empty(x.shape), out, send, recv, group=group)
+    back = all_to_all(out, send, recv, group)
     weights = top_k_weights.reshape(-1)[order].unsqueeze(1)
     return torch.zeros_like(hidden).index_add(0, tokens, (back * weights).to(hidden.dtype))
 

@@ -39,16 +39,60 @@ class RouterStats:
         return RouterStats(counts, probs.sum(0), torch.tensor(float(probs.shape[0]), dtype=probs.dtype))
 
 
+# Differentiable collectives for the routing. torch's public ones (torch.distributed.nn.functional) are deprecated
+# in favour of a private module; these two need only the public c10d calls.
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over `group`; the gradient of each rank's input is the sum of every rank's output gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:
+        ctx.group = group
+        out = x.clone()
+        torch.distributed.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple:
+        grad = grad.clone()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` of the rows of `x` (uneven splits); the backward sends the gradients back the same way."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, recv: list, send: list, group: Any) -> Tensor:
+        ctx.recv, ctx.send, ctx.group = recv, send, group
+        out = x.new_empty(sum(recv), *x.shape[1:])
+        torch.distributed.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple:
+        out = grad.new_empty(sum(ctx.send), *grad.shape[1:])
+        torch.distributed.all_to_all_single(out, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
+        return out, None, None, None
+
+
+def all_reduce_sum(x: Tensor, group: Any) -> Tensor:
+    """`x` summed over `group`, differentiable."""
+    return _AllReduceSum.apply(x, group)
+
+
+def all_to_all(x: Tensor, recv: list[int], send: list[int], group: Any) -> Tensor:
+    """The rows of `x` exchanged over `group` (`send[i]` rows to rank i, `recv[i]` from it), differentiable."""
+    return _AllToAll.apply(x, recv, send, group)
+
+
 def reduce_stats(counts: Tensor, probs: Tensor, rows: Tensor, group: Any) -> tuple[Tensor, Tensor, Tensor]:
     """The statistics summed over `group` (None: as they are): counts and rows in one all-reduce, the
     probabilities in a differentiable one (its backward sums every rank's gradient)."""
     if group is None:
         return counts, probs, rows
-    from torch.distributed.nn.functional import all_reduce as differentiable_all_reduce
-
     numbers = torch.cat([counts.detach(), rows.detach().reshape(1).to(counts)])
     torch.distributed.all_reduce(numbers, group=group)
-    return numbers[:-1], differentiable_all_reduce(probs, group=group), numbers[-1]
+    return numbers[:-1], all_reduce_sum(probs, group), numbers[-1]
 
 
 def switch_loss(counts: Tensor, probs: Tensor, rows: Tensor) -> Tensor:
@@ -72,4 +116,12 @@ def global_balance_loss(group: Any) -> Iterator[None]:
         _GROUP.reset(token)
 
 
-__all__ = ["RouterStats", "balance_loss", "global_balance_loss", "reduce_stats", "switch_loss"]
+__all__ = [
+    "RouterStats",
+    "all_reduce_sum",
+    "all_to_all",
+    "balance_loss",
+    "global_balance_loss",
+    "reduce_stats",
+    "switch_loss",
+]
