@@ -161,23 +161,32 @@ def _local(t: Tensor) -> Tensor:
 
 
 def _replicas_disagree(model: nn.Module, group: Any) -> tuple[float, str]:
-    """(worst relative spread, parameter) of the gradients of parameters held whole on every rank of `group`."""
+    """(worst relative spread, parameter) of the gradients of parameters held whole on every rank of `group`: one
+    all-gather of all of them (norms and biases: small)."""
     from torch.distributed.tensor import DTensor, Replicate
 
-    worst, where = 0.0, ""
-    floor = FLOOR * _norm(_local(p.grad) for p in model.parameters() if p.grad is not None)
+    names, chunks = [], []
     for n, p in model.named_parameters():
-        if p.grad is None:
-            continue
         g = p.grad
+        if g is None:
+            continue
         if isinstance(g, DTensor):
             if any(not isinstance(pl, Replicate) for pl in g.placements):
                 continue  # split: each rank holds its own part
             g = g.to_local()
-        local = g.detach().double().flatten()
-        gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(gathered, local, group=group)
-        d = max(_rel(other, gathered[0], floor) for other in gathered[1:])
+        names.append(n)
+        chunks.append(g.detach().double().flatten())
+    if not chunks:
+        return 0.0, ""
+    flat = torch.cat(chunks)
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, flat, group=group)
+    sizes = [c.numel() for c in chunks]
+    pieces = [g.split(sizes) for g in gathered]
+    floor = FLOOR * _norm(_local(p.grad) for p in model.parameters() if p.grad is not None)
+    worst, where = 0.0, ""
+    for i, n in enumerate(names):
+        d = max(_rel(other[i], pieces[0][i], floor) for other in pieces[1:])
         if d > worst:
             worst, where = d, f"{n} (its gradient differs between the ranks that hold it whole)"
     return worst, where
