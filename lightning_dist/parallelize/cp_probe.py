@@ -16,13 +16,15 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+
+from lightning_dist.parallelize.self_check import first_tensor
 
 # relative difference allowed for an exact split: rounding of another reduction order (the exchange, the ring's
 # log-sum-exp merges), with margin; measured on exact models (docs/self_checks.md): float64 <= 2.3e-15, float32
@@ -82,14 +84,9 @@ class CPProbe(Protocol):
 def output_tensor(out: Any) -> Optional[Tensor]:
     """The tensor of a network's output that training uses: itself, HF's ``logits``, the first tensor of a tuple or
     mapping; a DTensor (vocabulary-parallel logits) as its whole value (differentiable)."""
-    if isinstance(out, Tensor):
-        full = getattr(out, "full_tensor", None)
-        return full() if callable(full) else out
-    logits = getattr(out, "logits", None)
-    if isinstance(logits, Tensor):
-        return output_tensor(logits)
-    values = out.values() if isinstance(out, Mapping) else out if isinstance(out, (list, tuple)) else ()
-    return next((t for t in map(output_tensor, values) if t is not None), None)
+    out = first_tensor(out)
+    full = getattr(out, "full_tensor", None)
+    return full() if callable(full) else out
 
 
 def probe_inputs(

@@ -109,7 +109,7 @@ def _dispatch_forward(self: nn.Module, hidden: Tensor, top_k_index: Tensor, top_
         torch.arange(n_local, device=hidden.device).repeat(ranks), per_source.reshape(-1)
     ).unsqueeze(1)
     ones = torch.ones(local_ids.shape, dtype=top_k_weights.dtype, device=hidden.device)
-    with _local_params(self):
+    with _LocalParams(self):
         out = state["forward"](arrived, local_ids, ones)
         if not len(arrived):
             # none of this rank's experts was chosen: keep the exchanges and the experts in the backward all the
@@ -121,7 +121,7 @@ def _dispatch_forward(self: nn.Module, hidden: Tensor, top_k_index: Tensor, top_
     return torch.zeros_like(hidden).index_add(0, tokens, (back * weights).to(hidden.dtype))
 
 
-class _local_params:
+class _LocalParams:
     """The module's DTensor parameters as their local parts (its forward indexes them by local expert), and
     ``num_experts`` the local count, for the length of the block."""
 

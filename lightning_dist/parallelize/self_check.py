@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -40,17 +40,16 @@ class SelfCheckReport:
     """Wall time of the whole check on the slowest rank."""
 
 
-def _first_tensor(out: Any) -> Optional[Tensor]:
+def first_tensor(out: Any) -> Optional[Tensor]:
+    """The tensor of a module's output that training uses: itself, HF's ``logits``, else the first tensor of a tuple,
+    list or mapping (None when there is none). The one reading of outputs of the pack's probes and self-checks."""
     if isinstance(out, Tensor):
         return out
-    logits = getattr(out, "logits", None)
+    logits = getattr(out, "logits", None)  # HuggingFace ModelOutput
     if isinstance(logits, Tensor):
         return logits
-    if isinstance(out, (list, tuple)):
-        return next((t for t in map(_first_tensor, out) if t is not None), None)
-    if isinstance(out, dict):
-        return next((v for v in out.values() if isinstance(v, Tensor)), None)
-    return None
+    values = out.values() if isinstance(out, Mapping) else out if isinstance(out, (list, tuple)) else ()
+    return next((t for t in map(first_tensor, values) if t is not None), None)
 
 
 # a gradient is compared relative to its own size, or to this share of its block's when smaller: a parameter whose exact
@@ -119,7 +118,7 @@ class _Capture:
 
     def _post(self, name: str) -> Callable:
         def hook(module: nn.Module, args: tuple, out: Any) -> None:
-            t = _first_tensor(out)
+            t = first_tensor(out)
             if t is None or name in self.outputs:
                 return
             self.outputs[name] = t.detach().clone()
@@ -139,7 +138,7 @@ def _compare_block(name: str, block: nn.Module, cap: _Capture) -> tuple[float, s
     ref = unsharded_clone(block, {}, {})
     args, kwargs = tree_map(lambda x: full_tensor_of(x) if isinstance(x, Tensor) else x, cap.inputs[name])
     with torch.enable_grad(), torch.compiler.set_stance("force_eager"):
-        out = _first_tensor(ref(*args, **kwargs))
+        out = first_tensor(ref(*args, **kwargs))
         grad = cap.grads.get(name)
         if out is not None and grad is not None and out.requires_grad:
             out.backward(full_tensor_of(grad).to(out.dtype))
@@ -212,7 +211,7 @@ def check_split_model(
     cap = _Capture(blocks)
     try:
         with torch.enable_grad(), torch.compiler.set_stance("force_eager"):
-            out = _first_tensor(run())
+            out = first_tensor(run())
             if out is None or not out.requires_grad:
                 return SelfCheckReport(0, 0.0, "no graded output", time.perf_counter() - start)
             (out * _seeded_like(out, 1234)).sum().backward()
@@ -288,4 +287,4 @@ def gradient_problem(
     )
 
 
-__all__ = ["SelfCheckReport", "TOLERANCE", "check_split_model", "gradient_problem"]
+__all__ = ["SelfCheckReport", "TOLERANCE", "check_split_model", "first_tensor", "gradient_problem"]

@@ -25,21 +25,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_dist.parallelize.self_check import first_tensor
+
 # relative output difference allowed for a correct split: rounding of another reduction order, with margin
 _TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
-
-
-def _first_tensor(out: Any) -> Optional[Tensor]:
-    if isinstance(out, Tensor):
-        return out
-    logits = getattr(out, "logits", None)  # HuggingFace ModelOutput
-    if isinstance(logits, Tensor):
-        return logits
-    if isinstance(out, Mapping):
-        return next((v for v in out.values() if isinstance(v, Tensor)), None)
-    if isinstance(out, (list, tuple)):
-        return next((t for t in map(_first_tensor, out) if t is not None), None)
-    return None
 
 
 def _cast(sample: Any, device: torch.device, dtype: torch.dtype) -> Any:
@@ -188,7 +177,7 @@ def probe_output(
         sample = _cast(sample, device, params[0].dtype)
         trace = _FlowTrace(module, entries or [])
         try:
-            out = _first_tensor(_run(net, sample))
+            out = first_tensor(_run(net, sample))
         except Exception:  # a sample the forward does not take (other inputs or sizes, no forward): the next guess
             continue
         finally:
@@ -240,7 +229,7 @@ def check_probe(module: nn.Module, sample: Any, expected: Tensor, *, describe: s
 
     Collective (the forward and one all-reduce): call on every rank. Returns the relative difference.
     """
-    got = _first_tensor(_run(module, sample))
+    got = first_tensor(_run(module, sample))
     full = getattr(got, "full_tensor", None)
     got = full() if callable(full) else got
     if got is None or got.shape != expected.shape:
