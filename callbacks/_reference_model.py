@@ -10,9 +10,9 @@ from torch import Tensor, nn
 
 from lightning_dist.parallelize.clone import full_tensor_of
 from lightning_dist.parallelize.clone import unsharded_clone as _plain_clone
-from lightning_dist.parallelize.pipeline import PipelineView, join_stages
-from lightning_dist.parallelize.pipeline_pruned import model_class_copy
-from lightning_dist.parallelize.pipeline_stages import is_pipelined_module
+from lightning_dist.parallelize.pipeline.pruned import model_class_copy
+from lightning_dist.parallelize.pipeline.split import PipelineView, join_stages
+from lightning_dist.parallelize.pipeline.stages import is_pipelined_module
 
 __all__ = ["full_tensor_of", "unsharded_clone", "whole_pipeline_network"]
 
@@ -37,7 +37,7 @@ def whole_pipeline_network(view: PipelineView, mesh: Any, local: nn.Module) -> n
     split's order under their single-device names. Runs on every rank (a collective over ``pp``).
 
     A HuggingFace causal LM called with ``labels`` computes its loss as the pipeline does (in the logits'
-    dtype, :func:`~lightning_dist.parallelize.pipeline_hf.pipeline_loss_function`, set by its layout's join),
+    dtype, :func:`~lightning_dist.parallelize.pipeline.hf.pipeline_loss_function`, set by its layout's join),
     not with HF's own ``loss_function``, which casts float64 logits to float32: the reference gradient is then the exact
     single-device gradient of the loss the pipeline trains, and a float64 check is not a false alarm.
     """

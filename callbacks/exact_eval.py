@@ -31,7 +31,7 @@ from lightning_dist._integrations.lightning import unwrap_strategy_methods, wrap
 from lightning_dist.callbacks.sampler_epoch import dataloaders_in
 from lightning_dist.data import samples_per_rank
 from lightning_dist.mesh import data_parallel_info
-from lightning_dist.parallelize.pipeline import pipeline_view
+from lightning_dist.parallelize.pipeline.split import pipeline_view
 
 __all__ = ["ExactEvaluation", "ExactMetric", "ExactBatchSampler", "exact_eval_mask"]
 

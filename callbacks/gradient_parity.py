@@ -32,7 +32,7 @@ from lightning_dist.callbacks._global_batch import (
 from lightning_dist.callbacks._reference_model import full_tensor_of, unsharded_clone, whole_pipeline_network
 from lightning_dist.callbacks.sync_batchnorm import revert_sync_batchnorm
 from lightning_dist.mesh import DistMesh, data_parallel_info
-from lightning_dist.parallelize.pipeline import pipeline_view
+from lightning_dist.parallelize.pipeline.split import pipeline_view
 from lightning_dist.parallelize.shared import retie, shared_parameters
 from lightning_dist.precision import precision_dtypes
 

@@ -1,6 +1,6 @@
 """PipelineBubble: the measured pipeline bubble of each training step, next to the theory, and a Gantt chart.
 
-With :class:`~lightning_dist.strategies.pipeline.PipelineStrategy`, every rank records its F (forward),
+With :class:`~lightning_dist.strategies.pipeline.strategy.PipelineStrategy`, every rank records its F (forward),
 B (full backward), I (input backward) and W (weight backward) actions with their micro-batch and
 start/end times. After each step the callback gathers the records of the pipeline group and logs:
 
@@ -28,7 +28,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_dist._compat import matplotlib_available
-from lightning_dist.parallelize.pipeline import pipeline_view
+from lightning_dist.parallelize.pipeline.split import pipeline_view
 from lightning_dist.rules import bubble_theory
 
 COLORS = {"F": "#4C72B0", "B": "#55A868", "I": "#DD8452", "W": "#8172B3"}

@@ -23,7 +23,7 @@ TRANSFORMERS_MOE_TESTED = ("5.0.0", "6.0.0")
 TORCH_GE_2_13 = compare_version("torch", lambda a, b: a >= b, "2.13.0")
 
 # torch < 2.13: a DTensor all-gathered from uneven shards keeps the padded buffer's strides, so a later
-# `view` inside F.linear fails ("view size is not compatible"); regions re-pack such inputs (parallelize/tp.py).
+# `view` inside F.linear fails ("view size is not compatible"); regions re-pack such inputs (parallelize/tp/apply.py).
 DTENSOR_UNEVEN_GATHER_STRIDED = not TORCH_GE_2_13
 # torch < 2.13: a multi-stage schedule's first step posts a gloo send/recv between two stages of the SAME rank
 # (ZBV at pp=2), which gloo cannot pair ("Pair is not connected"); our stages leave those ops out.

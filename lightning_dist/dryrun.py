@@ -19,7 +19,7 @@ which holds the trailing FSDP2 / tensor shards) it starts one subprocess that
    mesh-dim labels as a real run's ledger).
 
 Pipelines run the strategy's own step: the user's ``training_step`` calls the pipelined network, which runs
-the pack's :class:`~lightning_dist.parallelize.pipeline_schedule.PipelineRunner` and torch's schedule (1F1B,
+the pack's :class:`~lightning_dist.parallelize.pipeline.schedule.PipelineRunner` and torch's schedule (1F1B,
 GPipe, interleaved, zero-bubble) over this rank's stages, boundary sends and receives on the fake ``pp`` group, then the
 strategy's ``backward``. The fake group delivers no values, so the few reads of what a peer sent (the stages'
 metadata in a schedule's first step, the output's shape) are answered from a meta forward of the unsplit
@@ -188,7 +188,7 @@ def _stage_inputs(strategy: Any, module: Any, batch: tuple[Any, Any]) -> tuple[l
     micro-batch, from one meta forward under the step's precision context."""
     import torch
 
-    from lightning_dist.parallelize import pipeline as plan
+    from lightning_dist.parallelize.pipeline import split as plan
 
     net = getattr(module, strategy.network)
     layout = plan.network_layout(net)
@@ -239,7 +239,7 @@ def _peer_answers(strategy: Any, boundaries: list[Any], output: Any, batch_size:
         extract_tensor_metas,
     )
 
-    from lightning_dist.parallelize.pipeline_schedule import PipelineRunner
+    from lightning_dist.parallelize.pipeline.schedule import PipelineRunner
 
     split = strategy.split
     n = batch_size // strategy.n_microbatches
@@ -270,7 +270,7 @@ def _peer_answers(strategy: Any, boundaries: list[Any], output: Any, batch_size:
     # the strategy's backward checks the returned loss from the value of its gradient on the step's loss
     # (1 / accumulate_grad_batches), which a fake tensor does not hold: the dry run's training_step is the user's
     # own, and the real run refuses a loss that does not hold `pipeline_loss` once before any optimizer step
-    from lightning_dist.strategies import _pipeline_step as step_module  # where the pipeline's backward looks it up
+    from lightning_dist.strategies.pipeline import step as step_module  # where the pipeline's backward looks it up
 
     def returned_loss_problem(d_loss: Any, scale: float, owner: str) -> Any:
         return checked(None if d_loss is None else scale, scale, owner)
@@ -310,7 +310,7 @@ def simulate_rank(config: DryRunConfig, rank: int) -> dict[str, Any]:
     from lightning_dist._compat import init_fake_process_group
     from lightning_dist._integrations.torch_distributed import build_replicate_reducers, ddp_on_fake_process_group
     from lightning_dist.mesh import DistMesh
-    from lightning_dist.parallelize.pipeline import pipeline_view
+    from lightning_dist.parallelize.pipeline.split import pipeline_view
     from lightning_dist.parallelize.units import find_block_lists
 
     start = time.perf_counter()
@@ -485,7 +485,7 @@ def plan_rank(
     import math
 
     from lightning_dist import planner, rules
-    from lightning_dist.parallelize.pipeline import pipeline_view
+    from lightning_dist.parallelize.pipeline.split import pipeline_view
     from lightning_dist.parallelize.units import find_block_lists
 
     state = planner.state_bytes(precision=config.precision, optimizer=config.optimizer)

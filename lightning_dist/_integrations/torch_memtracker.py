@@ -27,7 +27,7 @@ def step_tracker() -> Any:
       hooks refuse leaves under ``autograd.grad(inputs=...)``, which zero-bubble schedules call for the input
       gradients;
     - a pipelined network's output on a rank is a stand-in with no storage
-      (:class:`~lightning_dist.parallelize.pipeline_output.PipelineOutput`): nothing held;
+      (:class:`~lightning_dist.parallelize.pipeline.output.PipelineOutput`): nothing held;
     - no optimizer-step hooks: the tracked window ends before any optimizer step, and Lightning's automatic
       optimization runs ``training_step`` + ``backward`` as the closure inside ``optimizer.step``, whose pre-hook
       would file every tensor of the step as optimizer state.
@@ -39,7 +39,7 @@ def step_tracker() -> Any:
     from torch.distributed._tools.mod_tracker import ModTracker
     from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
-    from lightning_dist.parallelize.pipeline_output import PipelineOutput
+    from lightning_dist.parallelize.pipeline.output import PipelineOutput
 
     class Modules(ModTracker):
         def _maybe_set_engine_callback(self) -> None:

@@ -98,7 +98,7 @@ def parallelize_model(model: nn.Module, mesh: DistMesh, config: ParallelizeConfi
     # 1. tensor parallelism first: it turns weights into DTensors on the `tp` mesh
     tp_styles: dict[nn.Module, str] = {}  # {module: style} of the applied plan (compile leaves some blocks eager)
     if mesh.size(TP) > 1:
-        from lightning_dist.parallelize.tp import apply_tp, apply_tp_entries
+        from lightning_dist.parallelize.tp.apply import apply_tp, apply_tp_entries
 
         if config.tp_entries is not None:  # a piece of a model (pipeline stage): the whole model's plan
             apply_tp_entries(model, mesh.get_mesh(TP), list(config.tp_entries), config.tp_owner)
@@ -184,7 +184,7 @@ def pipeline_model(
 ) -> tuple[nn.Module, list[nn.Module]]:
     """Split `model` into the pipeline stages `stage_indices` of `split`, then parallelize each stage's module.
 
-    Returns ``(container, stages)``: one stage module (:func:`~lightning_dist.parallelize.pipeline.build_stage_module`)
+    Returns ``(container, stages)``: one stage module (``split.build_stage_module``)
     holding every part this rank runs (what the LightningModule keeps: its parameters under their single-device
     names) and one stage module per local stage (what ``PipelineStage`` runs), sharing those parts. Each stage goes
     through :func:`parallelize_model` with `config`: its blocks are the units of activation checkpointing and
@@ -194,8 +194,8 @@ def pipeline_model(
     """
     from dataclasses import replace
 
-    from lightning_dist.parallelize.pipeline import build_stage_module
-    from lightning_dist.parallelize.pipeline_stages import stage_blocks
+    from lightning_dist.parallelize.pipeline.split import build_stage_module
+    from lightning_dist.parallelize.pipeline.stages import stage_blocks
 
     if mesh.size(TP) > 1 and (config.tp_entries is None or config.tp_owner is None):
         raise ValueError("pipeline_model with tp > 1 needs `tp_entries` resolved on `tp_owner` (the whole model).")

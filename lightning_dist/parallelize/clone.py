@@ -8,7 +8,7 @@ import types
 from torch import Tensor, nn
 
 from lightning_dist._compat import fully_shard_api
-from lightning_dist.parallelize.tp_checks import GLOBAL_ATTRS_KEY
+from lightning_dist.parallelize.tp.checks import GLOBAL_ATTRS_KEY
 
 # the class FSDP2 mixes into the modules it shards (None without FSDP2)
 _FSDPModule = fully_shard_api()[3]

@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_dist.parallelize.pipeline import network_layout, part_params
+from lightning_dist.parallelize.pipeline.split import network_layout, part_params
 from lightning_dist.parallelize.units import find_block_lists
 from lightning_dist.planner.model import ParamCounts
 
@@ -30,7 +30,7 @@ def largest_block_list(model: nn.Module) -> tuple[str, Any] | None:
 def pipeline_parts(model: nn.Module) -> tuple[tuple[int, ...], int, int] | None:
     """(parameters of each block, of the stem, of the head) as the pipeline runtime splits `model`, or None
     when it cannot split it. A weight tied between the stem and the head counts on both: each of the two
-    stages holds a copy (:mod:`lightning_dist.parallelize.pipeline_tied`)."""
+    stages holds a copy (:mod:`lightning_dist.parallelize.pipeline.tied`)."""
     try:
         layout = network_layout(model)
     except TypeError:  # not splittable into pipeline stages: the planner counts around its block list instead

@@ -27,7 +27,7 @@ SDPA kernels: on CPU it fails with "no sharding strategy registered" for the CPU
 * ``pipeline_loss(output, target)`` gets the matching chunks of `target` (the pack's loss convention).
 * A pipeline (``PipelineStrategy``) hooks nothing: its network call cuts the batch with
   :meth:`ContextParallel.split_sequences` before the schedule's micro-batch split and holds the mode around the
-  schedule (see :mod:`lightning_dist.strategies._pipeline_step`).
+  schedule (see :mod:`lightning_dist.strategies.pipeline.step`).
 
 Refused, on every rank before any collective, with the fix named: a sequence not divisible by ``2 x cp``, attention
 heads (per tensor-parallel rank) not divisible by cp (key/value heads that do not divide are repeated to one per

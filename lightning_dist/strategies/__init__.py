@@ -10,7 +10,7 @@ from lightning_dist.strategies.base import MeshStrategy, attach_mesh
 from lightning_dist.strategies.hsdp import FullyShardStrategy, HybridShardStrategy
 from lightning_dist.strategies.offload import OffloadStrategy
 from lightning_dist.strategies.offload_fsdp2 import FSDP2OffloadStrategy
-from lightning_dist.strategies.pipeline import PipelineStrategy
+from lightning_dist.strategies.pipeline.strategy import PipelineStrategy
 from lightning_dist.strategies.tp import SequenceParallelStrategy, TensorParallelStrategy
 
 # name -> (class, description, init params); one table so docs and tests can list them

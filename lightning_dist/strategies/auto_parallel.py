@@ -37,7 +37,7 @@ from lightning_dist.strategies.base import MeshStrategy
 def strategy_for(layout: planner.Layout) -> tuple[type, dict[str, Any]]:
     """(strategy class, keyword arguments) that run `layout` (a kind of :data:`planner.AUTO_KINDS`)."""
     from lightning_dist.strategies.hsdp import FullyShardStrategy, HybridShardStrategy
-    from lightning_dist.strategies.pipeline import PipelineStrategy
+    from lightning_dist.strategies.pipeline.strategy import PipelineStrategy
     from lightning_dist.strategies.tp import TensorParallelStrategy
 
     m = layout.mesh

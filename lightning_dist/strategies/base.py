@@ -168,7 +168,7 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
 
     def pipeline_view(self) -> Optional[Any]:
         """This strategy's pipeline for callbacks and tools, as a
-        :class:`~lightning_dist.parallelize.pipeline.PipelineView` (layout, local stages, stage modules,
+        :class:`~lightning_dist.parallelize.pipeline.split.PipelineView` (layout, local stages, stage modules,
         timelines); None when the strategy does not pipeline. Callbacks read this, never a strategy's class."""
         return None
 
@@ -405,7 +405,7 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
         """5. context parallelism, after every other step (it changes no weight: a hook on the network's inputs and
         the attention mode held around each step), for the built-in plans and a ``parallelize_fn`` alike."""
         from lightning_dist.parallelize.cp import apply_cp
-        from lightning_dist.parallelize.pipeline_output import serve_pipeline_loss
+        from lightning_dist.parallelize.pipeline.output import serve_pipeline_loss
 
         apply_cp(self.lightning_module, self._cp, network=self.cp_network)
         if self._cp_loss is None:
@@ -552,7 +552,7 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
     def teardown(self) -> None:
         self.wait_for_checkpoint()  # the end of fit (or a failure) waits for a background save
         if self._cp_loss is not None:
-            from lightning_dist.parallelize.pipeline_output import unserve_pipeline_loss
+            from lightning_dist.parallelize.pipeline.output import unserve_pipeline_loss
 
             if self._cp_loss is not False and self.lightning_module is not None:
                 unserve_pipeline_loss(self.lightning_module, self._cp_loss)

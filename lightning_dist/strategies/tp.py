@@ -15,11 +15,11 @@ from lightning_dist._compat import TP_SEQUENCE_PARALLEL_WITH_DP_HANGS
 from lightning_dist.mesh import TP, MeshSpec
 from lightning_dist.parallelize import ParallelizeConfig, parallelize_model
 from lightning_dist.parallelize.self_check import SelfCheckReport, check_split_model
-from lightning_dist.parallelize.tp_auto import BUILTIN_PLANS
-from lightning_dist.parallelize.tp_loss import LogitsGuard, head_entry, loss_parallel_step
-from lightning_dist.parallelize.tp_plan import ResolvedPlan, format_plan, resolve_tp_plan
-from lightning_dist.parallelize.tp_probe import probe_samples, run_eval
-from lightning_dist.parallelize.tp_vocab import TPEntry
+from lightning_dist.parallelize.tp.auto import BUILTIN_PLANS
+from lightning_dist.parallelize.tp.loss import LogitsGuard, head_entry, loss_parallel_step
+from lightning_dist.parallelize.tp.plan import ResolvedPlan, format_plan, resolve_tp_plan
+from lightning_dist.parallelize.tp.probe import probe_samples, run_eval
+from lightning_dist.parallelize.tp.vocab import TPEntry
 from lightning_dist.parallelize.units import select_units
 from lightning_dist.strategies.hsdp import HybridShardStrategy
 
@@ -37,7 +37,7 @@ class TensorParallelStrategy(HybridShardStrategy):
         plan: ``"auto"`` (the built-in plan that matches the model), a built-in plan name
             (``"hf"``: the HuggingFace model's own, ``"transformer"``: from the structure, ``"mlp"``) or a mapping
             ``{module-name glob: style}``
-            (see :mod:`lightning_dist.parallelize.tp`). Patterns are matched against the LightningModule's
+            (see :mod:`lightning_dist.parallelize.tp.apply`). Patterns are matched against the LightningModule's
             module names or any dotted suffix of them.
         sequence_parallel: run norms/dropout between the parallel regions on sequence shards
             (reduce-scatter/all-gather instead of all-reduce; activations between regions are 1/tp).
@@ -184,7 +184,7 @@ class TensorParallelStrategy(HybridShardStrategy):
 
     @override
     def parallelize(self, module: pl.LightningModule) -> None:
-        from lightning_dist.parallelize.tp_probe import check_probe, probe_output
+        from lightning_dist.parallelize.tp.probe import check_probe, probe_output
 
         tp = self.mesh.size(TP)
         config, probe = self.parallelize_config(), None
@@ -193,7 +193,7 @@ class TensorParallelStrategy(HybridShardStrategy):
             config = dataclasses.replace(config, tp_plan=plan)
             self.tp_entries = list(plan.entries)
             rank_zero_info(format_plan(self.tp_entries, tp=tp))
-            # the unsplit model's output on one sample, to compare with the split one's (parallelize/tp_probe.py)
+            # the unsplit model's output on one sample, to compare with the split one's (parallelize/tp/probe.py)
             probe = probe_output(module, self.root_device, self.tp_entries)
         parallelize_model(module, self.mesh, config)
         if probe is not None:

@@ -83,7 +83,7 @@ def test_dry_run_refuses_heads_and_stages_with_the_strategy_message():
     from torch import nn
 
     from lightning_dist.models.gpt import CharGPT
-    from lightning_dist.parallelize.tp import resolve_stage_plan
+    from lightning_dist.parallelize.tp.apply import resolve_stage_plan
 
     # tp=6 on a mesh that allows it (12 devices per node): 16 heads do not split over 6 tensor ranks;
     # the message is the strategy's own, word for word

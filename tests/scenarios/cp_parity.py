@@ -166,7 +166,7 @@ def reference(
 ) -> tuple[dict, float]:
     model = build(kind).to(dtype)
     if pipeline and hf_labels:  # the pipeline's `labels` loss (float64; HF's own casts the logits to float32)
-        from lightning_dist.parallelize.pipeline_hf import pipeline_loss_function
+        from lightning_dist.parallelize.pipeline.hf import pipeline_loss_function
 
         model.loss_function = pipeline_loss_function
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)

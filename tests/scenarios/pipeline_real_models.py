@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import lightning_dist  # noqa: F401  (registers the strategies)
 from lightning_dist.models import GPT
-from lightning_dist.parallelize.pipeline_hf import hf_labels_loss
+from lightning_dist.parallelize.pipeline.hf import hf_labels_loss
 from lightning_dist.strategies import PipelineStrategy
 
 WORLD = int(os.environ.get("WORLD_SIZE", "2"))
@@ -225,7 +225,7 @@ def run(tag: str, kind: str, **strategy_kw) -> None:
         shape=list(strategy.mesh.spec.shape),
         tied=[
             [n for n in names]
-            for names, _ in __import__("lightning_dist.parallelize.pipeline_checks", fromlist=["x"]).tied_stages(
+            for names, _ in __import__("lightning_dist.parallelize.pipeline.checks", fromlist=["x"]).tied_stages(
                 build(kind), strategy.split
             )
         ],
@@ -259,7 +259,7 @@ def resume(kind: str) -> None:
     if dist.get_rank() == 0:
         import torch.distributed.checkpoint as dcp
 
-        from lightning_dist.parallelize.pipeline_checks import tied_stages
+        from lightning_dist.parallelize.pipeline.checks import tied_stages
 
         tied = [f"model.{n}" for names, _ in tied_stages(build(kind), first.strategy.split) for n in names]
         for name in (path, path + "4"):  # the keys of the tied weight's copies in each sharded checkpoint

@@ -165,7 +165,7 @@ def test_dry_run_cli_config_from_lightningcli_yaml(tmp_path):
 
 
 def test_tp_plan_refuses_key_value_heads_that_do_not_split():
-    from lightning_dist.parallelize.tp_plan import resolve_plan
+    from lightning_dist.parallelize.tp.plan import resolve_plan
 
     with torch.device("meta"):
         module = CharGPT(vocab_size=32, block_size=8, n_layer=1, n_head=16, n_kv_head=4, n_embd=128)

@@ -38,14 +38,14 @@ def _tp(**kw):
 
 
 def _plan(plan, width=16):
-    from lightning_dist.parallelize.tp_plan import resolve_plan
+    from lightning_dist.parallelize.tp.plan import resolve_plan
 
     return resolve_plan(MLP(width=width), plan, tp=2)
 
 
 def _tied_head_only():
     from lightning_dist.models import GPT
-    from lightning_dist.parallelize.tp_plan import resolve_plan
+    from lightning_dist.parallelize.tp.plan import resolve_plan
 
     with torch.device("meta"):
         model = GPT(n_layer=1, n_head=2, n_embd=16, tie_weights=True)
@@ -55,7 +55,7 @@ def _tied_head_only():
 def _two_paths():
     import lightning.pytorch as pl
 
-    from lightning_dist.parallelize.tp_plan import resolve_plan
+    from lightning_dist.parallelize.tp.plan import resolve_plan
 
     module = pl.LightningModule()
     module.model, module.head = MLP(), nn.Linear(5, 4)  # `head` from the LightningModule and from `model`
@@ -64,8 +64,8 @@ def _two_paths():
 
 def _styles_swapped():
     from lightning_dist.models import GPT
-    from lightning_dist.parallelize.tp_plan import resolve_plan
-    from lightning_dist.parallelize.tp_probe import probe_output
+    from lightning_dist.parallelize.tp.plan import resolve_plan
+    from lightning_dist.parallelize.tp.probe import probe_output
 
     model = GPT(n_layer=2, n_head=2, n_embd=32, block_size=16)
     plan = {
@@ -81,7 +81,7 @@ def _styles_swapped():
 
 
 def _head_registered_first():
-    from lightning_dist.parallelize.pipeline_checks import check_staged_forward
+    from lightning_dist.parallelize.pipeline.checks import check_staged_forward
 
     class Net(nn.Module):
         def __init__(self):
@@ -99,7 +99,7 @@ def _head_registered_first():
 
 
 def _auto_no_plan():
-    from lightning_dist.parallelize.tp_auto import builtin_plan
+    from lightning_dist.parallelize.tp.auto import builtin_plan
 
     net = nn.Module()
     net.conv, net.up, net.down = nn.Conv1d(4, 4, 1), nn.Linear(4, 8), nn.Linear(8, 4)
@@ -175,7 +175,7 @@ def _pipeline_tp(tp_plan):
 
 
 def _schedule(schedule, pp, micro, stages=1):
-    from lightning_dist.parallelize.pipeline_schedule import schedule_problems
+    from lightning_dist.parallelize.pipeline.schedule import schedule_problems
 
     problems = schedule_problems(schedule, pp, micro, stages)
     if problems:  # the strategy raises these as one ValueError at set-up, before the first collective

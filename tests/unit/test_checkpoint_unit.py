@@ -238,7 +238,7 @@ def test_a_pipeline_checkpoint_resumes_under_a_data_parallel_strategy(tmp_path):
     """A pipeline checkpoint keys its optimizer state by parameter name (``param_groups.<name>.lr``) and holds a
     weight tied across stages once; ``load`` (what hsdp/tp resume with) reads both into the plain model and its
     optimizer (issue 29: was ``Missing key in checkpoint state_dict: optimizer_0.param_groups.0.lr``)."""
-    from lightning_dist.parallelize.pipeline_tied import save_tied_once
+    from lightning_dist.parallelize.pipeline.tied import save_tied_once
 
     def tied_net():
         net = nn.Module()

@@ -56,7 +56,7 @@ def test_pyproject_states_the_same_torch_range():
 
 
 def test_repack_makes_values_and_gradients_dense():
-    from lightning_dist.parallelize.tp import _repack, _RepackGrad
+    from lightning_dist.parallelize.tp.apply import _repack, _RepackGrad
 
     strided = torch.randn(6, 4).t()
     assert not strided.is_contiguous() and _repack(strided).is_contiguous()

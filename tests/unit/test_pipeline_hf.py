@@ -7,10 +7,10 @@ import torch
 from torch import nn
 
 from lightning_dist.mesh import MeshSpec
-from lightning_dist.parallelize.pipeline import build_stage_module, network_layout, plan_split, profile_costs
-from lightning_dist.parallelize.pipeline_checks import staged_forward_problem, tied_stages
-from lightning_dist.parallelize.pipeline_hf import hf_example_inputs, hf_labels_loss, labelled_tokens
-from lightning_dist.strategies.pipeline import PipelineStrategy
+from lightning_dist.parallelize.pipeline.checks import staged_forward_problem, tied_stages
+from lightning_dist.parallelize.pipeline.hf import hf_example_inputs, hf_labels_loss, labelled_tokens
+from lightning_dist.parallelize.pipeline.split import build_stage_module, network_layout, plan_split, profile_costs
+from lightning_dist.strategies.pipeline.strategy import PipelineStrategy
 
 tf = pytest.importorskip("transformers")
 V = 32
@@ -173,7 +173,7 @@ def test_a_network_of_no_known_shape_is_refused_naming_what_was_tried():
 def test_joined_stages_are_the_whole_model_again(make):
     import copy
 
-    from lightning_dist.parallelize.pipeline import join_stages
+    from lightning_dist.parallelize.pipeline.split import join_stages
 
     net = make()
     split = plan_split(net, 4, split=[1, 2, 3])

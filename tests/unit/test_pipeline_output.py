@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_dist.parallelize.pipeline_output import (
+from lightning_dist.parallelize.pipeline.output import (
     PipelineOutput,
     check_target,
     loss_leaf,

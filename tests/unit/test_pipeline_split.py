@@ -11,17 +11,17 @@ from torch import nn
 
 import lightning_dist  # noqa: F401  (registers the strategies)
 from lightning_dist.mesh import MeshSpec
-from lightning_dist.parallelize.pipeline import (
+from lightning_dist.parallelize.pipeline.checks import batchnorm_modules, shared_across_stages, tied_stages
+from lightning_dist.parallelize.pipeline.schedule import schedule_problems
+from lightning_dist.parallelize.pipeline.split import (
     build_stage_module,
     network_layout,
     plan_split,
     profile_costs,
 )
-from lightning_dist.parallelize.pipeline_checks import batchnorm_modules, shared_across_stages, tied_stages
-from lightning_dist.parallelize.pipeline_schedule import schedule_problems
 from lightning_dist.rules import bubble_theory, partition, stage_ranks
 from lightning_dist.strategies import REGISTERED
-from lightning_dist.strategies.pipeline import PipelineStrategy
+from lightning_dist.strategies.pipeline.strategy import PipelineStrategy
 
 
 class Block(nn.Module):
@@ -212,7 +212,7 @@ def test_tied_weights_across_stages_are_named():
 
 def test_a_tied_weight_is_saved_once_under_the_unsplit_name_and_every_copy_reads_it():
     from lightning_dist.checkpoint import _alias_flat_optimizer
-    from lightning_dist.parallelize.pipeline_tied import save_tied_once, tied_aliases, tied_checkpoint_keys
+    from lightning_dist.parallelize.pipeline.tied import save_tied_once, tied_aliases, tied_checkpoint_keys
 
     net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
     net[3].weight = net[0].weight
@@ -433,7 +433,7 @@ def test_global_grad_norm_of_plain_gradients_matches_torch():
 
 
 def test_the_pipeline_view_is_what_callbacks_read():
-    from lightning_dist.parallelize.pipeline import PipelineView, pipeline_view
+    from lightning_dist.parallelize.pipeline.split import PipelineView, pipeline_view
     from lightning_dist.strategies import FullyShardStrategy
 
     s = PipelineStrategy(pp=2)
@@ -460,7 +460,7 @@ def test_bubble_theory_takes_the_stages_per_rank():
 
 
 def test_tied_weights_on_two_stages_of_one_rank_are_refused_under_fsdp():
-    from lightning_dist.parallelize.pipeline_tied import tied_problems
+    from lightning_dist.parallelize.pipeline.tied import tied_problems
 
     tied = [(("stem.weight", "head.weight"), (0, 3))]
     assert tied_problems(tied, [0, 1, 1, 0], dp_size=1) == []  # ZBV: one rank, one tensor, no FSDP
@@ -481,8 +481,8 @@ def _litgpt(**kw):
 def test_litgpt_gpt_splits_as_the_model_with_the_blocks_it_does_not_own_taken_out():
     import copy
 
-    from lightning_dist.parallelize.pipeline import PrunedLayout, join_stages
-    from lightning_dist.parallelize.pipeline_checks import staged_forward_problem
+    from lightning_dist.parallelize.pipeline.checks import staged_forward_problem
+    from lightning_dist.parallelize.pipeline.split import PrunedLayout, join_stages
 
     net = _litgpt()
     lay = network_layout(net)  # the block list inside the ModuleDict `transformer`, lm_head registered first
@@ -516,7 +516,7 @@ def test_litgpt_gpt_splits_as_the_model_with_the_blocks_it_does_not_own_taken_ou
 
 
 def test_litgpt_forward_the_stages_cannot_reproduce_is_refused_with_the_difference():
-    from lightning_dist.parallelize.pipeline_checks import staged_forward_problem
+    from lightning_dist.parallelize.pipeline.checks import staged_forward_problem
 
     # Gemma's embedding scale: x * sqrt(n_embd) after the lookup would be applied again on every later stage
     problem = staged_forward_problem(_litgpt(scale_embeddings=True), torch.randint(0, 64, (2, 8)))
@@ -571,7 +571,7 @@ def test_nested_block_list_refusals_name_the_route_and_why():
 def test_staged_check_compares_gradients_not_only_outputs():
     """A forward that detaches between its children: the stages compute the same output but would train the stem,
     which one device never does (it gets no gradient). The staged check looks at the gradients and refuses."""
-    from lightning_dist.parallelize.pipeline_checks import staged_forward_problem
+    from lightning_dist.parallelize.pipeline.checks import staged_forward_problem
 
     class Detaching(nn.Module):
         def __init__(self) -> None:

@@ -9,7 +9,7 @@ import torch
 from lightning_dist import planner
 from lightning_dist.models import GPT, ShapesCNN, ViT
 from lightning_dist.parallelize.counts import count_params, largest_block_list
-from lightning_dist.parallelize.pipeline import network_layout, plan_split
+from lightning_dist.parallelize.pipeline.split import network_layout, plan_split
 from lightning_dist.rules import SCHEDULES, bubble_theory
 
 

@@ -85,7 +85,7 @@ def test_a_training_step_keeps_no_output_on_the_last_stage_unless_asked(one_rank
     # micro-batch output; the runner returns a meta tensor of the joined output's shape, and the same loss
     import torch.distributed as dist
 
-    from lightning_dist.parallelize.pipeline_schedule import PipelineRunner
+    from lightning_dist.parallelize.pipeline.schedule import PipelineRunner
 
     torch.manual_seed(0)
     net = nn.Linear(3, 5).double()

@@ -10,8 +10,8 @@ from torch import nn
 import lightning_dist  # noqa: F401  (registers the strategies)
 from lightning_dist.mesh import MeshSpec
 from lightning_dist.models import GPT, ShapesCNN, ViT
-from lightning_dist.parallelize.tp_auto import BUILTIN_PLANS, builtin_plan
-from lightning_dist.parallelize.tp_plan import format_plan, resolve_plan
+from lightning_dist.parallelize.tp.auto import BUILTIN_PLANS, builtin_plan
+from lightning_dist.parallelize.tp.plan import format_plan, resolve_plan
 from lightning_dist.strategies import TensorParallelStrategy
 
 
@@ -256,7 +256,7 @@ def test_strategy_tp_auto_is_devices_per_node_and_validates_before_collectives()
 
 def test_a_plan_is_resolved_once_into_one_object():
     """resolve_tp_plan picks the built-in plan and resolves it; the result is what apply_tp and the strategy use."""
-    from lightning_dist.parallelize.tp_plan import ResolvedPlan, resolve_tp_plan
+    from lightning_dist.parallelize.tp.plan import ResolvedPlan, resolve_tp_plan
 
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
     resolved = resolve_tp_plan(model, "auto", tp=2)
@@ -296,7 +296,7 @@ def test_loss_parallel_guard_lets_only_cross_entropy_reach_the_logits():
     nll_loss) pass, metadata reads and detached copies pass, any other use is refused naming the call and the fix."""
     import torch.nn.functional as F
 
-    from lightning_dist.parallelize.tp_loss import LogitsGuard
+    from lightning_dist.parallelize.tp.loss import LogitsGuard
 
     logits, target = torch.randn(2, 3, 5, requires_grad=True), torch.randint(0, 5, (2, 3))
 
@@ -357,7 +357,7 @@ class _HeadNormNet(nn.Module):
 
 
 def test_split_flow_rule_sums_the_gradients_of_per_head_norms():
-    from lightning_dist.parallelize.tp_plan import resolve_tp_plan
+    from lightning_dist.parallelize.tp.plan import resolve_tp_plan
 
     net = _HeadNormNet(per_head=True)
     resolved = resolve_tp_plan(
@@ -384,7 +384,7 @@ def test_split_flow_rule_sums_the_gradients_of_per_head_norms():
 
 
 def test_split_flow_rule_refuses_a_norm_across_the_split_dimension():
-    from lightning_dist.parallelize.tp_plan import resolve_tp_plan
+    from lightning_dist.parallelize.tp.plan import resolve_tp_plan
 
     plan = {"layers.*.q": "colwise", "layers.*.k": "colwise", "layers.*.v": "colwise", "layers.*.o": "rowwise"}
     with pytest.raises(ValueError, match=r"layers.0.q_norm \(RMSNorm\) runs on the output of 'layers.0.q'.*spans 16"):
@@ -396,7 +396,7 @@ def test_split_flow_rule_refuses_a_norm_across_the_split_dimension():
 
 
 def test_split_flow_rule_traces_a_model_on_the_meta_device():
-    from lightning_dist.parallelize.tp_plan import resolve_tp_plan
+    from lightning_dist.parallelize.tp.plan import resolve_tp_plan
 
     with torch.device("meta"):
         net = _HeadNormNet(per_head=True)
@@ -407,7 +407,7 @@ def test_split_flow_rule_traces_a_model_on_the_meta_device():
 
 def test_hf_styles_map_or_are_refused_by_name():
     transformers = pytest.importorskip("transformers")
-    from lightning_dist.parallelize.tp_auto import HF_STYLES, hf_plan
+    from lightning_dist.parallelize.tp.auto import HF_STYLES, hf_plan
 
     common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
     olmo = transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**common, eos_token_id=0))
@@ -418,7 +418,7 @@ def test_hf_styles_map_or_are_refused_by_name():
     assert hf_plan(qwen, tp=2)["model.layers.*.self_attn.q_norm"] == "replicate_grad_sum"
     # every style the installed transformers registers is mapped or refused with its reason
     styles = pytest.importorskip("transformers.distributed.tensor_parallel").ALL_PARALLEL_STYLES
-    from lightning_dist.parallelize.tp_auto import HF_REFUSED
+    from lightning_dist.parallelize.tp.auto import HF_REFUSED
 
     unknown = set(styles.valid_keys()) - set(HF_STYLES) - set(HF_REFUSED)
     assert not unknown, unknown

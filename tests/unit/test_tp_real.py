@@ -12,8 +12,8 @@ from lightning_dist.callbacks import GradientParityCheck, GradientParityError
 from lightning_dist.models import GPT
 from lightning_dist.parallelize.fsdp import _refuse_split_ties
 from lightning_dist.parallelize.shared import check_shared_units, shared_parameters
-from lightning_dist.parallelize.tp_auto import builtin_plan
-from lightning_dist.parallelize.tp_plan import format_plan, resolve_plan
+from lightning_dist.parallelize.tp.auto import builtin_plan
+from lightning_dist.parallelize.tp.plan import format_plan, resolve_plan
 
 tf = pytest.importorskip("transformers")
 
@@ -192,7 +192,7 @@ def test_head_count_attribute_must_divide_by_tp():
 def test_head_counts_in_a_shared_config_get_a_local_copy():
     from types import SimpleNamespace
 
-    from lightning_dist.parallelize.tp_checks import GLOBAL_ATTRS_KEY, set_local_attrs
+    from lightning_dist.parallelize.tp.checks import GLOBAL_ATTRS_KEY, set_local_attrs
 
     class Attn(nn.Module):
         def __init__(self, config):
@@ -374,8 +374,8 @@ def test_fused_qkv_layer_unsplit_copy_computes_the_original_layer(kind):
     of a layer split per head: its forward must equal the original layer's, with the original layout."""
     import types
 
-    from lightning_dist.parallelize.tp_styles import FUSED_SHAPES_KEY, fused_qkv_forward
-    from lightning_dist.parallelize.tp_vocab import is_conv1d
+    from lightning_dist.parallelize.tp.styles import FUSED_SHAPES_KEY, fused_qkv_forward
+    from lightning_dist.parallelize.tp.vocab import is_conv1d
 
     torch.manual_seed(0)
     layer = tf.pytorch_utils.Conv1D(24, 8) if kind == "conv1d" else nn.Linear(8, 24)

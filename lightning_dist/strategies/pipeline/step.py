@@ -1,8 +1,8 @@
-"""One step of :class:`~lightning_dist.strategies.pipeline.PipelineStrategy`: the network call and its gradients.
+"""One step of :class:`~lightning_dist.strategies.PipelineStrategy`: the network call and its gradients.
 
 Calling the network inside ``training_step`` runs the whole schedule (forward and backward; forward only in
 evaluation). The output stays on the last stage; every pp rank gets the batch loss as one scalar and a
-:class:`~lightning_dist.parallelize.pipeline_output.PipelineOutput` stand-in that answers
+:class:`~lightning_dist.parallelize.pipeline.output.PipelineOutput` stand-in that answers
 ``self.pipeline_loss(out, target)`` (HF: ``out.loss``) with it and refuses any other use, on every rank
 (``broadcast_output=True``, and predict: the whole output broadcast instead). The gradients come from the
 schedule (the mean of ``pipeline_loss`` over the micro-batches); terms the returned loss adds on the
@@ -34,8 +34,8 @@ from torch import Tensor
 from lightning_dist.mesh import PP
 from lightning_dist.parallelize.cp import shift_labels
 from lightning_dist.parallelize.cp_probe import evaluating, module_names
-from lightning_dist.parallelize.pipeline_hf import hf_labels_loss, labelled_tokens
-from lightning_dist.parallelize.pipeline_output import (
+from lightning_dist.parallelize.pipeline.hf import hf_labels_loss, labelled_tokens
+from lightning_dist.parallelize.pipeline.output import (
     PipelineOutput,
     check_target,
     loss_leaf,
@@ -43,9 +43,9 @@ from lightning_dist.parallelize.pipeline_output import (
     reached_leaves,
     returned_loss_problem,
 )
-from lightning_dist.parallelize.pipeline_schedule import returned_loss_gradients
-from lightning_dist.parallelize.pipeline_setup import first_batch_problem
-from lightning_dist.parallelize.pipeline_tied import sum_tied_gradients
+from lightning_dist.parallelize.pipeline.schedule import returned_loss_gradients
+from lightning_dist.parallelize.pipeline.setup import first_batch_problem
+from lightning_dist.parallelize.pipeline.tied import sum_tied_gradients
 
 
 class NetworkCall(NamedTuple):
@@ -62,7 +62,7 @@ class NetworkCall(NamedTuple):
 
 
 class PipelineStep:
-    """The state of one step of `strategy` (a :class:`~lightning_dist.strategies.pipeline.PipelineStrategy`).
+    """The state of one step of `strategy` (a :class:`~lightning_dist.strategies.pipeline.strategy.PipelineStrategy`).
 
     ``training=True`` (made by ``training_step``): the first network call runs forward and backward, its
     gradients are held aside (``grads``) until :meth:`backward` adds them to ``.grad``. Otherwise (evaluation

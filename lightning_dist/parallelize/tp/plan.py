@@ -1,11 +1,11 @@
 """Tensor-parallel plans matched against a model and checked: :func:`resolve_plan`, :class:`ResolvedPlan`.
 
-A plan is written in the words of :mod:`.tp_vocab` (styles, :class:`~.tp_vocab.TPEntry`, patterns), named
-from the built-in plans of :mod:`.tp_auto` and checked by :mod:`.tp_checks`. Resolution runs in one process
+A plan is written in the words of :mod:`.vocab` (styles, :class:`~.vocab.TPEntry`, patterns), named
+from the built-in plans of :mod:`.auto` and checked by :mod:`.checks`. Resolution runs in one process
 (no process group; meta-device models work) and gives the same result on every rank. :func:`resolve_tp_plan`
 does it once per model (a built-in name picked, then matched and checked) and returns a :class:`ResolvedPlan`,
 the one object the strategy prints and ``apply_tp`` applies. The plan syntax and the styles are described in
-:mod:`lightning_dist.parallelize.tp`.
+:mod:`lightning_dist.parallelize.tp.apply`.
 """
 
 from __future__ import annotations
@@ -19,15 +19,15 @@ from typing import Any
 from torch import nn
 
 from lightning_dist.parallelize.shared import check_shared_tp, shared_parameters
-from lightning_dist.parallelize.tp_auto import builtin_plan
-from lightning_dist.parallelize.tp_checks import (
+from lightning_dist.parallelize.tp.auto import builtin_plan
+from lightning_dist.parallelize.tp.checks import (
     divisibility_problems,
     input_problems,
     local_attr_problems,
     region_problems,
 )
-from lightning_dist.parallelize.tp_flow import split_flow
-from lightning_dist.parallelize.tp_vocab import (
+from lightning_dist.parallelize.tp.flow import split_flow
+from lightning_dist.parallelize.tp.vocab import (
     GRAD_SUM_RULE,
     STYLES,
     Plan,
@@ -223,7 +223,7 @@ class ResolvedPlan:
     sequence_parallel: bool
     """Whether the sequence-parallel entries are active."""
     flow_traced: bool = True
-    """Whether the split-flow rule (:mod:`.tp_flow`) ran a forward (else it read the plan's regions)."""
+    """Whether the split-flow rule (:mod:`.flow`) ran a forward (else it read the plan's regions)."""
 
 
 def resolve_tp_plan(

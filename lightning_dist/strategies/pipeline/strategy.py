@@ -4,11 +4,11 @@ What the LightningModule must provide (checked on every rank before the first co
 
 * the network under ``self.<network>`` (default ``self.model``): an ``nn.Sequential``, or a module with a
   stem, one ``nn.ModuleList`` of blocks and a head, whose forward is its children in registration order
-  (see :mod:`lightning_dist.parallelize.pipeline`); it takes one tensor and returns one tensor. Or an
+  (see :mod:`lightning_dist.parallelize.pipeline.split`); it takes one tensor and returns one tensor. Or an
   unmodified HuggingFace causal LM (``LlamaForCausalLM``, ``GPT2LMHeadModel``...): called with
   ``input_ids`` and keyword inputs (``attention_mask``, ``position_ids``: split into micro-batches and
   given to every stage) and ``labels`` (HF's loss convention), it returns a ``CausalLMOutputWithPast``
-  whose ``loss`` and ``logits`` are the single-device values (see :mod:`~lightning_dist.parallelize.pipeline_hf`);
+  whose ``loss`` and ``logits`` are the single-device values (see :mod:`~lightning_dist.parallelize.pipeline.hf`);
 * ``pipeline_loss(output, target) -> Tensor``: the mean loss of one micro-batch, used by the schedule's
   backward (gradients are averaged over micro-batches, as for a mean over the batch); not needed by a HF
   model called with ``labels`` (each micro-batch's loss is divided by the whole batch's labelled tokens);
@@ -21,16 +21,16 @@ What the LightningModule must provide (checked on every rank before the first co
   else on the first micro-batch against a host copy of the unsplit network (one verdict for all ranks).
 
 Context parallelism (``cp > 1``): the network call cuts each sequence to this rank's chunks before the schedule's
-micro-batch split (:func:`~lightning_dist.strategies._pipeline_step.cut_for_cp`), every stage gets ``position_ids``,
+micro-batch split (:func:`~lightning_dist.strategies.pipeline.step.cut_for_cp`), every stage gets ``position_ids``,
 each micro-batch's loss the matching chunks of the target, and the schedule runs under the Ulysses attention mode.
 
 Calling the network in ``training_step``/``validation_step`` runs the whole schedule; only the boundary
 activations and their gradients cross the pp group, plus the batch loss as a scalar: every rank's step sees
 a stand-in output that answers ``self.pipeline_loss(out, target)`` / HF ``out.loss`` and refuses other uses
 (``broadcast_output=True`` gives the whole output; predict always does; see
-:mod:`~lightning_dist.strategies._pipeline_step`). Checkpoints are sharded, each stage writing its own keys,
+:mod:`~lightning_dist.strategies.pipeline.step`). Checkpoints are sharded, each stage writing its own keys,
 and load into any pipeline layout or, consolidated, into the plain single-device module (see
-:mod:`~lightning_dist.strategies._pipeline_checkpoints`).
+:mod:`~lightning_dist.strategies.pipeline.checkpoints`).
 """
 
 from __future__ import annotations
@@ -49,22 +49,22 @@ from lightning_dist import rules
 from lightning_dist._integrations.transformers_moe import router_loss_in_use
 from lightning_dist.mesh import PP, TP, MeshSpec
 from lightning_dist.parallelize import ParallelizeConfig, pipeline_model
-from lightning_dist.parallelize import pipeline as plan
-from lightning_dist.parallelize import pipeline_setup as checks
 from lightning_dist.parallelize.ac import ACOption, ac_problems, check_offload_device, split_backward_problems
 from lightning_dist.parallelize.cp_probe import probe_inputs
-from lightning_dist.parallelize.pipeline_checks import host_copy, tied_stages
-from lightning_dist.parallelize.pipeline_output import serve_pipeline_loss, unserve_pipeline_loss
-from lightning_dist.parallelize.pipeline_schedule import PipelineRunner, schedule_problems
-from lightning_dist.parallelize.pipeline_stages import is_pipelined_module
-from lightning_dist.parallelize.pipeline_tied import tied_checkpoint_keys
-from lightning_dist.parallelize.tp import resolve_stage_plan
-from lightning_dist.parallelize.tp_plan import format_plan
-from lightning_dist.parallelize.tp_vocab import TPEntry
+from lightning_dist.parallelize.pipeline import setup as checks
+from lightning_dist.parallelize.pipeline import split as plan
+from lightning_dist.parallelize.pipeline.checks import host_copy, tied_stages
+from lightning_dist.parallelize.pipeline.output import serve_pipeline_loss, unserve_pipeline_loss
+from lightning_dist.parallelize.pipeline.schedule import PipelineRunner, schedule_problems
+from lightning_dist.parallelize.pipeline.stages import is_pipelined_module
+from lightning_dist.parallelize.pipeline.tied import tied_checkpoint_keys
+from lightning_dist.parallelize.tp.apply import resolve_stage_plan
+from lightning_dist.parallelize.tp.plan import format_plan
+from lightning_dist.parallelize.tp.vocab import TPEntry
 from lightning_dist.rules import SCHEDULES
-from lightning_dist.strategies import _pipeline_checkpoints as checkpoints
-from lightning_dist.strategies._pipeline_step import PipelineProbe, PipelineStep, serve_loss
 from lightning_dist.strategies.base import MeshStrategy
+from lightning_dist.strategies.pipeline import checkpoints
+from lightning_dist.strategies.pipeline.step import PipelineProbe, PipelineStep, serve_loss
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class PipelineStrategy(MeshStrategy):
         record_timeline: record each rank's F/B/W actions per step (see ``PipelineBubble``).
         tp: tensor-parallel degree inside each stage (the mesh is ``pp x dp x tp``); 1: none.
         tp_plan: the tensor-parallel plan when ``tp > 1``: ``"auto"``, a built-in plan name or a mapping
-            ``{module-name glob: style}`` (see :mod:`lightning_dist.parallelize.tp`). It is checked on the
+            ``{module-name glob: style}`` (see :mod:`lightning_dist.parallelize.tp.apply`). It is checked on the
             whole network (every pattern must match somewhere), then each stage applies the entries of the
             modules it holds. The network's output must be whole on every tensor rank (the loss sees it):
             give a sharded head ``colwise_gather``. Sequence parallelism is not available inside stages.
@@ -198,7 +198,7 @@ class PipelineStrategy(MeshStrategy):
 
     @override
     def pipeline_view(self) -> "PipelineStrategy":
-        """This strategy is its own :class:`~lightning_dist.parallelize.pipeline.PipelineView`."""
+        """This strategy is its own :class:`~lightning_dist.parallelize.pipeline.split.PipelineView`."""
         return self
 
     @property
@@ -371,7 +371,7 @@ class PipelineStrategy(MeshStrategy):
         self._own_loss, self._step = None, None
         super().teardown()
 
-    # ---- context parallelism: the network call cuts the sequences (see `_pipeline_step.cut_for_cp`) ----------
+    # ---- context parallelism: the network call cuts the sequences (see `step.cut_for_cp`) ----------
     @override
     def _check_cp_model(self) -> None:
         if not self._is_pipelined(getattr(self.lightning_module, self.network, None)):  # checked before its split
@@ -495,7 +495,7 @@ class PipelineStrategy(MeshStrategy):
     def grad_norm_group(self) -> Optional[Any]:
         return self.mesh.group(PP) if self.mesh.size(PP) > 1 else None  # the stages hold distinct parameters
 
-    # ---- checkpoints: each stage its own keys, a tied weight once (see `_pipeline_checkpoints`) ------------
+    # ---- checkpoints: each stage its own keys, a tied weight once (see `checkpoints`) ------------
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         assert self.model is not None

@@ -1,11 +1,11 @@
 """Plain pipeline stages: the parts of a network some stages run (stem, blocks, head children) in a
 :class:`StageModule` under their original names, which applies them in registration order.
 
-The plain side of :class:`~lightning_dist.parallelize.pipeline.NetworkLayout` (an ``nn.Sequential``, or a
+The plain side of :class:`~lightning_dist.parallelize.pipeline.split.NetworkLayout` (an ``nn.Sequential``, or a
 module with stem children, one direct ``nn.ModuleList`` of blocks and head children): building a stage
 (:func:`build_plain_stage`), timing each part (:func:`profile_plain`), checking that the children in order
 compute the network's forward (:func:`plain_forward_problem`) and joining the stages back
-(:func:`join_plain`). A model cut into pruned copies of itself (litgpt, HF) is :mod:`.pipeline_pruned`.
+(:func:`join_plain`). A model cut into pruned copies of itself (litgpt, HF) is :mod:`.pruned`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from lightning_dist.parallelize.pipeline_pruned import PrunedStage
+from lightning_dist.parallelize.pipeline.pruned import PrunedStage
 from lightning_dist.parallelize.self_check import gradient_problem
 
 
@@ -94,7 +94,7 @@ def _taken(module: nn.Module, kwargs: dict) -> dict:
 
 
 def is_pipelined_module(net: object) -> bool:
-    """A stage module built by :func:`~lightning_dist.parallelize.pipeline.build_stage_module` (of either kind)."""
+    """A stage module built by ``split.build_stage_module`` (of either kind)."""
     return isinstance(net, (StageModule, PrunedStage))
 
 

@@ -10,18 +10,18 @@ model's own ``forward`` runs each stage (rotary embeddings, the causal mask from
   original indices (``model.layers.5`` stays ``model.layers.5``);
 * the **stem** (first stage): the base model's children registered before the block list (embeddings,
   dropout). A later stage gets its input as ``inputs_embeds`` (every HF causal LM takes them in place of
-  ``input_ids``); a stem part it does not own becomes :class:`~.pipeline_pruned.Absent`, which adds nothing (an absolute
+  ``input_ids``); a stem part it does not own becomes :class:`~.pruned.Absent`, which adds nothing (an absolute
   position embedding) and passes hidden states through (an embedding dropout);
 * the **head** (last stage): the base model's children after the block list (the final norm) and the
   LM's own children (``lm_head``); a stage that does not own them has ``nn.Identity`` there, so the
   ``logits`` it returns are its hidden states.
 
 The stages are run one after the other on one micro-batch against the whole model before anything is split
-(:func:`~.pipeline_pruned.check_pruned_stages`): a model whose forward does not tolerate this is refused, never
-mis-trained. The pruning itself is :mod:`.pipeline_pruned` (litgpt's ``GPT`` is split the same way); this module
+(:func:`~.pruned.check_pruned_stages`): a model whose forward does not tolerate this is refused, never
+mis-trained. The pruning itself is :mod:`.pruned` (litgpt's ``GPT`` is split the same way); this module
 holds HF's part names, its stage input convention (:class:`HFStageMixin`), sample inputs, the network call's
 inputs and output (:func:`hf_call_inputs`, :func:`hf_call_output`) and the ``labels`` loss. Nothing outside
-:class:`~lightning_dist.parallelize.pipeline.HFLayout` branches on it.
+:class:`~lightning_dist.parallelize.pipeline.split.HFLayout` branches on it.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_dist.parallelize.pipeline_pruned import PrunedStage
+from lightning_dist.parallelize.pipeline.pruned import PrunedStage
 from lightning_dist.parallelize.units import BLOCK_LIST_NAMES
 
 

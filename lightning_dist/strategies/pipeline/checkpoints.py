@@ -1,8 +1,8 @@
-"""Checkpoints of :class:`~lightning_dist.strategies.pipeline.PipelineStrategy`: each stage saves its own keys.
+"""Checkpoints of :class:`~lightning_dist.strategies.pipeline.strategy.PipelineStrategy`: each stage saves its own keys.
 
 Sharded only: each pipeline rank writes its stages' parameters under their single-device names and its
 optimizer states keyed by name (list-indexed ``param_groups`` would collide between stages); a weight tied
-across stages is saved once (:mod:`~lightning_dist.parallelize.pipeline_tied`). The checkpoint loads into
+across stages is saved once (:mod:`~lightning_dist.parallelize.pipeline.tied`). The checkpoint loads into
 any pipeline layout, and :func:`lightning_dist.checkpoint.consolidate` makes one single-device file of it.
 
 The strategy's checkpoint hooks call these functions with its model, optimizers and ``tied_keys``: for each
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from lightning_dist import checkpoint as ckpt
-from lightning_dist.parallelize.pipeline_tied import save_tied_once, tied_aliases
+from lightning_dist.parallelize.pipeline.tied import save_tied_once, tied_aliases
 
 TiedKeys = Sequence[tuple[str, tuple[str, ...], bool]]
 

@@ -5,18 +5,18 @@ data (stage -> blocks -> params -> cost).
 A pipelined network has one of four shapes (:func:`network_layout` tries them in this order):
 
 * an unmodified HuggingFace causal LM (:class:`HFLayout`): its ``config.base_model_pp_plan`` block list, the
-  model itself running each stage with the parts it does not own taken out (see :mod:`.pipeline_hf`);
+  model itself running each stage with the parts it does not own taken out (see :mod:`.hf`);
 * an ``nn.Sequential`` (:class:`NetworkLayout`): its children are the blocks;
 * a module with a **stem** (children registered before the block list), one ``nn.ModuleList`` of
   blocks (found by :func:`~lightning_dist.parallelize.units.find_block_lists`, a direct child) and a
   **head** (children registered after it) (:class:`NetworkLayout`). Its ``forward`` must equal applying the
   children in registration order (:meth:`NetworkLayout.forward_problem` compares them on one micro-batch). A
   module used twice (weight sharing) runs twice; a parameter shared across stages is held by each
-  (:func:`~.pipeline_checks.tied_stages`);
+  (:func:`~.checks.tied_stages`);
 * any other model whose one block list sits inside a direct child and whose forward takes one input
   (litgpt's ``GPT``: ``transformer.h``) (:class:`PrunedLayout`): like a HF model, a stage is the model with the
   blocks it does not own taken out, the boundary activation passed in place of its input (see
-  :mod:`.pipeline_pruned`).
+  :mod:`.pruned`).
 
 Every other module asks the layout (``split.layout``) instead of branching on the network's kind: the stage
 module (:meth:`~NetworkLayout.build_stage`), the cost of each part (:meth:`~NetworkLayout.profile`), the
@@ -41,7 +41,7 @@ from typing import Any, ClassVar, Literal, Protocol, Union, runtime_checkable
 import torch
 from torch import Tensor, nn
 
-from lightning_dist.parallelize.pipeline_hf import (
+from lightning_dist.parallelize.pipeline.hf import (
     HFStageMixin,
     hf_call_inputs,
     hf_call_output,
@@ -50,7 +50,7 @@ from lightning_dist.parallelize.pipeline_hf import (
     is_hf_causal_lm,
     pipeline_loss_function,
 )
-from lightning_dist.parallelize.pipeline_pruned import (
+from lightning_dist.parallelize.pipeline.pruned import (
     ForwardStage,
     build_pruned_stage,
     check_pruned_stages,
@@ -58,7 +58,7 @@ from lightning_dist.parallelize.pipeline_pruned import (
     nested_parts,
     profile_pruned,
 )
-from lightning_dist.parallelize.pipeline_stages import (
+from lightning_dist.parallelize.pipeline.stages import (
     build_plain_stage,
     join_plain,
     plain_forward_problem,
@@ -79,7 +79,7 @@ class NetworkLayout:
     """Where a network's stem, blocks and head are, by child name, and how its stages are made.
 
     This class is the plain layout (an ``nn.Sequential``, or stem children, one direct block list and head
-    children): a stage is a :class:`~.pipeline_stages.StageModule` running its children in registration order,
+    children): a stage is a :class:`~.stages.StageModule` running its children in registration order,
     the network takes one tensor and returns one tensor. :class:`PrunedLayout` and :class:`HFLayout` are the
     other implementations; :func:`network_layout` picks one per network.
     """
@@ -151,7 +151,7 @@ class NetworkLayout:
 @dataclass(frozen=True, kw_only=True)
 class PrunedLayout(NetworkLayout):
     """A block list inside a direct child (litgpt's ``transformer.h``): a stage is the model with the parts it does
-    not own taken out (:mod:`.pipeline_pruned`), the boundary activation passed as its forward's first input."""
+    not own taken out (:mod:`.pruned`), the boundary activation passed as its forward's first input."""
 
     parts: tuple[str, str, tuple[str, ...], tuple[str, ...]]
     """``(child, block_list, stem, head)`` as qualified names."""
@@ -187,7 +187,7 @@ class PrunedLayout(NetworkLayout):
 
 @dataclass(frozen=True, kw_only=True)
 class HFLayout(PrunedLayout):
-    """An unmodified HuggingFace causal LM (:mod:`.pipeline_hf`): pruned stages taking hidden states as
+    """An unmodified HuggingFace causal LM (:mod:`.hf`): pruned stages taking hidden states as
     ``inputs_embeds`` and returning ``.logits``; called with ``input_ids``, keyword inputs and ``labels``, it
     returns a ``CausalLMOutputWithPast``."""
 

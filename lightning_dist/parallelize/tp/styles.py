@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from lightning_dist.parallelize.tp_vocab import is_conv1d
+from lightning_dist.parallelize.tp.vocab import is_conv1d
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

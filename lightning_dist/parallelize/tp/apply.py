@@ -17,7 +17,7 @@ also matches ``model.transformer.decoder``). Styles (``colwise``/``rowwise`` tak
 ``colwise_gather``     ``colwise`` whose output is all-gathered back to the full tensor: for output heads, so
                        the loss is the ordinary loss on full logits (see "Loss" below)
 ``colwise_qkv``        a fused projection laid out ``[q | k | v]`` (GPT-2's ``c_attn``) split per head: each rank
-                       holds and computes the q, k and v columns of its own heads (see ``tp_styles``)
+                       holds and computes the q, k and v columns of its own heads (see ``tp.styles``)
 ``sequence_parallel``  norm/dropout run on sequence shards (only with ``sequence_parallel=True``)
 ``sp_enter``           split the module's replicated input into sequence shards (first block; SP only)
 ``region_input``       the input of a parallel region (``attn``, ``mlp``): all-gathered from sequence shards
@@ -34,20 +34,20 @@ entries are no-ops when ``sequence_parallel=False``, so one plan serves both mod
 (``output_layouts=Replicate()``, ``use_local_output=True``), so any user loss is correct unchanged, at
 the cost of one all-gather of the logits per step and a ``[tokens x vocab]`` tensor on every tp rank. That is the
 default. ``loss_parallel=True`` keeps that layer's logits sharded on the vocabulary and runs the step inside
-torch's ``loss_parallel``, which supports only cross-entropy (:mod:`.tp_loss`; other uses are refused).
+torch's ``loss_parallel``, which supports only cross-entropy (:mod:`.loss`; other uses are refused).
 
-Built-in plans (``plan="auto"`` picks the first that matches; see :mod:`.tp_auto`): ``hf`` (a HuggingFace
+Built-in plans (``plan="auto"`` picks the first that matches; see :mod:`.auto`): ``hf`` (a HuggingFace
 model's own plan), ``transformer`` (attention and MLP regions found from each block's structure) and
 ``mlp`` (a network of Linear layers only).
 
-:mod:`.tp_vocab` holds the words a plan is written in (module kinds, :data:`~.tp_vocab.STYLES`,
-:class:`~.tp_vocab.TPEntry`, pattern matching). :func:`~.tp_plan.resolve_plan` (:mod:`.tp_plan`) validates a plan
-against a model in one process (meta-device models work; the checks are in :mod:`.tp_checks`): sizes and heads
+:mod:`.vocab` holds the words a plan is written in (module kinds, :data:`~.vocab.STYLES`,
+:class:`~.vocab.TPEntry`, pattern matching). :func:`~.plan.resolve_plan` (:mod:`.plan`) validates a plan
+against a model in one process (meta-device models work; the checks are in :mod:`.checks`): sizes and heads
 divisible by ``tp``, every split output taken back and every row-wise input produced inside its region, tied
-parameters split alike (:mod:`.shared`). :func:`~.tp_plan.resolve_tp_plan` picks a built-in plan and resolves it
-once into a :class:`~.tp_plan.ResolvedPlan`; :func:`~.tp_plan.format_plan` prints it as a table; :func:`apply_tp`
+parameters split alike (:mod:`.shared`). :func:`~.plan.resolve_tp_plan` picks a built-in plan and resolves it
+once into a :class:`~.plan.ResolvedPlan`; :func:`~.plan.format_plan` prints it as a table; :func:`apply_tp`
 (here) applies it (resolving first when given a plan), re-ties tied parameters and makes head-count attributes
-local. :mod:`.tp_probe` then checks the split model's output
+local. :mod:`.probe` then checks the split model's output
 on ``example_input_array`` against the unsplit one's.
 """
 
@@ -61,9 +61,9 @@ from torch import nn
 
 from lightning_dist._compat import DTENSOR_UNEVEN_GATHER_STRIDED
 from lightning_dist.parallelize.shared import retie, shared_parameters
-from lightning_dist.parallelize.tp_checks import set_local_attrs
-from lightning_dist.parallelize.tp_plan import ResolvedPlan, resolve_tp_plan
-from lightning_dist.parallelize.tp_vocab import Plan, TPEntry, parse_layout
+from lightning_dist.parallelize.tp.checks import set_local_attrs
+from lightning_dist.parallelize.tp.plan import ResolvedPlan, resolve_tp_plan
+from lightning_dist.parallelize.tp.vocab import Plan, TPEntry, parse_layout
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -99,15 +99,15 @@ def _to_style(
     if entry.style == "replicate":
         return None  # whole on every rank: nothing to apply
     if entry.style == "replicate_grad_sum":
-        from lightning_dist.parallelize.tp_styles import ReplicateGradSum
+        from lightning_dist.parallelize.tp.styles import ReplicateGradSum
 
         return ReplicateGradSum()
     if entry.style == "colwise_qkv":
-        from lightning_dist.parallelize.tp_styles import FusedQKVParallel
+        from lightning_dist.parallelize.tp.styles import FusedQKVParallel
 
         return FusedQKVParallel(parts=3)
     if entry.kind == "conv1d" and entry.style in ("colwise", "colwise_gather", "rowwise"):
-        from lightning_dist.parallelize.tp_styles import Conv1DParallel
+        from lightning_dist.parallelize.tp.styles import Conv1DParallel
 
         if entry.style == "colwise_gather":  # loss_parallel: the logits stay a vocabulary-sharded DTensor
             return Conv1DParallel(
@@ -228,7 +228,7 @@ def apply_tp(
     raises everywhere before any tensor-parallel collective). `sequence_dim`: the activation dim split by sequence
     parallelism.
     `loss_parallel`: the plan's one ``colwise_gather`` layer (the output head) returns vocabulary-sharded DTensor
-    logits for torch's ``loss_parallel`` instead of gathered ones (see :mod:`.tp_loss`).
+    logits for torch's ``loss_parallel`` instead of gathered ones (see :mod:`.loss`).
     Call before activation checkpointing and FSDP.
     """
     from torch.distributed.tensor.parallel import parallelize_module
@@ -246,7 +246,7 @@ def apply_tp(
         )
     entries = list(resolved.entries)
     if loss_parallel:
-        from lightning_dist.parallelize.tp_loss import head_entry
+        from lightning_dist.parallelize.tp.loss import head_entry
 
         head_entry(entries)  # exactly one colwise_gather layer, or a ValueError
     styles = {

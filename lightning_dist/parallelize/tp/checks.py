@@ -1,8 +1,8 @@
 """Checks of a tensor-parallel plan against the model, in one process: sizes, heads, regions, head attributes.
 
-Used by :func:`lightning_dist.parallelize.tp_plan.resolve_plan` (collects every problem, then raises once) and by
+Used by :func:`lightning_dist.parallelize.tp.plan.resolve_plan` (collects every problem, then raises once) and by
 ``apply_tp`` (head-count attributes made local). Module kinds (Linear, HF ``Conv1D``, norms) come from
-:mod:`.tp_vocab`, as for the plans, so that plans and checks agree.
+:mod:`.vocab`, as for the plans, so that plans and checks agree.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 from torch import nn
 
-from lightning_dist.parallelize.tp_vocab import TPEntry, is_conv1d, linear_like
+from lightning_dist.parallelize.tp.vocab import TPEntry, is_conv1d, linear_like
 
 _HEAD_ATTRS = ("n_heads", "num_heads", "n_head", "num_attention_heads")
 # head counts an attention module may read in its forward: set to the local count on a split region (as

@@ -1,6 +1,6 @@
 """A tensor-parallel plan checked by running it: the split model's output on one sample equals the unsplit one's.
 
-The structural checks of :func:`~lightning_dist.parallelize.tp_plan.resolve_plan` cannot see inside a forward:
+The structural checks of :func:`~lightning_dist.parallelize.tp.plan.resolve_plan` cannot see inside a forward:
 an attention that takes its head count from a shared ``config`` object, a fused q/k/v projection laid out
 ``[q | k | v]`` rather than head by head, a reshape to a global width. Each of those trains a different
 model without an error. So the strategy runs one sample through the model before and after tensor

@@ -1,6 +1,6 @@
 """Pipeline stages cut out of an unmodified model: a stage is the model with the parts it does not own taken
 out, so the model's own ``forward`` runs each stage (rotary tables, masks, whatever it builds), as torchtitan
-builds its stages. Where the parts are (:func:`nested_parts`, or :func:`~.pipeline_hf.hf_parts` for HF):
+builds its stages. Where the parts are (:func:`nested_parts`, or :func:`~.hf.hf_parts` for HF):
 
 * the **block list**: an ``nn.ModuleList`` inside a direct child (``transformer.h`` of litgpt's ``GPT``, a
   HF base model's ``layers``); a stage keeps its slice under the original indices (``transformer.h.5`` stays
@@ -14,7 +14,7 @@ builds its stages. Where the parts are (:func:`nested_parts`, or :func:`~.pipeli
 
 Two input conventions, one class each (:class:`PrunedStage` subclasses): :class:`ForwardStage` passes the
 activation as the forward's first input and returns its output (litgpt); HF's passes ``inputs_embeds`` and
-returns ``.logits`` (:class:`~.pipeline_hf.HFStageMixin`). :func:`check_pruned_stages` runs the stages one
+returns ``.logits`` (:class:`~.hf.HFStageMixin`). :func:`check_pruned_stages` runs the stages one
 after the other on one micro-batch against the whole model before anything is split: a forward that does not
 tolerate this (an embedding scaled after the lookup, a logit soft-cap) is refused, never mis-trained.
 """

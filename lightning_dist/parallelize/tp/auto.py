@@ -39,7 +39,7 @@ from collections.abc import Callable, Mapping
 from torch import nn
 
 from lightning_dist.parallelize.shared import shared_parameters
-from lightning_dist.parallelize.tp_vocab import PlanValue, is_conv1d, is_norm, linear_like, pattern_matches, plan_roots
+from lightning_dist.parallelize.tp.vocab import PlanValue, is_conv1d, is_norm, linear_like, pattern_matches, plan_roots
 from lightning_dist.parallelize.units import find_block_lists
 
 # HuggingFace style name (transformers.distributed.tensor_parallel) -> ours; styles HF has and we lack (packed,
@@ -360,7 +360,7 @@ def builtin_plan(model: nn.Module, name: str, *, tp: int = 1) -> tuple[str, dict
         f"No built-in tensor-parallel plan {'matches' if name == 'auto' else 'named ' + repr(name) + ' fits'}"
         f" {type(model).__name__}:\n  - "
         + "\n  - ".join(failures)
-        + "\nPass plan={pattern: style, ...} naming its layers (see lightning_dist.parallelize.tp)."
+        + "\nPass plan={pattern: style, ...} naming its layers (see lightning_dist.parallelize.tp.apply)."
         + suggest_plan(model)
     )
 

@@ -19,10 +19,16 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 
 from lightning_dist.parallelize.compile import check_compile_option
-from lightning_dist.parallelize.pipeline import NetworkLayout, PipelineSplit, layout_kind, network_layout, plan_split
-from lightning_dist.parallelize.pipeline_checks import check_splittable, staged_forward_problem
-from lightning_dist.parallelize.pipeline_stages import is_pipelined_module, keyword_inputs
-from lightning_dist.parallelize.pipeline_tied import tied_gradient_groups, tied_problems
+from lightning_dist.parallelize.pipeline.checks import check_splittable, staged_forward_problem
+from lightning_dist.parallelize.pipeline.split import (
+    NetworkLayout,
+    PipelineSplit,
+    layout_kind,
+    network_layout,
+    plan_split,
+)
+from lightning_dist.parallelize.pipeline.stages import is_pipelined_module, keyword_inputs
+from lightning_dist.parallelize.pipeline.tied import tied_gradient_groups, tied_problems
 
 
 def check_options(name: str, *, schedule: str, compile: Any, tp_plan: Any, options: Mapping[str, Any]) -> None:
@@ -120,7 +126,7 @@ def pipeline_sample(module: Any, net: nn.Module, layout: NetworkLayout) -> Any:
     """``example_input_array`` on the network's device and floating dtype; None without one (or on meta).
 
     A HuggingFace causal LM gets keyword inputs: ``example_input_array`` (ids, or a mapping), else ids
-    built from its config (:func:`~lightning_dist.parallelize.pipeline_hf.hf_example_inputs`).
+    built from its config (:func:`~lightning_dist.parallelize.pipeline.hf.hf_example_inputs`).
     """
     first = next(iter(net.parameters()), None)
     if first is None or first.is_meta:
@@ -162,8 +168,8 @@ def plan_pipeline(module: Any, net: nn.Module, num_stages: int, mode: Any, *, al
 def tied_groups(
     tied: Sequence[tuple[tuple[str, ...], tuple[int, ...]]], stage_ranks: Sequence[int], *, mesh: Any, rank: int
 ) -> list[tuple[tuple[str, ...], Any, bool]]:
-    """Tied parameters across stages (`tied`: :func:`~.pipeline_checks.tied_stages`), refused or grouped (see
-    :mod:`~lightning_dist.parallelize.pipeline_tied`).
+    """Tied parameters across stages (`tied`: :func:`~.checks.tied_stages`), refused or grouped (see
+    :mod:`~lightning_dist.parallelize.pipeline.tied`).
 
     Collective when there are any (``new_group`` on every rank); the refusal comes first, on every rank.
     """

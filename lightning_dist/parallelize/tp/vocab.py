@@ -1,9 +1,9 @@
 """The words a tensor-parallel plan is written in: module kinds, styles, :class:`TPEntry`, pattern matching.
 
-Imported by the plan's checks (:mod:`.tp_checks`), its built-in plans (:mod:`.tp_auto`), its resolution
-(:mod:`.tp_plan`), the styles torch lacks (:mod:`.tp_styles`) and ``apply_tp`` (:mod:`.tp`); it imports none of
+Imported by the plan's checks (:mod:`.checks`), its built-in plans (:mod:`.auto`), its resolution
+(:mod:`.plan`), the styles torch lacks (:mod:`.styles`) and ``apply_tp`` (:mod:`.tp`); it imports none of
 them, so each of those reads one definition of what a Linear-like module is, which styles exist and what a
-pattern matches. The plan syntax and the styles are described in :mod:`lightning_dist.parallelize.tp`.
+pattern matches. The plan syntax and the styles are described in :mod:`lightning_dist.parallelize.tp.apply`.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ STYLES: dict[str, _Style] = {
 }
 
 GRAD_SUM_RULE = "(rule) runs on split activations"
-"""The pattern of a ``replicate_grad_sum`` entry added by the plan's split-flow rule (:mod:`.tp_flow`), not the user."""
+"""The pattern of a ``replicate_grad_sum`` entry added by the plan's split-flow rule (:mod:`.flow`), not the user."""
 
 COLWISE = ("colwise", "colwise_gather", "colwise_qkv")
 """Styles that split a layer's output features (its weight's output dim; ``colwise_qkv`` per [q | k | v] block)."""

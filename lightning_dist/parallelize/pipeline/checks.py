@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_dist.parallelize.pipeline import PipelineSplit, StagePlan, network_layout
+from lightning_dist.parallelize.pipeline.split import PipelineSplit, StagePlan, network_layout
 
 
 # ---- what cannot be split ----------------------------------------------------------------------
@@ -78,7 +78,7 @@ def staged_forward_problem(
     Plain stages run only the network's children (stem, blocks, head) one after the other; a ``forward`` that
     adds residuals around blocks, calls a child twice or in another order, or transforms tensors between children
     computes something else. Pruned stages (HF, litgpt) are run one per block, each hand-over checked
-    (:meth:`~lightning_dist.parallelize.pipeline.NetworkLayout.forward_problem`).
+    (:meth:`~lightning_dist.parallelize.pipeline.split.NetworkLayout.forward_problem`).
     """
     return network_layout(net).forward_problem(net, sample, rtol=rtol, atol=atol)
 

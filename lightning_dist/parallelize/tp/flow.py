@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from lightning_dist.parallelize.tp_vocab import TPEntry, is_conv1d
+from lightning_dist.parallelize.tp.vocab import TPEntry, is_conv1d
 
 SOURCES = ("colwise", "colwise_qkv")
 """Styles whose output stays split over tp (without an ``output`` layout of their own)."""
@@ -161,7 +161,7 @@ def trace_split_flow(model: nn.Module, entries: list[TPEntry], tp: int, run: Any
 def split_flow(model: nn.Module, entries: list[TPEntry], tp: int) -> SplitFlow:
     """The rule for `entries` on `model`: traced on a probe sample where one runs (meta-device models too), else read
     from the plan's regions. One process, no collective: the same result on every rank."""
-    from lightning_dist.parallelize.tp_probe import probe_samples, run_eval
+    from lightning_dist.parallelize.tp.probe import probe_samples, run_eval
 
     if not _regions(entries):
         return SplitFlow(traced=True)  # nothing is split inside a region: nothing to meet
