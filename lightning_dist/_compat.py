@@ -54,11 +54,23 @@ def module_available(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
+def _lightning_importable() -> bool:
+    try:
+        import lightning  # noqa: F401
+    except ModuleNotFoundError as err:  # not installed: the Lightning-free parts work; a broken install raises
+        if err.name != "lightning":
+            raise
+        return False
+    return True
+
+
+# Lightning installed: the strategies and callbacks exist (mesh, parallelize and the planner do without it)
+LIGHTNING_IMPORTABLE = _lightning_importable()
+
+
 def check_versions() -> None:
     """Refuse a torch or Lightning release below the supported range; warn once above the tested one."""
     import warnings
-
-    import lightning
 
     if not compare_version("torch", lambda a, b: a >= b, TORCH_MIN):
         raise ImportError(
@@ -66,11 +78,11 @@ def check_versions() -> None:
             f" as tested); found torch {torch.__version__}. Upgrade: pip install 'torch>={TORCH_MIN}'."
         )
     lo, hi = LIGHTNING_RANGE
-    if not (
+    if LIGHTNING_IMPORTABLE and not (
         compare_version("lightning", lambda a, b: a >= b, lo) and compare_version("lightning", lambda a, b: a < b, hi)
     ):
         raise ImportError(
-            f"lightning-dist supports lightning>={lo},<{hi}; found lightning {lightning.__version__}."
+            f"lightning-dist supports lightning>={lo},<{hi}; found lightning {_lightning_version()}."
             f" Install a supported release: pip install 'lightning>={lo},<{hi}'."
         )
     if compare_version("torch", lambda a, b: a >= b, _next_minor(TORCH_MAX_TESTED)):
@@ -79,6 +91,12 @@ def check_versions() -> None:
             " is newer and untested: run `make test-compat TORCH_SPEC=torch==<version>` before relying on it.",
             stacklevel=2,
         )
+
+
+def _lightning_version() -> str:
+    import lightning
+
+    return lightning.__version__
 
 
 def _next_minor(version: str) -> str:
