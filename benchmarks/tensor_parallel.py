@@ -234,7 +234,7 @@ def run(label: str, steps: int) -> dict:
     ours = label != "lightning"
     if ours:
         strategy = TensorParallelStrategy(
-            tp=2, dp_shard=2, dp_replicate=1, plan="transformer", sequence_parallel=label == "tp_sp"
+            tp=2, dp_shard=2, dp_replicate=1, tp_plan="transformer", sequence_parallel=label == "tp_sp"
         )
 
         def tp_group(trainer):

@@ -94,7 +94,7 @@ def apply_compile(
             f"{', '.join(names.get(id(m), type(m).__name__) for m in left[:4])}"
             f"{', ...' if len(left) > 4 else ''}): {eager[left[0]]}; torch.compile trains such tensor-parallel blocks"
             " wrong on this torch. Give the block's attention/MLP modules 'region_input' in the plan"
-            " (plan='transformer') to compile them."
+            " (tp_plan='transformer') to compile them."
         )
         picked = [m for m in picked if m not in eager]
     static = 0

@@ -87,7 +87,7 @@ class AutoParallelStrategy(MeshStrategy):
         activation_checkpointing, selective_ac_ops, offload_activations: given to whichever strategy is chosen
             (every choice takes them; see :mod:`lightning_dist.parallelize.ac`), checked here first.
         options: extra keyword arguments per chosen strategy class name, e.g.
-            ``{"PipelineStrategy": {"n_microbatches": 4}, "TensorParallelStrategy": {"plan": "auto"}}``.
+            ``{"PipelineStrategy": {"n_microbatches": 4}, "TensorParallelStrategy": {"tp_plan": "auto"}}``.
         **kwargs: :class:`MeshStrategy` options every choice takes (``timeout``, ``process_group_backend``...).
     """
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, Optional, Union
 
@@ -34,11 +35,12 @@ class TensorParallelStrategy(HybridShardStrategy):
 
     Args:
         tp: tensor-parallel degree; ``"auto"``: the devices of one node.
-        plan: ``"auto"`` (the built-in plan that matches the model), a built-in plan name
+        tp_plan: ``"auto"`` (the built-in plan that matches the model), a built-in plan name
             (``"hf"``: the HuggingFace model's own, ``"transformer"``: from the structure, ``"mlp"``) or a mapping
             ``{module-name glob: style}``
             (see :mod:`lightning_dist.parallelize.tp.apply`). Patterns are matched against the LightningModule's
-            module names or any dotted suffix of them.
+            module names or any dotted suffix of them. The same option as ``PipelineStrategy(tp_plan=...)``;
+            ``plan=`` is its former name, accepted with a deprecation warning until 0.2.
         sequence_parallel: run norms/dropout between the parallel regions on sequence shards
             (reduce-scatter/all-gather instead of all-reduce; activations between regions are 1/tp).
         sequence_dim: the activation dim that sequence parallelism splits (``[B, T, C]``: 1).
@@ -64,7 +66,7 @@ class TensorParallelStrategy(HybridShardStrategy):
         self,
         *,
         tp: Union[int, Literal["auto"]] = "auto",
-        plan: Union[str, Mapping[str, Any]] = "auto",
+        tp_plan: Union[str, Mapping[str, Any]] = "auto",
         sequence_parallel: bool = False,
         sequence_dim: int = 1,
         loss_parallel: bool = False,
@@ -72,18 +74,30 @@ class TensorParallelStrategy(HybridShardStrategy):
         dp_shard: Union[int, Literal["auto"]] = "auto",
         zero_stage: Literal[1, 2, 3] = 3,
         activation_checkpointing: Union[bool, str, Sequence[str]] = False,
+        plan: Union[str, Mapping[str, Any], None] = None,
         **kwargs: Any,
     ) -> None:
         problems = []
+        if plan is not None:  # the former name (the same option is `tp_plan` on every strategy)
+            warnings.warn(
+                f"TensorParallelStrategy(tp_plan=...) is now `tp_plan=` (as on PipelineStrategy); `plan` is accepted"
+                f" until lightning-dist 0.2. Write tp_plan={plan!r}.",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            if tp_plan != "auto":
+                problems.append(f"Pass either tp_plan={tp_plan!r} or its former name plan={plan!r}, not both.")
+            tp_plan = plan
+        plan = tp_plan
         if tp != "auto" and (isinstance(tp, bool) or not isinstance(tp, int) or tp < 1):
             problems.append(f'`tp={tp!r}` must be an integer >= 1 or "auto" (the devices of one node).')
         if isinstance(plan, str) and plan != "auto" and plan not in BUILTIN_PLANS:
             problems.append(
-                f"`plan={plan!r}` is not a built-in plan; use 'auto', one of {sorted(BUILTIN_PLANS)} or a mapping."
+                f"`tp_plan={plan!r}` is not a built-in plan; use 'auto', one of {sorted(BUILTIN_PLANS)} or a mapping."
             )
         elif not isinstance(plan, (str, Mapping)):
             problems.append(
-                "`plan` must be 'auto', a built-in plan name or a mapping of pattern -> style;"
+                "`tp_plan` must be 'auto', a built-in plan name or a mapping of pattern -> style;"
                 f" got {type(plan).__name__}."
             )
         if not isinstance(sequence_parallel, bool):
@@ -103,7 +117,7 @@ class TensorParallelStrategy(HybridShardStrategy):
             **kwargs,
         )
         self._tp_auto = tp == "auto"
-        self.plan = dict(plan) if isinstance(plan, Mapping) else plan
+        self.tp_plan = dict(plan) if isinstance(plan, Mapping) else plan
         self.sequence_parallel = sequence_parallel
         self.sequence_dim = sequence_dim
         self.loss_parallel = loss_parallel
@@ -155,7 +169,7 @@ class TensorParallelStrategy(HybridShardStrategy):
 
     def _resolve_plan(self, module: pl.LightningModule, tp: int) -> ResolvedPlan:
         """The plan matched against `module` and checked for `tp` ranks (raises ValueError, the same on every rank)."""
-        resolved = resolve_tp_plan(module, self.plan, tp=tp, sequence_parallel=self.sequence_parallel)
+        resolved = resolve_tp_plan(module, self.tp_plan, tp=tp, sequence_parallel=self.sequence_parallel)
         if self.loss_parallel:
             head_entry(resolved.entries)  # the one vocabulary-split head, or a ValueError (before any collective)
         return resolved
@@ -174,7 +188,7 @@ class TensorParallelStrategy(HybridShardStrategy):
         tp = self.mesh.size(TP)
         return dataclasses.replace(
             super().parallelize_config(),
-            tp_plan=self.plan if tp > 1 else None,
+            tp_plan=self.tp_plan if tp > 1 else None,
             tp_options={
                 "sequence_parallel": self.sequence_parallel,
                 "sequence_dim": self.sequence_dim,
@@ -262,7 +276,7 @@ class TensorParallelStrategy(HybridShardStrategy):
 
     def __repr__(self) -> str:
         return (
-            f"{super().__repr__()[:-1]}, plan={self.plan if isinstance(self.plan, str) else 'custom'},"
+            f"{super().__repr__()[:-1]}, tp_plan={self.tp_plan if isinstance(self.tp_plan, str) else 'custom'},"
             f" sequence_parallel={self.sequence_parallel}, loss_parallel={self.loss_parallel})"
         )
 

@@ -1,4 +1,4 @@
-"""plan="auto" on real models (HF Llama, Qwen2 GQA, GPT-2 tied, GPT-NeoX, Qwen3, Gemma 3, OLMo 2, Phi-3, Qwen3-MoE,
+"""tp_plan="auto" on real models (HF Llama, Qwen2 GQA, GPT-2 tied, GPT-NeoX, Qwen3, Gemma 3, OLMo 2, Phi-3, Qwen3-MoE,
 Mixtral; user GPTs; the pack's tied GPT; Lightning's demos.Transformer; litgpt).
 
 Two launches in all (one per mesh), every model in each: float64 parity with single-device training on
@@ -152,7 +152,7 @@ def _check_planted(rows: list[dict]) -> None:
 
 
 def _check_litgpt(rows: list[dict]) -> None:
-    """litgpt's GQA GPT (n_query_groups=2 < n_head=4): its [q | k | v] blocks are unequal, so plan="auto" refuses
+    """litgpt's GQA GPT (n_query_groups=2 < n_head=4): its [q | k | v] blocks are unequal, so tp_plan="auto" refuses
     it by name at setup on every rank (never torch's 'input_layouts should have same length!', never a wrong run)."""
     lit = [r for r in rows if r["kind"] == "refusal" and r["model"] == "litgpt_gqa"]
     assert len(lit) == 2, lit

@@ -124,7 +124,7 @@ CASES = {
 def _tp() -> None:
     from lightning_dist.strategies import TensorParallelStrategy
 
-    run("tp2_fsdp2", TensorParallelStrategy(tp=2, dp_shard=2, dp_replicate=1, plan="transformer"), ViTTask())
+    run("tp2_fsdp2", TensorParallelStrategy(tp=2, dp_shard=2, dp_replicate=1, tp_plan="transformer"), ViTTask())
 
 
 if __name__ == "__main__":

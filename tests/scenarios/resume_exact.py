@@ -38,7 +38,7 @@ out = Path(sys.argv[1])
 name = sys.argv[2] if len(sys.argv) > 2 else "hsdp"
 STRATEGIES = {  # name -> (strategy, processes, precision)
     "hsdp": (lambda: HybridShardStrategy(dp_replicate=2, shard_size=2), 4, "64-true"),
-    "tp": (lambda: TensorParallelStrategy(tp=2, dp_shard=2, plan={"model.stem": "colwise_gather"}), 4, "64-true"),
+    "tp": (lambda: TensorParallelStrategy(tp=2, dp_shard=2, tp_plan={"model.stem": "colwise_gather"}), 4, "64-true"),
     "pipeline": (
         lambda: PipelineStrategy(pp=2, dp_shard=2, schedule="1f1b", n_microbatches=2, split="params"),
         4,

@@ -1,4 +1,4 @@
-"""Tensor parallelism with plan="auto" on models nobody on this project wrote (torchrun, 2 or 4 processes).
+"""Tensor parallelism with tp_plan="auto" on models nobody on this project wrote (torchrun, 2 or 4 processes).
 
 Tiny random HuggingFace Llama, Qwen2 (grouped-query attention), GPT-2 (Conv1D, tied head), GPT-NeoX, a
 plain user GPT (q, k, v, o Linear; nn.Sequential MLP; head count read from an attribute), the same with the
@@ -315,7 +315,7 @@ for kind in kinds:
     check = GradientParityCheck(steps=(0,), on_mismatch="warn")
     sp = len(sys.argv) > 2 and sys.argv[2] == "sp"  # by hand: sequence parallelism on every model
     t = trainer(
-        TensorParallelStrategy(plan="auto", sequence_parallel=sp, **mesh), devices=world, steps=STEPS, callbacks=[check]
+        TensorParallelStrategy(tp_plan="auto", sequence_parallel=sp, **mesh), devices=world, steps=STEPS, callbacks=[check]
     )
     t.fit(task)
     entries = t.strategy.tp_entries
@@ -351,7 +351,7 @@ if not kinds or "user_gpt" in kinds:
         ref = reference(kind, crop=crop)
         task = Task(kind, example=example, crop=crop)
         start = time.perf_counter()
-        t = trainer(TensorParallelStrategy(plan="auto", compile=True, **mesh), devices=world, steps=STEPS)
+        t = trainer(TensorParallelStrategy(tp_plan="auto", compile=True, **mesh), devices=world, steps=STEPS)
         t.fit(task)
         blocks = [m for _, m in _units(task.model)]
         emit(
@@ -384,7 +384,7 @@ if "gpt2_tied" in kinds:
             self.steps = sorted({float(s["step"]) for s in trainer.optimizers[0].state.values()})
 
     task = Task("gpt2_tied")
-    t = trainer(TensorParallelStrategy(plan="auto", **mesh), devices=world, steps=STEPS)
+    t = trainer(TensorParallelStrategy(tp_plan="auto", **mesh), devices=world, steps=STEPS)
     t.fit(task)
     box = [Path(tempfile.mkdtemp()) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, 0)
@@ -395,7 +395,7 @@ if "gpt2_tied" in kinds:
     saved = as_original(stored, ref)
     t.save_checkpoint(folder / "ck")
     at_start = AtStart()
-    trainer(TensorParallelStrategy(plan="auto", **mesh), devices=world, steps=STEPS + 1, callbacks=[at_start]).fit(
+    trainer(TensorParallelStrategy(tp_plan="auto", **mesh), devices=world, steps=STEPS + 1, callbacks=[at_start]).fit(
         Task("gpt2_tied"), ckpt_path=folder / "ck"
     )
     row = {
@@ -441,7 +441,7 @@ if world == 2:
     # a fused qkv laid out [q | k | v]: a contiguous split gives rank 0 all of q and half of k, and the model
     # trains silently wrong; the output probe (no example_input_array: made-up token ids) refuses it on every rank
     try:
-        trainer(TensorParallelStrategy(plan="auto", **mesh), devices=world, steps=STEPS).fit(
+        trainer(TensorParallelStrategy(tp_plan="auto", **mesh), devices=world, steps=STEPS).fit(
             Task("blocked_qkv_gpt", example=False)
         )
         emit(kind="refusal", model="blocked_qkv_gpt", error=None)
@@ -457,16 +457,16 @@ if world == 2 and "qwen3" in kinds:
     planted["model.layers.*.self_attn.k_norm"] = "replicate"
     task = Task("qwen3")
     try:
-        trainer(TensorParallelStrategy(plan=planted, **mesh), devices=world, steps=STEPS).fit(task)
+        trainer(TensorParallelStrategy(tp_plan=planted, **mesh), devices=world, steps=STEPS).fit(task)
         emit(kind="refusal", model="qwen3_planted", error=None)
     except ValueError as err:
         emit(kind="refusal", model="qwen3_planted", error=str(err), steps=task.global_step if task._trainer else None)
 
 if world == 2 and HAS_LITGPT:
     # litgpt's GPT with grouped-query attention (n_query_groups=2 < n_head=4): its fused qkv [q | k | v] has unequal
-    # blocks that no style of ours splits per head exactly: refused by plan="auto" on every rank, before any collective
+    # blocks that no style of ours splits per head exactly: refused by tp_plan="auto" on every rank, before any collective
     try:
-        trainer(TensorParallelStrategy(plan="auto", **mesh), devices=world, steps=1).fit(Task("litgpt_gqa"))
+        trainer(TensorParallelStrategy(tp_plan="auto", **mesh), devices=world, steps=1).fit(Task("litgpt_gqa"))
         emit(kind="refusal", model="litgpt_gqa", error=None)
     except ValueError as err:
         emit(kind="refusal", model="litgpt_gqa", error=str(err))
@@ -542,10 +542,10 @@ if dist.get_rank() == 0:
 dist.barrier()
 for kind in hf_kinds:
     if world == 2:
-        hf_round_trip(hf_root, kind, "tp2", TensorParallelStrategy(plan="auto", **mesh))
+        hf_round_trip(hf_root, kind, "tp2", TensorParallelStrategy(tp_plan="auto", **mesh))
         hf_round_trip(hf_root, kind, "fsdp2", FullyShardStrategy())
     else:
-        hf_round_trip(hf_root, kind, "tp2_dp_shard2", TensorParallelStrategy(plan="auto", **mesh))
+        hf_round_trip(hf_root, kind, "tp2_dp_shard2", TensorParallelStrategy(tp_plan="auto", **mesh))
 dist.barrier()
 if dist.get_rank() == 0:
     shutil.rmtree(hf_root, ignore_errors=True)

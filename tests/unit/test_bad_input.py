@@ -340,8 +340,8 @@ CASES = {
         ["parallelize_fn=3", "fn(model, mesh)"],
     ),
     "tp-size": (lambda t: _tp(tp=0), ValueError, ["tp=0", "integer >= 1"]),
-    "tp-plan-unknown-name": (lambda t: _tp(plan="zigzag"), ValueError, ["plan='zigzag'", "'mlp'"]),
-    "tp-plan-wrong-type": (lambda t: _tp(plan=3), ValueError, ["got int", "mapping of pattern -> style"]),
+    "tp-plan-unknown-name": (lambda t: _tp(tp_plan="zigzag"), ValueError, ["plan='zigzag'", "'mlp'"]),
+    "tp-plan-wrong-type": (lambda t: _tp(tp_plan=3), ValueError, ["got int", "mapping of pattern -> style"]),
     "tp-plan-unknown-style": (lambda t: _plan({"stem": "diagonal"}), ValueError, ["'diagonal'", "colwise"]),
     "tp-plan-indivisible": (
         lambda t: _plan({"blocks.*.fc": "colwise"}, width=15),

@@ -234,13 +234,13 @@ def test_strategy_registration_and_options():
     assert StrategyRegistry.get("tp").sequence_parallel is False
     assert StrategyRegistry.get("tp_sp").sequence_parallel is True
     with pytest.raises(ValueError) as err:
-        TensorParallelStrategy(tp=0, plan="nope", sequence_parallel="yes")
+        TensorParallelStrategy(tp=0, tp_plan="nope", sequence_parallel="yes")
     msg = str(err.value)
-    assert "`tp=0` must be an integer >= 1" in msg and "`plan='nope'`" in msg and "`sequence_parallel='yes'`" in msg
+    assert "`tp=0` must be an integer >= 1" in msg and "`tp_plan='nope'`" in msg and "`sequence_parallel='yes'`" in msg
 
 
 def test_strategy_tp_auto_is_devices_per_node_and_validates_before_collectives():
-    strategy = TensorParallelStrategy(plan="auto")
+    strategy = TensorParallelStrategy(tp_plan="auto")
     strategy.parallel_devices = [torch.device("cpu")] * 4
     spec = strategy.mesh_spec()
     assert (spec.size("tp"), spec.size("dp")) == (4, 1)
@@ -279,7 +279,7 @@ def test_loss_parallel_needs_one_vocabulary_split_head_before_any_collective():
         ValueError, match="loss_parallel=True .* exactly one layer, the output head, style 'colwise_gather'; it has 0"
     ):
         strategy.validate_config(strategy.mesh_spec())
-    strategy = TensorParallelStrategy(tp=2, loss_parallel=True, plan={"0": "colwise_gather", "2": "colwise_gather"})
+    strategy = TensorParallelStrategy(tp=2, loss_parallel=True, tp_plan={"0": "colwise_gather", "2": "colwise_gather"})
     strategy.parallel_devices = [torch.device("cpu")] * 2
     strategy.connect(Wrapped(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))))
     with pytest.raises(ValueError, match=r"it has 2 \(\['model.0', 'model.2'\]\).*or pass loss_parallel=False"):
@@ -425,3 +425,12 @@ def test_hf_styles_map_or_are_refused_by_name():
     qwen._tp_plan = dict(qwen._tp_plan, **{"model.layers.*.mlp.gate_proj": "packed_colwise"})
     with pytest.raises(ValueError, match=r"'packed_colwise' \(a fused \[gate \| up\] weight"):
         hf_plan(qwen, tp=2)
+
+
+def test_plan_is_the_former_name_of_tp_plan():
+    """The same option has one name on every strategy (tp_plan); `plan=` still works for one release, with a warning."""
+    with pytest.warns(DeprecationWarning, match="tp_plan='mlp'"):
+        strategy = TensorParallelStrategy(plan="mlp")
+    assert strategy.tp_plan == "mlp"
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="not both"):
+        TensorParallelStrategy(plan="mlp", tp_plan="transformer")

@@ -1,4 +1,4 @@
-"""Tensor parallelism on real models, in one process: tied weights, plans checked against shapes, plan="auto"
+"""Tensor parallelism on real models, in one process: tied weights, plans checked against shapes, tp_plan="auto"
 from a HuggingFace model's own plan or its structure, and the refusals (meta-device models, no process group)."""
 
 import lightning.pytorch as pl
@@ -241,7 +241,7 @@ def _outer(net):
     return outer
 
 
-# ---- plan="auto" for real models ----------------------------------------------------------------
+# ---- tp_plan="auto" for real models ----------------------------------------------------------------
 def test_auto_uses_the_hf_models_own_plan():
     name, plan = builtin_plan(qwen2(), "auto", tp=2)
     assert name == "hf"

@@ -36,7 +36,7 @@ the cost of one all-gather of the logits per step and a ``[tokens x vocab]`` ten
 default. ``loss_parallel=True`` keeps that layer's logits sharded on the vocabulary and runs the step inside
 torch's ``loss_parallel``, which supports only cross-entropy (:mod:`.loss`; other uses are refused).
 
-Built-in plans (``plan="auto"`` picks the first that matches; see :mod:`.auto`): ``hf`` (a HuggingFace
+Built-in plans (``tp_plan="auto"`` picks the first that matches; see :mod:`.auto`): ``hf`` (a HuggingFace
 model's own plan), ``transformer`` (attention and MLP regions found from each block's structure) and
 ``mlp`` (a network of Linear layers only).
 

@@ -1,6 +1,6 @@
-"""Built-in tensor-parallel plans, and ``plan="auto"``: the model's own plan, else its structure, else refuse.
+"""Built-in tensor-parallel plans, and ``tp_plan="auto"``: the model's own plan, else its structure, else refuse.
 
-``plan="auto"`` tries, in order:
+``tp_plan="auto"`` tries, in order:
 
 1. ``hf``: the plan a HuggingFace model carries (``model._tp_plan``, built by transformers from
    ``config.base_model_tp_plan`` plus the head's entry), its styles mapped to ours
@@ -309,7 +309,7 @@ def hf_plan(model: nn.Module, *, tp: int = 1) -> dict[str, str]:
     if lacking:
         raise ValueError(
             f"{type(owner).__name__}'s own plan uses style(s) the pack does not implement: {', '.join(lacking)}"
-            f" (the pack maps {sorted(HF_STYLES)}); pass plan='transformer' or your own mapping"
+            f" (the pack maps {sorted(HF_STYLES)}); pass tp_plan='transformer' or your own mapping"
         )
     if not plan:
         raise ValueError(f"{type(owner).__name__}'s own plan matches none of its modules")
@@ -321,7 +321,7 @@ BUILTIN_PLANS: dict[str, Callable[..., dict[str, str]]] = {
     "transformer": transformer_plan,
     "mlp": mlp_plan,
 }
-"""Built-in plan builders ``fn(model, *, tp) -> plan``, in the order ``plan="auto"`` tries them."""
+"""Built-in plan builders ``fn(model, *, tp) -> plan``, in the order ``tp_plan="auto"`` tries them."""
 
 
 def tie_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
@@ -360,7 +360,7 @@ def builtin_plan(model: nn.Module, name: str, *, tp: int = 1) -> tuple[str, dict
         f"No built-in tensor-parallel plan {'matches' if name == 'auto' else 'named ' + repr(name) + ' fits'}"
         f" {type(model).__name__}:\n  - "
         + "\n  - ".join(failures)
-        + "\nPass plan={pattern: style, ...} naming its layers (see lightning_dist.parallelize.tp.apply)."
+        + "\nPass tp_plan={pattern: style, ...} naming its layers (see lightning_dist.parallelize.tp.apply)."
         + suggest_plan(model)
     )
 
