@@ -28,7 +28,6 @@ from typing_extensions import override
 from lightning_dist import inputs, planner, rules
 from lightning_dist._integrations.lightning import hand_over_strategy
 from lightning_dist.mesh import CP, DP_REPLICATE, DP_SHARD, PP, TP
-from lightning_dist.parallelize.ac import ACOption, ac_problems
 from lightning_dist.parallelize.counts import count_params
 from lightning_dist.precision import precision_flag
 from lightning_dist.strategies.base import MeshStrategy
@@ -104,14 +103,9 @@ class AutoParallelStrategy(MeshStrategy):
         batch_size: int = 8,
         seq_len: Optional[int] = None,
         options: Optional[Mapping[str, Mapping[str, Any]]] = None,
-        activation_checkpointing: ACOption = False,
-        selective_ac_ops: Optional[Sequence[str]] = None,
-        offload_activations: bool = False,
         **kwargs: Any,
     ) -> None:
-        problems = ac_problems(
-            activation_checkpointing, selective_ops=selective_ac_ops, offload_activations=offload_activations
-        )
+        problems = []
         memory: Optional[int] = None
         if device_memory is not None:
             try:
@@ -133,19 +127,12 @@ class AutoParallelStrategy(MeshStrategy):
                 problems.append(f"`{name}={value!r}` must be an integer >= 1{_SIZES[name]}.")
         if optimizer not in planner.OPTIMIZER_SLOTS:
             problems.append(f"`optimizer={optimizer!r}` must be one of {sorted(planner.OPTIMIZER_SLOTS)}.")
-        if problems:
-            raise ValueError(f"Invalid {type(self).__name__} configuration:\n  - " + "\n  - ".join(problems))
+        self._defer_problems(problems)  # raised by MeshStrategy with the model options' problems
         super().__init__(**kwargs)
         self.device_memory, self.prefer, self.verify = memory, prefer, verify
         self.global_batch, self.optimizer, self.batch_size, self.seq_len = global_batch, optimizer, batch_size, seq_len
         self.options = {k: dict(v) for k, v in (options or {}).items()}
-        self._common = dict(kwargs)
-        self.activation_checkpointing, self.offload_activations = activation_checkpointing, offload_activations
-        self._common.update(
-            activation_checkpointing=activation_checkpointing,
-            selective_ac_ops=selective_ac_ops,
-            offload_activations=offload_activations,
-        )
+        self._common = dict(kwargs)  # the mesh, model and checkpoint options, given to the chosen strategy
         self.choice: Optional[planner.Layout] = None
         """The chosen layout (set in ``setup_environment``)."""
 
@@ -219,8 +206,8 @@ class AutoParallelStrategy(MeshStrategy):
                     strategy=f"{strategy_cls.__module__}.{strategy_cls.__qualname__}",
                     strategy_args={
                         **kwargs,
-                        "activation_checkpointing": self._common["activation_checkpointing"],
-                        "selective_ac_ops": self._common["selective_ac_ops"],
+                        "activation_checkpointing": self.activation_checkpointing,
+                        "selective_ac_ops": self.selective_ac_ops,
                     },
                     world_size=self.num_nodes * self.num_processes,
                     devices_per_node=self.num_processes,

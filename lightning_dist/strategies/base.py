@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
 
@@ -44,6 +44,8 @@ from lightning_dist._integrations.lightning import (
 )
 from lightning_dist.grads import clip_grads_by_norm_, clip_grads_by_value_
 from lightning_dist.mesh import CP, DIM_NAMES, DP_CP, TP, DistMesh, MeshSpec
+from lightning_dist.options import ModelOptions, TPPlan
+from lightning_dist.parallelize.ac import ACOption
 from lightning_dist.parallelize.sync import broadcast_module_states, materialize_in_sync, shared_seed
 from lightning_dist.strategies._checkpoints import ShardedCheckpointMixin
 from lightning_dist.strategies._processes import ProcessesMixin, as_timeout
@@ -90,6 +92,20 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
             global batch, as one device computes it (its per-expert sums all-reduced over the data-parallel ranks
             each step); ``"local"``: each rank's own loss on its tokens, averaged (what plain DDP gives).
         allow_cross_node_tp: accept a ``tp`` group larger than one node.
+        activation_checkpointing: ``True``/``"full"`` recompute each block in backward; ``"selective"`` keep
+            the outputs of matmuls, attention and collectives and recompute the rest; ``"every:N"`` full
+            checkpointing of every N-th block; or block class names (see :mod:`lightning_dist.parallelize.ac`).
+        selective_ac_ops: the ops whose outputs ``"selective"`` keeps (``["aten.mm", ...]``); default
+            :data:`~lightning_dist.parallelize.ac.SELECTIVE_AC_OPS`.
+        offload_activations: move the tensors each block saves for backward to pinned host memory (CUDA only;
+            the blocks ``activation_checkpointing`` leaves uncheckpointed).
+        compile: True to ``torch.compile`` each block (after activation checkpointing, before FSDP2, as
+            torchtitan does), or block class names to compile.
+        tp_plan: the tensor-parallel plan of :class:`TensorParallelStrategy` and :class:`PipelineStrategy`
+            (``"auto"``, a built-in plan name or ``{module-name glob: style}``).
+            These five are one :class:`~lightning_dist.options.ModelOptions` (``model_options``), applied by the
+            built-in plan; with ``parallelize_fn`` call :func:`lightning_dist.parallelize.apply_ac` /
+            ``apply_compile`` inside it instead.
         parallelize_fn: ``fn(model, mesh)`` that parallelizes the LightningModule in place, replacing the
             strategy's built-in plan (for models the built-in plans do not cover).
         save_distributed_checkpoint: True: sharded DCP directory; False: one consolidated file.
@@ -114,6 +130,11 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
         self_check: bool = True,
         moe_aux_loss: str = "global",
         allow_cross_node_tp: bool = False,
+        activation_checkpointing: ACOption = False,
+        selective_ac_ops: Optional[Sequence[str]] = None,
+        offload_activations: bool = False,
+        compile: Union[bool, Sequence[str]] = False,
+        tp_plan: TPPlan = "auto",
         parallelize_fn: Optional[ParallelizeFn] = None,
         save_distributed_checkpoint: bool = True,
         async_checkpoint: bool = False,
@@ -141,9 +162,21 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
             )
         if parallelize_fn is not None and not callable(parallelize_fn):
             problems.append(f"`parallelize_fn={parallelize_fn!r}` must be callable as fn(model, mesh).")
+        options = ModelOptions(
+            activation_checkpointing=activation_checkpointing,
+            selective_ac_ops=selective_ac_ops,
+            offload_activations=offload_activations,
+            compile=compile,
+            tp_plan=tp_plan,
+        )
+        problems += options.problems(parallelize_fn=parallelize_fn, applies_tp_plan=self._applies_tp_plan)
+        # a subclass's own problems (`_defer_problems`), listed with these in one error
+        problems = list(getattr(self, "_deferred_problems", ())) + problems
         if problems:
             raise ValueError(f"Invalid {type(self).__name__} configuration:\n  - " + "\n  - ".join(problems))
         self._sizes = {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp, "tp": tp}
+        self.model_options = options.normalized()
+        """What the built-in plan applies to the model (one type for every strategy)."""
         self._mesh_arg_names: tuple[tuple[str, str], ...] = ()  # a subclass's own name of a dim (shard_size)
         self.cp_style = cp_style
         self.cp_network = cp_network
@@ -165,6 +198,33 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
         self._timeout = timeout
         self._allocation_mode: Any = None
         self.num_nodes = 1
+
+    _applies_tp_plan = False  # True where the built-in plan applies `tp_plan` (tensor parallelism, pipelines)
+
+    def _defer_problems(self, problems: Sequence[str]) -> None:
+        """A subclass's configuration problems, found before it calls ``MeshStrategy.__init__``: raised there in one
+        ValueError with the mesh's and the model options' (every problem listed at once)."""
+        self._deferred_problems = [*getattr(self, "_deferred_problems", ()), *problems]
+
+    @property
+    def activation_checkpointing(self) -> ACOption:
+        return self.model_options.activation_checkpointing
+
+    @property
+    def selective_ac_ops(self) -> Optional[Sequence[str]]:
+        return self.model_options.selective_ac_ops
+
+    @property
+    def offload_activations(self) -> bool:
+        return self.model_options.offload_activations
+
+    @property
+    def compile(self) -> Union[bool, Sequence[str]]:
+        return self.model_options.compile
+
+    @property
+    def tp_plan(self) -> TPPlan:
+        return self.model_options.tp_plan
 
     def pipeline_view(self) -> Optional[Any]:
         """This strategy's pipeline for callbacks and tools, as a

@@ -14,8 +14,7 @@ from typing_extensions import override
 from lightning_dist._compat import CUDA_AVAILABLE, fully_shard_api
 from lightning_dist.mesh import MeshSpec
 from lightning_dist.parallelize import ParallelizeConfig, parallelize_model
-from lightning_dist.parallelize.ac import ACOption, ac_problems, check_offload_device
-from lightning_dist.parallelize.compile import check_compile_option
+from lightning_dist.parallelize.ac import check_offload_device
 from lightning_dist.parallelize.ep import ep_problems
 from lightning_dist.precision import precision_dtypes
 from lightning_dist.strategies.base import MeshStrategy
@@ -34,18 +33,11 @@ class HybridShardStrategy(MeshStrategy):
             until backward (one all-gather fewer per step); ``1`` replicate parameters and gradients
             (all-reduce) and shard only the optimizer state (torch's ``ZeroRedundancyOptimizer``).
         units: FSDP units: ``"auto"`` (each block of the model's block list) or module class names.
-        activation_checkpointing: ``True``/``"full"`` recompute each block in backward; ``"selective"`` keep
-            the outputs of matmuls, attention and collectives and recompute the rest; ``"every:N"`` full
-            checkpointing of every N-th block; or block class names (see :mod:`lightning_dist.parallelize.ac`).
-        selective_ac_ops: the ops whose outputs ``"selective"`` keeps (``["aten.mm", ...]``); default
-            :data:`~lightning_dist.parallelize.ac.SELECTIVE_AC_OPS`.
-        offload_activations: move the tensors each block saves for backward to pinned host memory (CUDA only;
-            the blocks ``activation_checkpointing`` leaves uncheckpointed).
         offload_policy: an FSDP2 ``CPUOffloadPolicy`` (see ``OffloadStrategy`` for the managed version).
-        compile: True to ``torch.compile`` each block (after activation checkpointing, before FSDP2, as
-            torchtitan does), or block class names to compile; not with ``parallelize_fn`` (call
-            ``lightning_dist.parallelize.apply_compile`` in it instead).
-        **kwargs: the mesh and checkpoint options of :class:`MeshStrategy` (``dp_replicate``, ``timeout``...).
+        ep: expert parallelism: each group of ``ep`` ranks of ``dp_shard`` holds every expert of a mixture of experts
+            once, ``E / ep`` per rank (``docs/moe.md``); 1: none.
+        **kwargs: the mesh, model and checkpoint options of :class:`MeshStrategy` (``dp_replicate``,
+            ``activation_checkpointing``, ``compile``, ``timeout``...).
     """
 
     strategy_name = "hsdp"
@@ -56,30 +48,17 @@ class HybridShardStrategy(MeshStrategy):
         shard_size: Union[int, Literal["auto", "full"]] = "auto",
         zero_stage: Literal[1, 2, 3] = 3,
         units: Union[str, Sequence[str]] = "auto",
-        activation_checkpointing: ACOption = False,
-        selective_ac_ops: Optional[Sequence[str]] = None,
-        offload_activations: bool = False,
         offload_policy: Optional[Any] = None,
-        compile: Union[bool, Sequence[str]] = False,
         ep: int = 1,
         **kwargs: Any,
     ) -> None:
-        problems = check_compile_option(compile)
+        problems = []
         if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
             problems.append(f"`ep={ep!r}` must be an integer >= 1 (the expert-parallel degree).")
         elif ep > 1 and zero_stage == 1:
             problems.append(
                 f"ep={ep} shards each expert over the data-parallel ranks left with FSDP2; zero_stage=1 replicates"
                 " parameters instead: pass zero_stage=2 or 3."
-            )
-        problems += ac_problems(
-            activation_checkpointing, selective_ops=selective_ac_ops, offload_activations=offload_activations
-        )
-        if compile is not False and kwargs.get("parallelize_fn") is not None:
-            problems.append(
-                "`compile` is applied by the built-in plan, which `parallelize_fn` replaces: call"
-                " `lightning_dist.parallelize.apply_compile(module)` inside your parallelize_fn"
-                " (after activation checkpointing, before fully_shard) instead."
             )
         if zero_stage not in (1, 2, 3):
             problems.append(f"`zero_stage={zero_stage!r}` must be 1, 2 or 3.")
@@ -98,22 +77,17 @@ class HybridShardStrategy(MeshStrategy):
         else:
             problems.append(f'`shard_size={shard_size!r}` must be an integer >= 1, "auto" or "full".')
             shard = "auto"
-        if problems:
-            raise ValueError(f"Invalid {type(self).__name__} configuration:\n  - " + "\n  - ".join(problems))
         if kwargs.get("dp_shard", "auto") != "auto" and shard != "auto":
-            raise ValueError(f"Pass either shard_size={shard_size!r} or dp_shard={kwargs['dp_shard']!r}, not both.")
-        if shard != "auto":
+            problems.append(f"Pass either shard_size={shard_size!r} or dp_shard={kwargs['dp_shard']!r}, not both.")
+        elif shard != "auto":
             kwargs["dp_shard"] = shard
+        self._defer_problems(problems)  # raised by MeshStrategy with the mesh's and the model options' problems
         super().__init__(**kwargs)
         if shard != "auto":
             self._mesh_arg_names = (("dp_shard", "shard_size"),)  # mesh errors name what the user wrote
         self.zero_stage = zero_stage
         self.units = units
-        self.activation_checkpointing = activation_checkpointing
-        self.selective_ac_ops = selective_ac_ops
-        self.offload_activations = offload_activations
         self.offload_policy = offload_policy
-        self.compile = compile
         self.ep = ep
 
     @override

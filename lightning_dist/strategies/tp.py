@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
@@ -16,7 +16,6 @@ from lightning_dist._compat import TP_SEQUENCE_PARALLEL_WITH_DP_HANGS
 from lightning_dist.mesh import TP, MeshSpec
 from lightning_dist.parallelize import ParallelizeConfig, parallelize_model
 from lightning_dist.parallelize.self_check import SelfCheckReport, check_split_model
-from lightning_dist.parallelize.tp.auto import BUILTIN_PLANS
 from lightning_dist.parallelize.tp.loss import LogitsGuard, head_entry, loss_parallel_step
 from lightning_dist.parallelize.tp.plan import ResolvedPlan, format_plan, resolve_tp_plan
 from lightning_dist.parallelize.tp.probe import probe_samples, run_eval
@@ -39,8 +38,8 @@ class TensorParallelStrategy(HybridShardStrategy):
             (``"hf"``: the HuggingFace model's own, ``"transformer"``: from the structure, ``"mlp"``) or a mapping
             ``{module-name glob: style}``
             (see :mod:`lightning_dist.parallelize.tp.apply`). Patterns are matched against the LightningModule's
-            module names or any dotted suffix of them. The same option as ``PipelineStrategy(tp_plan=...)``;
-            ``plan=`` is its former name, accepted with a deprecation warning until 0.2.
+            module names or any dotted suffix of them. One of :class:`MeshStrategy`'s model options, as on
+            ``PipelineStrategy``.
         sequence_parallel: run norms/dropout between the parallel regions on sequence shards
             (reduce-scatter/all-gather instead of all-reduce; activations between regions are 1/tp).
         sequence_dim: the activation dim that sequence parallelism splits (``[B, T, C]``: 1).
@@ -51,8 +50,7 @@ class TensorParallelStrategy(HybridShardStrategy):
             head).
         dp_replicate, dp_shard: data-parallel sizes (``"auto"``: shard inside a node, replicate across nodes).
         zero_stage: 3 or 2 (FSDP2 reshards parameters after forward or not); 1 needs ``tp=1``.
-        activation_checkpointing: ``True``/``"full"``, ``"selective"``, ``"every:N"`` or block class names
-            (as :class:`HybridShardStrategy`; with ``selective_ac_ops`` and ``offload_activations``).
+        plan: the former name of ``tp_plan``, accepted with a DeprecationWarning until 0.2.
         self_check: at setup, run one forward and backward of the split model on a probe sample and hold each block's
             output and gradients to an unsplit copy of that block, and the gradients of parameters held whole to each
             other over tp; a difference is refused naming the block or parameter (``docs/self_checks.md``). Its cost is
@@ -61,63 +59,51 @@ class TensorParallelStrategy(HybridShardStrategy):
     """
 
     strategy_name = "tp"
+    _applies_tp_plan = True
 
     def __init__(
         self,
         *,
         tp: Union[int, Literal["auto"]] = "auto",
-        tp_plan: Union[str, Mapping[str, Any]] = "auto",
         sequence_parallel: bool = False,
         sequence_dim: int = 1,
         loss_parallel: bool = False,
         dp_replicate: Union[int, Literal["auto"]] = "auto",
         dp_shard: Union[int, Literal["auto"]] = "auto",
         zero_stage: Literal[1, 2, 3] = 3,
-        activation_checkpointing: Union[bool, str, Sequence[str]] = False,
         plan: Union[str, Mapping[str, Any], None] = None,
         **kwargs: Any,
     ) -> None:
         problems = []
         if plan is not None:  # the former name (the same option is `tp_plan` on every strategy)
             warnings.warn(
-                f"TensorParallelStrategy(tp_plan=...) is now `tp_plan=` (as on PipelineStrategy); `plan` is accepted"
+                f"TensorParallelStrategy(plan=...) is now `tp_plan=` (as on every strategy); `plan` is accepted"
                 f" until lightning-dist 0.2. Write tp_plan={plan!r}.",
                 DeprecationWarning,
                 stacklevel=2,
             )
-            if tp_plan != "auto":
-                problems.append(f"Pass either tp_plan={tp_plan!r} or its former name plan={plan!r}, not both.")
-            tp_plan = plan
-        plan = tp_plan
+            if kwargs.get("tp_plan", "auto") != "auto":
+                problems.append(
+                    f"Pass either tp_plan={kwargs['tp_plan']!r} or its former name plan={plan!r}, not both."
+                )
+            kwargs["tp_plan"] = plan
         if tp != "auto" and (isinstance(tp, bool) or not isinstance(tp, int) or tp < 1):
             problems.append(f'`tp={tp!r}` must be an integer >= 1 or "auto" (the devices of one node).')
-        if isinstance(plan, str) and plan != "auto" and plan not in BUILTIN_PLANS:
-            problems.append(
-                f"`tp_plan={plan!r}` is not a built-in plan; use 'auto', one of {sorted(BUILTIN_PLANS)} or a mapping."
-            )
-        elif not isinstance(plan, (str, Mapping)):
-            problems.append(
-                "`tp_plan` must be 'auto', a built-in plan name or a mapping of pattern -> style;"
-                f" got {type(plan).__name__}."
-            )
         if not isinstance(sequence_parallel, bool):
             problems.append(f"`sequence_parallel={sequence_parallel!r}` must be True or False.")
         if isinstance(sequence_dim, bool) or not isinstance(sequence_dim, int):
             problems.append(f"`sequence_dim={sequence_dim!r}` must be an integer (the activation dim to split).")
         if not isinstance(loss_parallel, bool):
             problems.append(f"`loss_parallel={loss_parallel!r}` must be True or False.")
-        if problems:
-            raise ValueError(f"Invalid {type(self).__name__} configuration:\n  - " + "\n  - ".join(problems))
+        self._defer_problems(problems)  # raised by MeshStrategy with the others
         super().__init__(
-            tp=1 if tp == "auto" else tp,
+            tp=1 if tp == "auto" or problems else tp,
             dp_replicate=dp_replicate,
             dp_shard=dp_shard,
             zero_stage=zero_stage,
-            activation_checkpointing=activation_checkpointing,
             **kwargs,
         )
         self._tp_auto = tp == "auto"
-        self.tp_plan = dict(plan) if isinstance(plan, Mapping) else plan
         self.sequence_parallel = sequence_parallel
         self.sequence_dim = sequence_dim
         self.loss_parallel = loss_parallel

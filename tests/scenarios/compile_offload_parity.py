@@ -46,7 +46,9 @@ cases = {
     "tp_sac": lambda: TensorParallelStrategy(tp=2, tp_plan=TP_PLAN, compile=True, activation_checkpointing="selective"),
     "tp": lambda: TensorParallelStrategy(tp=2, tp_plan=TP_PLAN, compile=True),
     "pipeline_1f1b": lambda: PipelineStrategy(schedule="1f1b", split="params", compile=True),
-    "tp_offload": lambda: TensorParallelStrategy(tp=2, tp_plan=TP_PLAN, offload_policy=CPUOffloadPolicy(pin_memory=False)),
+    "tp_offload": lambda: TensorParallelStrategy(
+        tp=2, tp_plan=TP_PLAN, offload_policy=CPUOffloadPolicy(pin_memory=False)
+    ),
 }
 for name, make in cases.items():
     module = (PipeClassifier if name.startswith("pipeline") else Classifier)(depth=DEPTH)

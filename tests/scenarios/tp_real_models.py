@@ -315,7 +315,10 @@ for kind in kinds:
     check = GradientParityCheck(steps=(0,), on_mismatch="warn")
     sp = len(sys.argv) > 2 and sys.argv[2] == "sp"  # by hand: sequence parallelism on every model
     t = trainer(
-        TensorParallelStrategy(tp_plan="auto", sequence_parallel=sp, **mesh), devices=world, steps=STEPS, callbacks=[check]
+        TensorParallelStrategy(tp_plan="auto", sequence_parallel=sp, **mesh),
+        devices=world,
+        steps=STEPS,
+        callbacks=[check],
     )
     t.fit(task)
     entries = t.strategy.tp_entries
@@ -464,7 +467,8 @@ if world == 2 and "qwen3" in kinds:
 
 if world == 2 and HAS_LITGPT:
     # litgpt's GPT with grouped-query attention (n_query_groups=2 < n_head=4): its fused qkv [q | k | v] has unequal
-    # blocks that no style of ours splits per head exactly: refused by tp_plan="auto" on every rank, before any collective
+    # blocks that no style of ours splits per head exactly: refused by tp_plan="auto" on every rank, before any
+    # collective
     try:
         trainer(TensorParallelStrategy(tp_plan="auto", **mesh), devices=world, steps=1).fit(Task("litgpt_gqa"))
         emit(kind="refusal", model="litgpt_gqa", error=None)

@@ -420,7 +420,7 @@ def test_tp_plan_inside_stages_is_checked_on_the_whole_network():
         _validate_tp(_Module(net=net), {"head": "colwise"})
     with pytest.raises(ValueError, match=r"hidden|divisible|not divide"):
         _validate_tp(_Module(net=Net(depth=4, width=8)), {"head": "colwise_gather"})  # 3 outputs over tp=2
-    with pytest.raises(TypeError, match="tp_plan"):
+    with pytest.raises(ValueError, match="`tp_plan` must be .auto., a built-in plan name or a mapping.*got int"):
         PipelineStrategy(pp=2, tp=2, tp_plan=3)
 
 

@@ -95,3 +95,32 @@ def test_lightning_cli_yaml_by_name_and_by_class_path(tmp_path):
 def test_package_exports():
     assert lightning_dist.HybridShardStrategy is HybridShardStrategy
     assert lightning_dist.DIM_NAMES == ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+def test_model_options_are_one_type_checked_once_with_every_problem_listed():
+    """activation checkpointing, compile and the TP plan are declared once (MeshStrategy) and checked together with the
+    strategy's own options and the mesh's: one ValueError lists every problem."""
+    from lightning_dist.options import ModelOptions
+    from lightning_dist.strategies import PipelineStrategy, TensorParallelStrategy
+
+    with pytest.raises(ValueError) as err:
+        HybridShardStrategy(zero_stage=4, activation_checkpointing="sometimes", compile=3, tp=0, tp_plan="mlp")
+    msg = str(err.value)
+    for needle in ("zero_stage=4", "sometimes", "compile=3", "`tp=0`", "no tensor-parallel plan"):
+        assert needle in msg, (needle, msg)
+    with pytest.raises(ValueError) as err:
+        PipelineStrategy(schedule="zero_bubble", compile=True, tp_plan="zigzag", activation_checkpointing="selective")
+    msg = str(err.value)
+    for needle in ("'zero_bubble' is not supported", "tp_plan='zigzag'", "selective"):
+        assert needle in msg, (needle, msg)
+    with pytest.raises(ValueError, match="`activation_checkpointing`, `compile` are applied by the built-in plan"):
+        HybridShardStrategy(activation_checkpointing=True, compile=True, parallelize_fn=lambda m, mesh: None)
+    # the same option has the same name and type on every strategy
+    for strategy in (
+        HybridShardStrategy(activation_checkpointing="every:2"),
+        TensorParallelStrategy(activation_checkpointing="every:2", tp_plan="mlp"),
+        PipelineStrategy(activation_checkpointing="every:2", tp_plan="mlp"),
+    ):
+        assert isinstance(strategy.model_options, ModelOptions)
+        assert strategy.activation_checkpointing == strategy.model_options.activation_checkpointing == "every:2"
+    assert TensorParallelStrategy(tp_plan={"head": "colwise_gather"}).tp_plan == {"head": "colwise_gather"}

@@ -18,7 +18,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 
-from lightning_dist.parallelize.compile import check_compile_option
+from lightning_dist.parallelize.ac import split_backward_problems
 from lightning_dist.parallelize.pipeline.checks import check_splittable, staged_forward_problem
 from lightning_dist.parallelize.pipeline.split import (
     NetworkLayout,
@@ -31,30 +31,26 @@ from lightning_dist.parallelize.pipeline.stages import is_pipelined_module, keyw
 from lightning_dist.parallelize.pipeline.tied import tied_gradient_groups, tied_problems
 
 
-def check_options(name: str, *, schedule: str, compile: Any, tp_plan: Any, options: Mapping[str, Any]) -> None:
-    """The strategy's constructor options that cannot work together (ValueError), or a wrong type (TypeError)."""
-    problems = check_compile_option(compile)
-    if compile is not False and "zero_bubble" in schedule:
-        problems.append(
-            f"`compile` with schedule={schedule!r} is not supported: the zero-bubble split backward"
-            " needs each block's autograd graph; use schedule='1f1b' or 'interleaved_1f1b'."
-        )
-    if compile is not False and options.get("parallelize_fn") is not None:
-        problems.append("`compile` is applied by the built-in pipeline plan, which `parallelize_fn` replaces.")
-    if problems:
-        raise ValueError(f"Invalid {name} configuration:\n  - " + "\n  - ".join(problems))
+def option_problems(*, schedule: Any, options: Mapping[str, Any]) -> list[str]:
+    """The strategy's constructor options that cannot work with a pipeline (its model options are checked by
+    ``ModelOptions``; these are the combinations a pipeline adds)."""
+    problems = []
+    compile, ac = options.get("compile", False), options.get("activation_checkpointing", False)
+    if isinstance(schedule, str) and "zero_bubble" in schedule:
+        if compile is not False:
+            problems.append(
+                f"`compile` with schedule={schedule!r} is not supported: the zero-bubble split backward"
+                " needs each block's autograd graph; use schedule='1f1b' or 'interleaved_1f1b'."
+            )
+        problems += split_backward_problems(ac, schedule)
     if options.get("save_distributed_checkpoint") is False:
-        raise ValueError(
+        problems.append(
             "PipelineStrategy writes sharded checkpoints (save_distributed_checkpoint=True): each"
             " stage saves its own parameters. For one file, convert the directory with `lightning-dist"
             " consolidate` (torch's `torch.distributed.checkpoint.format_utils.dcp_to_torch_save` gives"
             " the weights under 'state_dict' too, but a weight tied across stages under one name only)."
         )
-    if not isinstance(tp_plan, (str, Mapping)):
-        raise TypeError(
-            f"`tp_plan` must be 'auto', a built-in plan name or a mapping of pattern -> style;"
-            f" got {type(tp_plan).__name__}."
-        )
+    return problems
 
 
 def module_problems(module: Any, network: str, net: Any) -> list[str]:
@@ -206,7 +202,7 @@ def first_batch_problem(unsplit: nn.Module, sample: Tensor, device: Any) -> Opti
 __all__ = [
     "PipelinePlan",
     "check_balanced_sample",
-    "check_options",
+    "option_problems",
     "cp_stage_problems",
     "first_batch_problem",
     "module_problems",

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
@@ -49,7 +49,7 @@ from lightning_dist import rules
 from lightning_dist._integrations.transformers_moe import router_loss_in_use
 from lightning_dist.mesh import PP, TP, MeshSpec
 from lightning_dist.parallelize import ParallelizeConfig, pipeline_model
-from lightning_dist.parallelize.ac import ACOption, ac_problems, check_offload_device, split_backward_problems
+from lightning_dist.parallelize.ac import check_offload_device
 from lightning_dist.parallelize.cp_probe import probe_inputs
 from lightning_dist.parallelize.pipeline import setup as checks
 from lightning_dist.parallelize.pipeline import split as plan
@@ -88,30 +88,24 @@ class PipelineStrategy(MeshStrategy):
             across the micro-batches of a step).
         record_timeline: record each rank's F/B/W actions per step (see ``PipelineBubble``).
         tp: tensor-parallel degree inside each stage (the mesh is ``pp x dp x tp``); 1: none.
-        tp_plan: the tensor-parallel plan when ``tp > 1``: ``"auto"``, a built-in plan name or a mapping
-            ``{module-name glob: style}`` (see :mod:`lightning_dist.parallelize.tp.apply`). It is checked on the
-            whole network (every pattern must match somewhere), then each stage applies the entries of the
-            modules it holds. The network's output must be whole on every tensor rank (the loss sees it):
+        tp_plan: the tensor-parallel plan when ``tp > 1`` (one of :class:`MeshStrategy`'s model options). It is
+            checked on the whole network (every pattern must match somewhere), then each stage applies the entries
+            of the modules it holds. The network's output must be whole on every tensor rank (the loss sees it):
             give a sharded head ``colwise_gather``. Sequence parallelism is not available inside stages.
-        compile: True to ``torch.compile`` each block of each stage (after tensor parallelism, before FSDP2),
-            or block class names to compile. Not with the zero-bubble schedules: their split backward (input
-            gradients first, weight gradients later) needs each block's autograd graph, which a compiled
-            block replaces with one node.
-        activation_checkpointing: per block of each stage: ``True``/``"full"`` (recompute its activations in
-            backward), ``"selective"`` (keep matmul, attention and collective outputs, recompute the rest),
-            ``"every:N"`` (every N-th block of each stage), or block class names (see
-            :mod:`lightning_dist.parallelize.ac`).
-        selective_ac_ops: the ops whose outputs ``"selective"`` keeps; default ``ac.SELECTIVE_AC_OPS``.
-        offload_activations: the saved tensors of each (uncheckpointed) block to pinned host memory; CUDA only.
+            ``activation_checkpointing`` and ``compile`` apply per block of each stage; neither compile nor
+            selective checkpointing with the zero-bubble schedules, whose split backward (input gradients first,
+            weight gradients later) needs each block's autograd graph.
         broadcast_output: give every pp rank the network's whole output in training and evaluation (it is
             broadcast from the last stage each step: its bytes to every pp rank, plus, for a loss computed from
             it directly, one loss pass over it to check the gradient). Default False: the steps see a stand-in
             that answers ``pipeline_loss(out, target)`` / HF ``out.loss`` with the batch loss (a scalar) and
             refuses any other use. Predict always broadcasts (its loop returns the values).
-        **kwargs: mesh and checkpoint options of :class:`MeshStrategy` (``dp_replicate``, ``dp_shard``...).
+        **kwargs: mesh, model and checkpoint options of :class:`MeshStrategy` (``dp_replicate``, ``dp_shard``,
+            ``tp_plan``, ``activation_checkpointing``, ``compile``...).
     """
 
     strategy_name = "pipeline"
+    _applies_tp_plan = True
 
     def __init__(
         self,
@@ -126,39 +120,23 @@ class PipelineStrategy(MeshStrategy):
         reshard_after_forward: bool = False,
         record_timeline: bool = False,
         tp: int = 1,
-        tp_plan: Union[str, Mapping[str, Any]] = "auto",
-        compile: Union[bool, Sequence[str]] = False,
-        activation_checkpointing: ACOption = False,
-        selective_ac_ops: Optional[Sequence[str]] = None,
-        offload_activations: bool = False,
         broadcast_output: bool = False,
         **kwargs: Any,
     ) -> None:
-        checks.check_options(type(self).__name__, schedule=schedule, compile=compile, tp_plan=tp_plan, options=kwargs)
-        problems = ac_problems(
-            activation_checkpointing, selective_ops=selective_ac_ops, offload_activations=offload_activations
-        )
-        if isinstance(schedule, str) and "zero_bubble" in schedule:
-            problems += split_backward_problems(activation_checkpointing, schedule)
-        if problems:
-            raise ValueError(f"Invalid {type(self).__name__} configuration:\n  - " + "\n  - ".join(problems))
+        problems = checks.option_problems(schedule=schedule, options=kwargs)
+        if schedule not in SCHEDULES:
+            problems.insert(0, f"`schedule={schedule!r}` must be one of {sorted(SCHEDULES)}.")
         if kwargs.get("cp_network", "auto") not in ("auto", network):
-            raise ValueError(
+            problems.append(
                 f"`cp_network={kwargs['cp_network']!r}` differs from `network={network!r}`: a pipeline splits the"
                 " sequences of the network it pipelines. Pass `network` only."
             )
         kwargs["cp_network"] = network
+        self._defer_problems(problems)  # raised by MeshStrategy with the mesh's and the model options' problems
         super().__init__(pp=1 if pp is None else pp, tp=tp, **kwargs)
-        self.tp_plan = dict(tp_plan) if isinstance(tp_plan, Mapping) else tp_plan
-        self.compile = compile
         self.broadcast_output = bool(broadcast_output)
-        self.activation_checkpointing = activation_checkpointing
-        self.selective_ac_ops = selective_ac_ops
-        self.offload_activations = offload_activations
         self.tp_entries: list[TPEntry] = []
         """The resolved tensor-parallel plan (on the whole LightningModule; filled in ``parallelize``)."""
-        if schedule not in SCHEDULES:
-            raise ValueError(f"`schedule={schedule!r}` must be one of {sorted(SCHEDULES)}.")
         self._pp_auto = pp is None
         self.schedule = schedule
         self.stages_per_rank = SCHEDULES[schedule][1] if stages_per_rank is None else stages_per_rank
