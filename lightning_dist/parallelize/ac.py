@@ -37,6 +37,10 @@ from lightning_dist.parallelize.units import select_units
 
 log = logging.getLogger(__name__)
 
+# what this module did to a block, kept beside it (weakly: the block's lifetime), not as attributes on it
+_CHECKPOINTED: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+_OFFLOADED: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+
 ACOption = Union[bool, str, Sequence[str]]
 
 SELECTIVE_AC_OPS: tuple[str, ...] = (
@@ -251,7 +255,7 @@ def apply_ac(
 
         context_fn = noop_context_fn
     for module in wrapped:
-        module._lightning_dist_ac = mode  # read by the planners (checkpointed_mode)
+        _CHECKPOINTED[module] = mode  # read by the planners (checkpointed_mode)
         if split_backward and mode == "full":
             _checkpoint_forward(module, context_fn)
         elif context_fn is None:
@@ -267,7 +271,7 @@ def apply_ac(
 def checkpointed_mode(module: nn.Module) -> Optional[str]:
     """``"full"`` or ``"selective"`` when :func:`apply_ac` checkpointed `module` (or the module it wraps), else None."""
     inner = getattr(module, "_orig_mod", module)  # a compiled block
-    return getattr(module, "_lightning_dist_ac", None) or getattr(inner, "_lightning_dist_ac", None)
+    return _CHECKPOINTED.get(module) or _CHECKPOINTED.get(inner)
 
 
 class _Both:
@@ -309,16 +313,20 @@ def _checkpoint_forward(module: nn.Module, context_fn: Any) -> None:
     captures the checkpoint as one region with its selective policy, which it cannot do from hooks (the cached
     outputs would be seen as mutated).
     """
-    module._ld_ac_context_fn = context_fn
-    module.forward = types.MethodType(_selective_forward, module)
+    module.forward = types.MethodType(_CheckpointedForward(context_fn), module)
 
 
-def _selective_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    from torch.utils.checkpoint import checkpoint
+class _CheckpointedForward:
+    """A block's class forward under ``checkpoint`` with `context_fn`, bound to the block as its ``forward``."""
 
-    return checkpoint(
-        type(self).forward.__get__(self), *args, use_reentrant=False, context_fn=self._ld_ac_context_fn, **kwargs
-    )
+    def __init__(self, context_fn: Any) -> None:
+        self.context_fn = context_fn
+
+    def __call__(self, block: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        from torch.utils.checkpoint import checkpoint
+
+        forward = type(block).forward.__get__(block)
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=self.context_fn, **kwargs)
 
 
 class _Saved:
@@ -451,7 +459,7 @@ def apply_offload_activations(
     stream: Any = "auto",
 ) -> list[OffloadedActivations]:
     """Offload the tensors each unit saves for backward from `device_type` to host memory (not those of `skip`:
-    the checkpointed blocks); returns one hook object per unit, also kept as ``unit._ld_offload``. The hooks
+    the checkpointed blocks); returns one hook object per unit (:func:`offload_hooks` finds them). The hooks
     are entered and left around each unit's forward."""
     if not isinstance(units, str) and units and all(isinstance(u, nn.Module) for u in units):
         picked = list(units)
@@ -466,7 +474,7 @@ def apply_offload_activations(
         hooks = OffloadedActivations(pin_memory=pin_memory, device_type=device_type, stream=stream, chain=chain)
         module.register_forward_pre_hook(hooks.start)
         module.register_forward_hook(hooks.stop, always_call=True)
-        module._ld_offload = hooks
+        _OFFLOADED[module] = hooks
         out.append(hooks)
     log.info(
         "offloading the saved activations of %d blocks to %shost memory", len(out), "pinned " if pin_memory else ""
@@ -476,10 +484,13 @@ def apply_offload_activations(
 
 def offloaded_bytes(model: nn.Module) -> int | None:
     """Bytes the blocks of `model` moved to host memory in their last forward; None when nothing is offloaded."""
-    hooks = [
-        m._ld_offload for m in model.modules() if isinstance(getattr(m, "_ld_offload", None), OffloadedActivations)
-    ]
+    hooks = offload_hooks(model)
     return sum(h.bytes for h in hooks) if hooks else None
+
+
+def offload_hooks(model: nn.Module) -> list[OffloadedActivations]:
+    """The hooks :func:`apply_offload_activations` put on the blocks of `model`, in module order."""
+    return [_OFFLOADED[m] for m in model.modules() if m in _OFFLOADED]
 
 
 __all__ = [
@@ -491,6 +502,7 @@ __all__ = [
     "apply_ac",
     "apply_offload_activations",
     "check_offload_device",
+    "offload_hooks",
     "offloaded_bytes",
     "parse_ac",
     "resolve_ops",
