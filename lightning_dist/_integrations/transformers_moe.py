@@ -11,11 +11,17 @@ Reason: the loss is a module-level function that the model's forward looks up by
 Gate: :data:`lightning_dist._compat.TRANSFORMERS_MOE_TESTED`; and on first use in a process the decomposition is held
 to the model's own function on the rank's tokens, so a modeling module whose loss is another formula is refused
 instead of replaced. Test: ``tests/unit/test_integrations.py``, ``tests/distributed/test_moe.py``.
+
+Also read, not patched: the experts implementation a module runs (:func:`experts_implementation`) and whether
+transformers' grouped GEMM serves a dtype on a device (:func:`grouped_mm_refusal`, a probe), so that the strategies
+refuse ``grouped_mm`` in float64 on CPU at set-up. Without the private function the probe answers None (no refusal).
+Test: ``tests/unit/test_moe.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from collections.abc import Iterator
 from typing import Any, Callable, Optional
@@ -98,6 +104,35 @@ def _hold_to(original: Callable, ours: Tensor, *args: Any) -> None:
     _CHECKED.add(id(original))
 
 
+def experts_implementation(module: nn.Module) -> Optional[str]:
+    """The experts implementation transformers runs `module` with (``"eager"``, ``"grouped_mm"``...), None for a module
+    transformers does not dispatch."""
+    # Reason: transformers keeps the choice in the config's underscore attribute (set by `experts_implementation=`)
+    choice = getattr(getattr(module, "config", None), "_experts_implementation", None)
+    return choice if isinstance(choice, str) else None
+
+
+@functools.lru_cache(maxsize=None)
+def grouped_mm_refusal(dtype: torch.dtype, device: str) -> Optional[str]:
+    """What transformers' grouped GEMM raises for `dtype` on `device` (None: it serves them): the function its
+    ``grouped_mm`` experts call, run on a two-expert product of tiny inputs (it picks torch's kernel or its own loop
+    by release and device, so the probe asks it rather than torch). None too when this transformers has no such
+    function (nothing to refuse)."""
+    # Reason: `_grouped_mm` is private; the public experts forward needs a whole experts module to run
+    try:
+        from transformers.integrations.moe import _grouped_mm
+    except ImportError:
+        return None
+    x = torch.ones(4, 8, dtype=dtype, device=device)
+    weight = torch.ones(2, 8, 8, dtype=dtype, device=device).transpose(-2, -1)  # [E, out, in], as experts hold it
+    offsets = torch.tensor([2, 4], dtype=torch.int32, device=device)
+    try:
+        _grouped_mm(x, weight, offs=offsets)
+    except (RuntimeError, NotImplementedError, TypeError) as err:
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
 @contextlib.contextmanager
 def global_router_loss(model: nn.Module, group: Any) -> Iterator[list[str]]:
     """For the length of the block, `model`'s router load-balancing loss is the one of the global batch over `group`
@@ -117,4 +152,10 @@ def global_router_loss(model: nn.Module, group: Any) -> Iterator[list[str]]:
             setattr(module, NAME, original)
 
 
-__all__ = ["global_router_loss", "router_loss_in_use", "router_loss_modules"]
+__all__ = [
+    "experts_implementation",
+    "global_router_loss",
+    "grouped_mm_refusal",
+    "router_loss_in_use",
+    "router_loss_modules",
+]

@@ -1,10 +1,10 @@
 """Mixtures of experts (HF Qwen3-MoE, Mixtral; the pack's MoEGPT, softmax and DeepSeek-V3-style routing) against one
 device, float64, the router's auxiliary loss included.
 
-Two launches: 2 processes (fsdp2, tp2 and expert parallelism ep2; the exact global router loss and the per-rank one
-kept on purpose; a pipeline, ep on a dense model and ep with tp refused) and 4 processes (hsdp 2 x 2, tp2 x
-dp_shard2, ep4, ep2 x dp_shard2, hsdp 2 x 2 with ep2, an ep rank that receives no token, a checkpoint from ep4 to ep2
-to one device).
+Two launches: 2 processes (fsdp2, tp2 and expert parallelism ep2, its HF models exported to safetensors; the exact
+global router loss and the per-rank one kept on purpose; a pipeline, ep on a dense model, ep with tp and grouped_mm
+experts in float64 refused) and 4 processes (hsdp 2 x 2, tp2 x dp_shard2, ep4, ep2 x dp_shard2, hsdp 2 x 2 with ep2,
+an ep rank that receives no token, a checkpoint from ep4 to ep2 to one device).
 """
 
 import pytest
@@ -36,11 +36,21 @@ def test_moe_and_expert_parallelism_2_processes():
         else:  # each rank's own router loss, averaged: not the global batch's (so the exact path's test can fail)
             assert r["diff"] > 1e-3, r
     refusals = {(r["case"], r["rank"]): r["error"] or "" for r in rows if r["kind"] == "refusal"}
-    assert len(refusals) == 6, refusals
+    assert len(refusals) == 8, refusals
     for rank in (0, 1):  # each refused on every rank, with the reason and the fix
         assert "router load-balancing loss" in refusals["pp2", rank]
         assert "has no experts module" in refusals["ep_dense", rank] and "drop ep" in refusals["ep_dense", rank]
         assert "ep=2 with tp=2" in refusals["ep_tp", rank] and "set tp=1" in refusals["ep_tp", rank]
+        grouped = refusals["grouped_mm", rank]
+        assert "model.model.layers.0.mlp.experts (Qwen3MoeExperts)" in grouped and "torch.float64 on cpu" in grouped
+        assert 'experts_implementation="eager"' in grouped, grouped
+    # trained at ep=2 (experts as DTensors on the ep mesh), exported to safetensors: transformers loads every trained
+    # weight exactly, from the tensors it writes itself for the unsharded model (names and shapes)
+    exports = {r["model"]: r for r in rows if r["kind"] == "hf_export" and r["rank"] == 0}
+    assert exports.keys() == {"qwen3_moe", "mixtral"}, exports
+    for r in exports.values():
+        assert r["same_names"] and r["diff"] == 0.0 and r["not_loaded"] == [] and r["own_layout"], r
+        assert r["expert_tensors"] == 2 * 4 * 3, r  # 2 layers x 4 experts x (gate, up, down)
 
 
 def test_moe_and_expert_parallelism_4_processes():

@@ -2,10 +2,11 @@
 
 Unmodified HF Qwen3-MoE and Mixtral (tiny configs, experts run eagerly: float64 on CPU), `output_router_logits=True`
 and `router_aux_loss_coef=0.05`: the loss is the cross-entropy plus the coefficient times the model's own `aux_loss`.
-``torchrun --nproc-per-node 2 moe_parity.py``: fsdp2 (dp_shard=2) and tp=2; with ``local`` as argv[1] also the
-per-rank auxiliary loss kept on purpose (``moe_aux_loss="local"``), which must differ from one device's; and a
-pipeline refused (its stages cannot compute that loss). 4 processes: hsdp 2 x 2 and tp2 x dp_shard2. One RESULT row
-per case and rank.
+``torchrun --nproc-per-node 2 moe_parity.py``: fsdp2 (dp_shard=2), tp=2 and ep=2 (the HF models then exported to
+safetensors and loaded back by transformers); with ``local`` as argv[1] also the per-rank auxiliary loss kept on
+purpose (``moe_aux_loss="local"``), which must differ from one device's; and a pipeline refused (its stages cannot
+compute that loss), as are ep without experts, ep with tp and transformers' grouped_mm experts in float64. 4 processes:
+hsdp 2 x 2, tp2 x dp_shard2 and the ep layouts. One RESULT row per case and rank.
 """
 
 from __future__ import annotations
@@ -153,10 +154,12 @@ def main() -> None:
                 kw = {} if mode == "global" else {"moe_aux_loss": "local"}
                 trainer(make(**kw), devices=world, steps=STEPS).fit(task)
                 emit(kind="moe", model=kind, case=case, mode=mode, diff=max_rel_diff(full_params(task), ref))
+                if case == "ep2" and mode == "global" and not kind.startswith("pack_moe"):
+                    exported_to_hf(task, kind)
     if world == 4:
         checkpoints_across_ep_degrees()
     if world == 2:
-        # expert parallelism refused on every rank before any collective: a model without experts, tp with ep
+        # refused on every rank before any collective: ep on a model without experts, tp with ep, grouped_mm in float64
         from lightning_dist.models import GPT
 
         class Dense(Task):
@@ -165,9 +168,15 @@ def main() -> None:
                 torch.manual_seed(0)
                 self.model = GPT(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=4, n_embd=32).double()
 
+        class GroupedMM(Task):  # transformers' default experts kernel, which torch does not serve in float64 on CPU
+            def __init__(self) -> None:
+                super().__init__("qwen3_moe")
+                self.model.set_experts_implementation("grouped_mm")
+
         for case, make, task in (
             ("ep_dense", lambda: FullyShardStrategy(ep=2), Dense),
             ("ep_tp", lambda: TensorParallelStrategy(tp=2, ep=2), lambda: Task("pack_moe")),
+            ("grouped_mm", lambda: FullyShardStrategy(ep=2), GroupedMM),
         ):
             try:
                 trainer(make(), devices=world, steps=1).fit(task())
@@ -183,6 +192,48 @@ def main() -> None:
             emit(kind="refusal", case="pp2", error=None)
         except ValueError as err:
             emit(kind="refusal", case="pp2", error=str(err))
+
+
+def exported_to_hf(task: Task, kind: str) -> None:
+    """The model trained at ep=2 (experts as DTensors on the ep mesh) exported by the pack's ``save_hf_pretrained``:
+    transformers' ``from_pretrained`` loads every trained weight, exactly, from tensors named and shaped as
+    transformers itself saves the unsharded model (its per-expert checkpoint layout)."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    import torch.distributed as dist
+    from safetensors import safe_open
+
+    from lightning_dist.hf import save_hf_pretrained
+
+    def layout(folder: Path) -> dict:
+        with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+            return {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
+
+    trained = full_params(task)
+    box = [Path(tempfile.mkdtemp()) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, 0)
+    folder = box[0]
+    save_hf_pretrained(task, folder / "ep2")
+    row: dict = {}
+    if dist.get_rank() == 0:
+        build(kind).save_pretrained(str(folder / "own"))  # transformers' own layout of the same, unsharded, model
+        loaded, info = type(task.model).from_pretrained(
+            str(folder / "ep2"), experts_implementation="eager", dtype=torch.float64, output_loading_info=True
+        )
+        got = {f"model.{n}": p.detach() for n, p in loaded.named_parameters()}
+        stored = layout(folder / "ep2")
+        row = {
+            "same_names": got.keys() == trained.keys(),
+            "diff": max((got[k] - v).abs().max().item() for k, v in trained.items() if k in got),
+            "not_loaded": sorted(info["missing_keys"]) + sorted(info["unexpected_keys"]),
+            "own_layout": stored == layout(folder / "own"),
+            "expert_tensors": sum(".experts." in k for k in stored),
+        }
+    emit(kind="hf_export", model=kind, **row)
+    if dist.get_rank() == 0:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def checkpoints_across_ep_degrees() -> None:

@@ -87,3 +87,60 @@ def test_hf_experts_are_found_by_their_interface():
     found = find_experts(transformers.Qwen3MoeForCausalLM(cfg))
     assert [n for n, _ in found] == [f"model.layers.{i}.mlp.experts" for i in range(2)]
     assert all(expert_count(m) == 4 for _, m in found)
+
+
+def test_grouped_mm_where_torch_does_not_serve_the_dtype_is_refused_at_set_up():
+    """transformers' default experts kernel (grouped_mm) fails deep inside torch in float64 on CPU: the strategy refuses
+    it in validate_config (every rank, before any collective), naming the module, the dtype and the fix."""
+    transformers = pytest.importorskip("transformers")
+    import lightning.pytorch as pl
+    from lightning.pytorch.plugins.precision import DoublePrecision
+
+    from lightning_dist.parallelize.ep import grouped_mm_problems
+    from lightning_dist.strategies import FullyShardStrategy
+
+    def qwen(**kw):
+        cfg = transformers.Qwen3MoeConfig(
+            vocab_size=32,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=8,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=8,
+            **kw,
+        )
+        return transformers.Qwen3MoeForCausalLM(cfg)
+
+    class Task(pl.LightningModule):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+    cpu = torch.device("cpu")
+    default = qwen()  # transformers picks grouped_mm by default
+    with pytest.raises(RuntimeError, match="Double"):  # what the user would meet without the check
+        default.double()(torch.randint(0, 32, (1, 4)))
+    (problem,) = grouped_mm_problems(default, dtype=torch.float64, device=cpu)
+    for part in (
+        "model.layers.0.mlp.experts (Qwen3MoeExperts) and 1 more",
+        "torch.float64 on cpu",
+        'experts_implementation="eager"',
+    ):
+        assert part in problem, problem
+    assert grouped_mm_problems(default, dtype=None, device=cpu)  # the model's own dtype (float64 since .double())
+    assert grouped_mm_problems(default, dtype=torch.float32, device=cpu) == []  # served: nothing refused
+    eager = qwen(experts_implementation="eager").double()
+    assert grouped_mm_problems(eager, dtype=torch.float64, device=cpu) == []
+    eager(torch.randint(0, 32, (1, 4)))  # and it runs
+    # through the strategy: the precision decides the dtype ("64-true" converts a float32 model at set-up)
+    strategy = FullyShardStrategy()
+    strategy.parallel_devices = [cpu] * 2
+    strategy.connect(Task(qwen().float()))
+    strategy.validate_config(strategy.mesh_spec())  # "32-true": float32, served
+    strategy.precision_plugin = DoublePrecision()
+    with pytest.raises(ValueError, match=r"model\.model\.layers\.0\.mlp\.experts .*torch\.float64 on cpu"):
+        strategy.validate_config(strategy.mesh_spec())
