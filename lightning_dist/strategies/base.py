@@ -26,6 +26,7 @@ from datetime import timedelta
 from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
+import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies import ParallelStrategy
@@ -47,6 +48,7 @@ from lightning_dist.mesh import CP, DIM_NAMES, DP_CP, TP, DistMesh, MeshSpec
 from lightning_dist.options import ModelOptions, TPPlan
 from lightning_dist.parallelize.ac import ACOption
 from lightning_dist.parallelize.sync import broadcast_module_states, materialize_in_sync, shared_seed
+from lightning_dist.precision import precision_dtypes
 from lightning_dist.strategies._checkpoints import ShardedCheckpointMixin
 from lightning_dist.strategies._processes import ProcessesMixin, as_timeout
 
@@ -261,6 +263,7 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
     def setup_environment(self) -> None:
         # validate the whole configuration on every rank before the first collective
         spec = self.mesh_spec()
+        self.check_model()
         self.validate_config(spec)
         ParallelStrategy.setup_environment(self)
         distributed_sampler_for_stateful_loaders()  # before Lightning builds the training loader
@@ -292,6 +295,25 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
 
     def validate_config(self, spec: MeshSpec) -> None:
         """Subclasses check option combinations against the resolved mesh here (raise ValueError)."""
+
+    def check_model(self) -> None:
+        """What every strategy refuses in the model before any collective (one process, the same on every rank):
+        experts that transformers runs with a grouped GEMM torch does not serve in the run's dtype on this device."""
+        from lightning_dist.parallelize.ep import grouped_mm_problems
+
+        if self.lightning_module is None:
+            return
+        problems = grouped_mm_problems(self.lightning_module, dtype=self._run_dtype(), device=self.root_device)
+        if problems:
+            raise ValueError(f"Invalid {type(self).__name__} configuration:\n  - " + "\n  - ".join(problems))
+
+    def _run_dtype(self) -> Optional[torch.dtype]:
+        """The dtype the model computes in once set up: the precision's (``64-true``, ``bf16-true``; FSDP2's compute
+        dtype under ``*-mixed``), None when that is the model's own (``32-true`` converts nothing)."""
+        dtypes = precision_dtypes(self.precision_plugin, default=None)
+        if dtypes is None or (not dtypes.mixed and dtypes.param == torch.float32):
+            return None
+        return dtypes.compute
 
     # ---- data parallel dim ---------------------------------------------------------------------
     @property

@@ -15,7 +15,7 @@ from lightning_dist._compat import CUDA_AVAILABLE, fully_shard_api
 from lightning_dist.mesh import MeshSpec
 from lightning_dist.parallelize import ParallelizeConfig, parallelize_model
 from lightning_dist.parallelize.ac import check_offload_device
-from lightning_dist.parallelize.ep import ep_problems, grouped_mm_problems
+from lightning_dist.parallelize.ep import ep_problems
 from lightning_dist.precision import precision_dtypes
 from lightning_dist.strategies.base import MeshStrategy
 
@@ -109,7 +109,6 @@ class HybridShardStrategy(MeshStrategy):
         ]
         if self.lightning_module is not None:
             problems += ep_problems(self.lightning_module, ep=self.ep, dp_shard=spec.size("dp_shard"))
-            problems += grouped_mm_problems(self.lightning_module, dtype=self._run_dtype(), device=self.root_device)
         if problems:
             raise ValueError(f"Invalid {type(self).__name__} configuration:\n  - " + "\n  - ".join(problems))
         if self.zero_stage == 1 and spec.cp > 1:
@@ -123,14 +122,6 @@ class HybridShardStrategy(MeshStrategy):
                 "zero_stage=1 replicates parameters over all data-parallel ranks; the dp_replicate x dp_shard"
                 " split only matters for stages 2 and 3."
             )
-
-    def _run_dtype(self) -> Optional[torch.dtype]:
-        """The dtype the model computes in once set up: the precision's (``64-true``, ``bf16-true``; FSDP2's compute
-        dtype under ``*-mixed``), None when that is the model's own (``32-true`` converts nothing)."""
-        dtypes = precision_dtypes(self.precision_plugin, default=None)
-        if dtypes is None or (not dtypes.mixed and dtypes.param == torch.float32):
-            return None
-        return dtypes.compute
 
     def mp_policy(self) -> Optional[Any]:
         """FSDP2 mixed precision from Lightning's precision flag (``bf16-mixed``: bf16 compute, fp32 reduce)."""

@@ -91,13 +91,13 @@ def test_hf_experts_are_found_by_their_interface():
 
 def test_grouped_mm_where_torch_does_not_serve_the_dtype_is_refused_at_set_up():
     """transformers' default experts kernel (grouped_mm) fails deep inside torch in float64 on CPU: the strategy refuses
-    it in validate_config (every rank, before any collective), naming the module, the dtype and the fix."""
+    it in check_model (every strategy, every rank, before any collective), naming the module, the dtype and the fix."""
     transformers = pytest.importorskip("transformers")
     import lightning.pytorch as pl
     from lightning.pytorch.plugins.precision import DoublePrecision
 
     from lightning_dist.parallelize.ep import grouped_mm_problems
-    from lightning_dist.strategies import FullyShardStrategy
+    from lightning_dist.strategies import FullyShardStrategy, PipelineStrategy
 
     def qwen(**kw):
         cfg = transformers.Qwen3MoeConfig(
@@ -140,7 +140,13 @@ def test_grouped_mm_where_torch_does_not_serve_the_dtype_is_refused_at_set_up():
     strategy = FullyShardStrategy()
     strategy.parallel_devices = [cpu] * 2
     strategy.connect(Task(qwen().float()))
-    strategy.validate_config(strategy.mesh_spec())  # "32-true": float32, served
+    strategy.check_model()  # "32-true": float32, served
     strategy.precision_plugin = DoublePrecision()
     with pytest.raises(ValueError, match=r"model\.model\.layers\.0\.mlp\.experts .*torch\.float64 on cpu"):
-        strategy.validate_config(strategy.mesh_spec())
+        strategy.check_model()
+    # every strategy, not only the sharded ones: a pipeline of the same model
+    pipeline = PipelineStrategy(pp=2)
+    pipeline.parallel_devices = [cpu] * 2
+    pipeline.connect(Task(qwen().double()))
+    with pytest.raises(ValueError, match=r"experts_implementation=\"eager\""):
+        pipeline.check_model()
