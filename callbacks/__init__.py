@@ -1,18 +1,6 @@
 """Lightning callbacks that fix silent distributed-training pitfalls (installed as ``lightning_dist.callbacks``).
 
-* :class:`SamplerEpoch`: every sampler, batch sampler, wrapper and iterable dataset gets the epoch.
-* :class:`ExactEvaluation`: validation/test/predict score every sample exactly once, in unchanged user code
-  (:class:`ExactMetric` for its mask mode).
-* :class:`MeshSyncBatchNorm`: BatchNorm statistics pooled over the data-parallel group (CPU and GPU).
-* :class:`GradientParityCheck`: the distributed gradient equals the single-device one, checked in the run.
-* :class:`CommunicationLedger`, :class:`MemoryReport`: measured traffic and model-state bytes next to the planner's.
-* :class:`PipelineBubble`: measured pipeline idle fraction against (p-1)/(m+p-1), and a Gantt chart.
-* :class:`HFPretrained`: start from a HuggingFace safetensors folder under any strategy, export back to one.
-* :class:`ThroughputSummary`: global samples/s through Lightning's loggers and a rank-0 summary table of the fit.
-* :class:`TrainDataGuard`, :class:`FiniteLossGuard`: refuse empty / too-small datasets and non-finite losses on every
-  rank.
-* :class:`ResumeRNG`: every rank's RNG states in checkpoints, for an exact mid-epoch resume.
-"""
+Notes: docs/internals.md, "callbacks/__init__.py"."""
 
 from lightning_dist.callbacks.exact_eval import ExactBatchSampler, ExactEvaluation, ExactMetric, exact_eval_mask
 from lightning_dist.callbacks.gradient_parity import GradientParityCheck, GradientParityError, default_tolerance

@@ -1,14 +1,6 @@
 """Exact distributed validation, test and predict: every sample scored once, every rank in lock-step.
 
-``DistributedSampler`` pads the dataset with repeated samples so that every rank gets the same number
-(10 samples on 3 ranks are scored as 12). Dropping the padding from the sampler instead would leave ranks
-with different step counts, and a sharded model (FSDP, tensor or pipeline parallel) then hangs in a
-collective. :class:`ExactEvaluation` gives every rank the same number of steps and, by default
-(``mode="trim"``), removes the repeated rows from the batches themselves, so the user's unchanged
-``validation_step`` (torchmetrics metrics, ``len(batch)`` counts, ``self.log(..., sync_dist=True)``)
-sees each sample once. ``mode="mask"`` keeps the padded rows (fixed batch shapes, e.g. for pipelines)
-and exposes a per-batch mask that :class:`ExactMetric` applies to any torchmetrics metric.
-"""
+Notes: docs/internals.md, "callbacks/exact_eval.py"."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
 """Check, inside a real run, that the distributed gradient equals the single-device gradient.
 
-At the chosen optimizer steps the callback gathers the global batch (every data-parallel rank's
-micro-batches, padded duplicates removed), recomputes the gradient on an unsharded copy of the model on
-one device, gathers the distributed gradient, and compares the two. Under pipeline parallelism each rank
-holds one stage: the whole network is assembled from every stage's copy, and each rank compares the
-gradients of its own stage's parameters.
-"""
+Notes: docs/internals.md, "callbacks/gradient_parity.py"."""
 
 from __future__ import annotations
 

@@ -1,15 +1,6 @@
 """Guards that turn silent data problems of distributed runs into clear errors on every rank.
 
-* :class:`TrainDataGuard`: the training data must give every data-parallel rank real, distinct samples:
-  an empty dataset, one smaller than the number of data-parallel ranks (the DistributedSampler would
-  pad it with copies) or one too small for a single batch raise ``ValueError`` with the numbers.
-* :class:`FiniteLossGuard`: a NaN/Inf loss on any rank raises ``FloatingPointError`` on every rank
-  before its backward pass, so no gradient collective runs and the weights are never overwritten with
-  NaN (one scalar all-reduce per step).
-
-Both decide on the same facts on every rank (the dataset is the same on every rank; the loss flag is
-all-reduced), so every rank raises at the same point and no rank is left waiting in a collective.
-"""
+Notes: docs/internals.md, "callbacks/guards.py"."""
 
 from __future__ import annotations
 

@@ -1,21 +1,6 @@
 """PipelineBubble: the measured pipeline bubble of each training step, next to the theory, and a Gantt chart.
 
-With :class:`~lightning_dist.strategies.pipeline.strategy.PipelineStrategy`, every rank records its F (forward),
-B (full backward), I (input backward) and W (weight backward) actions with their micro-batch and
-start/end times. After each step the callback gathers the records of the pipeline group and logs:
-
-* ``pipeline/idle_fraction``: mean over ranks of 1 - busy / span, where span is the step from the first
-  rank's start to the last rank's end (communication and waiting count as idle);
-* ``pipeline/idle_theory``: (p-1)/(m+p-1), the GPipe/1F1B bubble with equal stages and free communication;
-* ``pipeline/peak_held_stage0``: the most micro-batches whose activations stage 0 held at once
-  (1F1B keeps about p, GPipe all m);
-* ``pipeline/idle_replay``: the same step replayed with each action's measured CPU time and instant
-  communication (:func:`replay_idle`): the bubble of the schedule itself, free of message latency,
-  wake-ups and preemption by other processes.
-
-Timestamps of different ranks are compared, so the span assumes the ranks share a clock (one host:
-``time.perf_counter`` is CLOCK_MONOTONIC on Linux).
-"""
+Notes: docs/internals.md, "callbacks/pipeline_bubble.py"."""
 
 from __future__ import annotations
 

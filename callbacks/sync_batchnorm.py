@@ -1,11 +1,6 @@
 """Mesh-aware synchronized BatchNorm: statistics pooled over the data-parallel group only.
 
-``Trainer(sync_batchnorm=True)`` converts to :class:`torch.nn.SyncBatchNorm`, which syncs over the whole
-world (wrong when tensor/pipeline ranks hold the same samples), is ignored by ``ModelParallelStrategy``,
-and refuses CPU tensors when it has to sync. :class:`MeshSyncBatchNorm` (the callback) converts every
-BatchNorm layer of the model into :class:`DataParallelBatchNorm`, which pools per-channel statistics over
-the ``dp`` group of the mesh (or groups of ``group_size`` consecutive ``dp`` ranks), on any device.
-"""
+Notes: docs/internals.md, "callbacks/sync_batchnorm.py"."""
 
 from __future__ import annotations
 

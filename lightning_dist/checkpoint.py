@@ -1,23 +1,6 @@
 """Checkpoints of the pack's strategies: sharded DCP directories or one consolidated file.
 
-* **Sharded** (default): a directory written by ``torch.distributed.checkpoint`` (each rank writes its
-  shards; model under ``state_dict.*``, optimizer ``i`` under ``optimizer_i.*``) plus ``meta.pt`` with
-  Lightning's loop counters, LR schedulers, callbacks and hyper-parameters. It loads into any mesh
-  shape or world size (DCP reshards on load); ``lightning-dist consolidate`` turns it into one file.
-* **Consolidated**: one ``torch.save`` file in Lightning's own layout (full ``state_dict``, optimizer
-  states keyed by parameter index), so a plain single-device Lightning run can
-  ``load_from_checkpoint`` or resume from it.
-
-With a :class:`~lightning_dist.checkpoint_async.BackgroundWriter` (``async_checkpoint=True``) a sharded save
-stages the state in host memory and returns; the shards are written in the background and the directory
-is renamed into place once every rank has written (the next save first waits for the pending one).
-
-Writes are atomic: everything goes to ``<path>.tmp`` first and is swapped in by renames, so a crash
-mid-save never leaves a half-written checkpoint where the last good one was (if the crash falls
-between the two renames of a directory swap, the previous checkpoint is found at ``<path>.old`` and
-:func:`load` falls back to it). Every ``torch.load`` uses ``weights_only=True`` unless the caller
-explicitly trusts the file.
-"""
+Notes: docs/internals.md, "lightning_dist/checkpoint.py"."""
 
 from __future__ import annotations
 

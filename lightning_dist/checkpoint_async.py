@@ -1,20 +1,6 @@
 """Sharded checkpoints written in the background: the save starts a host-memory copy of the state and returns.
 
-:class:`BackgroundWriter` runs one ``torch.distributed.checkpoint.async_save`` at a time (torchtitan's
-approach): the state is copied into host memory (pinned on CUDA) on a staging thread, then a worker thread
-plans and writes the shards and, on rank 0, commits the checkpoint. The worker's collectives run on a
-process group of their own (gloo), so they never interleave with training's collectives on the same group.
-
-Staging rule: the copy overlaps the next step's forward and backward, which only read the saved tensors;
-whoever changes them in place first calls :meth:`BackgroundWriter.wait_staged` (the strategy does, before the
-optimizer step; module buffers, which a forward may update, are cloned by the caller before the save). Where
-torch cannot stage in the background (``_compat.dcp_async_staging``), the copy is made on the calling thread.
-
-Commit rule: rank 0's DCP future completes only after DCP gathered every rank's write result and wrote the
-``.metadata`` index (``_DistWrapper.all_reduce``), so the commit (the atomic rename of ``<path>.tmp``) runs
-only once every rank has finished writing. A rank that dies mid-write leaves rank 0 waiting in that gather:
-nothing is renamed and the previous checkpoint stays where it was.
-"""
+Notes: docs/internals.md, "lightning_dist/checkpoint_async.py"."""
 
 from __future__ import annotations
 

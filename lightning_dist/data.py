@@ -1,38 +1,6 @@
 """Exact mid-epoch resume: a DataLoader that remembers its position, and per-rank RNG states.
 
-Lightning restores parameters, optimizers, LR schedulers and loop counters, and it sets the sampler's
-epoch; but a plain DataLoader restarts from the beginning of the epoch after a mid-epoch checkpoint
-(Lightning only warns), and the RNG streams (dropout, augmentation) restart from wherever they happen
-to be. Two small pieces close the gap:
-
-* :class:`ResumableDataLoader`: a ``DataLoader`` with ``state_dict``/``load_state_dict``, which
-  Lightning saves with the fit loop and restores before the first batch. It counts the batches handed
-  out in the current pass; after a restore it skips that many batches of the sampler's order **by
-  index** (no sample is loaded for them). Lightning's injected ``DistributedSampler`` keeps the class
-  (Lightning re-instantiates the loader with the same arguments), and Lightning sets the sampler's epoch
-  before the first batch, so the skipped order is that of the interrupted epoch.
-* :class:`~lightning_dist.callbacks.ResumeRNG` (in ``lightning_dist.callbacks``): saves every rank's torch / Python /
-  NumPy RNG states with the checkpoint (one ``all_gather_object`` per save) and restores each rank's own on resume.
-
-Example::
-
-    def train_dataloader(self):
-        return ResumableDataLoader(dataset, batch_size=8, shuffle=True)
-
-    Trainer(strategy="hsdp", callbacks=[ResumeRNG(), ModelCheckpoint(every_n_train_steps=100)])
-
-Limits: sized map-style datasets; the sampler's order must depend only on its seed and epoch
-(``DistributedSampler``, ``RandomSampler`` with a seeded generator are fine).
-
-torchdata's ``StatefulDataLoader`` (``torchdata.stateful_dataloader``) is the general tool and works with the
-pack the same way (Lightning keeps its class around the injected ``DistributedSampler``, saves and restores its
-``state_dict``, and the pack makes Lightning inject its plain ``DistributedSampler`` for ``shuffle=True``;
-bitwise mid-epoch resume with ``ResumeRNG`` is tested under hsdp, tp and pipelines): use it for
-worker processes that keep state, iterable or stateful datasets, and stateful samplers. This class remains for
-what that loader does not give: no extra dependency, and a run that is bitwise the run of a plain ``DataLoader``
-(for ``shuffle=True`` ``StatefulDataLoader`` builds its own ``RandomSampler``, which draws a seed from the torch
-RNG when the loader is built, so dropout masks and augmentations change when a project switches to it).
-"""
+Notes: docs/internals.md, "lightning_dist/data.py"."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
 """`make demo`: hybrid-sharded training of a small BatchNorm CNN on 4 CPU processes through Lightning's launcher.
 
-The 4 processes form a real hybrid mesh, 2 replicas x 2 shards (``dp_replicate=2 x dp_shard=2``: on a cluster,
-shards inside a node and replicas across nodes). The data are synthetic shape images generated in-process (no
-download). The pack's callbacks make the run equal to one device on the whole batch: ``MeshSyncBatchNorm``
-pools the BatchNorm statistics over the data-parallel ranks, ``ExactEvaluation`` scores every validation image
-once, and ``GradientParityCheck`` compares the distributed gradient of the first and last steps with the one a
-single device computes on the same global batch, in float64. After training rank 0 prints the report: the mesh,
-loss and accuracy, those measured differences, each rank's model-state bytes, and where the logs are.
-"""
+Notes: docs/internals.md, "lightning_dist/demo.py"."""
 
 from __future__ import annotations
 

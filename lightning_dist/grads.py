@@ -1,13 +1,6 @@
 """Gradients of a parallelized model: grouped by layout, their global norm, clipping by norm and by value.
 
-A model under the pack's strategies mixes plain tensors (replicated norms under TP, a pipeline stage's
-own parameters) and DTensors on several meshes (TP shards, FSDP2 shards over ``dp_shard``, both on a
-2-D/3-D mesh). Torch's ``clip_grad_norm_`` / ``clip_grad_value_`` pass all of them to one foreach kernel,
-which refuses the mix (``got mixed torch.Tensor and DTensor``). Here each layout group gets its own call,
-and the global norm is every group's norm made whole over its mesh (``full_tensor()``: Shard parts summed,
-Replicate parts counted once), summed over the ranks that hold distinct parameters (pipeline stages).
-Every strategy of the pack clips through these (``MeshStrategy.clip_grad_by_norm`` / ``clip_grad_by_value``).
-"""
+Notes: docs/internals.md, "lightning_dist/grads.py"."""
 
 from __future__ import annotations
 

@@ -1,15 +1,6 @@
 """HuggingFace weights in and out of a sharded model: load a safetensors folder, export one ``from_pretrained`` loads.
 
-Loading: build the model with :func:`init_empty_weights` (parameters on the meta device, buffers such as
-rotary frequencies computed for real), let any strategy of the pack shard and materialize it, then
-:func:`load_hf_weights` fills every parameter from the folder, each rank reading only the slices it holds
-(torch DCP's ``HuggingFaceStorageReader``; without it, each rank reads whole tensors and keeps its part).
-:class:`~lightning_dist.callbacks.HFPretrained` does both at the right moments of ``Trainer.fit``.
-
-Exporting: :func:`save_hf_pretrained` gathers the whole state dict on rank 0 and writes it with the model's
-own ``save_pretrained`` (config, safetensors, tied weights stored once), into a temporary folder renamed
-into place, so a half-written export never looks complete.
-"""
+Notes: docs/internals.md, "lightning_dist/hf.py"."""
 
 from __future__ import annotations
 

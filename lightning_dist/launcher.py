@@ -1,30 +1,6 @@
 """Lightning's script launcher, with a job that ends with all of its processes and exits 1 when a rank failed.
 
-Lightning's ``SubprocessScriptLauncher`` runs rank 0 in the launching process and starts the other local
-ranks as child processes; a thread checks the children every 5 s. The gaps, each filled here:
-
-* rank 0 fails (an exception): Lightning re-raises and the launcher exits while its children still wait
-  in a collective for the dead peer, until the collective timeout: they outlive the job, holding their
-  device and port. :class:`JobLauncher` ends them (SIGKILL after a grace period: a rank blocked in a
-  collective does not run Python signal handlers) and waits for them before the exception leaves ``fit``.
-* a child fails: Lightning's observer SIGKILLs the launching process (exit 137, read as "out of memory").
-  Here a thread per child stamps the moment it exits; on the first failure the other children are ended
-  and reaped, and rank 0 exits with status 1 (``os._exit``: rank 0 may be blocked in a collective).
-* rank 0 finishes while a child failed (e.g. a rank that ran out of data early and died): Lightning's
-  launcher exits 0. At interpreter exit rank 0 now waits for its children and exits 1 if any failed.
-
-In each case the launcher prints which rank failed first and its error: a child records its exception
-(:func:`record_rank_error`, from the strategy's ``on_exception``) in a folder the launcher reads. The first
-failure is the earliest of those not raised by a collective (a collective fails because a peer went away:
-the peer is the cause), else the earliest collective failure; a child that recorded nothing (a signal,
-``sys.exit``) counts at its exit, as not a collective's.
-
-Children also ask the kernel to kill them when the launcher dies (``PR_SET_PDEATHSIG`` on Linux), so a
-launcher killed from outside (SIGKILL, OOM) leaves no rank behind. Under torchrun or SLURM the agent owns
-the processes and only :func:`record_rank_error` applies: it writes torchelastic's error file, so that
-torchrun's summary shows the failed rank's error, not only its exit code (a collective's failure is recorded
-in the second after it, so that torchelastic's whole-second ordering names the peer that caused it).
-"""
+Notes: docs/internals.md, "lightning_dist/launcher.py"."""
 
 from __future__ import annotations
 

@@ -1,14 +1,6 @@
 """A LightningCLI argument parser that names a misspelt config key, and the closest accepted one, first.
 
-jsonargparse reports a key it does not know after the whole usage text (60 lines for a Trainer), without a
-suggestion. :class:`SuggestingArgumentParser` says it in the first lines::
-
-    LightningCLI(Model, Data, parser_class=SuggestingArgumentParser)
-
-    error: `zero_stag` is not an argument of lightning_dist.strategies.HybridShardStrategy: did you mean `zero_stage`?
-
-The examples' entry points use it; any other error reads as jsonargparse writes it.
-"""
+Notes: docs/internals.md, "lightning_dist/lightning_cli.py"."""
 
 from __future__ import annotations
 

@@ -1,25 +1,6 @@
 """The pack's one device mesh: named dims ``pp``, ``dp_replicate``, ``dp_shard``, ``cp``, ``tp``.
 
-Two layers, as in torchtitan's ``ParallelDims``:
-
-* :class:`MeshSpec` is pure arithmetic: sizes, ``"auto"`` resolution, validation that collects every
-  problem and raises one ``ValueError``, per-rank coordinates and group membership, and a printable
-  plan. It needs no process group, so every rank can validate before the first collective and the
-  plan is unit-testable in one process.
-* :class:`DistMesh` wraps the real :class:`~torch.distributed.device_mesh.DeviceMesh` built from a
-  resolved spec, exposes sub-meshes by name, the flattened data-parallel mesh ``dp``
-  (= ``dp_replicate`` x ``dp_shard``) that samplers and metrics reduce over, and checks right
-  after building that the groups torch created are the ones the spec asked for.
-
-Dims are laid out outermost to innermost as ``(pp, dp_replicate, dp_shard, cp, tp)`` (torchtitan's order):
-consecutive ranks (one node) form ``tp`` groups first, then ``cp`` groups, then ``dp_shard`` groups, so
-tensor-parallel, context-parallel and sharding traffic stays inside a node while ``dp_replicate`` and ``pp``
-cross nodes.
-
-Context parallelism (``cp``) splits each sequence over its ranks: cp peers read the same samples (the sampler
-splits over ``dp`` only), FSDP2 shards parameters over ``dp_shard`` x ``cp`` (the flattened ``dp_shard_cp``), and
-the loss is averaged over ``dp`` x ``cp`` (``dp_cp``), as in torchtitan.
-"""
+Notes: docs/internals.md, "lightning_dist/mesh.py"."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
 """Lightning's Rich progress bar, configured to say what runs: the epoch without a bogus bound, the step of a
 ``max_steps`` run, and no ``v_num``.
 
-Lightning picks its Rich bar whenever ``rich`` is installed (the pack depends on it). That bar prints
-``Epoch 0/-2`` for a run bounded by ``max_steps`` (``max_epochs`` is then -1) and the logger's version as a
-metric (``v_num: 1.000``). :class:`RunProgressBar` is that same bar with those two things fixed; importing the
-pack makes it Lightning's default (:func:`~lightning_dist._integrations.lightning.use_default_progress_bar`).
-"""
+Notes: docs/internals.md, "lightning_dist/progress.py"."""
 
 from __future__ import annotations
 

@@ -1,16 +1,6 @@
 """Rendezvous bound to the loopback interface for single-machine jobs.
 
-``torch.distributed``'s default ``env://`` rendezvous starts a ``TCPStore`` on rank 0 that listens on
-every interface (``::``), even when ``MASTER_ADDR`` is ``127.0.0.1``: any host that can reach the
-machine can then talk to the job's store. For jobs started by Lightning's own launcher (or by hand with
-``LightningEnvironment`` variables) whose main address is a loopback address, :func:`loopback_store`
-builds the store on a socket bound to that address only, and the process group starts from it.
-Jobs under SLURM or with a routable ``MASTER_ADDR`` keep the default rendezvous.
-
-Under torchrun with ``--max-restarts``, the workers of every attempt share the agent's store, and
-torch's ``env://`` start reads the keys the failed attempt left there (gloo then dials the dead peers'
-addresses: "Connection refused"). :func:`attempt_store` gives each attempt its own key prefix.
-"""
+Notes: docs/internals.md, "lightning_dist/rendezvous.py"."""
 
 from __future__ import annotations
 

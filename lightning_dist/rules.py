@@ -1,15 +1,6 @@
 """The pack's parallelization decisions, as pure functions of numbers (no torch): one home for each.
 
-The planner (``lightning-dist plan``), the dry run and the runtime strategies import them from here, so a
-plan, a dry run and a training run decide alike:
-
-* :data:`SCHEDULES`: the pipeline schedules (torch class, default stages per rank, stage placement);
-* :func:`stage_ranks`: the pipeline rank of each stage;
-* :func:`partition`: the contiguous stage split minimising the costliest stage;
-* :func:`bubble_theory`: the idle fraction of a pipeline step;
-* :func:`replicates`: DDP-style replication or FSDP2 sharding over the data-parallel dims;
-* :func:`cp_chunks`: which parts of a sequence each context-parallel rank holds (load-balanced for causal masks).
-"""
+Notes: docs/internals.md, "lightning_dist/rules.py"."""
 
 from __future__ import annotations
 

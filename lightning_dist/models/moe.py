@@ -1,11 +1,6 @@
 """A mixture-of-experts GPT: the pack's :class:`~lightning_dist.models.gpt.GPT` with expert feed-forward layers.
 
-Routing as the models people train: top-k over a softmax (Mixtral, Qwen3-MoE) or over sigmoid scores normalized on the
-chosen experts, with always-on shared experts (DeepSeek-V3); many small experts make the fine-grained shape. Experts
-are held as 3-D parameters (``gate_up [E, 2H, C]``, ``down [E, C, H]``, the layout of transformers' fused experts)
-and run one at a time on the tokens routed to them (exact in float64 on CPU). The router's load-balancing loss is
-:func:`lightning_dist.parallelize.moe.balance_loss`: over the global batch when a strategy runs the step.
-"""
+Notes: docs/internals.md, "lightning_dist/models/moe.py"."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
 """Example vision models (a BatchNorm CNN and a small ViT) and their LightningModule.
 
-Every model is ``stem -> blocks (nn.ModuleList) -> head`` so FSDP units and pipeline stages can be
-taken per block, and ``forward`` equals applying the children in registration order (what a pipeline
-stage runs). A pipeline stage may set the stem or head attributes to ``None`` and slice ``blocks``
-or set entries of it to ``None`` (which keeps parameter names stable); ``forward`` skips what is
-``None`` (first stage: images in; later stages: activations in).
-"""
+Notes: docs/internals.md, "lightning_dist/models/vision.py"."""
 
 from __future__ import annotations
 

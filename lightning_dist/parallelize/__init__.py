@@ -1,35 +1,6 @@
 """Model-independent parallelism, applied by :func:`parallelize_model` in one fixed order.
 
-Order (each step changes the model in place and logs one line):
-
-1. tensor parallelism on ``tp`` (DTensor ``parallelize_module``): it rewrites Linear weights into
-   DTensors, which must happen before anything wraps or checkpoints those modules; then expert parallelism
-   (``ep.py``): each experts module keeps this rank's experts as DTensors on ``ep``;
-2. activation checkpointing per block (``full``, ``selective``, ``every:N``; ``ac.py``), then activation
-   offload of the blocks left uncheckpointed: after TP (it recomputes TP-parallel code as is) and before
-   FSDP (FSDP must see the checkpointed blocks as its units);
-3. ``torch.compile`` per block (``compile=True``): after AC, so the checkpointed block is compiled, and
-   before FSDP, whose hooks then run eagerly around each compiled block;
-4. data parallelism over ``dp_replicate`` x ``dp_shard``: FSDP2 ``fully_shard`` bottom-up (ZeRO-2/3,
-   HSDP), or DDP-style all-reduce replication for ZeRO-1 and shard groups of size 1 — last, because it
-   shards whatever TP left. With an FSDP2 offload policy, FSDP2 always (a data-parallel size of 1 too). With
-   context parallelism FSDP2 shards over ``dp_shard`` x ``cp``;
-5. context parallelism (``cp > 1``; ``cp.apply_cp``, called by ``MeshStrategy`` after this function or a user's
-   ``parallelize_fn``): a hook on the network's inputs and an attention mode held around each step. It changes no
-   weight, so it comes after everything that does.
-
-Pipeline parallelism (:func:`pipeline_model`) comes before all of this: it splits the network into the
-stage modules this rank runs (``pipeline.py``) and then calls :func:`parallelize_model` on each stage's
-module, as torchtitan's pipeline builder calls one ``parallelize_fn`` per stage. A stage gets the same
-steps with two differences, both set by :func:`pipeline_model`: its tensor-parallel plan was resolved
-once on the whole model (``tp_entries``, matched by module identity), and the stage module itself is its
-FSDP2 root (``fsdp_root="model"``: ``PipelineStage`` calls it and defers gradient reduction to the last
-micro-batch), with the blocks that run once and share no parameter as units.
-
-Before any of it, ``MeshStrategy.setup`` makes every rank hold one model (``sync.py``): rank 0's eager
-tensors are broadcast to all ranks, and what is still on the meta device is materialized afterwards under
-one shared seed. It runs there, not here, so that a user's ``parallelize_fn`` gets the same guarantee.
-"""
+Notes: docs/internals.md, "lightning_dist/parallelize/__init__.py"."""
 
 from __future__ import annotations
 

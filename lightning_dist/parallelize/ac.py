@@ -1,25 +1,6 @@
 """Activation checkpointing per block (``full``, ``selective``, ``every:N``) and activation offload to host memory.
 
-``activation_checkpointing=`` of every strategy takes:
-
-* ``False`` (default): autograd keeps every tensor a block saves for backward;
-* ``True`` or ``"full"``: each block keeps only its input and recomputes its whole forward in backward
-  (about one extra forward per step);
-* ``"selective"``: op-level selective checkpointing (torch's ``create_selective_checkpoint_contexts``, as
-  torchtitan's ``selective_ac_option="op"``): the outputs of the ops in ``selective_ac_ops``
-  (:data:`SELECTIVE_AC_OPS` by default: matmuls, attention kernels, collectives) are kept, except that of the
-  matmuls (``aten.mm``, ``aten.addmm``) every second one in call order is recomputed, as torchtitan's rule does;
-  everything else (norms, activations, residual adds, reshapes) is recomputed from the kept outputs in
-  backward: about half of no AC's activations for one or two matmuls' recompute per block;
-* ``"every:N"``: full checkpointing of every N-th block (blocks N, 2N, ... counted from 1, per pipeline
-  stage), as torchtitan's ``selective_ac_option="N"``; the blocks between keep their activations;
-* block class names (``["GPTBlock"]``): full checkpointing of the modules of those classes.
-
-``offload_activations=True`` moves the tensors each block saves for backward to pinned host memory in
-forward and back in backward (torch's ``save_on_cpu`` hooks, parameters left in place). It applies to the
-blocks that keep their activations, so it composes with no AC and with ``every:N`` (the blocks between the
-checkpointed ones); it needs a CUDA device.
-"""
+Notes: docs/internals.md, "lightning_dist/parallelize/ac.py"."""
 
 from __future__ import annotations
 

@@ -1,43 +1,6 @@
 """Context parallelism: each sequence split over the ``cp`` ranks, attention exact over the whole sequence.
 
-``cp_style="ulysses"`` (DeepSpeed-Ulysses; every device, CPU/gloo included): the network sees this rank's part of
-each sequence (:func:`~lightning_dist.rules.cp_chunks`: a head and a tail chunk, the load-balanced split for causal
-masks). Where the model calls attention, the sequence-sharded q, k, v ``[B, H, S/cp, D]`` are exchanged by one
-all-to-all to head-sharded ``[B, H/cp, S, D]``, attention runs on whole sequences (in natural token order, so the
-causal mask is the usual one), and a second all-to-all brings the output back to sequence shards. Exact: every
-head sees every key, and gradients flow back through the reverse all-to-alls.
-
-``cp_style="ring"``: this rank keeps its queries and every head; torch's own ring attention rotates the key/value
-chunks and merges the partial results (:func:`ring_sdpa`, through ``_integrations/torch_ring_attention.py``).
-
-What is written here and why (torch's ``context_parallel`` reaches its ring only through DTensor dispatch of the CUDA
-SDPA kernels: on CPU it fails with "no sharding strategy registered" for the CPU flash kernel; torch has no Ulysses):
-
-* :class:`ContextParallelAttention`, a ``TorchFunctionMode`` that catches ``F.scaled_dot_product_attention`` wherever
-  a model calls it (the pack's GPT, HF models through their ``sdpa`` implementation, users' own attention), so models
-  run unmodified. The strategy holds it around the training/validation/test step; torch's autograd engine does not
-  carry it into backward, so the blocks the strategy checkpoints recompute under it explicitly (``apply_ac``'s
-  ``recompute_context``). A model checkpointing itself (HF ``gradient_checkpointing_enable``) fails loudly under cp
-  (torch's "different number of tensors saved" check): use the strategy's ``activation_checkpointing``.
-* :func:`apply_cp`, a forward pre-hook on the network: it cuts every ``[B, S, ...]`` input to this rank's chunks and
-  passes ``position_ids`` (learned and rotary positions stay those of the whole sequence). For HF models it also
-  shifts ``labels`` before the split (``shift_labels``: the last token of a chunk predicts the first of the next) and
-  passes ``num_items_in_batch`` so the loss averages over the tokens of the cp group, not over ranks; HF's causal mask
-  builder is told to build none (mask None: SDPA's ``is_causal`` on the gathered sequence).
-* ``pipeline_loss(output, target)`` gets the matching chunks of `target` (the pack's loss convention).
-* A pipeline (``PipelineStrategy``) hooks nothing: its network call cuts the batch with
-  :meth:`ContextParallel.split_sequences` before the schedule's micro-batch split and holds the mode around the
-  schedule (see :mod:`lightning_dist.strategies.pipeline.step`).
-
-Refused, on every rank before any collective, with the fix named: a sequence not divisible by ``2 x cp``, attention
-heads (per tensor-parallel rank) not divisible by cp (key/value heads that do not divide are repeated to one per
-query head before the exchange: exact, more bytes), a padding ``attention_mask``, an explicit ``attn_mask``, a
-network without ``position_ids``, sliding-window attention, ``nn.MultiheadAttention``, and ``cp_style="ring"``
-(off CUDA; not available yet on CUDA either); at the step, a token loss comparing this rank's chunks with the whole
-target (:func:`loss_split_problem`). What no structural check can see (an attention written by hand, positions the
-model numbers itself, an output pooled over the sequence) the strategy's setup self-check finds by running the model
-split and unsplit (:mod:`~lightning_dist.parallelize.cp_probe`, through :meth:`ContextParallel.unsplit`).
-"""
+Notes: docs/internals.md, "lightning_dist/parallelize/cp.py"."""
 
 from __future__ import annotations
 

@@ -1,15 +1,6 @@
 """Context parallelism checked by running it: one forward and backward of a probe batch, split and unsplit.
 
-Exact context parallelism rests on what the strategy cannot read in a model's code: every attention goes through
-``F.scaled_dot_product_attention`` (where the exchange catches it), the network places its tokens by the
-``position_ids`` it is given, and its output keeps one row per token. A model that breaks one of them trains a
-different model without an error. So at setup the strategy runs its real (already sharded) model twice on a small
-probe batch, on every rank: unsplit (whole sequences, no exchange) and split (this rank's chunks, through the
-exchange), each with the backward of one per-token loss, and compares the outputs and the gradients the optimizer
-would get. A difference beyond rounding is refused on every rank at once (one all-reduce of the verdict), naming the
-first module whose output differs, the parameter whose gradient differs most and the likely reason. How it scales
-and what it costs: ``docs/self_checks.md``.
-"""
+Notes: docs/internals.md, "lightning_dist/parallelize/cp_probe.py"."""
 
 from __future__ import annotations
 

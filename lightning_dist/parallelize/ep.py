@@ -1,21 +1,6 @@
 """Expert parallelism: each rank of an ``ep`` group holds ``E / ep`` experts and the tokens travel to them.
 
-An experts module is what transformers' mixtures of experts call ``experts`` (and the pack's
-:class:`~lightning_dist.models.moe.Experts`): 3-D parameters with the expert first, and a forward
-``(hidden [N, C], top_k_index [N, k], top_k_weights [N, k]) -> [N, C]`` that sums each token's chosen experts' outputs.
-:func:`apply_ep` keeps the module and its own per-expert code and changes where it runs (torchtitan's layout):
-
-1. the parameters become ``Shard(0)`` DTensors on the ``ep`` mesh: this rank's experts, contiguous;
-2. a forward sorts the (token, choice) pairs by expert, exchanges the per-expert counts (one ``all_to_all_single``),
-   sends each pair's token to the rank holding its expert (``all_to_all_single`` with uneven splits, differentiable),
-   runs the module's own forward on what arrived (every row routed to its local expert with weight 1), sends the
-   outputs back the same way and adds them into each token, weighted, in expert order: the order one device adds them;
-3. data parallelism shards the experts over the data-parallel ranks left (``dp_shard / ep``, times ``dp_replicate``);
-   their gradients, which sum the losses of the ``ep`` peers whose tokens they ran, are divided by ``ep`` first, so
-   that both end as the data-parallel mean, as the dense parameters' gradients do.
-
-Dropless: every token reaches every expert it chose; a rank whose experts get no token sends and runs nothing.
-"""
+Notes: docs/internals.md, "lightning_dist/parallelize/ep.py"."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
 """The router load-balancing loss of a mixture of experts, over the global batch under data parallelism.
 
-The Switch-Transformer loss ``E * sum_e f_e * P_e`` (``f_e``: the share of token choices that went to expert ``e``,
-``P_e``: its mean router probability) is a product of two means over the tokens, so the mean of the data-parallel
-ranks' losses is not the loss of the global batch. :func:`balance_loss` sums each rank's per-expert statistics over
-the group that :func:`global_balance_loss` names for the step (one all-reduce of ``2E + 1`` numbers; the
-probabilities' differentiable, so the backward takes the global loss's gradient) before forming the loss.
-"""
+Notes: docs/internals.md, "lightning_dist/parallelize/moe.py"."""
 
 from __future__ import annotations
 

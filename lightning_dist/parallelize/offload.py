@@ -1,15 +1,6 @@
 """Offloading of model states (parameters, gradients, optimizer state) to host memory or NVMe.
 
-Pure pieces, testable in one process:
-
-* :class:`OffloadPlan`: where each kind of state lives, validated with every problem listed at once;
-* :func:`estimate_states`: bytes per rank of parameters / gradients / optimizer state on the device,
-  in host memory and on disk, for a parameter count, a world size and a ZeRO stage;
-* :func:`check_nvme_path`: the swap folder exists, is writable and has room for the estimate; it
-  refuses with the numbers before anything is written (a probe file is created and removed);
-* :func:`offload_report`: the per-rank account of a running job, measured (where each tensor lives, swap
-  files, CUDA allocator) next to the plan with a mismatch line per state, and :func:`render_report` (rich).
-"""
+Notes: docs/internals.md, "lightning_dist/parallelize/offload.py"."""
 
 from __future__ import annotations
 

@@ -1,19 +1,6 @@
 """Parameters shared between modules (tied weights): found before any sharding, kept tied or refused.
 
-A tensor reachable under two names (a tied input embedding and output head, a layer used twice) must
-stay ONE parameter through parallelization, or the copies train apart without a word. torch's
-``parallelize_module`` registers a new DTensor parameter on each module it shards, and ``fully_shard``
-manages a parameter once per unit, so both need a check first:
-
-* tensor parallelism: every owner of a shared parameter is sharded the same way (same dim of the
-  tensor over ``tp``, e.g. a vocab-parallel embedding, ``rowwise``, with a column-parallel head, both
-  split on the vocabulary) or none is; after sharding, :func:`retie` makes the owners share the first
-  owner's DTensor again (Megatron's tied embedding);
-* FSDP2 / replicate: all owners lie in one unit (a block, or the root), since a parameter can be
-  managed by one FSDP group only.
-
-Anything else is refused with the names and the fix.
-"""
+Notes: docs/internals.md, "lightning_dist/parallelize/shared.py"."""
 
 from __future__ import annotations
 

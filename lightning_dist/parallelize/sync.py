@@ -1,18 +1,6 @@
 """Replicas start equal: one source for the initial parameters and buffers of every rank.
 
-Lightning's DDP broadcasts rank 0's module states and FSDP1 had ``sync_module_states``; FSDP2,
-``replicate`` and DTensor's ``parallelize_module`` do neither, so without a common seed every replica
-(and every tensor-parallel peer) would start from its own random model and train a different one.
-
-* :func:`broadcast_module_states`: an eagerly built model (full tensors on every rank) gets global
-  rank 0's parameters and buffers before it is split, sharded or pipelined, one flat broadcast per
-  dtype and bucket. It runs on the whole model, so data-parallel replicas, tensor-parallel peers and
-  pipeline ranks all start from the model rank 0 built.
-* :func:`materialize_in_sync`: a model built on the meta device is materialized shard by shard; each
-  module's ``reset_parameters`` runs under a seed shared by all ranks (broadcast from rank 0) and
-  derived from the module's qualified name, so every rank that holds the same local tensor (a replica
-  of a shard, a replicated tensor-parallel norm or bias) draws the same values, without communication.
-"""
+Notes: docs/internals.md, "lightning_dist/parallelize/sync.py"."""
 
 from __future__ import annotations
 

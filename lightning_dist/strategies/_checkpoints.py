@@ -1,12 +1,6 @@
 """The checkpoint side of :class:`~lightning_dist.strategies.base.MeshStrategy`: sharded states, any mesh.
 
-Lightning's checkpoint hooks routed to :mod:`lightning_dist.checkpoint`: atomic sharded (DCP) or
-consolidated files, loaded with ``weights_only=True`` into the parallelized model after ``setup``. With
-``async_checkpoint=True`` a sharded save returns while the state is copied into host memory in the background
-(:mod:`lightning_dist.checkpoint_async`); the next optimizer step waits for that copy (it changes the saved
-tensors), the next save, ``teardown`` (end of fit, or a failure) and the loading of a checkpoint wait for the
-whole save, and checkpoint removals wait until it is committed.
-"""
+Notes: docs/internals.md, "lightning_dist/strategies/_checkpoints.py"."""
 
 from __future__ import annotations
 

@@ -1,18 +1,7 @@
 """AutoParallelStrategy: the least parallelism that fits the device memory, chosen at setup
 (``strategy="auto_parallel"``).
 
-At ``setup_environment`` (every rank, once the world process group exists, before the mesh) rank 0 asks
-the planner for every candidate layout of this model on this many devices, keeps those the pack's
-strategies run and that fit ``device_memory`` (:func:`lightning_dist.planner.rank_layouts`), optionally
-checks the top candidates with the dry run (``verify=True``, :mod:`lightning_dist.dryrun`), prints the
-choice and the runner-up with their figures, and broadcasts the choice. Every rank then builds that
-strategy (:meth:`AutoParallelStrategy.build`: :class:`HybridShardStrategy` for DDP-style replication, hybrid
-sharding and context parallelism, :class:`FullyShardStrategy`, :class:`TensorParallelStrategy`,
-:class:`PipelineStrategy`, and :class:`HybridShardStrategy` with FSDP2's ``CPUOffloadPolicy`` for offload) and
-hands the run to it: the built strategy takes what Lightning set on this one and becomes ``trainer.strategy``
-(:func:`~lightning_dist._integrations.lightning.hand_over_strategy`), then sets itself up. From there on
-training runs as that strategy alone; this object takes no further part.
-"""
+Notes: docs/internals.md, "lightning_dist/strategies/auto_parallel.py"."""
 
 from __future__ import annotations
 

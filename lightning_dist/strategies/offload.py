@@ -1,21 +1,6 @@
 """OffloadStrategy: optimizer-state and parameter offloading to host memory or NVMe, on CPU machines too.
 
-Two backends:
-
-* ``"deepspeed"`` (default): ZeRO-Offload / ZeRO-Infinity through Lightning's ``DeepSpeedStrategy``,
-  with three small changes so it also runs on a CPU-only machine (DeepSpeed's CPU accelerator + gloo),
-  and a torch optimizer allowed with offload (``zero_force_ds_cpu_optimizer: false``). On a CUDA machine
-  the user's torch ``Adam``/``AdamW`` is replaced by DeepSpeed's compiled ``DeepSpeedCPUAdam`` (SIMD,
-  multithreaded; 2-3.5x faster steps than torch's AdamW on host tensors) with the same hyper-parameters;
-  other optimizers, and CPU-only machines, keep the torch optimizer. NVMe needs DeepSpeed's ``async_io``
-  op, built on first use against libaio (``libaio-dev``).
-* ``"fsdp2"``: :class:`~lightning_dist.strategies.hsdp.HybridShardStrategy` with FSDP2's
-  ``CPUOffloadPolicy`` (parameters, gradients and optimizer state together, host memory only).
-
-Both print an offload report (rank-0 rich table: bytes of each state on the device, in host memory and
-on disk, per rank, measured from where the tensors live, next to the plan; a state that is not where the
-plan puts it is a warning naming it) when training starts and ends.
-"""
+Notes: docs/internals.md, "lightning_dist/strategies/offload.py"."""
 
 from __future__ import annotations
 

@@ -1,55 +1,6 @@
 """Tensor parallelism from declarative plans, applied with DTensor's ``parallelize_module``.
 
-A **plan** is plain data (writable in LightningCLI YAML): a mapping from glob patterns over fully
-qualified module names to a style name, or to ``{"style": ..., "input": layout, "output": layout}``::
-
-    {"blocks.*.attn.q": "colwise", "blocks.*.attn.proj": "rowwise", "blocks.*.norm1": "sequence_parallel"}
-
-A pattern matches from the root: the module's full name, or for a LightningModule its name under one of
-the LightningModule's children (``blocks.*.attn.q`` matches ``model.blocks.3.attn.q``; ``decoder`` never
-also matches ``model.transformer.decoder``). Styles (``colwise``/``rowwise`` take ``nn.Linear``,
-``nn.Embedding`` and HuggingFace's ``Conv1D``; ``rowwise`` on an embedding is vocab-parallel):
-
-=====================  ========================================================================================
-``colwise``            Linear/Embedding sharded on its output features; replicated input, sharded local output
-``rowwise``            Linear/Embedding sharded on its input features; output all-reduced (reduce-scattered
-                       over the sequence with sequence parallelism)
-``colwise_gather``     ``colwise`` whose output is all-gathered back to the full tensor: for output heads, so
-                       the loss is the ordinary loss on full logits (see "Loss" below)
-``colwise_qkv``        a fused projection laid out ``[q | k | v]`` (GPT-2's ``c_attn``) split per head: each rank
-                       holds and computes the q, k and v columns of its own heads (see ``tp.styles``)
-``sequence_parallel``  norm/dropout run on sequence shards (only with ``sequence_parallel=True``)
-``sp_enter``           split the module's replicated input into sequence shards (first block; SP only)
-``region_input``       the input of a parallel region (``attn``, ``mlp``): all-gathered from sequence shards
-                       with SP; in both modes passed on as one replicated DTensor, so the input gradients
-                       of all the region's column-wise layers are summed locally and reduced once
-``sp_exit``            all-gather the module's sequence-sharded output (last block; SP only)
-``sp_region``          ``sp_enter`` and ``sp_exit`` on one module (a single block; SP only)
-=====================  ========================================================================================
-
-Layouts in the dict form: ``"replicate"`` or ``"shard(N)"``. The ``sp_*`` and ``sequence_parallel``
-entries are no-ops when ``sequence_parallel=False``, so one plan serves both modes.
-
-**Loss**: an output layer given ``colwise_gather`` returns the full logits on every tensor rank
-(``output_layouts=Replicate()``, ``use_local_output=True``), so any user loss is correct unchanged, at
-the cost of one all-gather of the logits per step and a ``[tokens x vocab]`` tensor on every tp rank. That is the
-default. ``loss_parallel=True`` keeps that layer's logits sharded on the vocabulary and runs the step inside
-torch's ``loss_parallel``, which supports only cross-entropy (:mod:`.loss`; other uses are refused).
-
-Built-in plans (``tp_plan="auto"`` picks the first that matches; see :mod:`.auto`): ``hf`` (a HuggingFace
-model's own plan), ``transformer`` (attention and MLP regions found from each block's structure) and
-``mlp`` (a network of Linear layers only).
-
-:mod:`.vocab` holds the words a plan is written in (module kinds, :data:`~.vocab.STYLES`,
-:class:`~.vocab.TPEntry`, pattern matching). :func:`~.plan.resolve_plan` (:mod:`.plan`) validates a plan
-against a model in one process (meta-device models work; the checks are in :mod:`.checks`): sizes and heads
-divisible by ``tp``, every split output taken back and every row-wise input produced inside its region, tied
-parameters split alike (:mod:`.shared`). :func:`~.plan.resolve_tp_plan` picks a built-in plan and resolves it
-once into a :class:`~.plan.ResolvedPlan`; :func:`~.plan.format_plan` prints it as a table; :func:`apply_tp`
-(here) applies it (resolving first when given a plan), re-ties tied parameters and makes head-count attributes
-local. :mod:`.probe` then checks the split model's output
-on ``example_input_array`` against the unsplit one's.
-"""
+Notes: docs/internals.md, "lightning_dist/parallelize/tp/apply.py"."""
 
 from __future__ import annotations
 

@@ -1,36 +1,6 @@
 """Built-in tensor-parallel plans, and ``tp_plan="auto"``: the model's own plan, else its structure, else refuse.
 
-``tp_plan="auto"`` tries, in order:
-
-1. ``hf``: the plan a HuggingFace model carries (``model._tp_plan``, built by transformers from
-   ``config.base_model_tp_plan`` plus the head's entry), its styles mapped to ours
-   (``colwise``, ``rowwise``, ``colwise_gather_output`` -> ``colwise_gather``, ``embedding_rowwise`` ->
-   ``rowwise`` on the embedding: vocab-parallel); a style we lack is refused by name;
-2. ``transformer``: the structure. Each block of the model's block list holds an attention region
-   (``q/k/v`` + ``o|proj|out_proj|dense``, ``q_proj/k_proj/v_proj`` + ``o_proj``, ``query/key/value`` +
-   ``dense``, a head-major fused ``qkv`` or ``query_key_value`` + its projection) and/or an MLP region
-   (``fc1/fc2``, ``gate_proj/up_proj/down_proj``, ``c_fc/c_proj``, ``fc_1/fc_2/proj``,
-   ``dense_h_to_4h/dense_4h_to_h``, ``w1/w3/w2``, ``linear1/linear2`` (``nn.TransformerEncoderLayer``), or an
-   ``nn.Sequential`` Linear-activation-Linear): the
-   input projections column-wise, the output projection row-wise, whole heads per rank (grouped-query
-   attention: the key/value heads must divide by ``tp``). The output layer after the blocks is
-   ``colwise_gather`` when its size divides by ``tp``;
-3. ``mlp``: a network of Linear layers only, in column-/row-wise pairs.
-
-Whatever plan results, an output head tied to an input embedding gets the embedding vocab-parallel
-(``rowwise``) so the two stay one parameter (see ``parallelize.shared``). When nothing matches, the
-error prints the plan the structure suggests, for the user to paste and edit.
-
-GPT-2's ``c_attn`` keeps q, k and v in three blocks (``[q | k | v]``), so a contiguous split would not
-hold whole heads: ``auto`` gives it ``colwise_qkv`` (each rank the q, k and v columns of its own heads) with
-``c_proj`` row-wise, when the layer's width is three times the attention's ``split_size``/``embed_dim`` (a
-self-attention; a cross-attention's ``c_attn`` holds k and v only and stays whole). litgpt's ``qkv`` is
-``[q | k | v]`` too, with widths ``(n_head, n_query_groups, n_query_groups) * head_size`` read from its
-``config``: ``colwise_qkv`` when ``n_query_groups == n_head``; under grouped-query attention the blocks are
-unequal and ``auto`` refuses it by name. Its attention's forward takes ``(x, cos, sin, mask)``, so it gets no
-``region_input`` (that style lays out exactly one input) and its blocks no sequence parallelism. GPT-NeoX's
-``query_key_value`` is head-major (each head's q, k, v together), so a plain ``colwise`` split is exact.
-"""
+Notes: docs/internals.md, "lightning_dist/parallelize/tp/auto.py"."""
 
 from __future__ import annotations
 

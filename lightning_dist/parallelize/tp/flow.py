@@ -1,13 +1,6 @@
 """The plan's split-flow rule: which modules left whole run on activations that tensor parallelism splits.
 
-A column-wise layer's output stays split over the tp ranks until its region's row-wise layer sums it back. A
-module the plan leaves whole that meets that split activation on the way (Qwen3's and Gemma 3's per-head q/k norms)
-sees only its rank's part: its gradient must be summed over tp (``replicate_grad_sum``), and if its parameters span
-more than one rank's part (OLMo 2's norm over the whole q projection) it cannot run on the split at all. One unsplit
-forward on a probe sample (on the meta device for a model not materialized yet), every torch call watched, finds
-both; without a sample that runs, nothing is added and the strategy's gradient self-check has the last word
-(``docs/self_checks.md``).
-"""
+Notes: docs/internals.md, "lightning_dist/parallelize/tp/flow.py"."""
 
 from __future__ import annotations
 

@@ -1,19 +1,6 @@
 """Loss parallelism: the output head's logits stay sharded on the vocabulary, the loss is torch's ``loss_parallel``.
 
-With ``loss_parallel=True`` the plan's one ``colwise_gather`` layer (the output head) returns its logits as a
-DTensor sharded on the last dim (``Shard(-1)``) instead of all-gathering them, so no tp rank holds a
-``[tokens x vocab]`` tensor; ``F.cross_entropy`` on them runs inside torch's
-:func:`~torch.distributed.tensor.parallel.loss_parallel` (a sharded log-softmax: two all-reduces of
-``[tokens]`` rows), as does the backward. torch serves only cross-entropy (``F.cross_entropy``,
-``nn.CrossEntropyLoss``, ``log_softmax`` + ``nll_loss``) on class-index targets that way.
-
-:class:`LogitsGuard` checks that the logits reach nothing else: from the head's output on, each torch function
-that takes the logits (or a view, reshape, cast or slice of them) must be one of those losses; anything else
-(an MSE on the logits, a softmax, an op with a plain tensor) raises a ``ValueError`` naming the call and the fix.
-It also hands the step the loss as a plain tensor (torch returns a replicated DTensor), so ``self.log`` and plain
-extra terms work unchanged. The strategy runs it from the head's output to the end of every training,
-validation and test step (the blocks before the head never run under it).
-"""
+Notes: docs/internals.md, "lightning_dist/parallelize/tp/loss.py"."""
 
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
 """Tensor-parallel plans matched against a model and checked: :func:`resolve_plan`, :class:`ResolvedPlan`.
 
-A plan is written in the words of :mod:`.vocab` (styles, :class:`~.vocab.TPEntry`, patterns), named
-from the built-in plans of :mod:`.auto` and checked by :mod:`.checks`. Resolution runs in one process
-(no process group; meta-device models work) and gives the same result on every rank. :func:`resolve_tp_plan`
-does it once per model (a built-in name picked, then matched and checked) and returns a :class:`ResolvedPlan`,
-the one object the strategy prints and ``apply_tp`` applies. The plan syntax and the styles are described in
-:mod:`lightning_dist.parallelize.tp.apply`.
-"""
+Notes: docs/internals.md, "lightning_dist/parallelize/tp/plan.py"."""
 
 from __future__ import annotations
 

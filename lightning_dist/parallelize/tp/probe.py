@@ -1,20 +1,6 @@
 """A tensor-parallel plan checked by running it: the split model's output on one sample equals the unsplit one's.
 
-The structural checks of :func:`~lightning_dist.parallelize.tp.plan.resolve_plan` cannot see inside a forward:
-an attention that takes its head count from a shared ``config`` object, a fused q/k/v projection laid out
-``[q | k | v]`` rather than head by head, a reshape to a global width. Each of those trains a different
-model without an error. So the strategy runs one sample through the model before and after tensor
-parallelism, in eval mode (no dropout), and refuses a difference beyond rounding, on every rank at once.
-The sample is the LightningModule's ``example_input_array``; without one, a made-up batch for the network
-it holds (its one child with parameters): two random rows when its first layer is an ``nn.Linear``, two rows
-of 4 token ids for its first ``nn.Embedding``, the first the network runs on; otherwise no check.
-
-The same unsplit forward also traces the order in which each region's planned layers run (:class:`_FlowTrace`):
-a row-wise layer that runs before any column-wise layer of its region is handed the replicated input, a
-column-wise layer that runs after the region's last row-wise layer leaves its output split. Refused there, in one
-process and before any collective, naming the layers (else the split forward fails with torch's
-``a and b must have same reduction dim``).
-"""
+Notes: docs/internals.md, "lightning_dist/parallelize/tp/probe.py"."""
 
 from __future__ import annotations
 

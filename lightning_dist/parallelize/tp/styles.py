@@ -1,21 +1,7 @@
 """Tensor-parallel styles torch does not ship: HuggingFace's ``Conv1D`` (GPT-2 family) column- and row-wise,
 and a fused ``[q | k | v]`` projection split per head.
 
-torch's ``ColwiseParallel``/``RowwiseParallel`` accept ``nn.Linear`` and ``nn.Embedding`` only. ``Conv1D``
-is a Linear whose weight is stored transposed (``[in, out]``, ``forward = addmm(bias, x, weight)``), so
-it needs the opposite weight dims; the rest (replicated input in, split output out, all-reduce after
-the row-wise layer) is what torch's styles do, written here with the public ``distribute_module``.
-
-**Fused q/k/v laid out** ``[q | k | v]`` (GPT-2's ``c_attn``): a contiguous column split would give rank 0
-all of q and half of k. :class:`FusedQKVParallel` stores the weight with the three parts as a dim of their
-own (``[in, 3, E]`` for a Conv1D, ``[3, E, in]`` for a Linear; the bias ``[3, E]``) and shards ``E``, so
-each rank holds the q, k and v columns of its own heads and computes ``[q_r | k_r | v_r]``. We chose this
-plain ``Shard`` of a re-shaped parameter over torch's ``_StridedShard`` on the original 2-D shape: DCP
-writes one contiguous chunk per rank (a strided shard of a checkpoint's optimizer state would be written
-at the wrong offsets), while FSDP2, the optimizer and DCP see an ordinary sharded DTensor. The 3-D shape is
-a view of the original (``reshape`` back gives the exact original layout); state dicts show the original
-shape (hooks below), so checkpoints, consolidation and HuggingFace export are unchanged.
-"""
+Notes: docs/internals.md, "lightning_dist/parallelize/tp/styles.py"."""
 
 from __future__ import annotations
 
