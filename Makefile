@@ -13,7 +13,8 @@ AIO_OP ?= 1
 # DeepSpeed compiles its ops on first use (minutes on 2 cores): keep them inside the environment.
 export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
 PYTEST_ARGS ?=
-# the unit tests run in one process per core (pytest-xdist); the multi-process tests one at a time
+# the unit tests run in one process per core (pytest-xdist); the multi-process tests one at a time, the slowest
+# 12 listed so the suite's time budget (CI under 60 min) can be watched
 UNIT_ARGS ?= -n auto
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo "sudo -n")
 # one venv per torch release for the compatibility subset, e.g. .venv-torch-2.11.0
@@ -63,13 +64,13 @@ docs: install
 
 test: install
 	$(PY) -m pytest -q $(UNIT_ARGS) -m "not distributed" $(PYTEST_ARGS)
-	$(PY) -m pytest -q -m "distributed and not compat_only" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "distributed and not compat_only" --durations=12 $(PYTEST_ARGS)
 
 test-unit: install
 	$(PY) -m pytest -q $(UNIT_ARGS) -m "not distributed" $(PYTEST_ARGS)
 
 test-distributed: install
-	$(PY) -m pytest -q -m "distributed and not compat_only" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "distributed and not compat_only" --durations=12 $(PYTEST_ARGS)
 
 # The compatibility subset on another torch, in its own venv: `make test-compat TORCH_SPEC=torch==2.11.0`.
 # Unit tests plus the multi-process tests marked `compat` (parity of every strategy, callbacks, resume, reshard).
