@@ -103,8 +103,8 @@ class HybridShardStrategy(MeshStrategy):
         # the model's experts and the mesh, on every rank before any collective
         problems = [
             f"ep={self.ep} with {dim}={spec.size(dim)}: expert parallelism composes with data parallelism"
-            f" (dp_replicate, dp_shard) for now; set {dim}=1."
-            for dim in ("pp", "cp", "tp")
+            f" (dp_replicate, dp_shard) and tensor parallelism for now; set {dim}=1."
+            for dim in ("pp", "cp")
             if self.ep > 1 and spec.size(dim) > 1
         ]
         if self.lightning_module is not None:

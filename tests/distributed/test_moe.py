@@ -31,6 +31,7 @@ def test_moe_and_expert_parallelism_2_processes():
     pytest.importorskip("transformers")
     rows = results(run_torchrun("moe_parity.py", "local", nproc=2, timeout=600))
     for r in _rows(rows, 2, {"fsdp2", "tp2", "ep2"}, {"global", "local"}):
+        assert r["ep"] == (2 if r["case"] == "ep2" else 1), r  # expert parallelism ran where asked, only there
         if r["mode"] == "global" or r["case"] == "tp2":  # tp2 alone has one data-parallel rank: both are one device's
             assert r["diff"] <= TOL, r
         else:  # each rank's own router loss, averaged: not the global batch's (so the exact path's test can fail)
@@ -40,7 +41,7 @@ def test_moe_and_expert_parallelism_2_processes():
     for rank in (0, 1):  # each refused on every rank, with the reason and the fix
         assert "router load-balancing loss" in refusals["pp2", rank]
         assert "has no experts module" in refusals["ep_dense", rank] and "drop ep" in refusals["ep_dense", rank]
-        assert "ep=2 with tp=2" in refusals["ep_tp", rank] and "set tp=1" in refusals["ep_tp", rank]
+        assert "ep=2 with cp=2" in refusals["ep_cp", rank] and "set cp=1" in refusals["ep_cp", rank]
         grouped = refusals["grouped_mm", rank]
         assert "model.model.layers.0.mlp.experts (Qwen3MoeExperts)" in grouped and "torch.float64 on cpu" in grouped
         assert 'experts_implementation="eager"' in grouped, grouped
@@ -56,9 +57,10 @@ def test_moe_and_expert_parallelism_2_processes():
 def test_moe_and_expert_parallelism_4_processes():
     pytest.importorskip("transformers")
     rows = results(run_torchrun("moe_parity.py", nproc=4, timeout=600))
-    cases = {"hsdp2x2", "tp2_dp_shard2", "ep4", "ep2_dp_shard2", "hsdp2x2_ep2"}
+    cases = {"hsdp2x2", "tp2_dp_shard2", "ep4", "ep2_dp_shard2", "hsdp2x2_ep2", "ep2_tp2"}
     for r in _rows([r for r in rows if r.get("model") != "pack_moe_idle"], 4, cases, {"global"}):
         assert r["diff"] <= TOL, r
+        assert r["ep"] == {"ep4": 4, "ep2_dp_shard2": 2, "hsdp2x2_ep2": 2, "ep2_tp2": 2}.get(r["case"], 1), r
     # expert parallelism with a rank whose experts are never chosen: it receives no token, and stays exact
     idle = sorted((r for r in rows if r.get("model") == "pack_moe_idle"), key=lambda r: r["rank"])
     assert len(idle) == 4 and all(r["diff"] <= TOL for r in idle), idle

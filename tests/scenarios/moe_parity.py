@@ -5,8 +5,8 @@ and `router_aux_loss_coef=0.05`: the loss is the cross-entropy plus the coeffici
 ``torchrun --nproc-per-node 2 moe_parity.py``: fsdp2 (dp_shard=2), tp=2 and ep=2 (the HF models then exported to
 safetensors and loaded back by transformers); with ``local`` as argv[1] also the per-rank auxiliary loss kept on
 purpose (``moe_aux_loss="local"``), which must differ from one device's; and a pipeline refused (its stages cannot
-compute that loss), as are ep without experts, ep with tp and transformers' grouped_mm experts in float64. 4 processes:
-hsdp 2 x 2, tp2 x dp_shard2 and the ep layouts. One RESULT row per case and rank.
+compute that loss), as are ep without experts, ep with cp and transformers' grouped_mm experts in float64. 4 processes:
+hsdp 2 x 2, tp2 x dp_shard2 and the ep layouts (ep2 x tp2 among them). One RESULT row per case and rank.
 """
 
 from __future__ import annotations
@@ -108,6 +108,15 @@ class Task(pl.LightningModule):
         return DataLoader(sampler.dataset, batch_size=GLOBAL_BATCH // kw["num_replicas"], sampler=sampler)
 
 
+def ep_degree(task: pl.LightningModule) -> int:
+    """The ep degree the experts modules of `task` run at (1: expert parallelism not applied), the same for all."""
+    from lightning_dist.parallelize.ep import GLOBAL_EXPERTS_KEY, find_experts
+
+    degrees = {m.__dict__.get(GLOBAL_EXPERTS_KEY, {}).get("ranks", 1) for _, m in find_experts(task.model)}
+    assert len(degrees) == 1, degrees
+    return degrees.pop()
+
+
 def reference(kind: str) -> dict:
     model = build(kind)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
@@ -135,6 +144,7 @@ def main() -> None:
             "ep4": lambda **kw: FullyShardStrategy(ep=4, **kw),
             "ep2_dp_shard2": lambda **kw: FullyShardStrategy(ep=2, **kw),
             "hsdp2x2_ep2": lambda **kw: HybridShardStrategy(dp_replicate=2, shard_size=2, ep=2, **kw),
+            "ep2_tp2": lambda **kw: TensorParallelStrategy(tp=2, ep=2, **kw),  # ep over dp_shard, experts whole on tp
         }
     modes = ("global", "local") if sys.argv[1:2] == ["local"] else ("global",)
     if world == 4:  # the last ep rank's experts (6 and 7 of 8) never chosen: it receives no token and sends none
@@ -153,13 +163,14 @@ def main() -> None:
                 task = Task(kind)
                 kw = {} if mode == "global" else {"moe_aux_loss": "local"}
                 trainer(make(**kw), devices=world, steps=STEPS).fit(task)
-                emit(kind="moe", model=kind, case=case, mode=mode, diff=max_rel_diff(full_params(task), ref))
+                diff = max_rel_diff(full_params(task), ref)
+                emit(kind="moe", model=kind, case=case, mode=mode, diff=diff, ep=ep_degree(task))
                 if case == "ep2" and mode == "global" and not kind.startswith("pack_moe"):
                     exported_to_hf(task, kind)
     if world == 4:
         checkpoints_across_ep_degrees()
     if world == 2:
-        # refused on every rank before any collective: ep on a model without experts, tp with ep, grouped_mm in float64
+        # refused on every rank before any collective: ep on a model without experts, cp with ep, grouped_mm in float64
         from lightning_dist.models import GPT
 
         class Dense(Task):
@@ -175,7 +186,7 @@ def main() -> None:
 
         for case, make, task in (
             ("ep_dense", lambda: FullyShardStrategy(ep=2), Dense),
-            ("ep_tp", lambda: TensorParallelStrategy(tp=2, ep=2), lambda: Task("pack_moe")),
+            ("ep_cp", lambda: FullyShardStrategy(cp=2, ep=2), lambda: Task("pack_moe")),
             ("grouped_mm", lambda: FullyShardStrategy(ep=2), GroupedMM),
         ):
             try:
