@@ -1,5 +1,5 @@
 """How the built-in plans transform the model, one type for every strategy: activation checkpointing, compile, the
-tensor-parallel plan. Declared once by ``MeshStrategy`` and checked once, every problem listed."""
+tensor-parallel plan, expert parallelism. Declared once by ``MeshStrategy`` and checked once, every problem listed."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ class ModelOptions:
     offload_activations: bool = False
     compile: Union[bool, Sequence[str]] = False
     tp_plan: TPPlan = "auto"
+    ep: int = 1
 
     def problems(self, *, parallelize_fn: Optional[Callable] = None, applies_tp_plan: bool = True) -> list[str]:
         """Every problem with these values (empty when valid); pure, the same on every rank.
@@ -35,6 +36,8 @@ class ModelOptions:
             offload_activations=self.offload_activations,
         )
         out += check_compile_option(self.compile)
+        if isinstance(self.ep, bool) or not isinstance(self.ep, int) or self.ep < 1:
+            out.append(f"`ep={self.ep!r}` must be an integer >= 1 (the expert-parallel degree).")
         plan = self.tp_plan
         if isinstance(plan, str) and plan != "auto" and plan not in BUILTIN_PLANS:
             out.append(
@@ -57,6 +60,7 @@ class ModelOptions:
                     ("activation_checkpointing", self.activation_checkpointing),
                     ("compile", self.compile),
                     ("offload_activations", self.offload_activations),
+                    ("ep", self.ep != 1 and self.ep),
                 )
                 if value is not False
             ]
@@ -64,8 +68,8 @@ class ModelOptions:
                 out.append(
                     f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} applied by the built-in plan, which"
                     " `parallelize_fn` replaces: call `lightning_dist.parallelize.apply_ac` / `apply_compile` /"
-                    " `apply_offload_activations` inside your parallelize_fn (after tensor parallelism, before"
-                    " fully_shard) instead."
+                    " `apply_offload_activations` (`parallelize.ep.apply_ep`) inside your parallelize_fn (after"
+                    " tensor parallelism, before fully_shard) instead."
                 )
         return out
 
@@ -78,6 +82,7 @@ class ModelOptions:
             offload_activations=self.offload_activations,
             compile=self.compile,
             tp_plan=plan,
+            ep=self.ep,
         )
 
 

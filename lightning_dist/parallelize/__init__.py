@@ -125,6 +125,7 @@ def parallelize_model(model: nn.Module, mesh: DistMesh, config: ParallelizeConfi
                 reshard_after_forward=config.zero_stage == 3,
                 mp_policy=config.mp_policy,
                 offload_policy=config.offload_policy,
+                experts=[(m, experts_fsdp_mesh) for m in experts],
             )
         return model
     if replicates(

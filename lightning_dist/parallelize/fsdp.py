@@ -98,6 +98,7 @@ def apply_fsdp_to_stage(
     reshard_after_forward: bool = False,
     mp_policy: Any | None = None,
     offload_policy: Any | None = None,
+    experts: Sequence[tuple[nn.Module, "DeviceMesh"]] = (),
 ) -> int:
     """FSDP2 on the data-parallel mesh for one pipeline stage module: its units first, then the stage as root.
 
@@ -109,6 +110,8 @@ def apply_fsdp_to_stage(
     """
     fully_shard = fully_shard_api()[0]
     kwargs = _shard_kwargs(mesh, reshard_after_forward, mp_policy, offload_policy)
+    for module, experts_mesh in experts:  # expert parallelism's experts: their own FSDP2 mesh (as in apply_fsdp)
+        fully_shard(module, **{**kwargs, "mesh": experts_mesh})
     if isinstance(units, str) and units == "auto":
         blocks = stage.fsdp_units()
     else:

@@ -105,7 +105,9 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
             torchtitan does), or block class names to compile.
         tp_plan: the tensor-parallel plan of :class:`TensorParallelStrategy` and :class:`PipelineStrategy`
             (``"auto"``, a built-in plan name or ``{module-name glob: style}``).
-            These five are one :class:`~lightning_dist.options.ModelOptions` (``model_options``), applied by the
+        ep: expert parallelism: each group of ``ep`` ranks of ``dp_shard`` holds every expert of a mixture of experts
+            once, ``E / ep`` per rank (``docs/moe.md``); 1: none.
+            These six are one :class:`~lightning_dist.options.ModelOptions` (``model_options``), applied by the
             built-in plan; with ``parallelize_fn`` call :func:`lightning_dist.parallelize.apply_ac` /
             ``apply_compile`` inside it instead.
         parallelize_fn: ``fn(model, mesh)`` that parallelizes the LightningModule in place, replacing the
@@ -137,6 +139,7 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
         offload_activations: bool = False,
         compile: Union[bool, Sequence[str]] = False,
         tp_plan: TPPlan = "auto",
+        ep: int = 1,
         parallelize_fn: Optional[ParallelizeFn] = None,
         save_distributed_checkpoint: bool = True,
         async_checkpoint: bool = False,
@@ -170,6 +173,7 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
             offload_activations=offload_activations,
             compile=compile,
             tp_plan=tp_plan,
+            ep=ep,
         )
         problems += options.problems(parallelize_fn=parallelize_fn, applies_tp_plan=self._applies_tp_plan)
         # a subclass's own problems (`_defer_problems`), listed with these in one error
@@ -227,6 +231,10 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
     @property
     def tp_plan(self) -> TPPlan:
         return self.model_options.tp_plan
+
+    @property
+    def ep(self) -> int:
+        return self.model_options.ep
 
     def pipeline_view(self) -> Optional[Any]:
         """This strategy's pipeline for callbacks and tools, as a

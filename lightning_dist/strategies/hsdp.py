@@ -34,8 +34,6 @@ class HybridShardStrategy(MeshStrategy):
             (all-reduce) and shard only the optimizer state (torch's ``ZeroRedundancyOptimizer``).
         units: FSDP units: ``"auto"`` (each block of the model's block list) or module class names.
         offload_policy: an FSDP2 ``CPUOffloadPolicy`` (see ``OffloadStrategy`` for the managed version).
-        ep: expert parallelism: each group of ``ep`` ranks of ``dp_shard`` holds every expert of a mixture of experts
-            once, ``E / ep`` per rank (``docs/moe.md``); 1: none.
         **kwargs: the mesh, model and checkpoint options of :class:`MeshStrategy` (``dp_replicate``,
             ``activation_checkpointing``, ``compile``, ``timeout``...).
     """
@@ -49,13 +47,11 @@ class HybridShardStrategy(MeshStrategy):
         zero_stage: Literal[1, 2, 3] = 3,
         units: Union[str, Sequence[str]] = "auto",
         offload_policy: Optional[Any] = None,
-        ep: int = 1,
         **kwargs: Any,
     ) -> None:
         problems = []
-        if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
-            problems.append(f"`ep={ep!r}` must be an integer >= 1 (the expert-parallel degree).")
-        elif ep > 1 and zero_stage == 1:
+        ep = kwargs.get("ep", 1)
+        if isinstance(ep, int) and ep > 1 and zero_stage == 1:
             problems.append(
                 f"ep={ep} shards each expert over the data-parallel ranks left with FSDP2; zero_stage=1 replicates"
                 " parameters instead: pass zero_stage=2 or 3."
@@ -88,7 +84,6 @@ class HybridShardStrategy(MeshStrategy):
         self.zero_stage = zero_stage
         self.units = units
         self.offload_policy = offload_policy
-        self.ep = ep
 
     @override
     def validate_config(self, spec: MeshSpec) -> None:

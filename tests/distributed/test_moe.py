@@ -65,6 +65,10 @@ def test_moe_and_expert_parallelism_4_processes():
     idle = sorted((r for r in rows if r.get("model") == "pack_moe_idle"), key=lambda r: r["rank"])
     assert len(idle) == 4 and all(r["diff"] <= TOL for r in idle), idle
     assert idle[3]["arrived"] == [0, 0] and all(min(r["arrived"]) > 0 for r in idle[:3]), idle
+    # pp2 x ep2: each stage's experts split over its two dp_shard ranks; every rank's parameters as one device's
+    piped = [r for r in rows if r["kind"] == "moe_pp"]
+    assert sorted((r["model"], r["rank"]) for r in piped) == sorted((m, k) for m in MODELS for k in range(4)), piped
+    assert all(r["diff"] <= TOL and r["ep"] == 2 and r["held"] > 0 for r in piped), piped
     # sharded at ep=4, resumed at ep=2, consolidated for one device: every state arrives exactly
     (ck,) = [r for r in rows if r["kind"] == "ep_checkpoint" and r["rank"] == 0]
     assert ck["trained_diff"] <= TOL and ck["ep2_loaded_diff"] == 0.0 and ck["ep2_adam_steps"] == [3.0], ck

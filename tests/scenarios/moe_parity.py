@@ -6,7 +6,8 @@ and `router_aux_loss_coef=0.05`: the loss is the cross-entropy plus the coeffici
 safetensors and loaded back by transformers); with ``local`` as argv[1] also the per-rank auxiliary loss kept on
 purpose (``moe_aux_loss="local"``), which must differ from one device's; and a pipeline refused (its stages cannot
 compute that loss), as are ep without experts, ep with cp and transformers' grouped_mm experts in float64. 4 processes:
-hsdp 2 x 2, tp2 x dp_shard2 and the ep layouts (ep2 x tp2 among them). One RESULT row per case and rank.
+hsdp 2 x 2, tp2 x dp_shard2 and the ep layouts (ep2 x tp2 among them, and pp2 x ep2 without the router loss).
+One RESULT row per case and rank.
 """
 
 from __future__ import annotations
@@ -22,7 +23,12 @@ from _common import full_params, max_rel_diff, trainer
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_dist  # noqa: F401  (registers the strategies)
-from lightning_dist.strategies import FullyShardStrategy, HybridShardStrategy, TensorParallelStrategy
+from lightning_dist.strategies import (
+    FullyShardStrategy,
+    HybridShardStrategy,
+    PipelineStrategy,
+    TensorParallelStrategy,
+)
 
 STEPS, GLOBAL_BATCH, N, SEQ, VOCAB, COEF = 3, 8, 24, 8, 64, 0.05
 MODELS = ("qwen3_moe", "mixtral", "pack_moe", "pack_moe_ds")
@@ -108,6 +114,35 @@ class Task(pl.LightningModule):
         return DataLoader(sampler.dataset, batch_size=GLOBAL_BATCH // kw["num_replicas"], sampler=sampler)
 
 
+class PipeTask(Task):
+    """`Task` for a pipeline: the cross-entropy served per micro-batch (``pipeline_loss``), the router loss off (a
+    stage holds some layers only: the pipeline refuses that loss, tested below)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(kind)
+        if hasattr(getattr(self.model, "config", None), "output_router_logits"):
+            self.model.config.output_router_logits = False
+
+    def pipeline_loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out.flatten(0, 1), y.flatten())
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return self.pipeline_loss(self(x), y)
+
+
+def pipe_reference(kind: str) -> dict:
+    task = PipeTask(kind)
+    opt = torch.optim.AdamW(task.parameters(), lr=1e-2, weight_decay=0.01)
+    ds = data()
+    for k in range(STEPS):
+        x, y = ds[k * GLOBAL_BATCH : (k + 1) * GLOBAL_BATCH]
+        opt.zero_grad()
+        task.pipeline_loss(task(x), y).backward()
+        opt.step()
+    return {n: p.detach().clone() for n, p in task.named_parameters()}
+
+
 def ep_degree(task: pl.LightningModule) -> int:
     """The ep degree the experts modules of `task` run at (1: expert parallelism not applied), the same for all."""
     from lightning_dist.parallelize.ep import GLOBAL_EXPERTS_KEY, find_experts
@@ -169,6 +204,13 @@ def main() -> None:
                     exported_to_hf(task, kind)
     if world == 4:
         checkpoints_across_ep_degrees()
+        for kind in MODELS:  # pp2 x ep2: each stage's experts split over its dp_shard ranks (no router loss: see below)
+            ref = pipe_reference(kind)
+            task = PipeTask(kind)
+            trainer(PipelineStrategy(pp=2, ep=2, n_microbatches=2), devices=world, steps=STEPS).fit(task)
+            held = full_params(task)  # this stage's parameters
+            diff = max_rel_diff(held, {k: ref[k] for k in held})
+            emit(kind="moe_pp", model=kind, case="pp2_ep2", diff=diff, ep=ep_degree(task), held=len(held))
     if world == 2:
         # refused on every rank before any collective: ep on a model without experts, cp with ep, grouped_mm in float64
         from lightning_dist.models import GPT
@@ -196,8 +238,6 @@ def main() -> None:
                 emit(kind="refusal", case=case, error=str(err))
     if world == 2:
         # a pipeline stage holds some layers: the router loss, a product of sums over every layer, cannot be split
-        from lightning_dist.strategies import PipelineStrategy
-
         try:
             trainer(PipelineStrategy(pp=2), devices=world, steps=STEPS).fit(Task("qwen3_moe"))
             emit(kind="refusal", case="pp2", error=None)

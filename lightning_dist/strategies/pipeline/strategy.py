@@ -51,6 +51,7 @@ from lightning_dist.mesh import PP, TP, MeshSpec
 from lightning_dist.parallelize import ParallelizeConfig, pipeline_model
 from lightning_dist.parallelize.ac import check_offload_device
 from lightning_dist.parallelize.cp_probe import probe_inputs
+from lightning_dist.parallelize.ep import ep_problems
 from lightning_dist.parallelize.pipeline import setup as checks
 from lightning_dist.parallelize.pipeline import split as plan
 from lightning_dist.parallelize.pipeline.checks import host_copy, tied_stages
@@ -151,6 +152,7 @@ class PipelineStrategy(MeshStrategy):
         self.last_loss: Optional[Tensor] = None
         self._local_stages: list[int] = []
         self._runner: Optional[PipelineRunner] = None
+        self._peer: Optional[PipelinePeer] = None  # answers for the other pp ranks (see `answer_peers_with`)
         self._plan: Optional[checks.PipelinePlan] = None  # made by `validate_config`, used by `parallelize`
         self._tp_checked: Optional[list[TPEntry]] = None  # the TP plan `validate_config` resolved, for `parallelize`
         self._tied: list[tuple[Tensor, Any, bool]] = []  # (parameter, group of its holders' ranks, counted in the norm)
@@ -168,6 +170,11 @@ class PipelineStrategy(MeshStrategy):
     @property
     def n_microbatches(self) -> int:
         return 2 * self._sizes["pp"] if self._n_microbatches is None else self._n_microbatches
+
+    def answer_peers_with(self, peer: PipelinePeer) -> None:
+        """Take what the other pp ranks' stages would send (their metadata, the output's shape) from `peer` instead
+        of the pp group: for a process group that delivers no values (the dry run). Call before ``setup``."""
+        self._peer = peer
 
     @property
     def local_stages(self) -> list[int]:
@@ -232,6 +239,15 @@ class PipelineStrategy(MeshStrategy):
             )
         if spec.cp > 1 and isinstance(net, nn.Module):
             problems += checks.cp_stage_problems(net)
+        if self.ep > 1:  # each stage's experts split over ep ranks of dp_shard (the stages' ep peers step together)
+            problems += [
+                f"ep={self.ep} with {dim}={spec.size(dim)}: a pipeline's expert parallelism composes with its data"
+                f" parallelism (dp_shard) for now; set {dim}=1."
+                for dim in ("cp", "tp")
+                if spec.size(dim) > 1
+            ]
+            if isinstance(net, nn.Module):
+                problems += ep_problems(net, ep=self.ep, dp_shard=spec.size("dp_shard"))
         if problems or net is None:
             raise ValueError(f"Invalid {type(self).__name__} configuration:\n  - " + "\n  - ".join(problems))
         # split arithmetic (TypeError for a network of another shape), the sample and the staged forward on it,
@@ -304,6 +320,7 @@ class PipelineStrategy(MeshStrategy):
             tp_owner=module,
             recompute_context=self._cp.active if self._cp is not None else None,
             split_backward="zero_bubble" in self.schedule,
+            ep=self.ep,
         )
         # before the split drops the rest of the network
         tied_names = tied_stages(net, self.split)
@@ -321,6 +338,7 @@ class PipelineStrategy(MeshStrategy):
             schedule=self.schedule,
             device=self.root_device,
             group=mesh.group(PP) if pp > 1 else None,
+            peer=self._peer,
         )
         container.runner = self._run
 
@@ -398,7 +416,9 @@ class PipelineStrategy(MeshStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         # the network call finds the target in the step's batch (HF `labels`, or `pipeline_target(batch)`)
-        self._step = step = PipelineStep(self, args[0] if args else kwargs["batch"], training=True)
+        # fake tensors (`allocate_under`: the dry run) hold no values for the returned-loss check to compare
+        values = self._allocation_mode is None
+        self._step = step = PipelineStep(self, args[0] if args else kwargs["batch"], training=True, values=values)
         module = self.lightning_module
         # `self.log` calls wait for the step's end: a logged returned loss holding a weight penalty holds only the
         # parameters of this rank's stages; it is logged as one device's value (the penalty summed over pp)
