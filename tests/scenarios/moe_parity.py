@@ -6,7 +6,8 @@ and `router_aux_loss_coef=0.05`: the loss is the cross-entropy plus the coeffici
 safetensors and loaded back by transformers); with ``local`` as argv[1] also the per-rank auxiliary loss kept on
 purpose (``moe_aux_loss="local"``), which must differ from one device's; and a pipeline refused (its stages cannot
 compute that loss), as are ep without experts, ep with cp and transformers' grouped_mm experts in float64. 4 processes:
-hsdp 2 x 2, tp2 x dp_shard2 and the ep layouts (ep2 x tp2 among them, and pp2 x ep2 without the router loss).
+hsdp 2 x 2, tp2 x dp_shard2 and the ep layouts (ep2 x tp2 among them, and pp2 x ep2 without the router loss),
+cp2 x dp_shard2 with selective activation checkpointing.
 One RESULT row per case and rank.
 """
 
@@ -114,6 +115,21 @@ class Task(pl.LightningModule):
         return DataLoader(sampler.dataset, batch_size=GLOBAL_BATCH // kw["num_replicas"], sampler=sampler)
 
 
+class CPTask(Task):
+    """`Task` under context parallelism: the cross-entropy through ``pipeline_loss`` (the strategy hands it the
+    target's chunks of this rank's tokens), the router loss added as in `step_loss`."""
+
+    def pipeline_loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out.flatten(0, 1), y.flatten())
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out = self.model(x)
+        if isinstance(out, torch.Tensor):
+            return self.pipeline_loss(out, y) + COEF * self.model.aux_loss()
+        return self.pipeline_loss(out.logits, y) + COEF * out.aux_loss
+
+
 class PipeTask(Task):
     """`Task` for a pipeline: the cross-entropy served per micro-batch (``pipeline_loss``), the router loss off (a
     stage holds some layers only: the pipeline refuses that loss, tested below)."""
@@ -204,6 +220,18 @@ def main() -> None:
                     exported_to_hf(task, kind)
     if world == 4:
         checkpoints_across_ep_degrees()
+        for kind in MODELS:  # cp2 x dp_shard2 with selective AC: the router loss over the dp x cp ranks' tokens
+            task = CPTask(kind)
+            trainer(FullyShardStrategy(cp=2, activation_checkpointing="selective"), devices=world, steps=STEPS).fit(
+                task
+            )
+            emit(
+                kind="moe",
+                model=kind,
+                case="cp2_sac",
+                mode="global",
+                diff=max_rel_diff(full_params(task), reference(kind)),
+            )
         for kind in MODELS:  # pp2 x ep2: each stage's experts split over its dp_shard ranks (no router loss: see below)
             ref = pipe_reference(kind)
             task = PipeTask(kind)
