@@ -19,6 +19,9 @@ LIGHTNING_RANGE = ("2.6.0", "2.7.0")
 # transformers releases whose MoE modeling modules' router loss the pack swaps for the global one
 # (_integrations/transformers_moe.py; the swap also holds itself to the model's own function on first use)
 TRANSFORMERS_MOE_TESTED = ("5.0.0", "6.0.0")
+# transformers releases whose `GradientCheckpointingLayer._can_checkpoint_with_cache` (a layer that only reads its KV
+# cache) the pack's activation checkpointing reads (_integrations/transformers_cache.py)
+TRANSFORMERS_CACHE_TESTED = ("5.0.0", "6.0.0")
 
 TORCH_GE_2_13 = compare_version("torch", lambda a, b: a >= b, "2.13.0")
 
@@ -217,6 +220,25 @@ def require_tested_deepspeed(patch: str, *, version: str | None = None) -> None:
 def require_tested_lightning(patch: str, *, version: str | None = None) -> None:
     """:func:`require_tested` for Lightning (:data:`LIGHTNING_RANGE`)."""
     require_tested("lightning", LIGHTNING_RANGE, patch=patch, version=version)
+
+
+# torchft releases the fault-tolerant replica groups were tested on (_integrations/torchft.py); pyproject.toml's
+# `fault-tolerance` extra states the same range. torchft marks its API as still changing between releases.
+TORCHFT_RANGE = ("0.2.0", "0.3.0")
+
+
+def torchft_available() -> bool:
+    return module_available("torchft")
+
+
+def require_torchft(*, version: str | None = None) -> None:
+    """ImportError with the install command when torchft is missing; RuntimeError outside :data:`TORCHFT_RANGE`."""
+    if version is None and not torchft_available():
+        raise ImportError(
+            "fault_tolerance= needs torchft (its Manager, lighthouse and process groups): pip install"
+            f" 'lightning-dist[fault-tolerance]' (or 'torchft>={TORCHFT_RANGE[0]},<{TORCHFT_RANGE[1]}')."
+        )
+    require_tested("torchft", TORCHFT_RANGE, patch="fault tolerance (replica groups)", version=version)
 
 
 @lru_cache(maxsize=1)

@@ -23,7 +23,8 @@ the pack's :class:`~lightning_dist.parallelize.pipeline.schedule.PipelineRunner`
 GPipe, interleaved, zero-bubble) over this rank's stages, boundary sends and receives on the fake ``pp`` group, then the
 strategy's ``backward``. The fake group delivers no values, so the few reads of what a peer sent (the stages'
 metadata in a schedule's first step, the output's shape) are answered from a meta forward of the unsplit
-network (:func:`_peer_answers`); a warm-up step runs first, untracked, and the second step is measured.
+network (:class:`_PeerAnswers`, handed to the strategy); a warm-up step runs first, untracked, and the second step
+is measured.
 
 The report puts each measurement next to the planner's prediction (:mod:`lightning_dist.planner`) for
 the same rank: model-state bytes (params / grads / optimizer), peak activation bytes
@@ -41,7 +42,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -145,12 +146,14 @@ def _strategy_class(config: DryRunConfig) -> type:
     )
 
 
-def _check_replayable(cls: type) -> None:
-    from lightning_dist.strategies.base import MeshStrategy
+# what the dry run calls on a strategy besides Lightning's hooks: the pack's mesh strategies have them
+_REPLAYED = ("mesh_spec", "validate_config", "use_mesh", "allocate_under", "prepare_model")
 
-    # auto_parallel is named, not imported: it imports the dry run (verify=True)
+
+def _check_replayable(cls: type) -> None:
+    # the strategies are known by what they answer, not imported: auto_parallel (verify=True) imports the dry run
     chooser = getattr(cls, "strategy_name", None) == "auto_parallel"
-    if not isinstance(cls, type) or not issubclass(cls, MeshStrategy) or chooser:
+    if not isinstance(cls, type) or not all(callable(getattr(cls, name, None)) for name in _REPLAYED) or chooser:
         name = getattr(cls, "__name__", repr(cls))
         raise ValueError(
             f"The dry run replays the pack's mesh strategies; {name} is not one (the DeepSpeed offload"
@@ -211,91 +214,23 @@ def _stage_inputs(strategy: Any, module: Any, batch: tuple[Any, Any]) -> tuple[l
     return shapes, {"out": (tuple(out.shape), out.dtype), "loss": ((), loss.dtype)}
 
 
-@contextlib.contextmanager
-def _peer_answers(strategy: Any, boundaries: list[Any], output: Any, batch_size: int) -> Iterator[None]:
-    """What this rank's pipeline peers would send it, for the reads the fake process group cannot answer.
+class _PeerAnswers:
+    """What this rank's pipeline peers would send it (a :class:`~lightning_dist.parallelize.pipeline.schedule.
+    PipelinePeer`), for the reads the fake process group cannot answer: the previous stage's output (this stage's
+    input, from a meta forward of the unsplit network) and the network's output and loss (from the same forward)."""
 
-    torch's pipelining moves tensors on the fake group (its sends and receives return at once and are recorded),
-    but the first step of a schedule reads values from its peers, which the fake group never delivers: the
-    stages' vote on static or dynamic shapes (``result.item()`` on a received tensor), each stage's input and
-    gradient metadata (``recv_object_list``: a pickled object of a received size), and the (shape, dtype) of the
-    runner's output and loss (``broadcast_object_list`` from the last stage, once per shape). Every rank builds
-    its stages with the same code, so the answers are this rank's: the vote of its own stages, the previous
-    stage's output = this stage's input (from a meta forward of the unsplit network), the next stage's input
-    gradient = this stage's output's shape, the network's output and loss from the same meta forward. The
-    metadata a stage would send is not sent (first step only: the measured step is the second).
-    """
-    import torch
+    def __init__(self, strategy: Any, boundaries: list[Any], output: Any, batch_size: int) -> None:
+        self.strategy, self.boundaries, self.output, self.batch_size = strategy, boundaries, output, batch_size
 
-    from lightning_dist._compat import check_torch_internals
+    def stage_input(self, stage: int) -> tuple[tuple[int, ...], Any]:
+        shape, dtype = self.boundaries[self.strategy.split.stages[stage].blocks[0]]
+        return (self.batch_size // self.strategy.n_microbatches, *shape[1:]), dtype
 
-    check_torch_internals("_peer_answers (PipelineStage metadata, the schedule's warm-up)")
-    from torch.distributed.pipelining import schedules, stage
-    from torch.distributed.pipelining._utils import (
-        InferenceMode,
-        _derive_grad_metas,
-        _StageBackwardMeta,
-        _StageForwardMeta,
-        extract_tensor_metas,
-    )
-
-    from lightning_dist.parallelize.pipeline.schedule import PipelineRunner
-
-    split = strategy.split
-    n = batch_size // strategy.n_microbatches
-
-    def warmup(self: Any, stages: list, has_backward: bool, p2p_done: bool) -> None:
-        dynamic = any(InferenceMode.needs_dynamic(st._user_meta, has_backward) for st in stages)
-        for st in stages:
-            st._inference_mode = InferenceMode.DYNAMIC if dynamic else InferenceMode.STATIC
-
-    def recv_meta(self: Any, src_stage: int) -> Any:
-        if src_stage < self.stage_index:  # the previous stage's output: this stage's input
-            shape, dtype = boundaries[split.stages[self.stage_index].blocks[0]]
-            x = torch.empty((n, *shape[1:]), dtype=dtype, device="meta", requires_grad=True)
-            return _StageForwardMeta(forward_metas=extract_tensor_metas((x,)))
-        return _StageBackwardMeta(backward_metas=_derive_grad_metas(self._stage_meta.outputs))
-
-    def send_meta(self: Any, meta: Any, dst_stage: int) -> None:
-        pass
-
-    def output_meta(self: Any, value: Any, key: tuple) -> tuple[tuple[int, ...], Any]:
-        if value is not None:
-            return tuple(value.shape), value.dtype
+    def last_stage_meta(self, key: tuple) -> tuple[tuple[int, ...], Any]:
         if key[0] == "out":  # the joined micro-batch outputs
-            shape, dtype = output["out"]
-            return (batch_size, *shape[1:]), dtype
-        return output["loss"]
-
-    # the strategy's backward checks the returned loss from the value of its gradient on the step's loss
-    # (1 / accumulate_grad_batches), which a fake tensor does not hold: the dry run's training_step is the user's
-    # own, and the real run refuses a loss that does not hold `pipeline_loss` once before any optimizer step
-    from lightning_dist.strategies.pipeline import step as step_module  # where the pipeline's backward looks it up
-
-    def returned_loss_problem(d_loss: Any, scale: float, owner: str) -> Any:
-        return checked(None if d_loss is None else scale, scale, owner)
-
-    checked = step_module.returned_loss_problem
-    saved = (
-        schedules._PipelineSchedule._warmup_p2p,
-        stage.PipelineStage._recv_meta,
-        stage.PipelineStage._send_meta,
-        PipelineRunner.output_meta,
-    )
-    schedules._PipelineSchedule._warmup_p2p = warmup
-    stage.PipelineStage._recv_meta, stage.PipelineStage._send_meta = recv_meta, send_meta
-    PipelineRunner.output_meta = output_meta
-    step_module.returned_loss_problem = returned_loss_problem
-    try:
-        yield
-    finally:
-        (
-            schedules._PipelineSchedule._warmup_p2p,
-            stage.PipelineStage._recv_meta,
-            stage.PipelineStage._send_meta,
-            PipelineRunner.output_meta,
-        ) = saved
-        step_module.returned_loss_problem = checked
+            shape, dtype = self.output["out"]
+            return (self.batch_size, *shape[1:]), dtype
+        return self.output["loss"]
 
 
 def simulate_rank(config: DryRunConfig, rank: int) -> dict[str, Any]:
@@ -376,16 +311,15 @@ def simulate_rank(config: DryRunConfig, rank: int) -> dict[str, Any]:
         # pipeline split, AC, FSDP2 / replicate), then materialized with its optimizers as fake tensors
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         strategy.allocate_under(fake)
+        if pipelined:  # the fake group delivers no values: what the pp peers would send comes from the meta forward
+            strategy.answer_peers_with(_PeerAnswers(strategy, boundaries, output, config.batch_size))
         strategy.setup(trainer)
         # DDP's one-time set-up (its broadcast from rank 0) out of the measured step, as a real run's steady step
         build_replicate_reducers(strategy.model)
         built = time.perf_counter()
         planned = plan_rank(strategy, module, cfg, config, spec, shapes, in_blocks, boundaries)
         optimizers = [getattr(o, "_optimizer", o) for o in strategy.optimizers]
-        answers = (
-            _peer_answers(strategy, boundaries, output, config.batch_size) if pipelined else contextlib.nullcontext()
-        )
-        with fake, answers:
+        with fake:
             recorder, peak, states = _step(strategy, make_batch(config.batch_size), optimizers, warm_up=pipelined)
         staging = None
         if getattr(strategy, "_async_checkpoint", False):

@@ -29,18 +29,19 @@ def init_empty_weights() -> Iterator[None]:
     depend on accelerate): buffers that models compute in ``__init__`` and do not save (rotary ``inv_freq``)
     keep their values, parameters cost no memory until the strategy materializes its shards.
     """
-    register = nn.Module.register_parameter
+    from torch.nn.modules.module import register_module_parameter_registration_hook
 
-    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        register(module, name, param)
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
         if param is not None and param.device.type != "meta":
-            module._parameters[name] = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+            return type(param)(param.to("meta"), requires_grad=param.requires_grad)
+        return None  # registered as given
 
-    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    # torch's hook on every module's parameter registration, for the length of the block
+    handle = register_module_parameter_registration_hook(on_meta)
     try:
         yield
     finally:
-        nn.Module.register_parameter = register  # type: ignore[method-assign]
+        handle.remove()
 
 
 def find_hf_model(module: nn.Module) -> tuple[str, nn.Module]:

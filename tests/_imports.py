@@ -4,7 +4,8 @@ Every ``import`` and ``from ... import`` counts, at module level or inside a fun
 just later), except those under ``if TYPE_CHECKING:`` (never run). Relative imports are resolved against the
 importing module's package; ``lightning_dist.callbacks`` is the top-level ``callbacks/`` folder (pyproject's
 package-dir); a package's ``__init__.py`` is the module named after the package. ``from pkg import name`` is an
-edge to ``pkg.name`` when that is a module of the package, else to ``pkg``.
+edge to ``pkg.name`` when that is a module of the package, else to ``pkg``. Importing ``a.b.c`` runs ``a/__init__``
+and ``a/b/__init__`` first: edges to them too, except to the packages that hold the importing module itself.
 """
 
 from __future__ import annotations
@@ -91,9 +92,22 @@ def import_graph() -> dict[str, dict[str, list[int]]]:
                 if owner:
                     targets.append(owner)
             for target in targets:
-                if target != module:
-                    graph[module].setdefault(target, []).append(line)
+                for imported in (target, *_outer_packages(target, files)):
+                    if imported != module and not _contains(imported, module):
+                        graph[module].setdefault(imported, []).append(line)
     return graph
+
+
+def _outer_packages(module: str, files: dict[str, Path]) -> list[str]:
+    """The packages of the package whose ``__init__`` importing `module` runs first: ``a.b`` and ``a`` of ``a.b.c``."""
+    parts = module.split(".")
+    return [p for p in (".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)) if p in files]
+
+
+def _contains(package: str, module: str) -> bool:
+    # a package that holds the importing module is initialized (or being initialized) before the module runs: the
+    # import does not start it, so it is no edge
+    return module.startswith(package + ".")
 
 
 def cycles(graph: dict[str, dict[str, list[int]]]) -> list[list[str]]:

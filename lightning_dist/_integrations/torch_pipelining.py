@@ -7,10 +7,12 @@ release and the fix (pin a tested torch, or re-run the unit tests of this module
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 from typing import Any, Optional
 
+import torch
 from torch.distributed.pipelining import PipelineStage
 
 from lightning_dist._compat import PIPELINE_INIT_P2P_TO_SELF, check_torch_pipelining
@@ -48,18 +50,23 @@ def drop_p2p_to_self(ops: list, group_rank: int) -> list:
 
 
 class TimedStage(PipelineStage):
-    """A PipelineStage that records its F/B/I/W actions when a timeline list is attached (else no overhead).
+    """A PipelineStage that records its F/B/I/W actions when a timeline list is attached (else no overhead), and
+    that asks `peer` (a :class:`~lightning_dist.parallelize.pipeline.schedule.PipelinePeer`) for what the stages of
+    other ranks would send it, when one is given.
 
     Reason: torch's schedules have no per-action callback (upstream: no issue found); the three
-    ``*_one_chunk`` methods every schedule calls are wrapped, and ``fwd_cache`` (held activations) is read.
+    ``*_one_chunk`` methods every schedule calls are wrapped, and ``fwd_cache`` (held activations) is read. A process
+    group that delivers no values (the dry run's fake group) cannot carry the stages' metadata, which torch exchanges
+    in the private ``_recv_meta`` / ``_send_meta`` (pickled objects) in a schedule's first step.
     """
 
     timeline: Optional[list] = None
     peak_held: int = 0
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, peer: Any = None, **kwargs: Any) -> None:
         check_torch_pipelining("TimedStage")
         super().__init__(*args, **kwargs)
+        self.peer = peer
 
     def _clock(self) -> tuple[float, float]:
         # the thread CPU clock only while recording: a system call per action (~1 ms each measured on a busy CPU host)
@@ -92,10 +99,52 @@ class TimedStage(PipelineStage):
         self._record("W", bwd_chunk_id, start, cpu)
         return out
 
+    def _recv_meta(self, src_stage: int) -> Any:
+        if self.peer is None:
+            return super()._recv_meta(src_stage)
+        from torch.distributed.pipelining._utils import (
+            _derive_grad_metas,
+            _StageBackwardMeta,
+            _StageForwardMeta,
+            extract_tensor_metas,
+        )
+
+        if src_stage < self.stage_index:  # the previous stage's output: this stage's input
+            shape, dtype = self.peer.stage_input(self.stage_index)
+            x = torch.empty(shape, dtype=dtype, device="meta", requires_grad=True)
+            return _StageForwardMeta(forward_metas=extract_tensor_metas((x,)))
+        # the next stage's input gradient: the shapes of this stage's outputs
+        return _StageBackwardMeta(backward_metas=_derive_grad_metas(self._stage_meta.outputs))
+
+    def _send_meta(self, meta: Any, dst_stage: int) -> None:
+        if self.peer is None:  # with a peer, the receiving stage asks its own
+            super()._send_meta(meta, dst_stage)
+
     if PIPELINE_INIT_P2P_TO_SELF:
 
         def _get_init_p2p_neighbors_ops(self):
             return drop_p2p_to_self(super()._get_init_p2p_neighbors_ops(), self.group_rank)
 
 
-__all__ = ["TimedStage", "drop_p2p_to_self", "install_forward_only_program"]
+@functools.lru_cache(maxsize=None)
+def peer_answered(schedule_class: type) -> type:
+    """`schedule_class` whose first step sets its stages' shape mode (static or dynamic) from this rank's stages' own
+    votes instead of the vote of every stage; for stages with a peer (:class:`TimedStage`), each rank building its
+    stages with the same code.
+
+    Reason: the vote travels as tensors between the ranks and is read with ``.item()`` in the private
+    ``_PipelineSchedule._warmup_p2p``, which a process group that delivers no values (fake tensors) cannot answer.
+    """
+    check_torch_pipelining("peer_answered")
+    from torch.distributed.pipelining._utils import InferenceMode
+
+    class PeerAnswered(schedule_class):  # type: ignore[misc, valid-type]
+        def _warmup_p2p(self, stages: list, has_backward: bool, p2p_done: bool) -> None:
+            dynamic = any(InferenceMode.needs_dynamic(st._user_meta, has_backward) for st in stages)
+            for st in stages:
+                st._inference_mode = InferenceMode.DYNAMIC if dynamic else InferenceMode.STATIC
+
+    return PeerAnswered
+
+
+__all__ = ["TimedStage", "drop_p2p_to_self", "install_forward_only_program", "peer_answered"]

@@ -237,6 +237,8 @@ def apply_ac(
         context_fn = noop_context_fn
     for module in wrapped:
         _CHECKPOINTED[module] = mode  # read by the planners (checkpointed_mode)
+        # first of its pre-hooks, so that the checkpoint records (and its recompute replays) the call without a cache
+        module.register_forward_pre_hook(_without_kv_cache, with_kwargs=True, prepend=True)
         if split_backward and mode == "full":
             _checkpoint_forward(module, context_fn)
         elif context_fn is None:
@@ -253,6 +255,26 @@ def checkpointed_mode(module: nn.Module) -> Optional[str]:
     """``"full"`` or ``"selective"`` when :func:`apply_ac` checkpointed `module` (or the module it wraps), else None."""
     inner = getattr(module, "_orig_mod", module)  # a compiled block
     return _CHECKPOINTED.get(module) or _CHECKPOINTED.get(inner)
+
+
+# keyword arguments through which a block is handed a KV cache to write (transformers' names for it)
+_CACHE_KWARGS = ("cache", "past_key_values", "layer_past")
+
+
+def _without_kv_cache(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Optional[tuple[tuple, dict]]:
+    """Forward pre-hook of a checkpointed block: with gradients on, call it without a KV cache (``use_cache=False``,
+    the cache arguments None), as transformers' own checkpointing does. A block that appends its keys and values to
+    a cache in forward would append them again in the recompute, which then runs on twice the keys: other ops than
+    the forward's (torch's selective checkpoint refuses them: "invocation index ... not found in storage"), or a
+    shape error against the attention mask. A training step never reads that cache."""
+    cached = [k for k in _CACHE_KWARGS if kwargs.get(k) is not None]
+    if not torch.is_grad_enabled() or not (cached or kwargs.get("use_cache")):
+        return None
+    from lightning_dist._integrations.transformers_cache import reads_cache_only
+
+    if reads_cache_only(module):
+        return None
+    return args, {**kwargs, **dict.fromkeys(cached), **({"use_cache": False} if "use_cache" in kwargs else {})}
 
 
 class _Both:

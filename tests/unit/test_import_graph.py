@@ -10,8 +10,27 @@ import textwrap
 import pytest
 from _imports import ROOT, cycles, describe, import_graph, imported_names, module_files, one_cycle
 
-# Cycles accepted for now (each the set of modules of one cycle): none. A new entry needs a reason beside it.
-KNOWN_CYCLES: list[frozenset[str]] = []
+# Cycles accepted for now (each the set of modules of one cycle). A new entry needs a reason beside it.
+KNOWN_CYCLES: list[frozenset[str]] = [
+    # found once imports of `pkg.sub` counted `pkg/__init__`; to break in the ep / tp work that owns these modules:
+    # transformers_moe -> parallelize.moe (runs parallelize/__init__) -> (lazy) parallelize.ep -> transformers_moe
+    frozenset(
+        {"lightning_dist._integrations.transformers_moe", "lightning_dist.parallelize", "lightning_dist.parallelize.ep"}
+    ),
+    # clone -> parallelize.tp.checks (runs tp/__init__ -> tp.apply -> tp.plan) -> tp.flow -> tp.probe -> self_check
+    # -> clone
+    frozenset(
+        {
+            "lightning_dist.parallelize.clone",
+            "lightning_dist.parallelize.tp",
+            "lightning_dist.parallelize.tp.apply",
+            "lightning_dist.parallelize.tp.plan",
+            "lightning_dist.parallelize.tp.flow",
+            "lightning_dist.parallelize.tp.probe",
+            "lightning_dist.parallelize.self_check",
+        }
+    ),
+]
 
 PLANNER = "lightning_dist.planner"
 # what the planner must not reach, directly or through another module of the package
@@ -30,6 +49,30 @@ def test_the_graph_reads_lazy_and_relative_imports():
     # a package's __init__ is the package's module; `from lightning_dist.callbacks import x` is callbacks/x.py
     assert "lightning_dist.callbacks._planned" in graph["lightning_dist.callbacks.memory"]
     assert "lightning_dist.strategies.auto_parallel" in graph["lightning_dist.strategies"]
+    # importing `a.b.c` runs `a/__init__` and `a/b/__init__` first: edges to them (the dry run imports pipeline.split)
+    assert {"lightning_dist.parallelize", "lightning_dist.parallelize.pipeline"} <= set(graph["lightning_dist.dryrun"])
+    # except to the packages holding the importer, which are initialized before it runs
+    assert "lightning_dist.strategies" not in graph["lightning_dist.strategies.hsdp"]
+    assert "lightning_dist" not in graph["lightning_dist.mesh"]
+
+
+def test_a_cycle_through_a_package_init_is_found(tmp_path, monkeypatch):
+    # tool -> pkg.base (runs pkg/__init__) -> pkg.chooser -> tool: the shape of the dry run's former cycle
+    import _imports
+
+    files = {
+        "tool": "from root.pkg.base import Base\n",
+        "pkg/__init__": "from root.pkg.chooser import Chooser\n",
+        "pkg/base": "class Base: ...\n",
+        "pkg/chooser": "def choose():\n    from root.tool import run\n",
+    }
+    for name, text in files.items():
+        path = tmp_path / "root" / f"{name}.py"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    monkeypatch.setattr(_imports, "ROOT", tmp_path)
+    monkeypatch.setattr(_imports, "PACKAGES", {"root": "root"})
+    assert cycles(import_graph()) == [["root.pkg", "root.pkg.chooser", "root.tool"]]
 
 
 def test_no_import_cycles_among_the_package_modules():

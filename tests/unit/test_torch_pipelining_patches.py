@@ -99,3 +99,42 @@ def test_a_training_step_keeps_no_output_on_the_last_stage_unless_asked(one_rank
     if keep:
         torch.testing.assert_close(out, net(x), rtol=0, atol=1e-15)
     torch.testing.assert_close(loss, loss_fn(net(x), y), rtol=1e-14, atol=0)  # the micro-batches' mean = the batch's
+
+
+class _Peer:
+    """What the dry run's peer answers: one micro-batch's input of a stage (here 3 x 2 float64)."""
+
+    def stage_input(self, stage):
+        return (3, 2), torch.float64
+
+    def last_stage_meta(self, key):
+        raise AssertionError("the runner asks for this, not the stages")
+
+
+def test_a_stage_with_a_peer_takes_the_metadata_from_it_and_sends_none(one_rank_group):
+    from torch.distributed.pipelining import ScheduleGPipe
+
+    from lightning_dist._integrations.torch_pipelining import peer_answered
+
+    stage = TimedStage(nn.Linear(2, 2).double(), 0, 1, torch.device("cpu"), peer=_Peer())
+    cls = peer_answered(ScheduleGPipe)
+    assert issubclass(cls, ScheduleGPipe) and peer_answered(ScheduleGPipe) is cls  # one class per schedule class
+    sched = cls(stage, n_microbatches=2, loss_fn=lambda o, t: o.sum(), scale_grads=False)
+    losses = []
+    sched.step(torch.randn(4, 2, dtype=torch.float64), target=torch.zeros(4), losses=losses)
+    assert len(losses) == 2 and stage._inference_mode is not None  # the mode set from this rank's own stage's vote
+    # the previous stage's output, as the peer answers it: this stage's input
+    (meta,) = stage._recv_meta(-1).forward_metas
+    assert tuple(meta.shape) == (3, 2) and meta.dtype == torch.float64 and meta.requires_grad
+    # the next stage's input gradient: the shape of this stage's output (a micro-batch of 2 rows)
+    (grad,) = stage._recv_meta(1).backward_metas
+    assert tuple(grad.shape) == (2, 2) and not grad.requires_grad
+    stage._send_meta(object(), 1)  # not sent: the 1-rank group has no stage 1 to send to
+
+
+def test_the_peer_answered_schedule_is_refused_on_an_untested_torch(monkeypatch):
+    from lightning_dist._integrations.torch_pipelining import peer_answered
+
+    monkeypatch.setattr(_compat, "torch_pipelining_tested", lambda: False)
+    with pytest.raises(RuntimeError, match=r"patch `peer_answered` uses torch.distributed.pipelining internals"):
+        peer_answered(type("Schedule", (), {}))

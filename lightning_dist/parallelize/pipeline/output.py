@@ -133,7 +133,7 @@ def output_term_problem(owner: str) -> str:
     )
 
 
-def returned_loss_problem(d_loss: Optional[Tensor], scale: float, owner: str) -> Optional[str]:
+def returned_loss_problem(d_loss: Optional[Tensor | float], scale: float, owner: str) -> Optional[str]:
     """Why the returned loss cannot be served, from its gradient on the step's loss leaf (None: it can).
 
     The schedule back-propagated ``scale`` x the batch loss through the stages (``scale``: Lightning's

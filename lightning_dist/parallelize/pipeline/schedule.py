@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -21,6 +21,21 @@ from lightning_dist.rules import SCHEDULES
 
 if TYPE_CHECKING:
     from lightning_dist._integrations.torch_pipelining import TimedStage
+
+
+class PipelinePeer(Protocol):
+    """What this rank's pipeline peers would send it, for a process group that delivers no values (the dry run's
+    fake group, on fake tensors): the runner and its stages ask it instead of receiving, and leave out the sends
+    only it would have read. Every rank builds its stages with the same code, so the answers are this rank's own."""
+
+    def stage_input(self, stage: int) -> tuple[tuple[int, ...], torch.dtype]:
+        """(shape, dtype) of one micro-batch's input of `stage` (the previous stage's output)."""
+        ...
+
+    def last_stage_meta(self, key: tuple) -> tuple[tuple[int, ...], torch.dtype]:
+        """(shape, dtype) of what the last stage's rank holds under `key`: ``("out", ...)`` the joined output,
+        ``("loss", ...)`` the batch loss (see :meth:`PipelineRunner.output_meta`)."""
+        ...
 
 
 def schedule_problems(schedule: str, pp: int, n_microbatches: int, stages_per_rank: int) -> list[str]:
@@ -61,6 +76,7 @@ def build_schedule(
     device: torch.device,
     group: Optional[Any],
     loss_fn: Optional[Callable] = None,
+    peer: Optional[PipelinePeer] = None,
 ) -> tuple[Any, list[TimedStage]]:
     """This rank's stages (one per module of `views`) and the schedule running them.
 
@@ -69,21 +85,21 @@ def build_schedule(
     accumulate instead of in one more pass over every gradient at the end of the step (on the critical path).
     With ``loss_fn=None`` the schedule is forward-only: GPipe for one stage per rank, otherwise the
     schedule's own stage layout with an F-only program (see :func:`install_forward_only_program`).
+    `peer`: answers for the other ranks' stages (see :class:`PipelinePeer`).
     """
     # torch's pipelining is imported when a schedule is built, not with the package (`lightning-dist plan` and
     # the strategies that do not pipeline never load it)
     from torch.distributed import pipelining
 
-    from lightning_dist._integrations.torch_pipelining import TimedStage, install_forward_only_program
+    from lightning_dist._integrations.torch_pipelining import TimedStage, install_forward_only_program, peer_answered
 
     num_stages = len(stage_ranks)
-    stages = [TimedStage(view, s, num_stages, device, group=group) for s, view in zip(local_stages, views)]
+    stages = [TimedStage(view, s, num_stages, device, group=group, peer=peer) for s, view in zip(local_stages, views)]
     train = loss_fn is not None
     name = SCHEDULES[schedule][0] if train or len(stages) > 1 else "ScheduleGPipe"
     single = name in ("ScheduleGPipe", "Schedule1F1B") and len(stages) == 1
-    sched = getattr(pipelining, name)(
-        stages[0] if single else stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False
-    )
+    cls = getattr(pipelining, name) if peer is None else peer_answered(getattr(pipelining, name))
+    sched = cls(stages[0] if single else stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
     if not train and not single:
         install_forward_only_program(sched, stage_ranks, n_microbatches)
     return sched, stages
@@ -98,7 +114,8 @@ class PipelineRunner:
     ``step`` runs one schedule over a batch (forward and backward with a loss, forward only without): the
     output stays on the last stage's rank, the batch loss goes to every rank of the pp group (one scalar);
     ``output_meta`` / ``from_last_stage`` give every rank the output's shape, or any tensor the last stage
-    holds. The gradients stay in ``.grad`` of the stage parameters, averaged over micro-batches.
+    holds. The gradients stay in ``.grad`` of the stage parameters, averaged over micro-batches. `peer` answers
+    for the other ranks' stages on a process group that delivers no values (see :class:`PipelinePeer`).
     """
 
     def __init__(
@@ -110,8 +127,10 @@ class PipelineRunner:
         schedule: str,
         device: torch.device,
         group: Optional[Any],
+        peer: Optional[PipelinePeer] = None,
     ) -> None:
         self.views, self.local_stages, self.stage_ranks = list(views), list(local_stages), list(stage_ranks)
+        self.peer = peer
         # this rank's stage parameters, each once: listed at set-up, not by walking the modules every step
         self.params = list({id(p): p for view in self.views for p in view.parameters()}.values())
         self.schedule, self.device, self.group = schedule, device, group
@@ -184,6 +203,7 @@ class PipelineRunner:
                 device=self.device,
                 group=self.group,
                 loss_fn=share,
+                peer=self.peer,
             )
         sched, stages = self._schedules[key]
         has_last = self.num_stages - 1 in self.local_stages
@@ -248,9 +268,11 @@ class PipelineRunner:
     def output_meta(self, value: Optional[torch.Tensor], key: tuple) -> tuple[tuple[int, ...], torch.dtype]:
         """(shape, dtype) of a tensor held by the last stage's rank, on every pp rank (one object broadcast per
         `key`, then cached: shapes are fixed per input shape)."""
-        if self.group is None:
+        if self.group is None or (value is not None and self.peer is not None):
             assert value is not None
             return tuple(value.shape), value.dtype
+        if self.peer is not None:
+            return self.peer.last_stage_meta(key)
         if key not in self._meta:
             meta = [(tuple(value.shape), value.dtype) if value is not None else None]
             src = dist.get_global_rank(self.group, self.stage_ranks[-1])
@@ -308,6 +330,7 @@ def returned_loss_gradients(
 
 
 __all__ = [
+    "PipelinePeer",
     "PipelineRunner",
     "build_schedule",
     "returned_loss_gradients",

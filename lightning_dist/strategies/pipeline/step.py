@@ -73,9 +73,12 @@ class PipelineStep:
     of finished steps (``last_loss``, ``timelines``, the count of network calls).
     """
 
-    def __init__(self, strategy: Any, batch: Any = None, *, training: bool = False) -> None:
+    def __init__(self, strategy: Any, batch: Any = None, *, training: bool = False, values: bool = True) -> None:
         self.strategy = strategy
         self.batch = batch
+        self.values = (
+            values  # False: fake tensors (the dry run), the returned loss checked for the pipeline's loss only
+        )
         self.pending = training  # training_step runs and has not called the network yet
         self.call: Optional[NetworkCall] = None
         self.grads: Optional[list[tuple[Tensor, Optional[Tensor]]]] = None  # the schedule's, until backward
@@ -273,7 +276,8 @@ class PipelineStep:
             if d_loss is not None:
                 raise ValueError(output_term_problem(owner))
             return self._direct_output_gradients(loss, call, scale, params)
-        problem = returned_loss_problem(d_loss, scale, owner)
+        # without values, a gradient on the loss stands for the one copy of it the real run checks it holds
+        problem = returned_loss_problem(d_loss if self.values or d_loss is None else scale, scale, owner)
         if problem is not None:
             raise ValueError(problem)
         return [(p, g) for p, g in zip(params, grads) if g is not None]

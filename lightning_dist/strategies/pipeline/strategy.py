@@ -56,7 +56,7 @@ from lightning_dist.parallelize.pipeline import setup as checks
 from lightning_dist.parallelize.pipeline import split as plan
 from lightning_dist.parallelize.pipeline.checks import host_copy, tied_stages
 from lightning_dist.parallelize.pipeline.output import serve_pipeline_loss, unserve_pipeline_loss
-from lightning_dist.parallelize.pipeline.schedule import PipelineRunner, schedule_problems
+from lightning_dist.parallelize.pipeline.schedule import PipelinePeer, PipelineRunner, schedule_problems
 from lightning_dist.parallelize.pipeline.stages import is_pipelined_module
 from lightning_dist.parallelize.pipeline.tied import tied_checkpoint_keys
 from lightning_dist.parallelize.tp.apply import resolve_stage_plan
