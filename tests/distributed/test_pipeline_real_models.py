@@ -1,5 +1,6 @@
 """Issue 14: PipelineStrategy on unmodified HF Llama, Qwen2 (GQA), GPT-2 (tied head) and the pack's tied GPT;
-issue 24: litgpt's GPT unchanged (its block list inside a child ModuleDict) at pp=2, 1F1B and interleaved.
+issue 24: litgpt's GPT unchanged (its block list inside a child ModuleDict) at pp=2, 1F1B and interleaved;
+issue 40: user GPTs written the nanoGPT way (tests/scenarios/_nanogpt.py) at pp=2, pp=2 x dp=2 and pp=2 x tp=2.
 
 Two torchrun launches of tests/scenarios/pipeline_real_models.py (2 and 4 processes), float64, each rank
 against a single-device reference on the global batch trained in the same process.
@@ -14,6 +15,7 @@ from _harness import results, run_torchrun
 
 TOL = 1e-12
 MODELS = ("llama", "qwen2_gqa", "gpt2_tied", "pack_gpt_tied")
+USER_GPTS = ("nanogpt_tied", "flat_gpt")
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +49,7 @@ def _check(rows: list[dict], world: int, pp: int) -> None:
     for replica in range(dp):
         keys = [k for r in rows if r["rank"] % dp == replica for k in r["keys"]]
         assert sorted(keys) == rows[0]["all_keys"], (rows[0]["tag"], replica)
-    if rows[0]["model"] in ("gpt2_tied", "pack_gpt_tied"):
+    if rows[0]["model"] in ("gpt2_tied", "pack_gpt_tied", "nanogpt_tied"):
         assert len(rows[0]["tied"]) == 1  # the head tied to the token embedding, on the first and last stage
 
 
@@ -152,3 +154,24 @@ def test_pp2_gradient_parity_check_and_bubble_on_hf_llama(pp2):
         assert len(r["planted"]) == 1 and r["planted"][0][0] > 1e-10 and r["planted"][0][1] is False, r["planted"]
         # PipelineBubble reports an idle fraction for every step of the HF pipeline
         assert len(r["idle"]) == 3 and all(0.0 < f < 1.0 for f in r["idle"]), r["idle"]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("model", USER_GPTS)
+@pytest.mark.parametrize("schedule", ("1f1b", "interleaved"))
+def test_pp2_parity_on_unmodified_user_gpts(pp2, schedule, model):
+    """nanoGPT's forward (learned positions added to the token embedding) runs every stage, unchanged."""
+    rows = pp2[f"pp2_{schedule}_{model}"]
+    _check(rows, world=2, pp=2)  # parameters, logged train loss and validation loss == one device (float64)
+    for r in rows:
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=TOL, abs=0)
+        assert len(r["stages"]) == (2 if schedule == "interleaved" else 1)
+    assert rows[0]["split"] == ([[0, 1], [2, 3]] if schedule == "1f1b" else [[0], [1], [2], [3]])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("tag", ("pp2xdp2_1f1b_nanogpt_tied", "pp2xdp2_1f1b_flat_gpt", "pp2xtp2_1f1b_flat_gpt"))
+def test_pp2_x_dp2_and_tp2_parity_on_unmodified_user_gpts(pp4, tag):
+    rows = pp4[tag]
+    assert all(r["shape"] == ([2, 1, 1, 1, 2] if "tp2" in tag else [2, 1, 2, 1, 1]) for r in rows)
+    _check(rows, world=4, pp=2)

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from _common import emit_gathered as emit
 from _common import trainer
+from _nanogpt import FlatGPT, NanoGPT
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import lightning_dist  # noqa: F401  (registers the strategies)
@@ -35,6 +36,9 @@ from lightning_dist.strategies import PipelineStrategy
 WORLD = int(os.environ.get("WORLD_SIZE", "2"))
 STEPS, GLOBAL_BATCH, N, SEQ, VOCAB, LAYERS = 3, 8, 24, 8, 32, 8
 MODELS = ("llama", "qwen2_gqa", "gpt2_tied", "pack_gpt_tied")
+# user GPTs written the nanoGPT way (issue 40): `transformer.h` in a ModuleDict with a tied head, and blocks directly
+# on the model; 4 blocks each
+USER_GPTS = ("nanogpt_tied", "flat_gpt")
 HF = ("llama", "qwen2_gqa", "gpt2_tied", "qwen3", "olmo2")
 # litgpt's GPT, unchanged: its block list `transformer.h` sits inside the ModuleDict `transformer` (pp=2 launch only)
 LITGPT = ("litgpt",) if importlib.util.find_spec("litgpt") is not None else ()
@@ -47,6 +51,9 @@ def build(kind: str) -> torch.nn.Module:
         model = GPT(
             vocab_size=VOCAB, block_size=SEQ, n_layer=LAYERS, n_head=2, n_embd=16, mlp_ratio=2, tie_weights=True
         )
+    elif kind in USER_GPTS:
+        # no biases, as litgpt's below (nanoGPT's `bias=False`)
+        model = (NanoGPT if kind == "nanogpt_tied" else FlatGPT)(vocab_size=VOCAB, block_size=16, n_layer=4, bias=False)
     elif kind == "litgpt":
         import litgpt
 
@@ -357,11 +364,14 @@ def main() -> None:
             run(f"pp2xdp2_1f1b_{kind}", kind, pp=2, dp_shard=2, schedule="1f1b")
             run(f"pp4_1f1b_{kind}", kind, pp=4, schedule="1f1b")
             run(f"pp4_interleaved_{kind}", kind, pp=4, schedule="interleaved_1f1b")
-    for kind in LITGPT if mode == "pp2" else ():  # unchanged litgpt GPT: 1F1B and interleaved (4 stages of 1 block)
+    for kind in (*LITGPT, *USER_GPTS) if mode == "pp2" else ():  # 1F1B and interleaved (4 stages of 1 block)
         run(f"pp2_1f1b_{kind}", kind, pp=2, schedule="1f1b")
         run(f"pp2_interleaved_{kind}", kind, pp=2, schedule="interleaved_1f1b")
-    if mode == "pp4":  # tensor parallelism inside the stages of an unmodified HF model (the built-in plan)
-        for kind in ("llama", "qwen3", "olmo2"):
+    for kind in USER_GPTS if mode == "pp4" else ():  # the user GPTs with data parallelism beside the pipeline
+        run(f"pp2xdp2_1f1b_{kind}", kind, pp=2, dp_shard=2, schedule="1f1b")
+    if mode == "pp4":  # tensor parallelism inside the stages of unmodified models (the built-in plan; a head tied
+        # across stages is refused with tp > 1, so the untied user GPT)
+        for kind in ("llama", "qwen3", "olmo2", "flat_gpt"):
             run(f"pp2xtp2_1f1b_{kind}", kind, pp=2, tp=2, schedule="1f1b")
     if mode == "pp2":  # activation checkpointing modes per stage, HF Llama and the pack's GPT
         run("pp2_1f1b_llama_ac_selective", "llama", pp=2, schedule="1f1b", activation_checkpointing="selective")

@@ -14,6 +14,7 @@ from lightning_dist.mesh import MeshSpec
 from lightning_dist.parallelize.pipeline.checks import batchnorm_modules, shared_across_stages, tied_stages
 from lightning_dist.parallelize.pipeline.schedule import schedule_problems
 from lightning_dist.parallelize.pipeline.split import (
+    PrunedLayout,
     build_stage_module,
     network_layout,
     plan_split,
@@ -515,13 +516,12 @@ def test_litgpt_gpt_splits_as_the_model_with_the_blocks_it_does_not_own_taken_ou
     assert len(blocks) == 4 and all(b > 0 for b in blocks)
 
 
-def test_litgpt_forward_the_stages_cannot_reproduce_is_refused_with_the_difference():
+def test_litgpt_forward_with_work_between_its_parts_splits():
     from lightning_dist.parallelize.pipeline.checks import staged_forward_problem
 
-    # Gemma's embedding scale: x * sqrt(n_embd) after the lookup would be applied again on every later stage
-    problem = staged_forward_problem(_litgpt(scale_embeddings=True), torch.randint(0, 64, (2, 8)))
-    assert problem is not None and "the stages compute another function (max abs difference" in problem
-    assert "blocks of transformer.h it does not own taken out, hidden states passed in place of its input" in problem
+    # Gemma's embedding scale, x * sqrt(n_embd) after the lookup: each stage runs litgpt's forward on the ids, a later
+    # stage's first block takes the activation handed on, so the scale is applied once, on the first stage
+    assert staged_forward_problem(_litgpt(scale_embeddings=True), torch.randint(0, 64, (2, 8))) is None
 
 
 def test_lightning_demo_transformer_is_refused_as_an_encoder_decoder_with_two_inputs():
@@ -561,35 +561,118 @@ def test_nested_block_list_refusals_name_the_route_and_why():
     for net, why in (
         (NoForward(), "NoForward defines no forward"),
         (TwoInputs(), "its forward takes 2 required inputs (ids, positions)"),
-        (Deep(), "its block list 'body.inner.layers' is not inside a direct child"),
     ):
         with pytest.raises(TypeError) as err:
             network_layout(net)
         assert f"taken out of the child holding them: {why}" in str(err.value), str(err.value)
+    # a block list at any depth is cut out of the module holding it; a forward that never runs it is refused
+    deep = network_layout(Deep())
+    assert (deep.parts[0], deep.block_list, deep.stem, deep.head) == ("body.inner", "body.inner.layers", (), ())
+    problem = deep.forward_problem(Deep(), torch.randn(2, 8))
+    assert "Deep.forward did not call the last block of this pipeline stage (body.inner.layers.0)" in problem
 
 
 def test_staged_check_compares_gradients_not_only_outputs():
-    """A forward that detaches between its children: the stages compute the same output but would train the stem,
-    which one device never does (it gets no gradient). The staged check looks at the gradients and refuses."""
+    """A forward that detaches after its first block: the stages compute the same output, but a stage hands on the
+    block's output before the detach, so the gradient reaches the first block and the stem, which one device never
+    trains. The staged check looks at the gradients and refuses."""
     from lightning_dist.parallelize.pipeline.checks import staged_forward_problem
 
     class Detaching(nn.Module):
+        detach = True
+
         def __init__(self) -> None:
             super().__init__()
             self.stem = nn.Linear(8, 8)
             self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
             self.head = nn.Linear(8, 3)
 
-        def forward(self, x, detach: bool = True):
-            x = self.stem(x)
-            x = x.detach() if detach else x
-            for b in self.blocks:
-                x = b(x)
-            return self.head(x)
+        def forward(self, x):
+            x = self.blocks[0](self.stem(x))
+            x = x.detach() if self.detach else x * 1.0
+            return self.head(self.blocks[1](x))
+
+    class Kept(Detaching):  # the same network without the detach: splits
+        detach = False
 
     torch.manual_seed(0)
     net, x = Detaching().double(), torch.randn(4, 8, dtype=torch.float64)
+    assert isinstance(network_layout(net), PrunedLayout)  # not its children in order: the model's own forward
     problem = staged_forward_problem(net, x)
     assert problem is not None and "gradients do not" in problem and "stem.weight" in problem, problem
-    net.forward = lambda x: Detaching.forward(net, x, detach=False)  # the same network without the detach: splits
-    assert staged_forward_problem(net, x) is None
+    assert staged_forward_problem(Kept().double(), x) is None
+
+
+def test_user_gpts_with_learned_positions_split_as_the_model_with_the_blocks_it_does_not_own_taken_out():
+    """Issue 40: nanoGPT's pattern (`tok_emb(idx) + pos_emb(arange(t))`, `b, t = idx.size()`) is not its children
+    in order, so it takes the route that runs the user's own forward on every stage: blocks in nanoGPT's ModuleDict
+    `transformer.h` (head tied to `wte`), and blocks directly on the model. The pack's GPT stays plain."""
+    import copy
+
+    from scenarios._nanogpt import FlatGPT, NanoGPT
+
+    from lightning_dist.models import GPT
+    from lightning_dist.parallelize.pipeline.checks import staged_forward_problem
+    from lightning_dist.parallelize.pipeline.pruned import MODEL_INPUT
+    from lightning_dist.parallelize.pipeline.split import NetworkLayout, join_stages
+
+    torch.manual_seed(0)
+    x = torch.randint(0, 32, (2, 8))
+    for net, parts in (
+        (
+            NanoGPT().double(),
+            (
+                "transformer",
+                "transformer.h",
+                ("transformer.wte", "transformer.wpe", "transformer.drop"),
+                ("transformer.ln_f", "lm_head"),
+            ),
+        ),
+        (FlatGPT().double(), ("", "blocks", ("tok_emb", "pos_emb", "drop"), ("ln_f", "head"))),
+    ):
+        lay = network_layout(net)
+        assert type(lay) is PrunedLayout and lay.parts == parts, lay
+        assert (lay.plain is not None) == isinstance(net, FlatGPT)  # a direct block list: plain tried first
+        assert staged_forward_problem(net, x) is None  # every block boundary handed over, against the model
+        split = plan_split(net, 2, split="params")
+        first, last = (build_stage_module(net, split, [s]) for s in (0, 1))
+        assert sorted(n for s in (first, last) for n, _ in s.named_parameters(remove_duplicate=False)) == sorted(
+            n for n, _ in net.named_parameters(remove_duplicate=False)
+        )  # the single-device names, each on one stage (a tied weight under each of its names)
+        with torch.no_grad():  # stage 1 runs the user's forward on the ids, the hidden states put into its first block
+            hidden = first.run_local(x, **{MODEL_INPUT: x})
+            assert hidden.shape == (2, 8, 16) and torch.equal(last.run_local(hidden, **{MODEL_INPUT: x}), net(x))
+        whole = join_stages(split, [copy.deepcopy(first), copy.deepcopy(last)])
+        assert type(whole) is type(net) and torch.equal(whole(x), net(x))
+    tied = tied_stages(NanoGPT(), plan_split(NanoGPT(), 2, split="params"))
+    assert tied == [(("transformer.wte.weight", "lm_head.weight"), (0, 1))]  # summed over both stages' ranks
+    pack = GPT(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=8)
+    assert type(network_layout(pack)) is NetworkLayout  # its forward is its children in order: plain stages
+
+
+def test_a_forward_no_route_can_split_is_refused_with_each_routes_reason():
+    """A skip from the stem to the head carries a second value across every stage boundary beside the activation:
+    neither the plain stages nor the model's own forward on pruned stages can hand it on."""
+    from lightning_dist.parallelize.pipeline.checks import staged_forward_problem
+
+    class LongSkip(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stem = nn.Linear(4, 8)
+            self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+            self.head = nn.Linear(8, 2)
+
+        def forward(self, x):
+            h = x = self.stem(x)
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x + h)
+
+    problem = staged_forward_problem(LongSkip().double(), torch.randn(4, 4, dtype=torch.float64))
+    assert problem.startswith("Cannot split LongSkip into pipeline stages; routes tried:\n"), problem
+    lines = problem.splitlines()
+    assert lines[1].startswith("  - its children applied in registration order: LongSkip.forward is not its children")
+    assert "add itself, outside the child modules" in lines[1]
+    assert lines[2].startswith("  - a stage = the model with the blocks of blocks it does not own taken out")
+    assert "the stages compute another function (max abs difference" in lines[2]
+    assert "a skip connection from the stem to the head" in lines[2]

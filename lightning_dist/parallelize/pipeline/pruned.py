@@ -1,22 +1,16 @@
 """Pipeline stages cut out of an unmodified model: a stage is the model with the parts it does not own taken
-out, so the model's own ``forward`` runs each stage (rotary tables, masks, whatever it builds), as torchtitan
-builds its stages. Where the parts are (:func:`nested_parts`, or :func:`~.hf.hf_parts` for HF):
+out, so the model's own ``forward`` runs each stage (positions, rotary tables, masks, whatever it builds), as
+torchtitan builds its stages. Where the parts are (:func:`pruned_parts`, or :func:`~.hf.hf_parts` for HF): the
+**block list** (an ``nn.ModuleList``; a stage keeps its slice under the original indices), the **stem** (its
+owner's children registered before it: first stage) and the **head** (its owner's later children and every
+other child of the model: last stage). A stem part a stage does not own is :class:`Absent`, a head part
+``nn.Identity``.
 
-* the **block list**: an ``nn.ModuleList`` inside a direct child (``transformer.h`` of litgpt's ``GPT``, a
-  HF base model's ``layers``); a stage keeps its slice under the original indices (``transformer.h.5`` stays
-  ``transformer.h.5``);
-* the **stem** (first stage): that child's children registered before the block list (the token embedding).
-  A later stage gets the boundary activation in place of the model's input: a stem part it does not own is
-  :class:`Absent`, which passes hidden states through (``self.transformer.wte(x)`` returns ``x``);
-* the **head** (last stage): that child's children after the block list (the final norm) and the model's
-  other children (``lm_head``); a stage that does not own them has ``nn.Identity`` there, so its output is
-  its hidden states.
-
-Two input conventions, one class each (:class:`PrunedStage` subclasses): :class:`ForwardStage` passes the
-activation as the forward's first input and returns its output (litgpt); HF's passes ``inputs_embeds`` and
-returns ``.logits`` (:class:`~.hf.HFStageMixin`). :func:`check_pruned_stages` runs the stages one
-after the other on one micro-batch against the whole model before anything is split: a forward that does not
-tolerate this (an embedding scaled after the lookup, a logit soft-cap) is refused, never mis-trained.
+Two input conventions, one class each (:class:`PrunedStage` subclasses): :class:`ForwardStage` (plain models,
+litgpt) gives every stage the model's own input and puts the boundary activation into its first block; HF's
+passes ``inputs_embeds`` and returns ``.logits`` (:class:`~.hf.HFStageMixin`). :func:`check_pruned_stages` runs
+the stages one after the other on one micro-batch against the whole model before anything is split: a forward
+that does not tolerate this is refused, never mis-trained.
 """
 
 from __future__ import annotations
@@ -30,14 +24,102 @@ from torch import nn
 
 from lightning_dist.parallelize.units import find_block_lists
 
+MODEL_INPUT = "model_input"
+"""The keyword under which every :class:`ForwardStage` gets the model's own input (the micro-batch's ids)."""
+
+
+class Handover:
+    """One stage's boundary while it runs: the activation it received (None on the first stage), whether its first
+    block took it, and its last block's output (what a stage without the head hands on)."""
+
+    def __init__(self) -> None:
+        self.active, self.received, self.taken, self.output = False, None, False, None
+
+    def start(self, received: Any) -> None:
+        self.active, self.received, self.taken, self.output = True, received, False, None
+
+    def finish(self) -> tuple[bool, Any]:
+        taken, output = self.taken, self.output
+        self.active, self.received, self.taken, self.output = False, None, False, None
+        return taken, output
+
 
 class Absent(nn.Module):
-    """A stem part a later stage does not own: adds nothing to an embedding sum, passes hidden states through."""
+    """A stem part a later stage does not own. With a :class:`Handover` (:class:`ForwardStage`): the activation the
+    stage received, so shape arithmetic before the blocks runs as on one device (the value is not used: the first
+    block takes the activation itself). Without (HF): adds nothing to an embedding sum, passes hidden states on."""
+
+    def __init__(self, handover: Handover | None = None) -> None:
+        super().__init__()
+        self.handover = handover
 
     def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.handover is not None and self.handover.active and self.handover.received is not None:
+            return self.handover.received
         if isinstance(x, torch.Tensor) and x.is_floating_point():
             return x  # e.g. the token embedding or the embedding dropout: the first stage applied it
         return torch.zeros((), dtype=torch.get_default_dtype())  # e.g. wpe(position_ids): x + 0 is x exactly
+
+
+class _Boundary:
+    """A stage's first and/or last block as the model's forward sees it while the stage runs: the first takes the
+    activation the stage received in place of its input; the last notes its output."""
+
+    def __init__(self, block: nn.Module, handover: Handover, *, first: bool, last: bool) -> None:
+        self.block, self.handover, self.first, self.last = block, handover, first, last
+
+    def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        h = self.handover
+        if self.first and h.received is not None and not h.taken:
+            x, h.taken = h.received, True
+        out = self.block(x, *args, **kwargs)
+        if self.last:
+            h.output = out
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.block, name)
+
+
+def _pass_through(x: Any, *args: Any, **kwargs: Any) -> Any:
+    return x
+
+
+class StageBlocks(nn.ModuleList):
+    """A :class:`ForwardStage`'s slice of the block list (the original keys). While the stage runs, the model's forward
+    sees the whole list (iterated, indexed, ``len``): the blocks the stage does not own pass their input through, its
+    first and last own blocks are seen through :class:`_Boundary`. Otherwise it is its slice."""
+
+    handover: Handover | None = None
+    every: tuple[str, ...] = ()
+    """The keys of the whole block list."""
+
+    def _running(self) -> bool:
+        return self.handover is not None and self.handover.active
+
+    def _seen(self, key: str) -> Any:
+        own = list(self._modules)
+        if key not in self._modules:
+            return _pass_through
+        block = self._modules[key]
+        if key not in (own[0], own[-1]):
+            return block
+        return _Boundary(block, self.handover, first=key == own[0], last=key == own[-1])
+
+    def __iter__(self) -> Any:
+        if not self._running():
+            return super().__iter__()
+        return iter([self._seen(k) for k in self.every])
+
+    def __len__(self) -> int:
+        return len(self.every) if self._running() else super().__len__()
+
+    def __getitem__(self, idx: Any) -> Any:
+        if not self._running():
+            return super().__getitem__(idx)
+        if isinstance(idx, slice):
+            return [self._seen(k) for k in self.every[idx]]
+        return self._seen(self.every[idx])
 
 
 def _shallow(module: nn.Module, cls: type | None = None) -> nn.Module:
@@ -92,10 +174,37 @@ class PrunedStage(nn.Module):
 
 
 class ForwardStage(PrunedStage):
-    """The activation as the forward's first input (the first stage: the model's own input), its output out."""
+    """Every stage runs the model's forward on the model's own input (keyword :data:`MODEL_INPUT`; the first stage's
+    activation is that input): a later stage's first block takes the activation it received, a stage without the
+    head hands on its last block's output. So the forward's own arithmetic on the input (``b, t = idx.size()``,
+    ``arange(t)`` positions, masks, rotary tables) and between the parts (a learned position embedding added to the
+    token embedding, an embedding scale, a logit soft-cap) runs as on one device."""
+
+    _ld_last: bool = True
+    _ld_handover: Handover | None = None
 
     def run_local(self, x: Any, *args: Any, **kwargs: Any) -> Any:
-        return self._ld_model.forward(self, x, *args, **kwargs)
+        inputs = kwargs.pop(MODEL_INPUT, x)
+        h = self._ld_handover
+        h.start(None if self._ld_first else x)
+        try:
+            out = self._ld_model.forward(self, inputs, *args, **kwargs)
+        finally:
+            taken, last = h.finish()
+        own = list(self.get_submodule(self._ld_block_list)._modules)
+        if not self._ld_first and not taken:
+            raise RuntimeError(
+                f"{self._ld_model.__name__}.forward did not call the first block of this pipeline stage"
+                f" ({self._ld_block_list}.{own[0]}), which takes the activation the previous stage handed on"
+            )
+        if self._ld_last:
+            return out
+        if last is None:
+            raise RuntimeError(
+                f"{self._ld_model.__name__}.forward did not call the last block of this pipeline stage"
+                f" ({self._ld_block_list}.{own[-1]}), whose output the stage hands on"
+            )
+        return last
 
     @staticmethod
     def whole_output(net: nn.Module, sample: Any) -> torch.Tensor:
@@ -103,7 +212,7 @@ class ForwardStage(PrunedStage):
 
     @staticmethod
     def split_sample(sample: Any) -> tuple[Any, dict[str, Any]]:
-        return sample, {}
+        return sample, {MODEL_INPUT: sample}
 
 
 def model_class(stage: nn.Module) -> type:
@@ -111,10 +220,13 @@ def model_class(stage: nn.Module) -> type:
     return stage._ld_model if isinstance(stage, PrunedStage) else type(stage)
 
 
-def nested_parts(net: nn.Module) -> tuple[tuple[str, str, tuple[str, ...], tuple[str, ...]] | None, str]:
-    """``((child, block_list, stem, head), "")`` for a model whose one block list sits inside a direct child
-    (litgpt's ``transformer.h``), as qualified names; ``(None, why not)`` otherwise (pure, works on meta)."""
-    lists = [n for n, _ in find_block_lists(net)]
+def pruned_parts(
+    net: nn.Module, block_list: str | None = None
+) -> tuple[tuple[str, str, tuple[str, ...], tuple[str, ...]] | None, str]:
+    """``((owner, block_list, stem, head), "")`` for a model with one block list (`block_list`, else the one
+    :func:`find_block_lists` finds) and a forward taking one input, as qualified names (``owner``: the module holding
+    the list, ``""`` for the model itself); ``(None, why not)`` otherwise (pure, works on meta)."""
+    lists = [block_list] if block_list is not None else [n for n, _ in find_block_lists(net)]
     if not lists:
         return None, "it has no nn.ModuleList of blocks"
     try:
@@ -134,26 +246,46 @@ def nested_parts(net: nn.Module) -> tuple[tuple[str, str, tuple[str, ...], tuple
             " hands to the next, which a pipeline of one activation cannot carry"
         )
     name = lists[0]
-    if name.count(".") != 1:
-        return None, f"its block list {name!r} is not inside a direct child (only `child.blocks` is cut out)"
     if getattr(type(net), "forward", None) is nn.Module.forward:
         return None, f"{type(net).__name__} defines no forward"
     if len(required) > 1 or (params and not required):
         return None, (
-            f"its forward takes {len(required)} required inputs ({', '.join(required) or 'none'}); a later"
-            " stage gets the boundary activation in place of one input"
+            f"its forward takes {len(required)} required inputs ({', '.join(required) or 'none'}); every stage"
+            " gets the model's one input beside the activation handed on"
         )
     direct = [n for n, _ in net.named_parameters(recurse=False)]
     if direct:
         return None, f"it holds parameters directly ({direct}), which every stage would hold"
-    prefix, list_name = name.split(".")
-    child = net.get_submodule(prefix)
-    names = [n for n, m in child._modules.items() if m is not None]
+    owner, _, list_name = name.rpartition(".")
+    path = owner.split(".") if owner else []
+    holder = net.get_submodule(owner)
+    names = [n for n, m in holder._modules.items() if m is not None]
     i = names.index(list_name)
-    stem = tuple(f"{prefix}.{n}" for n in names[:i])
-    head = tuple(f"{prefix}.{n}" for n in names[i + 1 :])
-    head += tuple(n for n, m in net.named_children() if n != prefix)
-    return (prefix, name, stem, head), ""
+    q = (lambda n: f"{owner}.{n}") if owner else (lambda n: n)
+    stem = tuple(q(n) for n in names[:i])
+    head = tuple(q(n) for n in names[i + 1 :])
+    for depth in range(len(path) - 1, -1, -1):  # every ancestor's other children: after the blocks (litgpt's lm_head)
+        above = ".".join(path[:depth])
+        module = net.get_submodule(above)
+        head += tuple(
+            f"{above}.{n}" if above else n for n, m in module._modules.items() if m is not None and n != path[depth]
+        )
+    return (owner, name, stem, head), ""
+
+
+def _own_path(root: nn.Module, owner: str) -> nn.Module:
+    """Give `root` its own shallow copies of the modules down to `owner` (their child dicts are then the copy's
+    alone); returns the copy of `owner`."""
+    module = root
+    for part in owner.split(".") if owner else []:
+        module._modules[part] = _shallow(module._modules[part])
+        module = module._modules[part]
+    return module
+
+
+def _set(root: nn.Module, name: str, module: nn.Module) -> None:
+    owner, _, child = name.rpartition(".")
+    root.get_submodule(owner)._modules[child] = module
 
 
 def build_pruned_stage(
@@ -166,22 +298,23 @@ def build_pruned_stage(
     convention: type[PrunedStage] = ForwardStage,
 ) -> nn.Module:
     """`net` with only `blocks` of its block list, its stem when `first` and its head when `last` (shared modules)."""
-    prefix, block_list, stem, head = parts
+    owner, block_list, stem, head = parts
     cls = type(f"{type(net).__name__}Stage", (convention, type(net)), {"_ld_model": type(net)})
     lm = _shallow(net, cls)
-    lm._ld_first = first
+    lm._ld_first, lm._ld_last = first, last
     lm._ld_block_list = block_list
-    base = _shallow(net.get_submodule(prefix))
-    lm._modules[prefix] = base
+    holder = _own_path(lm, owner)
     full = net.get_submodule(block_list)
-    kept = nn.ModuleList()
+    handover = Handover() if issubclass(convention, ForwardStage) else None
+    kept = StageBlocks() if handover is not None else nn.ModuleList()
     kept._modules = {k: full._modules[k] for k in blocks}  # original indices: the single-device names
-    base._modules[block_list.split(".", 1)[1]] = kept
+    kept.handover = lm._ld_handover = handover
+    kept.every = tuple(full._modules)
+    holder._modules[block_list.rpartition(".")[2]] = kept
     for name in stem if not first else ():
-        base._modules[name.split(".", 1)[1]] = Absent()
+        _set(lm, name, Absent(handover))
     for name in head if not last else ():
-        owner, _, child = name.rpartition(".")
-        (base if owner == prefix else lm)._modules[child] = nn.Identity()
+        _set(lm, name, nn.Identity())
     if hasattr(lm, "_tied_weights_keys"):  # the pruned copy never re-ties (the tie lives in the parameters)
         lm.__dict__["_tied_weights_keys"] = None
     return lm
@@ -190,19 +323,17 @@ def build_pruned_stage(
 def join_pruned(parts: tuple, blocks_order: Sequence[str], pieces: Sequence[nn.Module]) -> nn.Module:
     """The whole model of the model's own class from plain copies of every stage (the parts put back into the
     first stage's copy, under their single-device names)."""
-    prefix, block_list, stem, head = parts
+    owner, block_list, stem, head = parts
     first = next(p for p in pieces if not isinstance(p.get_submodule(stem[0]), Absent)) if stem else pieces[0]
     whole = _shallow(first, model_class(first))
-    base = _shallow(first.get_submodule(prefix))
-    whole._modules[prefix] = base
+    holder = _own_path(whole, owner)
     blocks = {k: m for p in pieces for k, m in p.get_submodule(block_list)._modules.items()}
     joined = nn.ModuleList()
     joined._modules = {k: blocks[k] for k in blocks_order}
-    base._modules[block_list.split(".", 1)[1]] = joined
+    holder._modules[block_list.rpartition(".")[2]] = joined
     last = next(p for p in pieces if not isinstance(p.get_submodule(head[-1]), nn.Identity)) if head else pieces[-1]
     for name in head:
-        owner, _, child = name.rpartition(".")
-        (base if owner == prefix else whole)._modules[child] = last.get_submodule(name)
+        _set(whole, name, last.get_submodule(name))
     return whole
 
 
@@ -309,14 +440,17 @@ def profile_pruned(
 
 
 __all__ = [
+    "MODEL_INPUT",
     "Absent",
     "ForwardStage",
+    "Handover",
     "PrunedStage",
     "build_pruned_stage",
     "check_pruned_stages",
     "join_pruned",
     "model_class",
     "model_class_copy",
-    "nested_parts",
+    "pruned_parts",
     "profile_pruned",
+    "StageBlocks",
 ]

@@ -1,34 +1,7 @@
-"""How a network is pipelined: where its stem, blocks and head are and how its stages are built, timed,
-checked and joined (:class:`NetworkLayout`, one object chosen once per network), and the split into stages as
-data (stage -> blocks -> params -> cost).
-
-A pipelined network has one of four shapes (:func:`network_layout` tries them in this order):
-
-* an unmodified HuggingFace causal LM (:class:`HFLayout`): its ``config.base_model_pp_plan`` block list, the
-  model itself running each stage with the parts it does not own taken out (see :mod:`.hf`);
-* an ``nn.Sequential`` (:class:`NetworkLayout`): its children are the blocks;
-* a module with a **stem** (children registered before the block list), one ``nn.ModuleList`` of
-  blocks (found by :func:`~lightning_dist.parallelize.units.find_block_lists`, a direct child) and a
-  **head** (children registered after it) (:class:`NetworkLayout`). Its ``forward`` must equal applying the
-  children in registration order (:meth:`NetworkLayout.forward_problem` compares them on one micro-batch). A
-  module used twice (weight sharing) runs twice; a parameter shared across stages is held by each
-  (:func:`~.checks.tied_stages`);
-* any other model whose one block list sits inside a direct child and whose forward takes one input
-  (litgpt's ``GPT``: ``transformer.h``) (:class:`PrunedLayout`): like a HF model, a stage is the model with the
-  blocks it does not own taken out, the boundary activation passed in place of its input (see
-  :mod:`.pruned`).
-
-Every other module asks the layout (``split.layout``) instead of branching on the network's kind: the stage
-module (:meth:`~NetworkLayout.build_stage`), the cost of each part (:meth:`~NetworkLayout.profile`), the
-staged-forward check (:meth:`~NetworkLayout.forward_problem`), the whole network joined back
-(:meth:`~NetworkLayout.join`), the sample micro-batch and what the network call takes and returns.
-
-:func:`plan_split` returns a :class:`PipelineSplit` (pure data, printable with rich, unit-testable in
-one process): contiguous runs of blocks per stage, the stem on stage 0 and the head on the last stage.
-``split="balanced"`` balances measured forward+backward time per block, ``"params"`` parameter counts,
-and a list of ``num_stages - 1`` block indices gives manual split points (where stages 1.. start).
-:func:`build_stage_module` keeps only the parts of the stages a rank runs, under their original
-names, so ``model.blocks.5.fc.weight`` is the same key whatever the pipeline layout.
+"""How a network is pipelined: where its stem, blocks and head are and how its stages are built, timed, checked
+and joined (:class:`NetworkLayout`, one object chosen once per network by :func:`network_layout`: plain,
+:class:`PrunedLayout` or :class:`HFLayout`), and the split into stages as data (stage -> blocks -> params -> cost,
+:func:`plan_split`). Which models take which route: ``docs/strategies/pipeline.md``.
 """
 
 from __future__ import annotations
@@ -51,15 +24,17 @@ from lightning_dist.parallelize.pipeline.hf import (
     pipeline_loss_function,
 )
 from lightning_dist.parallelize.pipeline.pruned import (
+    MODEL_INPUT,
     ForwardStage,
     build_pruned_stage,
     check_pruned_stages,
     join_pruned,
-    nested_parts,
     profile_pruned,
+    pruned_parts,
 )
 from lightning_dist.parallelize.pipeline.stages import (
     build_plain_stage,
+    chain_problem,
     join_plain,
     plain_forward_problem,
     profile_plain,
@@ -150,15 +125,19 @@ class NetworkLayout:
 
 @dataclass(frozen=True, kw_only=True)
 class PrunedLayout(NetworkLayout):
-    """A block list inside a direct child (litgpt's ``transformer.h``): a stage is the model with the parts it does
-    not own taken out (:mod:`.pruned`), the boundary activation passed as its forward's first input."""
+    """A model whose forward is more than its children in order (nanoGPT's ``tok_emb(idx) + pos_emb(arange(t))``,
+    litgpt's rotary tables): a stage is the model with the parts it does not own taken out (:mod:`.pruned`), running
+    its own forward on the model's input, the boundary activation put into its first block."""
 
     parts: tuple[str, str, tuple[str, ...], tuple[str, ...]]
-    """``(child, block_list, stem, head)`` as qualified names."""
+    """``(owner, block_list, stem, head)`` as qualified names (``owner``: the module holding the block list)."""
+    plain: NetworkLayout | None = None
+    """The plain layout the model's structure also fits (a direct block list), tried first on a sample: its reason
+    is reported beside this route's when neither computes the model's forward."""
 
     convention: ClassVar[type] = ForwardStage
     """The stage class: how a stage takes the boundary activation and gives its output."""
-    handed_over: ClassVar[str] = "in place of its input"
+    handed_over: ClassVar[str] = "into its first block, the model's input given to every stage"
 
     def build_stage(self, net: nn.Module, block_ids: Sequence[int], *, first: bool, last: bool) -> nn.Module:
         blocks = [self.blocks[i] for i in block_ids]
@@ -175,14 +154,27 @@ class PrunedLayout(NetworkLayout):
         )
         if problem is None:
             return None
+        pruned = (
+            f"a stage = the model with the blocks of {self.block_list} it does not own taken out, hidden states"
+            f" passed {self.handed_over}"
+        )
+        if self.plain is None:
+            return f"Cannot split {type(net).__name__} into pipeline stages: {problem}. Tried: {pruned}."
+        plain = self.plain.forward_problem(net, sample, rtol=rtol, atol=atol)
         return (
-            f"Cannot split {type(net).__name__} into pipeline stages: {problem}. Tried: a stage = the model"
-            f" with the blocks of {self.block_list} it does not own taken out, hidden states passed {self.handed_over}."
+            f"Cannot split {type(net).__name__} into pipeline stages; routes tried:\n  - its children applied in"
+            f" registration order: {plain or 'they compute its forward, this model was given the other route'}"
+            f"\n  - {pruned}: {problem}. A value the forward carries across blocks beside the activation (a skip"
+            " connection from the stem to the head, a residual add outside the blocks) cannot be handed between stages."
         )
 
     def join(self, pieces: Sequence[nn.Module]) -> nn.Module:
         # the parts put back into the first stage's copy: the model's own class again
         return join_pruned(self.parts, self.blocks, pieces)
+
+    def call_inputs(self, args: tuple, kwargs: dict) -> tuple[Tensor, dict, Tensor | None]:
+        x, _, _ = super().call_inputs(args, kwargs)
+        return x, {MODEL_INPUT: x}, None  # every stage runs the model's forward on its input
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -230,8 +222,11 @@ def network_layout(net: nn.Module) -> NetworkLayout:
     (the message gives each route's reason).
 
     Routes, in order: a HuggingFace causal LM (its ``config.base_model_pp_plan`` block list), an
-    ``nn.Sequential``, a direct ``nn.ModuleList`` of blocks between stem and head children, a block list inside
-    a direct child (litgpt's ``transformer.h``: the stages are the model with the blocks they do not own taken out).
+    ``nn.Sequential``, a direct ``nn.ModuleList`` of blocks between stem and head children whose forward is those
+    children in order (:func:`~.stages.chain_problem`), any other model with one block list and a forward taking
+    one input (nanoGPT, litgpt: the stages are the model with the blocks they do not own taken out, running its own
+    forward). A direct block list whose forward is neither is given the plain layout: the staged-forward check on
+    a micro-batch then names what the forward does.
     """
     if layout_kind(net) is HFLayout:
         parts = hf_parts(net)
@@ -247,6 +242,7 @@ def network_layout(net: nn.Module) -> NetworkLayout:
         return NetworkLayout(stem=(), block_list=None, blocks=tuple(net._modules), head=())
     children = list(net.named_children())
     found = [(name, mod) for name, mod in find_block_lists(net) if "." not in name]
+    plain, not_chain = None, None
     if len(found) == 1:
         name, blocks = found[0]
         if any(True for _ in net.parameters(recurse=False)):
@@ -257,10 +253,16 @@ def network_layout(net: nn.Module) -> NetworkLayout:
             )
         names = [n for n, _ in children]
         i = names.index(name)
-        return NetworkLayout(
+        plain = NetworkLayout(
             stem=tuple(names[:i]), block_list=name, blocks=tuple(blocks._modules), head=tuple(names[i + 1 :])
         )
-    parts, nested_why = nested_parts(net) if not found else (None, "it has several direct block lists")
+        not_chain = chain_problem(net, plain)
+        if not_chain is None:  # its forward is its children in order: plain stages
+            return plain
+    if len(found) > 1:
+        parts, pruned_why = None, "it has several direct block lists"
+    else:
+        parts, pruned_why = pruned_parts(net, found[0][0] if found else None)
     if parts is not None:
         _, block_list, stem, head = parts
         return PrunedLayout(
@@ -269,19 +271,22 @@ def network_layout(net: nn.Module) -> NetworkLayout:
             blocks=tuple(net.get_submodule(block_list)._modules),
             head=head,
             parts=parts,
+            plain=plain,
         )
+    if plain is not None:  # the staged-forward check on one micro-batch decides, naming what the forward does
+        return plain
     what = "none" if not found else f"{len(found)} ({[n for n, _ in found]})"
     tried = [
         "a HuggingFace causal LM (config.base_model_pp_plan): it is not one",
         "an nn.Sequential (its children are the blocks): it is not one",
         f"one direct nn.ModuleList of blocks between stem and head children: it has {what}",
-        f"the model with the blocks a stage does not own taken out of the child holding them: {nested_why}",
+        f"the model with the blocks a stage does not own taken out of the child holding them: {pruned_why}",
     ]
     raise TypeError(
         f"Cannot split {type(net).__name__} into pipeline stages; routes tried:\n  - "
         + "\n  - ".join(tried)
         + "\nMake it an nn.Sequential, or give it one nn.ModuleList of blocks (e.g. `self.blocks`) with the layers"
-        " before it (stem) and after it (head) registered as children in execution order, its forward taking one input."
+        " before it (stem) and after it (head) registered as children, its forward taking one input."
     )
 
 

@@ -231,6 +231,41 @@ def plain_forward_problem(
     )
 
 
+def chain_problem(net: nn.Module, layout: Any) -> str | None:
+    """Why `net`'s forward is not provably its stem, block and head children applied in registration order, each
+    to the previous one's output (None: it is), read from a ``torch.fx`` trace with those children as leaves
+    (structure only: no tensors run, works on meta)."""
+    names = [*layout.stem, *(layout.block_name(i) for i in range(len(layout.blocks))), *layout.head]
+    leaves = {id(net.get_submodule(n)) for n in names}
+
+    class Tracer(torch.fx.Tracer):
+        def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+            return id(m) in leaves or super().is_leaf_module(m, qualname)
+
+    try:
+        params = inspect.signature(net.forward).parameters.values()
+        concrete = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+        graph = Tracer().trace(net, concrete_args=concrete or None)
+    except Exception as err:  # data-dependent control flow, a proxy unpacked (`b, t = idx.size()`), ...
+        return f"its forward cannot be traced with the parts as leaves ({type(err).__name__})"
+    inputs = [n for n in graph.nodes if n.op == "placeholder"]
+    work = [
+        n
+        for n in graph.nodes
+        if n.op not in ("placeholder", "output") and getattr(n.target, "__name__", "") != "_assert_is_none"
+    ]
+    called = [str(n.target) for n in work if n.op == "call_module"]
+    if called != names:
+        return f"its forward calls {' -> '.join(called) or 'none of them'}, not {' -> '.join(names)}"
+    previous = inputs[0] if inputs else None
+    for node in work:
+        if node.op != "call_module" or node.args != (previous,) or node.kwargs:
+            return f"{node.target} is not applied to the previous part's output alone"
+        previous = node
+    output = next(n for n in graph.nodes if n.op == "output")
+    return None if output.args == (previous,) else "it returns something else than the last part's output"
+
+
 def _record_call_order(net: nn.Module, layout: Any) -> tuple[list[str], list]:
     """Hooks recording the stem, block-list and head children of `net` in the order its forward first calls
     them: (that list, filled as it runs; the hook handles to remove). Nothing for an nn.Sequential, which runs
@@ -263,6 +298,7 @@ def _work_outside_children(net: nn.Module) -> list[str]:
 __all__ = [
     "StageModule",
     "build_plain_stage",
+    "chain_problem",
     "is_pipelined_module",
     "keyword_inputs",
     "join_plain",
