@@ -9,18 +9,19 @@ rank, FSDP2 otherwise) and feeds the planner the shapes FSDP2 really shards (ten
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 
 from lightning_dist import planner, rules
-from lightning_dist.mesh import CP, DP, DP_CP, DP_REPLICATE, DP_SHARD, DP_SHARD_CP, PP, TP, DistMesh
+from lightning_dist.mesh import CP, DP, DP_CP, DP_REPLICATE, DP_SHARD, DP_SHARD_CP, EP, EP_OUTER, PP, TP, DistMesh
 from lightning_dist.precision import precision_flag as lightning_precision_flag
 
-# Preferred names when one group spans several dims (1x4 FSDP: dp_shard == dp): elementary dims first.
-_LABEL_ORDER = (TP, CP, DP_SHARD, DP_REPLICATE, PP, DP_SHARD_CP, DP, DP_CP)
+# Preferred names when one group spans several dims (1x4 FSDP: dp_shard == dp; ep == dp_shard): elementary dims first.
+_LABEL_ORDER = (TP, CP, DP_SHARD, EP, EP_OUTER, DP_REPLICATE, PP, DP_SHARD_CP, DP, DP_CP)
 # torch optimizer class -> planner optimizer name (state tensors per parameter)
 _OPTIMIZERS = {"Adam": "adam", "AdamW": "adamw", "SGD": "sgd"}
 
@@ -43,23 +44,43 @@ class RunLayout:
     """Data-parallel ranks in all."""
 
 
-def group_label(ranks: list[int], *, mesh: DistMesh | None, rank: int, world: int) -> str:
-    """Name of the mesh dim whose group (containing `rank`) has exactly these ranks, else ``world`` / the ranks."""
+def _group_ranks(mesh: DistMesh, rank: int, dim: str, ep: int) -> list[int]:
+    """The ranks of `rank`'s group on `dim`; expert parallelism's ``ep`` (consecutive ranks of ``dp_shard``) and
+    ``dp_shard_mod_ep`` (every ``ep``-th) are cut from the ``dp_shard`` group, as ``DistMesh.expert_meshes`` does."""
+    if dim not in (EP, EP_OUTER):
+        return mesh.spec.group_ranks(rank, dim)
+    shard = mesh.spec.group_ranks(rank, DP_SHARD)
+    at = shard.index(rank)
+    if dim == EP:
+        start = at - at % ep
+        return sorted(shard[start : start + ep])
+    return sorted(shard[at % ep :: ep])
+
+
+def group_label(ranks: list[int], *, mesh: DistMesh | None, rank: int, world: int, ep: int = 1) -> str:
+    """Name of the mesh dim whose group (containing `rank`) has exactly these ranks, else ``world`` / the ranks.
+    ``ep > 1``: expert parallelism's groups are named too (``ep``, ``dp_shard_mod_ep``)."""
     ranks = sorted(ranks)
     if mesh is not None:
         for name in _LABEL_ORDER:
-            if mesh.spec.size(name) > 1 and mesh.spec.group_ranks(rank, name) == ranks:
+            if name in (EP, EP_OUTER):
+                size = {EP: ep, EP_OUTER: mesh.spec.size(DP_SHARD) // ep}[name]
+                if ep == 1 or size == 1:
+                    continue
+            elif mesh.spec.size(name) == 1:
+                continue
+            if _group_ranks(mesh, rank, name, ep) == ranks:
                 return name
     if ranks == list(range(world)):
         return "world"
     return "ranks" + ",".join(map(str, ranks))
 
 
-def dim_label(dim: str, *, mesh: DistMesh | None, rank: int, world: int) -> str:
-    """A planner dim name (``dp``, ``dp_shard``...) as :func:`group_label` names the same group."""
+def dim_label(dim: str, *, mesh: DistMesh | None, rank: int, world: int, ep: int = 1) -> str:
+    """A planner dim name (``dp``, ``dp_shard``, ``ep``...) as :func:`group_label` names the same group."""
     if mesh is None:
-        return "world" if dim in (DP, DP_SHARD, DP_REPLICATE) else dim
-    return group_label(mesh.spec.group_ranks(rank, dim), mesh=mesh, rank=rank, world=world)
+        return "world" if dim in (DP, DP_SHARD, DP_REPLICATE, EP) else dim
+    return group_label(_group_ranks(mesh, rank, dim, ep), mesh=mesh, rank=rank, world=world, ep=ep)
 
 
 def strategy_mesh(strategy: Any) -> DistMesh | None:
@@ -113,7 +134,8 @@ def run_layout(strategy: Any) -> RunLayout | None:
 
 
 def tp_local_shape(param: torch.Tensor) -> tuple[int, ...]:
-    """Shape of the tensor FSDP2 shards: the DTensor's shard on the ``tp`` mesh dim (global shape otherwise)."""
+    """Shape of the tensor FSDP2 shards: the DTensor's shard on the ``tp`` and ``ep`` mesh dims (global shape
+    otherwise)."""
     from torch.distributed.tensor import DTensor, Shard
 
     shape = list(param.shape)
@@ -121,7 +143,7 @@ def tp_local_shape(param: torch.Tensor) -> tuple[int, ...]:
         return tuple(shape)
     mesh = param.device_mesh
     for i, (name, placement) in enumerate(zip(mesh.mesh_dim_names or (), param.placements)):
-        if name == TP and isinstance(placement, Shard):
+        if name in (TP, EP) and isinstance(placement, Shard):
             size, r = mesh.size(i), mesh.get_local_rank(i)
             chunk = -(-shape[placement.dim] // size)  # torch.chunk sizes, as DTensor shards
             shape[placement.dim] = max(0, min(chunk, shape[placement.dim] - r * chunk))
@@ -160,8 +182,11 @@ def _reshards_after_forward(module: nn.Module, has_fsdp_ancestor: bool) -> bool:
         return has_fsdp_ancestor
 
 
-def fsdp_units(module: nn.Module) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
-    """(twice-gathered shapes, once-gathered shapes) of the parameters of the ``fully_shard`` modules.
+def fsdp_units(
+    module: nn.Module, *, select: Callable[[nn.Parameter], bool] | None = None
+) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+    """(twice-gathered shapes, once-gathered shapes) of the parameters of the ``fully_shard`` modules (those
+    `select` accepts, when given).
 
     Under ZeRO-3 a unit is gathered in forward and again in backward; a unit that FSDP2 keeps unsharded after
     forward (the root when ``reshard_after_forward`` was left to FSDP2; every unit at ZeRO-2) once. The
@@ -184,28 +209,71 @@ def fsdp_units(module: nn.Module) -> tuple[list[tuple[int, ...]], list[tuple[int
     visit(module, False)
     twice, once = [], []
     for p in module.parameters():
-        if id(p) in owner:
+        if id(p) in owner and (select is None or select(p)):
             (twice if owner[id(p)] else once).append(tp_local_shape(p))
     return twice, once
 
 
-def planned_memory(trainer: Any, module: nn.Module) -> planner.MemoryBreakdown | None:
-    """``fsdp2_state_bytes`` for this rank's parameters and layout; None when the layout or optimizer is unknown."""
+def ep_degree(strategy: Any) -> int:
+    """The strategy's expert-parallel degree (1: none)."""
+    return int(getattr(strategy, "ep", 1) or 1)
+
+
+def expert_param_ids(module: nn.Module) -> set[int]:
+    """Ids of the parameters of the experts modules expert parallelism split (``parallelize.ep.apply_ep``)."""
+    from lightning_dist.parallelize.ep import GLOBAL_EXPERTS_KEY
+
+    return {id(p) for m in module.modules() if GLOBAL_EXPERTS_KEY in m.__dict__ for p in m.parameters(recurse=False)}
+
+
+def planned_memory(
+    trainer: Any, module: nn.Module
+) -> tuple[planner.MemoryBreakdown, planner.MemoryBreakdown | None] | None:
+    """(all model states, the routed experts' part or None without ep) this rank holds, as ``fsdp2_state_bytes``
+    (under ep: :func:`lightning_dist.planner.ep_state_bytes_exact`) for its parameters and layout, a frozen parameter
+    without gradient or optimizer state; None when the layout or optimizer is unknown."""
     layout = run_layout(trainer.strategy)
     opt = optimizer_name(list(trainer.optimizers))
-    if layout is None or opt is None or _expert_parallel(trainer.strategy):
+    if layout is None or opt is None:
         return None
     state = planner.state_bytes(precision=precision_flag(trainer), optimizer=opt)
-    shapes = [tp_local_shape(p) for p in module.parameters()]
-    return planner.fsdp2_state_bytes(
-        shapes, shard_size=layout.shard_size, rank=layout.shard_rank, state=state, zero_stage=layout.zero_stage
+    ep = ep_degree(trainer.strategy)
+    if ep > 1 and layout.mode != "fsdp":
+        return None  # ep runs with FSDP2 only (the strategies refuse the rest)
+    experts = expert_param_ids(module) if ep > 1 else set()
+
+    def states(trainable: bool) -> tuple[planner.MemoryBreakdown, planner.MemoryBreakdown | None]:
+        params = [p for p in module.parameters() if p.requires_grad == trainable or layout.zero_stage == 1]
+        if ep > 1:
+            return planner.ep_state_bytes_exact(
+                [tp_local_shape(p) for p in params if id(p) not in experts],
+                [tuple(p.shape) for p in params if id(p) in experts],
+                shard_size=layout.shard_size,
+                ep=ep,
+                shard_rank=layout.shard_rank,
+                state=state,
+            )
+        shapes = [tp_local_shape(p) for p in params]
+        kw = dict(shard_size=layout.shard_size, rank=layout.shard_rank, state=state, zero_stage=layout.zero_stage)
+        return planner.fsdp2_state_bytes(shapes, **kw), None
+
+    if layout.zero_stage == 1:  # ZeroRedundancyOptimizer partitions every parameter it was given, frozen ones too
+        total, _ = states(True)
+        return total, None
+    trained, frozen = states(True), states(False)
+    parts = [(trained[i], frozen[i]) for i in range(2) if trained[i] is not None]
+    merged = [
+        planner.MemoryBreakdown(params=t.params + f.params, grads=t.grads, optimizer=t.optimizer) for t, f in parts
+    ]
+    if ep == 1:
+        return merged[0], None
+    dense, routed = merged
+    total = planner.MemoryBreakdown(
+        params=dense.params + routed.params,
+        grads=dense.grads + routed.grads,
+        optimizer=dense.optimizer + routed.optimizer,
     )
-
-
-def _expert_parallel(strategy: Any) -> bool:
-    """Expert parallelism: experts sharded over ep and tokens exchanged are not in the planner yet: no plan rather
-    than a wrong one (the measured rows stand alone)."""
-    return getattr(strategy, "ep", 1) > 1
+    return total, routed
 
 
 def planned_places(strategy: Any) -> dict[str, str]:
@@ -227,16 +295,21 @@ def planned_places(strategy: Any) -> dict[str, str]:
 
 
 def planned_traffic(
-    trainer: Any, module: nn.Module, *, activation: dict | None = None
+    trainer: Any, module: nn.Module, *, activation: dict | None = None, routing: list[dict] | None = None
 ) -> list[planner.Collective] | None:
     """The planner's collectives per step for this run (data-parallel, plus tensor-parallel activations when
     `activation` = ``{"batch", "seq", "hidden", "bytes", "blocks", "row_parallel_per_block"}`` is known; under
-    context parallelism also ``"cp_network"`` and ``"block_lists"``, for the all-to-alls)."""
+    context parallelism also ``"cp_network"`` and ``"block_lists"``, for the all-to-alls). Under expert parallelism
+    `routing` gives the step's exchange: per kind of experts module ``{"experts", "hidden", "bytes", "calls", "rows",
+    "received"}`` (forwards, rows sent and rows received per step); without it, no plan."""
     layout = run_layout(trainer.strategy)
     mesh = strategy_mesh(trainer.strategy)
-    if layout is None or (mesh is not None and mesh.size(PP) > 1) or _expert_parallel(trainer.strategy):
+    ep = ep_degree(trainer.strategy)
+    if layout is None or (mesh is not None and mesh.size(PP) > 1):
         # pipeline: stage-boundary activations and per-micro-batch gathers are not predicted here
         return None
+    if ep > 1 and (routing is None or layout.mode != "fsdp"):
+        return None  # the all-to-alls need the step's routing: no plan rather than one without them
     cp = mesh.cp_size if mesh is not None else 1
     attention_traffic = None
     if cp > 1 and activation is not None and activation.get("cp_network") is not None:
@@ -263,7 +336,8 @@ def planned_traffic(
             num, state=state, zero_stage=layout.zero_stage, shard_size=layout.dp_size, replicate_size=1
         )
     elif layout.mode == "fsdp":
-        twice, once = fsdp_units(module)
+        experts = expert_param_ids(module) if ep > 1 else set()
+        twice, once = fsdp_units(module, select=lambda p: id(p) not in experts)
         # zero_stage=3 here: which units gather twice was read off FSDP2 itself (ZeRO-2 ones are in `once`)
         out += planner.fsdp2_traffic(
             twice,
@@ -272,8 +346,35 @@ def planned_traffic(
             replicate_size=layout.replicate_size,
             state=state,
             zero_stage=3,
-            frozen_shapes=[tp_local_shape(p) for p in module.parameters() if not p.requires_grad],
+            frozen_shapes=[
+                tp_local_shape(p) for p in module.parameters() if not p.requires_grad and id(p) not in experts
+            ],
         )
+        if experts:  # each rank's E / ep experts: their own FSDP2 mesh, dp_replicate x dp_shard / ep
+            twice, once = fsdp_units(module, select=lambda p: id(p) in experts)
+            sharded = planner.fsdp2_traffic(
+                twice,
+                root_shapes=once,
+                shard_size=layout.shard_size // ep,
+                replicate_size=layout.replicate_size,
+                state=state,
+                zero_stage=3,
+                frozen_shapes=[
+                    tp_local_shape(p) for p in module.parameters() if not p.requires_grad and id(p) in experts
+                ],
+            )
+            # FSDP2 runs no collective over one rank
+            out += [replace(c, dim=EP_OUTER) if c.dim == DP_SHARD else c for c in sharded if c.group_size > 1]
+            for r in routing or ():
+                out += planner.ep_all_to_all(
+                    rows=r["rows"] / r["calls"],
+                    received=r["received"] / r["calls"],
+                    hidden=r["hidden"],
+                    bytes_per_element=r["bytes"],
+                    experts=r["experts"],
+                    ep=ep,
+                    layers=r["calls"],
+                )
     out = planner.with_cp_dims(out, cp)  # FSDP2 over dp_shard x cp
     out += attention_traffic or []
     if activation is not None and mesh is not None and mesh.size(TP) > 1:

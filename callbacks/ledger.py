@@ -117,21 +117,23 @@ class CollectiveRecorder(TorchDispatchMode):
             return
         self.calls.append((op, self._group_ranks(group), nbytes))
 
-    def totals(self, *, mesh: Any, rank: int, world: int) -> dict[tuple[str, str], list[int]]:
+    def totals(self, *, mesh: Any, rank: int, world: int, ep: int = 1) -> dict[tuple[str, str], list[int]]:
         """``{(op, dim): [calls, payload bytes]}`` of the recorded calls, each group named by the mesh dim whose
-        group it is (:func:`~lightning_dist.callbacks._planned.group_label`: ``tp``, ``dp_shard``... else
-        ``world`` or its ranks). ``mesh``: the strategy's :class:`~lightning_dist.mesh.DistMesh` or None."""
+        group it is (:func:`~lightning_dist.callbacks._planned.group_label`: ``tp``, ``dp_shard``, with `ep` > 1
+        ``ep``... else ``world`` or its ranks). ``mesh``: the strategy's :class:`~lightning_dist.mesh.DistMesh` or
+        None."""
         out: dict[tuple[str, str], list[int]] = {}
         for op, ranks, nbytes in self.calls:
-            entry = out.setdefault((op, _planned.group_label(list(ranks), mesh=mesh, rank=rank, world=world)), [0, 0])
+            label = _planned.group_label(list(ranks), mesh=mesh, rank=rank, world=world, ep=ep)
+            entry = out.setdefault((op, label), [0, 0])
             entry[0] += 1
             entry[1] += nbytes
         return out
 
-    def group_sizes(self, *, mesh: Any, rank: int, world: int) -> dict[str, int]:
+    def group_sizes(self, *, mesh: Any, rank: int, world: int, ep: int = 1) -> dict[str, int]:
         """Ranks in each group label of :meth:`totals`."""
         return {
-            _planned.group_label(list(ranks), mesh=mesh, rank=rank, world=world): len(ranks)
+            _planned.group_label(list(ranks), mesh=mesh, rank=rank, world=world, ep=ep): len(ranks)
             for _, ranks, _ in self.calls
         }
 
@@ -163,7 +165,8 @@ class CommunicationLedger(Callback):
         skip_steps: first steps left out of the per-step mean (still logged), e.g. one-time broadcasts.
         planned: the planner's collectives to compare against; ``"auto"`` derives them from the strategy
             (DDP/replicate, ZeRO-1, FSDP2 and HSDP exactly, plus tensor-parallel block activations measured
-            from the first block's input); None for no comparison.
+            from the first block's input; under expert parallelism the all-to-alls from the rows each step's
+            routing sent and received, :func:`lightning_dist.planner.ep_all_to_all`); None for no comparison.
         log: log per-step totals through ``pl_module.log``.
         print_table: print the rank-0 table at the end of fit.
     """
@@ -194,6 +197,11 @@ class CommunicationLedger(Callback):
         """Filled at the end of fit on every rank: one row per (op, dim) with measured and planned bytes."""
         self.group_sizes: dict[str, int] = {}
         """Ranks in each group label seen."""
+        self.routing: list[dict[tuple[int, int, int], list[int]]] = []
+        """Under expert parallelism, per optimizer step: {(experts, hidden, bytes per element): [forwards, rows sent,
+        rows received]} of this rank's experts modules (the exchange the plan is computed from)."""
+        self._routing_pending: dict[tuple[int, int, int], list[int]] = {}
+        self._expert_hooks: list[Any] = []
         self._recorder: CollectiveRecorder | None = None
         self._pending: dict[tuple[str, str], list[int]] = {}
         self._step_at_start = 0
@@ -206,9 +214,35 @@ class CommunicationLedger(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.steps, self.summary, self._activation, self._pending, self.group_sizes = [], [], None, {}, {}
+        self.routing, self._routing_pending = [], {}
         mesh = _planned.strategy_mesh(trainer.strategy)
         if mesh is not None and (mesh.size("tp") > 1 or mesh.cp_size > 1):
             self._watch_activation(trainer, pl_module)
+        if _planned.ep_degree(trainer.strategy) > 1:
+            self._watch_routing(pl_module)
+
+    def _watch_routing(self, pl_module: pl.LightningModule) -> None:
+        """Count, per forward of each experts module expert parallelism split, the rows this rank sent (its tokens x
+        top_k) and the rows its experts received: the all-to-alls' sizes under the routing the step had."""
+        from lightning_dist.parallelize.ep import GLOBAL_EXPERTS_KEY
+
+        def hook(module, args, out):
+            if self._recorder is None:
+                return  # a forward outside a training step
+            hidden, index = args[0], args[1]
+            state = module.__dict__[GLOBAL_EXPERTS_KEY]
+            entry = self._routing_pending.setdefault(
+                (state["experts"], hidden.shape[-1], hidden.element_size()), [0, 0, 0]
+            )
+            entry[0] += 1
+            entry[1] += index.numel()
+            entry[2] += int(state["arrived"])  # set by this forward's exchange of the per-expert counts
+
+        for h in self._expert_hooks:
+            h.remove()
+        self._expert_hooks = [
+            m.register_forward_hook(hook) for m in pl_module.modules() if GLOBAL_EXPERTS_KEY in m.__dict__
+        ]
 
     def _watch_activation(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Measure the block input (batch, seq, hidden, dtype) once, for the tensor- and context-parallel
@@ -282,8 +316,9 @@ class CommunicationLedger(Callback):
         rec, self._recorder = self._recorder, None
         rec.__exit__(None, None, None)
         mesh, rank, world = self._where(trainer)
-        self.group_sizes.update(rec.group_sizes(mesh=mesh, rank=rank, world=world))
-        for key, (count, nbytes) in rec.totals(mesh=mesh, rank=rank, world=world).items():
+        ep = _planned.ep_degree(trainer.strategy)
+        self.group_sizes.update(rec.group_sizes(mesh=mesh, rank=rank, world=world, ep=ep))
+        for key, (count, nbytes) in rec.totals(mesh=mesh, rank=rank, world=world, ep=ep).items():
             entry = self._pending.setdefault(key, [0, 0])
             entry[0] += count
             entry[1] += nbytes
@@ -291,6 +326,8 @@ class CommunicationLedger(Callback):
             return  # gradient accumulation: the optimizer step (and the ledger's step) is not over yet
         step, self._pending = self._pending, {}
         self.steps.append(step)
+        self.routing.append(self._routing_pending)
+        self._routing_pending = {}
         if self.log_figures:
             pl_module.log("comm/bytes", float(sum(v[1] for v in step.values())), on_step=True, on_epoch=False)
             for (op, dim), (_, nbytes) in step.items():
@@ -322,6 +359,20 @@ class CommunicationLedger(Callback):
                 out[key][1] += nbytes / len(steps)
         return {k: (v[0], v[1]) for k, v in out.items()}
 
+    def routing_per_step(self) -> list[dict[str, Any]]:
+        """Mean per step (the steps of :meth:`per_step`) of :attr:`routing`, one entry per kind of experts module:
+        ``{"experts", "hidden", "bytes", "calls", "rows", "received"}`` (what ``planned_traffic`` takes)."""
+        steps = self.routing[self.skip_steps :] or self.routing
+        out: dict[tuple[int, int, int], list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
+        for step in steps:
+            for key, values in step.items():
+                for i, v in enumerate(values):
+                    out[key][i] += v / len(steps)
+        return [
+            {"experts": e, "hidden": h, "bytes": b, "calls": c, "rows": rows, "received": recv}
+            for (e, h, b), (c, rows, recv) in out.items()
+        ]
+
     def _planned_rows(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[tuple[str, str], float] | None:
         if self.planned_arg is None:
             return None
@@ -329,24 +380,30 @@ class CommunicationLedger(Callback):
             activation = (
                 None if self._activation is None else {**self._activation, "gathered": list(self._gathered.values())}
             )
-            collectives = _planned.planned_traffic(trainer, pl_module, activation=activation)
+            collectives = _planned.planned_traffic(
+                trainer, pl_module, activation=activation, routing=self.routing_per_step() or None
+            )
             if collectives is None:
                 return None
         else:
             collectives = list(self.planned_arg)
         mesh, rank, world = self._where(trainer)
+        ep = _planned.ep_degree(trainer.strategy)
         out: dict[tuple[str, str], float] = defaultdict(float)
         for c in collectives:
             # the recorder counts each side of a point-to-point transfer; a send_recv's payload is what one rank
             # sends, and it receives as many bytes (activations in, their gradients back)
             for op in ("send", "recv") if c.op == "send_recv" else (c.op,):
-                out[(op, _planned.dim_label(c.dim, mesh=mesh, rank=rank, world=world))] += c.payload_bytes
+                out[(op, _planned.dim_label(c.dim, mesh=mesh, rank=rank, world=world, ep=ep))] += c.payload_bytes
         return dict(out)
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._hook is not None:
             self._hook.remove()
+        for h in self._expert_hooks:
+            h.remove()
+        self._expert_hooks = []
         measured = self.per_step()
         planned = self._planned_rows(trainer, pl_module) or {}
         keys = sorted(set(measured) | set(planned))

@@ -15,7 +15,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_dist.callbacks import _planned
-from lightning_dist.measure import cuda_memory, model_state_bytes, model_state_places, placement_mismatches
+from lightning_dist.measure import (
+    cuda_memory,
+    local_bytes,
+    model_state_bytes,
+    model_state_places,
+    placement_mismatches,
+)
 from lightning_dist.parallelize.ac import offloaded_bytes
 
 _PARTS = ("params", "grads", "optimizer", "total")
@@ -30,6 +36,22 @@ def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
     return int(rss if sys.platform == "darwin" else rss * 1024), "process max RSS"
 
 
+def _expert_state_bytes(module: torch.nn.Module, optimizers: list[Any]) -> dict[str, int]:
+    """The part of :func:`~lightning_dist.measure.model_state_bytes` held by the routed experts expert parallelism
+    split (their local shards, gradients and optimizer state)."""
+    ids = _planned.expert_param_ids(module)
+    params = [p for p in module.parameters() if id(p) in ids]
+    states = [getattr(o, "_optimizer", o).state.get(p, {}) for o in optimizers for p in params]
+    out = {
+        "params": sum(local_bytes(p) for p in params),
+        "grads": sum(local_bytes(p.grad) for p in params if p.grad is not None),
+        "optimizer": sum(
+            local_bytes(v) for st in states for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0
+        ),
+    }
+    return {**out, "total": sum(out.values())}
+
+
 class MemoryReport(Callback):
     """Per rank: model-state bytes of the live tensors vs the planner, and peak memory.
 
@@ -37,9 +59,10 @@ class MemoryReport(Callback):
     excluded), measured with :func:`lightning_dist.measure.model_state_bytes` after each optimizer step
     (gradients still present) and kept from the last step. Planned = :func:`lightning_dist.planner.fsdp2_state_bytes`
     for the actual parameter shapes (tensor-parallel local shapes), mesh, ZeRO stage, precision and optimizer
-    (Adam/AdamW/SGD); "-" when the strategy or optimizer is one the planner cannot place. Peak memory is CUDA's
-    max allocated on a GPU, the process's max RSS on CPU (it includes the Python runtime, so it is no
-    model-state figure). Logs ``memory/model_state_bytes``, ``memory/planned_bytes`` and ``memory/peak_bytes``
+    (Adam/AdamW/SGD); "-" when the strategy or optimizer is one the planner cannot place. Under expert parallelism
+    the routed experts' part is shown too, measured and planned (:func:`lightning_dist.planner.ep_state_bytes_exact`).
+    Peak memory is CUDA's max allocated on a GPU, the process's max RSS on CPU (it includes the Python runtime, so it
+    is no model-state figure). Logs ``memory/model_state_bytes``, ``memory/planned_bytes`` and ``memory/peak_bytes``
     per step and prints a rank-0 table at the end of fit.
 
     Placement is measured too: the bytes of each state by where its tensors live (``tensor.device``: the
@@ -90,10 +113,15 @@ class MemoryReport(Callback):
         """This rank's bytes of each state by where they live (``{"params": {"device": .., "host": ..}, ...}``)."""
         self.offloaded: int | None = None
         """Activation bytes this rank's blocks moved to host memory in the last forward (None: no offload)."""
+        self.measured_experts: dict[str, int] | None = None
+        """Under expert parallelism: the routed experts' part of :attr:`measured` (None without ep)."""
+        self.planned_experts: dict[str, float] | None = None
+        """Under expert parallelism: the routed experts' part of :attr:`planned`."""
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.measured = self.planned = self.peak = self.places = self.offloaded = self.step_peak = None
+        self.measured_experts = self.planned_experts = None
         self.rows = []
 
     @override
@@ -141,9 +169,13 @@ class MemoryReport(Callback):
         self.places = model_state_places(pl_module, trainer.optimizers)
         self.peak = peak_memory_bytes(trainer.strategy.root_device)
         self.offloaded = offloaded_bytes(pl_module)
+        if _planned.ep_degree(trainer.strategy) > 1:
+            self.measured_experts = _expert_state_bytes(pl_module, trainer.optimizers)
         if self.planned is None:
             planned = _planned.planned_memory(trainer, pl_module)
-            self.planned = planned.to_dict() if planned is not None else None
+            if planned is not None:
+                self.planned = planned[0].to_dict()
+                self.planned_experts = planned[1].to_dict() if planned[1] is not None else None
         if self.log_figures:
             pl_module.log("memory/model_state_bytes", float(self.measured["total"]), on_step=True, on_epoch=False)
             pl_module.log("memory/peak_bytes", float(self.peak[0]), on_step=True, on_epoch=False)
@@ -169,6 +201,15 @@ class MemoryReport(Callback):
             "activation_checkpointing": getattr(trainer.strategy, "activation_checkpointing", False),
             "offloaded_activation_bytes": self.offloaded,
             "step_peak": self.step_peak,
+            "experts": None
+            if self.measured_experts is None
+            else {
+                "measured": self.measured_experts,
+                "planned": self.planned_experts,
+                "ratio": self.measured_experts["total"] / self.planned_experts["total"]
+                if self.planned_experts and self.planned_experts["total"]
+                else None,
+            },
         }
         device = trainer.strategy.root_device
         planned_places = _planned.planned_places(trainer.strategy)
@@ -206,6 +247,7 @@ def format_memory(rows: list[dict[str, Any]], *, title: str = "Model-state bytes
     from rich.table import Table
 
     table = Table(title=title)
+    with_experts = any(r.get("experts") for r in rows)  # expert parallelism: the routed experts' part, and its plan
     for col in (
         "rank",
         "params B",
@@ -214,6 +256,7 @@ def format_memory(rows: list[dict[str, Any]], *, title: str = "Model-state bytes
         "total B",
         "planned B",
         "measured/planned",
+        *(("experts B (planned, ratio)",) if with_experts else ()),
         "host B (planned places)",
         "AC / offloaded act. B",
         "peak B",
@@ -231,11 +274,17 @@ def format_memory(rows: list[dict[str, Any]], *, title: str = "Model-state bytes
             step = r["step_peak"]
             peak += f"; step MemTracker {step['peak_total_bytes']:,} (act. {step['peak_activation_bytes']:,})"
         ac, off = r.get("activation_checkpointing") or "none", r.get("offloaded_activation_bytes")
+        ex = r.get("experts")
+        experts = "-"
+        if ex is not None:
+            experts = f"{ex['measured']['total']:,}"
+            experts += "" if ex["planned"] is None else f" ({ex['planned']['total']:,.0f}, {ex['ratio']:.3f})"
         table.add_row(
             str(r["rank"]),
             *(f"{m[k]:,}" for k in _PARTS),
             "-" if p is None else f"{p['total']:,.0f}",
             "-" if r["ratio"] is None else f"{r['ratio']:.3f}",
+            *((experts,) if with_experts else ()),
             f"{host:,} ({where})" + (" MISMATCH" if r.get("mismatches") else ""),
             f"{ac} / {'-' if off is None else f'{off:,}'}",
             peak,

@@ -47,6 +47,9 @@ def _add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     src.add_argument("--config", metavar="YAML", help="LightningCLI config with model.class_path / model.init_args")
     src.add_argument("--params", metavar="N", help="parameter count instead of a model, e.g. 1.5e9, 1.5B, 125M")
+    src.add_argument(
+        "--hf-config", metavar="JSON", help="a transformers config.json (or its folder): the causal LM it describes"
+    )
     p.add_argument("--init-args", metavar="JSON", default=None, help="keyword arguments of --model as a JSON object")
     p.add_argument("--world-size", type=int, required=True, help="number of processes (devices)")
     p.add_argument("--devices-per-node", type=int, default=None, help="devices per node (default: the world size)")
@@ -101,28 +104,72 @@ def _add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         metavar="MODE",
         help="activations kept per block: none (default), full, selective or every:N",
     )
+    moe = p.add_argument_group(
+        "mixtures of experts",
+        "expert-parallel (ep) layouts: read off a model's experts modules and config, or given here (these override)",
+    )
+    moe.add_argument("--experts", type=int, default=None, help="routed experts per MoE layer")
+    moe.add_argument("--top-k", type=int, default=None, help="experts each token is routed to")
+    moe.add_argument(
+        "--expert-params",
+        metavar="N",
+        default=None,
+        help="routed-expert parameters of all layers (with --params; the MoE layers are --layers)",
+    )
     p.add_argument("--json", action="store_true", help="print machine-readable JSON instead of the table")
     p.add_argument("--plot", metavar="FILE.png", default=None, help="save a stacked bar chart of memory per device")
     return p
 
 
 def _plan_counts(args: argparse.Namespace):
+    """(parameter counts, label, :class:`~lightning_dist.planner.MoEShape` or None) of the model to plan."""
     from lightning_dist import inputs, planner
 
     if args.params is not None:
         if args.init_args is not None:
             raise ValueError("--init-args goes with --model; --params takes a plain count.")
-        return planner.ParamCounts(total=inputs.parse_count(args.params)), f"{args.params} parameters"
+        counts = planner.ParamCounts(total=inputs.parse_count(args.params))
+        return counts, f"{args.params} parameters", _given_moe(args)
+    if args.expert_params is not None:
+        raise ValueError("--expert-params goes with --params; a model's expert parameters are counted from it.")
     if args.config is not None:
         if args.init_args is not None:
             raise ValueError("--init-args goes with --model; with --config the init args come from the YAML.")
         class_path, init_args = inputs.model_spec_from_config(args.config)
+        model = inputs.build_meta_model(class_path, init_args)
+    elif args.hf_config is not None:
+        if args.init_args is not None:
+            raise ValueError("--init-args goes with --model; --hf-config describes the model itself.")
+        class_path, model = args.hf_config, inputs.build_meta_hf_model(args.hf_config)
     else:
         class_path, init_args = args.model, args.init_args
+        model = inputs.build_meta_model(class_path, init_args)
     from lightning_dist.parallelize.counts import count_params  # the runtime's split of the model
 
-    model = inputs.build_meta_model(class_path, init_args)
-    return count_params(model), class_path
+    spec = inputs.moe_spec(model, experts=args.experts, top_k=args.top_k)
+    if spec is None and (args.experts is not None or args.top_k is not None):
+        raise ValueError(f"--experts / --top-k given, but {class_path} has no experts module to plan them for.")
+    return count_params(model), class_path, planner.MoEShape(**spec) if spec is not None else None
+
+
+def _given_moe(args: argparse.Namespace):
+    """The :class:`~lightning_dist.planner.MoEShape` of ``--params`` with ``--experts`` (None without)."""
+    from lightning_dist import inputs, planner
+
+    given = {"--experts": args.experts, "--top-k": args.top_k, "--expert-params": args.expert_params}
+    if all(v is None for v in given.values()):
+        return None
+    given.update({"--hidden-size": args.hidden_size, "--layers": args.layers})
+    missing = [k for k, v in given.items() if v is None]
+    if missing:
+        raise ValueError(f"With --params, a mixture of experts needs {', '.join(missing)} too (--layers: MoE layers).")
+    return planner.MoEShape(
+        experts=args.experts,
+        top_k=args.top_k,
+        hidden=args.hidden_size,
+        layers=args.layers,
+        expert_params=inputs.parse_count(args.expert_params),
+    )
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -136,7 +183,7 @@ def run_plan(args: argparse.Namespace) -> int:
     )
     device_memory = inputs.parse_bytes(args.device_memory) if args.device_memory is not None else None
     activation = _activation_shape(args, state)
-    counts, label = _plan_counts(args)
+    counts, label, moe = _plan_counts(args)
     layouts = planner.candidate_layouts(
         counts,
         world_size=args.world_size,
@@ -157,6 +204,17 @@ def run_plan(args: argparse.Namespace) -> int:
         schedule=args.schedule,
     )
     best = planner.recommend(layouts)
+    ep = None
+    if moe is not None:
+        ep = planner.ep_layouts(
+            counts.total,
+            moe,
+            world_size=args.world_size,
+            state=state,
+            tokens=args.batch_size * args.seq_len if args.batch_size is not None else None,
+            bytes_per_element=state.gather,
+            device_memory=device_memory,
+        )
     if args.json:
         print(
             json.dumps(
@@ -171,12 +229,23 @@ def run_plan(args: argparse.Namespace) -> int:
                     "layouts": [layout.to_dict() for layout in layouts],
                     "recommended": best.name if best else None,
                     "recommendation": _recommendation(best, args),
+                    **(
+                        {}
+                        if moe is None
+                        else {
+                            "moe": dataclasses.asdict(moe),
+                            "routing": planner.UNIFORM_ROUTING,
+                            "ep_layouts": [layout.to_dict() for layout in ep or ()],
+                        }
+                    ),
                 },
                 indent=2,
             )
         )
     else:
         _print_plan(layouts, best, label=label, counts=counts, state=state, device_memory=device_memory, args=args)
+        if moe is not None:
+            _print_ep(ep or [], moe, state=state, device_memory=device_memory, args=args)
     if args.plot:
         _plot_plan(layouts, best, path=args.plot, device_memory=device_memory, title=label)
         if not args.json:
@@ -278,6 +347,75 @@ def _print_plan(layouts, best, *, label, counts, state, device_memory, args) -> 
     console = Console() if sys.stdout.isatty() else Console(width=140)  # pipes/files: don't squeeze to 80 columns
     console.print(table)
     console.print(_recommendation(best, args), soft_wrap=True)
+
+
+def _print_ep(layouts, moe, *, state, device_memory, args) -> None:
+    """The expert-parallel layouts: states per rank (dense, routed experts) and the all-to-all bytes per MoE layer."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from lightning_dist.planner import UNIFORM_ROUTING
+
+    console = Console() if sys.stdout.isatty() else Console(width=140)
+    head = (
+        f"Mixture of experts: {moe.experts} experts per layer, top-{moe.top_k}, {moe.layers} MoE layers,"
+        f" {moe.expert_params:,} expert parameters, hidden {moe.hidden}"
+    )
+    if not layouts:
+        console.print(f"{head}: no ep layout (ep must divide dp_shard and {moe.experts}).", soft_wrap=True)
+        return
+    scale, unit = _unit(max(max(lay.total for lay in layouts), device_memory or 0))
+    counted = args.batch_size is not None
+    tokens = args.batch_size * args.seq_len if counted else None
+    table = Table(
+        title=f"{head}; memory in {unit}, traffic in bytes",
+        caption="ep layouts (FSDP2 / HSDP with ep=): each group of ep consecutive dp_shard ranks holds every expert"
+        " once, E/ep per rank, FSDP2-sharded over the dp_shard/ep ranks left. a2a/layer: all-to-all payload per MoE"
+        " layer and step (counts + dispatch + combine, forward; both again in backward); a2a wire: what one rank sends"
+        " per step, all layers; fsdp wire: FSDP2's gathers and reduce-scatters per step.",
+    )
+    for col in (
+        "layout",
+        "rep x shard x ep",
+        "experts/rank",
+        "experts",
+        "dense",
+        "device",
+        "a2a/layer",
+        "a2a wire",
+        "fsdp wire",
+        "fits",
+    ):
+        table.add_column(col, justify="left" if col in ("layout", "rep x shard x ep") else "right")
+    for lay in layouts:
+        per_layer = sum(c.payload_bytes for c in lay.per_layer)
+        table.add_row(
+            lay.name,
+            f"{lay.dp_replicate}x{lay.dp_shard}x{lay.ep}",
+            str(lay.experts_per_rank),
+            f"{lay.experts.total / scale:.3g}",
+            f"{lay.dense.total / scale:.3g}",
+            f"{lay.total / scale:.3g}",
+            f"{per_layer:,.0f}" if counted else "-",
+            f"{sum(c.wire_bytes for c in lay.all_to_all):,.0f}" if counted else "-",
+            f"{sum(c.wire_bytes for c in lay.fsdp):,.0f}",
+            "-" if lay.fits is None else ("yes" if lay.fits else "no"),
+        )
+    console.print(table)
+    a = state.gather
+    if counted:
+        rows = tokens * moe.top_k
+        console.print(
+            f"All-to-all per MoE layer and step on each rank, assuming {UNIFORM_ROUTING}: counts 8 x {moe.experts}"
+            f" B; dispatch and combine {rows:,} rows x {moe.hidden} x {a:g} B each = {rows * moe.hidden * a:,.0f} B"
+            f" (N = {tokens:,} tokens per rank x top-{moe.top_k}); the backward sends both again.",
+            soft_wrap=True,
+        )
+    else:
+        console.print(
+            "All-to-all bytes not counted: give --batch-size, --seq-len (tokens per rank) and --hidden-size.",
+            soft_wrap=True,
+        )
 
 
 def _plot_plan(layouts, best, *, path: str, device_memory: float | None, title: str) -> None:

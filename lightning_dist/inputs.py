@@ -175,6 +175,85 @@ def model_spec_from_config(path: str) -> tuple[str, dict[str, Any]]:
     return str(model["class_path"]), dict(model.get("init_args") or {})
 
 
+def build_meta_hf_model(path: str) -> "nn.Module":
+    """A transformers causal LM built from its ``config.json`` (a file, or a folder holding one) on the meta device."""
+    import os
+
+    import torch
+
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    try:
+        with open(file) as f:
+            values = json.load(f)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{file}: not a JSON config ({err}).") from err
+    if not isinstance(values, dict) or "model_type" not in values:
+        raise ValueError(f"{file}: expected a transformers config.json with a `model_type`.")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(values.pop("model_type"), **values)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+# transformers' names for the routed experts of each MoE layer (Qwen-MoE / Mixtral / DeepSeek) and for top-k
+_HF_EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts")
+_HF_TOP_K = ("num_experts_per_tok",)
+
+
+def moe_spec(model: "nn.Module", *, experts: int | None = None, top_k: int | None = None) -> dict[str, Any] | None:
+    """What expert parallelism's plan needs of `model` (the arguments of ``planner.MoEShape``), or None when it is no
+    mixture of experts: the experts modules expert parallelism splits (``parallelize.ep.find_experts``: their number
+    is the MoE layers, their parameters the expert parameters, their leading size E), top-k from a transformers
+    config's ``num_experts_per_tok`` or the module holding the experts (the pack's ``MoE.top_k``), the hidden size from
+    the config (``hidden_size``; the pack's ``n_embd``). `experts` / `top_k` override what is read."""
+    from lightning_dist.parallelize.ep import expert_count, find_experts
+
+    found = find_experts(model)
+    config = next(
+        (
+            m.config
+            for m in model.modules()
+            if any(hasattr(getattr(m, "config", None), k) for k in ("hidden_size", "n_embd"))
+        ),
+        None,
+    )
+    read = {k: getattr(config, k) for k in (*_HF_EXPERTS, *_HF_TOP_K) if isinstance(getattr(config, k, None), int)}
+    if not found:
+        if experts is not None or any(k in read for k in _HF_EXPERTS):
+            raise ValueError(
+                f"{type(model).__name__} has no experts module the pack can read (3-D parameters with the expert first"
+                " and a forward (hidden, top_k_index, top_k_weights)): its expert parameters cannot be counted. Plan"
+                " with --params, --expert-params, --experts, --top-k, --hidden-size and --layers instead."
+            )
+        return None
+    sizes = {expert_count(m) for _, m in found}
+    if experts is None:
+        experts = sizes.pop() if len(sizes) == 1 else next((read[k] for k in _HF_EXPERTS if k in read), None)
+    if top_k is None:
+        top_k = next((read[k] for k in _HF_TOP_K if k in read), None)
+    if top_k is None:
+        holders = {n.rpartition(".")[0] for n, _ in found}
+        ks = {getattr(m, "top_k", None) for n, m in model.named_modules() if n in holders}
+        top_k = ks.pop() if len(ks) == 1 and None not in ks else None
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
+    missing = [name for name, v in (("--experts", experts), ("--top-k", top_k), ("--hidden-size", hidden)) if v is None]
+    if missing:
+        raise ValueError(
+            f"{type(model).__name__} is a mixture of experts, but {', '.join(missing)} could not be read off it:"
+            " give them."
+        )
+    shapes = tuple(tuple(p.shape) for _, m in found for p in m.parameters(recurse=False))
+    return {
+        "experts": int(experts),
+        "top_k": int(top_k),
+        "hidden": int(hidden),
+        "layers": len(found),
+        "expert_params": sum(math.prod(s) for s in shapes),
+        "expert_shapes": shapes if all(s[0] == experts for s in shapes) else (),
+    }
+
+
 # ---- sizes and counts ---------------------------------------------------------------------------------
 def parse_bytes(text: str | int | float) -> int:
     """``"80GB"`` (1e9), ``"24GiB"`` (2**30), ``"512MiB"``, ``"1.5TB"`` or a plain byte count -> bytes."""

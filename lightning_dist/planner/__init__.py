@@ -20,6 +20,7 @@ Modules
 :mod:`~lightning_dist.planner.shards`       exact FSDP2 dim-0 shards and ZeroRedundancyOptimizer partitions
 :mod:`~lightning_dist.planner.traffic`      collectives per step (payload and ring wire bytes), pipeline bubble
 :mod:`~lightning_dist.planner.activations`  peak activation bytes of transformer blocks
+:mod:`~lightning_dist.planner.experts`      expert parallelism: states per rank, all-to-all bytes, ep layouts
 :mod:`~lightning_dist.planner.model`        what the planner knows of a model (:class:`ParamCounts`)
 :mod:`~lightning_dist.planner.layouts`      candidate layouts, their activation memory, the recommendation,
                                              auto_parallel's ranking
@@ -33,6 +34,18 @@ with them live in :mod:`lightning_dist.rules`. A module's counts come from
 from __future__ import annotations
 
 from lightning_dist.planner.activations import BlockShape, activation_bytes, check_checkpointed
+from lightning_dist.planner.experts import (
+    UNIFORM_ROUTING,
+    EPLayout,
+    MoEShape,
+    ep_all_to_all,
+    ep_degrees,
+    ep_fsdp_traffic,
+    ep_layouts,
+    ep_local_shape,
+    ep_state_bytes,
+    ep_state_bytes_exact,
+)
 from lightning_dist.planner.layouts import (
     AUTO_KINDS,
     KIND_ORDER,
@@ -90,11 +103,14 @@ __all__ = [
     "PRECISIONS",
     "SCHEDULES",
     "TIERS",
+    "UNIFORM_ROUTING",
     "ActivationShape",
     "BlockShape",
     "Collective",
+    "EPLayout",
     "Layout",
     "MemoryBreakdown",
+    "MoEShape",
     "OffloadTiers",
     "ParamCounts",
     "StateBytes",
@@ -105,6 +121,13 @@ __all__ = [
     "cp_attention_traffic",
     "data_parallel_traffic",
     "ddp_bytes",
+    "ep_all_to_all",
+    "ep_degrees",
+    "ep_fsdp_traffic",
+    "ep_layouts",
+    "ep_local_shape",
+    "ep_state_bytes",
+    "ep_state_bytes_exact",
     "fsdp2_local_numel",
     "fsdp2_state_bytes",
     "fsdp2_traffic",

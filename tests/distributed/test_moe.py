@@ -1,8 +1,9 @@
 """Mixtures of experts (HF Qwen3-MoE, Mixtral; the pack's MoEGPT, softmax and DeepSeek-V3-style routing) against one
 device, float64, the router's auxiliary loss included.
 
-Two launches: 2 processes (fsdp2, tp2 and expert parallelism ep2, its HF models exported to safetensors; the exact
-global router loss and the per-rank one kept on purpose; a pipeline, ep on a dense model, ep with tp and grouped_mm
+Two launches: 2 processes (fsdp2, tp2 and expert parallelism ep2, its HF models exported to safetensors, its ledger
+and memory report next to the plan, uniform routing against the planner's formula; the exact global router loss and
+the per-rank one kept on purpose; a pipeline, ep on a dense model, ep with tp and grouped_mm
 experts in float64 refused) and 4 processes (hsdp 2 x 2, tp2 x dp_shard2, ep4, ep2 x dp_shard2, hsdp 2 x 2 with ep2,
 an ep rank that receives no token, a checkpoint from ep4 to ep2 to one device).
 """
@@ -45,6 +46,25 @@ def test_moe_and_expert_parallelism_2_processes():
         grouped = refusals["grouped_mm", rank]
         assert "model.model.layers.0.mlp.experts (Qwen3MoeExperts)" in grouped and "torch.float64 on cpu" in grouped
         assert 'experts_implementation="eager"' in grouped, grouped
+    # ep2 with the CommunicationLedger and MemoryReport: every row that has a plan equals it (the all-to-alls planned
+    # from the rows the step's routing sent and received), the model states and the routed experts' part too
+    plans = [r for r in rows if r["kind"] == "ep_plan"]
+    assert sorted((r["model"], r["rank"]) for r in plans) == sorted((m, k) for m in MODELS for k in (0, 1)), plans
+    for r in plans:
+        # counts, dispatch and combine per layer forward, the two token exchanges again in backward: 2 layers x 5
+        assert r["all_to_all"] == [["dp_shard", 10.0, 1.0]], r  # ep == dp_shard here: the group is named dp_shard
+        assert r["ledger"].keys() >= {"all_gather/dp_shard", "reduce_scatter/dp_shard", "all_to_all/dp_shard"}, r
+        assert all(v == 1.0 for k, v in r["ledger"].items() if k != "all_reduce/dp_shard"), r  # router loss: no plan
+        assert r["states"] == 1.0 and r["expert_states"] == 1.0, r
+    # routing by a fixed balanced pattern: the measured all-to-all bytes are the planner's uniform-routing formula's
+    uniform = [r for r in rows if r["kind"] == "ep_uniform"]
+    assert len(uniform) == 2, uniform
+    for r in uniform:
+        assert r["a2a_measured"] == r["a2a_uniform"] > 0, r
+        assert r["received"] == [
+            {"experts": 8, "hidden": 32, "bytes": 8, "calls": 2.0, "rows": 128.0, "received": 128.0}
+        ]
+        assert r["expert_states_closed_form"] == 1.0 and r["states"] == 1.0 and r["expert_states"] == 1.0, r
     # trained at ep=2 (experts as DTensors on the ep mesh), exported to safetensors: transformers loads every trained
     # weight exactly, from the tensors it writes itself for the unsharded model (names and shapes)
     exports = {r["model"]: r for r in rows if r["kind"] == "hf_export" and r["rank"] == 0}

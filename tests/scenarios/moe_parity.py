@@ -7,7 +7,9 @@ safetensors and loaded back by transformers); with ``local`` as argv[1] also the
 purpose (``moe_aux_loss="local"``), which must differ from one device's; and a pipeline refused (its stages cannot
 compute that loss), as are ep without experts, ep with cp and transformers' grouped_mm experts in float64. 4 processes:
 hsdp 2 x 2, tp2 x dp_shard2 and the ep layouts (ep2 x tp2 among them, and pp2 x ep2 without the router loss),
-cp2 x dp_shard2 with selective activation checkpointing.
+cp2 x dp_shard2 with selective activation checkpointing. The ep2 runs carry the CommunicationLedger and MemoryReport
+(measured next to the plan), and one more ep2 run routes every token by a fixed balanced pattern, so its all-to-alls
+can be held against the planner's uniform-routing formula.
 One RESULT row per case and rank.
 """
 
@@ -24,6 +26,8 @@ from _common import full_params, max_rel_diff, trainer
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_dist  # noqa: F401  (registers the strategies)
+from lightning_dist import planner
+from lightning_dist.callbacks import CommunicationLedger, MemoryReport
 from lightning_dist.strategies import (
     FullyShardStrategy,
     HybridShardStrategy,
@@ -33,6 +37,15 @@ from lightning_dist.strategies import (
 
 STEPS, GLOBAL_BATCH, N, SEQ, VOCAB, COEF = 3, 8, 24, 8, 64, 0.05
 MODELS = ("qwen3_moe", "mixtral", "pack_moe", "pack_moe_ds")
+
+
+def balanced_route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`MoE.route` with token i choosing experts (i k + j) mod E, j < k: every expert gets the same number of rows
+    (uniform routing, the planner's assumption); the weights are still the router's softmax, renormalized."""
+    scores = self.router(x).softmax(-1)
+    chosen = (torch.arange(x.shape[0])[:, None] * self.top_k + torch.arange(self.top_k)) % self.n_experts
+    weights = scores.gather(-1, chosen)
+    return chosen, weights / weights.sum(-1, keepdim=True), scores
 
 
 def build(kind: str) -> torch.nn.Module:
@@ -56,6 +69,8 @@ def build(kind: str) -> torch.nn.Module:
         for block in model.blocks:
             if kind == "pack_moe_idle":
                 block.mlp.select_bias[6:] = -1e9
+            if kind == "pack_moe_uniform":  # a model whose routing is the planner's uniform one
+                block.mlp.route = balanced_route.__get__(block.mlp)
             # a key bias has zero gradient in exact arithmetic (softmax ignores a shift): AdamW would turn its
             # rounding noise into lr-sized steps, on the reference and the distributed run alike
             block.attn.k.bias.requires_grad_(False)
@@ -213,9 +228,13 @@ def main() -> None:
             for mode in modes:
                 task = Task(kind)
                 kw = {} if mode == "global" else {"moe_aux_loss": "local"}
-                trainer(make(**kw), devices=world, steps=STEPS).fit(task)
+                # the ep2 runs: the ledger's and memory report's rows next to the plan under the routing they had
+                reports = ledger_and_memory() if case == "ep2" and mode == "global" else []
+                trainer(make(**kw), devices=world, steps=STEPS, callbacks=reports).fit(task)
                 diff = max_rel_diff(full_params(task), ref)
                 emit(kind="moe", model=kind, case=case, mode=mode, diff=diff, ep=ep_degree(task))
+                if reports:
+                    emit(kind="ep_plan", model=kind, **plan_ratios(*reports))
                 if case == "ep2" and mode == "global" and not kind.startswith("pack_moe"):
                     exported_to_hf(task, kind)
     if world == 4:
@@ -265,12 +284,62 @@ def main() -> None:
             except ValueError as err:
                 emit(kind="refusal", case=case, error=str(err))
     if world == 2:
+        uniform_routing_against_the_planner()
+    if world == 2:
         # a pipeline stage holds some layers: the router loss, a product of sums over every layer, cannot be split
         try:
             trainer(PipelineStrategy(pp=2), devices=world, steps=STEPS).fit(Task("qwen3_moe"))
             emit(kind="refusal", case="pp2", error=None)
         except ValueError as err:
             emit(kind="refusal", case="pp2", error=str(err))
+
+
+def ledger_and_memory() -> list:
+    return [CommunicationLedger(log=False, print_table=False), MemoryReport(log=False, print_table=False)]
+
+
+def plan_ratios(ledger: CommunicationLedger, memory: MemoryReport) -> dict:
+    """Measured / planned of every ledger row that has a plan, the all-to-alls', and the model states' (all, and the
+    routed experts')."""
+    (row,) = [r for r in memory.rows if r["rank"] == torch.distributed.get_rank()]
+    return {
+        "ledger": {f"{r['op']}/{r['dim']}": r["ratio"] for r in ledger.summary},
+        "all_to_all": [(r["dim"], r["count"], r["ratio"]) for r in ledger.summary if r["op"] == "all_to_all"],
+        "states": row["ratio"],
+        "expert_states": row["experts"]["ratio"],
+    }
+
+
+def uniform_routing_against_the_planner() -> None:
+    """ep2 on a model routing by a fixed balanced pattern: the ledger's all-to-all bytes against the planner's formula
+    under uniform routing (rows = the rank's tokens x top_k, received as many), and the experts' states against the
+    closed form (E / ep per rank, FSDP2 over the dp_shard / ep ranks left)."""
+    ledger, memory = ledger_and_memory()
+    task = Task("pack_moe_uniform")
+    trainer(FullyShardStrategy(ep=2), devices=2, steps=STEPS, callbacks=[ledger, memory]).fit(task)
+    model = task.model
+    tokens = GLOBAL_BATCH // 2 * SEQ  # this rank's tokens per step
+    moe = model.blocks[0].mlp
+    a2a = planner.ep_all_to_all(
+        rows=tokens * moe.top_k,
+        hidden=model.config.n_embd,
+        bytes_per_element=8,
+        experts=moe.n_experts,
+        ep=2,
+        layers=len(model.blocks),
+    )
+    measured = {r["op"]: r["bytes"] for r in ledger.summary if r["op"] == "all_to_all"}
+    (row,) = [r for r in memory.rows if r["rank"] == torch.distributed.get_rank()]
+    expert_params = sum(p.numel() for b in model.blocks for p in b.mlp.experts.parameters())
+    _, experts = planner.ep_state_bytes(0, expert_params, shard_size=2, ep=2, state=planner.StateBytes.fp64_adam())
+    emit(
+        kind="ep_uniform",
+        a2a_measured=measured["all_to_all"],
+        a2a_uniform=sum(c.payload_bytes for c in a2a),
+        received=ledger.routing_per_step(),
+        expert_states_closed_form=row["experts"]["measured"]["total"] / experts.total,
+        **plan_ratios(ledger, memory),
+    )
 
 
 def exported_to_hf(task: Task, kind: str) -> None:

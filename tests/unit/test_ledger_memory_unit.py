@@ -40,6 +40,22 @@ def test_group_label_prefers_elementary_dims():
     assert _planned.dim_label("dp", mesh=_mesh(dp_replicate=4, dp_shard=1), rank=0, world=4) == "dp_replicate"
 
 
+def test_group_label_names_expert_parallel_groups():
+    full = _mesh(dp_replicate=1, dp_shard=4)
+    # ep = 2 inside dp_shard = 4: consecutive pairs hold every expert (ep), every second rank shards them further
+    assert _planned.group_label([2, 3], mesh=full, rank=3, world=4, ep=2) == "ep"
+    assert _planned.group_label([1, 3], mesh=full, rank=3, world=4, ep=2) == "dp_shard_mod_ep"
+    assert _planned.group_label([0, 1, 2, 3], mesh=full, rank=3, world=4, ep=2) == "dp_shard"
+    assert _planned.group_label([2, 3], mesh=full, rank=3, world=4) == "ranks2,3"  # without ep: no such dim
+    # ep = dp_shard: the ep group is the dp_shard group, which keeps its own name
+    assert _planned.group_label([0, 1, 2, 3], mesh=full, rank=0, world=4, ep=4) == "dp_shard"
+    assert _planned.dim_label("ep", mesh=full, rank=2, world=4, ep=2) == "ep"
+    assert _planned.dim_label("ep", mesh=full, rank=2, world=4, ep=4) == "dp_shard"
+    assert _planned.dim_label("dp_shard_mod_ep", mesh=full, rank=2, world=4, ep=2) == "dp_shard_mod_ep"
+    hsdp = _mesh(dp_replicate=2, dp_shard=2)  # ranks (0, 1) and (2, 3) are the dp_shard groups
+    assert _planned.dim_label("ep", mesh=hsdp, rank=3, world=4, ep=2) == "dp_shard"
+
+
 def test_optimizer_names():
     p = [nn.Parameter(torch.zeros(2))]
     assert _planned.optimizer_name([torch.optim.AdamW(p)]) == "adamw"

@@ -1,0 +1,268 @@
+"""Expert parallelism's model states per rank and all-to-all bytes per step (formulas: docs/planner.md, "Mixtures of
+experts")."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+
+from lightning_dist.mesh import DP_REPLICATE, DP_SHARD, EP, EP_OUTER
+from lightning_dist.planner._checks import check_count, check_divides, check_size, divisors
+from lightning_dist.planner.memory import MemoryBreakdown, StateBytes, model_state_bytes
+from lightning_dist.planner.shards import fsdp2_state_bytes
+from lightning_dist.planner.traffic import Collective, data_parallel_traffic
+
+COUNT_BYTES = 8
+"""Bytes of one per-expert token count exchanged before the tokens (int64, as ``torch.bincount`` gives them)."""
+
+UNIFORM_ROUTING = (
+    "uniform routing: each expert receives the same share of the (token, choice) rows, so each rank keeps 1/ep of"
+    " its tokens x top_k rows of width hidden and sends (ep-1)/ep of them, and receives as many"
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoEShape:
+    """What expert parallelism's plan needs to know of a mixture of experts."""
+
+    experts: int
+    """Routed experts of each MoE layer ``E``."""
+    top_k: int
+    """Experts each token is sent to ``k``."""
+    hidden: int
+    """Width of the rows exchanged (the model's hidden size) ``C``."""
+    layers: int
+    """MoE layers ``L`` (each with its own experts module)."""
+    expert_params: int
+    """Routed-expert parameters of all layers together ``P_e`` (shared experts, routers: dense)."""
+    expert_shapes: tuple[tuple[int, ...], ...] = ()
+    """Each routed-expert parameter's shape, the expert first (exact FSDP2 shards); empty: the closed form only."""
+
+    def __post_init__(self) -> None:
+        for name in ("experts", "top_k", "hidden", "layers"):
+            check_size(name, getattr(self, name))
+        check_count("expert_params", self.expert_params)
+        if self.top_k > self.experts:
+            raise ValueError(f"top_k={self.top_k} must be at most experts={self.experts}.")
+        bad = [s for s in self.expert_shapes if not s or s[0] != self.experts]
+        if bad:
+            raise ValueError(f"expert_shapes {bad} must each start with the number of experts {self.experts}.")
+
+
+def ep_degrees(experts: int, dp_shard: int) -> list[int]:
+    """The ep degrees a ``dp_shard`` can run: ``ep > 1`` dividing both ``dp_shard`` and the experts."""
+    check_size("experts", experts)
+    check_size("dp_shard", dp_shard)
+    return [d for d in divisors(math.gcd(experts, dp_shard)) if d > 1]
+
+
+def ep_local_shape(shape: Sequence[int], ep: int) -> tuple[int, ...]:
+    """An experts parameter's shape on one ep rank: ``E / ep`` experts (``Shard(0)`` on the ep mesh)."""
+    check_divides("ep", ep, shape[0], "experts")
+    return (shape[0] // ep, *shape[1:])
+
+
+def ep_state_bytes(
+    dense_params: float, expert_params: float, *, shard_size: int, ep: int, state: StateBytes
+) -> tuple[MemoryBreakdown, MemoryBreakdown]:
+    """(dense, experts) model-state bytes per rank, closed form: the dense ``P_d`` FSDP2-sharded over ``dp_shard``
+    (``P_d / S``), the experts ``P_e / ep`` per ep rank, FSDP2-sharded over the ``S / ep`` ranks left."""
+    check_divides("ep", ep, shard_size, "dp_shard")
+    dense = model_state_bytes(dense_params, state=state, zero_stage=3, shard_size=shard_size)
+    experts = model_state_bytes(expert_params / ep, state=state, zero_stage=3, shard_size=shard_size // ep)
+    return dense, experts
+
+
+def ep_state_bytes_exact(
+    dense_shapes: Iterable[Sequence[int]],
+    expert_shapes: Iterable[Sequence[int]],
+    *,
+    shard_size: int,
+    ep: int,
+    shard_rank: int,
+    state: StateBytes,
+) -> tuple[MemoryBreakdown, MemoryBreakdown]:
+    """(dense, experts) live bytes on rank `shard_rank` of ``dp_shard``, FSDP2's uneven dim-0 shards counted: the dense
+    shapes over ``S`` ranks, each experts shape's ``E / ep`` rows (:func:`ep_local_shape`) over the ``S / ep`` ranks of
+    the experts' FSDP2 mesh, where this rank is number ``shard_rank // ep`` (each ep group: consecutive ranks)."""
+    check_divides("ep", ep, shard_size, "dp_shard")
+    dense = fsdp2_state_bytes(dense_shapes, shard_size=shard_size, rank=shard_rank, state=state)
+    local = [ep_local_shape(s, ep) for s in expert_shapes]
+    experts = fsdp2_state_bytes(local, shard_size=shard_size // ep, rank=shard_rank // ep, state=state)
+    return dense, experts
+
+
+def ep_all_to_all(
+    *,
+    rows: float,
+    hidden: int,
+    bytes_per_element: float,
+    experts: int,
+    ep: int,
+    layers: int = 1,
+    received: float | None = None,
+) -> list[Collective]:
+    """The all-to-alls of expert parallelism per step on one rank, on ``ep`` (payload: each call's input).
+
+    ``rows``: this rank's (token, choice) pairs per MoE layer and step, ``N k``; ``received``: the rows its experts
+    received (None: uniform routing, ``N k``). Per MoE layer, forward: the per-expert counts (``8 E`` bytes), the rows
+    to the experts (dispatch, ``N k C a``) and the experts' outputs back (combine, ``R C a``); backward: the combine's
+    gradient (``N k C a``) and the dispatch's (``R C a``). Empty for ``ep == 1``.
+    """
+    check_size("ep", ep)
+    check_size("experts", experts)
+    check_size("hidden", hidden)
+    check_count("rows", rows)
+    check_count("layers", layers)
+    check_count("bytes_per_element", bytes_per_element)
+    if ep == 1:
+        return []
+    recv = rows if received is None else received
+    check_count("received", recv)
+    row = hidden * bytes_per_element
+
+    def a2a(payload: float, what: str) -> Collective:
+        return Collective(op="all_to_all", dim=EP, group_size=ep, payload_bytes=layers * payload, what=what)
+
+    return [
+        a2a(COUNT_BYTES * experts, "per-expert token counts"),
+        a2a(rows * row, "dispatch: tokens to their experts"),
+        a2a(recv * row, "combine: expert outputs back"),
+        a2a((rows + recv) * row, "backward: combine and dispatch gradients"),
+    ]
+
+
+def ep_fsdp_traffic(
+    dense_params: float,
+    expert_params: float,
+    *,
+    state: StateBytes,
+    shard_size: int,
+    replicate_size: int,
+    ep: int,
+    root_params: float = 0,
+) -> list[Collective]:
+    """FSDP2's collectives under ep, closed form (ZeRO-3): the dense parameters over ``dp_shard`` as without ep; each
+    rank's ``P_e / ep`` experts gathered and reduce-scattered over the ``S / ep`` ranks of ``dp_shard_mod_ep`` (none
+    when that is one rank) and their gradient shards all-reduced over ``dp_replicate``."""
+    check_divides("ep", ep, shard_size, "dp_shard")
+    out = data_parallel_traffic(
+        dense_params,
+        state=state,
+        zero_stage=3,
+        shard_size=shard_size,
+        replicate_size=replicate_size,
+        root_params=root_params,
+    )
+    experts = data_parallel_traffic(
+        expert_params / ep, state=state, zero_stage=3, shard_size=shard_size // ep, replicate_size=replicate_size
+    )
+    out += [replace(c, dim=EP_OUTER) if c.dim == DP_SHARD else c for c in experts if c.group_size > 1]
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class EPLayout:
+    """One expert-parallel layout (FSDP2 / HSDP with ``ep``): states per rank and traffic per step."""
+
+    name: str
+    """``fsdp-ep2``, ``hsdp-4-ep2`` (shard size 4)."""
+    dp_replicate: int
+    dp_shard: int
+    ep: int
+    experts_per_rank: int
+    """``E / ep`` experts of each layer on a rank."""
+    dense: MemoryBreakdown
+    """Dense model states per rank (attention, routers, shared experts, embeddings)."""
+    experts: MemoryBreakdown
+    """Routed-expert model states per rank."""
+    all_to_all: tuple[Collective, ...]
+    """The ep exchange per step (empty when the tokens per rank were not given)."""
+    fsdp: tuple[Collective, ...]
+    """FSDP2's gathers, reduce-scatters and all-reduces per step."""
+    per_layer: tuple[Collective, ...] = ()
+    """The ep exchange of one MoE layer per step (the rows of :attr:`all_to_all` for ``layers=1``)."""
+    fits: bool | None = None
+    """Model states within the device memory (None: none given)."""
+
+    @property
+    def total(self) -> float:
+        return self.dense.total + self.experts.total
+
+    @property
+    def wire_bytes(self) -> float:
+        return sum(c.wire_bytes for c in (*self.all_to_all, *self.fsdp))
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "mesh": {DP_REPLICATE: self.dp_replicate, DP_SHARD: self.dp_shard, EP: self.ep},
+            "experts_per_rank": self.experts_per_rank,
+            "dense": self.dense.to_dict(),
+            "experts": self.experts.to_dict(),
+            "total": self.total,
+            "all_to_all": [c.to_dict() for c in self.all_to_all],
+            "all_to_all_per_layer": [c.to_dict() for c in self.per_layer],
+            "fsdp": [c.to_dict() for c in self.fsdp],
+            "wire_bytes": self.wire_bytes,
+            "fits": self.fits,
+        }
+
+
+def ep_layouts(
+    total_params: float,
+    moe: MoEShape,
+    *,
+    world_size: int,
+    state: StateBytes,
+    tokens: int | None = None,
+    bytes_per_element: float = 2,
+    device_memory: float | None = None,
+) -> list[EPLayout]:
+    """Every FSDP2 / HSDP layout of ``world_size`` ranks with expert parallelism: each shard size ``S > 1`` dividing
+    the world (``R = W / S`` replicas) and each ``ep > 1`` dividing ``S`` and the experts. ``tokens``: tokens per
+    data-parallel rank per step (batch x sequence), for the all-to-all bytes under uniform routing (None: not
+    counted). States: the exact shards of ``moe.expert_shapes`` when given (rank 0, the most loaded), else the
+    closed form."""
+    check_size("world_size", world_size)
+    check_count("total_params", total_params)
+    if moe.expert_params > total_params:
+        raise ValueError(f"expert_params={moe.expert_params} exceeds the model's {total_params} parameters.")
+    dense_params = total_params - moe.expert_params
+    out = []
+    for shard in divisors(world_size)[1:]:
+        rep = world_size // shard
+        for ep in ep_degrees(moe.experts, shard):
+            dense, experts = ep_state_bytes(dense_params, moe.expert_params, shard_size=shard, ep=ep, state=state)
+            if moe.expert_shapes:
+                _, experts = ep_state_bytes_exact(
+                    (), moe.expert_shapes, shard_size=shard, ep=ep, shard_rank=0, state=state
+                )
+            a2a: list[Collective] = []
+            per_layer: list[Collective] = []
+            if tokens is not None:
+                common = dict(hidden=moe.hidden, bytes_per_element=bytes_per_element, experts=moe.experts, ep=ep)
+                a2a = ep_all_to_all(rows=tokens * moe.top_k, layers=moe.layers, **common)
+                per_layer = ep_all_to_all(rows=tokens * moe.top_k, **common)
+            kind = "fsdp" if rep == 1 else f"hsdp-{shard}"
+            layout = EPLayout(
+                name=f"{kind}-ep{ep}",
+                dp_replicate=rep,
+                dp_shard=shard,
+                ep=ep,
+                experts_per_rank=moe.experts // ep,
+                dense=dense,
+                experts=experts,
+                all_to_all=tuple(a2a),
+                per_layer=tuple(per_layer),
+                fsdp=tuple(
+                    ep_fsdp_traffic(
+                        dense_params, moe.expert_params, state=state, shard_size=shard, replicate_size=rep, ep=ep
+                    )
+                ),
+            )
+            if device_memory is not None:
+                layout = replace(layout, fits=layout.total <= device_memory)
+            out.append(layout)
+    return out

@@ -1,0 +1,176 @@
+"""Expert parallelism in the planner: states per rank and all-to-all bytes against hand-computed values, the ep
+layouts, reading a mixture of experts off a model, and `lightning-dist plan --experts`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lightning_dist import inputs, planner
+from lightning_dist.cli import main
+from lightning_dist.planner import Collective, MoEShape, StateBytes
+
+FP32 = StateBytes.fp32_adam()  # 4 + 4 + 8 = 16 bytes per parameter; gathers and reductions in 4
+# a small MoE: 2 layers of 8 experts, each layer's experts as (8, 16, 32) and (8, 32, 8): 6144 parameters a layer
+SHAPES = ((8, 16, 32), (8, 32, 8)) * 2
+MOE = MoEShape(experts=8, top_k=2, hidden=32, layers=2, expert_params=12_288, expert_shapes=SHAPES)
+DENSE = 10_000
+
+
+def test_states_per_rank_closed_form():
+    # S = 4, ep = 2: dense 10000 / 4 = 2500 elements; experts 12288 / 2 = 6144 per ep rank, / (4 / 2) = 3072
+    dense, experts = planner.ep_state_bytes(DENSE, MOE.expert_params, shard_size=4, ep=2, state=FP32)
+    assert (dense.params, dense.grads, dense.optimizer) == (2500 * 4, 2500 * 4, 2500 * 8)
+    assert (experts.params, experts.grads, experts.optimizer) == (3072 * 4, 3072 * 4, 3072 * 8)
+    assert experts.total == 49_152 and dense.total == 40_000
+    # ep = S: every rank its E / ep experts whole (nothing left to shard them over)
+    _, whole = planner.ep_state_bytes(DENSE, MOE.expert_params, shard_size=4, ep=4, state=FP32)
+    assert whole.total == 12_288 / 4 * 16
+    with pytest.raises(ValueError, match="ep=3"):
+        planner.ep_state_bytes(DENSE, MOE.expert_params, shard_size=4, ep=3, state=FP32)
+
+
+def test_states_per_rank_exact_shards():
+    # 6 experts of (4, 5) at ep = 2 over dp_shard = 4: each ep rank 3 experts, FSDP2 over 2 ranks in chunks of 2 rows
+    # -> the first rank of dp_shard_mod_ep holds 2 experts (40 elements), the second 1 (20); ranks 0, 1 form ep group 0
+    for shard_rank, rows in ((0, 2), (1, 2), (2, 1), (3, 1)):
+        dense, experts = planner.ep_state_bytes_exact(
+            [(10, 3)], [(6, 4, 5)], shard_size=4, ep=2, shard_rank=shard_rank, state=FP32
+        )
+        assert experts.params == rows * 20 * 4, shard_rank
+        assert experts.optimizer == rows * 20 * 8
+        assert dense.params == [3, 3, 3, 1][shard_rank] * 3 * 4  # 10 rows in chunks of 3 over 4 ranks
+    # the small MoE at ep = 2, S = 4: (4, 16, 32) and (4, 32, 8) over 2 ranks, 2 experts each: 1536 a layer, as closed
+    _, experts = planner.ep_state_bytes_exact((), SHAPES, shard_size=4, ep=2, shard_rank=3, state=FP32)
+    assert experts.total == 2 * 1536 * 16 == 49_152
+    assert planner.ep_local_shape((8, 16, 32), 4) == (2, 16, 32)
+
+
+def test_all_to_all_bytes_per_layer():
+    # N = 32 tokens x top-2 = 64 rows of 32 x 2 bytes (bf16) = 4096 B; counts 8 x 8 experts = 64 B; 3 layers, ep = 4
+    rows = planner.ep_all_to_all(rows=64, hidden=32, bytes_per_element=2, experts=8, ep=4, layers=3)
+    assert [c.payload_bytes for c in rows] == [3 * 64, 3 * 4096, 3 * 4096, 3 * 8192]
+    assert all(c.op == "all_to_all" and c.dim == "ep" and c.group_size == 4 for c in rows)
+    assert sum(c.payload_bytes for c in rows) == 49_344
+    # wire: each rank keeps its 1/4 and sends 3/4
+    assert sum(c.wire_bytes for c in rows) == 49_344 * 3 / 4
+    # the routing a run had: 100 rows arrived at this rank's experts -> combine and the dispatch's gradient carry 100
+    skewed = planner.ep_all_to_all(rows=64, hidden=32, bytes_per_element=2, experts=8, ep=4, received=100)
+    assert [c.payload_bytes for c in skewed] == [64, 4096, 6400, 4096 + 6400]
+    assert planner.ep_all_to_all(rows=64, hidden=32, bytes_per_element=2, experts=8, ep=1) == []
+    assert "uniform routing" in planner.UNIFORM_ROUTING and "(ep-1)/ep" in planner.UNIFORM_ROUTING
+
+
+def test_fsdp_traffic_under_ep():
+    # HSDP 2 x 4, ep = 2: dense as without ep; each rank's 6144 experts gathered twice and reduce-scattered over the
+    # 2 ranks of dp_shard_mod_ep, their gradient shards (6144 / 2) all-reduced over dp_replicate
+    got = planner.ep_fsdp_traffic(DENSE, MOE.expert_params, state=FP32, shard_size=4, replicate_size=2, ep=2)
+    assert [(c.op, c.dim, c.group_size, c.payload_bytes) for c in got] == [
+        ("all_gather", "dp_shard", 4, 2 * DENSE * 4),
+        ("reduce_scatter", "dp_shard", 4, DENSE * 4),
+        ("all_reduce", "dp_replicate", 2, DENSE / 4 * 4),
+        ("all_gather", "dp_shard_mod_ep", 2, 2 * 6144 * 4),
+        ("reduce_scatter", "dp_shard_mod_ep", 2, 6144 * 4),
+        ("all_reduce", "dp_replicate", 2, 3072 * 4),
+    ]
+    # ep = dp_shard: the experts are not sharded further (FSDP2 runs nothing over one rank)
+    got = planner.ep_fsdp_traffic(DENSE, MOE.expert_params, state=FP32, shard_size=4, replicate_size=1, ep=4)
+    assert [c.dim for c in got] == ["dp_shard", "dp_shard"]
+
+
+def test_ep_layouts():
+    assert planner.ep_degrees(8, 8) == [2, 4, 8] and planner.ep_degrees(6, 4) == [2]
+    layouts = planner.ep_layouts(
+        DENSE + MOE.expert_params, MOE, world_size=4, state=FP32, tokens=32, bytes_per_element=2
+    )
+    assert [(lay.name, lay.dp_replicate, lay.dp_shard, lay.ep) for lay in layouts] == [
+        ("hsdp-2-ep2", 2, 2, 2),
+        ("fsdp-ep2", 1, 4, 2),
+        ("fsdp-ep4", 1, 4, 4),
+    ]
+    by = {lay.name: lay for lay in layouts}
+    assert by["fsdp-ep2"].experts_per_rank == 4 and by["fsdp-ep4"].experts_per_rank == 2
+    assert by["hsdp-2-ep2"].experts.total == 6144 * 16  # 4 experts a layer on each rank, whole (2 / 2 = 1 left)
+    assert by["fsdp-ep2"].experts.total == by["fsdp-ep4"].experts.total == 3072 * 16
+    assert by["fsdp-ep2"].dense.total == DENSE / 4 * 16
+    # per layer: 64 + 2 x 64 rows x 32 x 2 B forward, both again backward
+    assert sum(c.payload_bytes for c in by["fsdp-ep2"].per_layer) == 64 + 4 * 4096
+    assert sum(c.payload_bytes for c in by["fsdp-ep2"].all_to_all) == 2 * (64 + 4 * 4096)
+    fits = planner.ep_layouts(
+        DENSE + MOE.expert_params, MOE, world_size=4, state=FP32, device_memory=100_000, tokens=None
+    )
+    assert [lay.fits for lay in fits] == [False, True, True] and fits[0].all_to_all == ()
+    with pytest.raises(ValueError, match="top_k=9"):
+        MoEShape(experts=8, top_k=9, hidden=32, layers=1, expert_params=1)
+    with pytest.raises(ValueError, match="expert_shapes"):
+        MoEShape(experts=8, top_k=2, hidden=32, layers=1, expert_params=1, expert_shapes=((4, 2),))
+    assert isinstance(by["fsdp-ep2"].fsdp[0], Collective) and by["fsdp-ep2"].to_dict()["mesh"]["ep"] == 2
+
+
+def test_moe_read_off_models():
+    from lightning_dist.models import GPT
+    from lightning_dist.models.moe import MoEGPT
+
+    with torch.device("meta"):
+        pack = MoEGPT(
+            vocab_size=64, block_size=8, n_layer=2, n_head=4, n_embd=32, n_experts=8, top_k=2, expert_hidden=8
+        )
+        dense = GPT(vocab_size=64, block_size=8, n_layer=2, n_head=4, n_embd=32)
+    spec = inputs.moe_spec(pack)
+    assert spec == {
+        "experts": 8,
+        "top_k": 2,
+        "hidden": 32,
+        "layers": 2,
+        "expert_params": 12_288,
+        "expert_shapes": SHAPES,
+    }
+    assert inputs.moe_spec(pack, top_k=4)["top_k"] == 4  # overrides
+    assert inputs.moe_spec(dense) is None
+    with pytest.raises(ValueError, match="no experts module"):
+        inputs.moe_spec(dense, experts=8)
+    tf = pytest.importorskip("transformers")
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    with torch.device("meta"):
+        qwen = tf.Qwen3MoeForCausalLM(
+            tf.Qwen3MoeConfig(**common, num_experts=4, num_experts_per_tok=3, moe_intermediate_size=16)
+        )
+        mixtral = tf.MixtralForCausalLM(tf.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2))
+    q, m = inputs.moe_spec(qwen), inputs.moe_spec(mixtral)
+    # Qwen3-MoE: gate_up (4, 2 x 16, 32) + down (4, 32, 16) a layer; Mixtral: (4, 2 x 64, 32) + (4, 32, 64)
+    assert (q["experts"], q["top_k"], q["hidden"], q["layers"], q["expert_params"]) == (4, 3, 32, 2, 2 * 4 * 1536)
+    assert (m["experts"], m["top_k"], m["hidden"], m["layers"], m["expert_params"]) == (4, 2, 32, 2, 2 * 4 * 6144)
+
+
+def test_cli_plan_ep_from_a_config(tmp_path, capsys):
+    config = tmp_path / "moe.yaml"
+    config.write_text(
+        "model:\n  class_path: lightning_dist.models.moe.MoEGPT\n  init_args: {vocab_size: 64, block_size: 8,"
+        " n_layer: 2, n_head: 4, n_embd: 32, n_experts: 8, top_k: 2, expert_hidden: 8}\n"
+    )
+    args = ["plan", "--config", str(config), "--world-size", "4", "--precision", "64-true"]
+    assert main([*args, "--batch-size", "4", "--seq-len", "8", "--hidden-size", "32", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["moe"]["experts"] == 8 and out["moe"]["expert_params"] == 12_288
+    assert "uniform routing" in out["routing"]
+    assert [lay["name"] for lay in out["ep_layouts"]] == ["hsdp-2-ep2", "fsdp-ep2", "fsdp-ep4"]
+    # 4 x 8 = 32 tokens per rank x top-2 = 64 rows of 32 float64: 16384 B each way, counts 8 x 8 B
+    per_layer = [c["payload_bytes"] for c in out["ep_layouts"][1]["all_to_all_per_layer"]]
+    assert per_layer == [64, 16_384, 16_384, 32_768]
+    assert main([*args, "--batch-size", "4", "--seq-len", "8", "--hidden-size", "32"]) == 0
+    text = capsys.readouterr().out
+    assert "fsdp-ep4" in text and "assuming uniform routing" in text and "16,384 B" in text
+
+
+def test_cli_plan_ep_with_params(capsys):
+    args = ["plan", "--params", "22288", "--world-size", "4", "--precision", "32-true"]
+    moe = ["--experts", "8", "--top-k", "2", "--expert-params", "12288", "--hidden-size", "32", "--layers", "2"]
+    assert main([*args, *moe, "--batch-size", "4", "--seq-len", "8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    fsdp_ep2 = {lay["name"]: lay for lay in out["ep_layouts"]}["fsdp-ep2"]
+    assert fsdp_ep2["experts"]["total"] == 3072 * 16 and fsdp_ep2["dense"]["total"] == DENSE / 4 * 16
+    with pytest.raises(SystemExit):
+        main([*args, "--experts", "8", "--top-k", "2"])  # no --expert-params, --hidden-size, --layers
+    assert "--expert-params, --hidden-size, --layers" in capsys.readouterr().err
