@@ -133,6 +133,33 @@ def grouped_mm_refusal(dtype: torch.dtype, device: str) -> Optional[str]:
     return None
 
 
+def grouped_mm_problems(model: nn.Module, *, dtype: torch.dtype | None, device: torch.device) -> list[str]:
+    """The experts modules of `model` that transformers runs with ``experts_implementation="grouped_mm"`` in a dtype or
+    on a device torch's grouped GEMM does not serve (float64 on CPU), as one problem naming them and the fix.
+    `dtype`: what the precision converts the model to (None: each module's own). One process, no collective."""
+    from lightning_dist.parallelize.ep import find_experts
+
+    refused: dict[tuple[torch.dtype, str], list[tuple[str, nn.Module]]] = {}
+    for name, module in find_experts(model):
+        if experts_implementation(module) != "grouped_mm":
+            continue
+        run_dtype = dtype if dtype is not None else next(module.parameters()).dtype
+        why = grouped_mm_refusal(run_dtype, str(device))
+        if why is not None:
+            refused.setdefault((run_dtype, why), []).append((name, module))
+    problems = []
+    for (run_dtype, why), modules in refused.items():
+        (first, module), more = modules[0], len(modules) - 1
+        others = f" and {more} more experts module{'s' if more > 1 else ''}" if more else ""
+        problems.append(
+            f"{first} ({type(module).__name__}){others} run transformers' experts_implementation='grouped_mm', which"
+            f" torch does not serve in {run_dtype} on {device.type} ({why}). Load the model with"
+            ' experts_implementation="eager" (from_pretrained(..., experts_implementation="eager") or in its config;'
+            ' model.set_experts_implementation("eager") on a built one): each expert then runs its own matmuls.'
+        )
+    return problems
+
+
 @contextlib.contextmanager
 def global_router_loss(model: nn.Module, group: Any) -> Iterator[list[str]]:
     """For the length of the block, `model`'s router load-balancing loss is the one of the global batch over `group`
@@ -155,6 +182,7 @@ def global_router_loss(model: nn.Module, group: Any) -> Iterator[list[str]]:
 __all__ = [
     "experts_implementation",
     "global_router_loss",
+    "grouped_mm_problems",
     "grouped_mm_refusal",
     "router_loss_in_use",
     "router_loss_modules",

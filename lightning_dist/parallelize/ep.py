@@ -69,33 +69,6 @@ def ep_problems(model: nn.Module, *, ep: int, dp_shard: int) -> list[str]:
     return problems
 
 
-def grouped_mm_problems(model: nn.Module, *, dtype: torch.dtype | None, device: torch.device) -> list[str]:
-    """The experts modules of `model` that transformers runs with ``experts_implementation="grouped_mm"`` in a dtype or
-    on a device torch's grouped GEMM does not serve (float64 on CPU), as one problem naming them and the fix.
-    `dtype`: what the precision converts the model to (None: each module's own). One process, no collective."""
-    from lightning_dist._integrations.transformers_moe import experts_implementation, grouped_mm_refusal
-
-    refused: dict[tuple[torch.dtype, str], list[tuple[str, nn.Module]]] = {}
-    for name, module in find_experts(model):
-        if experts_implementation(module) != "grouped_mm":
-            continue
-        run_dtype = dtype if dtype is not None else next(module.parameters()).dtype
-        why = grouped_mm_refusal(run_dtype, str(device))
-        if why is not None:
-            refused.setdefault((run_dtype, why), []).append((name, module))
-    problems = []
-    for (run_dtype, why), modules in refused.items():
-        (first, module), more = modules[0], len(modules) - 1
-        others = f" and {more} more experts module{'s' if more > 1 else ''}" if more else ""
-        problems.append(
-            f"{first} ({type(module).__name__}){others} run transformers' experts_implementation='grouped_mm', which"
-            f" torch does not serve in {run_dtype} on {device.type} ({why}). Load the model with"
-            ' experts_implementation="eager" (from_pretrained(..., experts_implementation="eager") or in its config;'
-            ' model.set_experts_implementation("eager") on a built one): each expert then runs its own matmuls.'
-        )
-    return problems
-
-
 def _dispatch_forward(self: nn.Module, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
     """The forward of an experts module under expert parallelism (bound to the module: see :func:`apply_ep`)."""
     state = self.__dict__[GLOBAL_EXPERTS_KEY]
@@ -188,4 +161,4 @@ def apply_ep(model: nn.Module, ep_mesh: "DeviceMesh") -> list[str]:
     return names
 
 
-__all__ = ["GLOBAL_EXPERTS_KEY", "apply_ep", "ep_problems", "expert_count", "find_experts", "grouped_mm_problems"]
+__all__ = ["GLOBAL_EXPERTS_KEY", "apply_ep", "ep_problems", "expert_count", "find_experts"]

@@ -307,7 +307,7 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
     def check_model(self) -> None:
         """What every strategy refuses in the model before any collective (one process, the same on every rank):
         experts that transformers runs with a grouped GEMM torch does not serve in the run's dtype on this device."""
-        from lightning_dist.parallelize.ep import grouped_mm_problems
+        from lightning_dist._integrations.transformers_moe import grouped_mm_problems
 
         if self.lightning_module is None:
             return

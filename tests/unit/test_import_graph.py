@@ -11,26 +11,7 @@ import pytest
 from _imports import ROOT, cycles, describe, import_graph, imported_names, module_files, one_cycle
 
 # Cycles accepted for now (each the set of modules of one cycle). A new entry needs a reason beside it.
-KNOWN_CYCLES: list[frozenset[str]] = [
-    # found once imports of `pkg.sub` counted `pkg/__init__`; to break in the ep / tp work that owns these modules:
-    # transformers_moe -> parallelize.moe (runs parallelize/__init__) -> (lazy) parallelize.ep -> transformers_moe
-    frozenset(
-        {"lightning_dist._integrations.transformers_moe", "lightning_dist.parallelize", "lightning_dist.parallelize.ep"}
-    ),
-    # clone -> parallelize.tp.checks (runs tp/__init__ -> tp.apply -> tp.plan) -> tp.flow -> tp.probe -> self_check
-    # -> clone
-    frozenset(
-        {
-            "lightning_dist.parallelize.clone",
-            "lightning_dist.parallelize.tp",
-            "lightning_dist.parallelize.tp.apply",
-            "lightning_dist.parallelize.tp.plan",
-            "lightning_dist.parallelize.tp.flow",
-            "lightning_dist.parallelize.tp.probe",
-            "lightning_dist.parallelize.self_check",
-        }
-    ),
-]
+KNOWN_CYCLES: list[frozenset[str]] = []
 
 PLANNER = "lightning_dist.planner"
 # what the planner must not reach, directly or through another module of the package

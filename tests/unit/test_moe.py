@@ -96,7 +96,7 @@ def test_grouped_mm_where_torch_does_not_serve_the_dtype_is_refused_at_set_up():
     import lightning.pytorch as pl
     from lightning.pytorch.plugins.precision import DoublePrecision
 
-    from lightning_dist.parallelize.ep import grouped_mm_problems
+    from lightning_dist._integrations.transformers_moe import grouped_mm_problems
     from lightning_dist.strategies import FullyShardStrategy, PipelineStrategy
 
     def qwen(**kw):
