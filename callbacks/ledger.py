@@ -1,16 +1,6 @@
 """CommunicationLedger: every collective of every training step, by operation and mesh dim, next to the plan.
 
-How collectives are seen: a :class:`~torch.utils._python_dispatch.TorchDispatchMode` is active from
-``on_train_batch_start`` to ``on_train_batch_end`` and records each ``c10d`` / ``_c10d_functional`` op that
-reaches the dispatcher. That one hook sees FSDP2's all-gathers / reduce-scatters, DDP's bucket all-reduces
-(the C++ reducer calls ``ProcessGroup::allreduce``, which dispatches the ``c10d::allreduce_`` op: patching
-``torch.distributed`` functions in Python would miss them), ZeroRedundancyOptimizer's broadcasts, DTensor
-redistributions (functional collectives) and pipeline ``send`` / ``recv``.
-
-Payload convention (the planner's, :class:`lightning_dist.planner.Collective`): the full, unsharded tensor
-bytes of each call: all-gather = output size, reduce-scatter = input size, all-reduce / broadcast = tensor
-size, all-to-all = input size, send / recv = tensor size. Ring wire bytes follow from the planner's factors.
-"""
+Notes: docs/internals.md, "callbacks/ledger.py"."""
 
 from __future__ import annotations
 

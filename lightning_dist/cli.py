@@ -1,13 +1,6 @@
 """The ``lightning-dist`` command.
 
-One function adds each subcommand's arguments and one function runs it; :data:`SUBCOMMANDS` registers
-them in one place, so a new subcommand is an ``_add_<name>`` / ``run_<name>`` pair and one entry there.
-
-* ``lightning-dist plan``: per-device memory and per-step traffic of every candidate layout, and the
-  least parallelism that fits (:mod:`lightning_dist.planner`).
-* ``lightning-dist dry-run``: one training step of each representative rank of a W-rank job, on a fake
-  process group and fake tensors, measured next to the plan (:mod:`lightning_dist.dryrun`).
-"""
+Notes: docs/internals.md, "lightning_dist/cli.py"."""
 
 from __future__ import annotations
 

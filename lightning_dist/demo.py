@@ -102,7 +102,7 @@ def _strategy(name: str, devices: int) -> pl.strategies.Strategy | str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument("--strategy", default="hsdp", help="hsdp: 2 replicas x devices/2 shards; or any name")
     parser.add_argument("--epochs", type=int, default=8)

@@ -1,37 +1,6 @@
 """Dry run at scale: one training step of rank r of W on one CPU, with a fake process group and fake tensors.
 
-``lightning-dist dry-run`` (and :func:`dry_run`) answers "will it fit?" before a cluster is booked. For each
-*representative rank* (the ranks whose shards or stages differ: one per pipeline stage, plus the last rank,
-which holds the trailing FSDP2 / tensor shards) it starts one subprocess that
-
-1. starts torch's fake process-group backend as rank ``r`` of ``W`` (no communication: every collective
-   returns at once, so one CPU process can stand in for any rank of any world size);
-2. builds the Trainer's strategy with ``devices_per_node`` devices on ``W / devices_per_node`` nodes, and
-   runs its own validation (same errors, same messages as on the cluster), the pack's real mesh
-   (:class:`~lightning_dist.mesh.DistMesh`) and the strategy's own ``setup``: the model prepared on the meta
-   device in the strategy's order (:meth:`~lightning_dist.strategies.base.MeshStrategy.prepare_model`: TP
-   plan, pipeline split, activation checkpointing, FSDP2 / replicate), then materialized with its optimizers
-   under torch's ``FakeTensorMode`` (tensors with shapes and dtypes, no storage);
-3. runs one training step as Lightning's loop does (the strategy's ``training_step`` and ``backward``, then
-   the optimizer step) under torch's ``MemTracker`` (:mod:`torch.distributed._tools.mem_tracker`) and the
-   collective recorder of :class:`~lightning_dist.callbacks.CommunicationLedger`
-   (:class:`~lightning_dist.callbacks.ledger.CollectiveRecorder`: the same op names, payload convention and
-   mesh-dim labels as a real run's ledger).
-
-Pipelines run the strategy's own step: the user's ``training_step`` calls the pipelined network, which runs
-the pack's :class:`~lightning_dist.parallelize.pipeline.schedule.PipelineRunner` and torch's schedule (1F1B,
-GPipe, interleaved, zero-bubble) over this rank's stages, boundary sends and receives on the fake ``pp`` group, then the
-strategy's ``backward``. The fake group delivers no values, so the few reads of what a peer sent (the stages'
-metadata in a schedule's first step, the output's shape) are answered from a meta forward of the unsplit
-network (:class:`_PeerAnswers`, handed to the strategy); a warm-up step runs first, untracked, and the second step
-is measured.
-
-The report puts each measurement next to the planner's prediction (:mod:`lightning_dist.planner`) for
-the same rank: model-state bytes (params / grads / optimizer), peak activation bytes
-(:func:`~lightning_dist.planner.activation_bytes`), collective payload bytes per (op, mesh dim), and
-whether params + grads + optimizer + peak activations fit ``device_memory``
-(:class:`~lightning_dist.dryrun_report.DryRunReport`).
-"""
+Notes: docs/internals.md, "lightning_dist/dryrun.py"."""
 
 from __future__ import annotations
 

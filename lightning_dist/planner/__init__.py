@@ -1,35 +1,6 @@
 """Memory and communication planner: what each parallel layout costs per device, before launch.
 
-Pure arithmetic, no process group: every rank (or a laptop) can plan, and every formula is unit-tested
-in one process. ``lightning-dist plan`` (:mod:`lightning_dist.cli`) prints the candidate layouts.
-
-Notation
---------
-``P``  parameters the device's model replica holds (after the pipeline and tensor-parallel splits);
-``W``  size of the group a collective runs over; ``S`` shard-group size (``dp_shard``);
-``R``  replica groups (``dp_replicate``), ``S * R = dp``; ``t`` tensor-parallel size; ``p`` pipeline
-stages; ``m`` micro-batches per step; ``v`` virtual stages per rank (interleaved pipelines).
-Bytes per parameter come from :class:`StateBytes`: ``b_p`` (parameter storage), ``b_g`` (gradient),
-``b_o`` (optimizer state, incl. an fp32 master copy where one is kept), ``b_gather`` (dtype of the
-parameters all-gathered for compute) and ``b_reduce`` (dtype gradients are reduced in).
-
-Modules
--------
-:mod:`~lightning_dist.planner.memory`       bytes per parameter and model-state bytes per device (ZeRO, HSDP, tp, pp,
-                                             offload tiers)
-:mod:`~lightning_dist.planner.shards`       exact FSDP2 dim-0 shards and ZeroRedundancyOptimizer partitions
-:mod:`~lightning_dist.planner.traffic`      collectives per step (payload and ring wire bytes), pipeline bubble
-:mod:`~lightning_dist.planner.activations`  peak activation bytes of transformer blocks
-:mod:`~lightning_dist.planner.experts`      expert parallelism: states per rank, all-to-all bytes, ep layouts
-:mod:`~lightning_dist.planner.model`        what the planner knows of a model (:class:`ParamCounts`)
-:mod:`~lightning_dist.planner.layouts`      candidate layouts, their activation memory, the recommendation,
-                                             auto_parallel's ranking
-
-The planner imports no runtime module (``parallelize/``, ``strategies/``, the dry run): the decisions it shares
-with them live in :mod:`lightning_dist.rules`. A module's counts come from
-:func:`lightning_dist.parallelize.counts.count_params` (the runtime's split of it); turning user input (``"80GB"``,
-``"1.5B"``, class paths, LightningCLI YAML) into these arguments is :mod:`lightning_dist.inputs`' job.
-"""
+Notes: docs/internals.md, "lightning_dist/planner/__init__.py"."""
 
 from __future__ import annotations
 

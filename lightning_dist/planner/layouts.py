@@ -1,15 +1,6 @@
 """Candidate parallel layouts with their memory and traffic, and the choice among them.
 
-Choosing a layout (:func:`candidate_layouts`, :func:`recommend`)
------------------------------------------------------------------
-Candidates: ddp, zero1, zero2, fsdp (zero3), hsdp for every shard size dividing the world size, tp x dp
-(replicated or sharded dp), cp x dp (sequence models, given an activation shape), pp x dp, and two offload
-variants. The recommendation is the first that fits
-in :data:`KIND_ORDER` (least parallelism first: ddp < zero1 < zero2 < hsdp < fsdp < tp < cp < pp < offload),
-ties broken by wire bytes per step, then by device memory. :func:`candidate_layouts` counts model states;
-:func:`count_activations` adds each layout's peak activations (given their shape and the number of blocks).
-Communication buckets, the all-gathered unit and allocator fragmentation need headroom on top.
-"""
+Notes: docs/internals.md, "lightning_dist/planner/layouts.py"."""
 
 from __future__ import annotations
 

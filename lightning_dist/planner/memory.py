@@ -1,31 +1,6 @@
 """Model-state bytes per device: bytes per parameter, ZeRO / HSDP / tp / pipeline splits.
 
-Model-state memory per device (:func:`model_state_bytes`)
----------------------------------------------------------
-ZeRO stage ``z`` shards, over the ``S`` ranks of the shard group, the optimizer state (z >= 1), the
-gradients (z >= 2) and the parameters (z = 3); what is not sharded is replicated::
-
-    params    = P * b_p / (S if z >= 3 else 1)
-    grads     = P * b_g / (S if z >= 2 else 1)
-    optimizer = P * b_o / (S if z >= 1 else 1)
-
-* DDP: ``z = 0`` -> ``P (b_p + b_g + b_o)``; with mixed-precision Adam (2 + 2 + 12) that is ``16 P``.
-* ZeRO 1 / 2 / 3 over ``W`` ranks: ``S = W`` -> ``(b_p + b_g) P + b_o P / W``, ``b_p P + (b_g + b_o) P / W``,
-  ``(b_p + b_g + b_o) P / W``. 1.5e9 parameters, 2 + 2 + 12, W = 8: 24.0, 8.25, 5.625, 3.0 GB (1 GB = 1e9 B).
-* The ZeRO-2 row is DeepSpeed's (16-bit parameters resident and replicated). The pack's FSDP2
-  ``zero_stage=2`` (``reshard_after_forward=False``) keeps only shards between steps, like stage 3, and
-  holds the unsharded compute-dtype parameters from forward to backward: use :func:`fsdp2_state_bytes`
-  for live bytes at rest.
-* Hybrid sharding (HSDP): the same with ``S = dp_shard`` (replicated across the ``R`` replica groups).
-* Tensor parallel: ``P = P_sharded / t + P_replicated`` (:func:`tp_local_params`), then the above over
-  the data-parallel shard group.
-* Pipeline: each stage holds its own ``P_s`` (an actual, possibly uneven split, :func:`split_stages`);
-  the layout is sized by the largest stage, ``max_s``.
-* Offload (:class:`OffloadTiers`): each of params / grads / optimizer sits on ``"device"``, ``"host"`` or
-  ``"nvme"``; only ``"device"`` parts count toward the device total, the others are reported per tier.
-
-The exact per-rank counts of FSDP2's uneven dim-0 shards are in :mod:`lightning_dist.planner.shards`.
-"""
+Notes: docs/internals.md, "lightning_dist/planner/memory.py"."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
 """Exact per-rank partitions: FSDP2's dim-0 shards and ZeroRedundancyOptimizer's owners.
 
-FSDP2 shards every parameter along dim 0 (``torch.chunk`` semantics, chunks of ``ceil(d0 / S)`` rows,
-trailing ranks may hold fewer or zero rows), so the exact per-rank count differs from ``P / S`` by the
-rounding; :func:`per_parameter_shards` counts it exactly and :func:`fsdp2_state_bytes` turns it into bytes.
-Its collectives move the padded shards (``S * ceil(d0 / S)`` rows per parameter):
-:func:`lightning_dist.planner.traffic.fsdp2_traffic`.
-"""
+Notes: docs/internals.md, "lightning_dist/planner/shards.py"."""
 
 from __future__ import annotations
 

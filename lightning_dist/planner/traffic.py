@@ -1,48 +1,6 @@
 """Communication per step, per device: each collective's payload and ring wire bytes.
 
-Communication per step, per device (:func:`data_parallel_traffic` and friends)
-------------------------------------------------------------------------------
-Each :class:`Collective` carries a *payload* (the full, unsharded tensor bytes moved per step, summed over
-calls) and its ring-algorithm *wire* bytes (what one device sends, = what it receives)::
-
-    all-reduce       wire = 2 (W - 1) / W * payload      (a reduce-scatter followed by an all-gather)
-    all-gather       wire =   (W - 1) / W * payload      (payload = gathered output)
-    reduce-scatter   wire =   (W - 1) / W * payload      (payload = full input)
-    broadcast        wire =   (W - 1) / W * payload      (every rank broadcasts its 1/W partition)
-    send/recv        wire = payload
-
-* DDP: one gradient all-reduce over ``dp``: ``2 (W - 1) / W * P b_reduce``.
-* ZeRO-1 as torch's ``ZeroRedundancyOptimizer`` does it: the DDP all-reduce plus a broadcast of the updated
-  parameter partitions, ``(W - 1) / W * P b_p``.
-* ZeRO-2 (FSDP2 ``reshard_after_forward=False``): one all-gather + one reduce-scatter on ``dp_shard``:
-  ``2 (S - 1) / S`` model sizes (the same volume as DDP).
-* ZeRO-3 / full sharding: two all-gathers (forward, backward) + one reduce-scatter: ``3 (S - 1) / S`` model
-  sizes, 1.5x DDP. FSDP2 does not reshard the root module after forward, so parameters held directly by the
-  root unit (``root_params``) are gathered once: gather payload ``(2 P - root_params) b_gather``.
-* Hybrid sharding adds, on ``dp_replicate``, the all-reduce of each rank's ``1 / S`` gradient shard:
-  ``2 (R - 1) / R * P b_reduce / S``.
-* Tensor parallel (Megatron-style block: column-parallel then row-parallel linears, ``n_row`` row-parallel
-  linears per block, 2 for attention + MLP): forward one all-reduce of the ``batch * seq * hidden``
-  activation per row-parallel linear, backward one all-reduce of the same size per column-parallel input:
-  payload ``2 n_row L * b s h * b_act`` on ``tp`` (:func:`tp_activation_traffic`). With sequence parallelism
-  each all-reduce becomes an all-gather + a reduce-scatter of the same payload: same wire bytes. Only the
-  blocks are counted (not a vocabulary-parallel embedding or loss-parallel head).
-* Context parallelism, Ulysses (:func:`cp_attention_traffic`): per attention call, forward all-to-alls of q, k, v
-  (sequence shards to head shards) and of the output (back), backward the same four; payload = the local tensor,
-  ``b (s / c) h_kv_or_q d a`` each, on ``cp``. The ring (``style="ring"``, torch's ring attention as the pack runs
-  it): per attention call one all-gather of this rank's keys and values (repeated to the query heads) forward and
-  one in backward, and ``c`` all-to-alls rotating their gradients in backward. FSDP2 then shards over
-  ``dp_shard x cp`` (:func:`with_cp_dims`).
-* Pipeline: per micro-batch, each stage boundary carries the activation forward and its gradient back;
-  an interior stage sends ``2 m v A`` bytes per step (``A`` = activation bytes per micro-batch,
-  :func:`pipeline_p2p_traffic`), plus the batch loss, one scalar the last stage's rank sends to every other pp
-  rank (:func:`pipeline_loss_transfer`). The network's output stays on the last stage (``broadcast_output=True``
-  would add its bytes per step to every pp rank; not planned). Idle (bubble) fraction of a step with equal stage times:
-  GPipe and 1F1B ``(p - 1) / (m + p - 1)``; interleaved 1F1B ``(p - 1) / (v m + p - 1)``.
-
-"Per step" is one forward + backward + optimizer step; with ``k`` gradient-accumulation micro-steps FSDP
-gathers ``k`` times while DDP under ``no_sync`` still all-reduces once.
-"""
+Notes: docs/internals.md, "lightning_dist/planner/traffic.py"."""
 
 from __future__ import annotations
 

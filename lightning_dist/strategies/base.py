@@ -1,21 +1,6 @@
 """MeshStrategy: the base of every strategy of the pack.
 
-Built on Lightning's ``ParallelStrategy`` with Lightning's own pieces: its subprocess script launcher
-(``devices=N``), cluster environments (torchrun, SLURM), process-group start and meta-device
-materialization. It does not subclass ``ModelParallelStrategy``, whose accelerator connector refuses
-``precision="64-true"`` (needed for float64 parity). What it adds:
-
-* one :class:`~lightning_dist.mesh.DistMesh` with dims ``pp``, ``dp_replicate``, ``dp_shard``, ``cp``, ``tp``,
-  validated on every rank before the process group starts, and checked after it is built;
-* samplers over the data-parallel mesh ``dp`` only, so ranks that saw the same samples (tensor/pipeline/context
-  peers) are not double-counted; ``reduce`` and ``self.log(..., sync_dist=True)`` over ``dp`` (x ``cp``: context
-  peers hold parts of the same sequences, and their mean is the whole sequences' loss);
-* context parallelism (``cp > 1``): each sequence split over the cp ranks (``lightning_dist.parallelize.cp``), checked
-  at setup by running a probe batch split and unsplit (``lightning_dist.parallelize.cp_probe``; ``self_check``);
-* the model is parallelized by the strategy (built-in plans via ``parallelize_model``, or the user's
-  ``parallelize_fn(model, mesh)``), so ``configure_model`` is optional;
-* atomic sharded / consolidated checkpoints that load into any mesh (``lightning_dist.checkpoint``).
-"""
+Notes: docs/internals.md, "lightning_dist/strategies/base.py"."""
 
 from __future__ import annotations
 

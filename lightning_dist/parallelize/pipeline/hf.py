@@ -1,28 +1,7 @@
 """Pipeline stages of an unmodified HuggingFace causal LM (``LlamaForCausalLM``, ``Qwen2ForCausalLM``,
 ``GPT2LMHeadModel``...).
 
-A stage is the model with the parts it does not own taken out, as torchtitan builds its stages, so the
-model's own ``forward`` runs each stage (rotary embeddings, the causal mask from ``attention_mask``,
-``position_ids``, grouped-query attention: whatever the model does). Where the parts are:
-
-* the **block list**: the ``nn.ModuleList`` of ``config.base_model_pp_plan`` (``layers``), or of the base
-  model's conventional block-list name (``h``: GPT-2 has no pp plan); a stage keeps its slice of it under the
-  original indices (``model.layers.5`` stays ``model.layers.5``);
-* the **stem** (first stage): the base model's children registered before the block list (embeddings,
-  dropout). A later stage gets its input as ``inputs_embeds`` (every HF causal LM takes them in place of
-  ``input_ids``); a stem part it does not own becomes :class:`~.pruned.Absent`, which adds nothing (an absolute
-  position embedding) and passes hidden states through (an embedding dropout);
-* the **head** (last stage): the base model's children after the block list (the final norm) and the
-  LM's own children (``lm_head``); a stage that does not own them has ``nn.Identity`` there, so the
-  ``logits`` it returns are its hidden states.
-
-The stages are run one after the other on one micro-batch against the whole model before anything is split
-(:func:`~.pruned.check_pruned_stages`): a model whose forward does not tolerate this is refused, never
-mis-trained. The pruning itself is :mod:`.pruned` (litgpt's ``GPT`` is split the same way); this module
-holds HF's part names, its stage input convention (:class:`HFStageMixin`), sample inputs, the network call's
-inputs and output (:func:`hf_call_inputs`, :func:`hf_call_output`) and the ``labels`` loss. Nothing outside
-:class:`~lightning_dist.parallelize.pipeline.split.HFLayout` branches on it.
-"""
+Notes: docs/internals.md, "lightning_dist/parallelize/pipeline/hf.py"."""
 
 from __future__ import annotations
 

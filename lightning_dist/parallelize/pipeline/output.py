@@ -1,20 +1,6 @@
 """What ``training_step`` / ``validation_step`` see of a pipelined network's output, and what the step returns.
 
-Only the last stage computes the network's output (one micro-batch at a time, inside torch's schedule, its
-loss computed there as well). Every rank of the pp group receives the batch loss as one scalar; the output
-itself stays on the last stage. The network call returns, on every pp rank alike:
-
-* a :class:`PipelineOutput`: shape and dtype of the output, no storage. ``self.pipeline_loss(out, target)``
-  (and HF's ``out.loss`` with ``labels=``) answers with the batch loss; any other use of its values is
-  refused with the fix, on every rank at the same line of code (the same code runs everywhere), so nothing
-  waits in a collective and no gradient has been applied yet;
-* or, with ``PipelineStrategy(broadcast_output=True)`` (and always in ``predict``, whose loop needs the
-  values), the whole output broadcast from the last stage: its bytes to every pp rank each step.
-
-In training the loss is a leaf (:func:`loss_leaf`); ``backward`` reads how the returned loss depends on it
-(:func:`returned_loss_problem`, a scalar check: the schedule back-propagated exactly one copy of it) and
-gives the other terms (weight penalties) their gradients on the parameters each rank holds.
-"""
+Notes: docs/internals.md, "lightning_dist/parallelize/pipeline/output.py"."""
 
 from __future__ import annotations
 

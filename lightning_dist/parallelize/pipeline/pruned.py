@@ -6,12 +6,7 @@ owner's children registered before it: first stage) and the **head** (its owner'
 other child of the model: last stage). A stem part a stage does not own is :class:`Absent`, a head part
 ``nn.Identity``.
 
-Two input conventions, one class each (:class:`PrunedStage` subclasses): :class:`ForwardStage` (plain models,
-litgpt) gives every stage the model's own input and puts the boundary activation into its first block; HF's
-passes ``inputs_embeds`` and returns ``.logits`` (:class:`~.hf.HFStageMixin`). :func:`check_pruned_stages` runs
-the stages one after the other on one micro-batch against the whole model before anything is split: a forward
-that does not tolerate this is refused, never mis-trained.
-"""
+Notes: docs/internals.md, "lightning_dist/parallelize/pipeline/pruned.py"."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
 """Running a pipeline split with torch's schedules: which schedule, its checks, forward-only programs, timing.
 
-:data:`lightning_dist.rules.SCHEDULES` maps the pack's schedule names to ``torch.distributed.pipelining``
-classes; :func:`schedule_problems` states up front (pure, with the numbers) what their constructors would reject;
-:func:`build_schedule` makes the ``PipelineStage`` objects of one rank and the schedule over them, using a
-forward-only program for evaluation; :class:`~lightning_dist._integrations.torch_pipelining.TimedStage` records every
-F/B/I/W action when asked.
-"""
+Notes: docs/internals.md, "lightning_dist/parallelize/pipeline/schedule.py"."""
 
 from __future__ import annotations
 

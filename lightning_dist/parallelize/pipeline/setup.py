@@ -1,12 +1,6 @@
 """What a pipeline needs from the LightningModule, checked and planned before the split (no strategy state).
 
-The strategy's ``validate_config`` (on every rank, before the first collective) and ``parallelize`` call
-these: the problems with the module (:func:`module_problems`), the split mode ``"auto"`` stands for
-(:func:`resolve_split_mode`), the plan made once per setup (:func:`plan_pipeline`: the split checked, the
-sample micro-batch the split is measured and checked on, the staged forward compared on it), the tied
-parameters across stages (:func:`tied_groups`) and the one-time comparison of the staged forward with the
-unsplit network on the first batch (:func:`first_batch_problem`).
-"""
+Notes: docs/internals.md, "lightning_dist/parallelize/pipeline/setup.py"."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
 """Plain pipeline stages: the parts of a network some stages run (stem, blocks, head children) in a
 :class:`StageModule` under their original names, which applies them in registration order.
 
-The plain side of :class:`~lightning_dist.parallelize.pipeline.split.NetworkLayout` (an ``nn.Sequential``, or a
-module with stem children, one direct ``nn.ModuleList`` of blocks and head children): building a stage
-(:func:`build_plain_stage`), timing each part (:func:`profile_plain`), checking that the children in order
-compute the network's forward (:func:`plain_forward_problem`) and joining the stages back
-(:func:`join_plain`). A model cut into pruned copies of itself (litgpt, HF) is :mod:`.pruned`.
-"""
+Notes: docs/internals.md, "lightning_dist/parallelize/pipeline/stages.py"."""
 
 from __future__ import annotations
 

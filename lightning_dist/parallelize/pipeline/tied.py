@@ -1,14 +1,6 @@
 """Weights tied across pipeline stages (a head tied to the token embedding): one copy per holding stage.
 
-As Megatron's embedding group: each stage that uses the parameter holds it, and after every step's
-schedule the holders' gradients are summed over a process group of their ranks, so every copy takes the
-same optimizer step from the single-device gradient. The holder with the lowest pp rank counts the
-parameter in the global gradient norm; the others skip it.
-
-Checkpoints hold a tied parameter once, under the name the unsplit model gives it (its first name in
-``named_parameters()``): the lowest holder saves its copy under that name and the other holders save
-nothing of it; on load every holder reads its copy from that one entry (:func:`tied_checkpoint_keys`).
-"""
+Notes: docs/internals.md, "lightning_dist/parallelize/pipeline/tied.py"."""
 
 from __future__ import annotations
 

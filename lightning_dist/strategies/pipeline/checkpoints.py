@@ -1,13 +1,6 @@
 """Checkpoints of :class:`~lightning_dist.strategies.pipeline.strategy.PipelineStrategy`: each stage saves its own keys.
 
-Sharded only: each pipeline rank writes its stages' parameters under their single-device names and its
-optimizer states keyed by name (list-indexed ``param_groups`` would collide between stages); a weight tied
-across stages is saved once (:mod:`~lightning_dist.parallelize.pipeline.tied`). The checkpoint loads into
-any pipeline layout, and :func:`lightning_dist.checkpoint.consolidate` makes one single-device file of it.
-
-The strategy's checkpoint hooks call these functions with its model, optimizers and ``tied_keys``: for each
-tied parameter, (checkpoint key, keys of its copies, saved by this rank).
-"""
+Notes: docs/internals.md, "lightning_dist/strategies/pipeline/checkpoints.py"."""
 
 from __future__ import annotations
 

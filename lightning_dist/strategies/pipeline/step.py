@@ -1,27 +1,6 @@
 """One step of :class:`~lightning_dist.strategies.PipelineStrategy`: the network call and its gradients.
 
-Calling the network inside ``training_step`` runs the whole schedule (forward and backward; forward only in
-evaluation). The output stays on the last stage; every pp rank gets the batch loss as one scalar and a
-:class:`~lightning_dist.parallelize.pipeline.output.PipelineOutput` stand-in that answers
-``self.pipeline_loss(out, target)`` (HF: ``out.loss``) with it and refuses any other use, on every rank
-(``broadcast_output=True``, and predict: the whole output broadcast instead). The gradients come from the
-schedule (the mean of ``pipeline_loss`` over the micro-batches); terms the returned loss adds on the
-parameters (a weight penalty) get their gradients in ``backward``, and a returned loss that does not hold
-exactly one copy of the pipeline's loss is refused on every rank (a check on the scalar). They are
-held aside during ``training_step`` and added to ``.grad`` in the strategy's ``backward``, so Lightning's
-closure (training_step -> zero_grad -> backward), gradient accumulation and manual optimization keep
-their meaning. Gradient-norm clipping uses the global norm across stages (and FSDP shards).
-``strategy.last_loss`` holds the mean ``pipeline_loss`` of the last step's micro-batches on every pp rank.
-
-Under context parallelism the call first cuts the batch to this rank's part of each sequence (:func:`cut_for_cp`,
-before the schedule splits it into micro-batches along dim 0), gives the schedule the target's matching chunks
-(:func:`cut_target`; HF ``labels``: shifted over the whole sequences, then cut, :func:`cp_share`) and runs the
-schedule under the Ulysses attention mode.
-
-A :class:`PipelineStep` holds everything one step knows (its batch, its network call, the gradients held
-aside): the strategy makes one in each step hook and drops it when the step is over (training: after the
-``backward`` that adds its gradients), so nothing of a step reaches the next one.
-"""
+Notes: docs/internals.md, "lightning_dist/strategies/pipeline/step.py"."""
 
 from __future__ import annotations
 

@@ -1,37 +1,6 @@
 """PipelineStrategy: ``torch.distributed.pipelining`` schedules inside Lightning's training loop.
 
-What the LightningModule must provide (checked on every rank before the first collective):
-
-* the network under ``self.<network>`` (default ``self.model``): an ``nn.Sequential``, or a module with a
-  stem, one ``nn.ModuleList`` of blocks and a head, whose forward is its children in registration order
-  (see :mod:`lightning_dist.parallelize.pipeline.split`); it takes one tensor and returns one tensor. Or an
-  unmodified HuggingFace causal LM (``LlamaForCausalLM``, ``GPT2LMHeadModel``...): called with
-  ``input_ids`` and keyword inputs (``attention_mask``, ``position_ids``: split into micro-batches and
-  given to every stage) and ``labels`` (HF's loss convention), it returns a ``CausalLMOutputWithPast``
-  whose ``loss`` and ``logits`` are the single-device values (see :mod:`~lightning_dist.parallelize.pipeline.hf`);
-* ``pipeline_loss(output, target) -> Tensor``: the mean loss of one micro-batch, used by the schedule's
-  backward (gradients are averaged over micro-batches, as for a mean over the batch); not needed by a HF
-  model called with ``labels`` (each micro-batch's loss is divided by the whole batch's labelled tokens);
-* weights tied across stages (a head tied to the token embedding) are held by each stage that uses them,
-  their gradients summed between those stages' ranks every step (Megatron's embedding group); the
-  checkpoint holds the tensor once, under the unsplit model's name for it, and every copy loads from it;
-* batches ``(inputs, target, ...)``, or a ``pipeline_target(batch)`` hook returning the target;
-* for ``split="balanced"``: ``example_input_array`` set to one micro-batch of inputs;
-* a forward that is its children run in order: checked on ``example_input_array`` before any collective,
-  else on the first micro-batch against a host copy of the unsplit network (one verdict for all ranks).
-
-Context parallelism (``cp > 1``): the network call cuts each sequence to this rank's chunks before the schedule's
-micro-batch split (:func:`~lightning_dist.strategies.pipeline.step.cut_for_cp`), every stage gets ``position_ids``,
-each micro-batch's loss the matching chunks of the target, and the schedule runs under the Ulysses attention mode.
-
-Calling the network in ``training_step``/``validation_step`` runs the whole schedule; only the boundary
-activations and their gradients cross the pp group, plus the batch loss as a scalar: every rank's step sees
-a stand-in output that answers ``self.pipeline_loss(out, target)`` / HF ``out.loss`` and refuses other uses
-(``broadcast_output=True`` gives the whole output; predict always does; see
-:mod:`~lightning_dist.strategies.pipeline.step`). Checkpoints are sharded, each stage writing its own keys,
-and load into any pipeline layout or, consolidated, into the plain single-device module (see
-:mod:`~lightning_dist.strategies.pipeline.checkpoints`).
-"""
+Notes: docs/internals.md, "lightning_dist/strategies/pipeline/strategy.py"."""
 
 from __future__ import annotations
 
