@@ -12,11 +12,11 @@ from lightning_dist.mesh import MeshSpec
 from lightning_dist.models import GPT
 from lightning_dist.parallelize.cp import ContextParallel, CPGroup, cp_model_problems, cp_style_problems, find_network
 from lightning_dist.parallelize.pipeline.hf import hf_labels_loss
-from lightning_dist.parallelize.pipeline.setup import cp_stage_problems
 from lightning_dist.parallelize.pipeline.split import network_layout
 from lightning_dist.parallelize.pipeline.stages import build_plain_stage
 from lightning_dist.rules import cp_chunks, replicates
 from lightning_dist.strategies import HybridShardStrategy, PipelineStrategy
+from lightning_dist.strategies.pipeline.setup import cp_stage_problems
 from lightning_dist.strategies.pipeline.step import cp_share, cut_for_cp, cut_target
 
 

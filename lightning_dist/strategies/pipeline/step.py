@@ -23,8 +23,8 @@ from lightning_dist.parallelize.pipeline.output import (
     returned_loss_problem,
 )
 from lightning_dist.parallelize.pipeline.schedule import returned_loss_gradients
-from lightning_dist.parallelize.pipeline.setup import first_batch_problem
 from lightning_dist.parallelize.pipeline.tied import sum_tied_gradients
+from lightning_dist.strategies.pipeline.setup import first_batch_problem
 
 
 class NetworkCall(NamedTuple):

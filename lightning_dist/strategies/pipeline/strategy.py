@@ -21,7 +21,6 @@ from lightning_dist.parallelize import ParallelizeConfig, pipeline_model
 from lightning_dist.parallelize.ac import check_offload_device
 from lightning_dist.parallelize.cp_probe import probe_inputs
 from lightning_dist.parallelize.ep import ep_problems
-from lightning_dist.parallelize.pipeline import setup as checks
 from lightning_dist.parallelize.pipeline import split as plan
 from lightning_dist.parallelize.pipeline.checks import host_copy, tied_stages
 from lightning_dist.parallelize.pipeline.output import serve_pipeline_loss, unserve_pipeline_loss
@@ -34,6 +33,7 @@ from lightning_dist.parallelize.tp.vocab import TPEntry
 from lightning_dist.rules import SCHEDULES
 from lightning_dist.strategies.base import MeshStrategy
 from lightning_dist.strategies.pipeline import checkpoints
+from lightning_dist.strategies.pipeline import setup as checks
 from lightning_dist.strategies.pipeline.step import PipelineProbe, PipelineStep, serve_loss
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """What a pipeline needs from the LightningModule, checked and planned before the split (no strategy state).
 
-Notes: docs/internals.md, "lightning_dist/parallelize/pipeline/setup.py"."""
+Notes: docs/internals.md, "lightning_dist/strategies/pipeline/setup.py"."""
 
 from __future__ import annotations
 
