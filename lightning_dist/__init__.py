@@ -13,7 +13,10 @@ from lightning_dist.mesh import DIM_NAMES, DistMesh, MeshSpec  # noqa: E402
 
 __version__ = "0.1.0"
 
-_NEEDS_LIGHTNING = (
+__all__ = [
+    "DIM_NAMES",
+    "DistMesh",
+    "MeshSpec",
     "MeshStrategy",
     "HybridShardStrategy",
     "FullyShardStrategy",
@@ -23,7 +26,8 @@ _NEEDS_LIGHTNING = (
     "REGISTERED",
     "RunProgressBar",
     "register_strategies",
-)
+]
+_NEEDS_LIGHTNING = frozenset(__all__) - {"DIM_NAMES", "DistMesh", "MeshSpec"}
 
 if LIGHTNING_IMPORTABLE:
     from lightning_dist._integrations.lightning import use_default_progress_bar
@@ -47,19 +51,3 @@ else:  # the Lightning-free parts (mesh, parallelize, planner) stay usable
         if name in _NEEDS_LIGHTNING:
             raise ImportError(f"lightning_dist.{name} needs Lightning, which is not installed: pip install lightning")
         raise AttributeError(f"module 'lightning_dist' has no attribute {name!r}")
-
-
-__all__ = [
-    "DIM_NAMES",
-    "DistMesh",
-    "MeshSpec",
-    "MeshStrategy",
-    "HybridShardStrategy",
-    "FullyShardStrategy",
-    "TensorParallelStrategy",
-    "PipelineStrategy",
-    "OffloadStrategy",
-    "REGISTERED",
-    "RunProgressBar",
-    "register_strategies",
-]

@@ -68,10 +68,7 @@ def test_expert_parallel_configuration_is_checked_before_any_collective():
         FullyShardStrategy(ep=0)
 
 
-def test_hf_experts_are_found_by_their_interface():
-    transformers = pytest.importorskip("transformers")
-    from lightning_dist.parallelize.ep import expert_count, find_experts
-
+def _tiny_qwen3_moe(transformers, **kw):
     cfg = transformers.Qwen3MoeConfig(
         vocab_size=32,
         hidden_size=16,
@@ -83,8 +80,16 @@ def test_hf_experts_are_found_by_their_interface():
         num_experts=4,
         num_experts_per_tok=2,
         moe_intermediate_size=8,
+        **kw,
     )
-    found = find_experts(transformers.Qwen3MoeForCausalLM(cfg))
+    return transformers.Qwen3MoeForCausalLM(cfg)
+
+
+def test_hf_experts_are_found_by_their_interface():
+    transformers = pytest.importorskip("transformers")
+    from lightning_dist.parallelize.ep import expert_count, find_experts
+
+    found = find_experts(_tiny_qwen3_moe(transformers))
     assert [n for n, _ in found] == [f"model.layers.{i}.mlp.experts" for i in range(2)]
     assert all(expert_count(m) == 4 for _, m in found)
 
@@ -100,20 +105,7 @@ def test_grouped_mm_where_torch_does_not_serve_the_dtype_is_refused_at_set_up():
     from lightning_dist.strategies import FullyShardStrategy, PipelineStrategy
 
     def qwen(**kw):
-        cfg = transformers.Qwen3MoeConfig(
-            vocab_size=32,
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=8,
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=8,
-            **kw,
-        )
-        return transformers.Qwen3MoeForCausalLM(cfg)
+        return _tiny_qwen3_moe(transformers, **kw)
 
     class Task(pl.LightningModule):
         def __init__(self, model):
