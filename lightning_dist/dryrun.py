@@ -273,6 +273,8 @@ def simulate_rank(config: DryRunConfig, rank: int) -> dict[str, Any]:
             meta_batch = make_batch(config.batch_size // micro)
         boundaries, output = _stage_inputs(strategy, module, meta_batch) if pipelined else (None, None)
         shapes = {name: tuple(p.shape) for name, p in module.named_parameters()}
+        ep = int(getattr(strategy, "ep", 1) or 1)
+        moe = inputs.moe_spec(module) if ep > 1 else None  # the experts, read before expert parallelism splits them
         in_blocks = {
             f"{list_name}.{n}" for list_name, blocks in find_block_lists(module) for n, _ in blocks.named_parameters()
         }
@@ -286,8 +288,12 @@ def simulate_rank(config: DryRunConfig, rank: int) -> dict[str, Any]:
         # DDP's one-time set-up (its broadcast from rank 0) out of the measured step, as a real run's steady step
         build_replicate_reducers(strategy.model)
         built = time.perf_counter()
-        planned = plan_rank(strategy, module, cfg, config, spec, shapes, in_blocks, boundaries)
+        planned = plan_rank(strategy, module, cfg, config, spec, shapes, in_blocks, boundaries, moe=moe)
         optimizers = [getattr(o, "_optimizer", o) for o in strategy.optimizers]
+        if ep > 1:  # the ep dispatch sizes its all-to-alls from the assumed routing (the choices hold no values)
+            from lightning_dist.parallelize.ep import assume_routing
+
+            patches.enter_context(assume_routing(UniformRouting()))
         with fake:
             recorder, peak, states = _step(strategy, make_batch(config.batch_size), optimizers, warm_up=pipelined)
         staging = None
@@ -306,15 +312,33 @@ def simulate_rank(config: DryRunConfig, rank: int) -> dict[str, Any]:
             "states": states,
             **peak,  # peak_total_bytes, peak_activation_bytes, peak_breakdown
             "checkpoint_staging_bytes": staging,
-            "collectives": _collective_rows(recorder, mesh, rank, config.world_size),
+            "collectives": _collective_rows(recorder, mesh, rank, config.world_size, ep),
             "planned": planned,
             "seconds": time.perf_counter() - start,
             "build_seconds": built - start,
             "stages": list(strategy.local_stages) if pipelined else None,
+            "routing": UniformRouting.description if ep > 1 else None,  # what the ep all-to-alls' sizes assume
         }
     finally:
         patches.close()
         dist.destroy_process_group()
+
+
+@dataclass(frozen=True)
+class UniformRouting:
+    """The routing the dry run assumes (fake tensors hold no router choices): each rank's ``N k`` (token, choice) rows
+    split evenly over the experts, the first ``N k mod E`` experts one row more; the planner's assumption
+    (``planner.UNIFORM_ROUTING``). The :class:`~lightning_dist.parallelize.ep.RoutingStandIn` of an ep dry run."""
+
+    description = "uniform routing: each rank's tokens x top_k rows split evenly over the experts (as the planner)"
+
+    def rows_per_expert(self, rows: int, experts: int) -> list[int]:
+        return [rows // experts + (e < rows % experts) for e in range(experts)]
+
+    def concrete(self) -> contextlib.AbstractContextManager[None]:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        return unset_fake_temporarily()  # tensors made in the block hold values; the fake ones stay fake
 
 
 def _step(strategy: Any, batch: Any, optimizers: list, *, warm_up: bool) -> tuple[Any, dict, dict]:
@@ -358,12 +382,12 @@ def _step(strategy: Any, batch: Any, optimizers: list, *, warm_up: bool) -> tupl
     return recorder, peak, states
 
 
-def _collective_rows(recorder: Any, mesh: Any, rank: int, world: int) -> list[dict[str, Any]]:
+def _collective_rows(recorder: Any, mesh: Any, rank: int, world: int, ep: int = 1) -> list[dict[str, Any]]:
     """The recorded calls per (op, dim) as the ledger counts them: calls, payload bytes, group size."""
-    sizes = recorder.group_sizes(mesh=mesh, rank=rank, world=world)
+    sizes = recorder.group_sizes(mesh=mesh, rank=rank, world=world, ep=ep)
     return [
         {"op": op, "dim": dim, "calls": calls, "payload_bytes": nbytes, "group_size": sizes[dim]}
-        for (op, dim), (calls, nbytes) in sorted(recorder.totals(mesh=mesh, rank=rank, world=world).items())
+        for (op, dim), (calls, nbytes) in sorted(recorder.totals(mesh=mesh, rank=rank, world=world, ep=ep).items())
     ]
 
 
@@ -376,6 +400,8 @@ def plan_rank(
     shapes: Mapping[str, tuple[int, ...]],
     in_blocks: set[str],
     boundaries: Optional[list],
+    *,
+    moe: Optional[Mapping[str, Any]] = None,
 ) -> dict[str, Any]:
     """The planner's prediction for this rank, from the model's shapes and the plan the strategy chose.
 
@@ -383,7 +409,10 @@ def plan_rank(
     (from the resolved TP plan). Then :func:`~lightning_dist.planner.model_state_bytes` /
     :func:`~lightning_dist.planner.data_parallel_traffic` over ``dp_shard`` x ``dp_replicate``,
     :func:`~lightning_dist.planner.tp_activation_traffic` (+ the gathered head), the stage-boundary sends
-    and :func:`~lightning_dist.planner.activation_bytes`.
+    and :func:`~lightning_dist.planner.activation_bytes`. Under expert parallelism (``moe``: the arguments of
+    :class:`~lightning_dist.planner.MoEShape`, read off the unsplit model) the routed experts'
+    :func:`~lightning_dist.planner.ep_state_bytes` / :func:`~lightning_dist.planner.ep_fsdp_traffic` and the
+    all-to-alls of :func:`~lightning_dist.planner.ep_all_to_all` under uniform routing (:class:`UniformRouting`).
     """
     import math
 
@@ -412,7 +441,29 @@ def plan_rank(
     zero = (3 if strategy.reshard_after_forward else 2) if pipelined else strategy.zero_stage
     replicate_only = not pipelined and rules.replicates(zero_stage=zero, dp_shard=S, tp=T, cp=C)
     dp = R * S
-    if replicate_only:
+    ep = int(getattr(strategy, "ep", 1) or 1)
+    # ep runs under FSDP2 only (the strategies refuse the rest): ZeRO-3's formulas; a pipeline stage holds some of the
+    # MoE layers only, which `moe` (the whole model's) does not say: no ep plan there
+    ep_planned = ep > 1 and moe is not None and not pipelined
+    if ep_planned:
+        dense, experts = planner.ep_state_bytes(
+            P - moe["expert_params"], moe["expert_params"], shard_size=S, ep=ep, state=state
+        )
+        memory = planner.MemoryBreakdown(
+            params=dense.params + experts.params,
+            grads=dense.grads + experts.grads,
+            optimizer=dense.optimizer + experts.optimizer,
+        )
+        traffic = planner.ep_fsdp_traffic(
+            P - moe["expert_params"],
+            moe["expert_params"],
+            state=state,
+            shard_size=S,
+            replicate_size=R,
+            ep=ep,
+            root_params=root,
+        )
+    elif replicate_only:
         memory = planner.model_state_bytes(P, state=state, zero_stage=zero if zero == 1 else 0, shard_size=dp)
         traffic = (
             planner.data_parallel_traffic(
@@ -432,6 +483,15 @@ def plan_rank(
         )
     traffic = planner.with_cp_dims(traffic, C)
     seq = config.seq_len or getattr(cfg, "block_size", 1)
+    if ep_planned:
+        traffic += planner.ep_all_to_all(
+            rows=config.batch_size * seq // C * moe["top_k"],  # this rank's tokens x top_k, per MoE layer
+            hidden=moe["hidden"],
+            bytes_per_element=act_bytes,
+            experts=moe["experts"],
+            ep=ep,
+            layers=moe["layers"],
+        )
     hidden, vocab = getattr(cfg, "n_embd", None), getattr(cfg, "vocab_size", None)
     # every stage this rank holds (interleaved and V schedules hold several): their blocks, the stem, the head
     local = list(strategy.local_stages) if pipelined else [0]
@@ -559,7 +619,10 @@ def plan_rank(
     for c in traffic:
         # the recorder's name for the group (one group can be several dims: cp and dp_shard_cp when dp_shard=1)
         c = dataclasses.replace(
-            c, dim=_planned.dim_label(c.dim, mesh=strategy.mesh, rank=strategy.global_rank, world=config.world_size)
+            c,
+            dim=_planned.dim_label(
+                c.dim, mesh=strategy.mesh, rank=strategy.global_rank, world=config.world_size, ep=ep
+            ),
         )
         if c.group_size > 1:
             # the recorder counts each side of a point-to-point transfer; the planner's payload is what one rank

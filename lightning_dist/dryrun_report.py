@@ -97,7 +97,15 @@ class DryRunReport:
                     f"rank {r['rank']}: async_checkpoint=True stages {format_bytes(staged)} in host memory per save"
                     f" (planned {format_bytes(planned or 0)}), held until the write finishes"
                 )
-        comm = Table(title="Collective payload bytes per step (measured / planned)")
+        routing = next((r["routing"] for r in self.ranks if r.get("routing")), None)
+        comm = Table(
+            title="Collective payload bytes per step (measured / planned)",
+            # fake tensors hold no router choices: the ep all-to-alls are sized by an assumed routing
+            caption=f"expert parallelism: the all-to-all bytes assume {routing}; the peak leaves out the routed"
+            " experts' own activations (they run outside the fake mode MemTracker counts in)"
+            if routing
+            else None,
+        )
         for col in ("rank", "op", "dim", "calls", "measured", "planned", "m/p"):
             comm.add_column(col, justify="left" if col in ("op", "dim") else "right", no_wrap=True)
         for r in self.ranks:

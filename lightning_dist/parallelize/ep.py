@@ -4,9 +4,12 @@ Notes: docs/internals.md, "lightning_dist/parallelize/ep.py"."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import types
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, ContextManager, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -69,6 +72,34 @@ def ep_problems(model: nn.Module, *, ep: int, dp_shard: int) -> list[str]:
     return problems
 
 
+class RoutingStandIn(Protocol):
+    """The routing assumed where the router's choices hold no values (the dry run's fake tensors,
+    :mod:`lightning_dist.dryrun`): the dispatch sizes its exchanges from it instead of from the choices."""
+
+    def rows_per_expert(self, rows: int, experts: int) -> list[int]:
+        """How many of one rank's `rows` (token, choice) pairs each of the `experts` receives (alike on every rank)."""
+        ...
+
+    def concrete(self) -> ContextManager[None]:
+        """A block where index tensors made from those counts hold values (the experts' own forward reads them)."""
+        ...
+
+
+_STAND_IN: contextvars.ContextVar[RoutingStandIn | None] = contextvars.ContextVar(
+    "lightning_dist_ep_routing", default=None
+)
+
+
+@contextlib.contextmanager
+def assume_routing(stand_in: RoutingStandIn) -> Iterator[None]:
+    """Inside the block, every ep dispatch routes as `stand_in` says (the choices' values are not read)."""
+    token = _STAND_IN.set(stand_in)
+    try:
+        yield
+    finally:
+        _STAND_IN.reset(token)
+
+
 def _dispatch_forward(self: nn.Module, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
     """The forward of an experts module under expert parallelism (bound to the module: see :func:`apply_ep`)."""
     state = self.__dict__[GLOBAL_EXPERTS_KEY]
@@ -79,22 +110,34 @@ def _dispatch_forward(self: nn.Module, hidden: Tensor, top_k_index: Tensor, top_
     experts = top_k_index.reshape(-1)
     order = torch.argsort(experts, stable=True)
     tokens = torch.arange(n_tokens, device=hidden.device).repeat_interleave(k)[order]
-    counts = torch.bincount(experts, minlength=n_global)
+    stand_in = _STAND_IN.get()
+    values = contextlib.nullcontext if stand_in is None else stand_in.concrete  # where routing tensors hold values
+    if stand_in is None:
+        counts = torch.bincount(experts, minlength=n_global)
+    else:
+        assumed = stand_in.rows_per_expert(experts.numel(), n_global)
+        counts = torch.tensor(assumed, device=hidden.device)
     # how many rows each rank sends to each other rank: counts first, in one exchange
     received = torch.empty_like(counts)
     torch.distributed.all_to_all_single(received, counts, group=group)
-    send = counts.view(ranks, n_local).sum(1).tolist()
-    per_source = received.view(ranks, n_local)
-    recv = per_source.sum(1).tolist()
+    with values():
+        if stand_in is None:
+            send = counts.view(ranks, n_local).sum(1).tolist()
+            per_source = received.view(ranks, n_local)
+        else:  # every rank routes alike: each sends this rank's experts the counts it assumes for them
+            me = torch.distributed.get_rank(group)
+            send = [sum(assumed[r * n_local : (r + 1) * n_local]) for r in range(ranks)]
+            per_source = torch.tensor(assumed[me * n_local : (me + 1) * n_local] * ranks).view(ranks, n_local)
+        recv = per_source.sum(1).tolist()
+        # each arrived row goes to its local expert with weight 1: the module's own per-expert code runs unchanged
+        local_ids = torch.repeat_interleave(
+            torch.arange(n_local, device=hidden.device).repeat(ranks), per_source.reshape(-1)
+        ).unsqueeze(1)
+        ones = torch.ones(local_ids.shape, dtype=top_k_weights.dtype, device=hidden.device)
     state["arrived"] = sum(recv)  # rows this rank's experts ran in the last forward (0: none of them was chosen)
     x = hidden[tokens]
     arrived = all_to_all(x, recv, send, group)
-    # each arrived row goes to its local expert with weight 1: the module's own per-expert code runs unchanged
-    local_ids = torch.repeat_interleave(
-        torch.arange(n_local, device=hidden.device).repeat(ranks), per_source.reshape(-1)
-    ).unsqueeze(1)
-    ones = torch.ones(local_ids.shape, dtype=top_k_weights.dtype, device=hidden.device)
-    with _LocalParams(self):
+    with _LocalParams(self), values():
         out = state["forward"](arrived, local_ids, ones)
         if not len(arrived):
             # none of this rank's experts was chosen: keep the exchanges and the experts in the backward all the
@@ -161,4 +204,12 @@ def apply_ep(model: nn.Module, ep_mesh: "DeviceMesh") -> list[str]:
     return names
 
 
-__all__ = ["GLOBAL_EXPERTS_KEY", "apply_ep", "ep_problems", "expert_count", "find_experts"]
+__all__ = [
+    "GLOBAL_EXPERTS_KEY",
+    "RoutingStandIn",
+    "apply_ep",
+    "assume_routing",
+    "ep_problems",
+    "expert_count",
+    "find_experts",
+]

@@ -30,7 +30,10 @@ class RouterStats:
     @staticmethod
     def of(chosen: Tensor, probs: Tensor, n_experts: int) -> RouterStats:
         """From the chosen experts ``[N, k]`` and the per-expert probabilities ``[N, E]`` of `N` tokens."""
-        counts = torch.bincount(chosen.reshape(-1), minlength=n_experts).to(probs.dtype)
+        idx = chosen.reshape(-1)
+        # bincount as an index_add: its size is known before the values (fake tensors have none: the dry run)
+        counts = torch.zeros(n_experts, dtype=idx.dtype, device=idx.device).index_add_(0, idx, torch.ones_like(idx))
+        counts = counts.to(probs.dtype)
         return RouterStats(counts, probs.sum(0), torch.tensor(float(probs.shape[0]), dtype=probs.dtype))
 
 

@@ -16,6 +16,7 @@ import dataclasses
 import os
 import sys
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from _common import emit, trainer
@@ -26,6 +27,7 @@ import lightning_dist  # noqa: F401  (registers the strategies)
 from lightning_dist.callbacks import CommunicationLedger, MemoryReport
 from lightning_dist.dryrun import DryRunConfig, dry_run
 from lightning_dist.models.gpt import CharGPT
+from lightning_dist.models.moe import MoE, MoEGPT
 
 STEPS = 3
 BATCH = 8  # sequences per data-parallel rank: divides into the pipelines' 4 micro-batches
@@ -46,7 +48,10 @@ CASES = {
     "cp2_dp2": ("hsdp", {"cp": 2, "dp_replicate": 1}),
     # the ring: torch's ring attention's all-gathers and all-to-alls on cp
     "cp2_dp2_ring": ("hsdp", {"cp": 2, "dp_replicate": 1, "cp_style": "ring"}),
+    # expert parallelism (BalancedMoE below): the all-to-alls on ep, the experts' FSDP2 on dp_shard_mod_ep
+    "ep2_dp_shard4": ("hsdp", {"dp_shard": 4, "dp_replicate": 1, "ep": 2}),
 }
+MOE = {**GPT, "n_experts": 8, "top_k": 2, "expert_hidden": 16}
 
 
 class QuietGPT(CharGPT):
@@ -61,6 +66,49 @@ class QuietGPT(CharGPT):
         ds = TensorDataset(torch.randint(0, v, (n, t), generator=g), torch.randint(0, v, (n, t), generator=g))
         kw = self.trainer.strategy.distributed_sampler_kwargs
         return DataLoader(ds, batch_size=BATCH, sampler=DistributedSampler(ds, shuffle=False, **kw))
+
+
+class BalancedMoE(MoE):
+    """:class:`MoE` whose token i chooses experts (i k + j) mod E, j < k: every expert receives the same rows, the
+    routing the dry run assumes (``dryrun.UniformRouting``), so a real step's all-to-alls are the dry run's."""
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        scores = self.router(x).softmax(-1)
+        chosen = (torch.arange(x.shape[0], device=x.device)[:, None] * self.top_k + torch.arange(self.top_k)) % (
+            self.n_experts
+        )
+        weights = scores.gather(-1, chosen)
+        return chosen, weights / weights.sum(-1, keepdim=True), scores
+
+
+class BalancedMoEGPT(MoEGPT):
+    def make_block(self, cfg):
+        block = super().make_block(cfg)
+        moe = self._moe
+        block.mlp = BalancedMoE(dim=cfg.n_embd, n_experts=moe["n_experts"], top_k=moe["top_k"], hidden=moe["hidden"])
+        return block
+
+
+class QuietMoE(QuietGPT):
+    """QuietGPT with :class:`BalancedMoEGPT` and its router loss (over the global batch: an all-reduce a layer)."""
+
+    def __init__(self, **sizes) -> None:
+        pl.LightningModule.__init__(self)
+        self.model = BalancedMoEGPT(**sizes)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return self.pipeline_loss(self.model(x), y) + 0.01 * self.model.aux_loss()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def model_of(case: str) -> tuple[str, dict]:
+    """(class path the dry run imports, its init args): the MoE for the ep case, CharGPT otherwise."""
+    if case.startswith("ep"):
+        return f"{os.path.abspath(__file__)}:QuietMoE", MOE
+    return "lightning_dist.models.gpt.CharGPT", GPT
 
 
 def rows(per_step: dict) -> list[dict]:
@@ -80,15 +128,16 @@ def real(case: str) -> None:
     torch.manual_seed(0)
     devices = int(os.environ["WORLD_SIZE"])
     t = trainer(strategy, devices=devices, steps=STEPS + replicated, precision="32-true", callbacks=[ledger, memory])
-    t.fit(QuietGPT(**GPT))
+    t.fit(QuietMoE(**MOE) if case.startswith("ep") else QuietGPT(**GPT))
     emit(case=case, kind="ledger", rows=rows(ledger.per_step()), steps=len(ledger.steps), peak=memory.step_peak)
 
 
 def dry(case: str, rank: int, world: int) -> None:
     name, args = CASES[case]
+    model, init_args = model_of(case)
     config = DryRunConfig(
-        model="lightning_dist.models.gpt.CharGPT",
-        init_args=GPT,
+        model=model,
+        init_args=init_args,
         strategy=name,
         strategy_args=args,
         world_size=world,
