@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 # the ends of the supported torch range (pyproject.toml, docs/getting_started.md): `make test-compat-all` tests both
 TORCH_OLDEST := torch==2.11.0
 TORCH_NEWEST := torch==2.14.1
-EXTRAS ?= test,plot,deepspeed
+EXTRAS ?= test,plot,deepspeed,fault-tolerance
 # compile DeepSpeed's async_io op (NVMe offload) at install: 1 for `make test`, 0 for the compat venvs
 AIO_OP ?= 1
 # DeepSpeed compiles its ops on first use (minutes on 2 cores): keep them inside the environment.

@@ -17,10 +17,10 @@ from lightning_dist.parallelize import ParallelizeConfig, parallelize_model
 from lightning_dist.parallelize.ac import check_offload_device
 from lightning_dist.parallelize.ep import ep_problems
 from lightning_dist.precision import precision_dtypes
-from lightning_dist.strategies.base import MeshStrategy
+from lightning_dist.strategies.fault_tolerance import FaultToleranceArg, ReplicaGroupsMixin
 
 
-class HybridShardStrategy(MeshStrategy):
+class HybridShardStrategy(ReplicaGroupsMixin):
     """Hybrid sharded data parallelism with FSDP2 (``Trainer(strategy="hsdp")``; ``"fsdp2"`` = full sharding).
 
     Parameters are sharded inside groups of ``shard_size`` ranks and replicated across the groups, so
@@ -34,6 +34,9 @@ class HybridShardStrategy(MeshStrategy):
             (all-reduce) and shard only the optimizer state (torch's ``ZeroRedundancyOptimizer``).
         units: FSDP units: ``"auto"`` (each block of the model's block list) or module class names.
         offload_policy: an FSDP2 ``CPUOffloadPolicy`` (see ``OffloadStrategy`` for the managed version).
+        fault_tolerance: a :class:`~lightning_dist.strategies.fault_tolerance.FaultTolerance` (or a dict of its fields):
+            each of the ``dp_replicate`` replica groups is its own job, and torchft averages gradients across the groups
+            that are alive (docs/fault_tolerance.md). None: off.
         **kwargs: the mesh, model and checkpoint options of :class:`MeshStrategy` (``dp_replicate``,
             ``activation_checkpointing``, ``compile``, ``timeout``...).
     """
@@ -47,6 +50,7 @@ class HybridShardStrategy(MeshStrategy):
         zero_stage: Literal[1, 2, 3] = 3,
         units: Union[str, Sequence[str]] = "auto",
         offload_policy: Optional[Any] = None,
+        fault_tolerance: FaultToleranceArg = None,
         **kwargs: Any,
     ) -> None:
         problems = []
@@ -77,6 +81,7 @@ class HybridShardStrategy(MeshStrategy):
             problems.append(f"Pass either shard_size={shard_size!r} or dp_shard={kwargs['dp_shard']!r}, not both.")
         elif shard != "auto":
             kwargs["dp_shard"] = shard
+        problems += self._take_fault_tolerance(fault_tolerance, kwargs, zero_stage)  # dp_replicate: torchft's groups
         self._defer_problems(problems)  # raised by MeshStrategy with the mesh's and the model options' problems
         super().__init__(**kwargs)
         if shard != "auto":

@@ -1,0 +1,187 @@
+"""torchft: every call the pack makes into it, as small named functions (fault-tolerant replica groups).
+
+* :func:`start_lighthouse` / :func:`check_lighthouse`: the embedded lighthouse, and the reachability check;
+* :func:`make_manager`: one ``torchft.Manager`` per replica group, over a reconfigurable process group;
+* :func:`average_across_replica_groups`: FSDP2's post-reduce hook, or DDP's comm hook, through the manager's
+  all-reduce; :func:`replicate_for_replica_groups`: DDP for a group of one data-parallel rank;
+* :func:`register_state`: the state a healing replica group receives from a healthy one;
+* :class:`CommitGate`: Lightning's optimizer closure, then torchft's optimizer wrapper (step only on commit).
+
+Only public torchft API (``torchft.Manager``, ``torchft.Optimizer``, ``torchft.coordination``); the entry points
+(the lighthouse, the manager) check :data:`lightning_dist._compat.TORCHFT_RANGE`. Notes: docs/fault_tolerance.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from lightning_dist._compat import require_torchft
+
+__all__ = [
+    "CommitGate",
+    "average_across_replica_groups",
+    "check_lighthouse",
+    "make_manager",
+    "register_state",
+    "replicate_for_replica_groups",
+    "start_lighthouse",
+]
+
+
+def start_lighthouse(*, port: int, min_replicas: int, join_timeout: float) -> Any:
+    """torchft's in-process ``LighthouseServer`` on ``127.0.0.1:port`` (one machine). Returns the server (keep it
+    referenced: it stops when collected or ``shutdown()``)."""
+    require_torchft()
+    from torchft.coordination import LighthouseServer
+
+    try:
+        return LighthouseServer(
+            bind=f"127.0.0.1:{port}", min_replicas=min_replicas, join_timeout_ms=int(join_timeout * 1000)
+        )
+    except Exception as err:  # a busy port: name it and the fix
+        raise RuntimeError(
+            f"Cannot start the embedded torchft lighthouse on 127.0.0.1:{port} ({err}). Another job uses the port:"
+            " pass FaultTolerance(lighthouse_port=<a free port>) to every replica group, or run `torchft_lighthouse`"
+            " yourself and pass its address."
+        ) from err
+
+
+def check_lighthouse(address: str, *, timeout: float, who: str) -> None:
+    """RuntimeError naming `address` unless a torchft lighthouse answers there within `timeout` seconds
+    (torchft's client retries the connection until then)."""
+    require_torchft()
+    from torchft.coordination import LighthouseClient
+
+    try:
+        # connecting is the whole check: a heartbeat would make the lighthouse wait for a replica that never joins
+        LighthouseClient(address, connect_timeout=timedelta(seconds=timeout))
+    except Exception as err:
+        raise RuntimeError(
+            f"{who}: the torchft lighthouse at {address} did not answer within {timeout:g} s ({err}). Start it"
+            " (`torchft_lighthouse --min_replicas <N> --bind [::]:<port>`, see docs/fault_tolerance.md) and pass its"
+            " address as FaultTolerance(lighthouse=...) or the TORCHFT_LIGHTHOUSE environment variable, or raise"
+            " FaultTolerance(connect_timeout=...)."
+        ) from err
+
+
+def make_manager(
+    *,
+    replica_group: int,
+    group_rank: int,
+    group_size: int,
+    store_addr: str,
+    store_port: int,
+    lighthouse: str,
+    min_replicas: int,
+    device_type: str,
+    timeout: float,
+    quorum_timeout: float,
+    connect_timeout: float,
+) -> Any:
+    """A ``torchft.Manager`` for this rank of replica group `replica_group`: its group rank 0 runs the manager
+    server that asks the lighthouse for the quorum; the cross-group all-reduce runs on torchft's reconfigurable
+    gloo (CPU) or NCCL (CUDA) process group. Quorums are synchronous, so a healing group loads the healthy state
+    before its forward and trains its own batch in that step."""
+    require_torchft()
+    import torchft
+
+    seconds = timedelta(seconds=timeout)
+    pg = torchft.ProcessGroupNCCL(timeout=seconds) if device_type == "cuda" else torchft.ProcessGroupGloo(seconds)
+    return torchft.Manager(
+        pg=pg,
+        load_state_dict=None,
+        state_dict=None,  # registered per key by `register_state`
+        min_replica_size=min_replicas,
+        use_async_quorum=False,
+        timeout=seconds,
+        quorum_timeout=timedelta(seconds=quorum_timeout),
+        connect_timeout=timedelta(seconds=connect_timeout),
+        rank=group_rank,
+        world_size=group_size,
+        store_addr=store_addr,
+        store_port=store_port,
+        lighthouse_addr=lighthouse,
+        replica_id=f"lightning_dist_{replica_group}",  # torchft reads the group's index from the trailing digits
+    )
+
+
+def average_across_replica_groups(model: nn.Module, manager: Any) -> int:
+    """Average every gradient over the participating replica groups through ``manager.allreduce``: each FSDP2
+    module's reduced shard (FSDP2's all-reduce hook on the group's 1-D shard mesh, torchtitan's way), each
+    DDP-replicated root's gradient buckets (a DDP comm hook, torchft's ``DistributedDataParallel`` way). Returns the
+    number of modules hooked."""
+    from torch.distributed._composable.replicate import DDP
+    from torch.distributed.fsdp import FSDPModule
+
+    def shard_hook(reduced: Any) -> None:
+        manager.allreduce(reduced).wait()  # average over the quorum; a failed peer marks the step uncommitted
+
+    def bucket_hook(state, bucket):  # type: ignore[no-untyped-def]  (DDP checks annotations: none, or GradBucket)
+        manager.allreduce(bucket.buffer()).wait()
+        done: Any = torch.futures.Future()
+        done.set_result(bucket.buffer())
+        return done
+
+    hooked = 0
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_all_reduce_hook(shard_hook)
+        elif isinstance(module, DDP):
+            module.register_comm_hook(None, bucket_hook)
+        else:
+            continue
+        hooked += 1
+    return hooked
+
+
+def replicate_for_replica_groups(roots: list[nn.Module], group: Any) -> None:
+    """DDP-style replication of each root over `group` (a replica group of one data-parallel rank: one bucketed
+    cross-group all-reduce per step, plain tensors for the optimizer's foreach kernels).
+
+    ``find_unused_parameters=True``, as torchft's own ``DistributedDataParallel``: DDP then never rebuilds its
+    buckets, which a group healing at step n (first step: initial buckets) would otherwise lay out differently from
+    its peers (rebuilt after their first step)."""
+    from torch.distributed._composable import replicate
+
+    for module in roots:
+        replicate(module, process_group=group, find_unused_parameters=True)
+
+
+def register_state(manager: Any, key: str, state: Callable[[], Any], load: Callable[[Any], None]) -> None:
+    """Send `state()` to a healing replica group, which applies it with `load` (torchft's checkpoint transport)."""
+    manager.register_state_dict_fn(key, load, state)
+
+
+class CommitGate:
+    """What Lightning's precision plugin steps: runs the closure (forward, backward, the cross-group all-reduce,
+    clipping), then ``torchft.Optimizer.step``, which steps `optimizer` only if the quorum commits the step.
+
+    torchft's wrapper takes no closure; Lightning always passes one.
+    """
+
+    def __init__(self, optimizer: Any, manager: Any) -> None:
+        import torchft
+
+        self._wrapped = torchft.Optimizer(manager, optimizer)
+        self.committed: Optional[bool] = None
+
+    def step(self, closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
+        result = closure() if closure is not None else None
+        manager = self._wrapped.manager
+        before = manager.current_step()
+        self._wrapped.step()
+        self.committed = manager.current_step() > before
+        return result
+
+    @property
+    def param_groups(self) -> list:
+        return self._wrapped.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self._wrapped.state

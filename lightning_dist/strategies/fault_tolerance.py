@@ -1,0 +1,374 @@
+"""Fault-tolerant replica groups (``fault_tolerance=``): the Lightning glue around torchft.
+
+Each replica group (one index of ``dp_replicate``) is its own launched job whose mesh has ``dp_replicate=1``;
+the gradient average across the groups and the per-step quorum are torchft's (``_integrations/torchft.py``).
+Notes: docs/fault_tolerance.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
+
+from lightning_dist._compat import torchft_available
+from lightning_dist.strategies.base import MeshStrategy
+
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # torchft's own variable for the lighthouse's address
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultTolerance:
+    """Fault-tolerant replica groups with torchft: ``HybridShardStrategy(dp_replicate=N, fault_tolerance=...)``."""
+
+    replica_group: int
+    """This job's replica group, 0 .. dp_replicate - 1 (each replica group is its own launched job)."""
+    lighthouse: Optional[str] = None
+    """The lighthouse's address (``http://host:29510``). None: the ``TORCHFT_LIGHTHOUSE`` environment variable, else
+    a lighthouse embedded in replica group 0 on this machine, at ``http://127.0.0.1:<lighthouse_port>``."""
+    lighthouse_port: int = 29510
+    """The embedded lighthouse's port (one machine only)."""
+    min_replicas: int = 1
+    """The fewest replica groups a step commits with; also the embedded lighthouse's quorum size (set it to
+    dp_replicate to start every group's first step together)."""
+    timeout: float = 60.0
+    """Seconds for the cross-group all-reduce, the commit vote and the healing transfer."""
+    quorum_timeout: float = 60.0
+    """Seconds a step waits for its quorum from the lighthouse before the job fails."""
+    connect_timeout: float = 30.0
+    """Seconds to reach the lighthouse at start-up before the job fails with its address."""
+    join_timeout: float = 60.0
+    """The embedded lighthouse's wait for heartbeating groups that have not asked for the quorum yet."""
+
+    def problems(self, dp_replicate: Any) -> list[str]:
+        """Every configuration problem, in words with the values (none: empty)."""
+        out = []
+        if isinstance(dp_replicate, bool) or not isinstance(dp_replicate, int) or dp_replicate < 1:
+            out.append(
+                f"fault_tolerance needs `dp_replicate` to be the number of replica groups (an integer >= 1), not"
+                f" {dp_replicate!r}: each replica group is its own job, e.g. dp_replicate=2."
+            )
+            dp_replicate = None
+        group = self.replica_group
+        if isinstance(group, bool) or not isinstance(group, int) or group < 0:
+            out.append(f"`FaultTolerance(replica_group={group!r})` must be an integer >= 0 (this job's group).")
+        elif dp_replicate is not None and group >= dp_replicate:
+            out.append(
+                f"`FaultTolerance(replica_group={group})` is outside dp_replicate={dp_replicate}: the groups are"
+                f" 0 .. {dp_replicate - 1}."
+            )
+        low = self.min_replicas
+        if isinstance(low, bool) or not isinstance(low, int) or low < 1:
+            out.append(f"`FaultTolerance(min_replicas={low!r})` must be an integer >= 1.")
+        elif dp_replicate is not None and low > dp_replicate:
+            out.append(
+                f"`FaultTolerance(min_replicas={low})` exceeds dp_replicate={dp_replicate}: no step could commit."
+            )
+        for name in ("timeout", "quorum_timeout", "connect_timeout", "join_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                out.append(f"`FaultTolerance({name}={value!r})` must be a positive number of seconds.")
+        port = self.lighthouse_port
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+            out.append(f"`FaultTolerance(lighthouse_port={port!r})` must be a port number, 1 .. 65535.")
+        if self.lighthouse is not None and (
+            not isinstance(self.lighthouse, str) or not self.lighthouse.startswith(("http://", "https://"))
+        ):
+            out.append(
+                f"`FaultTolerance(lighthouse={self.lighthouse!r})` must be the lighthouse's URL, e.g."
+                " 'http://lighthouse-host:29510', or None."
+            )
+        return out
+
+
+FaultToleranceArg = Union[FaultTolerance, Mapping[str, Any], None]
+
+
+def as_fault_tolerance(value: FaultToleranceArg) -> tuple[Optional[FaultTolerance], list[str]]:
+    """(the option as a :class:`FaultTolerance`, problems): a dict (LightningCLI YAML) is read by field name."""
+    if value is None or isinstance(value, FaultTolerance):
+        return value, []
+    if isinstance(value, Mapping):
+        names = {f.name for f in dataclasses.fields(FaultTolerance)}
+        unknown = sorted(set(value) - names)
+        if unknown or "replica_group" not in value:
+            why = f"unknown keys {unknown}" if unknown else "no 'replica_group'"
+            return None, [f"`fault_tolerance={dict(value)!r}`: {why}; the keys are {sorted(names)}."]
+        return FaultTolerance(**value), []
+    return None, [
+        f"`fault_tolerance={value!r}` must be a FaultTolerance(replica_group=...) or a dict of its fields, or None."
+    ]
+
+
+class ReplicaGroupsMixin(MeshStrategy):
+    """``fault_tolerance=``: the replicate dim as torchft replica groups (mixed into :class:`HybridShardStrategy`)."""
+
+    _ft: Optional[FaultTolerance] = None
+    _ft_groups = 1
+    _manager: Any = None
+    _lighthouse: Any = None
+    _quorum_open = False
+
+    def _take_fault_tolerance(self, value: FaultToleranceArg, kwargs: dict[str, Any], zero_stage: int) -> list[str]:
+        """Read ``fault_tolerance`` before ``MeshStrategy.__init__``: the job's own mesh gets ``dp_replicate=1``."""
+        config, problems = as_fault_tolerance(value)
+        self.committed_steps: deque[dict[str, Any]] = deque(maxlen=10_000)
+        """The last 10,000 optimizer steps under fault tolerance: ``{"step", "participants", "committed"}`` each."""
+        if config is None:
+            return problems
+        groups = kwargs.get("dp_replicate", "auto")
+        problems += config.problems(groups)
+        if not torchft_available():
+            problems.append(
+                "fault_tolerance needs torchft, which is not installed: pip install 'lightning-dist[fault-tolerance]'."
+            )
+        if zero_stage == 1:
+            problems.append(
+                "fault_tolerance with zero_stage=1 is not supported yet (ZeroRedundancyOptimizer's sharded state"
+                " would have to be healed shard by shard): pass zero_stage=2 or 3."
+            )
+        if kwargs.get("pp", 1) != 1:
+            problems.append("fault_tolerance with pipeline parallelism (pp > 1) is not supported yet: set pp=1.")
+        if not problems:
+            self._ft, self._ft_groups = config, groups
+            kwargs["dp_replicate"] = 1  # inside one replica group; the groups are torchft's
+        return problems
+
+    @property
+    def fault_tolerance(self) -> Optional[FaultTolerance]:
+        """The fault-tolerance configuration (None: off)."""
+        return self._ft
+
+    @property
+    def manager(self) -> Any:
+        """This rank's ``torchft.Manager`` once set up (None without fault tolerance)."""
+        return self._manager
+
+    def lighthouse_address(self) -> tuple[str, bool]:
+        """(the lighthouse's address, True when replica group 0 embeds it)."""
+        assert self._ft is not None
+        given = self._ft.lighthouse or os.environ.get(LIGHTHOUSE_ENV) or None
+        return (given, False) if given else (f"http://127.0.0.1:{self._ft.lighthouse_port}", True)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if self._ft is not None and self._stage() is not None:  # validate/test/predict: each group on its own
+            self._join_replica_groups()
+
+    def _stage(self) -> Optional[str]:
+        """``"fit"`` while fitting, ``"train"`` while its training loop runs (its loaders are built), else None."""
+        try:
+            trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        except RuntimeError:  # not attached to a Trainer
+            return None
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING:
+            return None
+        return "train" if trainer.state.stage == RunningStage.TRAINING else "fit"
+
+    def _join_replica_groups(self) -> None:
+        from lightning_dist._integrations import torchft as ft
+
+        config = self._ft
+        assert config is not None and self.cluster_environment is not None
+        address, embedded = self.lighthouse_address()
+        who = f"replica group {config.replica_group} rank {self.global_rank}"
+        if embedded and config.replica_group == 0 and self.global_rank == 0:
+            self._lighthouse = ft.start_lighthouse(
+                port=config.lighthouse_port, min_replicas=config.min_replicas, join_timeout=config.join_timeout
+            )
+            print(f"torchft lighthouse embedded in replica group 0 at {address}", flush=True)
+        ft.check_lighthouse(address, timeout=config.connect_timeout, who=who)  # every rank, before the manager
+        self._manager = ft.make_manager(
+            replica_group=config.replica_group,
+            group_rank=self.global_rank,
+            group_size=self.world_size,
+            store_addr=self.cluster_environment.main_address,
+            store_port=self.cluster_environment.main_port,
+            lighthouse=address,
+            min_replicas=config.min_replicas,
+            device_type=self.root_device.type,
+            timeout=config.timeout,
+            quorum_timeout=config.quorum_timeout,
+            connect_timeout=config.connect_timeout,
+        )
+        rank_zero_info(
+            f"replica group {config.replica_group} of {self._ft_groups} (torchft), lighthouse {address};"
+            f" min_replicas={config.min_replicas}"
+        )
+
+    @override
+    def apply_parallelism(self) -> None:
+        super().apply_parallelism()
+        if self._manager is None:
+            return
+        from torch.distributed.tensor import DTensor
+
+        from lightning_dist._integrations.torchft import average_across_replica_groups, replicate_for_replica_groups
+
+        module = self.lightning_module
+        if self._parallelize_fn is None and not _has_data_parallel(module):
+            # a group of one data-parallel rank: the plan applies no data parallelism, but the cross-group average
+            # hooks into it: DDP (one bucketed all-reduce per step; plain tensors), or FSDP2 on the one-rank mesh for
+            # DTensor parameters (tensor parallelism), roots only (one all-reduce per root, not per block)
+            from lightning_dist.parallelize.fsdp import apply_fsdp, roots
+
+            if any(isinstance(p, DTensor) for p in module.parameters()):
+                config = self.parallelize_config()
+                apply_fsdp(
+                    module,
+                    self.mesh.fsdp_mesh(),
+                    units=[],
+                    reshard_after_forward=False,
+                    mp_policy=config.mp_policy,
+                    offload_policy=config.offload_policy,
+                )
+            else:
+                replicate_for_replica_groups(roots(module), self.mesh.dp_group)
+        if average_across_replica_groups(module, self._manager) == 0:
+            raise ValueError(
+                "fault_tolerance averages gradients through FSDP2's or DDP's hooks, but the model has neither (a"
+                " parallelize_fn without fully_shard?). Apply lightning_dist.parallelize.apply_fsdp in it."
+            )
+
+    # ---- data: in training each replica group reads its own part of the global batch -------------------------
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        if self._ft is None or self._stage() != "train":  # evaluation: each group scores the whole set itself
+            return super().distributed_sampler_kwargs
+        size = self.mesh.dp_size
+        return {"num_replicas": self._ft_groups * size, "rank": self._ft.replica_group * size + self.mesh.dp_rank}
+
+    # ---- the step: quorum before the forward, commit vote before the optimizer step ------------------------
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        super().setup_optimizers(trainer)
+        if self._manager is None:
+            return
+        if len(self.optimizers) != 1:
+            raise ValueError(
+                f"fault_tolerance commits one optimizer step per training step; configure_optimizers returned"
+                f" {len(self.optimizers)} optimizers. Combine them into one (parameter groups)."
+            )
+        from lightning_dist._integrations.torchft import register_state
+
+        module, optimizer = self.lightning_module, self.optimizers[0]
+        register_state(self._manager, "model", lambda: _local_module_state(module), lambda s: _load_module(module, s))
+        register_state(
+            self._manager,
+            "optimizer",
+            lambda: _local_tree(optimizer.state_dict()),
+            lambda s: _load_optimizer(optimizer, s),
+        )
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self._manager is not None and not self._quorum_open:
+            config = self._ft
+            try:
+                self._manager.start_quorum()  # synchronous: a healing group loads the healthy state here
+            except Exception as err:
+                address, _ = self.lighthouse_address()
+                raise RuntimeError(
+                    f"replica group {config.replica_group} rank {self.global_rank}: no quorum from the torchft"
+                    f" lighthouse at {address} within quorum_timeout={config.quorum_timeout:g} s ({err})."
+                    " Is the lighthouse running?"
+                ) from err
+            self._quorum_open = True
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        if self._manager is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        from lightning.pytorch.core.optimizer import LightningOptimizer
+
+        from lightning_dist._integrations.torchft import CommitGate
+
+        inner = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        gate = CommitGate(inner, self._manager)
+        model = model if model is not None else self.lightning_module
+        result = self.precision_plugin.optimizer_step(gate, model=model, closure=closure, **kwargs)
+        self._quorum_open = False
+        self.committed_steps.append(
+            {
+                "step": self._manager.current_step(),
+                "participants": self._manager.num_participants(),
+                "committed": bool(gate.committed),
+            }
+        )
+        return result
+
+    @override
+    def teardown(self) -> None:
+        manager, self._manager = self._manager, None
+        if manager is not None:
+            manager.shutdown(wait=False)
+        lighthouse, self._lighthouse = self._lighthouse, None
+        if lighthouse is not None:
+            lighthouse.shutdown()
+        super().teardown()
+
+
+def _has_data_parallel(module: torch.nn.Module) -> bool:
+    from torch.distributed._composable.replicate import DDP
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, (FSDPModule, DDP)) for m in module.modules())
+
+
+# ---- the state a healing replica group receives: this rank's shards, as plain tensors -----------------------
+def _local(value: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def _local_tree(tree: Any) -> Any:
+    if isinstance(tree, dict):
+        return {k: _local_tree(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_local_tree(v) for v in tree)
+    return _local(tree)
+
+
+def _local_module_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    tensors = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    return {name: _local(t).detach() for name, t in tensors.items()}
+
+
+@torch.no_grad()
+def _load_module(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    for name, t in {**dict(module.named_parameters()), **dict(module.named_buffers())}.items():
+        _local(t).copy_(state[name])
+
+
+def _load_optimizer(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Load a state of local shards: each per-parameter tensor shaped like the parameter's shard becomes a DTensor
+    laid out as the parameter is (every replica group has the same inner mesh)."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    restored = {}
+    for index, entry in state["state"].items():
+        p = params[index]
+        if isinstance(p, DTensor):
+            entry = {
+                k: DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+                if isinstance(v, torch.Tensor) and v.shape == p.to_local().shape
+                else v
+                for k, v in entry.items()
+            }
+        restored[index] = entry
+    optimizer.load_state_dict({**state, "state": restored})
