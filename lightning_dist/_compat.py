@@ -138,6 +138,16 @@ def torch_pipelining_tested() -> bool:
     )
 
 
+def torch_pipelining_exchanges_meta() -> bool:
+    """torch's pipeline stages exchange their input/output metadata with their peers (``PipelineStage._recv_meta`` /
+    ``_send_meta``, and the schedules' shape-mode vote ``_warmup_p2p``), as on torch 2.13 and 2.14; older releases
+    infer the shapes by running the stages, with nothing for a peer to answer."""
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
+    from torch.distributed.pipelining.stage import PipelineStage
+
+    return hasattr(PipelineStage, "_recv_meta") and hasattr(_PipelineSchedule, "_warmup_p2p")
+
+
 def check_torch_pipelining(patch: str) -> None:
     """RuntimeError naming the release and the fix when `patch` would touch an untested torch's internals."""
     if not torch_pipelining_tested():

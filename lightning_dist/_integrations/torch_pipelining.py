@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch
 from torch.distributed.pipelining import PipelineStage
 
-from lightning_dist._compat import PIPELINE_INIT_P2P_TO_SELF, check_torch_pipelining
+from lightning_dist._compat import PIPELINE_INIT_P2P_TO_SELF, check_torch_pipelining, torch_pipelining_exchanges_meta
 
 
 def install_forward_only_program(schedule: Any, stage_ranks: Sequence[int], n_microbatches: int) -> None:
@@ -136,6 +136,8 @@ def peer_answered(schedule_class: type) -> type:
     ``_PipelineSchedule._warmup_p2p``, which a process group that delivers no values (fake tensors) cannot answer.
     """
     check_torch_pipelining("peer_answered")
+    if not torch_pipelining_exchanges_meta():  # no vote to answer: this torch infers shapes by running the stages
+        return schedule_class
     from torch.distributed.pipelining._utils import InferenceMode
 
     class PeerAnswered(schedule_class):  # type: ignore[misc, valid-type]
