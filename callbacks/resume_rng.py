@@ -16,10 +16,11 @@ from typing_extensions import override
 
 from lightning_dist._compat import numpy_available
 
-__all__ = ["ResumeRNG"]
+__all__ = ["ResumeRNG", "rng_state", "set_rng_state"]
 
 
-def _rng_state() -> dict[str, Any]:
+def rng_state() -> dict[str, Any]:
+    """This process's random states (torch, Python, NumPy, CUDA), in types ``torch.load(weights_only=True)`` reads."""
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": _plain(random.getstate())}
     if numpy_available():
         import numpy as np
@@ -39,7 +40,8 @@ def _tuple(obj: Any) -> Any:
     return tuple(_tuple(x) for x in obj) if isinstance(obj, list) else obj
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`rng_state` returned."""
     torch.set_rng_state(state["torch"])
     random.setstate(_tuple(state["python"]))
     if "numpy" in state:
@@ -63,7 +65,7 @@ class ResumeRNG(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        mine = _rng_state()
+        mine = rng_state()
         if not (dist.is_available() and dist.is_initialized()):
             return {"ranks": [mine]}
         everyone: list[Any] = [None] * dist.get_world_size()
@@ -85,5 +87,5 @@ class ResumeRNG(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # restored last, right before the first resumed batch, so nothing in set-up consumes the stream
         if self._restore is not None:
-            _set_rng_state(self._restore)
+            set_rng_state(self._restore)
             self._restore = None

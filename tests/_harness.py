@@ -167,6 +167,16 @@ def run_torchrun_nodes(
         procs.append(
             subprocess.Popen(cmd, cwd=ROOT, env=_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         )
+    done = collect(procs, timeout)
+    for d in done:
+        if d.returncode != 0:
+            raise ScenarioError(_report("node", d))
+    return done
+
+
+def collect(procs: list[subprocess.Popen], timeout: float) -> list[subprocess.CompletedProcess]:
+    """Wait for each of `procs` (started with piped text output) in turn, up to `timeout` seconds each; on a timeout
+    every one is killed and the ``TimeoutExpired`` raised."""
     done = []
     for p in procs:
         try:
@@ -176,9 +186,6 @@ def run_torchrun_nodes(
                 q.kill()
             raise
         done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
-    for d in done:
-        if d.returncode != 0:
-            raise ScenarioError(_report("node", d))
     return done
 
 

@@ -5,10 +5,12 @@
 * :func:`average_across_replica_groups`: FSDP2's post-reduce hook, or DDP's comm hook, through the manager's
   all-reduce; :func:`replicate_for_replica_groups`: DDP for a group of one data-parallel rank;
 * :func:`register_state`: the state a healing replica group receives from a healthy one;
-* :class:`CommitGate`: Lightning's optimizer closure, then torchft's optimizer wrapper (step only on commit).
+* :class:`CommitGate`: Lightning's optimizer closure, then torchft's optimizer wrapper (step only on commit);
+* :func:`continue_fit_loop`: Lightning's side of a heal, the healthy group's loop progress taken over mid-epoch.
 
 Only public torchft API (``torchft.Manager``, ``torchft.Optimizer``, ``torchft.coordination``); the entry points
-(the lighthouse, the manager) check :data:`lightning_dist._compat.TORCHFT_RANGE`. Notes: docs/fault_tolerance.md.
+(the lighthouse, the manager) check :data:`lightning_dist._compat.TORCHFT_RANGE`; :func:`continue_fit_loop` reaches
+into Lightning's loop (checked against ``LIGHTNING_RANGE``). Notes: docs/fault_tolerance.md.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ __all__ = [
     "CommitGate",
     "average_across_replica_groups",
     "check_lighthouse",
+    "continue_fit_loop",
     "make_manager",
     "register_state",
     "replicate_for_replica_groups",
@@ -185,3 +188,23 @@ class CommitGate:
     @property
     def state(self) -> Any:
         return self._wrapped.state
+
+
+def continue_fit_loop(trainer: Any, state: dict) -> None:
+    """Take over another replica group's ``trainer.fit_loop.state_dict()`` at the same point of the loop (inside
+    the read of a training batch): its counters (global step, epoch, batch index), not a restart.
+
+    Reason: ``Loop.load_state_dict`` is public but marks the loops as restarting from a checkpoint (Lightning would
+    then replay hooks and skip the epoch-end LR step), and the loop's data fetcher counts the batches it has read
+    in its private ``_data_fetcher.fetched``, from which Lightning tells the epoch's last batch; a healed group's
+    count starts where the healthy group's is, as Lightning's own mid-epoch resume sets it.
+    """
+    from lightning_dist._compat import require_tested_lightning
+
+    require_tested_lightning("FitLoop._data_fetcher.fetched after a heal (continue_fit_loop)")
+    loop = trainer.fit_loop
+    loop.load_state_dict(state)
+    loop.restarting = False  # the same point of the same loop: nothing to replay
+    fetcher = getattr(loop, "_data_fetcher", None)
+    if fetcher is not None:
+        fetcher.fetched = loop.epoch_loop.batch_progress.current.ready  # this read adds the batch being read

@@ -1,7 +1,8 @@
 """Fault-tolerant replica groups (``fault_tolerance=``): the Lightning glue around torchft.
 
 Each replica group (one index of ``dp_replicate``) is its own launched job whose mesh has ``dp_replicate=1``;
-the gradient average across the groups and the per-step quorum are torchft's (``_integrations/torchft.py``).
+the gradient average across the groups and the per-step quorum are torchft's (``_integrations/torchft.py``); what a
+healing group receives, and the training loader that asks each step's quorum, are in ``heal.py``.
 Notes: docs/fault_tolerance.md.
 """
 
@@ -123,7 +124,9 @@ class ReplicaGroupsMixin(MeshStrategy):
         """Read ``fault_tolerance`` before ``MeshStrategy.__init__``: the job's own mesh gets ``dp_replicate=1``."""
         config, problems = as_fault_tolerance(value)
         self.committed_steps: deque[dict[str, Any]] = deque(maxlen=10_000)
-        """The last 10,000 optimizer steps under fault tolerance: ``{"step", "participants", "committed"}`` each."""
+        """The last 10,000 optimizer steps under fault tolerance, each ``{"step", "participants", "committed", "epoch",
+        "batch"}``: torchft's step counter after it, the groups in it, and the batch trained (its index in the epoch,
+        per training loader; every group's part of that global batch)."""
         if config is None:
             return problems
         groups = kwargs.get("dp_replicate", "auto")
@@ -250,7 +253,7 @@ class ReplicaGroupsMixin(MeshStrategy):
         size = self.mesh.dp_size
         return {"num_replicas": self._ft_groups * size, "rank": self._ft.replica_group * size + self.mesh.dp_rank}
 
-    # ---- the step: quorum before the forward, commit vote before the optimizer step ------------------------
+    # ---- the step: the heal state; the quorum as its batch is read; the commit vote before the optimizer step --
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
@@ -262,31 +265,60 @@ class ReplicaGroupsMixin(MeshStrategy):
                 f" {len(self.optimizers)} optimizers. Combine them into one (parameter groups)."
             )
         from lightning_dist._integrations.torchft import register_state
+        from lightning_dist.strategies import heal
 
         module, optimizer = self.lightning_module, self.optimizers[0]
-        register_state(self._manager, "model", lambda: _local_module_state(module), lambda s: _load_module(module, s))
+        # a healing group loads these in this order, in the read of its first batch (the quorum is asked there)
+        register_state(
+            self._manager, "model", lambda: heal.module_state(module), _healing(heal.load_module_state, module)
+        )
         register_state(
             self._manager,
             "optimizer",
-            lambda: _local_tree(optimizer.state_dict()),
-            lambda s: _load_optimizer(optimizer, s),
+            lambda: heal.local_tree(optimizer.state_dict()),
+            _healing(heal.load_optimizer_state, optimizer),
+        )
+        register_state(
+            self._manager, "trainer", lambda: heal.training_state(trainer), _healing(heal.load_training_state, trainer)
         )
 
+    # ---- data: each batch is read after the step's quorum ----------------------------------------------------
     @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_start(batch, batch_idx)
-        if self._manager is not None and not self._quorum_open:
-            config = self._ft
-            try:
-                self._manager.start_quorum()  # synchronous: a healing group loads the healthy state here
-            except Exception as err:
-                address, _ = self.lighthouse_address()
-                raise RuntimeError(
-                    f"replica group {config.replica_group} rank {self.global_rank}: no quorum from the torchft"
-                    f" lighthouse at {address} within quorum_timeout={config.quorum_timeout:g} s ({err})."
-                    " Is the lighthouse running?"
-                ) from err
-            self._quorum_open = True
+    def process_dataloader(self, dataloader: Any) -> Any:
+        dataloader = super().process_dataloader(dataloader)
+        if self._manager is None or self._stage() != "train":
+            return dataloader
+        from lightning.fabric.utilities.data import has_len
+
+        from lightning_dist.strategies.heal import group_loader
+
+        if not has_len(dataloader):
+            raise ValueError(
+                f"fault_tolerance needs a training loader with a length (a map-style dataset), got"
+                f" {type(dataloader).__name__} without one: each batch is read after the step's quorum, so that a"
+                " healing replica group reads the batch the others read, and Lightning reads an unsized loader one"
+                " batch ahead. Use a map-style Dataset (or give the IterableDataset a __len__)."
+            )
+        return group_loader(dataloader, self._ask_quorum)
+
+    def _ask_quorum(self) -> None:
+        """The step's quorum, before its first batch is read (synchronous: a healing group loads the healthy state
+        here and then reads the batch at the healthy group's position)."""
+        if self._manager is None or self._quorum_open:
+            return
+        config = self._ft
+        try:
+            self._manager.start_quorum()
+        except HealError:
+            raise
+        except Exception as err:
+            address, _ = self.lighthouse_address()
+            raise RuntimeError(
+                f"replica group {config.replica_group} rank {self.global_rank}: no quorum from the torchft"
+                f" lighthouse at {address} within quorum_timeout={config.quorum_timeout:g} s ({err})."
+                " Is the lighthouse running?"
+            ) from err
+        self._quorum_open = True
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
@@ -295,17 +327,26 @@ class ReplicaGroupsMixin(MeshStrategy):
         from lightning.pytorch.core.optimizer import LightningOptimizer
 
         from lightning_dist._integrations.torchft import CommitGate
+        from lightning_dist.strategies.heal import group_loaders
 
+        if not self._quorum_open:
+            raise RuntimeError(
+                "fault_tolerance: an optimizer step without a quorum. The quorum is asked when the training loader"
+                " hands out a batch (the strategy wraps it in process_dataloader); a batch read another way has none."
+            )
         inner = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         gate = CommitGate(inner, self._manager)
         model = model if model is not None else self.lightning_module
         result = self.precision_plugin.optimizer_step(gate, model=model, closure=closure, **kwargs)
         self._quorum_open = False
+        trainer = self.lightning_module.trainer
         self.committed_steps.append(
             {
                 "step": self._manager.current_step(),
                 "participants": self._manager.num_participants(),
                 "committed": bool(gate.committed),
+                "epoch": trainer.current_epoch,
+                "batch": [loader.position - 1 for loader in group_loaders(trainer)],
             }
         )
         return result
@@ -328,47 +369,15 @@ def _has_data_parallel(module: torch.nn.Module) -> bool:
     return any(isinstance(m, (FSDPModule, DDP)) for m in module.modules())
 
 
-# ---- the state a healing replica group receives: this rank's shards, as plain tensors -----------------------
-def _local(value: Any) -> Any:
-    from torch.distributed.tensor import DTensor
-
-    return value.to_local() if isinstance(value, DTensor) else value
+class HealError(RuntimeError):
+    """A failure while loading the state a healthy replica group sent (not a quorum failure)."""
 
 
-def _local_tree(tree: Any) -> Any:
-    if isinstance(tree, dict):
-        return {k: _local_tree(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_local_tree(v) for v in tree)
-    return _local(tree)
+def _healing(load: Any, target: Any) -> Any:
+    def apply(state: Any) -> None:
+        try:
+            load(target, state)
+        except Exception as err:
+            raise HealError(f"fault_tolerance: loading the healthy replica group's state failed: {err}") from err
 
-
-def _local_module_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    tensors = {**dict(module.named_parameters()), **dict(module.named_buffers())}
-    return {name: _local(t).detach() for name, t in tensors.items()}
-
-
-@torch.no_grad()
-def _load_module(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    for name, t in {**dict(module.named_parameters()), **dict(module.named_buffers())}.items():
-        _local(t).copy_(state[name])
-
-
-def _load_optimizer(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-    """Load a state of local shards: each per-parameter tensor shaped like the parameter's shard becomes a DTensor
-    laid out as the parameter is (every replica group has the same inner mesh)."""
-    from torch.distributed.tensor import DTensor
-
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    restored = {}
-    for index, entry in state["state"].items():
-        p = params[index]
-        if isinstance(p, DTensor):
-            entry = {
-                k: DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
-                if isinstance(v, torch.Tensor) and v.shape == p.to_local().shape
-                else v
-                for k, v in entry.items()
-            }
-        restored[index] = entry
-    optimizer.load_state_dict({**state, "state": restored})
+    return apply

@@ -2,7 +2,8 @@
 
 No failure: 2 groups x 2 ranks and 2 groups x 1 rank equal plain hsdp 2 x 2 / 2 x 1 (float64, 3 AdamW steps), and
 the single-device reference. A lighthouse unreachable at start-up or killed mid-run: every rank fails with its
-address within the timeout. A group SIGKILLed: the other steps on alone; restarted, it heals from it.
+address within the timeout. A group that fails (SIGKILLed, or one of its ranks): the other steps on alone;
+restarted, it heals from it, and the committed steps equal a single-device replay of exactly their samples.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _harness import ROOT, SCENARIOS, _env, reap_survivors, results
+from _harness import ROOT, SCENARIOS, _env, collect, reap_survivors, results
 
 from lightning_dist._compat import torchft_available
 
@@ -36,16 +37,7 @@ def launch(*args: str, port: int, marker: str) -> subprocess.Popen:
 
 
 def finish(procs: list[subprocess.Popen], timeout: float = 240) -> list[subprocess.CompletedProcess]:
-    done = []
-    for p in procs:
-        try:
-            out, err = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
-    return done
+    return collect(procs, timeout)
 
 
 def replica_groups(groups: int, shard: int, out, *, lighthouse_port: int, first_port: int) -> list[dict]:
@@ -83,8 +75,9 @@ def test_replica_groups_without_failure_equal_plain_hsdp(tmp_path):
         assert r["sampler"] == {"num_replicas": 2 * r["shard"], "rank": dp}, r
         assert r["eval_sampler"] == {"num_replicas": r["shard"], "rank": r["rank"]}, r  # each group scores all
         assert r["seen"] == 3 * 16 // (2 * r["shard"]), r
-        # every step asked the quorum, both groups took part, every step committed
-        assert r["steps"] == [{"step": k, "participants": 2, "committed": True} for k in (1, 2, 3)], r
+        # every step asked the quorum, both groups took part, every step committed, on global batches 0, 1, 2
+        expected = [{"step": k, "participants": 2, "committed": True, "epoch": 0, "batch": [k - 1]} for k in (1, 2, 3)]
+        assert r["steps"] == expected, r
     load = lambda name: torch.load(tmp_path / f"{name}.pt", weights_only=True)  # noqa: E731
     ref = reference(3)
     for shard in (2, 1):
@@ -142,15 +135,18 @@ def test_unreachable_or_killed_lighthouse_fails_every_rank_with_its_address_with
     assert reap_survivors(marker) == []
 
 
-@pytest.mark.parametrize("shard", [1, 2], ids=["ddp-groups-of-1", "fsdp2-groups-of-2"])
-def test_killed_group_leaves_the_other_stepping_then_heals_from_it(tmp_path, shard):
-    """The cluster way on loopback: `torchft_lighthouse` as its own process. Group 1 is SIGKILLed (its rank 0, the
-    launcher; its other rank dies with it) after committed step 3 (or later); group 0 keeps stepping alone; group 1
-    restarted receives weights, AdamW state and the step counter from group 0, and both end on the same committed
-    step with bitwise-identical weights and AdamW state. Groups of one rank replicate with DDP (plain tensors),
-    groups of two shard with FSDP2 (DTensor shards, uneven for the 5-row head)."""
+@pytest.mark.parametrize("shard", [1, 2], ids=["ddp-groups-of-1-group-killed", "fsdp2-groups-of-2-one-rank-killed"])
+def test_killed_group_heals_and_every_committed_step_trains_its_samples_once(tmp_path, shard):
+    """The cluster way on loopback: `torchft_lighthouse` as its own process. Group 1 loses a rank after committed step
+    3 (or later): with one rank per group that is the whole group (SIGKILL), with two its rank 1 (a failure inside the
+    group's shard dim: the launcher ends the group, exit 1). Group 0 keeps stepping alone; group 1 restarted heals from
+    it (weights, AdamW state, torchft's step, Lightning's loop progress, the LR scheduler, the loader position, the
+    RNG) and both end on the same step. Every committed step trained the participating groups' parts of one global
+    batch, no sample twice, nothing dropped but the absent group's parts; both groups hold bitwise-identical weights
+    and AdamW state, equal to a single-device replay of exactly those samples. Groups of one rank replicate with
+    DDP, of two shard with FSDP2 (uneven shards for the 5-row head)."""
     marker = uuid.uuid4().hex
-    address, total = "http://127.0.0.1:29643", 60
+    address, total = "http://127.0.0.1:29643", 10
     lighthouse = subprocess.Popen(
         [str(Path(sys.executable).parent / "torchft_lighthouse"), "--min_replicas", "1", "--bind", "127.0.0.1:29643",
          "--join_timeout_ms", "2000", "--heartbeat_timeout_ms", "2000"],
@@ -160,7 +156,8 @@ def test_killed_group_leaves_the_other_stepping_then_heals_from_it(tmp_path, sha
         args = (str(tmp_path), address, str(total))
         group0 = launch("heal", "0", *args, "0", str(shard), port=29660, marker=marker)
         (first,) = finish([launch("heal", "1", *args, "3", str(shard), port=29661, marker=marker)])
-        assert first.returncode == -9, first.stderr[-6000:]  # SIGKILL: no teardown, no goodbye to the lighthouse
+        # SIGKILL of the group's only rank; a group of two: the launcher ends it when its rank 1 is killed
+        assert first.returncode == (-9 if shard == 1 else 1), first.stderr[-6000:]
         restarted = launch("heal", "1", *args, "0", str(shard), port=29662, marker=marker)
         done = finish([group0, restarted])
     finally:
@@ -169,25 +166,123 @@ def test_killed_group_leaves_the_other_stepping_then_heals_from_it(tmp_path, sha
     for d in done:
         assert d.returncode == 0, d.stderr[-6000:]
     assert reap_survivors(marker) == []
-    (killed,) = results(first)  # its rank 0's
-    alive, healed = (next(r for r in results(d) if r["rank"] == 0) for d in done)
-    assert all(r["steps"] == alive["steps"] for r in results(done[0])), "the ranks of a group step alike"
-    steps0, steps1 = alive["steps"], healed["steps"]
-    assert all(s["committed"] for s in killed["steps"] + steps0 + steps1)
+
+    launches = {"killed": results(first), "alive": results(done[0]), "healed": results(done[1])}
+    steps = {name: _steps_by_rank0(rows, shard) for name, rows in launches.items()}
+    killed, alive, healed = steps["killed"], steps["alive"], steps["healed"]
+    assert all(s["committed"] for s in killed + alive + healed)
     # group 0 never stopped (min_replicas=1: whichever group starts first may step alone until the other joins and
     # heals from it, so group 0's first step may be later than 1)
-    first = steps0[0]["step"]
-    assert [s["step"] for s in steps0] == list(range(first, first + len(steps0))), steps0
-    kill = killed["steps"][-1]["step"]
-    assert kill >= 3 and killed["steps"][-1]["participants"] == 2, killed
-    outage = [s["step"] for s in steps0 if s["step"] > kill and s["participants"] == 1]
+    first_step = alive[0]["step"]
+    assert [s["step"] for s in alive] == list(range(first_step, first_step + len(alive))), alive
+    kill = killed[-1]["step"]
+    assert kill >= 3 and killed[-1]["participants"] == 2, killed
+    outage = [s["step"] for s in alive if s["step"] > kill and s["participants"] == 1]
     # the outage: group 0 stepped on by itself from the step after the kill until the restarted group joined ...
-    assert outage == list(range(kill + 1, outage[-1] + 1)) and outage, (kill, steps0)
-    # ... which then continued from group 0's step counter (healed), not from 1, and both ended on the same step
-    assert steps1[0]["step"] == outage[-1] + 1 and steps1[-1]["step"] == steps0[-1]["step"] >= total, (steps0, steps1)
-    assert all(s["participants"] == 2 for s in steps1)
+    assert outage == list(range(kill + 1, outage[-1] + 1)) and outage, (kill, alive)
+    # ... which then continued from group 0's step (healed), not from 1, and both ended on the same step
+    assert healed[0]["step"] == outage[-1] + 1 and healed[-1]["step"] == alive[-1]["step"] >= total, (alive, healed)
+    assert all(s["participants"] == 2 for s in healed)
+    # the restarted group continued exactly where group 0 was: the same global batch, global step, LR and random
+    # draw as group 0 in every step they took together (the loader position, loop progress, scheduler and RNG healed)
+    same = ("step", "epoch", "batch", "global_step", "lr", "draw")
+    together = {s["step"]: s for s in alive if s["step"] >= healed[0]["step"]}
+    assert [{k: s[k] for k in same} for s in healed] == [{k: together[s["step"]][k] for k in same} for s in healed]
+    assert healed[0]["global_step"] == healed[0]["step"], healed[0]  # Lightning's step: every step committed
+    ends = {name: next(r for r in rows if r["kind"] == "heal" and r["rank"] == 0) for name, rows in launches.items()
+            if name != "killed"}  # fmt: skip
+    for key in ("global_step", "scheduler", "rng"):
+        assert ends["alive"][key] == ends["healed"][key], key
+
+    # data accounting: committed step k trained the participants' parts of global batch k - 1 (32 an epoch, shuffled
+    # per epoch), nothing else; a step with one group drops the other's part, no other sample is dropped
+    samples = _committed_samples(launches)
+    last = max(samples)
+    assert list(samples) == list(range(1, last + 1)), "every step up to the last committed, each once"
+    start = min(s["step"] for s in killed + alive if s["participants"] == 2)
+    trained, dropped = [], []
+    for k, parts in samples.items():
+        epoch, index = divmod(k - 1, 32)
+        records = [s for s in alive + killed + healed if s["step"] == k]
+        assert all(s["epoch"] == epoch and s["batch"] == [index] for s in records), (k, records)
+        assert len(parts) == records[0]["participants"], (k, parts)
+        if sorted(parts) != [0, 1]:  # one group: the outage, or the start before the other group joined
+            assert k in outage or k < start, (k, sorted(parts))
+        for g in (0, 1):
+            own = _part(g, shard, epoch, index)
+            assert sorted(parts.get(g, own)) == own, (k, g)
+            (trained if g in parts else dropped).extend((epoch, i) for i in own)
+    assert len(trained) == len(set(trained)), "no sample trained twice in an epoch"
+    assert len(trained) + len(dropped) == 16 * last and set(trained).isdisjoint(dropped)
+
+    sys.path.insert(0, str(SCENARIOS))
+    from _common import max_rel_diff
+
     g0 = torch.load(tmp_path / "heal_g0.pt", weights_only=True)
     g1 = torch.load(tmp_path / "heal_g1.pt", weights_only=True)
     assert g0.keys() == g1.keys() and any(k.startswith("opt.") for k in g0)
     assert all(torch.equal(g0[k], g1[k]) for k in g0)  # weights and AdamW moments and step counts
-    print(f"group 1 killed after step {kill}; group 0 alone for {len(outage)} steps; group 1 healed at {outage[-1]}")
+    replay = _replay(samples)
+    assert replay.keys() == g0.keys()
+    floats = [k for k in g0 if g0[k].is_floating_point() and g0[k].dim() > 0]
+    assert max_rel_diff({k: g0[k] for k in floats}, {k: replay[k] for k in floats}) <= 1e-12
+    print(f"group 1 failed after step {kill}; group 0 alone for {len(outage)} steps; group 1 healed at {outage[-1]};"
+          f" {last} committed steps, {len(trained)} samples trained, {len(dropped)} dropped")  # fmt: skip
+
+
+def _steps_by_rank0(rows: list[dict], shard: int) -> list[dict]:
+    """One launch's step records, rank 0's; every rank of the group took the same steps on the same batch."""
+    mine = [r for r in rows if r["kind"] == "step" and r["rank"] == 0]
+    for rank in range(1, shard):
+        theirs = [r for r in rows if r["kind"] == "step" and r["rank"] == rank]
+        keys = ("step", "participants", "committed", "batch", "global_step", "lr")
+        assert [{k: r[k] for k in keys} for r in theirs] == [{k: r[k] for k in keys} for r in mine[: len(theirs)]]
+    return mine
+
+
+def _committed_samples(launches: dict[str, list[dict]]) -> dict[int, dict[int, list[int]]]:
+    """committed step -> replica group -> the sample indices its ranks trained in it."""
+    out: dict[int, dict[int, list[int]]] = {}
+    for rows in launches.values():
+        for r in rows:
+            if r["kind"] == "step" and r["committed"]:
+                part = out.setdefault(r["step"], {}).setdefault(r["group"], [])
+                assert not set(part) & set(r["indices"]), ("trained twice", r)
+                part += r["indices"]
+    return dict(sorted(out.items()))
+
+
+def _part(group: int, shard: int, epoch: int, index: int) -> list[int]:
+    """Replica group `group`'s part of global batch `index` of `epoch` (16 samples of 512): its ranks' batches of
+    torch's DistributedSampler over both groups' ranks, as plain hsdp 2 x `shard` reads them."""
+    from torch.utils.data import DistributedSampler
+
+    width, per_rank = 2 * shard, 16 // (2 * shard)
+    out = []
+    for rank in range(group * shard, (group + 1) * shard):
+        sampler = DistributedSampler(range(512), num_replicas=width, rank=rank, shuffle=True, seed=0)
+        sampler.set_epoch(epoch)
+        out += list(sampler)[index * per_rank : (index + 1) * per_rank]
+    return sorted(out)
+
+
+def _replay(samples: dict[int, dict[int, list[int]]]) -> dict[str, torch.Tensor]:
+    """One device, committed step by committed step: AdamW on the union of the participating groups' samples (their
+    mean loss), StepLR(16, 0.7) stepped after each, as the scenario's `Indexed` module."""
+    import torch.nn.functional as F
+    from _common import MLP, dataset
+
+    torch.manual_seed(0)
+    model = MLP().double()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=16, gamma=0.7)
+    x, y = dataset(512).tensors
+    for parts in samples.values():
+        index = torch.tensor(sorted(i for indices in parts.values() for i in indices))
+        opt.zero_grad()
+        F.cross_entropy(model(x[index]), y[index]).backward()
+        opt.step()
+        sched.step()
+    state = {f"model.{n}": p.detach() for n, p in model.named_parameters()}
+    state.update({f"opt.model.{n}.{k}": v for n, p in model.named_parameters() for k, v in opt.state[p].items()})
+    return state

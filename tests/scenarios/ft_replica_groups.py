@@ -6,8 +6,10 @@ group also trains plain hsdp 2 x 1 on its two ranks (OUT/plain_2x1.pt), the refe
 ``plain REP SHARD OUT``: plain hsdp REP x SHARD (OUT/plain_{REP}x{SHARD}.pt).
 ``unreachable ADDRESS``: a replica group whose lighthouse does not answer (connect_timeout 3 s): must fail.
 ``heal G OUT ADDRESS TOTAL KILL_AT [SHARD]``: replica group G of 2 (SHARD ranks, default 1) against the lighthouse
-at ADDRESS, 0.2 s per step, until torchft's committed step TOTAL with both groups stepping; with KILL_AT > 0 its
-rank 0 SIGKILLs itself (its other ranks die with it) once step KILL_AT is committed in a step both groups took. The
+at ADDRESS, 0.2 s per step, until torchft's committed step TOTAL and 3 steps with both groups; with KILL_AT > 0 one rank
+SIGKILLs itself once step KILL_AT is committed in a step both groups took: a group of one rank its only rank, of two
+ranks its rank 1 (a failure inside the group's shard dim: the launcher ends the group). Every rank prints each step
+(torchft's step, participants, the sample indices it trained, Lightning's global step, the LR, one random draw); the
 weights and optimizer state are saved to OUT/heal_g{G}.pt.
 ``orphan OUT ADDRESS``: replica group 0 of 2 (two ranks, quorum_timeout 5 s) stepping until its lighthouse goes
 away; it touches OUT/stepping after step 3. Must fail.
@@ -20,7 +22,9 @@ import time
 
 import lightning.pytorch as pl
 import torch
-from _common import Classifier, emit, full_params, rank, trainer
+import torch.nn.functional as F
+from _common import Classifier, dataset, emit, full_params, rank, trainer
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_dist  # noqa: F401  (registers the strategies)
 from lightning_dist.strategies import HybridShardStrategy
@@ -86,32 +90,70 @@ elif mode == "unreachable":
 elif mode == "heal":
     group, out, address, total, kill_at = int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6])
     shard = int(sys.argv[7]) if len(sys.argv) > 7 else 1
+    victim = shard - 1  # a group of one rank: its only rank (all of it); of two: rank 1, inside the group's shard dim
+
+    class Indexed(Classifier):
+        """Samples that carry their index, shuffled per epoch (32 steps an epoch); one random draw per step (an RNG
+        stream the heal must carry on); StepLR every 16 steps (the test's replay uses the same)."""
+
+        def train_dataloader(self):
+            kw = self.trainer.strategy.distributed_sampler_kwargs
+            x, y = dataset(self.n, dtype=self.dtype_).tensors
+            data = TensorDataset(x, y, torch.arange(self.n))
+            sampler = DistributedSampler(data, shuffle=True, seed=0, **kw)
+            return DataLoader(data, batch_size=self.global_batch // kw["num_replicas"], sampler=sampler)
+
+        def training_step(self, batch, batch_idx):
+            x, y, index = batch
+            self.record = {
+                "indices": index.tolist(),
+                "draw": torch.rand(()).item(),
+                "lr": self.trainer.optimizers[0].param_groups[0]["lr"],
+            }
+            return F.cross_entropy(self(x), y)
+
+        def configure_optimizers(self):
+            opt = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.wd)
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=16, gamma=0.7)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     class Chaos(pl.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            last = trainer.strategy.committed_steps[-1]
+            emit(kind="step", group=group, global_step=trainer.global_step, **last, **pl_module.record)
             time.sleep(0.2)  # a step long enough for the other group to be restarted during the outage
             step = trainer.strategy.manager.current_step()
-            steps = trainer.strategy.committed_steps
-            if kill_at and step >= kill_at and steps[-1]["participants"] == 2:  # killed while both groups step
-                if trainer.global_rank == 0:  # the launcher: its other ranks die with it (PR_SET_PDEATHSIG)
-                    emit(kind="killed", group=group, steps=list(trainer.strategy.committed_steps))
+            if kill_at and step >= kill_at and last["participants"] == 2:  # killed while both groups step
+                if trainer.global_rank == victim:
                     os.kill(os.getpid(), signal.SIGKILL)
-                time.sleep(60)
-            together = trainer.strategy.committed_steps[-1]["participants"] == 2
-            if step >= total and (together or step >= 4 * total):  # end together, whenever the restart rejoined
+                time.sleep(60)  # the group's other rank: ended with it (PR_SET_PDEATHSIG, or the launcher exits 1)
+            self.together = self.together + 1 if last["participants"] == 2 else 0
+            if step >= total and (
+                self.together >= 3 or step >= 600
+            ):  # end together, 3 steps after the restart rejoined
                 trainer.should_stop = True
+
+        together = 0
 
     ft = FaultTolerance(replica_group=group, lighthouse=address, min_replicas=1, timeout=10, quorum_timeout=60)
     strategy = HybridShardStrategy(dp_replicate=2, dp_shard=shard, fault_tolerance=ft)
-    module = Classifier(n=4096)
-    trainer(strategy, devices=shard, steps=10_000, callbacks=[Chaos()]).fit(module)
+    module = Indexed(n=512)
+    t = trainer(strategy, devices=shard, steps=10_000, callbacks=[Chaos()])
+    t.fit(module)
     optimizer = strategy.optimizers[0]
     moments = {f"opt.{n}.{k}": v for n, p in module.named_parameters() for k, v in optimizer.state[p].items()}
     moments = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in moments.items()}  # collectives
     state = {**full_params(module), **moments}
     if torch.distributed.get_rank() == 0:
         torch.save(state, f"{out}/heal_g{group}.pt")
-    emit(kind="heal", group=group, steps=list(strategy.committed_steps))
+    emit(
+        kind="heal",
+        group=group,
+        steps=list(strategy.committed_steps),
+        global_step=t.global_step,
+        scheduler=t.lr_scheduler_configs[0].scheduler.state_dict(),
+        rng=torch.get_rng_state().tolist(),
+    )
 elif mode == "orphan":
     out, address = sys.argv[2], sys.argv[3]
 

@@ -1,13 +1,25 @@
-"""fault_tolerance= in one process: the configuration, the job's own mesh, the lighthouse address, the heal state."""
+"""fault_tolerance= in one process: the configuration, the job's own mesh, the lighthouse address, the heal state
+(model and optimizer shards; Lightning's loop, LR schedulers, loader position and RNG taken over mid-run)."""
 
 from __future__ import annotations
 
+import lightning.pytorch as pl
 import pytest
 import torch
+from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_dist import _compat
 from lightning_dist.strategies import FullyShardStrategy, HybridShardStrategy
-from lightning_dist.strategies.fault_tolerance import FaultTolerance, _load_optimizer, _local_module_state, _local_tree
+from lightning_dist.strategies.fault_tolerance import FaultTolerance
+from lightning_dist.strategies.heal import (
+    group_loader,
+    load_module_state,
+    load_optimizer_state,
+    load_training_state,
+    local_tree,
+    module_state,
+    training_state,
+)
 
 needs_torchft = pytest.mark.skipif(
     not _compat.torchft_available(), reason="torchft (the `fault-tolerance` extra) is not installed"
@@ -84,14 +96,130 @@ def test_heal_state_round_trips_weights_and_adamw_state():
 
     healthy, healthy_opt = trained(2)
     healing, healing_opt = trained(0)
-    state = _local_module_state(healthy)
+    state = module_state(healthy)
     assert "1.running_mean" in state  # buffers travel too (BatchNorm statistics)
-    from lightning_dist.strategies.fault_tolerance import _load_module
-
-    _load_module(healing, state)
-    _load_optimizer(healing_opt, _local_tree(healthy_opt.state_dict()))
+    load_module_state(healing, state)
+    load_optimizer_state(healing_opt, local_tree(healthy_opt.state_dict()))
     for a, b in zip(healthy.state_dict().values(), healing.state_dict().values()):
         assert torch.equal(a, b)
     for p, q in zip(healthy.parameters(), healing.parameters()):
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(healthy_opt.state[p][key], healing_opt.state[q][key])
+
+
+class _Counted(torch.utils.data.Dataset):
+    """40 samples that carry their index; counts the samples read."""
+
+    def __init__(self) -> None:
+        self.x, self.reads = torch.randn(40, 3, generator=torch.Generator().manual_seed(1)), 0
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int):
+        self.reads += 1
+        return self.x[i], i
+
+
+def _loader(cls=DataLoader) -> DataLoader:
+    data = _Counted()
+    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)  # the order changes per epoch
+    return cls(data, batch_size=4, sampler=sampler)
+
+
+@pytest.mark.parametrize("stateful", [False, True], ids=["DataLoader-reads-and-drops", "ResumableDataLoader-skips"])
+def test_group_loader_asks_before_each_batch_and_moves_to_another_groups_position(stateful):
+    from lightning_dist._integrations.lightning import set_sampler_epoch
+    from lightning_dist.data import ResumableDataLoader
+
+    cls = ResumableDataLoader if stateful else DataLoader
+    asked = []
+    healthy = group_loader(_loader(cls), lambda: asked.append(len(asked)))
+    assert len(healthy) == 10 and hasattr(healthy, "state_dict") == stateful  # Lightning checkpoints it if stateful
+    set_sampler_epoch(healthy, 1)  # Lightning sets the epoch on the loader it was handed: it reaches the sampler
+    assert healthy.sampler.epoch == 1
+    batches = iter(healthy)
+    seen = [next(batches)[1].tolist() for _ in range(3)]
+    assert asked == [0, 1, 2] and healthy.position == 3  # the quorum before each batch is read
+
+    healing = group_loader(_loader(cls), lambda: None)
+    healing_batches = iter(healing)
+    reads = healing.dataset.reads
+    healing.seek(healthy.position_state(), epoch=1, same_epoch=False)
+    # a stateful loader skips by index; any other reads the 3 batches before the position and drops them
+    assert healing.dataset.reads - reads == (0 if stateful else 12)
+    assert healing.position == 3 and healing.sampler.epoch == 1
+    assert [b[1].tolist() for b in healing_batches] == [b[1].tolist() for b in batches]  # the rest of epoch 1
+    assert seen[0] != sorted(seen[0])  # shuffled: a wrong epoch would give another order
+
+    same = group_loader(_loader(cls), lambda: None)
+    iter(same)
+    reads = same.dataset.reads
+    same.seek({"position": 0, "loader": None}, epoch=0, same_epoch=True)  # already there: nothing moves
+    assert same.dataset.reads == reads and same.position == 0
+
+
+class _Net(pl.LightningModule):
+    """A linear layer on shuffled indexed samples (10 steps an epoch); one random draw per step; AdamW with a
+    per-step and a per-epoch LR scheduler.
+    ``before_batch`` (the group loader's hook, where the quorum is asked) snapshots or heals."""
+
+    def __init__(self, *, snapshot_at: int = -1, heal_from: dict | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = torch.nn.Linear(3, 2)
+        self.snapshot_at, self.heal_from, self.snapshot, self.trace = snapshot_at, heal_from, None, []
+
+    def train_dataloader(self):
+        return group_loader(_loader(), self.before_batch)
+
+    def before_batch(self) -> None:
+        import copy
+
+        trainer, optimizer = self.trainer, self.trainer.optimizers[0]
+        if self.heal_from is not None:  # what the strategy's torchft callbacks load, in their order
+            load_module_state(self, self.heal_from["model"])
+            load_optimizer_state(optimizer, self.heal_from["optimizer"])
+            load_training_state(trainer, self.heal_from["trainer"])
+            self.heal_from = None
+        elif trainer.global_step == self.snapshot_at and self.snapshot is None:  # what torchft sends (a copy)
+            state = {"model": module_state(self), "optimizer": local_tree(optimizer.state_dict())}
+            self.snapshot = copy.deepcopy({**state, "trainer": training_state(trainer)})
+
+    def training_step(self, batch, batch_idx):
+        x, index = batch
+        trainer = self.trainer
+        lr = trainer.optimizers[0].param_groups[0]["lr"]
+        self.trace.append(
+            (trainer.global_step, trainer.current_epoch, batch_idx, trainer.is_last_batch, index.tolist(), lr)
+            + (torch.rand(()).item(),)
+        )
+        return self.layer(x).square().mean()
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=0.1)
+        steps = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+        epochs = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9)  # stepped by Lightning at each epoch's end
+        return [opt], [{"scheduler": steps, "interval": "step"}, {"scheduler": epochs, "interval": "epoch"}]
+
+
+def test_a_heal_continues_lightning_exactly_where_the_healthy_group_was():
+    """Lightning's side of a heal in one process: a fresh run takes over another's state (snapshot between its steps
+    13 and 14, mid-epoch 1) at its own first batch, and continues as that run did: the same global steps, epochs,
+    batch indices, last-batch flags, samples (shuffled per epoch), LR schedule and random draws, into epoch 2, and
+    bitwise-identical weights at the end."""
+
+    def fit(module: _Net) -> _Net:
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=1, max_steps=25, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+        )  # fmt: skip
+        trainer.fit(module)
+        assert trainer.global_step == 25
+        return module
+
+    healthy = fit(_Net(snapshot_at=13))
+    healed = fit(_Net(heal_from=healthy.snapshot))
+    assert healthy.trace[13][:4] == (13, 1, 3, False) and healthy.trace[19][3]  # step 20: epoch 1's last batch
+    assert healed.trace == healthy.trace[13:]
+    assert all(torch.equal(a, b) for a, b in zip(healthy.parameters(), healed.parameters()))
