@@ -157,9 +157,14 @@ def _model_config(module: Any) -> Any:
 
 def _stage_inputs(strategy: Any, module: Any, batch: tuple[Any, Any]) -> tuple[list[Any], Any]:
     """(input (shape, dtype) of each pipeline block, output (shape, dtype)) of the unsplit network on one
-    micro-batch, from one meta forward under the step's precision context."""
+    micro-batch, from one forward under the step's precision context on fake tensors standing in for the meta
+    parameters and batch (fake CPU tensors: a mixture of experts' experts run on the routing the step assumes,
+    :class:`UniformRouting`, whose index tensors hold values; on the meta device they cannot)."""
     import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.func import functional_call
 
+    from lightning_dist.parallelize.ep import assume_routing
     from lightning_dist.parallelize.pipeline import split as plan
 
     net = getattr(module, strategy.network)
@@ -172,11 +177,14 @@ def _stage_inputs(strategy: Any, module: Any, batch: tuple[Any, Any]) -> tuple[l
         )
         for i, key in enumerate(layout.blocks)
     ]
+    loss_fn = getattr(module, "pipeline_loss", None)
     try:
-        with torch.no_grad(), strategy.precision_plugin.train_step_context():
-            out = net(batch[0].to("meta"))
-            loss_fn = getattr(module, "pipeline_loss", None)
-            loss = loss_fn(out, batch[1].to("meta")) if callable(loss_fn) else torch.empty((), device="meta")
+        with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad(), assume_routing(UniformRouting(), net):
+            like = {n: torch.empty(t.shape, dtype=t.dtype) for n, t in (*net.named_parameters(), *net.named_buffers())}
+            x, y = (torch.empty(t.shape, dtype=t.dtype) for t in batch[:2])
+            with strategy.precision_plugin.train_step_context():
+                out = functional_call(net, like, (x,))
+                loss = loss_fn(out, y) if callable(loss_fn) else torch.empty(())
     finally:
         for h in hooks:
             h.remove()
@@ -214,6 +222,7 @@ def simulate_rank(config: DryRunConfig, rank: int) -> dict[str, Any]:
     from lightning_dist._compat import init_fake_process_group
     from lightning_dist._integrations.torch_distributed import build_replicate_reducers, ddp_on_fake_process_group
     from lightning_dist.mesh import DistMesh
+    from lightning_dist.parallelize.ep import assume_routing, find_experts
     from lightning_dist.parallelize.pipeline.split import pipeline_view
     from lightning_dist.parallelize.units import find_block_lists
 
@@ -274,6 +283,8 @@ def simulate_rank(config: DryRunConfig, rank: int) -> dict[str, Any]:
         boundaries, output = _stage_inputs(strategy, module, meta_batch) if pipelined else (None, None)
         shapes = {name: tuple(p.shape) for name, p in module.named_parameters()}
         ep = int(getattr(strategy, "ep", 1) or 1)
+        # a mixture of experts: the routing the step assumes (fake tensors hold no router choices)
+        routing = UniformRouting() if find_experts(module) else None
         moe = inputs.moe_spec(module) if ep > 1 else None  # the experts, read before expert parallelism splits them
         in_blocks = {
             f"{list_name}.{n}" for list_name, blocks in find_block_lists(module) for n, _ in blocks.named_parameters()
@@ -290,10 +301,8 @@ def simulate_rank(config: DryRunConfig, rank: int) -> dict[str, Any]:
         built = time.perf_counter()
         planned = plan_rank(strategy, module, cfg, config, spec, shapes, in_blocks, boundaries, moe=moe)
         optimizers = [getattr(o, "_optimizer", o) for o in strategy.optimizers]
-        if ep > 1:  # the ep dispatch sizes its all-to-alls from the assumed routing (the choices hold no values)
-            from lightning_dist.parallelize.ep import assume_routing
-
-            patches.enter_context(assume_routing(UniformRouting()))
+        if routing is not None:  # the ep dispatch sizes its all-to-alls from it, experts without ep run on its choices
+            patches.enter_context(assume_routing(routing, module))
         with fake:
             recorder, peak, states = _step(strategy, make_batch(config.batch_size), optimizers, warm_up=pipelined)
         staging = None
@@ -317,7 +326,7 @@ def simulate_rank(config: DryRunConfig, rank: int) -> dict[str, Any]:
             "seconds": time.perf_counter() - start,
             "build_seconds": built - start,
             "stages": list(strategy.local_stages) if pipelined else None,
-            "routing": UniformRouting.description if ep > 1 else None,  # what the ep all-to-alls' sizes assume
+            "routing": routing and routing.description,  # what the experts' rows (the ep all-to-alls) assume
         }
     finally:
         patches.close()
@@ -328,7 +337,8 @@ def simulate_rank(config: DryRunConfig, rank: int) -> dict[str, Any]:
 class UniformRouting:
     """The routing the dry run assumes (fake tensors hold no router choices): each rank's ``N k`` (token, choice) rows
     split evenly over the experts, the first ``N k mod E`` experts one row more; the planner's assumption
-    (``planner.UNIFORM_ROUTING``). The :class:`~lightning_dist.parallelize.ep.RoutingStandIn` of an ep dry run."""
+    (``planner.UNIFORM_ROUTING``). The :class:`~lightning_dist.parallelize.ep.RoutingStandIn` of a mixture of
+    experts' dry run, with expert parallelism or without."""
 
     description = "uniform routing: each rank's tokens x top_k rows split evenly over the experts (as the planner)"
 

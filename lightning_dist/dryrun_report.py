@@ -100,9 +100,9 @@ class DryRunReport:
         routing = next((r["routing"] for r in self.ranks if r.get("routing")), None)
         comm = Table(
             title="Collective payload bytes per step (measured / planned)",
-            # fake tensors hold no router choices: the ep all-to-alls are sized by an assumed routing
-            caption=f"expert parallelism: the all-to-all bytes assume {routing}; the peak leaves out the routed"
-            " experts' own activations (they run outside the fake mode MemTracker counts in)"
+            # fake tensors hold no router choices: the experts' rows (ep's all-to-alls) follow an assumed routing
+            caption=f"mixture of experts: the experts' rows (ep's all-to-all bytes) assume {routing}; the peak leaves"
+            " out the routed experts' own activations (they run outside the fake mode MemTracker counts in)"
             if routing
             else None,
         )

@@ -16,7 +16,7 @@ from lightning_dist.models.data import (
 )
 from lightning_dist.models.gpt import GPT, CharGPT, GPTBlock, GPTConfig, PositionEmbedding
 from lightning_dist.models.layers import MLP, Attention, TransformerBlock, init_weights
-from lightning_dist.models.moe import MoE, MoEBlock, MoEGPT
+from lightning_dist.models.moe import CharMoEGPT, MoE, MoEBlock, MoEGPT
 from lightning_dist.models.vision import ClsPool, ConvBlock, PatchEmbed, ShapesClassifier, ShapesCNN, ViT, ViTBlock
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "Attention",
     "CharDataModule",
     "CharGPT",
+    "CharMoEGPT",
     "ClsPool",
     "ConvBlock",
     "GPTBlock",

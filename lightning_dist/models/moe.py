@@ -9,9 +9,12 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from lightning.pytorch import LightningModule
 from torch import Tensor, nn
+from typing_extensions import override
 
-from lightning_dist.models.gpt import GPT, GPTBlock, GPTConfig
+from lightning_dist.models.data import CHAR_VOCAB_SIZE
+from lightning_dist.models.gpt import GPT, CharGPT, GPTBlock, GPTConfig
 from lightning_dist.parallelize.moe import RouterStats, balance_loss
 
 
@@ -166,4 +169,80 @@ class MoEGPT(GPT):
         return sum((balance_loss(s) for s in layers), torch.zeros((), device=self.lm_head.weight.device))
 
 
-__all__ = ["Experts", "MoE", "MoEBlock", "MoEGPT", "SwiGLU"]
+class CharMoEGPT(CharGPT):
+    """Character-level language modelling with :class:`MoEGPT` (kept as ``self.model``): :class:`CharGPT`'s
+    cross-entropy plus ``aux_loss_coef`` times the router load-balancing loss, over the global batch under the
+    pack's strategies. Logs ``train_loss`` (the sum) and ``aux_loss`` with ``sync_dist=True``.
+
+    Args:
+        n_experts, top_k, expert_hidden, n_shared, router: :class:`MoEGPT`'s experts.
+        aux_loss_coef: weight of the router loss; 0 leaves it out (a pipeline stage cannot compute it).
+        vocab_size, block_size, n_layer, n_head, n_embd, bias, n_kv_head, lr, weight_decay: as :class:`CharGPT`.
+    """
+
+    def __init__(
+        self,
+        *,
+        n_experts: int = 8,
+        top_k: int = 2,
+        expert_hidden: int = 32,
+        n_shared: int = 0,
+        router: Literal["softmax", "sigmoid"] = "softmax",
+        aux_loss_coef: float = 0.01,
+        vocab_size: int = CHAR_VOCAB_SIZE,
+        block_size: int = 64,
+        n_layer: int = 2,
+        n_head: int = 4,
+        n_embd: int = 64,
+        bias: bool = True,
+        n_kv_head: int | None = None,
+        lr: float = 3e-3,
+        weight_decay: float = 0.0,
+    ) -> None:
+        # CharGPT's steps with another network: its __init__ (which builds a dense GPT) is not run
+        LightningModule.__init__(self)
+        self.save_hyperparameters()
+        self.model = MoEGPT(
+            n_experts=n_experts,
+            top_k=top_k,
+            expert_hidden=expert_hidden,
+            n_shared=n_shared,
+            router=router,
+            vocab_size=vocab_size,
+            block_size=block_size,
+            n_layer=n_layer,
+            n_head=n_head,
+            n_embd=n_embd,
+            bias=bias,
+            n_kv_head=n_kv_head,
+        )
+        self.lr, self.weight_decay, self.aux_loss_coef = lr, weight_decay, aux_loss_coef
+
+    @override
+    def setup(self, stage: str) -> None:
+        from lightning_dist.parallelize.pipeline.split import pipeline_view
+
+        # refused on every rank before the strategy splits the model (its stages run no training_step of their own)
+        if self.aux_loss_coef and pipeline_view(self.trainer.strategy) is not None:
+            raise ValueError(
+                f"CharMoEGPT(aux_loss_coef={self.aux_loss_coef}) under {type(self.trainer.strategy).__name__}: each"
+                " layer's router load-balancing loss multiplies two sums over the whole batch, while a pipeline stage"
+                " holds some layers and runs them one micro-batch at a time (the loss served per micro-batch by"
+                " pipeline_loss), so no stage can add it. Set aux_loss_coef=0 to pipeline the model, or train it with"
+                " hsdp/fsdp2/tp, where the loss is taken over the global batch (moe_aux_loss='local' keeps each"
+                " rank's own)."
+            )
+
+    @override
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        idx, target = batch
+        loss = self.pipeline_loss(self(idx), target)
+        if self.aux_loss_coef:
+            aux = self.model.aux_loss()
+            self.log("aux_loss", aux, sync_dist=True)
+            loss = loss + self.aux_loss_coef * aux
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+
+__all__ = ["CharMoEGPT", "Experts", "MoE", "MoEBlock", "MoEGPT", "SwiGLU"]

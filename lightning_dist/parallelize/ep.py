@@ -91,13 +91,53 @@ _STAND_IN: contextvars.ContextVar[RoutingStandIn | None] = contextvars.ContextVa
 
 
 @contextlib.contextmanager
-def assume_routing(stand_in: RoutingStandIn) -> Iterator[None]:
-    """Inside the block, every ep dispatch routes as `stand_in` says (the choices' values are not read)."""
+def assume_routing(stand_in: RoutingStandIn, model: nn.Module | None = None) -> Iterator[None]:
+    """Inside the block, every ep dispatch routes as `stand_in` says (the choices' values are not read), and so do
+    the experts modules of `model` that run their own forward (no ep): they receive the stand-in's choices in place
+    of the router's and run inside its ``concrete()`` block."""
     token = _STAND_IN.set(stand_in)
+    own = [m for _, m in find_experts(model)] if model is not None else []
+    handles = [h for m in own if GLOBAL_EXPERTS_KEY not in m.__dict__ for h in _stand_in_choices(m, stand_in)]
     try:
         yield
     finally:
+        for h in handles:
+            h.remove()
         _STAND_IN.reset(token)
+
+
+def stand_in_choices(stand_in: RoutingStandIn, n_tokens: int, k: int, experts: int) -> Tensor:
+    """``[n_tokens, k]`` expert ids with the stand-in's rows per expert: the rows in expert order, dealt to the
+    tokens one choice at a time (a token's choices are distinct while no expert gets more than `n_tokens` rows)."""
+    counts = torch.tensor(stand_in.rows_per_expert(n_tokens * k, experts))
+    return torch.repeat_interleave(torch.arange(experts), counts).view(k, n_tokens).t()
+
+
+def _stand_in_choices(module: nn.Module, stand_in: RoutingStandIn) -> list[Any]:
+    """Forward hooks giving `module` (an experts module running its own forward) the stand-in's choices."""
+    import inspect
+
+    index_name = list(inspect.signature(module.forward).parameters)[1]
+    blocks: list[ContextManager[None]] = []
+
+    def before(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        index = args[1] if len(args) > 1 else kwargs[index_name]
+        with stand_in.concrete():
+            choices = stand_in_choices(stand_in, index.shape[0], index.shape[1], expert_count(mod)).to(index.dtype)
+        block = stand_in.concrete()
+        block.__enter__()  # left by `after`, which runs even when the forward raises
+        blocks.append(block)
+        if len(args) > 1:
+            return (args[0], choices, *args[2:]), kwargs
+        return args, {**kwargs, index_name: choices}
+
+    def after(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
+        blocks.pop().__exit__(None, None, None)
+
+    return [
+        module.register_forward_pre_hook(before, with_kwargs=True),
+        module.register_forward_hook(after, with_kwargs=True, always_call=True),
+    ]
 
 
 def _dispatch_forward(self: nn.Module, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
@@ -212,4 +252,5 @@ __all__ = [
     "ep_problems",
     "expert_count",
     "find_experts",
+    "stand_in_choices",
 ]

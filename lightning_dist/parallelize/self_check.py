@@ -3,13 +3,15 @@
 What the optimizer will use is compared, not only outputs: for every block, the gradients the split run gave its
 parameters and the block's output against those of a plain copy of that block (weights gathered, one block at a time)
 run on the same inputs with the same output gradient; and every parameter held whole on several ranks must get the
-same gradient on each. It scales with the block, not the model (see ``docs/self_checks.md``).
+same gradient on each; under expert parallelism, each experts module against a whole copy of its experts. It scales
+with the block, not the model (see ``docs/self_checks.md``).
 """
 
 from __future__ import annotations
 
 import copy
 import time
+import types
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -20,6 +22,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
 from lightning_dist.parallelize.clone import full_tensor_of, unsharded_clone
+from lightning_dist.parallelize.ep import GLOBAL_EXPERTS_KEY
 
 # relative difference a correct split stays under (rounding of another reduction order, with a wide margin); a
 # missing or doubled reduction is off by tens of percent
@@ -251,6 +254,111 @@ def check_split_model(
     return SelfCheckReport(len(cap.inputs), worst, where, seconds)
 
 
+def _whole_experts(module: nn.Module) -> nn.Module:
+    """A plain copy of an experts module under ep: every expert's weights gathered, its own class's forward."""
+    original = module.__dict__[GLOBAL_EXPERTS_KEY]["forward"]  # what ran before apply_ep bound its dispatch
+    ref = unsharded_clone(module, {}, {})
+    ref.__dict__.pop(GLOBAL_EXPERTS_KEY, None)
+    ref.__dict__.pop("forward", None)
+    if (
+        isinstance(original, types.MethodType)
+        and original.__self__ is module
+        and original.__func__ is not getattr(type(module).forward, "__func__", type(module).forward)
+    ):
+        ref.forward = types.MethodType(original.__func__, ref)  # a forward of the instance's own, bound to the copy
+    return ref
+
+
+def _mean_over(tensors: list[Tensor], group: Any) -> list[Tensor]:
+    """The mean of `tensors` over the ranks of `group` (one all-reduce of them all, in float64)."""
+    if group is None or dist.get_world_size(group) == 1 or not tensors:
+        return tensors
+    flat = torch.cat([t.detach().double().flatten() for t in tensors])
+    dist.all_reduce(flat, group=group)
+    flat /= dist.get_world_size(group)
+    return [chunk.view(t.shape).to(t.dtype) for chunk, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
+
+
+def check_experts(
+    model: nn.Module,
+    run: Callable[[], Any],
+    experts: Sequence[tuple[str, nn.Module]],
+    *,
+    dp_group: Any,
+    describe: str,
+) -> SelfCheckReport:
+    """Run `run()` (the model's forward on this rank's probe sample) and a backward, then hold each experts module to a
+    whole copy of it: its output on this rank's tokens, and its experts' gradients (after the dispatch, the ep scaling
+    and FSDP2's reduction: what the optimizer steps on) against the copies' gradients averaged over `dp_group` (the
+    ranks whose gradients data parallelism averages). Raises ``ValueError`` on every rank naming the worst parameter.
+
+    Collective: every rank of the mesh calls it, each with its own sample. Leaves no gradient behind.
+    """
+    start = time.perf_counter()
+    cap = _Capture(experts)
+    try:
+        with torch.enable_grad(), torch.compiler.set_stance("force_eager"):
+            out = first_tensor(run())
+            graded = out is not None and out.requires_grad
+            if graded:
+                (out * _seeded_like(out, 4321)).sum().backward()
+    finally:
+        cap.close()
+    worst, where = 0.0, "" if graded else "no graded output"
+    try:
+        for name, module in experts if graded else ():
+            # every rank gathers every module's weights and gradients, in one order, whatever it captured
+            split = {n: full_tensor_of(p.grad) if p.grad is not None else None for n, p in module.named_parameters()}
+            ref = _whole_experts(module)
+            got = cap.outputs.get(name)
+            grad = cap.grads.get(name)
+            if got is not None and grad is not None:
+                args, kwargs = tree_map(lambda x: full_tensor_of(x) if isinstance(x, Tensor) else x, cap.inputs[name])
+                with torch.enable_grad():
+                    want = first_tensor(ref(*args, **kwargs))
+                    want.backward(grad.to(want.dtype))
+                d = _rel(got, want)
+                if d > worst:
+                    worst, where = d, f"{name} (its output)"
+            names = [n for n, p in ref.named_parameters() if p.requires_grad]
+            mean = _mean_over(
+                [
+                    ref.get_parameter(n).grad
+                    if ref.get_parameter(n).grad is not None
+                    else torch.zeros_like(ref.get_parameter(n))
+                    for n in names
+                ],
+                dp_group,
+            )
+            floor = FLOOR * _norm(mean)
+            for n, g in zip(names, mean):
+                d = 0.0 if split.get(n) is None and not g.any() else _rel(split.get(n), g, floor)
+                if d > worst:
+                    worst, where = d, f"{name}.{n} (its gradient)"
+    finally:
+        for p in model.parameters():
+            p.grad = None
+    seconds = time.perf_counter() - start
+    if dist.is_available() and dist.is_initialized():
+        rows: list = [None] * dist.get_world_size()
+        dist.all_gather_object(rows, (worst, where, seconds))
+        worst, where, _ = max(rows, key=lambda r: r[0])
+        seconds = max(r[2] for r in rows)
+    params = [p for _, m in experts for p in m.parameters()]
+    tol = TOLERANCE.get(params[0].dtype if params else torch.float32, 1e-3)
+    if not worst <= tol:
+        raise ValueError(
+            f"{describe}: the setup self-check ran one forward and backward with the experts split over the ep ranks"
+            f" and held each experts module to a whole copy of it on the same tokens, and they differ: relative"
+            f" difference {worst:.3e} > {tol:.0e} in {where}. Expert parallelism would train a different model than"
+            " one device: its dispatch calls the experts' own forward on the rows each rank receives, with routing"
+            " weight 1, and weighs the returned rows after; experts whose forward uses the routing weights otherwise"
+            " (scales its input by them, say) cannot be split this way. Drop ep for this model, or pass"
+            " self_check=False if you have checked it yourself."
+        )
+    return SelfCheckReport(len(cap.outputs), worst, where, seconds)
+
+
 def gradient_problem(
     params: dict[str, nn.Parameter], whole: Callable[[], Tensor], staged: Callable[[], Tensor]
 ) -> Optional[str]:
@@ -287,4 +395,4 @@ def gradient_problem(
     )
 
 
-__all__ = ["SelfCheckReport", "TOLERANCE", "check_split_model", "first_tensor", "gradient_problem"]
+__all__ = ["SelfCheckReport", "TOLERANCE", "check_experts", "check_split_model", "first_tensor", "gradient_problem"]

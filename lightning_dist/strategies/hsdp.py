@@ -8,7 +8,7 @@ from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_dist._compat import CUDA_AVAILABLE, fully_shard_api
@@ -40,6 +40,8 @@ class HybridShardStrategy(ReplicaGroupsMixin):
         **kwargs: the mesh, model and checkpoint options of :class:`MeshStrategy` (``dp_replicate``,
             ``activation_checkpointing``, ``compile``, ``timeout``...).
     """
+
+    _ep_check_pending = False  # set by apply_parallelism under ep; the check runs before the first step
 
     strategy_name = "hsdp"
 
@@ -150,6 +152,55 @@ class HybridShardStrategy(ReplicaGroupsMixin):
     @override
     def parallelize(self, module: pl.LightningModule) -> None:
         parallelize_model(module, self.mesh, self.parallelize_config())
+
+    @override
+    def apply_parallelism(self) -> None:
+        super().apply_parallelism()
+        self._ep_check_pending = self.ep > 1 and self.self_check  # once per parallelization
+
+    @override
+    def check_split_model(self) -> None:
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        """Under ep, each experts module held to a whole copy of it, forward and backward (what the optimizer steps on),
+        once per parallelization: each data-parallel rank runs its own probe sample (a rolled copy of one)."""
+        due, self._ep_check_pending = self._ep_check_pending, False
+        if not due:
+            return
+        from torch.utils._pytree import tree_map
+
+        from lightning_dist.parallelize.ep import find_experts
+        from lightning_dist.parallelize.self_check import check_experts
+        from lightning_dist.parallelize.tp.probe import probe_samples, run_eval
+
+        module, shift = self.lightning_module, self.distributed_sampler_kwargs["rank"]
+        experts = find_experts(module)
+        for net, sample in probe_samples(module):
+            mine = tree_map(lambda t: t.roll(shift, -1) if isinstance(t, torch.Tensor) and t.dim() else t, sample)
+            try:
+                report = check_experts(
+                    module,
+                    lambda: run_eval(net, mine, grad=True),
+                    experts,
+                    dp_group=self.mesh.dp_group,
+                    describe=f"expert parallelism (ep={self.ep})",
+                )
+            except ValueError:
+                raise
+            except Exception:  # a made-up sample this forward does not take: the next guess (the same on every rank)
+                continue
+            self.ep_check_report = report
+            rank_zero_info(
+                f"expert-parallel self-check: {report.blocks} experts module(s), outputs and expert gradients after the"
+                f" dispatch and the data-parallel reduction, match whole copies (worst relative difference"
+                f" {report.worst:.1e}); {report.seconds:.2f} s. self_check=False skips it."
+            )
+            return
+        rank_zero_warn(
+            "expert-parallel self-check skipped: no probe sample runs through the model (set `example_input_array` on"
+            " the LightningModule to have the split experts checked against whole copies at setup)."
+        )
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:

@@ -204,7 +204,8 @@ class TensorParallelStrategy(HybridShardStrategy):
     @override
     def check_split_model(self) -> None:
         """Each split block held to an unsplit copy of it, forward and backward (:mod:`~lightning_dist.parallelize.
-        self_check`), once per parallelization."""
+        self_check`), once per parallelization; under ep, the experts too."""
+        self._check_experts()
         if not self._self_check_pending:
             return
         self._self_check_pending = False

@@ -2,10 +2,11 @@
 device, float64, the router's auxiliary loss included.
 
 Two launches: 2 processes (fsdp2, tp2 and expert parallelism ep2, its HF models exported to safetensors, its ledger
-and memory report next to the plan, uniform routing against the planner's formula; the exact global router loss and
-the per-rank one kept on purpose; a pipeline, ep on a dense model, ep with tp and grouped_mm
-experts in float64 refused) and 4 processes (hsdp 2 x 2, tp2 x dp_shard2, ep4, ep2 x dp_shard2, hsdp 2 x 2 with ep2,
-an ep rank that receives no token, a checkpoint from ep4 to ep2 to one device).
+and memory report next to the plan, uniform routing against the planner's formula; ep2 with full activation
+checkpointing and with offloaded activations; the exact global router loss and the per-rank one kept on purpose; a
+pipeline, ep on a dense model, ep with cp and grouped_mm experts in float64 refused) and 4 processes (hsdp 2 x 2,
+tp2 x dp_shard2, ep4, ep2 x dp_shard2, hsdp 2 x 2 with ep2, an ep rank that receives no token, a checkpoint from ep4
+to ep2 to one device).
 """
 
 import pytest
@@ -33,12 +34,28 @@ def test_moe_and_expert_parallelism_2_processes():
     rows = results(run_torchrun("moe_parity.py", "local", nproc=2, timeout=600))
     for r in _rows(rows, 2, {"fsdp2", "tp2", "ep2"}, {"global", "local"}):
         assert r["ep"] == (2 if r["case"] == "ep2" else 1), r  # expert parallelism ran where asked, only there
+        if r["case"] == "ep2":  # the ep self-check held both layers' experts to whole copies at setup
+            assert r["ep_check"]["modules"] == 2 and r["ep_check"]["worst"] <= TOL, r
+        else:
+            assert r["ep_check"] is None, r
         if r["mode"] == "global" or r["case"] == "tp2":  # tp2 alone has one data-parallel rank: both are one device's
             assert r["diff"] <= TOL, r
         else:  # each rank's own router loss, averaged: not the global batch's (so the exact path's test can fail)
             assert r["diff"] > 1e-3, r
+    # ep2 with every block recomputed in backward (its tokens dispatched to the experts again) or its saved tensors
+    # offloaded (host memory standing in for the device): one device's update, the router loss included
+    acts = [r for r in rows if r["kind"] == "moe_activations"]
+    assert sorted((r["model"], r["case"], r["rank"]) for r in acts) == sorted(
+        (m, c, k) for m in MODELS for c in ("ep2_ac_full", "ep2_offload") for k in (0, 1)
+    ), acts
+    for r in acts:
+        assert r["diff"] <= TOL and r["ep"] == 2, r
+        if r["case"] == "ep2_ac_full":
+            assert r["checkpointed"] == 2 and r["offloaded"] == 0, r  # both blocks, nothing offloaded
+        else:
+            assert r["checkpointed"] == 0 and r["offloaded"] > 0, r
     refusals = {(r["case"], r["rank"]): r["error"] or "" for r in rows if r["kind"] == "refusal"}
-    assert len(refusals) == 8, refusals
+    assert len(refusals) == 12, refusals
     for rank in (0, 1):  # each refused on every rank, with the reason and the fix
         assert "router load-balancing loss" in refusals["pp2", rank]
         assert "has no experts module" in refusals["ep_dense", rank] and "drop ep" in refusals["ep_dense", rank]
@@ -46,6 +63,11 @@ def test_moe_and_expert_parallelism_2_processes():
         grouped = refusals["grouped_mm", rank]
         assert "model.model.layers.0.mlp.experts (Qwen3MoeExperts)" in grouped and "torch.float64 on cpu" in grouped
         assert 'experts_implementation="eager"' in grouped, grouped
+        # the ep self-check at setup (forward and backward against whole copies of the experts): experts that use the
+        # routing weight inside, and expert gradients not scaled by 1/ep (outputs right, gradients doubled)
+        scaled, unscaled = refusals["ep_scaled_input", rank], refusals["ep_unscaled_grads", rank]
+        assert "expert parallelism (ep=2): the setup self-check" in scaled and "mlp.experts (its output)" in scaled
+        assert "mlp.experts." in unscaled and "(its gradient)" in unscaled, unscaled
     # ep2 with the CommunicationLedger and MemoryReport: every row that has a plan equals it (the all-to-alls planned
     # from the rows the step's routing sent and received), the model states and the routed experts' part too
     plans = [r for r in rows if r["kind"] == "ep_plan"]
@@ -81,6 +103,8 @@ def test_moe_and_expert_parallelism_4_processes():
     for r in _rows([r for r in rows if r.get("model") != "pack_moe_idle"], 4, cases, {"global"}):
         assert r["diff"] <= TOL, r
         assert r.get("ep", 1) == {"ep4": 4, "ep2_dp_shard2": 2, "hsdp2x2_ep2": 2, "ep2_tp2": 2}.get(r["case"], 1), r
+        if r.get("ep", 1) > 1:  # the ep self-check ran (ep4, ep with dp_replicate, ep x tp) and found the copies equal
+            assert r["ep_check"]["modules"] == 2 and r["ep_check"]["worst"] <= TOL, r
     # expert parallelism with a rank whose experts are never chosen: it receives no token, and stays exact
     idle = sorted((r for r in rows if r.get("model") == "pack_moe_idle"), key=lambda r: r["rank"])
     assert len(idle) == 4 and all(r["diff"] <= TOL for r in idle), idle

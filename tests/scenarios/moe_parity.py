@@ -3,9 +3,12 @@
 Unmodified HF Qwen3-MoE and Mixtral (tiny configs, experts run eagerly: float64 on CPU), `output_router_logits=True`
 and `router_aux_loss_coef=0.05`: the loss is the cross-entropy plus the coefficient times the model's own `aux_loss`.
 ``torchrun --nproc-per-node 2 moe_parity.py``: fsdp2 (dp_shard=2), tp=2 and ep=2 (the HF models then exported to
-safetensors and loaded back by transformers); with ``local`` as argv[1] also the per-rank auxiliary loss kept on
-purpose (``moe_aux_loss="local"``), which must differ from one device's; and a pipeline refused (its stages cannot
-compute that loss), as are ep without experts, ep with cp and transformers' grouped_mm experts in float64. 4 processes:
+safetensors and loaded back by transformers), ep=2 with full activation checkpointing (the recomputed forward
+dispatches the tokens again) and ep=2 with the blocks' activations offloaded; with ``local`` as argv[1] also the
+per-rank auxiliary loss kept on purpose (``moe_aux_loss="local"``), which must differ from one device's; and a
+pipeline refused (its stages cannot compute that loss), as are ep without experts, ep with cp, transformers'
+grouped_mm experts in float64, and (by ep's setup self-check) experts that scale their input by a routing weight and
+a dispatch whose expert gradients miss the 1/ep scaling. Every ep run reports its self-check's figures. 4 processes:
 hsdp 2 x 2, tp2 x dp_shard2 and the ep layouts (ep2 x tp2 among them, and pp2 x ep2 without the router loss),
 cp2 x dp_shard2 with selective activation checkpointing. The ep2 runs carry the CommunicationLedger and MemoryReport
 (measured next to the plan), and one more ep2 run routes every token by a fixed balanced pattern, so its all-to-alls
@@ -15,8 +18,10 @@ One RESULT row per case and rank.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import types
 
 import lightning.pytorch as pl
 import torch
@@ -28,6 +33,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import lightning_dist  # noqa: F401  (registers the strategies)
 from lightning_dist import planner
 from lightning_dist.callbacks import CommunicationLedger, MemoryReport
+from lightning_dist.parallelize.ac import apply_offload_activations, checkpointed_mode, offloaded_bytes
 from lightning_dist.strategies import (
     FullyShardStrategy,
     HybridShardStrategy,
@@ -130,6 +136,14 @@ class Task(pl.LightningModule):
         return DataLoader(sampler.dataset, batch_size=GLOBAL_BATCH // kw["num_replicas"], sampler=sampler)
 
 
+class OffloadTask(Task):
+    """`Task` whose blocks offload the tensors they save for backward, host memory standing in for the device (on a
+    CPU the strategies' ``offload_activations=True`` refuses: there is no device memory to free)."""
+
+    def configure_model(self) -> None:
+        apply_offload_activations(self.model, pin_memory=False, device_type="cpu")
+
+
 class CPTask(Task):
     """`Task` under context parallelism: the cross-entropy through ``pipeline_loss`` (the strategy hands it the
     target's chunks of this rank's tokens), the router loss added as in `step_loss`."""
@@ -197,11 +211,16 @@ def reference(kind: str) -> dict:
 
 def main() -> None:
     world = int(os.environ["WORLD_SIZE"])
+    activations = {}  # case -> (strategy, task): the router loss global, activations recomputed or offloaded
     if world == 2:
         cases = {
             "fsdp2": lambda **kw: FullyShardStrategy(**kw),
             "tp2": lambda **kw: TensorParallelStrategy(tp=2, **kw),
             "ep2": lambda **kw: FullyShardStrategy(ep=2, **kw),
+        }
+        activations = {
+            "ep2_ac_full": (lambda: FullyShardStrategy(ep=2, activation_checkpointing="full"), Task),
+            "ep2_offload": (lambda: FullyShardStrategy(ep=2), OffloadTask),
         }
     else:
         cases = {
@@ -230,13 +249,28 @@ def main() -> None:
                 kw = {} if mode == "global" else {"moe_aux_loss": "local"}
                 # the ep2 runs: the ledger's and memory report's rows next to the plan under the routing they had
                 reports = ledger_and_memory() if case == "ep2" and mode == "global" else []
-                trainer(make(**kw), devices=world, steps=STEPS, callbacks=reports).fit(task)
+                strategy = make(**kw)
+                trainer(strategy, devices=world, steps=STEPS, callbacks=reports).fit(task)
                 diff = max_rel_diff(full_params(task), ref)
-                emit(kind="moe", model=kind, case=case, mode=mode, diff=diff, ep=ep_degree(task))
+                check = getattr(strategy, "ep_check_report", None)  # the ep self-check's figures (None: it did not run)
+                check = None if check is None else {"modules": check.blocks, "worst": check.worst}
+                emit(kind="moe", model=kind, case=case, mode=mode, diff=diff, ep=ep_degree(task), ep_check=check)
                 if reports:
                     emit(kind="ep_plan", model=kind, **plan_ratios(*reports))
                 if case == "ep2" and mode == "global" and not kind.startswith("pack_moe"):
                     exported_to_hf(task, kind)
+        for case, (make, cls) in activations.items():
+            task = cls(kind)
+            trainer(make(), devices=world, steps=STEPS).fit(task)
+            emit(
+                kind="moe_activations",
+                model=kind,
+                case=case,
+                diff=max_rel_diff(full_params(task), ref),
+                ep=ep_degree(task),
+                checkpointed=sum(checkpointed_mode(m) == "full" for m in task.model.modules()),
+                offloaded=offloaded_bytes(task.model) or 0,
+            )
     if world == 4:
         checkpoints_across_ep_degrees()
         for kind in MODELS:  # cp2 x dp_shard2 with selective AC: the router loss over the dp x cp ranks' tokens
@@ -273,13 +307,23 @@ def main() -> None:
                 super().__init__("qwen3_moe")
                 self.model.set_experts_implementation("grouped_mm")
 
-        for case, make, task in (
-            ("ep_dense", lambda: FullyShardStrategy(ep=2), Dense),
-            ("ep_cp", lambda: FullyShardStrategy(cp=2, ep=2), lambda: Task("pack_moe")),
-            ("grouped_mm", lambda: FullyShardStrategy(ep=2), GroupedMM),
+        class ScaledInput(Task):  # experts that scale their input by a routing weight: ep's dispatch cannot split them
+            def __init__(self) -> None:
+                super().__init__("pack_moe")
+                for block in self.model.blocks:
+                    block.mlp.experts.forward = types.MethodType(scaled_input_forward, block.mlp.experts)
+
+        plain = contextlib.nullcontext
+        for case, make, task, during in (
+            ("ep_dense", lambda: FullyShardStrategy(ep=2), Dense, plain),
+            ("ep_cp", lambda: FullyShardStrategy(cp=2, ep=2), lambda: Task("pack_moe"), plain),
+            ("grouped_mm", lambda: FullyShardStrategy(ep=2), GroupedMM, plain),
+            ("ep_scaled_input", lambda: FullyShardStrategy(ep=2), ScaledInput, plain),
+            ("ep_unscaled_grads", lambda: FullyShardStrategy(ep=2), lambda: Task("pack_moe"), unscaled_expert_grads),
         ):
             try:
-                trainer(make(), devices=world, steps=1).fit(task())
+                with during():
+                    trainer(make(), devices=world, steps=1).fit(task())
                 emit(kind="refusal", case=case, error=None)
             except ValueError as err:
                 emit(kind="refusal", case=case, error=str(err))
@@ -292,6 +336,33 @@ def main() -> None:
             emit(kind="refusal", case="pp2", error=None)
         except ValueError as err:
             emit(kind="refusal", case="pp2", error=str(err))
+
+
+def scaled_input_forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The pack's experts with their input scaled by the first routing weight (inside the experts' nonlinearity)."""
+    return type(self).forward(self, x * (1 + w[:, :1]), idx, w)
+
+
+@contextlib.contextmanager
+def unscaled_expert_grads():
+    """Test-only: expert parallelism without its `1/ep` gradient scaling (the local experts' gradient hook dropped),
+    so the expert gradients are ep times too large while every output is right."""
+    from lightning_dist.parallelize import ep
+
+    enter, register_hook = ep._LocalParams.__enter__, torch.Tensor.register_hook
+
+    def without_hook(local_params) -> None:
+        torch.Tensor.register_hook = lambda self, hook: None
+        try:
+            enter(local_params)
+        finally:
+            torch.Tensor.register_hook = register_hook
+
+    ep._LocalParams.__enter__ = without_hook
+    try:
+        yield
+    finally:
+        ep._LocalParams.__enter__ = enter
 
 
 def ledger_and_memory() -> list:

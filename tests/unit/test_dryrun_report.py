@@ -81,4 +81,4 @@ def test_an_ep_step_dry_runs_in_one_process_and_its_all_to_alls_equal_the_unifor
         assert planned > 0 and measured == planned, (key, measured, planned)
     assert rank["states"]["total"] == rank["planned"]["states"]["total"]
     assert "uniform routing" in rank["routing"]
-    assert "the all-to-all bytes assume uniform routing" in " ".join(report.format(width=200).split())
+    assert "(ep's all-to-all bytes) assume uniform routing" in " ".join(report.format(width=200).split())

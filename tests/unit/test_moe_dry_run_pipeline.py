@@ -1,0 +1,97 @@
+"""Pipelines of a mixture of experts in one process: the dry run (fake process group, fake tensors; the experts run
+on the routing it states, uniform, with expert parallelism inside the stages or without it), and the pack's
+``CharMoEGPT`` refusing its router loss under a pipeline before the model is split."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from lightning_dist import planner
+from lightning_dist.dryrun import DryRunConfig, UniformRouting, simulate_rank
+from lightning_dist.dryrun_report import DryRunReport
+from lightning_dist.models.moe import CharMoEGPT, MoEGPT
+from lightning_dist.parallelize.ep import stand_in_choices
+
+SIZES = dict(n_layer=2, n_head=4, n_embd=64, vocab_size=128, block_size=32, n_experts=8, top_k=2, expert_hidden=32)
+
+
+class PipedMoE(pl.LightningModule):
+    """The pack's MoE GPT for a pipeline: the cross-entropy per micro-batch, no router loss (a stage cannot take it)."""
+
+    def __init__(self, **sizes) -> None:
+        super().__init__()
+        self.model = MoEGPT(**sizes)
+
+    def forward(self, x):
+        return self.model(x)
+
+    def pipeline_loss(self, out, y):
+        return F.cross_entropy(out.flatten(0, 1), y.flatten())
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return self.pipeline_loss(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def test_the_stand_in_choices_route_each_expert_its_rows_and_a_token_no_expert_twice():
+    choices = stand_in_choices(UniformRouting(), 10, 3, 8)  # 30 rows over 8 experts: 4 each, the first 6 one more
+    assert choices.shape == (10, 3)
+    assert torch.bincount(choices.flatten(), minlength=8).tolist() == [4] * 6 + [3] * 2
+    assert all(len(set(row.tolist())) == 3 for row in choices)
+
+
+@pytest.mark.parametrize("ep,rank", [(1, 0), (2, 3)], ids=["pp2", "pp2_ep2_last_stage"])
+def test_a_pipeline_of_a_mixture_of_experts_dry_runs(monkeypatch, ep, rank):
+    if dist.is_initialized():
+        pytest.skip("a process group is already running in this process")
+    for key in ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(key, "0")  # simulate_rank sets the cluster variables: restored after the test
+    micro, batch = 2, 4
+    config = DryRunConfig(
+        model=f"{__name__}.PipedMoE",
+        init_args=SIZES,
+        strategy="pipeline_1f1b",
+        strategy_args={"pp": 2, "ep": ep, "n_microbatches": micro},
+        world_size=4,
+        devices_per_node=4,
+        precision="32-true",
+        batch_size=batch,
+    )
+    result = simulate_rank(config, rank)
+    assert not dist.is_initialized()
+    assert result["stages"] == [rank // 2] and "uniform routing" in result["routing"]
+    calls = {(c["op"], c["dim"]): c for c in result["collectives"]}
+    a2a = calls.get(("all_to_all", "dp_shard"))  # ep == dp_shard: the group keeps the mesh's name
+    if ep == 1:
+        assert a2a is None and ("all_gather", "dp_shard") in calls
+    else:  # the stage's one MoE layer, per micro-batch: the counts, dispatch and combine, and the two in backward
+        tokens = batch // micro * SIZES["block_size"]
+        planned = planner.ep_all_to_all(
+            rows=tokens * SIZES["top_k"], hidden=SIZES["n_embd"], bytes_per_element=4, experts=8, ep=ep
+        )
+        assert a2a["calls"] == micro * 5
+        assert a2a["payload_bytes"] == micro * sum(c.payload_bytes for c in planned)  # the uniform routing's bytes
+    assert result["states"]["total"] > 0 and result["peak_total_bytes"] > 0
+    assert "uniform routing" in " ".join(DryRunReport(config=config, ranks=[result]).format(width=200).split())
+
+
+def test_char_moe_gpt_refuses_its_router_loss_under_a_pipeline_and_names_the_fix():
+    from lightning_dist.strategies import FullyShardStrategy, PipelineStrategy
+
+    def set_up(strategy, coef):
+        module = CharMoEGPT(n_layer=2, n_head=2, n_embd=16, block_size=8, expert_hidden=8, aux_loss_coef=coef)
+        module.trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
+        module.setup("fit")  # Lightning's hook, before the strategy splits the model
+
+    with pytest.raises(ValueError, match=r"aux_loss_coef=0.01\) under PipelineStrategy.*Set aux_loss_coef=0") as err:
+        set_up(PipelineStrategy(pp=2), 0.01)
+    assert "hsdp/fsdp2/tp" in str(err.value) and "moe_aux_loss='local'" in str(err.value)
+    set_up(PipelineStrategy(pp=2), 0.0)  # without the router loss it pipelines
+    set_up(FullyShardStrategy(), 0.01)
