@@ -4,16 +4,17 @@ Each rank first trains every case for a few float32 steps under torchrun with a 
 (the pack's CharGPT, 8 sequences per data-parallel rank, no logging: only the strategy's collectives are in a
 step) and prints ``RESULT {"case", "kind": "ledger", "rows"}`` with the mean calls and payload bytes per (op, dim)
 of the steps after the first. Then it leaves the gloo group and runs the dry run of its own rank for the same
-cases (:func:`lightning_dist.dryrun.dry_run`, a fresh process per rank on torch's fake process group: same world
-size, model, batch and precision) and prints ``RESULT {"case", "kind": "dry", "rows"}`` or the dry run's refusal.
+cases (:func:`lightning_dist.dryrun.simulate_rank`, in one fresh process per rank on torch's fake process group:
+same world size, model, batch and precision) and prints ``RESULT {"case", "kind": "dry", "rows"}`` or the dry
+run's refusal.
 Both results carry ``peak``: torch's MemTracker figures of the same step (the real run's through
 ``MemoryReport(track_step=...)``, the same tracker as the dry run's).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
+import subprocess
 import sys
 
 import lightning.pytorch as pl
@@ -25,7 +26,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_dist  # noqa: F401  (registers the strategies)
 from lightning_dist.callbacks import CommunicationLedger, MemoryReport
-from lightning_dist.dryrun import DryRunConfig, dry_run
+from lightning_dist.dryrun import _JOB_ENV, DryRunConfig, simulate_rank
 from lightning_dist.models.gpt import CharGPT
 from lightning_dist.models.moe import MoE, MoEGPT
 
@@ -133,6 +134,7 @@ def real(case: str) -> None:
 
 
 def dry(case: str, rank: int, world: int) -> None:
+    """The dry run of one rank, in this process (a fresh one with no process group: see `dry_worker`)."""
     name, args = CASES[case]
     model, init_args = model_of(case)
     config = DryRunConfig(
@@ -146,8 +148,7 @@ def dry(case: str, rank: int, world: int) -> None:
         batch_size=BATCH,
     )
     try:
-        # a fresh process, as `lightning-dist dry-run` runs each rank (this one's caches hold the gloo groups)
-        (result,) = dry_run(dataclasses.replace(config, ranks=(rank,)), timeout=900).ranks
+        result = simulate_rank(config, rank)
     except (ValueError, TypeError, RuntimeError) as err:
         emit(case=case, kind="dry", rank=rank, refused=str(err)[:300])
         return
@@ -159,13 +160,29 @@ def dry(case: str, rank: int, world: int) -> None:
     emit(case=case, kind="dry", rank=rank, rows=got, seconds=result["seconds"], peak=peak)
 
 
+def dry_worker(names: list[str], rank: int, world: int) -> None:
+    """Every case's dry run of `rank` in one fresh process, one after another (`simulate_rank` destroys its fake
+    group after each): the imports are paid once per rank, not once per (case, rank) as `lightning-dist dry-run`
+    would (a case run after another gives the rows it gives in a process of its own: `simulate_rank` leaves no group
+    behind)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_JOB_ENV)}
+    cmd = [sys.executable, os.path.abspath(__file__), "--dry", ",".join(names), str(rank), str(world)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500)
+    os.write(1, proc.stdout.encode())
+    if proc.returncode != 0:
+        raise RuntimeError(f"rank {rank}'s dry runs failed:\n{proc.stderr[-4000:]}")
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
+    if sys.argv[1:2] == ["--dry"]:  # the worker of one rank's dry runs (no torchrun, no process group)
+        for case in sys.argv[2].split(","):
+            dry(case, int(sys.argv[3]), int(sys.argv[4]))
+        sys.exit(0)
     names = sys.argv[1].split(",") if len(sys.argv) > 1 else list(CASES)
     for case in names:
         real(case)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if dist.is_initialized():  # the dry run starts its own (fake) process group
+    if dist.is_initialized():
         dist.destroy_process_group()
-    for case in names:
-        dry(case, rank, world)
+    dry_worker(names, rank, world)
