@@ -26,8 +26,8 @@ def step_tracker() -> Any:
     - no backward hook on inputs that are autograd leaves (a stage's received activation): torch's multi-grad
       hooks refuse leaves under ``autograd.grad(inputs=...)``, which zero-bubble schedules call for the input
       gradients;
-    - a pipelined network's output on a rank is a stand-in with no storage
-      (:class:`~lightning_dist.parallelize.pipeline.output.PipelineOutput`): nothing held;
+    - a pipelined network's output on a rank is a stand-in with no storage (its class marked ``storage_free``:
+      :class:`~lightning_dist.strategies.pipeline.step.PipelineOutput`): nothing held;
     - no optimizer-step hooks: the tracked window ends before any optimizer step, and Lightning's automatic
       optimization runs ``training_step`` + ``backward`` as the closure inside ``optimizer.step``, whose pre-hook
       would file every tensor of the step as optimizer state.
@@ -38,8 +38,6 @@ def step_tracker() -> Any:
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed._tools.mod_tracker import ModTracker
     from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
-
-    from lightning_dist.parallelize.pipeline.output import PipelineOutput
 
     class Modules(ModTracker):
         def _maybe_set_engine_callback(self) -> None:
@@ -69,7 +67,8 @@ def step_tracker() -> Any:
             self._optimizer_hook_handles = None
 
         def _track_inputs_or_outputs(self, args: Any) -> int:
-            return super()._track_inputs_or_outputs(tree_map_only(PipelineOutput, lambda _: None, args))
+            stand_ins = lambda t: None if getattr(type(t), "storage_free", False) else t  # noqa: E731
+            return super()._track_inputs_or_outputs(tree_map_only(torch.Tensor, stand_ins, args))
 
     return Tracker()
 

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import logging
+import os
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, Union
 
+import torch.distributed as dist
 from torch import nn
 
 from lightning_dist.parallelize.units import select_units
@@ -85,18 +88,17 @@ def apply_compile(
         picked = [module for _, module in select_units(model, units)]
     eager = eager or {}
     left = [m for m in picked if m in eager]
-    if left:
-        from lightning.fabric.utilities.rank_zero import rank_zero_warn
-
+    if left and (dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))) == 0:  # once a job
         names = {id(m): n for n, m in model.named_modules()}
-        rank_zero_warn(
+        warnings.warn(
             f"compile=True left {len(left)} of {len(picked)} blocks eager ("
             f"{', '.join(names.get(id(m), type(m).__name__) for m in left[:4])}"
             f"{', ...' if len(left) > 4 else ''}): {eager[left[0]]}; torch.compile trains such tensor-parallel blocks"
             " wrong on this torch. Give the block's attention/MLP modules 'region_input' in the plan"
-            " (tp_plan='transformer') to compile them."
+            " (tp_plan='transformer') to compile them.",
+            stacklevel=2,
         )
-        picked = [m for m in picked if m not in eager]
+    picked = [m for m in picked if m not in eager]
     static = 0
     for module in picked:
         kwargs = dict(compile_kwargs)

@@ -5,7 +5,9 @@ Notes: docs/internals.md, "lightning_dist/strategies/base.py"."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
@@ -45,10 +47,50 @@ ParallelizeFn = Callable[[nn.Module, DistMesh], Optional[nn.Module]]
 def attach_mesh(module: pl.LightningModule, mesh: DistMesh) -> None:
     """Expose the mesh to the user's module: ``self.device_mesh`` (the 4-D DeviceMesh) in ``configure_model``.
 
-    This is the one place the pack writes into the user's LightningModule; Lightning's own
+    One of the two places the pack writes into the user's LightningModule (:func:`serve_pipeline_loss`); Lightning's own
     ``LightningModule.device_mesh`` property reads it.
     """
     set_module_device_mesh(module, mesh.device_mesh)
+
+
+# while a strategy serves a module's `pipeline_loss`: (a weak reference to what it serves, the attribute it replaced);
+# nothing here keeps the module alive
+_SERVED_LOSS: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref, Any]] = weakref.WeakKeyDictionary()
+_NOTHING = object()
+
+
+def _served_loss(module: nn.Module) -> Optional[functools.partial]:
+    """What :func:`serve_pipeline_loss` put on `module`, while it is there (None: nothing is served)."""
+    ref, _ = _SERVED_LOSS.get(module, (None, None))
+    served = None if ref is None else ref()
+    return served if served is not None and module.__dict__.get("pipeline_loss") is served else None
+
+
+def serve_pipeline_loss(module: pl.LightningModule, serve: Callable[..., Any]) -> Optional[Callable]:
+    """Route ``module.pipeline_loss(...)`` to ``serve(original, ...)`` until :func:`unserve_pipeline_loss`; returns
+    the module's own ``pipeline_loss`` (None: it has none, or a strategy serves it already).
+
+    The other place the pack writes into the user's LightningModule (beside :func:`attach_mesh`): one instance
+    attribute, a ``functools.partial`` of `serve` (the pipeline's and context parallelism's loss hook).
+    """
+    original = getattr(module, "pipeline_loss", None)
+    if not callable(original) or _served_loss(module) is not None:
+        return None
+    served = functools.partial(serve, original)
+    _SERVED_LOSS[module] = (weakref.ref(served), module.__dict__.get("pipeline_loss", _NOTHING))
+    module.__dict__["pipeline_loss"] = served
+    return original
+
+
+def unserve_pipeline_loss(module: pl.LightningModule, original: Optional[Callable]) -> None:
+    """Undo :func:`serve_pipeline_loss` (given what it returned): the class's method again, or the instance's own."""
+    served = _served_loss(module)
+    if original is None or served is None or served.args[0] is not original:
+        return
+    _, previous = _SERVED_LOSS.pop(module)
+    del module.__dict__["pipeline_loss"]
+    if previous is not _NOTHING:
+        module.__dict__["pipeline_loss"] = previous
 
 
 def _check_size(name: str, value: Any, allow_auto: bool) -> list[str]:
@@ -71,10 +113,10 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
             CPU and CUDA kernels, no attention dropout).
         cp_network: the attribute of the LightningModule holding the network called with the token ids
             (``"auto"``: ``model``, else its one child).
-        self_check: under context parallelism, run one forward and backward of a probe batch split and unsplit
-            through the model at setup, compare the outputs and the gradients, and refuse a difference naming the
-            module and the likely reason (``docs/self_checks.md``; its cost is printed once). ``False`` skips it, for
-            a model known to be exact under cp.
+        self_check: under context parallelism, tensor parallelism and expert parallelism, run one forward and
+            backward of a probe batch through the split model at setup, compare the outputs and the gradients with
+            the unsplit computation, and refuse a difference naming the module and the likely reason
+            (``docs/self_checks.md``; its cost is printed once). ``False`` skips it, for a model known to be exact.
         moe_aux_loss: ``"global"``: a HuggingFace mixture of experts' router load-balancing loss is the one of the
             global batch, as one device computes it (its per-expert sums all-reduced over the data-parallel ranks
             each step); ``"local"``: each rank's own loss on its tokens, averaged (what plain DDP gives).
@@ -182,6 +224,9 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
         self._allow_cross_node_tp = allow_cross_node_tp
         self._parallelize_fn = parallelize_fn
         self._mesh: Optional[DistMesh] = None
+        self._loss_group: Any = None  # the mesh's groups `reduce` and `on_train_batch_start` use (see `use_mesh`)
+        self._dp_group: Any = None
+        self._dp_size = 1
         self._device_mesh = None
         self._save_distributed_checkpoint = save_distributed_checkpoint
         self._async_checkpoint = bool(async_checkpoint)
@@ -272,6 +317,8 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
 
         self._mesh = mesh
         self._device_mesh = mesh.device_mesh
+        # looked up once: `reduce` and `on_train_batch_start` run every step
+        self._loss_group, self._dp_group, self._dp_size = mesh.loss_group, mesh.dp_group, mesh.dp_size
         assert self.lightning_module is not None
         attach_mesh(self.lightning_module, mesh)
         if mesh.cp_size > 1:
@@ -327,7 +374,7 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
             import torch
             import torch.distributed as dist
 
-            group = group if group is not None else self.mesh.loss_group
+            group = group if group is not None else self._loss_group
             if group is not None and dist.get_world_size(group) == 1:  # one rank (pp or tp only): nothing to reduce
                 mean = reduce_op is None or str(reduce_op).lower() in ("mean", "avg", "reduceop.avg")
                 return tensor if tensor.is_floating_point() or not mean else tensor.to(torch.get_default_dtype())
@@ -345,12 +392,14 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self._dp_size == 1:  # one data-parallel rank: nothing can run out alone
+            return
         from lightning_dist.callbacks.guards import check_data_runs_out_together
 
         # iterable data that ends on some dp ranks only: refuse on every rank before the step's collectives
         assert self.lightning_module is not None
         check_data_runs_out_together(
-            self.lightning_module.trainer, batch_idx, group=self.mesh.dp_group, dp_size=self.mesh.dp_size
+            self.lightning_module.trainer, batch_idx, group=self._dp_group, dp_size=self._dp_size
         )
 
     # ---- model set-up --------------------------------------------------------------------------
@@ -480,15 +529,14 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
         """5. context parallelism, after every other step (it changes no weight: a hook on the network's inputs and
         the attention mode held around each step), for the built-in plans and a ``parallelize_fn`` alike."""
         from lightning_dist.parallelize.cp import apply_cp
-        from lightning_dist.parallelize.pipeline.output import serve_pipeline_loss
 
         apply_cp(self.lightning_module, self._cp, network=self.cp_network)
         if self._cp_loss is None:
             cp = self._cp
 
-            def serve(output: Any, target: Any, original: Callable) -> Any:
-                chunks = cp.split_target(output, target)
-                return None if chunks is None else original(output, chunks)
+            def serve(original: Callable, output: Any, target: Any, *args: Any, **kwargs: Any) -> Any:
+                chunks = None if args or kwargs else cp.split_target(output, target)
+                return original(output, target, *args, **kwargs) if chunks is None else original(output, chunks)
 
             self._cp_loss = serve_pipeline_loss(self.lightning_module, serve) or False
 
@@ -627,8 +675,6 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
     def teardown(self) -> None:
         self.wait_for_checkpoint()  # the end of fit (or a failure) waits for a background save
         if self._cp_loss is not None:
-            from lightning_dist.parallelize.pipeline.output import unserve_pipeline_loss
-
             if self._cp_loss is not False and self.lightning_module is not None:
                 unserve_pipeline_loss(self.lightning_module, self._cp_loss)
             self._cp_loss = None

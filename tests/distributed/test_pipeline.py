@@ -69,6 +69,40 @@ def test_pp2_parity(pp2, schedule):
         assert {tuple(r["stages"]) for r in rows} == {(0, 3), (1, 2)}
 
 
+# issue 40, one owner per step: the package's modules a steady-state training batch of pp=2 1F1B enters (rank 0 and
+# rank 1: first and last stage), measured with sys.setprofile from on_train_batch_start to on_train_batch_end
+STEP_MODULES = {  # the pipeline's step: hooks, the step's state and the LightningModule's view, runner, torch's stage
+    "lightning_dist/strategies/pipeline/strategy.py",
+    "lightning_dist/strategies/pipeline/step.py",
+    "lightning_dist/parallelize/pipeline/schedule.py",
+    "lightning_dist/_integrations/torch_pipelining.py",
+}
+NETWORK = {  # the split network itself (as the user's model code): its stage modules' forward and call convention
+    "lightning_dist/parallelize/pipeline/stages.py": {"forward", "run_local", "plain_call_inputs", "plain_call_output"},
+}
+LIFECYCLE = {  # what Lightning calls on every MeshStrategy each batch (data guard, self.log's reduce, optimizer step)
+    "lightning_dist/strategies/base.py": {"on_train_batch_start", "reduce", "training_step"},
+    "lightning_dist/strategies/_processes.py": {"root_device", "is_distributed"},
+    "lightning_dist/strategies/_checkpoints.py": {"optimizer_step"},
+}
+
+
+@pytest.mark.distributed
+def test_pp2_step_enters_four_modules_of_the_package(pp2):
+    rows = [r for r in pp2 if r["kind"] == "entries"]
+    assert sorted(r["rank"] for r in rows) == [0, 1]
+    for r in rows:
+        entered = {path: set(functions) for path, functions in r["modules"].items()}
+        step = set(entered) - set(NETWORK) - set(LIFECYCLE)
+        assert step == STEP_MODULES and len(step) <= 4, (r["rank"], sorted(step))
+        for path, allowed in {**NETWORK, **LIFECYCLE}.items():  # nothing of the step's own work hides in these
+            assert entered.get(path, set()) <= allowed, (r["rank"], path, entered.get(path))
+        # one owner: the strategy's hook runs the step, whose network call runs the runner's schedule once
+        assert {"training_step", "backward", "_run"} <= entered["lightning_dist/strategies/pipeline/strategy.py"]
+        assert {"run", "backward"} <= entered["lightning_dist/strategies/pipeline/step.py"], r["rank"]
+        assert {"step", "_loss_to_all"} <= entered["lightning_dist/parallelize/pipeline/schedule.py"], r["rank"]
+
+
 @pytest.mark.distributed
 def test_pp2_accumulation_clipping_lr_schedule(pp2):
     rows = _by_tag(pp2)["pp2_accum_clip_sched"]

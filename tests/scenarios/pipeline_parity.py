@@ -6,12 +6,14 @@ bad configurations raising on every rank; issue 20's silent cases (a forward wit
 its children, an L2 term in training_step, a loss scaling the output term, a Linear used twice in one stage).
 4 processes: every schedule with pp=4, pp=2 x dp=2 (FSDP2 on dp), and pp=2 x tp=2 (tensor parallelism inside
 each stage, with global-norm clipping over DTensor and plain gradients). 8 processes ("3d"): pp=2 x dp=2 x tp=2.
-Each rank compares the parameters it holds with the reference (keys are the single-device names).
+Each rank compares the parameters it holds with the reference (keys are the single-device names). The 1F1B fit of
+pp=2 also lists the package's modules its steady-state steps enter (issue 40: one owner per step).
 """
 
 import os
 import sys
 import tempfile
+import threading
 
 import lightning.pytorch as pl
 import torch
@@ -22,6 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 import lightning_dist  # noqa: F401  (registers the strategies)
+import lightning_dist.callbacks
 from lightning_dist import checkpoint as ckpt
 from lightning_dist.strategies import PipelineStrategy
 
@@ -162,6 +165,37 @@ def parity(tag, strategy, steps=3, **kw):
         tp_sharded=sorted(n for n, p in module.named_parameters() if _on_tp(p)),
     )
     return module, t, ref
+
+
+class ModuleEntries(pl.Callback):
+    """The package's modules whose functions run during batches `first`..`last` (steady state: after set-up and the
+    schedules' first step), by ``sys.setprofile``: ``entered`` maps each module's path to the functions entered."""
+
+    ROOTS = (
+        (os.path.dirname(lightning_dist.__file__) + os.sep, "lightning_dist/"),
+        (os.path.dirname(lightning_dist.callbacks.__file__) + os.sep, "lightning_dist/callbacks/"),
+    )
+
+    def __init__(self, first: int = 1, last: int = 2) -> None:
+        self.first, self.last, self.entered = first, last, {}
+
+    def _profile(self, frame, event, arg) -> None:
+        if event != "call":
+            return
+        path = frame.f_code.co_filename
+        for root, name in self.ROOTS:
+            if path.startswith(root):
+                self.entered.setdefault(name + path[len(root) :], set()).add(frame.f_code.co_name)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if batch_idx == self.first:  # from here: the strategy's on_train_batch_start runs after the callbacks'
+            sys.setprofile(self._profile)
+            threading.setprofile(self._profile)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if batch_idx == self.last:  # after the optimizer step
+            sys.setprofile(None)
+            threading.setprofile(None)
 
 
 def _on_tp(p) -> bool:
@@ -425,7 +459,7 @@ def ledger():
         """The loss's receive posted after the schedule, as under NCCL (which matches no tags), here on gloo."""
 
         def on_train_start(self, trainer, pl_module):
-            trainer.strategy._runner.receive_loss_early = False
+            trainer.strategy._pipeline.runner.receive_loss_early = False
 
     rows = {}
     for opt_in in (False, True, "late"):
@@ -520,7 +554,11 @@ if __name__ == "__main__":
     if mode == "pp2":
         parity("pp2_gpipe", "pipeline_gpipe", steps=3)  # by name: pp = all devices, balanced split, m = 2 * pp
         for schedule in SCHEDULES[1:] + ["interleaved_zero_bubble"]:
-            parity(f"pp2_{schedule}", PipelineStrategy(pp=2, schedule=schedule, n_microbatches=4), steps=3)
+            entries = ModuleEntries()
+            strategy = PipelineStrategy(pp=2, schedule=schedule, n_microbatches=4)
+            parity(f"pp2_{schedule}", strategy, steps=3, callbacks=[entries] if schedule == "1f1b" else [])
+            if schedule == "1f1b":
+                emit(kind="entries", modules={k: sorted(v) for k, v in entries.entered.items()})
         parity(
             "pp2_accum_clip_sched",
             PipelineStrategy(pp=2, schedule="1f1b", n_microbatches=2, split="params"),

@@ -6,15 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_dist.parallelize.pipeline.output import (
-    PipelineOutput,
-    check_target,
-    loss_leaf,
-    reached_leaves,
-    returned_loss_problem,
-    serve_pipeline_loss,
-    unserve_pipeline_loss,
-)
+from lightning_dist.strategies.base import serve_pipeline_loss, unserve_pipeline_loss
+from lightning_dist.strategies.pipeline.step import PipelineOutput, check_target, reached_leaves, returned_loss_problem
+
+
+def loss_leaf(loss: torch.Tensor) -> torch.Tensor:  # the step's batch loss, as the network call returns it
+    return loss.detach().clone().requires_grad_()
 
 
 def _out() -> PipelineOutput:
@@ -94,7 +91,8 @@ def test_serve_and_restore_pipeline_loss():
 
     task, marker = Task(), torch.tensor(7.0)
     stand_in = _out()
-    original = serve_pipeline_loss(task, lambda out, tgt, own: marker if out is stand_in else None)
+    original = serve_pipeline_loss(task, lambda own, out, tgt: marker if out is stand_in else own(out, tgt))
+    assert serve_pipeline_loss(task, lambda own, out, tgt: None) is None  # served once: a second server is refused
     assert task.pipeline_loss(stand_in, None) is marker  # the network call's output: the served loss
     x = torch.ones(3)
     assert task.pipeline_loss(x, torch.zeros(3)).item() == 1.0  # any other tensor: the module's own loss
@@ -103,6 +101,7 @@ def test_serve_and_restore_pipeline_loss():
 
     task.pipeline_loss = lambda out, tgt: out.sum()  # an instance attribute of the user's is put back
     own = task.pipeline_loss
-    original = serve_pipeline_loss(task, lambda out, tgt, own: None)
+    original = serve_pipeline_loss(task, lambda own, out, tgt: None)
+    assert original is own and task.pipeline_loss is not own
     unserve_pipeline_loss(task, original)
     assert task.pipeline_loss is own

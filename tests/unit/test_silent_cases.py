@@ -109,7 +109,7 @@ def test_a_module_shared_across_stages_is_still_refused_naming_it():
 def test_returned_loss_terms_on_parameters_get_gradients_and_output_terms_are_flagged():
     import torch.nn.functional as F
 
-    from lightning_dist.parallelize.pipeline.schedule import returned_loss_gradients
+    from lightning_dist.strategies.pipeline.step import returned_loss_gradients
 
     w = nn.Parameter(torch.randn(3, dtype=torch.float64))
     target = torch.randint(0, 5, (8,))
@@ -162,7 +162,7 @@ def test_every_strategy_takes_timeout_as_seconds_or_timedelta():
 def test_output_term_check_tolerates_bf16_rounding():
     import torch.nn.functional as F
 
-    from lightning_dist.parallelize.pipeline.schedule import returned_loss_gradients
+    from lightning_dist.strategies.pipeline.step import returned_loss_gradients
 
     target = torch.randint(0, 5, (8,))
     out = torch.randn(8, 5).bfloat16().requires_grad_()

@@ -4,7 +4,11 @@ would not reproduce (checked on one micro-batch by the network's layout). Pure c
 
 from __future__ import annotations
 
+import os
+import warnings
+
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lightning_dist.parallelize.pipeline.split import PipelineSplit, StagePlan, network_layout
@@ -22,13 +26,7 @@ def _part_names(split: PipelineSplit, stage: StagePlan) -> list[str]:
 
 def shared_across_stages(net: nn.Module, split: PipelineSplit) -> list[tuple[str, ...]]:
     """Parameters reachable from two or more stages (tied weights): the qualified names of each, per parameter."""
-    owners: dict[int, list[tuple[int, str]]] = {}
-    for stage in split.stages:
-        for part in _part_names(split, stage):
-            module = net.get_submodule(part)
-            for pname, p in module.named_parameters(remove_duplicate=False):
-                owners.setdefault(id(p), []).append((stage.index, f"{part}.{pname}"))
-    return [tuple(n for _, n in uses) for uses in owners.values() if len({s for s, _ in uses}) > 1]
+    return [names for names, _ in tied_stages(net, split)]
 
 
 def batchnorm_modules(net: nn.Module) -> list[str]:
@@ -64,10 +62,8 @@ def check_splittable(net: nn.Module, split: PipelineSplit, *, allow_batchnorm: b
             f"BatchNorm layers {bn} would normalize each micro-batch with its own statistics, unlike"
             " single-device training. Use LayerNorm/GroupNorm, or pass allow_batchnorm=True."
         )
-    if bn:
-        from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-
-        rank_zero_warn(f"Pipelining BatchNorm layers {bn}: statistics come from micro-batches.")
+    if bn and (dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))) == 0:  # once a job
+        warnings.warn(f"Pipelining BatchNorm layers {bn}: statistics come from micro-batches.", stacklevel=2)
 
 
 def staged_forward_problem(

@@ -109,8 +109,10 @@ class PipelineRunner:
     ``step`` runs one schedule over a batch (forward and backward with a loss, forward only without): the
     output stays on the last stage's rank, the batch loss goes to every rank of the pp group (one scalar);
     ``output_meta`` / ``from_last_stage`` give every rank the output's shape, or any tensor the last stage
-    holds. The gradients stay in ``.grad`` of the stage parameters, averaged over micro-batches. `peer` answers
-    for the other ranks' stages on a process group that delivers no values (see :class:`PipelinePeer`).
+    holds. The gradients stay in ``.grad`` of the stage parameters, averaged over micro-batches; a weight tied
+    across stages (`tied`: (parameter, process group of its holders' ranks)) has its gradient summed over its
+    holders after each backward, so every copy holds the single-device gradient. `peer` answers for the other
+    ranks' stages on a process group that delivers no values (see :class:`PipelinePeer`).
     """
 
     def __init__(
@@ -122,10 +124,11 @@ class PipelineRunner:
         schedule: str,
         device: torch.device,
         group: Optional[Any],
+        tied: Sequence[tuple[torch.Tensor, Any]] = (),
         peer: Optional[PipelinePeer] = None,
     ) -> None:
         self.views, self.local_stages, self.stage_ranks = list(views), list(local_stages), list(stage_ranks)
-        self.peer = peer
+        self.tied, self.peer = list(tied), peer
         # this rank's stage parameters, each once: listed at set-up, not by walking the modules every step
         self.params = list({id(p): p for view in self.views for p in view.parameters()}.values())
         self.schedule, self.device, self.group = schedule, device, group
@@ -173,7 +176,8 @@ class PipelineRunner:
         kwargs: more inputs every stage takes (an attention mask, position ids): torch's schedule splits each
         tensor into the micro-batches along dim 0, like `x`, and passes every stage its micro-batch's values.
 
-        loss: the batch's mean `loss_fn` (the micro-batches' mean) on every rank, None without `loss_fn`.
+        loss: the batch's mean `loss_fn` (the micro-batches' mean) on every rank, None without `loss_fn`; the
+        gradients of tied weights are summed over their holders.
         record: wall start/end of the schedule, peak micro-batches held per local stage; `timeline` (a list)
         receives every F/B/I/W action when given.
         """
@@ -233,7 +237,19 @@ class PipelineRunner:
         if train:
             value = torch.stack([micro_loss.detach() for micro_loss in losses]).sum() if losses else None
             loss = self._loss_to_all(value, posted)
+            if self.tied:
+                self._sum_tied_gradients()
         return out, loss, record
+
+    def _sum_tied_gradients(self) -> None:
+        """Each tied parameter's gradient summed over its holders (FSDP2 shards: the same shard on every holder),
+        as Megatron's embedding group."""
+        from torch.distributed.tensor import DTensor
+
+        for p, group in self.tied:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad, group=group)
 
     def _post_loss_receive(self, dtype: torch.dtype) -> tuple[Any, torch.Tensor]:
         buf = torch.empty((), dtype=dtype, device=self.device)
@@ -291,43 +307,9 @@ class PipelineRunner:
         self._meta.clear()
 
 
-def returned_loss_gradients(
-    loss: torch.Tensor,
-    out: torch.Tensor,
-    target: Any,
-    *,
-    n_microbatches: int,
-    scale: float,
-    pipeline_loss: Callable,
-    params: Sequence[torch.Tensor],
-) -> tuple[bool, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """What a returned loss adds to the schedule's gradients: (uses the output otherwise, [(param, grad)]).
-
-    The schedule back-propagated ``scale`` x the mean of ``pipeline_loss`` over the micro-batches (split as
-    torch splits targets, ``tensor_split`` on dim 0) through the stages. `out` is the network's output as a
-    leaf that `loss` was computed from. The first value is True when ``d loss / d out`` differs from that
-    mean's (relative 1e-6, or 16 ulps of the output's dtype: a scaled loss, a term on the output), which only
-    another backward through every stage could honour; the list holds the gradients of the other terms
-    (weight penalties) on `params`.
-    """
-    grads = torch.autograd.grad(loss, [out, *params], allow_unused=True)
-    user_out = grads[0] if grads[0] is not None else torch.zeros_like(out)
-    differs = False
-    if isinstance(target, torch.Tensor):  # torch's schedules take tensor targets only
-        with torch.enable_grad():
-            chunks = zip(out.tensor_split(n_microbatches), target.tensor_split(n_microbatches))
-            scheduled = sum(pipeline_loss(o, t) for o, t in chunks) * (scale / n_microbatches)
-            (sched_out,) = torch.autograd.grad(scheduled, out)
-        gap = (user_out - sched_out).double().abs().max() / sched_out.double().abs().max().clamp_min(1e-300)
-        # rounding of the two summation orders: ~1e-16 in float64, a few ulps in bf16; a real difference is O(1)
-        differs = bool(gap > max(1e-6, 16 * torch.finfo(out.dtype).eps))
-    return differs, [(p, g) for p, g in zip(params, grads[1:]) if g is not None]
-
-
 __all__ = [
     "PipelinePeer",
     "PipelineRunner",
     "build_schedule",
-    "returned_loss_gradients",
     "schedule_problems",
 ]

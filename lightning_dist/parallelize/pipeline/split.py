@@ -9,7 +9,7 @@ from __future__ import annotations
 import io
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, Protocol, Union, runtime_checkable
+from typing import Any, Callable, ClassVar, Literal, Protocol, Union, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -24,7 +24,6 @@ from lightning_dist.parallelize.pipeline.hf import (
     pipeline_loss_function,
 )
 from lightning_dist.parallelize.pipeline.pruned import (
-    MODEL_INPUT,
     ForwardStage,
     build_pruned_stage,
     check_pruned_stages,
@@ -36,6 +35,9 @@ from lightning_dist.parallelize.pipeline.stages import (
     build_plain_stage,
     chain_problem,
     join_plain,
+    model_input_call,
+    plain_call_inputs,
+    plain_call_output,
     plain_forward_problem,
     profile_plain,
 )
@@ -112,15 +114,11 @@ class NetworkLayout:
         dtype = next((p.dtype for p in net.parameters() if p.is_floating_point()), None)
         return sample.to(dtype) if dtype is not None and sample.is_floating_point() else sample
 
-    def call_inputs(self, args: tuple, kwargs: dict) -> tuple[Tensor, dict, Tensor | None]:
-        """(first stage's input, inputs every stage takes, labels) of a call of the pipelined network."""
-        if len(args) != 1 or kwargs or not isinstance(args[0], Tensor):
-            raise TypeError("A pipelined network takes exactly one tensor argument (the batch of inputs).")
-        return args[0], {}, None
-
-    def call_output(self, shown: Tensor, loss: Any, labels: Any) -> Any:
-        """What the pipelined network's call returns, from what the step sees of the output (`shown`)."""
-        return shown
+    # the network call, as each route's stage module takes it (the step calls these every step)
+    call_inputs: ClassVar[Callable[[tuple, dict], tuple[Tensor, dict, Tensor | None]]] = staticmethod(plain_call_inputs)
+    """(first stage's input, inputs every stage takes, labels) of a call of the pipelined network."""
+    call_output: ClassVar[Callable[[Tensor, Any, Any], Any]] = staticmethod(plain_call_output)
+    """What the pipelined network's call returns, from what the step sees of the output and the loss."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -172,9 +170,7 @@ class PrunedLayout(NetworkLayout):
         # the parts put back into the first stage's copy: the model's own class again
         return join_pruned(self.parts, self.blocks, pieces)
 
-    def call_inputs(self, args: tuple, kwargs: dict) -> tuple[Tensor, dict, Tensor | None]:
-        x, _, _ = super().call_inputs(args, kwargs)
-        return x, {MODEL_INPUT: x}, None  # every stage runs the model's forward on its input
+    call_inputs = staticmethod(model_input_call)  # every stage runs the model's forward on its input
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -204,11 +200,8 @@ class HFLayout(PrunedLayout):
         device = next(net.parameters()).device
         return {k: torch.as_tensor(v).to(device) for k, v in sample.items()}
 
-    def call_inputs(self, args: tuple, kwargs: dict) -> tuple[Tensor, dict, Tensor | None]:
-        return hf_call_inputs(args, kwargs)
-
-    def call_output(self, shown: Tensor, loss: Any, labels: Any) -> Any:
-        return hf_call_output(shown, loss, labels)
+    call_inputs = staticmethod(hf_call_inputs)
+    call_output = staticmethod(hf_call_output)
 
 
 def layout_kind(net: Any) -> type[NetworkLayout]:

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from lightning_dist.parallelize.pipeline.pruned import PrunedStage
+from lightning_dist.parallelize.pipeline.pruned import MODEL_INPUT, PrunedStage
 from lightning_dist.parallelize.self_check import gradient_problem
 
 
@@ -86,6 +86,24 @@ def keyword_inputs(module: nn.Module) -> frozenset[str]:
 def _taken(module: nn.Module, kwargs: dict) -> dict:
     names = keyword_inputs(module)
     return {k: v for k, v in kwargs.items() if k in names}
+
+
+def plain_call_inputs(args: tuple, kwargs: dict) -> tuple[torch.Tensor, dict, None]:
+    """(first stage's input, inputs every stage takes, labels) of a call of a pipelined network: one tensor."""
+    if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor):
+        raise TypeError("A pipelined network takes exactly one tensor argument (the batch of inputs).")
+    return args[0], {}, None
+
+
+def model_input_call(args: tuple, kwargs: dict) -> tuple[torch.Tensor, dict, None]:
+    """:func:`plain_call_inputs` for pruned stages, each of which runs the model's forward on the model's input."""
+    x, _, _ = plain_call_inputs(args, kwargs)
+    return x, {MODEL_INPUT: x}, None
+
+
+def plain_call_output(shown: torch.Tensor, loss: Any, labels: Any) -> torch.Tensor:
+    """What the pipelined network's call returns: what the step sees of the output."""
+    return shown
 
 
 def is_pipelined_module(net: object) -> bool:
@@ -297,6 +315,9 @@ __all__ = [
     "is_pipelined_module",
     "keyword_inputs",
     "join_plain",
+    "model_input_call",
+    "plain_call_inputs",
+    "plain_call_output",
     "plain_forward_problem",
     "profile_plain",
     "stage_blocks",

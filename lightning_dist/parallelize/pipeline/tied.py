@@ -7,7 +7,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -119,20 +118,8 @@ def save_tied_once(
     return out
 
 
-def sum_tied_gradients(tied: Sequence[tuple[torch.Tensor, Any, bool]]) -> None:
-    """Sum each tied parameter's gradient over its holders (FSDP2 shards: the same shard on every holder)."""
-    from torch.distributed.tensor import DTensor
-
-    for p, group, _ in tied:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-        dist.all_reduce(grad, group=group)
-
-
 __all__ = [
     "save_tied_once",
-    "sum_tied_gradients",
     "tied_aliases",
     "tied_checkpoint_keys",
     "tied_gradient_groups",

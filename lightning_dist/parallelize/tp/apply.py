@@ -147,13 +147,13 @@ def _repack_gathered(root: nn.Module, styles: dict[str, str]) -> None:
     backward, the gradients each style's redistribution hands back (identity hooks placed before the style's)."""
     if not DTENSOR_UNEVEN_GATHER_STRIDED:
         return
-    from lightning.fabric.utilities.apply_func import apply_to_collection
+    from torch.utils._pytree import tree_map_only
 
     def grads(tree):
-        return apply_to_collection(tree, torch.Tensor, lambda t: _RepackGrad.apply(t) if t.requires_grad else t)
+        return tree_map_only(torch.Tensor, lambda t: _RepackGrad.apply(t) if t.requires_grad else t, tree)
 
     def values(tree):
-        return apply_to_collection(tree, torch.Tensor, _repack)
+        return tree_map_only(torch.Tensor, _repack, tree)
 
     for fqn in styles:
         module = root.get_submodule(fqn)

@@ -159,9 +159,8 @@ class TPEntry:
 def plan_roots(model: nn.Module) -> list[str]:
     """Where patterns are anchored: the model itself and, for a LightningModule, each of its direct children
     (the network it keeps as ``self.model``), so plans need not know that attribute name."""
-    from lightning.pytorch import LightningModule
-
-    return [""] + ([name for name, _ in model.named_children()] if isinstance(model, LightningModule) else [])
+    lightning = any(c.__name__ == "LightningModule" for c in type(model).__mro__)  # Lightning-free isinstance
+    return [""] + ([name for name, _ in model.named_children()] if lightning else [])
 
 
 def pattern_matches(fqn: str, pattern: str, roots: list[str]) -> bool:

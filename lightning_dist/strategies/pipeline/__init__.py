@@ -1,4 +1,4 @@
-"""``PipelineStrategy`` with its training step (``step``) and its checkpoints."""
+"""``PipelineStrategy`` (``strategy``), its set-up checks (``setup``) and its training step (``step``)."""
 
 from lightning_dist.strategies.pipeline.strategy import PipelineStrategy
 

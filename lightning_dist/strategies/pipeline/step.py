@@ -1,32 +1,215 @@
-"""One step of :class:`~lightning_dist.strategies.PipelineStrategy`: the network call and its gradients.
+"""One step of :class:`~lightning_dist.strategies.PipelineStrategy`: the network call, what the LightningModule sees of
+its output and loss, and the gradients the returned loss adds.
 
 Notes: docs/internals.md, "lightning_dist/strategies/pipeline/step.py"."""
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, NamedTuple, Optional
+from dataclasses import dataclass
+from typing import Any, ClassVar, NamedTuple, Optional
 
 import torch
-from torch import Tensor
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves
 
-from lightning_dist.mesh import PP
 from lightning_dist.parallelize.cp import shift_labels
 from lightning_dist.parallelize.cp_probe import evaluating, module_names
 from lightning_dist.parallelize.pipeline.hf import hf_labels_loss, labelled_tokens
-from lightning_dist.parallelize.pipeline.output import (
-    PipelineOutput,
-    check_target,
-    loss_leaf,
-    output_term_problem,
-    reached_leaves,
-    returned_loss_problem,
-)
-from lightning_dist.parallelize.pipeline.schedule import returned_loss_gradients
-from lightning_dist.parallelize.pipeline.tied import sum_tied_gradients
+from lightning_dist.parallelize.pipeline.schedule import PipelineRunner
 from lightning_dist.strategies.pipeline.setup import first_batch_problem
 
 
+@dataclass(eq=False)
+class PipelineRun:
+    """What the strategy's set-up made for its steps: the runner and what a step would otherwise look up each time
+    (the network's call convention, the pp group and rank, the device, context parallelism)."""
+
+    runner: PipelineRunner
+    layout: Any
+    """The split's ``NetworkLayout``: ``call_inputs`` / ``call_output``, the network's call convention."""
+    n_microbatches: int
+    device: torch.device
+    pp_rank: int
+    pp_group: Optional[Any]
+    cp: Any = None
+    network: str = "model"
+    unsplit: Optional[nn.Module] = None
+    """A host copy of the network, compared with the stages on the first batch (then dropped)."""
+    calls: int = 0
+    """Network calls so far: a stand-in names the call it came from."""
+
+
+# ---- what the step sees of the output ------------------------------------------------------------
+_ALLOWED = {
+    Tensor.shape.__get__,
+    Tensor.dtype.__get__,
+    Tensor.device.__get__,
+    Tensor.ndim.__get__,
+    Tensor.size,
+    Tensor.dim,
+    Tensor.requires_grad.__get__,
+    Tensor.is_floating_point,
+    Tensor.__len__,
+    Tensor.layout.__get__,
+}
+
+
+def refusal(owner: str, what: str, where: str) -> str:
+    return (
+        f"{owner} used the pipelined network's output ({what}) in {where}: under PipelineStrategy the output"
+        " exists only on the last pipeline stage, one micro-batch at a time; every rank receives the loss as"
+        " a scalar. Compute the loss with `loss = self.pipeline_loss(out, target)` (a HuggingFace model:"
+        " `out = self.model(input_ids, labels=labels); loss = out.loss`) and put every other term on the"
+        f" output into `{owner}.pipeline_loss(output, target)`; or pass `PipelineStrategy(broadcast_output=True)`"
+        " to broadcast the whole output from the last stage to every pipeline rank each step (its bytes to"
+        " each pp rank per step: at a language model's vocabulary, more than the pipeline itself)."
+    )
+
+
+class PipelineOutput(Tensor):
+    """A stand-in for the pipelined network's output: its shape and dtype, no storage; refuses its values.
+
+    ``owner`` names the LightningModule and ``where`` the step in the refusal; ``step`` identifies the network
+    call it came from (a stand-in of an earlier call is not served).
+    """
+
+    owner: str
+    where: str
+    step: int
+    storage_free: ClassVar[bool] = True  # what a memory tracker reads (never a storage, never a value)
+
+    @staticmethod
+    def __new__(cls, shape: tuple, dtype: torch.dtype, device: torch.device, *, owner: str, where: str, step: int):
+        out = Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device)
+        out.owner, out.where, out.step = owner, where, step
+        return out
+
+    def __repr__(self, *args: Any, **kwargs: Any) -> str:
+        return f"PipelineOutput(shape={tuple(self.shape)}, dtype={self.dtype}: held by the last pipeline stage)"
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        if func in _ALLOWED:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        me = next(a for a in tree_leaves((args, kwargs or {})) if isinstance(a, PipelineOutput))
+        raise ValueError(refusal(me.owner, f"`{getattr(func, '__name__', func)}`", me.where))
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        raise ValueError(refusal("The LightningModule", f"`{func}`", "a step"))
+
+
+# ---- what the returned loss may hold -------------------------------------------------------------
+def reached_leaves(loss: Tensor) -> set[int]:
+    """The ids of the leaf tensors `loss`'s autograd graph reaches (its ``AccumulateGrad`` nodes' variables).
+
+    ``backward`` asks ``autograd.grad`` for the returned loss's gradients on these only: asking for every
+    parameter cost more than the rest of the step on a small model. Written by hand: torch has no public
+    "leaves of this graph" query.
+    """
+    # a freed Node wrapper's id is reused by the next one: `seen` holds the visited nodes, keeping ids unique
+    seen: dict[int, Any] = {}
+    leaves: set[int] = set()
+    stack = [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen[id(node)] = node
+        variable = getattr(node, "variable", None)  # AccumulateGrad: the leaf it accumulates into
+        if variable is not None:
+            leaves.add(id(variable))
+        stack.extend(child for child, _ in node.next_functions)
+    return leaves
+
+
+def _fix(owner: str) -> str:
+    return (
+        f" Put every term that depends on the output into `{owner}.pipeline_loss(output, target)` (the mean loss"
+        " of one micro-batch); terms on the parameters alone (weight penalties) may stay in training_step."
+    )
+
+
+def output_term_problem(owner: str) -> str:
+    """The refusal of a returned loss whose gradient on the (broadcast) output differs from the schedule's."""
+    return (
+        f"{owner}.training_step returned a loss that uses the network's output differently from the mean of"
+        " `pipeline_loss` over the micro-batches, which is all the pipeline schedule back-propagates through the"
+        " stages (e.g. a scaled loss, or an extra term on the output): that part of its gradient would be lost."
+        + _fix(owner)
+    )
+
+
+def returned_loss_problem(d_loss: Optional[Tensor | float], scale: float, owner: str) -> Optional[str]:
+    """Why the returned loss cannot be served, from its gradient on the step's loss leaf (None: it can).
+
+    The schedule back-propagated ``scale`` x the batch loss (``scale``: Lightning's ``1 / accumulate_grad_batches``);
+    the returned loss must hold exactly that one copy of it. Every rank computes this from the same scalar with the
+    same code: one verdict, no collective.
+    """
+    if d_loss is None:
+        return (
+            f"{owner}.training_step returned a loss that does not contain the pipeline's loss (the value of"
+            " `self.pipeline_loss(out, target)` or HF's `out.loss`), whose gradient the schedule already"
+            " back-propagated through the stages." + _fix(owner)
+        )
+    got = float(d_loss)
+    if abs(got - scale) > 1e-6 * abs(scale):
+        return (
+            f"{owner}.training_step returned a loss that uses the network's output differently from the mean of"
+            f" `pipeline_loss` over the micro-batches (its gradient on that loss is {got / scale:g} x, not 1 x),"
+            " which is all the pipeline schedule back-propagates through the stages (e.g. a scaled loss, or"
+            " the loss used twice): that part of its gradient would be lost." + _fix(owner)
+        )
+    return None
+
+
+def returned_loss_gradients(
+    loss: Tensor, out: Tensor, target: Any, *, n_microbatches: int, scale: float, pipeline_loss: Any, params: list
+) -> tuple[bool, list[tuple[Tensor, Tensor]]]:
+    """What a returned loss computed from the broadcast output adds: (uses the output otherwise, [(param, grad)]).
+
+    The schedule back-propagated ``scale`` x the mean of ``pipeline_loss`` over the micro-batches (split as torch
+    splits targets, ``tensor_split`` on dim 0); `out` is the output as a leaf `loss` was computed from. True when
+    ``d loss / d out`` differs from that mean's (relative 1e-6, or 16 ulps of the output's dtype); the list holds the
+    other terms' gradients (weight penalties) on `params`.
+    """
+    grads = torch.autograd.grad(loss, [out, *params], allow_unused=True)
+    user_out = grads[0] if grads[0] is not None else torch.zeros_like(out)
+    differs = False
+    if isinstance(target, Tensor):  # torch's schedules take tensor targets only
+        with torch.enable_grad():
+            chunks = zip(out.tensor_split(n_microbatches), target.tensor_split(n_microbatches))
+            scheduled = sum(pipeline_loss(o, t) for o, t in chunks) * (scale / n_microbatches)
+            (sched_out,) = torch.autograd.grad(scheduled, out)
+        gap = (user_out - sched_out).double().abs().max() / sched_out.double().abs().max().clamp_min(1e-300)
+        # rounding of the two summation orders: ~1e-16 in float64, a few ulps in bf16; a real difference is O(1)
+        differs = bool(gap > max(1e-6, 16 * torch.finfo(out.dtype).eps))
+    return differs, [(p, g) for p, g in zip(params, grads[1:]) if g is not None]
+
+
+def check_target(served: Any, given: Any, owner: str) -> None:
+    """``pipeline_loss(out, target)`` answers with the schedule's loss: only for the target the schedule used."""
+    if given is served:
+        return
+    same = (
+        isinstance(given, Tensor)
+        and isinstance(served, Tensor)
+        and given.shape == served.shape
+        and torch.equal(given.to(served.device), served)
+    )
+    if not same:
+        raise ValueError(
+            f"{owner}.pipeline_loss(out, target) was called with a target other than the one the pipeline"
+            " schedule computed the loss with (`pipeline_target(batch)`, by default `batch[1]`): define"
+            f" `{owner}.pipeline_target(batch)` to return the target training_step passes."
+        )
+
+
+# ---- the step --------------------------------------------------------------------------------------
 class NetworkCall(NamedTuple):
     """One network call, for ``pipeline_loss`` and ``backward``: what the step saw, the last stage's output
     (evaluation, on its rank), the batch loss (a leaf in training), the schedule's target, training or not."""
@@ -41,35 +224,45 @@ class NetworkCall(NamedTuple):
 
 
 class PipelineStep:
-    """The state of one step of `strategy` (a :class:`~lightning_dist.strategies.pipeline.strategy.PipelineStrategy`).
+    """The state of one step: its batch, its network call and the gradients held aside until ``backward``.
 
     ``training=True`` (made by ``training_step``): the first network call runs forward and backward, its
     gradients are held aside (``grads``) until :meth:`backward` adds them to ``.grad``. Otherwise (evaluation
     steps, a network call outside any step) every call runs forward only. ``call`` is the step's last
-    network call, the one ``pipeline_loss(out, target)`` answers for.
-
-    It reads the strategy's set-up (the runner, tied weights, options) and writes the strategy's records
-    of finished steps (``last_loss``, ``timelines``, the count of network calls).
+    network call, the one ``pipeline_loss(out, target)`` answers for; ``loss`` and ``timeline`` are what the
+    training call recorded. `own_loss`: the module's own ``pipeline_loss`` (the strategy serves it).
     """
 
-    def __init__(self, strategy: Any, batch: Any = None, *, training: bool = False, values: bool = True) -> None:
-        self.strategy = strategy
-        self.batch = batch
-        self.values = (
-            values  # False: fake tensors (the dry run), the returned loss checked for the pipeline's loss only
-        )
+    def __init__(
+        self,
+        run: PipelineRun,
+        module: Any,
+        batch: Any = None,
+        *,
+        own_loss: Any = None,
+        training: bool = False,
+        values: bool = True,
+        shows: bool = False,
+        record: bool = False,
+    ) -> None:
+        self.run_state, self.module, self.batch, self.own_loss = run, module, batch, own_loss
+        self.owner = type(module).__name__
+        self.values = values  # False: fake tensors (the dry run), the returned loss checked for the pipeline's only
+        self.shows = shows  # the step sees the output's values (broadcast_output=True, predict), not a stand-in
+        self.record = record  # record the training call's F/B/W actions
         self.pending = training  # training_step runs and has not called the network yet
         self.call: Optional[NetworkCall] = None
         self.grads: Optional[list[tuple[Tensor, Optional[Tensor]]]] = None  # the schedule's, until backward
+        self.loss: Optional[Tensor] = None
+        self.timeline: Optional[dict] = None
 
     # ---- the network call ----------------------------------------------------------------------
     def run(self, args: tuple, kwargs: dict) -> Any:
         """The pipelined network's call: the whole schedule; returns what every pp rank sees of the output."""
-        strategy = self.strategy
-        x, extra, labels = strategy.split.layout.call_inputs(args, kwargs)
-        module = strategy.lightning_module
+        run, module = self.run_state, self.module
+        x, extra, labels = run.layout.call_inputs(args, kwargs)
         train = self.pending and torch.is_grad_enabled() and module.training
-        m, batch = strategy.n_microbatches, x.shape[0]
+        m, batch = run.n_microbatches, x.shape[0]
         if batch % m:
             if train:
                 raise ValueError(
@@ -77,28 +270,26 @@ class PipelineStep:
                     f" use a batch size (per data-parallel rank) that is a multiple of {m}."
                 )
             m = max(d for d in range(1, m + 1) if batch % d == 0)  # forward-only programs take any count
-        runner = strategy._runner
-        assert runner is not None
-        if strategy._unsplit is not None:  # once: the staged forward against the unsplit copy (one verdict for all)
-            unsplit, strategy._unsplit = strategy._unsplit, None
-            problem = first_batch_problem(unsplit, x[: batch // m], strategy.root_device)
+        runner = run.runner
+        if run.unsplit is not None:  # once: the staged forward against the unsplit copy (one verdict for all)
+            unsplit, run.unsplit = run.unsplit, None
+            problem = first_batch_problem(unsplit, x[: batch // m], run.device)
             if problem is not None:
                 raise ValueError(problem)
-        cp, count, given = strategy._cp, None, None
+        cp, count, given = run.cp, None, None
         if cp is not None:  # each sequence cut to this rank's chunks before the micro-batch split (dim 0)
             x, extra, labels, count = cut_for_cp(cp, x, extra, labels)
         target, loss_fn = None, None
         if train:
             given, loss_fn = self._loss_of_step(labels, m, count)
             # the schedule's target: the chunks matching this rank's part of the sequences (HF labels: cut above)
-            target = cut_target(cp, given, type(module).__name__) if cp is not None and count is None else given
+            target = cut_target(cp, given, self.owner) if cp is not None and count is None else given
         params = runner.params  # the schedule accumulates gradients into these only
         if train:  # the schedule's gradients go aside; `backward` adds them to .grad
             held = [p.grad for p in params]
             for p in params:
                 p.grad = None
-        events: Optional[list] = [] if strategy.record_timeline and train else None
-        shows = self._shows_values()
+        events: Optional[list] = [] if self.record and train else None
         # every stage's attention under context parallelism's mode (its checkpointed blocks recompute under it too)
         with cp.active() if cp is not None else contextlib.nullcontext():
             out, loss, record = runner.step(
@@ -108,21 +299,18 @@ class PipelineStep:
                 target=target,
                 timeline=events,
                 kwargs=extra,
-                keep_output=shows,  # else the step sees a stand-in: no output values kept
+                keep_output=self.shows,  # else the step sees a stand-in: no output values kept
             )
         if train:
-            sum_tied_gradients(strategy._tied)
             self.pending = False
             self.grads = [(p, p.grad) for p in params]
             for p, g in zip(params, held):
                 p.grad = g
-            strategy.last_loss = loss
-            loss = loss_leaf(loss)  # `backward` reads through it how the returned loss used it
+            self.loss = loss
+            loss = loss.detach().clone().requires_grad_()  # a leaf: `backward` reads through it how the step used it
             if events is not None:
-                mesh = strategy.mesh
-                rank = mesh.local_rank(PP) if mesh.size(PP) > 1 else 0
-                strategy.timelines.append({**record, "rank": rank, "events": events, "n_microbatches": m})
-        shown = self._shown_output(out, train, shows, key=("out", train, tuple(x.shape), m), device=x.device)
+                self.timeline = {**record, "rank": run.pp_rank, "events": events, "n_microbatches": m}
+        shown = self._shown_output(out, train, key=("out", train, tuple(x.shape), m), device=x.device)
         if not train and labels is not None:  # HF's eval loss: computed on the last stage, a scalar to every rank
             value = None
             if out is not None:
@@ -133,76 +321,88 @@ class PipelineStep:
             loss = runner.from_last_stage(value, ("loss", "eval"))
         # the target as training_step passes it (whole sequences), for `pipeline_loss(out, target)`'s check
         self.call = NetworkCall(shown, None if train else out, loss, given, train, loss_fn, m)
-        return strategy.split.layout.call_output(shown, loss, labels)  # a HF model: its ModelOutput
+        return run.layout.call_output(shown, loss, labels)  # a HF model: its ModelOutput
 
-    def _shows_values(self) -> bool:
-        """Whether the step sees the output's values (``broadcast_output=True``, predict) or a stand-in."""
-        trainer = getattr(self.strategy.lightning_module, "_trainer", None)
-        return self.strategy.broadcast_output or (trainer is not None and trainer.predicting)
-
-    def _shown_output(self, out: Optional[Tensor], train: bool, shows: bool, *, key: tuple, device: Any) -> Tensor:
+    def _shown_output(self, out: Optional[Tensor], train: bool, *, key: tuple, device: Any) -> Tensor:
         """What the step sees of the output: a stand-in on `device` (default), or the whole output broadcast (the
-        opt-in, predict: `shows`)."""
-        strategy = self.strategy
-        module = strategy.lightning_module
-        if shows:
-            whole = strategy._runner.from_last_stage(out, key)
+        opt-in, predict)."""
+        run = self.run_state
+        if self.shows:
+            whole = run.runner.from_last_stage(out, key)
             # a leaf: `backward` finds what training_step's loss did with the output (see `_extra_gradients`)
             return whole.requires_grad_() if train and whole.is_floating_point() else whole
-        shape, dtype = strategy._runner.output_meta(out, key)
-        strategy._calls += 1
+        shape, dtype = run.runner.output_meta(out, key)
+        run.calls += 1
         where = "training_step" if train else "an evaluation step (validation_step / test_step)"
-        return PipelineOutput(shape, dtype, device, owner=type(module).__name__, where=where, step=strategy._calls)
+        return PipelineOutput(shape, dtype, device, owner=self.owner, where=where, step=run.calls)
 
     def _loss_of_step(self, labels: Optional[Tensor], m: int, count: Optional[Tensor] = None) -> tuple[Any, Any]:
         """The step's target and per-micro-batch loss: HF ``labels``, or ``pipeline_target``/``pipeline_loss``.
         `count`: context parallelism's labelled tokens of the whole sequences (`labels`: this rank's shifted chunks)."""
-        module = self.strategy.lightning_module
         if labels is not None:
             # each micro-batch's summed loss over the whole batch's labelled tokens (x m: the runner divides by m),
             # so the micro-batches add up to the batch mean whatever tokens each one holds
             if count is not None:
-                kw = cp_share(self.strategy._cp, count, m)
+                kw = cp_share(self.run_state.cp, count, m)
                 return labels, lambda out, tgt: hf_labels_loss(out, tgt, **kw)
             share = labelled_tokens(labels).clamp_min(1) / m
             return labels, lambda out, tgt: hf_labels_loss(out, tgt, num_items=share)
-        if not callable(getattr(module, "pipeline_loss", None)):
+        loss = self.own_loss or getattr(self.module, "pipeline_loss", None)
+        if not callable(loss):
             raise ValueError(
-                f"{type(module).__name__} has no `pipeline_loss(output, target)` method and the network"
+                f"{self.owner} has no `pipeline_loss(output, target)` method and the network"
                 " call got no `labels`: the pipeline schedule needs a loss for each micro-batch."
             )
-        loss = module.pipeline_loss
-        return self._pipeline_target(), getattr(loss, "__wrapped__", loss)  # the user's own, not the server
+        return self._pipeline_target(), loss
 
     def _pipeline_target(self) -> Tensor:
-        module, batch = self.strategy.lightning_module, self.batch
-        hook = getattr(module, "pipeline_target", None)
+        hook = getattr(self.module, "pipeline_target", None)
         if callable(hook):
-            return hook(batch)
-        if isinstance(batch, (tuple, list)) and len(batch) >= 2:
-            return batch[1]
+            return hook(self.batch)
+        if isinstance(self.batch, (tuple, list)) and len(self.batch) >= 2:
+            return self.batch[1]
         raise TypeError(
-            f"Cannot find the target in a batch of type {type(batch).__name__}: batches must be"
-            f" (inputs, target, ...), or define `{type(module).__name__}.pipeline_target(batch)`."
+            f"Cannot find the target in a batch of type {type(self.batch).__name__}: batches must be"
+            f" (inputs, target, ...), or define `{self.owner}.pipeline_target(batch)`."
         )
+
+    def serve(self, output: Any, target: Any, original: Any) -> Optional[Tensor]:
+        """``pipeline_loss(out, target)``: the batch loss when `output` is what the step's last network call
+        returned; None for any other tensor (the module's own loss computes it)."""
+        call = self.call
+        if isinstance(output, PipelineOutput) and (call is None or output is not call.out):
+            raise RuntimeError(
+                f"{self.owner}.pipeline_loss got the output of an earlier call of the pipelined network:"
+                " call the network and its loss in the same step."
+            )
+        if call is None or output is not call.out:
+            return None
+        if call.train:
+            check_target(call.target, target, self.owner)
+            return call.loss
+        if not isinstance(output, PipelineOutput):  # the whole output is here (opt-in, predict): computed as usual
+            return None
+        run = self.run_state
+        if run.cp is not None:  # this rank's part of the sequences: the target's matching chunks
+            target = cut_target(run.cp, target, self.owner)
+        value = None if call.local is None else original(call.local, target)  # the whole batch: one device's value
+        return run.runner.from_last_stage(value, ("loss", "eval"))
 
     # ---- backward ------------------------------------------------------------------------------
     def check_called(self) -> None:
         """At the end of ``training_step``: the step must have called the network (which ran the schedule)."""
         if self.pending:
             raise RuntimeError(
-                f"training_step did not call self.{self.strategy.network}(inputs): under PipelineStrategy"
+                f"training_step did not call self.{self.run_state.network}(inputs): under PipelineStrategy"
                 " the network call runs the pipeline's forward and backward."
             )
 
-    def whole_loss(self, returned: Any, group: Any) -> Optional[Tensor]:
+    def whole_loss(self, returned: Any) -> Optional[Tensor]:
         """The value one device would have for the returned loss: the pipeline's batch loss plus the other terms
         (a weight penalty) summed over the pp ranks, each of which holds its stages' parameters only. One scalar
-        all-reduced over `group` when the returned loss is not the pipeline's loss itself (every pp rank runs the
-        same ``training_step``, so all of them or none); None when the step returned no loss tensor or did not
-        call the network."""
-        import torch.distributed as dist
-
+        all-reduced over the pp group when the returned loss is not the pipeline's loss itself (every pp rank runs
+        the same ``training_step``, so all of them or none); None when the step returned no loss tensor or did
+        not call the network."""
         call = self.call
         if call is None or not isinstance(returned, Tensor) or returned.dim() != 0 or call.loss is None:
             return None
@@ -210,8 +410,8 @@ class PipelineStep:
             return returned.detach()
         base = call.loss.detach().to(returned.dtype)
         extra = returned.detach() - base  # this rank's share of the other terms (0 without any)
-        if group is not None:
-            dist.all_reduce(extra, group=group)
+        if self.run_state.pp_group is not None:
+            dist.all_reduce(extra, group=self.run_state.pp_group)
         return base + extra
 
     def backward(self, closure_loss: Tensor, scale: float) -> None:
@@ -230,33 +430,29 @@ class PipelineStep:
     def _extra_gradients(self, loss: Tensor, scale: float) -> list[tuple[Tensor, Tensor]]:
         """Gradients of the terms of training_step's loss that the schedule did not back-propagate.
 
-        The schedule back-propagated the mean of ``pipeline_loss`` over the micro-batches; the step's loss
-        (what ``pipeline_loss(out, target)`` / ``out.loss`` answered) is a leaf, so one backward through the
-        returned loss's own small graph gives its gradient on that leaf (it must be ``scale``: one copy of the
-        loss, as the schedule assumed; checked on the scalar, one verdict on every rank) and the gradients of
-        the other terms (weight penalties) on the parameters this rank holds. With ``broadcast_output=True``
-        a loss computed from the output directly is compared with the schedule's (a loss pass over the output).
+        The step's loss is a leaf: one backward through the returned loss's own small graph gives its gradient on
+        that leaf (it must be ``scale``: one copy of the loss, as the schedule assumed) and the other terms'
+        gradients (weight penalties) on the parameters this rank holds. With ``broadcast_output=True`` a loss
+        computed from the output directly is compared with the schedule's (a loss pass over the output).
         """
         call, self.call = self.call, None
         if call is None or not call.train:
             return []
-        strategy = self.strategy
-        owner = type(strategy.lightning_module).__name__
         direct = isinstance(call.out, Tensor) and not isinstance(call.out, PipelineOutput) and call.out.requires_grad
         if not isinstance(loss, Tensor) or not loss.requires_grad:
-            raise ValueError(returned_loss_problem(None, scale, owner))
+            raise ValueError(returned_loss_problem(None, scale, self.owner))
         reached = reached_leaves(loss)  # the parameters the returned loss's other terms use (none: the loss alone)
         reached.discard(id(call.loss))
-        params = [p for p in strategy.model.parameters() if p.requires_grad and id(p) in reached] if reached else []
+        params = [p for p in self.module.parameters() if p.requires_grad and id(p) in reached] if reached else []
         inputs = [call.loss, *([call.out] if direct else []), *params]
         grads = list(torch.autograd.grad(loss, inputs, allow_unused=True, retain_graph=direct))
         d_loss = grads.pop(0)
         if direct and grads.pop(0) is not None:  # the opt-in output used outside pipeline_loss
             if d_loss is not None:
-                raise ValueError(output_term_problem(owner))
+                raise ValueError(output_term_problem(self.owner))
             return self._direct_output_gradients(loss, call, scale, params)
         # without values, a gradient on the loss stands for the one copy of it the real run checks it holds
-        problem = returned_loss_problem(d_loss if self.values or d_loss is None else scale, scale, owner)
+        problem = returned_loss_problem(d_loss if self.values or d_loss is None else scale, scale, self.owner)
         if problem is not None:
             raise ValueError(problem)
         return [(p, g) for p, g in zip(params, grads) if g is not None]
@@ -267,22 +463,17 @@ class PipelineStep:
         """``broadcast_output=True`` and a loss computed from the output itself: its gradient on the output must be
         the schedule's (one more loss pass over the output, on every rank; one flag all-reduced)."""
         differs, extra = returned_loss_gradients(
-            loss,
-            call.out,
-            call.target,
-            n_microbatches=call.m,
-            scale=scale,
-            pipeline_loss=call.loss_fn,
-            params=params,
+            loss, call.out, call.target, n_microbatches=call.m, scale=scale, pipeline_loss=call.loss_fn, params=params
         )
-        mismatch = torch.tensor(float(differs), device=self.strategy.root_device)
-        if torch.distributed.is_initialized():
-            torch.distributed.all_reduce(mismatch, op=torch.distributed.ReduceOp.MAX)
+        mismatch = torch.tensor(float(differs), device=self.run_state.device)
+        if dist.is_initialized():
+            dist.all_reduce(mismatch, op=dist.ReduceOp.MAX)
         if mismatch.item():
-            raise ValueError(output_term_problem(type(self.strategy.lightning_module).__name__))
+            raise ValueError(output_term_problem(self.owner))
         return extra
 
 
+# ---- context parallelism: the network call's cut ---------------------------------------------------
 def cut_for_cp(cp: Any, x: Tensor, extra: dict, labels: Optional[Tensor]) -> tuple[Tensor, dict, Any, Any]:
     """Context parallelism's cut of one network call, before the schedule splits it into micro-batches (dim 0): the
     first stage's input and every ``[B, S, ...]`` keyword input cut to this rank's chunks, ``position_ids`` added
@@ -327,20 +518,19 @@ class PipelineProbe:
     :func:`cut_target`) in the split pass, whole with ``position_ids`` 0, 1, ... in the unsplit one; the schedule's loss
     is the probe's and its target each token's index. Every pp rank runs it (the schedule is collective)."""
 
-    def __init__(self, strategy: Any, inputs: Tensor) -> None:
-        self.strategy, self.inputs = strategy, inputs
-        self.order = min(strategy.local_stages)  # the first stage's rank runs the forward's first modules
+    def __init__(self, run: PipelineRun, owner: str, inputs: Tensor) -> None:
+        self.run_state, self.owner, self.inputs = run, owner, inputs
+        self.order = min(run.runner.local_stages)  # the first stage's rank runs the forward's first modules
 
     def run(self, *, split: bool, loss: Any, index: Tensor, position_ids: Optional[Tensor] = None) -> Optional[Tensor]:
-        strategy = self.strategy
-        cp, runner, x = strategy._cp, strategy._runner, self.inputs
+        cp, runner, x = self.run_state.cp, self.run_state.runner, self.inputs
         if position_ids is None and not split:  # every stage takes them under cp; the split adds its own
             position_ids = torch.arange(x.shape[1], device=x.device).expand(x.shape[0], -1)
         extra = {} if position_ids is None else {"position_ids": position_ids}
         target = index
         if split:
             x, extra, _, _ = cut_for_cp(cp, x, extra, None)
-            target = cut_target(cp, index, type(strategy.lightning_module).__name__)
+            target = cut_target(cp, index, self.owner)
         mode = cp.active() if split else cp.unsplit()  # the unsplit pass's checkpointed blocks recompute without it
         # eager where blocks are compiled: a compile for the probe's sizes would mark training's sizes dynamic
         eager = torch.compiler.set_stance("force_eager")
@@ -348,34 +538,25 @@ class PipelineProbe:
             out, _, _ = runner.step(
                 x, n_microbatches=x.shape[0], loss_fn=loss, target=target, kwargs=extra, keep_output=True
             )
-        if loss is not None:
-            sum_tied_gradients(strategy._tied)  # as each training step does
         return None if out is None else out.detach()
 
     def modules(self) -> list[tuple[str, Any]]:
-        return [pair for view in self.strategy._runner.views for pair in module_names(view, self.strategy.network)]
+        return [pair for view in self.run_state.runner.views for pair in module_names(view, self.run_state.network)]
 
 
-def serve_loss(strategy: Any, call: Optional[NetworkCall], output: Any, target: Any, original: Any) -> Optional[Tensor]:
-    """``pipeline_loss(out, target)``: the batch loss when `output` is what `call` (the step's last network call,
-    None: no step or no call) returned; None for any other tensor (the module's own loss computes it)."""
-    owner = type(strategy.lightning_module).__name__
-    if isinstance(output, PipelineOutput) and (call is None or output is not call.out):
-        raise RuntimeError(
-            f"{owner}.pipeline_loss got the output of an earlier call of the pipelined network:"
-            " call the network and its loss in the same step."
-        )
-    if call is None or output is not call.out:
-        return None
-    if call.train:
-        check_target(call.target, target, owner)
-        return call.loss
-    if not isinstance(output, PipelineOutput):  # the whole output is here (opt-in, predict): computed as usual
-        return None
-    if strategy._cp is not None:  # this rank's part of the sequences: the target's matching chunks
-        target = cut_target(strategy._cp, target, owner)
-    value = None if call.local is None else original(call.local, target)  # the whole batch: one device's value
-    return strategy._runner.from_last_stage(value, ("loss", "eval"))
-
-
-__all__ = ["NetworkCall", "PipelineProbe", "PipelineStep", "cp_share", "cut_for_cp", "cut_target", "serve_loss"]
+__all__ = [
+    "NetworkCall",
+    "PipelineOutput",
+    "PipelineProbe",
+    "PipelineRun",
+    "PipelineStep",
+    "check_target",
+    "cp_share",
+    "cut_for_cp",
+    "cut_target",
+    "output_term_problem",
+    "reached_leaves",
+    "refusal",
+    "returned_loss_gradients",
+    "returned_loss_problem",
+]

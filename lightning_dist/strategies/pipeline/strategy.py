@@ -14,6 +14,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_dist import checkpoint as ckpt
 from lightning_dist import rules
 from lightning_dist._integrations.transformers_moe import router_loss_in_use
 from lightning_dist.mesh import PP, TP, MeshSpec
@@ -23,18 +24,16 @@ from lightning_dist.parallelize.cp_probe import probe_inputs
 from lightning_dist.parallelize.ep import ep_problems
 from lightning_dist.parallelize.pipeline import split as plan
 from lightning_dist.parallelize.pipeline.checks import host_copy, tied_stages
-from lightning_dist.parallelize.pipeline.output import serve_pipeline_loss, unserve_pipeline_loss
 from lightning_dist.parallelize.pipeline.schedule import PipelinePeer, PipelineRunner, schedule_problems
 from lightning_dist.parallelize.pipeline.stages import is_pipelined_module
-from lightning_dist.parallelize.pipeline.tied import tied_checkpoint_keys
+from lightning_dist.parallelize.pipeline.tied import save_tied_once, tied_aliases, tied_checkpoint_keys
 from lightning_dist.parallelize.tp.apply import resolve_stage_plan
 from lightning_dist.parallelize.tp.plan import format_plan
 from lightning_dist.parallelize.tp.vocab import TPEntry
 from lightning_dist.rules import SCHEDULES
-from lightning_dist.strategies.base import MeshStrategy
-from lightning_dist.strategies.pipeline import checkpoints
+from lightning_dist.strategies.base import MeshStrategy, serve_pipeline_loss, unserve_pipeline_loss
 from lightning_dist.strategies.pipeline import setup as checks
-from lightning_dist.strategies.pipeline.step import PipelineProbe, PipelineStep, serve_loss
+from lightning_dist.strategies.pipeline.step import PipelineProbe, PipelineRun, PipelineStep
 
 log = logging.getLogger(__name__)
 
@@ -120,19 +119,17 @@ class PipelineStrategy(MeshStrategy):
         self.split: Optional[plan.PipelineSplit] = None
         self.last_loss: Optional[Tensor] = None
         self._local_stages: list[int] = []
-        self._runner: Optional[PipelineRunner] = None
+        self._pipeline: Optional[PipelineRun] = None  # the runner and what every step uses, made by `parallelize`
         self._peer: Optional[PipelinePeer] = None  # answers for the other pp ranks (see `answer_peers_with`)
         self._plan: Optional[checks.PipelinePlan] = None  # made by `validate_config`, used by `parallelize`
         self._tp_checked: Optional[list[TPEntry]] = None  # the TP plan `validate_config` resolved, for `parallelize`
-        self._tied: list[tuple[Tensor, Any, bool]] = []  # (parameter, group of its holders' ranks, counted in the norm)
+        self._uncounted: list[Tensor] = []  # tied weights' copies left out of the gradient norm (one copy counts)
         # (checkpoint key, keys of its copies, saved by this rank) of each tied parameter: saved once
         self._tied_keys: list[tuple[str, tuple[str, ...], bool]] = []
         # the running step's state (its batch, network call, held-aside gradients): made by each step hook,
         # dropped when the step is over (training: by the backward that adds its gradients)
         self._step: Optional[PipelineStep] = None
-        self._calls = 0  # network calls so far: a stand-in names the call it came from
         self._own_loss: Any = None  # the module's pipeline_loss while the strategy serves it (see `setup`)
-        self._unsplit: Optional[nn.Module] = None  # CPU copy of the network until the first batch checked the stages
         self._cp_probe_inputs: Optional[tuple[Tensor, str]] = None  # made before the split (stage 0 holds the vocab)
 
     # ---- configuration -------------------------------------------------------------------------
@@ -158,7 +155,7 @@ class PipelineStrategy(MeshStrategy):
     @property
     def stage_modules(self) -> list[nn.Module]:
         """This rank's stage modules as the schedule runs them (empty before ``setup``)."""
-        return [] if self._runner is None else list(self._runner.views)
+        return [] if self._pipeline is None else list(self._pipeline.runner.views)
 
     def pop_timelines(self) -> list[dict]:
         """The recorded step timelines since the last call (``record_timeline=True``), handed over once."""
@@ -253,9 +250,8 @@ class PipelineStrategy(MeshStrategy):
             )
         layout = setup.layout
         sample = None if setup.sample is None else layout.place_sample(setup.sample, net)  # on the device now
-        if sample is None and not any(p.is_meta for p in net.parameters()):
-            # no sample micro-batch: the staged forward is compared with this copy on the first batch (in `_run`)
-            self._unsplit = host_copy(net)
+        # no sample micro-batch: the staged forward is compared with this copy on the first batch (see `PipelineRun`)
+        unsplit = host_copy(net) if sample is None and not any(p.is_meta for p in net.parameters()) else None
         self.split = setup.split
         if self._cp is not None:  # cp's self-check batch, one sequence per micro-batch (see `check_context_parallel`)
             example = getattr(module, "example_input_array", None)
@@ -298,16 +294,30 @@ class PipelineStrategy(MeshStrategy):
         container, views = pipeline_model(net, mesh, config, split=self.split, stage_indices=self._local_stages)
         # the parameters as parallelized (FSDP2 replaces them with sharded ones), found by single-device name
         held = dict(container.named_parameters(remove_duplicate=False))
-        self._tied = [(next(held[n] for n in names if n in held), group, counted) for names, group, counted in tied]
+        tied = [(next(held[n] for n in names if n in held), group, counted) for names, group, counted in tied]
+        self._uncounted = [p for p, _, counted in tied if not counted]
         setattr(module, self.network, container)  # the rest of the network is dropped here
-        self._runner = PipelineRunner(
+        group = mesh.group(PP) if pp > 1 else None
+        runner = PipelineRunner(
             views,
             self._local_stages,
             stage_ranks,
             schedule=self.schedule,
             device=self.root_device,
-            group=mesh.group(PP) if pp > 1 else None,
+            group=group,
+            tied=[(p, g) for p, g, _ in tied],
             peer=self._peer,
+        )
+        self._pipeline = PipelineRun(
+            runner,
+            layout,
+            n_microbatches=self.n_microbatches,
+            device=self.root_device,
+            pp_rank=pp_rank,
+            pp_group=group,
+            cp=self._cp,
+            network=self.network,
+            unsplit=unsplit,
         )
         container.runner = self._run
 
@@ -323,14 +333,14 @@ class PipelineStrategy(MeshStrategy):
             )
         super().setup(trainer)
         module = self.lightning_module
-        if getattr(module.__dict__.get("pipeline_loss"), "__wrapped__", None) is None:
+        if self._own_loss is None:
             # `self.pipeline_loss(out, target)` on the network call's output answers with the pipeline's batch loss
             self._own_loss = serve_pipeline_loss(module, self._serve_loss)
 
     @override
     def teardown(self) -> None:
-        if self._runner is not None:
-            self._runner.clear()
+        if self._pipeline is not None:
+            self._pipeline.runner.clear()
         if self.lightning_module is not None:
             unserve_pipeline_loss(self.lightning_module, self._own_loss)
         self._own_loss, self._step = None, None
@@ -357,11 +367,12 @@ class PipelineStrategy(MeshStrategy):
     @override
     def cp_probe(self) -> Optional[tuple[Any, str]]:
         found, self._cp_probe_inputs = self._cp_probe_inputs, None
-        if found is None or self._runner is None:
+        if found is None or self._pipeline is None:
             return None
         inputs, sample = found
-        dtype = next(iter(self._runner.params)).dtype if inputs.is_floating_point() else None
-        return PipelineProbe(self, inputs.to(self.root_device, dtype)), f"{sample} (one per micro-batch)"
+        dtype = next(iter(self._pipeline.runner.params)).dtype if inputs.is_floating_point() else None
+        owner, inputs = type(self.lightning_module).__name__, inputs.to(self.root_device, dtype)
+        return PipelineProbe(self._pipeline, owner, inputs), f"{sample} (one per micro-batch)"
 
     @override
     def check_context_parallel(self) -> None:
@@ -369,25 +380,47 @@ class PipelineStrategy(MeshStrategy):
         try:
             super().check_context_parallel()
         finally:
-            if probed and self._runner is not None:
-                self._runner.clear()  # the probe's schedules (its own batch shape) are not training's
+            if probed and self._pipeline is not None:
+                self._pipeline.runner.clear()  # the probe's schedules (its own batch shape) are not training's
 
     # ---- the step ------------------------------------------------------------------------------
+    def _new_step(self, batch: Any = None, *, training: bool = False) -> PipelineStep:
+        assert self._pipeline is not None, "a pipeline step before `parallelize`"
+        module = self.lightning_module
+        trainer = getattr(module, "_trainer", None)
+        return PipelineStep(
+            self._pipeline,
+            module,
+            batch,
+            own_loss=self._own_loss,
+            training=training,
+            # fake tensors (`allocate_under`: the dry run) hold no values for the returned-loss check to compare
+            values=self._allocation_mode is None,
+            shows=self.broadcast_output or (trainer is not None and trainer.predicting),
+            record=self.record_timeline,
+        )
+
     def _run(self, *args: Any, **kwargs: Any) -> Any:
         """The pipelined network's call: the whole schedule, in the running step's state."""
         if self._step is None:  # a call outside any step hook: a forward-only step of its own, until the next one
-            self._step = PipelineStep(self)
-        return self._step.run(args, kwargs)
+            self._step = self._new_step()
+        step = self._step
+        out = step.run(args, kwargs)
+        if step.loss is not None:  # a training call: its batch loss and timeline are the strategy's records
+            self.last_loss = step.loss
+            if step.timeline is not None:
+                self.timelines.append(step.timeline)
+                step.timeline = None
+        return out
 
-    def _serve_loss(self, output: Any, target: Any, original: Any) -> Optional[Tensor]:
-        return serve_loss(self, None if self._step is None else self._step.call, output, target, original)
+    def _serve_loss(self, original: Any, output: Any, target: Any, *args: Any, **kwargs: Any) -> Any:
+        served = None if args or kwargs or self._step is None else self._step.serve(output, target, original)
+        return original(output, target, *args, **kwargs) if served is None else served
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         # the network call finds the target in the step's batch (HF `labels`, or `pipeline_target(batch)`)
-        # fake tensors (`allocate_under`: the dry run) hold no values for the returned-loss check to compare
-        values = self._allocation_mode is None
-        self._step = step = PipelineStep(self, args[0] if args else kwargs["batch"], training=True, values=values)
+        self._step = step = self._new_step(args[0] if args else kwargs["batch"], training=True)
         module = self.lightning_module
         # `self.log` calls wait for the step's end: a logged returned loss holding a weight penalty holds only the
         # parameters of this rank's stages; it is logged as one device's value (the penalty summed over pp)
@@ -407,7 +440,7 @@ class PipelineStrategy(MeshStrategy):
             else:
                 del module.log
         returned = out.get("loss") if isinstance(out, Mapping) else out
-        whole = step.whole_loss(returned, self.mesh.group(PP) if self.mesh.size(PP) > 1 else None)
+        whole = step.whole_loss(returned)
         for a, k in logged:
             value = k["value"] if "value" in k else (a[1] if len(a) > 1 else None)
             if whole is not None and value is returned:
@@ -432,7 +465,7 @@ class PipelineStrategy(MeshStrategy):
         return closure_loss
 
     def _evaluation_step(self, hook: Any, args: tuple, kwargs: dict) -> Any:
-        self._step = PipelineStep(self)  # forward-only network calls; dropped with the step
+        self._step = self._new_step()  # forward-only network calls; dropped with the step
         try:
             return hook(*args, **kwargs)
         finally:
@@ -455,41 +488,42 @@ class PipelineStrategy(MeshStrategy):
     def optimizer_gradients(self, optimizer: Any) -> tuple[list[Tensor], list[Tensor]]:
         grads, _ = super().optimizer_gradients(optimizer)
         # a weight tied across stages has a copy (summed gradient) on each holder: all are clipped, one is counted
-        skip = {id(p.grad) for p, _, counted in self._tied if not counted and p.grad is not None}
+        skip = {id(p.grad) for p in self._uncounted if p.grad is not None}
         return grads, [g for g in grads if id(g) not in skip]
 
     @override
     def grad_norm_group(self) -> Optional[Any]:
-        return self.mesh.group(PP) if self.mesh.size(PP) > 1 else None  # the stages hold distinct parameters
+        return None if self._pipeline is None else self._pipeline.pp_group  # the stages hold distinct parameters
 
-    # ---- checkpoints: each stage its own keys, a tied weight once (see `checkpoints`) ------------
+    # ---- checkpoints: sharded, each stage its own keys (optimizer states by name), a tied weight once ----------
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         assert self.model is not None
         self.wait_for_checkpoint()  # it may be the one being written
         fitting = self.lightning_module.trainer.state.fn == "fit"
-        return checkpoints.load_stages(
+        return ckpt.load_stage(
             self.broadcast(checkpoint_path),
             model=self.model,
             optimizers=self.optimizers if fitting else (),
             weights_only=True if weights_only is None else weights_only,
-            tied_keys=self._tied_keys,
+            aliases=tied_aliases(self._tied_keys),  # every copy of a tied weight reads the one saved tensor
         )
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        return checkpoints.module_state(super().lightning_module_state_dict(), self._tied_keys)
+        return save_tied_once(super().lightning_module_state_dict(), self._tied_keys)
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        return checkpoints.optimizer_state(self.model, optimizer, self._tied_keys)
+        # keyed by parameter name: the stages' list-indexed `param_groups` would collide
+        return save_tied_once(ckpt.name_keyed_optimizer_state(self.model, optimizer), self._tied_keys, optimizer=True)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        checkpoint = checkpoints.with_tied_aliases(
-            checkpoint, self._tied_keys
-        )  # consolidation's names of a tied weight
-        super().save_checkpoint(checkpoint, filepath, storage_options)
+        aliases = tied_aliases(self._tied_keys)  # consolidation gives every name of a tied weight the saved tensor
+        super().save_checkpoint(
+            {**checkpoint, ckpt.TIED_KEY: aliases} if aliases else checkpoint, filepath, storage_options
+        )
 
 
 __all__ = ["PipelineStrategy"]
