@@ -6,9 +6,11 @@
   all-reduce; :func:`replicate_for_replica_groups`: DDP for a group of one data-parallel rank;
 * :func:`register_state`: the state a healing replica group receives from a healthy one;
 * :class:`CommitGate`: Lightning's optimizer closure, then torchft's optimizer wrapper (step only on commit);
+* :func:`diloco`: torchft's ``DiLoCo`` over the whole module (``sync="diloco"``: no per-step average);
 * :func:`continue_fit_loop`: Lightning's side of a heal, the healthy group's loop progress taken over mid-epoch.
 
-Only public torchft API (``torchft.Manager``, ``torchft.Optimizer``, ``torchft.coordination``); the entry points
+Only public torchft API (``torchft.Manager``, ``torchft.Optimizer``, ``torchft.coordination``,
+``torchft.local_sgd.DiLoCo``); the entry points
 (the lighthouse, the manager) check :data:`lightning_dist._compat.TORCHFT_RANGE`; :func:`continue_fit_loop` reaches
 into Lightning's loop (checked against ``LIGHTNING_RANGE``). Notes: docs/fault_tolerance.md.
 """
@@ -29,6 +31,7 @@ __all__ = [
     "average_across_replica_groups",
     "check_lighthouse",
     "continue_fit_loop",
+    "diloco",
     "make_manager",
     "register_state",
     "replicate_for_replica_groups",
@@ -190,9 +193,21 @@ class CommitGate:
         return self._wrapped.state
 
 
+def diloco(manager: Any, module: nn.Module, inner: Any, outer: Any, sync_every: int) -> Any:
+    """torchft's ``DiLoCo`` over `module` as one fragment, a context manager: entered, its hooks on the `inner`
+    optimizer sync after every `sync_every`-th step (the quorum, the pseudo-gradients averaged by
+    ``manager.allreduce``, the commit vote, then `outer` steps the global weights, kept on the CPU between syncs).
+    It registers its own heal state with the manager (the global weights and `outer`'s state)."""
+    require_torchft()
+    from torchft.local_sgd import DiLoCo
+
+    return DiLoCo(manager, [module], inner, outer, sync_every=sync_every)
+
+
 def continue_fit_loop(trainer: Any, state: dict) -> None:
     """Take over another replica group's ``trainer.fit_loop.state_dict()`` at the same point of the loop (inside
-    the read of a training batch): its counters (global step, epoch, batch index), not a restart.
+    the read of a training batch, or under DiLoCo inside the optimizer step of a sync): its counters (global step,
+    epoch, batch index), not a restart.
 
     Reason: ``Loop.load_state_dict`` is public but marks the loops as restarting from a checkpoint (Lightning would
     then replay hooks and skip the epoch-end LR step), and the loop's data fetcher counts the batches it has read
@@ -207,4 +222,5 @@ def continue_fit_loop(trainer: Any, state: dict) -> None:
     loop.restarting = False  # the same point of the same loop: nothing to replay
     fetcher = getattr(loop, "_data_fetcher", None)
     if fetcher is not None:
-        fetcher.fetched = loop.epoch_loop.batch_progress.current.ready  # this read adds the batch being read
+        # the batches read: in a read, this read adds the batch being read; in a step, `ready` counts its batch
+        fetcher.fetched = loop.epoch_loop.batch_progress.current.ready

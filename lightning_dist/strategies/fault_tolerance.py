@@ -8,11 +8,13 @@ Notes: docs/fault_tolerance.md.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import math
 import os
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -26,6 +28,7 @@ from lightning_dist._compat import torchft_available
 from lightning_dist.strategies.base import MeshStrategy
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # torchft's own variable for the lighthouse's address
+SYNC_EVERY = 100  # DiLoCo's default inner steps per sync: torchft's example (the DiLoCo paper uses 500)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,6 +53,16 @@ class FaultTolerance:
     """Seconds to reach the lighthouse at start-up before the job fails with its address."""
     join_timeout: float = 60.0
     """The embedded lighthouse's wait for heartbeating groups that have not asked for the quorum yet."""
+    sync: str = "step"
+    """``"step"``: every step averages the gradients across the groups (the result of plain hsdp). ``"diloco"``: the
+    groups train on their own and every ``sync_every`` steps torchft's DiLoCo averages the pseudo-gradients (global
+    weights - local weights) and the outer optimizer steps the global weights (docs/fault_tolerance.md, DiLoCo)."""
+    sync_every: Optional[int] = None
+    """DiLoCo's inner steps between two syncs (H); None: :data:`SYNC_EVERY`. Only with ``sync="diloco"``."""
+    outer_optimizer: Optional[Callable[[Iterable[Any]], torch.optim.Optimizer]] = None
+    """DiLoCo's outer optimizer: a ``torch.optim.Optimizer`` class, a factory ``params -> optimizer``, or (YAML)
+    ``{"class_path": "torch.optim.SGD", "init_args": {...}}``. None: SGD, lr 0.7, momentum 0.9, Nesterov (the DiLoCo
+    paper's). Only with ``sync="diloco"``."""
 
     def problems(self, dp_replicate: Any) -> list[str]:
         """Every configuration problem, in words with the values (none: empty)."""
@@ -89,7 +102,76 @@ class FaultTolerance:
                 f"`FaultTolerance(lighthouse={self.lighthouse!r})` must be the lighthouse's URL, e.g."
                 " 'http://lighthouse-host:29510', or None."
             )
+        return out + self._sync_problems(dp_replicate)
+
+    def _sync_problems(self, dp_replicate: Optional[int]) -> list[str]:
+        if self.sync not in ("step", "diloco"):
+            return [f"`FaultTolerance(sync={self.sync!r})` must be 'step' (every step) or 'diloco' (every sync_every)."]
+        if self.sync == "step":
+            given = [
+                f"{n}={getattr(self, n)!r}" for n in ("sync_every", "outer_optimizer") if getattr(self, n) is not None
+            ]
+            if given:
+                return [f"`FaultTolerance({', '.join(given)})` applies to sync='diloco' only: pass sync='diloco'."]
+            return []
+        out = []
+        every = self.sync_every
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+            out.append(
+                f"`FaultTolerance(sync_every={every!r})` must be an integer >= 1 (DiLoCo's inner steps per sync)."
+            )
+        if dp_replicate is not None and dp_replicate < 2:
+            out.append(
+                f"sync='diloco' averages pseudo-gradients across replica groups; dp_replicate={dp_replicate} has one."
+                " Pass dp_replicate >= 2 (one job per group), or sync='step'."
+            )
+        try:
+            outer_optimizer_factory(self.outer_optimizer)
+        except (TypeError, ValueError, ImportError) as err:
+            out.append(str(err))
         return out
+
+    @property
+    def diloco(self) -> bool:
+        return self.sync == "diloco"
+
+    @property
+    def inner_steps(self) -> int:
+        """DiLoCo's inner steps per sync, the default filled in."""
+        return self.sync_every or SYNC_EVERY
+
+
+def _default_outer(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+
+
+def outer_optimizer_factory(value: Any) -> Callable[[Any], Any]:
+    """``params -> optimizer`` for ``FaultTolerance(outer_optimizer=value)``; TypeError/ValueError naming the value."""
+    if value is None:
+        return _default_outer
+    if isinstance(value, Mapping):
+        import importlib
+
+        if set(value) - {"class_path", "init_args"} or not isinstance(value.get("class_path"), str):
+            raise ValueError(
+                f"`FaultTolerance(outer_optimizer={dict(value)!r})`: a dict names the class as LightningCLI does,"
+                " {'class_path': 'torch.optim.SGD', 'init_args': {'lr': 0.7, 'momentum': 0.9, 'nesterov': True}}."
+            )
+        module, _, name = value["class_path"].rpartition(".")
+        cls = getattr(importlib.import_module(module), name, None) if module else None
+        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+            raise ValueError(
+                f"`FaultTolerance(outer_optimizer={{'class_path': {value['class_path']!r}}})` is not a"
+                " torch.optim.Optimizer class; e.g. 'torch.optim.SGD'."
+            )
+        return functools.partial(cls, **dict(value.get("init_args") or {}))
+    if (isinstance(value, type) and not issubclass(value, torch.optim.Optimizer)) or not callable(value):
+        raise TypeError(
+            f"`FaultTolerance(outer_optimizer={value!r})` must be a torch.optim.Optimizer class, a factory"
+            " `params -> optimizer` (e.g. functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)),"
+            " or None for that default."
+        )
+    return value
 
 
 FaultToleranceArg = Union[FaultTolerance, Mapping[str, Any], None]
@@ -119,6 +201,8 @@ class ReplicaGroupsMixin(MeshStrategy):
     _manager: Any = None
     _lighthouse: Any = None
     _quorum_open = False
+    _diloco: Optional[contextlib.ExitStack] = None  # torchft's DiLoCo, entered (its hooks on the inner optimizer)
+    _inner_steps = 0
 
     def _take_fault_tolerance(self, value: FaultToleranceArg, kwargs: dict[str, Any], zero_stage: int) -> list[str]:
         """Read ``fault_tolerance`` before ``MeshStrategy.__init__``: the job's own mesh gets ``dp_replicate=1``."""
@@ -213,7 +297,7 @@ class ReplicaGroupsMixin(MeshStrategy):
     @override
     def apply_parallelism(self) -> None:
         super().apply_parallelism()
-        if self._manager is None:
+        if self._manager is None or self._ft.diloco:  # DiLoCo: no per-step average; each group trains on its own
             return
         from torch.distributed.tensor import DTensor
 
@@ -267,20 +351,41 @@ class ReplicaGroupsMixin(MeshStrategy):
         from lightning_dist._integrations.torchft import register_state
         from lightning_dist.strategies import heal
 
-        module, optimizer = self.lightning_module, self.optimizers[0]
-        # a healing group loads these in this order, in the read of its first batch (the quorum is asked there)
+        module, optimizer, manager = self.lightning_module, self.optimizers[0], self._manager
+        # a healing group loads these in this order, in the read of its first batch (the quorum is asked there; under
+        # DiLoCo in its sync, inside the optimizer step, where DiLoCo adds its own state: global weights, outer state)
+        wrap = functools.partial(_healing, manager=manager if self._ft.diloco else None)
+        register_state(manager, "model", lambda: heal.module_state(module), wrap(heal.load_module_state, module))
         register_state(
-            self._manager, "model", lambda: heal.module_state(module), _healing(heal.load_module_state, module)
-        )
-        register_state(
-            self._manager,
+            manager,
             "optimizer",
             lambda: heal.local_tree(optimizer.state_dict()),
-            _healing(heal.load_optimizer_state, optimizer),
+            wrap(heal.load_optimizer_state, optimizer),
         )
         register_state(
-            self._manager, "trainer", lambda: heal.training_state(trainer), _healing(heal.load_training_state, trainer)
+            manager, "trainer", lambda: heal.training_state(trainer), wrap(heal.load_training_state, trainer)
         )
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self._manager is None or not self._ft.diloco:
+            return
+        from lightning_dist._integrations.torchft import diloco
+        from lightning_dist.strategies.heal import LocalShardState
+
+        # here, not at set-up: DiLoCo copies the global weights now, after a checkpoint or callback loaded them
+        module = self.lightning_module
+        outer = outer_optimizer_factory(self._ft.outer_optimizer)(module.parameters())
+        if not isinstance(outer, torch.optim.Optimizer):
+            raise TypeError(
+                f"`FaultTolerance(outer_optimizer={self._ft.outer_optimizer!r})` returned {type(outer).__name__}, not a"
+                " torch.optim.Optimizer: a factory takes the parameters and returns the optimizer."
+            )
+        self._diloco = contextlib.ExitStack()
+        inner = self.optimizers[0]
+        self._diloco.enter_context(diloco(self._manager, module, inner, LocalShardState(outer), self._ft.inner_steps))
+        self._inner_steps = 0
 
     # ---- data: each batch is read after the step's quorum ----------------------------------------------------
     @override
@@ -299,7 +404,7 @@ class ReplicaGroupsMixin(MeshStrategy):
                 " healing replica group reads the batch the others read, and Lightning reads an unsized loader one"
                 " batch ahead. Use a map-style Dataset (or give the IterableDataset a __len__)."
             )
-        return group_loader(dataloader, self._ask_quorum)
+        return group_loader(dataloader, _no_quorum if self._ft.diloco else self._ask_quorum)  # DiLoCo's: at sync
 
     def _ask_quorum(self) -> None:
         """The step's quorum, before its first batch is read (synchronous: a healing group loads the healthy state
@@ -324,10 +429,11 @@ class ReplicaGroupsMixin(MeshStrategy):
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         if self._manager is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._ft.diloco:
+            return self._diloco_step(optimizer, closure, model, **kwargs)
         from lightning.pytorch.core.optimizer import LightningOptimizer
 
         from lightning_dist._integrations.torchft import CommitGate
-        from lightning_dist.strategies.heal import group_loaders
 
         if not self._quorum_open:
             raise RuntimeError(
@@ -339,20 +445,59 @@ class ReplicaGroupsMixin(MeshStrategy):
         model = model if model is not None else self.lightning_module
         result = self.precision_plugin.optimizer_step(gate, model=model, closure=closure, **kwargs)
         self._quorum_open = False
+        self._record(bool(gate.committed))
+        return result
+
+    def _diloco_step(self, optimizer: Any, closure: Any, model: Any, **kwargs: Any) -> Any:
+        """The inner step; every ``sync_every`` of them DiLoCo's hook on the inner optimizer syncs after it: the quorum
+        (a group behind heals there), the pseudo-gradients' all-reduce, the commit vote, the outer step."""
+        manager, config = self._manager, self._ft
+        assert self._diloco is not None, "DiLoCo is entered at on_train_start"
+        self._inner_steps += 1
+        syncs = self._inner_steps % config.inner_steps == 0
+        trained = []
+
+        def step_closure() -> Any:
+            out = closure()
+            trained.append(True)  # an error after this is the optimizer's or DiLoCo's sync, not the training step's
+            return out
+
+        before = manager.current_step()
+        try:
+            result = super().optimizer_step(optimizer, step_closure, model, **kwargs)
+        except Exception as err:
+            if not (syncs and trained):
+                raise
+            address, _ = self.lighthouse_address()
+            raise RuntimeError(
+                f"replica group {config.replica_group} rank {self.global_rank}: DiLoCo's sync after inner step"
+                f" {self._inner_steps} failed ({err}): the quorum from the torchft lighthouse at {address} (within"
+                f" quorum_timeout={config.quorum_timeout:g} s), the pseudo-gradients' all-reduce or the commit vote"
+                f" (timeout={config.timeout:g} s). Is the lighthouse running?"
+            ) from err
+        if syncs:
+            self._record(manager.current_step() > before)
+        return result
+
+    def _record(self, committed: bool) -> None:
+        from lightning_dist.strategies.heal import group_loaders
+
         trainer = self.lightning_module.trainer
         self.committed_steps.append(
             {
                 "step": self._manager.current_step(),
                 "participants": self._manager.num_participants(),
-                "committed": bool(gate.committed),
+                "committed": committed,
                 "epoch": trainer.current_epoch,
                 "batch": [loader.position - 1 for loader in group_loaders(trainer)],
             }
         )
-        return result
 
     @override
     def teardown(self) -> None:
+        diloco, self._diloco = self._diloco, None
+        if diloco is not None:
+            diloco.close()  # DiLoCo's hooks off the inner optimizer
         manager, self._manager = self._manager, None
         if manager is not None:
             manager.shutdown(wait=False)
@@ -373,8 +518,18 @@ class HealError(RuntimeError):
     """A failure while loading the state a healthy replica group sent (not a quorum failure)."""
 
 
-def _healing(load: Any, target: Any) -> Any:
+def _no_quorum() -> None:
+    """DiLoCo asks the quorum at its sync, not before each batch."""
+
+
+def _healing(load: Any, target: Any, *, manager: Any = None) -> Any:
+    """`load` of a healthy group's state into `target`, errors as :class:`HealError`. With `manager` (DiLoCo): not at
+    step 0, where torchft's ``init_sync`` makes every group but one heal at the first sync: each group keeps its own
+    first interval there (DiLoCo's own state brings that group's global weights and outer optimizer state)."""
+
     def apply(state: Any) -> None:
+        if manager is not None and manager.current_step() == 0:
+            return
         try:
             load(target, state)
         except Exception as err:

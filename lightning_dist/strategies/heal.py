@@ -2,7 +2,8 @@
 that reads each batch after the step's quorum, so that a group healing there reads the batch of the step it joins.
 
 The state is that of an exact resume: this rank's model and optimizer shards, Lightning's loop progress, the LR
-schedulers, the loaders' positions and the RNG states. Notes: docs/fault_tolerance.md.
+schedulers, the loaders' positions and the RNG states (under DiLoCo, also DiLoCo's own: the global weights and the
+outer optimizer's state). Notes: docs/fault_tolerance.md.
 """
 
 from __future__ import annotations
@@ -60,6 +61,30 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]
             }
         restored[index] = entry
     optimizer.load_state_dict({**state, "state": restored})
+
+
+class LocalShardState:
+    """An optimizer whose ``state_dict`` holds local shards, loaded back as the parameters' DTensor shards: DiLoCo's
+    outer optimizer, whose state DiLoCo itself registers with torchft's transport (which sends plain tensors)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    def step(self, closure: Any = None) -> Any:
+        return self.optimizer.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none)
+
+    @property
+    def param_groups(self) -> list:
+        return self.optimizer.param_groups
+
+    def state_dict(self) -> dict[str, Any]:
+        return local_tree(self.optimizer.state_dict())
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        load_optimizer_state(self.optimizer, state)
 
 
 # ---- the training loader: a quorum before each batch, a position that a heal can move ------------------------

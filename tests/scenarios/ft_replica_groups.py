@@ -4,6 +4,9 @@
 3 AdamW steps in float64, the full parameters saved to OUT/ft_{GROUPS}x{SHARD}_g{G}.pt. Group 0 of a 2-rank
 group also trains plain hsdp 2 x 1 on its two ranks (OUT/plain_2x1.pt), the reference of the 1-rank groups.
 ``plain REP SHARD OUT``: plain hsdp REP x SHARD (OUT/plain_{REP}x{SHARD}.pt).
+``diloco G SHARD OUT PORT``: replica group G of 2 under ``sync="diloco"``, ``sync_every=2``, SHARD ranks (FSDP2 inside
+a group of two), embedded lighthouse on PORT (group 0); 6 AdamW inner steps in float64 (3 syncs, the default outer
+SGD-Nesterov), the full parameters saved to OUT/diloco_2x{SHARD}_g{G}.pt.
 ``unreachable ADDRESS``: a replica group whose lighthouse does not answer (connect_timeout 3 s): must fail.
 ``heal G OUT ADDRESS TOTAL KILL_AT [SHARD]``: replica group G of 2 (SHARD ranks, default 1) against the lighthouse
 at ADDRESS, 0.2 s per step, until torchft's committed step TOTAL and 3 steps with both groups; with KILL_AT > 0 one rank
@@ -81,6 +84,17 @@ elif mode == "plain":
     trainer(HybridShardStrategy(dp_replicate=rep, dp_shard=shard), devices=rep * shard, steps=STEPS).fit(module)
     save(module, f"{out}/plain_{rep}x{shard}.pt")
     emit(kind="plain", mesh=[rep, shard])
+elif mode == "diloco":
+    group, shard, out, port = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
+    ft = FaultTolerance(replica_group=group, min_replicas=2, lighthouse_port=port, sync="diloco", sync_every=2)
+    strategy = HybridShardStrategy(dp_replicate=2, dp_shard=shard, fault_tolerance=ft)
+    module = Classifier()  # every group seeded alike: DiLoCo's groups start from one model
+    start = time.perf_counter()
+    t = trainer(strategy, devices=shard, steps=6)
+    t.fit(module)
+    seconds = time.perf_counter() - start
+    save(module, f"{out}/diloco_2x{shard}_g{group}.pt")
+    emit(kind="diloco", group=group, steps=list(strategy.committed_steps), seen=module.seen, seconds=seconds)
 elif mode == "unreachable":
     ft = FaultTolerance(replica_group=1, lighthouse=sys.argv[2], connect_timeout=3)
     strategy = HybridShardStrategy(dp_replicate=2, dp_shard=2, fault_tolerance=ft)

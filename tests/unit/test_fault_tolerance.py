@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import re
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -223,3 +225,166 @@ def test_a_heal_continues_lightning_exactly_where_the_healthy_group_was():
     assert healthy.trace[13][:4] == (13, 1, 3, False) and healthy.trace[19][3]  # step 20: epoch 1's last batch
     assert healed.trace == healthy.trace[13:]
     assert all(torch.equal(a, b) for a, b in zip(healthy.parameters(), healed.parameters()))
+
+
+# ---- sync="diloco" --------------------------------------------------------------------------------------------
+
+
+@needs_torchft
+def test_diloco_configuration_and_every_refusal_listed_at_once():
+    import functools
+
+    from lightning_dist.strategies.fault_tolerance import outer_optimizer_factory
+
+    diloco = {"replica_group": 0, "sync": "diloco", "sync_every": 50}
+    strategy = HybridShardStrategy(dp_replicate=2, fault_tolerance=diloco)  # a dict, as in a LightningCLI YAML
+    assert strategy.fault_tolerance.diloco and strategy.fault_tolerance.sync_every == 50
+    # the outer optimizer: the DiLoCo paper's SGD by default, a class, a factory, or LightningCLI's class_path form
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    default = outer_optimizer_factory(None)(params)
+    assert isinstance(default, torch.optim.SGD)
+    assert {k: default.defaults[k] for k in ("lr", "momentum", "nesterov")} == {
+        "lr": 0.7,
+        "momentum": 0.9,
+        "nesterov": True,
+    }
+    assert isinstance(outer_optimizer_factory(torch.optim.Adam)(params), torch.optim.Adam)
+    given = functools.partial(torch.optim.SGD, lr=0.5)
+    assert outer_optimizer_factory(given) is given
+    yaml = {"class_path": "torch.optim.SGD", "init_args": {"lr": 0.3, "momentum": 0.5}}
+    assert outer_optimizer_factory(yaml)(params).defaults["lr"] == 0.3
+
+    bad = FaultTolerance(replica_group=0, sync="diloco", sync_every=0, outer_optimizer=torch.nn.Linear)
+    with pytest.raises(ValueError) as err:
+        HybridShardStrategy(dp_replicate=1, fault_tolerance=bad)
+    text = str(err.value)
+    for needle in (
+        "`FaultTolerance(sync_every=0)` must be an integer >= 1",
+        "dp_replicate=1 has one. Pass dp_replicate >= 2 (one job per group), or sync='step'",
+        "`FaultTolerance(outer_optimizer=<class 'torch.nn.modules.linear.Linear'>)` must be a torch.optim.Optimizer",
+    ):
+        assert needle in text, text
+    for value, needle in [
+        ({"sync": "async"}, "`FaultTolerance(sync='async')` must be 'step' (every step) or 'diloco'"),
+        ({"sync_every": 10}, "`FaultTolerance(sync_every=10)` applies to sync='diloco' only"),
+        ({"sync": "diloco", "outer_optimizer": 0.7}, "`FaultTolerance(outer_optimizer=0.7)` must be a torch.optim"),
+        ({"sync": "diloco", "outer_optimizer": {"class_path": "torch.nn.Linear"}}, "is not a torch.optim.Optimizer"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            HybridShardStrategy(dp_replicate=2, fault_tolerance=FaultTolerance(replica_group=0, **value))
+
+
+@needs_torchft
+def test_diloco_heal_state_brings_global_weights_and_outer_state_and_skips_the_first_sync():
+    """torchft's DiLoCo registers its own heal state: the global weights (its backup) and the outer optimizer's state,
+    here as local shards (LocalShardState); the strategy's own (weights, inner optimizer, loop) are not loaded at step
+    0, where torchft's init_sync heals every group but one at the first sync (each keeps its own first interval)."""
+    from types import SimpleNamespace
+
+    from lightning_dist._integrations.torchft import diloco
+    from lightning_dist.strategies.fault_tolerance import _healing
+    from lightning_dist.strategies.heal import LocalShardState
+
+    def group(seed: int):
+        registered = {}
+        manager = SimpleNamespace(_use_async_quorum=False, step=0, current_step=lambda: manager.step)
+        manager.register_state_dict_fn = lambda key, load, save: registered.setdefault(key, (load, save))
+        torch.manual_seed(seed)
+        model = torch.nn.Linear(3, 2)
+        outer = LocalShardState(torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True))
+        diloco(manager, model, torch.optim.AdamW(model.parameters()), outer, sync_every=2)  # copies the weights
+        return manager, model, outer, registered
+
+    _, healthy, healthy_outer, sent = group(0)
+    for p in healthy.parameters():  # an outer step: momentum state to send
+        p.grad = torch.ones_like(p)
+    healthy_outer.step()
+    (key,) = sent
+    state = sent[key][1]()
+    assert key == "StreamingDiLoCoFragment_0" and set(state) == {"original_parameters", "outer_optimizer"}
+    manager, healing, healing_outer, loads = group(1)
+    loads[key][0](state)
+    backup = state["original_parameters"]
+    assert all(torch.equal(backup[n], p) for n, p in group(0)[1].named_parameters())  # the weights when copied
+    for p, q in zip(healthy.parameters(), healing.parameters()):
+        assert torch.equal(
+            healthy_outer.optimizer.state[p]["momentum_buffer"], healing_outer.optimizer.state[q]["momentum_buffer"]
+        )
+
+    loaded = []
+    load = _healing(lambda target, s: loaded.append(s), None, manager=manager)
+    load("first sync")  # step 0: skipped
+    manager.step = 3
+    load("a restarted group")
+    assert loaded == ["a restarted group"]
+
+
+class _SyncNet(_Net):
+    """`_Net` healed as under DiLoCo: in the optimizer step (the hook DiLoCo syncs in), not in a batch read."""
+
+    def __init__(self, *, heal_at: int = -1, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.heal_at = heal_at
+
+    def before_batch(self) -> None:
+        pass
+
+    def configure_optimizers(self):
+        config = super().configure_optimizers()
+        config[0][0].register_step_post_hook(lambda *_: self.after_step())
+        return config
+
+    def after_step(self) -> None:
+        import copy
+
+        trainer, optimizer = self.trainer, self.trainer.optimizers[0]
+        if self.heal_from is not None and trainer.global_step == self.heal_at:
+            load_module_state(self, self.heal_from["model"])
+            load_optimizer_state(optimizer, self.heal_from["optimizer"])
+            load_training_state(trainer, self.heal_from["trainer"])
+            self.heal_from = None
+        elif trainer.global_step == self.snapshot_at and self.snapshot is None:
+            state = {"model": module_state(self), "optimizer": local_tree(optimizer.state_dict())}
+            self.snapshot = copy.deepcopy({**state, "trainer": training_state(trainer)})
+
+
+def test_a_heal_inside_the_optimizer_step_continues_lightning_exactly_where_the_healthy_group_was():
+    """A DiLoCo heal happens in a sync, inside the optimizer step: a fresh run that took 2 steps of its own (DiLoCo's
+    inner steps before its first sync) takes over another's state taken inside its 14th step (mid-epoch 1), and
+    continues as that run did (steps, epochs, batch indices, last-batch flags, samples, LR schedules, random draws)
+    into epoch 2, with bitwise-identical weights at the end."""
+
+    def fit(module: _Net) -> _Net:
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=1, max_steps=25, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+        )  # fmt: skip
+        trainer.fit(module)
+        assert trainer.global_step == 25
+        return module
+
+    healthy = fit(_SyncNet(snapshot_at=13))
+    healed = fit(_SyncNet(heal_from=healthy.snapshot, heal_at=1))
+    assert healthy.trace[13][:4] == (13, 1, 3, False)
+    assert healed.trace[2:] == healthy.trace[14:] and healed.trace[:2] != healthy.trace[12:14]
+    assert all(torch.equal(a, b) for a, b in zip(healthy.parameters(), healed.parameters()))
+
+
+@needs_torchft
+def test_diloco_from_the_docs_lightningcli_yaml(monkeypatch):
+    """The DiLoCo YAML of docs/fault_tolerance.md through LightningCLI: the outer optimizer's `class_path` becomes a
+    factory of the parameters."""
+    import yaml
+    from _docs import ROOT, blocks
+    from lightning.pytorch.cli import LightningCLI
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    (block,) = [b for b in blocks(ROOT / "docs" / "fault_tolerance.md") if b.lang == "yaml" and "diloco" in b.body]
+    config = yaml.safe_load(block.body)
+    config["trainer"].update(logger=False, enable_checkpointing=False)
+    monkeypatch.setattr("sys.argv", ["cli"])  # LightningCLI reads the command line too
+    cli = LightningCLI(BoringModel, run=False, args=config, seed_everything_default=False)
+    ft = cli.trainer.strategy.fault_tolerance
+    assert ft.diloco and ft.sync_every == 100 and cli.trainer.strategy._ft_groups == 4
+    outer = ft.outer_optimizer([torch.nn.Parameter(torch.zeros(2))])
+    assert isinstance(outer, torch.optim.SGD) and outer.defaults["nesterov"] and outer.defaults["lr"] == 0.7
