@@ -230,7 +230,18 @@ def record_rank_error(exception: BaseException, rank: int) -> None:
             # in the next second keeps the order in which the two failures really happened (<= 1 s, on a
             # failing rank only).
             time.sleep(1.0 - time.time() % 1.0 + 0.01)
-        get_error_handler().record_exception(exception)
+        # written whole or not at all: torchelastic writes the file in place, and its agent, which ends the other
+        # ranks once one failed, parses every error file it finds; a rank ended in the middle of that write left
+        # half a JSON document, on which the agent itself failed (and with it torchrun's --max-restarts)
+        final = os.environ["TORCHELASTIC_ERROR_FILE"]
+        staged = f"{final}.{os.getpid()}.tmp"
+        os.environ["TORCHELASTIC_ERROR_FILE"] = staged
+        try:
+            get_error_handler().record_exception(exception)
+        finally:
+            os.environ["TORCHELASTIC_ERROR_FILE"] = final
+        if os.path.exists(staged):
+            os.replace(staged, final)
         return
     folder = os.environ.get(_ERROR_DIR)
     if not folder or os.environ.get(_LAUNCHER_PID) == str(os.getpid()) or not os.path.isdir(folder):

@@ -105,15 +105,12 @@ CASES = [
     ("training_step", 1, True, "hsdp", 2),
     ("setup", 0, True, "hsdp", 2),
     ("configure_model", 1, True, "hsdp", 2),
-    # the other MeshStrategy subclasses share the process handling
-    ("training_step", 0, False, "tp", 4),
+    # the other MeshStrategy subclasses share the process handling (strategies/_processes.py): one case each, a
+    # child failing under Lightning's launcher with rank 0 and another child to end (the hsdp cases above cover the
+    # launchers and phases), and DeepSpeed's offload strategy, whose engine keeps its own process group
     ("training_step", 2, False, "tp", 4),
-    ("training_step", 0, True, "tp", 2),
-    ("training_step", 0, False, "pipeline", 4),
     ("training_step", 2, False, "pipeline", 4),
-    ("training_step", 0, True, "pipeline", 2),
     ("training_step", 1, False, "offload", 2),  # DeepSpeed ZeRO-3 with CPU optimizer (float32)
-    ("training_step", 0, True, "offload", 2),
 ]
 
 
