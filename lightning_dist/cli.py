@@ -109,6 +109,15 @@ def _add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         default=None,
         help="routed-expert parameters of all layers (with --params; the MoE layers are --layers)",
     )
+    p.add_argument(
+        "--replica-groups",
+        type=int,
+        default=None,
+        metavar="N",
+        help="fault_tolerance=: the dp_replicate replicas are N torchft replica groups; lists the layouts with"
+        " dp_replicate=N (states and traffic as plain, the all-reduce across the groups torchft's) and the heal"
+        " column: what one rank sends to the matching rank of a healing group",
+    )
     p.add_argument("--json", action="store_true", help="print machine-readable JSON instead of the table")
     p.add_argument("--plot", metavar="FILE.png", default=None, help="save a stacked bar chart of memory per device")
     return p
@@ -196,6 +205,15 @@ def run_plan(args: argparse.Namespace) -> int:
         micro_batches=args.micro_batches,
         schedule=args.schedule,
     )
+    if args.replica_groups is not None:
+        if args.world_size % args.replica_groups:
+            raise ValueError(
+                f"--replica-groups {args.replica_groups} does not divide --world-size {args.world_size}: every"
+                " replica group has the same number of ranks."
+            )
+        layouts = planner.fault_tolerant_layouts(
+            layouts, replica_groups=args.replica_groups, counts=counts, state=state
+        )
     best = planner.recommend(layouts)
     ep = None
     if moe is not None:
@@ -216,6 +234,7 @@ def run_plan(args: argparse.Namespace) -> int:
                     "params": counts.total,
                     "tp_sharded_params": counts.tp_sharded_params,
                     "world_size": args.world_size,
+                    "replica_groups": args.replica_groups,
                     "devices_per_node": args.devices_per_node or args.world_size,
                     "device_memory": device_memory,
                     "state_bytes": dataclasses.asdict(state),
@@ -314,9 +333,18 @@ def _print_plan(layouts, best, *, label, counts, state, device_memory, args) -> 
         caption=f"{unit} per device (1 kB = 1e3 B). act: peak activations (why not, where they cannot be"
         " counted); device: model states + act. traffic: what one device sends per step (ring collectives;"
         " +act: without the activations' share). mesh: pp x dp_replicate x dp_shard x cp x tp; a cp layout"
-        " holds 1/cp of each sequence per device. * = recommended.",
+        " holds 1/cp of each sequence per device. * = recommended."
+        + (
+            f" {args.replica_groups} fault-tolerant replica groups (dp_replicate, torchft): the all-reduce across them"
+            " is torchft's; heal: what one rank sends to the matching rank of a healing group, once per heal"
+            " (model and optimizer shards; loop and RNG state, a few kB, not counted)."
+            if args.replica_groups
+            else ""
+        ),
     )
-    for col in ("layout", "mesh", "params", "grads", "optim", "act", "device", "host", "traffic", "idle", "fits"):
+    heal = args.replica_groups is not None
+    cols = ("layout", "mesh", "params", "grads", "optim", "act", "device", "host", "traffic", "idle", "fits")
+    for col in cols[:-1] + (("heal",) if heal else ()) + cols[-1:]:
         table.add_column(col, justify="left" if col in ("layout", "mesh") else "right", no_wrap=col != "act")
     for lay in layouts:
         m = lay.memory
@@ -334,6 +362,7 @@ def _print_plan(layouts, best, *, label, counts, state, device_memory, args) -> 
             f"{(m.host + m.nvme) / scale:.3g}",
             traffic,
             f"{lay.idle_fraction:.1%}" if lay.idle_fraction else "",
+            *((f"{lay.heal.payload_bytes / scale:.3g}" if lay.heal else "-",) if heal else ()),
             fits,
             style="bold green" if mark else None,
         )

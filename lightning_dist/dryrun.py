@@ -91,13 +91,28 @@ def representative_ranks(spec: MeshSpec) -> list[int]:
 
 # ---- one rank (runs in its own process) --------------------------------------------------------------------
 def _strategy(config: DryRunConfig) -> Any:
-    """The strategy object, built as ``Trainer(strategy=...)`` builds it (registry name or class path)."""
+    """The strategy object, built as ``Trainer(strategy=...)`` builds it (registry name or class path).
+
+    With ``fault_tolerance=`` the strategy is built once with it (its own checks, the same errors; no lighthouse is
+    reached before set-up), then without: the plain layout, whose ``dp_replicate`` replicas stand for the replica
+    groups (each group's own job has the mesh of one replica, and its all-reduce across the groups the bytes of the
+    plain ``dp_replicate`` one: docs/planner.md, "Fault-tolerant replica groups")."""
     from lightning.pytorch.strategies import StrategyRegistry
 
     cls = _strategy_class(config)
+    args = dict(config.strategy_args)
     if config.strategy in StrategyRegistry:
-        return cls(**{**StrategyRegistry[config.strategy]["init_params"], **dict(config.strategy_args)})
-    return cls(**dict(config.strategy_args))
+        args = {**StrategyRegistry[config.strategy]["init_params"], **args}
+    if args.get("fault_tolerance") is not None:
+        cls(**args)
+        args.pop("fault_tolerance")
+    return cls(**args)
+
+
+def _replica_groups(config: DryRunConfig) -> Optional[int]:
+    """The fault-tolerant replica groups of ``config`` (its ``dp_replicate``); None without ``fault_tolerance=``."""
+    args = dict(config.strategy_args)
+    return args.get("dp_replicate") if args.get("fault_tolerance") is not None else None
 
 
 def _strategy_class(config: DryRunConfig) -> type:
@@ -314,6 +329,16 @@ def simulate_rank(config: DryRunConfig, rank: int) -> dict[str, Any]:
             with fake:
                 saved = [strategy.lightning_module_state_dict(), *(strategy.optimizer_state(o) for o in optimizers)]
             staging = local_tensor_bytes(saved)
+        heal_bytes = None
+        if _replica_groups(config) is not None:
+            # what a healthy group sends a healing one, as fault_tolerance registers it with torchft: this rank's
+            # parameters and buffers and its optimizer's state dict, local shards (strategies/heal.py: module_state,
+            # local_tree; not imported here: the strategies import the dry run)
+            from lightning_dist.checkpoint_async import local_tensor_bytes
+
+            with fake:
+                tensors = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+                heal_bytes = local_tensor_bytes([tensors, *(o.state_dict() for o in optimizers)])
         return {
             "rank": rank,
             "coords": spec.coords(rank),
@@ -321,6 +346,8 @@ def simulate_rank(config: DryRunConfig, rank: int) -> dict[str, Any]:
             "states": states,
             **peak,  # peak_total_bytes, peak_activation_bytes, peak_breakdown
             "checkpoint_staging_bytes": staging,
+            "replica_groups": _replica_groups(config),
+            "heal_bytes": heal_bytes,
             "collectives": _collective_rows(recorder, mesh, rank, config.world_size, ep),
             "planned": planned,
             "seconds": time.perf_counter() - start,
@@ -640,7 +667,23 @@ def plan_rank(
             for op in ("send", "recv") if c.op == "send_recv" else (c.op,):
                 merged[(op, c.dim)] = merged.get((op, c.dim), 0.0) + c.payload_bytes
     staged = memory.params + memory.optimizer  # what a checkpoint holds of this rank's states
+    groups, heal = _replica_groups(config), None
+    if groups is not None:
+        import torch
+
+        trained = [n for n, p in module.named_parameters() if p.requires_grad]  # each has an Adam `step` scalar
+        heal = planner.heal_transfer(
+            P,
+            state=state,
+            zero_stage=0 if replicate_only or dp == 1 else 3,
+            shard_size=S,
+            replica_groups=groups,
+            tensors=len(trained) if state.optimizer else 0,
+            step_bytes=torch.empty((), dtype=torch.get_default_dtype()).element_size(),
+            buffer_bytes=sum(b.numel() * b.element_size() for b in module.buffers()),
+        ).payload_bytes
     return {
+        "heal_bytes": heal,
         "checkpoint_staging_bytes": staged if getattr(strategy, "_async_checkpoint", False) else None,
         "states": {**memory.to_dict()},
         "collectives": [{"op": o, "dim": d, "payload_bytes": v} for (o, d), v in sorted(merged.items())],

@@ -97,6 +97,16 @@ class DryRunReport:
                     f"rank {r['rank']}: async_checkpoint=True stages {format_bytes(staged)} in host memory per save"
                     f" (planned {format_bytes(planned or 0)}), held until the write finishes"
                 )
+        for r in self.ranks:
+            healed, planned = r.get("heal_bytes"), r["planned"].get("heal_bytes")
+            if healed is not None:
+                ratio = f", {healed / planned:.3f}" if planned else ""
+                console.print(
+                    f"rank {r['rank']}: fault_tolerance: a heal sends {format_bytes(healed)} from this rank to the"
+                    f" matching rank of a healing replica group (planned {format_bytes(planned or 0)}{ratio}): its"
+                    " model and optimizer shards, once per heal; the dp_replicate rows below are the all-reduce"
+                    f" across the {r['replica_groups']} replica groups (torchft's)"
+                )
         routing = next((r["routing"] for r in self.ranks if r.get("routing")), None)
         comm = Table(
             title="Collective payload bytes per step (measured / planned)",

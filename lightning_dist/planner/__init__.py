@@ -45,6 +45,7 @@ from lightning_dist.planner.memory import (
     zero_bytes,
 )
 from lightning_dist.planner.model import ParamCounts
+from lightning_dist.planner.replica_groups import ACROSS_GROUPS, fault_tolerant_layouts, heal_transfer
 from lightning_dist.planner.shards import (
     fsdp2_local_numel,
     fsdp2_state_bytes,
@@ -68,6 +69,7 @@ from lightning_dist.planner.traffic import (
 )
 
 __all__ = [
+    "ACROSS_GROUPS",
     "AUTO_KINDS",
     "KIND_ORDER",
     "OPTIMIZER_SLOTS",
@@ -99,9 +101,11 @@ __all__ = [
     "ep_local_shape",
     "ep_state_bytes",
     "ep_state_bytes_exact",
+    "fault_tolerant_layouts",
     "fsdp2_local_numel",
     "fsdp2_state_bytes",
     "fsdp2_traffic",
+    "heal_transfer",
     "hsdp_bytes",
     "model_state_bytes",
     "per_parameter_shards",

@@ -108,6 +108,11 @@ class Layout:
     that share of a device's without cp (the model states above do not include activations)."""
     cp_style: str = "ulysses"
     """How a cp layout exchanges attention: ``"ulysses"``, or ``"ring"`` where the heads do not divide by cp."""
+    replica_groups: int = 1
+    """Fault-tolerant replica groups (``fault_tolerance=``) the ``dp_replicate`` replicas are; 1: a plain layout."""
+    heal: Collective | None = None
+    """With replica groups: what one rank sends to the matching rank of a healing group, once per heal (not in
+    :attr:`traffic`, which is per step; :func:`~lightning_dist.planner.fault_tolerant_layouts`)."""
 
     @property
     def wire_bytes(self) -> float:
@@ -139,6 +144,8 @@ class Layout:
             "activations_missing": self.activations_missing,
             "note": self.note,
             "sequence_share": self.sequence_share,
+            "replica_groups": self.replica_groups,
+            "heal": self.heal.to_dict() if self.heal is not None else None,
         }
 
 

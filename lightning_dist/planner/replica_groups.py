@@ -1,0 +1,105 @@
+"""Fault-tolerant replica groups (``fault_tolerance=``): the plain layout's states and traffic, plus the heal.
+
+Notes: docs/planner.md, "Fault-tolerant replica groups"."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from lightning_dist.mesh import DP, DP_REPLICATE, DP_SHARD, PP, TP
+from lightning_dist.planner._checks import check_count, check_size
+from lightning_dist.planner.memory import StateBytes, tp_local_params
+from lightning_dist.planner.model import ParamCounts
+from lightning_dist.planner.traffic import Collective
+
+# what the per-step all-reduce across the groups is called in a fault-tolerant layout's traffic
+ACROSS_GROUPS = "across replica groups (torchft)"
+
+
+def heal_transfer(
+    num_params: float,
+    *,
+    state: StateBytes,
+    zero_stage: int,
+    shard_size: int,
+    replica_groups: int,
+    tensors: int = 0,
+    step_bytes: float = 4,
+    buffer_bytes: float = 0,
+) -> Collective:
+    """What one rank of a healthy replica group sends to the matching rank of a healing one (torchft's live state
+    transfer, once per heal, not per step): its model and optimizer shards.
+
+    ``payload = P b_p / S^[z>=2] + P b_o / S^[z>=2] + tensors x step_bytes + buffer_bytes`` for ``P`` parameters on
+    this rank (after tensor parallelism), ``S = shard_size``: FSDP2 keeps only the dim-0 shards at rest at stages 2
+    and 3; stage 0 (DDP, a group of one data-parallel rank) sends everything. ``tensors``: parameter tensors with
+    optimizer state (torch's Adam keeps a ``step`` scalar per tensor, float32: ``step_bytes=4``); ``buffer_bytes``:
+    the module's buffers (not sharded). The loop, scheduler, loader and RNG state that also travel are a few kB and
+    not counted. Gradients do not travel.
+    """
+    check_count("num_params", num_params)
+    check_size("shard_size", shard_size)
+    check_size("replica_groups", replica_groups)
+    check_count("tensors", tensors)
+    check_count("step_bytes", step_bytes)
+    check_count("buffer_bytes", buffer_bytes)
+    if zero_stage not in (0, 2, 3):
+        raise ValueError(
+            f"`zero_stage={zero_stage!r}`: fault-tolerant replica groups run zero_stage 2 or 3 (FSDP2) or 0 (DDP);"
+            " zero_stage=1 is not supported by fault_tolerance (its optimizer shards would heal shard by shard)."
+        )
+    local = num_params / (shard_size if zero_stage >= 2 else 1)
+    return Collective(
+        op="send",
+        dim=DP_REPLICATE,
+        group_size=replica_groups,
+        payload_bytes=local * (state.param + state.optimizer) + tensors * step_bytes + buffer_bytes,
+        what="heal: model and optimizer shards to the matching rank of a healing replica group (once per heal)",
+    )
+
+
+def fault_tolerant_layouts(
+    layouts: Sequence, *, replica_groups: int, counts: ParamCounts | int, state: StateBytes, step_bytes: float = 4
+) -> list:
+    """The `layouts` that ``fault_tolerance=`` can run with ``replica_groups`` groups, each with its heal.
+
+    Kept: ``dp_replicate == replica_groups`` (each group one replica: its own job, ``dp_replicate=1`` inside), no
+    pipeline, no ZeRO-1, nothing offloaded: the hsdp row of shard size ``W / replica_groups``, ddp when every group is
+    one rank, and tensor parallel x replicated dp. States and traffic are the plain layout's; the all-reduce across
+    the groups (on ``dp_replicate``, or ``dp`` when ``dp_shard == 1``) is torchft's, its ``what`` says so; ``heal``
+    is :func:`heal_transfer` of the layout's parameters (``counts.shapes``, when known, give the step counters).
+    """
+    counts = counts if isinstance(counts, ParamCounts) else ParamCounts(total=counts)
+    check_size("replica_groups", replica_groups)
+    if replica_groups < 2:
+        raise ValueError(
+            f"`replica_groups={replica_groups}`: a heal copies the state of a healthy replica group, so fault"
+            " tolerance needs at least 2 groups; pass replica_groups >= 2."
+        )
+    P, out = counts.total, []
+    for layout in layouts:
+        mesh = layout.mesh
+        if mesh[DP_REPLICATE] != replica_groups or mesh[PP] > 1 or layout.zero_stage == 1 or layout.offload.any:
+            continue
+        # the parameters this rank holds before data-parallel sharding, as candidate_layouts counts them
+        local = tp_local_params(
+            tp_sharded_params=counts.tp_sharded_params, replicated_params=P - counts.tp_sharded_params, tp=mesh[TP]
+        )
+        across = {DP_REPLICATE} | ({DP} if mesh[DP_SHARD] == 1 else set())
+        traffic = tuple(
+            replace(c, what=f"{c.what}, {ACROSS_GROUPS}") if c.op == "all_reduce" and c.dim in across else c
+            for c in layout.traffic
+        )
+        heal = heal_transfer(
+            local,
+            state=state,
+            zero_stage=layout.zero_stage,
+            shard_size=mesh[DP_SHARD],
+            replica_groups=replica_groups,
+            tensors=len(counts.shapes),
+            step_bytes=step_bytes if state.optimizer else 0,
+        )
+        note = f"{layout.note}; the {replica_groups} replicas fault-tolerant replica groups (torchft)"
+        out.append(replace(layout, traffic=traffic, heal=heal, replica_groups=replica_groups, note=note))
+    return out

@@ -1,0 +1,171 @@
+"""Fault-tolerant replica groups in the planner and the dry run (one process): the plain layout's states and traffic,
+the all-reduce across the groups labelled torchft's, and the heal's bytes, planned and measured on the strategy's own
+state after one fake-tensor step (hsdp 2x2 as 2 groups of 2, ZeRO-3 and ZeRO-2; groups of one rank: DDP)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch.distributed as dist
+
+from lightning_dist import _compat, inputs, planner
+from lightning_dist.cli import build_parser, dry_run_config, main
+from lightning_dist.parallelize.counts import count_params
+
+GPT = "lightning_dist.models.gpt.CharGPT"
+SIZES = {"n_layer": 2, "n_head": 4, "n_embd": 64, "vocab_size": 64, "block_size": 16}  # every dim 0 even: exact /2
+FP32 = planner.state_bytes(precision="32-true", optimizer="adamw")
+
+needs_torchft = pytest.mark.skipif(
+    not _compat.torchft_available(), reason="torchft (the `fault-tolerance` extra) is not installed"
+)
+
+
+def _counts():
+    return count_params(inputs.build_meta_model(GPT, SIZES))
+
+
+def _plan(counts, world_size: int, groups: int):
+    plain = planner.candidate_layouts(counts, world_size=world_size, devices_per_node=2, state=FP32)
+    return plain, planner.fault_tolerant_layouts(plain, replica_groups=groups, counts=counts, state=FP32)
+
+
+# ---- the planner ------------------------------------------------------------------------------------------
+def test_fault_tolerant_layouts_are_the_plain_ones_with_dp_replicate_groups_plus_the_heal():
+    counts = _counts()
+    P, tensors = counts.total, len(counts.shapes)
+    plain, ft = _plan(counts, 8, 2)
+    by_name = {lay.name: lay for lay in plain}
+    # dp_replicate = 2 groups, no pipeline: hsdp of shard 4 (tp2 x ddp4 replicates over 4, pp2 x ddp4 pipelines)
+    assert [lay.name for lay in ft] == ["hsdp-4"]
+    (hsdp,) = ft
+    base = by_name["hsdp-4"]
+    assert hsdp.memory == base.memory and hsdp.replica_groups == 2 and base.replica_groups == 1
+    assert [(c.op, c.dim, c.group_size, c.payload_bytes) for c in hsdp.traffic] == [
+        (c.op, c.dim, c.group_size, c.payload_bytes) for c in base.traffic
+    ]
+    assert hsdp.wire_bytes == base.wire_bytes  # the heal is once per heal, not in the step's traffic
+    across = [c for c in hsdp.traffic if planner.ACROSS_GROUPS in c.what]
+    assert [(c.op, c.dim) for c in across] == [("all_reduce", "dp_replicate")]
+    # heal: this rank's quarter of the params (4 B) and of both Adam moments (8 B), and one float32 step per tensor
+    assert hsdp.heal.payload_bytes == P / 4 * (4 + 8) + 4 * tensors
+    assert (hsdp.heal.op, hsdp.heal.dim, hsdp.heal.group_size) == ("send", "dp_replicate", 2)
+    assert hsdp.to_dict()["heal"]["payload_bytes"] == hsdp.heal.payload_bytes and base.to_dict()["heal"] is None
+    # groups of one rank: ddp; its all-reduce on dp is the one across the groups
+    _, ft = _plan(counts, 2, 2)
+    assert [lay.name for lay in ft] == ["ddp"]
+    ddp = ft[0]
+    assert ddp.heal.payload_bytes == P * (4 + 8) + 4 * tensors
+    assert [(c.dim, planner.ACROSS_GROUPS in c.what) for c in ddp.traffic] == [("dp", True)]
+
+
+def test_heal_transfer_formula_and_refusals():
+    heal = planner.heal_transfer(1200, state=FP32, zero_stage=2, shard_size=4, replica_groups=3, tensors=5)
+    assert heal.payload_bytes == 300 * 12 + 5 * 4 == heal.wire_bytes  # ZeRO-2 rests sharded as ZeRO-3 under FSDP2
+    assert planner.heal_transfer(1200, state=FP32, zero_stage=3, shard_size=4, replica_groups=3, tensors=5) == heal
+    with pytest.raises(ValueError, match="zero_stage=1 is not supported by fault_tolerance"):
+        planner.heal_transfer(1200, state=FP32, zero_stage=1, shard_size=4, replica_groups=2)
+    with pytest.raises(ValueError, match="`replica_groups=1`: .* at least 2 groups"):
+        _plan(1200, 4, 1)
+
+
+def test_cli_plan_replica_groups_prints_the_heal_column(capsys):
+    argv = ["plan", "--model", GPT, "--init-args", json.dumps(SIZES), "--world-size", "4", "--devices-per-node", "2"]
+    assert main([*argv, "--precision", "32-true", "--replica-groups", "2", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    counts = _counts()
+    assert data["replica_groups"] == 2
+    rows = {lay["name"]: lay for lay in data["layouts"]}
+    assert set(rows) == {"hsdp-2", "tp2-ddp2"} and data["recommended"] == "hsdp-2"
+    assert rows["hsdp-2"]["heal"]["payload_bytes"] == counts.total / 2 * 12 + 4 * len(counts.shapes)
+    assert main([*argv, "--replica-groups", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "heal" in out and "fault-tolerant replica groups" in out and "hsdp-2 *" in out
+    # docs/planner.md's command: 8e9 parameters as 8 groups of 8 ranks
+    big = ["plan", "--params", "8e9", "--world-size", "64", "--devices-per-node", "8", "--device-memory", "80GB"]
+    assert main([*big, "--replica-groups", "8", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    rows = {lay["name"]: lay for lay in data["layouts"]}
+    assert set(rows) == {"hsdp-8", "tp8-ddp8"} and data["recommended"] == "hsdp-8"
+    assert rows["hsdp-8"]["memory"]["total"] == 16e9 and rows["hsdp-8"]["heal"]["payload_bytes"] == 12e9
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--replica-groups", "3"])
+    assert exc.value.code == 2 and "--replica-groups 3 does not divide --world-size 4" in capsys.readouterr().err
+
+
+@needs_torchft
+def test_cli_dry_run_refuses_a_bad_fault_tolerance_with_the_strategys_message_before_any_rank_starts(capsys):
+    bad = {"dp_replicate": 2, "dp_shard": 2, "fault_tolerance": {"replica_group": 2}}
+    argv = [
+        "dry-run",
+        "--model",
+        GPT,
+        "--strategy-args",
+        json.dumps(bad),
+        "--world-size",
+        "4",
+        "--devices-per-node",
+        "2",
+    ]
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2 and "replica_group=2)` is outside dp_replicate=2" in capsys.readouterr().err
+
+
+# ---- the dry run ------------------------------------------------------------------------------------------
+@pytest.fixture
+def fake_world(monkeypatch):
+    if dist.is_initialized():
+        pytest.skip("a process group is already running in this process")
+    for key in ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(key, "0")  # simulate_rank sets the cluster variables: restored after the test
+
+
+def _yaml_config(tmp_path, strategy_args: dict, world_size: int):
+    """A DryRunConfig as `lightning-dist dry-run --config` reads it from a LightningCLI YAML."""
+    import yaml
+
+    path = tmp_path / "ft.yaml"
+    spec = {"class_path": "lightning_dist.strategies.HybridShardStrategy", "init_args": strategy_args}
+    path.write_text(
+        yaml.safe_dump(
+            {"model": {"class_path": GPT, "init_args": SIZES}, "trainer": {"strategy": spec, "precision": "32-true"}}
+        )
+    )
+    argv = ["dry-run", "--config", str(path), "--world-size", str(world_size), "--devices-per-node", "2"]
+    return dry_run_config(build_parser().parse_args([*argv, "--batch-size", "2"]))
+
+
+@needs_torchft
+def test_dry_run_of_replica_groups_measures_the_planned_heal_and_the_plain_layouts_states_and_traffic(
+    fake_world, tmp_path
+):
+    from lightning_dist.dryrun import simulate_rank
+    from lightning_dist.dryrun_report import DryRunReport
+
+    ft = {"replica_group": 0}
+    hsdp = {"dp_replicate": 2, "dp_shard": 2}
+    # hsdp 2x2 as 2 replica groups of 2 (from a YAML, so no lighthouse: the plain layout is simulated), last rank
+    config = _yaml_config(tmp_path, {**hsdp, "fault_tolerance": ft}, 4)
+    assert config.strategy_args["fault_tolerance"] == ft
+    rank = simulate_rank(config, 3)
+    plain = simulate_rank(_yaml_config(tmp_path, hsdp, 4), 3)
+    assert not dist.is_initialized()
+    _, (layout, *_) = _plan(_counts(), 4, 2)
+    assert layout.name == "hsdp-2"
+    assert rank["replica_groups"] == 2 and plain["replica_groups"] is None and plain["heal_bytes"] is None
+    assert rank["heal_bytes"] == rank["planned"]["heal_bytes"] == layout.heal.payload_bytes  # ratio 1.000
+    # states and collectives as the plain layout's (the all-reduce across the groups: its dp_replicate row)
+    assert rank["states"] == plain["states"] and rank["collectives"] == plain["collectives"]
+    assert rank["planned"]["collectives"] == plain["planned"]["collectives"]
+    assert rank["planned"]["states"] == plain["planned"]["states"]
+    text = DryRunReport(config=config, ranks=[rank]).format()
+    assert "fault_tolerance: a heal sends" in text and "1.000)" in text and "across the 2 replica groups" in text
+    # ZeRO-2 rests sharded as ZeRO-3 (FSDP2): the same heal
+    zero2 = simulate_rank(_yaml_config(tmp_path, {**hsdp, "zero_stage": 2, "fault_tolerance": ft}, 4), 3)
+    assert zero2["heal_bytes"] == zero2["planned"]["heal_bytes"] == rank["heal_bytes"]
+    # groups of one rank: the average across the groups is the whole data parallelism (DDP's all-reduce)
+    ddp = simulate_rank(_yaml_config(tmp_path, {"dp_replicate": 2, "dp_shard": 1, "fault_tolerance": ft}, 2), 1)
+    _, (row, *_) = _plan(_counts(), 2, 2)
+    assert row.name == "ddp" and ddp["heal_bytes"] == ddp["planned"]["heal_bytes"] == row.heal.payload_bytes
