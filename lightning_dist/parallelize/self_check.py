@@ -1,11 +1,5 @@
-"""The self-check of a split model: one forward and backward on a probe sample, each block held to an unsplit copy.
-
-What the optimizer will use is compared, not only outputs: for every block, the gradients the split run gave its
-parameters and the block's output against those of a plain copy of that block (weights gathered, one block at a time)
-run on the same inputs with the same output gradient; and every parameter held whole on several ranks must get the
-same gradient on each; under expert parallelism, each experts module against a whole copy of its experts. It scales
-with the block, not the model (see ``docs/self_checks.md``).
-"""
+"""The self-checks of a split model: one forward and backward on a probe sample, each split block (or, under ep, each
+experts module) held to an unsplit copy, outputs and the gradients the optimizer will use (``docs/self_checks.md``)."""
 
 from __future__ import annotations
 
@@ -194,6 +188,18 @@ def _replicas_disagree(model: nn.Module, group: Any) -> tuple[float, str]:
     return worst, where
 
 
+def _verdict(worst: float, where: str, start: float) -> tuple[float, str, float]:
+    """One verdict on every rank: the worst difference anywhere, where it was, and the slowest rank's seconds since
+    `start` (one object all-gather)."""
+    seconds = time.perf_counter() - start
+    if dist.is_available() and dist.is_initialized():
+        rows: list = [None] * dist.get_world_size()
+        dist.all_gather_object(rows, (worst, where, seconds))
+        worst, where, _ = max(rows, key=lambda r: r[0])
+        seconds = max(r[2] for r in rows)
+    return worst, where, seconds
+
+
 def check_split_model(
     model: nn.Module,
     run: Callable[[], Any],
@@ -234,13 +240,7 @@ def check_split_model(
     finally:
         for p in model.parameters():
             p.grad = None
-    # one verdict on every rank: the worst difference anywhere, and where it was
-    seconds = time.perf_counter() - start
-    if dist.is_available() and dist.is_initialized():
-        rows: list = [None] * dist.get_world_size()
-        dist.all_gather_object(rows, (worst, where, seconds))
-        worst, where, _ = max(rows, key=lambda r: r[0])
-        seconds = max(r[2] for r in rows)
+    worst, where, seconds = _verdict(worst, where, start)
     tol = TOLERANCE.get(dtype, 1e-3)
     if not worst <= tol:
         raise ValueError(
@@ -338,12 +338,7 @@ def check_experts(
     finally:
         for p in model.parameters():
             p.grad = None
-    seconds = time.perf_counter() - start
-    if dist.is_available() and dist.is_initialized():
-        rows: list = [None] * dist.get_world_size()
-        dist.all_gather_object(rows, (worst, where, seconds))
-        worst, where, _ = max(rows, key=lambda r: r[0])
-        seconds = max(r[2] for r in rows)
+    worst, where, seconds = _verdict(worst, where, start)
     params = [p for _, m in experts for p in m.parameters()]
     tol = TOLERANCE.get(params[0].dtype if params else torch.float32, 1e-3)
     if not worst <= tol:

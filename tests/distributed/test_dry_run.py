@@ -119,7 +119,7 @@ def test_a_deepseek_v3_shaped_moe_dry_runs_at_256_ranks_with_expert_parallelism_
             assert planned > 0 and abs(measured / planned - 1) <= 0.01, (r["rank"], key, measured, planned)
         assert r["states"]["total"] == pytest.approx(r["planned"]["states"]["total"], rel=0.01)
         assert "uniform routing" in r["routing"] and report.fits(r) is True
-    assert "the all-to-all bytes assume uniform routing" in " ".join(report.format(width=200).split())
+    assert "(ep's all-to-all bytes) assume uniform routing" in " ".join(report.format(width=200).split())
 
 
 def test_dry_run_refuses_like_the_cluster():
