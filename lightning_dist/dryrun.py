@@ -234,7 +234,7 @@ def simulate_rank(config: DryRunConfig, rank: int) -> dict[str, Any]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from lightning_dist import inputs
-    from lightning_dist._compat import init_fake_process_group
+    from lightning_dist._compat import init_fake_process_group, torch_pipelining_exchanges_meta
     from lightning_dist._integrations.torch_distributed import build_replicate_reducers, ddp_on_fake_process_group
     from lightning_dist.mesh import DistMesh
     from lightning_dist.parallelize.ep import assume_routing, find_experts
@@ -289,6 +289,13 @@ def simulate_rank(config: DryRunConfig, rank: int) -> dict[str, Any]:
         mesh = DistMesh.build(spec, "cpu")
         strategy.use_mesh(mesh)
         pipelined = pipeline_view(strategy) is not None
+        if pipelined and not torch_pipelining_exchanges_meta():
+            raise RuntimeError(
+                f"The dry run of a pipeline needs torch's stage metadata exchange (torch >= 2.13); torch"
+                f" {torch.__version__} infers each stage's shapes by sending its outputs to the next stage's rank,"
+                " which the dry run's fake process group cannot carry. Dry-run pipelines on torch 2.13 or newer (the"
+                " real run works on this torch)."
+            )
         micro = strategy.n_microbatches if pipelined else 1
         if config.batch_size % micro:
             raise ValueError(f"batch_size={config.batch_size} does not divide into n_microbatches={micro}.")
