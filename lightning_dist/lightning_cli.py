@@ -12,10 +12,12 @@ import sys
 from collections.abc import Iterable
 from typing import Any, NoReturn
 
-from lightning.pytorch.cli import LightningArgumentParser
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from typing_extensions import override
 
-__all__ = ["SuggestingArgumentParser", "class_arguments", "misspelt_key_hint"]
+from lightning_dist.models import CharDataModule
+
+__all__ = ["CharCLI", "SuggestingArgumentParser", "char_cli", "class_arguments", "misspelt_key_hint"]
 
 # a key of the command (YAML or --flag) that no option has; jsonargparse's wording (4.27 to 4.53)
 _UNKNOWN_OPTION = re.compile(r"(?:Subcommand '\w+' does not accept option|Option) '(?P<key>[\w.]+)'")
@@ -82,3 +84,27 @@ class SuggestingArgumentParser(LightningArgumentParser):
             super().error(message, ex)
         sys.stderr.write(f"error: {hint}\n{message}\ntip: `{command} --help` lists every argument.\n")
         self.exit(2)
+
+
+class CharCLI(LightningCLI):
+    """LightningCLI for the character models of ``lightning_dist.models``: sequence length and vocabulary size
+    come from the data module."""
+
+    @override
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        # one source of truth for sizes the data fixes
+        parser.link_arguments("data.block_size", "model.block_size")
+        parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
+
+
+def char_cli(model_class: type, args: list[str] | None = None) -> LightningCLI:
+    """Run :class:`CharCLI` for ``model_class`` on ``CharDataModule`` with ``args`` (default: the command line);
+    returns the CLI (its ``trainer`` and ``model``)."""
+    return CharCLI(
+        model_class,
+        CharDataModule,
+        seed_everything_default=0,
+        save_config_kwargs={"overwrite": True},
+        parser_class=SuggestingArgumentParser,  # a misspelt config key: the closest one, said first
+        args=args,
+    )

@@ -9,31 +9,16 @@ vocabulary size comes from the data module.
 
 from __future__ import annotations
 
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.cli import LightningCLI
 
 import lightning_dist  # noqa: F401  (importing the pack registers its strategy names)
-from lightning_dist.lightning_cli import SuggestingArgumentParser
-from lightning_dist.models import CharDataModule, CharMoEGPT
-
-
-class CharMoEGPTCLI(LightningCLI):
-    """LightningCLI for :class:`CharMoEGPT`: sequence length and vocabulary size come from the data module."""
-
-    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        parser.link_arguments("data.block_size", "model.block_size")
-        parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
+from lightning_dist.lightning_cli import char_cli
+from lightning_dist.models import CharMoEGPT
 
 
 def main(args: list[str] | None = None) -> LightningCLI:
     """Run the CLI on ``args`` (default: the command line) and return it (its ``trainer`` and ``model``)."""
-    return CharMoEGPTCLI(
-        CharMoEGPT,
-        CharDataModule,
-        seed_everything_default=0,
-        save_config_kwargs={"overwrite": True},
-        parser_class=SuggestingArgumentParser,
-        args=args,
-    )
+    return char_cli(CharMoEGPT, args)
 
 
 if __name__ == "__main__":
