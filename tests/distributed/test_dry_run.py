@@ -363,9 +363,10 @@ def test_dry_run_reports_the_async_checkpoint_staging_copy():
 
 
 def test_the_readme_llama3_8b_shape_dry_run_meets_its_estimates_and_time():
-    # docs/planner.md's command on its YAML (four of its five ranks: 1023 is 768's stage): the planner's activation
-    # estimate within 15% of the measurement on every stage, states exact. Its time per rank (goal: under 2 min) is
-    # benchmarks/dry_run.py's to print: timings are not asserted in tests (a loaded CI machine is not a measurement)
+    # docs/planner.md's command on its YAML, one rank per kind of stage (the first, a middle one: stages 1 and 2 hold
+    # the same blocks, the last): the planner's activation estimate within 15% of the measurement, states exact. Its
+    # time per rank (goal: under 2 min) is benchmarks/dry_run.py's to print: timings are not asserted in tests (a
+    # loaded CI machine is not a measurement)
     import json
     import subprocess
     import sys
@@ -375,7 +376,7 @@ def test_the_readme_llama3_8b_shape_dry_run_meets_its_estimates_and_time():
     args = "--world-size 1024 --devices-per-node 8 --device-memory 80GB --seq-len 8192 --batch-size 8"
     cmd = [sys.executable, "-m", "lightning_dist.cli", "dry-run", "--config", "examples/dry_run/llama3_8b_shape.yaml"]
     run = subprocess.run(
-        [*cmd, *args.split(), "--ranks", "0,256,512,768", "--json"],
+        [*cmd, *args.split(), "--ranks", "0,512,768", "--json"],
         cwd=root,
         capture_output=True,
         text=True,
@@ -383,7 +384,7 @@ def test_the_readme_llama3_8b_shape_dry_run_meets_its_estimates_and_time():
     )
     assert run.returncode == 0, run.stderr[-3000:]
     ranks = json.loads(run.stdout)["ranks"]
-    assert [r["stages"] for r in ranks] == [[0], [1], [2], [3]]
+    assert [r["stages"] for r in ranks] == [[0], [2], [3]]
     for r in ranks:
         ratio = r["peak_activation_bytes"] / r["planned"]["peak_activation_bytes"]
         assert abs(ratio - 1) <= 0.15, (r["rank"], ratio)
