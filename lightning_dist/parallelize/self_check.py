@@ -8,7 +8,7 @@ import time
 import types
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -21,6 +21,7 @@ from lightning_dist.parallelize.ep import GLOBAL_EXPERTS_KEY
 # relative difference a correct split stays under (rounding of another reduction order, with a wide margin); a
 # missing or doubled reduction is off by tens of percent
 TOLERANCE = {torch.float64: 1e-5, torch.float32: 1e-3, torch.bfloat16: 0.15, torch.float16: 0.15}
+R = TypeVar("R")
 
 
 @dataclass
@@ -47,6 +48,85 @@ def first_tensor(out: Any) -> Optional[Tensor]:
         return logits
     values = out.values() if isinstance(out, Mapping) else out if isinstance(out, (list, tuple)) else ()
     return next((t for t in map(first_tensor, values) if t is not None), None)
+
+
+# ---- probe samples -------------------------------------------------------------------------------
+def _cast(sample: Any, device: torch.device, dtype: torch.dtype) -> Any:
+    if isinstance(sample, Tensor):
+        return sample.to(device, dtype) if sample.is_floating_point() else sample.to(device)
+    if isinstance(sample, Mapping):
+        return {k: _cast(v, device, dtype) for k, v in sample.items()}
+    if isinstance(sample, (list, tuple)):
+        return type(sample)(_cast(v, device, dtype) for v in sample)
+    return sample
+
+
+def _made_up(module: nn.Module) -> list[tuple[nn.Module, Any]]:
+    """(network, sample) guesses for a module without ``example_input_array``, most likely first (may be empty)."""
+    children = [c for c in module.children() if any(True for _ in c.parameters())]
+    net = children[0] if len(children) == 1 else module
+    first = next((m for m in net.modules() if any(True for _ in m.parameters(recurse=False))), None)
+    # registration order is not forward order (litgpt registers lm_head before its token embedding): token ids
+    # for the first nn.Embedding (images for the first nn.Conv2d) are tried too
+    embedding = next((m for m in net.modules() if isinstance(m, (nn.Embedding, nn.Conv2d))), None)
+    g = torch.Generator().manual_seed(0)  # the same sample on every rank
+    guesses = []
+    for layer in dict.fromkeys(m for m in (first, embedding) if m is not None):
+        if isinstance(layer, nn.Embedding):
+            guesses.append((net, torch.randint(0, layer.num_embeddings, (2, 4), generator=g)))
+        elif isinstance(layer, nn.Linear):
+            guesses.append((net, torch.randn(2, layer.in_features, generator=g)))
+        elif isinstance(layer, nn.Conv2d):  # an image model: square images of the size it declares, if it does
+            size = next(
+                (getattr(m, "image_size") for m in net.modules() if isinstance(getattr(m, "image_size", None), int)),
+                None,
+            )
+            if size is not None:
+                guesses.append((net, torch.randn(2, layer.in_channels, size, size, generator=g)))
+    return guesses
+
+
+def probe_samples(module: nn.Module, device: Optional[torch.device] = None) -> list[tuple[nn.Module, Any]]:
+    """(network, sample) guesses to run `module` on: its ``example_input_array``, else made-up token ids, rows or
+    images for the network it holds; cast to `device` (default: its parameters') and its parameters' dtype. Empty when
+    it has no parameters."""
+    params = list(module.parameters())
+    if not params:
+        return []
+    sample = getattr(module, "example_input_array", None)
+    guesses = [(module, sample)] if sample is not None else _made_up(module)
+    return [(net, _cast(s, device or params[0].device, params[0].dtype)) for net, s in guesses]
+
+
+def run_eval(module: nn.Module, sample: Any, *, grad: bool = False) -> Any:
+    """`module` on `sample` in eval mode (no dropout), eager, with autograd only when `grad`."""
+    training = module.training
+    module.eval()
+    try:
+        # eager even where blocks are compiled: a compile for the probe's one sample (eval, its own sizes) would cost
+        # a compile and mark the sizes dynamic for training's
+        with torch.set_grad_enabled(grad), torch.compiler.set_stance("force_eager"):
+            if isinstance(sample, Mapping):
+                return module(**sample)
+            return module(*sample) if isinstance(sample, tuple) else module(sample)
+    finally:
+        module.train(training)
+
+
+def run_first_probe(module: nn.Module, check: Callable[[Callable[[], Any]], R], *, roll: int = 0) -> Optional[R]:
+    """``check(run)``, `run` being `module`'s forward (eval mode, autograd on) on the first probe sample it takes, that
+    sample rolled by `roll` along its last dim (a sample of its own per data-parallel rank). The check's refusal (a
+    ``ValueError``) propagates; any other error tries the next sample, alike on every rank. None when no sample runs."""
+    for net, sample in probe_samples(module):
+        if roll:
+            sample = tree_map(lambda t: t.roll(roll, -1) if isinstance(t, Tensor) and t.dim() else t, sample)
+        try:
+            return check(lambda: run_eval(net, sample, grad=True))
+        except ValueError:
+            raise
+        except Exception:  # a made-up sample this forward does not take: the next guess
+            continue
+    return None
 
 
 # a gradient is compared relative to its own size, or to this share of its block's when smaller: a parameter whose exact
@@ -390,4 +470,14 @@ def gradient_problem(
     )
 
 
-__all__ = ["SelfCheckReport", "TOLERANCE", "check_experts", "check_split_model", "first_tensor", "gradient_problem"]
+__all__ = [
+    "SelfCheckReport",
+    "TOLERANCE",
+    "check_experts",
+    "check_split_model",
+    "first_tensor",
+    "gradient_problem",
+    "probe_samples",
+    "run_eval",
+    "run_first_probe",
+]

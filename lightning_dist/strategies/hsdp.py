@@ -168,38 +168,29 @@ class HybridShardStrategy(ReplicaGroupsMixin):
         due, self._ep_check_pending = self._ep_check_pending, False
         if not due:
             return
-        from torch.utils._pytree import tree_map
-
         from lightning_dist.parallelize.ep import find_experts
-        from lightning_dist.parallelize.self_check import check_experts
-        from lightning_dist.parallelize.tp.probe import probe_samples, run_eval
+        from lightning_dist.parallelize.self_check import check_experts, run_first_probe
 
-        module, shift = self.lightning_module, self.distributed_sampler_kwargs["rank"]
+        module = self.lightning_module
         experts = find_experts(module)
-        for net, sample in probe_samples(module):
-            mine = tree_map(lambda t: t.roll(shift, -1) if isinstance(t, torch.Tensor) and t.dim() else t, sample)
-            try:
-                report = check_experts(
-                    module,
-                    lambda: run_eval(net, mine, grad=True),
-                    experts,
-                    dp_group=self.mesh.dp_group,
-                    describe=f"expert parallelism (ep={self.ep})",
-                )
-            except ValueError:
-                raise
-            except Exception:  # a made-up sample this forward does not take: the next guess (the same on every rank)
-                continue
-            self.ep_check_report = report
-            rank_zero_info(
-                f"expert-parallel self-check: {report.blocks} experts module(s), outputs and expert gradients after the"
-                f" dispatch and the data-parallel reduction, match whole copies (worst relative difference"
-                f" {report.worst:.1e}); {report.seconds:.2f} s. self_check=False skips it."
+        report = run_first_probe(
+            module,
+            lambda run: check_experts(
+                module, run, experts, dp_group=self.mesh.dp_group, describe=f"expert parallelism (ep={self.ep})"
+            ),
+            roll=self.distributed_sampler_kwargs["rank"],
+        )
+        if report is None:
+            rank_zero_warn(
+                "expert-parallel self-check skipped: no probe sample runs through the model (set `example_input_array`"
+                " on the LightningModule to have the split experts checked against whole copies at setup)."
             )
             return
-        rank_zero_warn(
-            "expert-parallel self-check skipped: no probe sample runs through the model (set `example_input_array` on"
-            " the LightningModule to have the split experts checked against whole copies at setup)."
+        self.ep_check_report = report
+        rank_zero_info(
+            f"expert-parallel self-check: {report.blocks} experts module(s), outputs and expert gradients after the"
+            f" dispatch and the data-parallel reduction, match whole copies (worst relative difference"
+            f" {report.worst:.1e}); {report.seconds:.2f} s. self_check=False skips it."
         )
 
     @override

@@ -15,10 +15,10 @@ from typing_extensions import override
 from lightning_dist._compat import TP_SEQUENCE_PARALLEL_WITH_DP_HANGS
 from lightning_dist.mesh import TP, MeshSpec
 from lightning_dist.parallelize import ParallelizeConfig, parallelize_model
-from lightning_dist.parallelize.self_check import SelfCheckReport, check_split_model
+from lightning_dist.parallelize.self_check import SelfCheckReport, check_split_model, run_first_probe
 from lightning_dist.parallelize.tp.loss import LogitsGuard, head_entry, loss_parallel_step
 from lightning_dist.parallelize.tp.plan import ResolvedPlan, format_plan, resolve_tp_plan
-from lightning_dist.parallelize.tp.probe import probe_samples, run_eval
+from lightning_dist.parallelize.tp.probe import check_probe, probe_output
 from lightning_dist.parallelize.tp.vocab import TPEntry
 from lightning_dist.parallelize.units import select_units
 from lightning_dist.strategies.hsdp import HybridShardStrategy
@@ -27,34 +27,29 @@ from lightning_dist.strategies.hsdp import HybridShardStrategy
 class TensorParallelStrategy(HybridShardStrategy):
     """Tensor parallelism from a declarative plan, composed with hybrid sharding on one mesh (``strategy="tp"``).
 
-    The mesh is ``dp_replicate x dp_shard x tp``: each ``tp`` group (consecutive ranks, inside a node)
-    splits every planned layer; FSDP2 then shards what TP left over ``dp_shard`` and replicates over
-    ``dp_replicate``. All ranks of a ``tp`` group get the same samples, and ``self.log(...,
-    sync_dist=True)`` / metrics reduce over the data-parallel ranks only.
+    The mesh is ``dp_replicate x dp_shard x tp``: each ``tp`` group (consecutive ranks, inside a node) splits every
+    planned layer; FSDP2 then shards what TP left over ``dp_shard`` and replicates over ``dp_replicate``. All ranks of
+    a ``tp`` group get the same samples; ``self.log(..., sync_dist=True)`` and metrics reduce over the data-parallel
+    ranks only (``docs/strategies/tp.md``).
 
     Args:
         tp: tensor-parallel degree; ``"auto"``: the devices of one node.
-        tp_plan: ``"auto"`` (the built-in plan that matches the model), a built-in plan name
-            (``"hf"``: the HuggingFace model's own, ``"transformer"``: from the structure, ``"mlp"``) or a mapping
-            ``{module-name glob: style}``
-            (see :mod:`lightning_dist.parallelize.tp.apply`). Patterns are matched against the LightningModule's
-            module names or any dotted suffix of them. One of :class:`MeshStrategy`'s model options, as on
-            ``PipelineStrategy``.
+        tp_plan: ``"auto"`` (the built-in plan that matches the model), a built-in plan name (``"hf"``: the
+            HuggingFace model's own, ``"transformer"``: from the structure, ``"mlp"``) or a mapping
+            ``{module-name glob: style}``. One of :class:`MeshStrategy`'s model options.
         sequence_parallel: run norms/dropout between the parallel regions on sequence shards
             (reduce-scatter/all-gather instead of all-reduce; activations between regions are 1/tp).
         sequence_dim: the activation dim that sequence parallelism splits (``[B, T, C]``: 1).
-        loss_parallel: keep the output head's logits sharded on the vocabulary (no ``[tokens x vocab]`` tensor per
-            tp rank, no all-gather of them) and run the training, validation and test steps and the backward
-            inside torch's ``loss_parallel``; the loss must be cross-entropy on those logits (anything else is
-            refused at the first step, naming the call). Needs a plan with exactly one ``colwise_gather`` layer (the
-            head).
+        loss_parallel: keep the output head's logits sharded on the vocabulary and run the training, validation and
+            test steps and the backward inside torch's ``loss_parallel``; the loss must be cross-entropy on those
+            logits (anything else is refused at the first step). Needs a plan with exactly one ``colwise_gather``
+            layer (the head).
         dp_replicate, dp_shard: data-parallel sizes (``"auto"``: shard inside a node, replicate across nodes).
         zero_stage: 3 or 2 (FSDP2 reshards parameters after forward or not); 1 needs ``tp=1``.
         plan: the former name of ``tp_plan``, accepted with a DeprecationWarning until 0.2.
-        self_check: at setup, run one forward and backward of the split model on a probe sample and hold each block's
-            output and gradients to an unsplit copy of that block, and the gradients of parameters held whole to each
-            other over tp; a difference is refused naming the block or parameter (``docs/self_checks.md``). Its cost is
-            printed once. ``False`` skips it, for a model you have checked yourself.
+        self_check: at setup, hold each split block's output and gradients on a probe sample to an unsplit copy of
+            it, and the gradients of parameters held whole to each other over tp; a difference is refused naming the
+            block or parameter (``docs/self_checks.md``). ``False`` skips it.
         **kwargs: the other options of :class:`HybridShardStrategy` / :class:`MeshStrategy`.
     """
 
@@ -184,8 +179,6 @@ class TensorParallelStrategy(HybridShardStrategy):
 
     @override
     def parallelize(self, module: pl.LightningModule) -> None:
-        from lightning_dist.parallelize.tp.probe import check_probe, probe_output
-
         tp = self.mesh.size(TP)
         config, probe = self.parallelize_config(), None
         if tp > 1:
@@ -193,7 +186,7 @@ class TensorParallelStrategy(HybridShardStrategy):
             config = dataclasses.replace(config, tp_plan=plan)
             self.tp_entries = list(plan.entries)
             rank_zero_info(format_plan(self.tp_entries, tp=tp))
-            # the unsplit model's output on one sample, to compare with the split one's (parallelize/tp/probe.py)
+            # the unsplit model's output on one sample, to compare with the split one's
             probe = probe_output(module, self.root_device, self.tp_entries)
         parallelize_model(module, self.mesh, config)
         if probe is not None:
@@ -203,8 +196,8 @@ class TensorParallelStrategy(HybridShardStrategy):
 
     @override
     def check_split_model(self) -> None:
-        """Each split block held to an unsplit copy of it, forward and backward (:mod:`~lightning_dist.parallelize.
-        self_check`), once per parallelization; under ep, the experts too."""
+        """Each split block held to an unsplit copy of it, forward and backward, once per parallelization; under ep,
+        the experts too."""
         self._check_experts()
         if not self._self_check_pending:
             return
@@ -212,30 +205,24 @@ class TensorParallelStrategy(HybridShardStrategy):
         module, tp = self.lightning_module, self.mesh.size(TP)
         planned = {module.get_submodule(e.fqn) for e in self.tp_entries if e.active and e.style != "replicate"}
         blocks = [(n, b) for n, b in select_units(module) if any(m in planned for m in b.modules())]
-        for net, sample in probe_samples(module):
-            try:
-                report = check_split_model(
-                    module,
-                    lambda: run_eval(net, sample, grad=True),
-                    blocks,
-                    replica_group=self.mesh.group(TP),
-                    describe=f"tensor-parallel plan (tp={tp})",
-                )
-            except ValueError:
-                raise
-            except Exception:  # a made-up sample this forward does not take: the next guess (the same on every rank)
-                continue
-            self.self_check_report = report
-            self.reshard()
-            rank_zero_info(
-                f"tensor-parallel self-check: {report.blocks} block(s) and the parameters held whole on every tp rank,"
-                f" forward and backward, match one device (worst relative difference {report.worst:.1e});"
-                f" {report.seconds:.2f} s. self_check=False skips it."
+        report = run_first_probe(
+            module,
+            lambda run: check_split_model(
+                module, run, blocks, replica_group=self.mesh.group(TP), describe=f"tensor-parallel plan (tp={tp})"
+            ),
+        )
+        if report is None:
+            rank_zero_warn(
+                "tensor-parallel self-check skipped: no probe sample runs through the model (set `example_input_array`"
+                " on the LightningModule to have the split checked against one device at setup)."
             )
             return
-        rank_zero_warn(
-            "tensor-parallel self-check skipped: no probe sample runs through the model (set `example_input_array`"
-            " on the LightningModule to have the split checked against one device at setup)."
+        self.self_check_report = report
+        self.reshard()
+        rank_zero_info(
+            f"tensor-parallel self-check: {report.blocks} block(s) and the parameters held whole on every tp rank,"
+            f" forward and backward, match one device (worst relative difference {report.worst:.1e});"
+            f" {report.seconds:.2f} s. self_check=False skips it."
         )
 
     def _loss_parallel(self, step: bool = True) -> Any:
@@ -252,7 +239,7 @@ class TensorParallelStrategy(HybridShardStrategy):
     @override
     def step_context(self) -> Any:
         stack = contextlib.ExitStack()
-        stack.enter_context(self._loss_parallel())  # outside the base's (context parallelism), as before
+        stack.enter_context(self._loss_parallel())  # outside the base's (context parallelism)
         stack.enter_context(super().step_context())
         return stack
 

@@ -9,7 +9,14 @@ from collections.abc import Callable, Mapping
 from torch import nn
 
 from lightning_dist.parallelize.shared import shared_parameters
-from lightning_dist.parallelize.tp.vocab import PlanValue, is_conv1d, is_norm, linear_like, pattern_matches, plan_roots
+from lightning_dist.parallelize.tp.vocab import (
+    PlanValue,
+    is_norm,
+    linear_like,
+    out_features,
+    pattern_matches,
+    plan_roots,
+)
 from lightning_dist.parallelize.units import find_block_lists
 
 # HuggingFace style name (transformers.distributed.tensor_parallel) -> ours; styles HF has and we lack (packed,
@@ -72,8 +79,7 @@ BLOCKED_QKV = ("c_attn",)
 
 def _blocked_qkv(attn: nn.Module, name: str) -> bool:
     """True when `attn.<name>` is a self-attention's fused [q | k | v] projection: three blocks of its width."""
-    layer = getattr(attn, name, None)
-    out = getattr(layer, "nf", None) or getattr(layer, "out_features", None)
+    out = out_features(getattr(attn, name, None))
     width = next(
         (getattr(attn, a) for a in ("split_size", "embed_dim") if isinstance(getattr(attn, a, None), int)), None
     )
@@ -96,7 +102,7 @@ def _config_qkv(attn: nn.Module, name: str) -> str | None:
 
 
 def _lin(module: nn.Module | None, name: str) -> bool:
-    return linear_like(getattr(module, name, None)) if module is not None and hasattr(module, name) else False
+    return linear_like(getattr(module, name, None))
 
 
 def _region(module: nn.Module, layouts) -> tuple[tuple[str, ...], str] | None:
@@ -218,21 +224,14 @@ def transformer_plan(model: nn.Module, *, tp: int = 1) -> dict[str, str]:
             plan[f"{list_name}.0"] = "sp_enter"
             plan[f"{list_name}.{len(blocks) - 1}"] = "sp_exit"
     head = _output_head(model, lists)
-    if head is not None:
-        module = model.get_submodule(head)
-        out = module.nf if is_conv1d(module) else module.out_features
-        if out % tp == 0:
-            plan[head] = "colwise_gather"
+    if head is not None and out_features(model.get_submodule(head)) % tp == 0:
+        plan[head] = "colwise_gather"
     return plan
 
 
 def mlp_plan(model: nn.Module, *, tp: int = 1) -> dict[str, str]:
-    """Plan for a network whose parameters all live in Linear layers: pairs (colwise, rowwise) in order.
-
-    An odd last Linear stays replicated. Assumes the Linears run in registration order with only
-    element-wise functions between the two layers of a pair. Raises ValueError when other modules hold
-    parameters.
-    """
+    """Plan for a network whose parameters all live in Linear layers, run in registration order: pairs (colwise,
+    rowwise) with only element-wise functions between them; an odd last Linear stays replicated."""
     others = [
         f"{n} ({type(m).__name__})"
         for n, m in model.named_modules()
@@ -295,11 +294,8 @@ BUILTIN_PLANS: dict[str, Callable[..., dict[str, str]]] = {
 
 
 def tie_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
-    """`plan` plus a vocab-parallel (``rowwise``) entry for each nn.Embedding tied to a column-split head.
-
-    A head split on its output features splits its weight on dim 0, the vocabulary; the embedding sharing
-    that weight must be split on the same dim to remain one parameter (Megatron's tied embedding).
-    """
+    """`plan` plus a vocab-parallel (``rowwise``) entry for each nn.Embedding tied to a column-split head: split on the
+    vocabulary as the head's weight is, the two remain one parameter (Megatron's tied embedding)."""
     roots = plan_roots(model)
     modules = dict(model.named_modules())
     plan = dict(plan)
@@ -350,15 +346,3 @@ def suggest_plan(model: nn.Module) -> str:
         "\nA plan to start from (each module's last Linear row-wise, the others column-wise; check it against"
         " your forward):\nplan:\n" + "\n".join(lines[:24]) + ("\n  ..." if len(lines) > 24 else "")
     )
-
-
-__all__ = [
-    "BUILTIN_PLANS",
-    "HF_STYLES",
-    "builtin_plan",
-    "hf_plan",
-    "mlp_plan",
-    "suggest_plan",
-    "tie_plan",
-    "transformer_plan",
-]

@@ -1,70 +1,50 @@
-"""Checks of a tensor-parallel plan against the model, in one process: sizes, heads, regions, head attributes.
-
-Used by :func:`lightning_dist.parallelize.tp.plan.resolve_plan` (collects every problem, then raises once) and by
-``apply_tp`` (head-count attributes made local). Module kinds (Linear, HF ``Conv1D``, norms) come from
-:mod:`.vocab`, as for the plans, so that plans and checks agree.
-"""
+"""Checks of a tensor-parallel plan against the model, in one process (sizes, heads, regions, single inputs), and the
+head-count attributes of split regions made local."""
 
 from __future__ import annotations
 
+import copy
+import inspect
 from collections.abc import Mapping
 
 from torch import nn
 
-from lightning_dist.parallelize.tp.vocab import TPEntry, is_conv1d, linear_like
+from lightning_dist.parallelize.tp.vocab import TPEntry, is_conv1d, linear_like, out_features, split_regions
 
 _HEAD_ATTRS = ("n_heads", "num_heads", "n_head", "num_attention_heads")
-# head counts an attention module may read in its forward: set to the local count on a split region (as
-# torchtitan sets n_heads // tp); kept as they were in GLOBAL_ATTRS_KEY for single-device copies
-LOCAL_ATTRS = (
-    *_HEAD_ATTRS,
-    "num_key_value_heads",
-    "num_kv_heads",
-    "n_kv_heads",
-    "n_kv_head",
-    "all_head_size",
-    "split_size",
-    "embed_dim",
-)  # GPT-2's attention splits c_attn's output by split_size (= embed_dim)
+_KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_head")
+# head counts an attention module may read in its forward: set to the local count on a split region (as torchtitan
+# sets n_heads // tp), the global ones kept under GLOBAL_ATTRS_KEY for single-device copies; GPT-2's attention splits
+# c_attn's output by split_size (= embed_dim)
+LOCAL_ATTRS = (*_HEAD_ATTRS, *_KV_HEAD_ATTRS, "all_head_size", "split_size", "embed_dim")
 GLOBAL_ATTRS_KEY = "_tp_global_attrs"
-# the same counts read from a `config` object (litgpt: self.config.n_head, n_query_groups): the split module
-# gets its own shallow copy of the config with the local counts (the config is shared by every layer)
-CONFIG_ATTRS = (
-    "n_head",
-    "n_heads",
-    "num_heads",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "n_query_groups",
-    "num_kv_heads",
-    "n_kv_heads",
-)
+# the same counts read from a `config` object (litgpt: self.config.n_head, n_query_groups): the split module gets its
+# own shallow copy of the config with the local counts (the config is shared by every layer)
+CONFIG_ATTRS = (*_HEAD_ATTRS, "num_key_value_heads", "n_query_groups", "num_kv_heads", "n_kv_heads")
+
+
+def _ints(obj: object, attrs: tuple[str, ...]) -> dict[str, int]:
+    values = {a: getattr(obj, a, None) for a in attrs}
+    return {a: v for a, v in values.items() if isinstance(v, int) and not isinstance(v, bool)}
+
+
+def _first_int(obj: object, attrs: tuple[str, ...]) -> int | None:
+    return next((getattr(obj, a) for a in attrs if isinstance(getattr(obj, a, None), int)), None)
 
 
 def _config_counts(module: nn.Module) -> tuple[object | None, dict[str, int]]:
     cfg = module.__dict__.get("config")
     if cfg is None or isinstance(cfg, nn.Module):
         return None, {}
-    counts = {a: getattr(cfg, a, None) for a in CONFIG_ATTRS}
-    return cfg, {a: v for a, v in counts.items() if isinstance(v, int) and not isinstance(v, bool)}
-
-
-def _split_regions(entries: list[TPEntry]) -> list[str]:
-    """Parents of column-wise layers consumed by a row-wise sibling: the attention/MLP modules that are split."""
-    parents: dict[str, set[str]] = {}
-    for e in entries:
-        if e.active and e.style in ("colwise", "colwise_qkv", "rowwise"):
-            parents.setdefault(e.fqn.rpartition(".")[0], set()).add("rowwise" if e.style == "rowwise" else "colwise")
-    return [p for p, styles in parents.items() if styles == {"colwise", "rowwise"}]
+    return cfg, _ints(cfg, CONFIG_ATTRS)
 
 
 def local_attr_problems(model: nn.Module, entries: list[TPEntry], tp: int) -> list[str]:
     problems = []
-    for parent in _split_regions(entries):
+    for parent in split_regions(entries):
         module = model.get_submodule(parent)
-        for attr in LOCAL_ATTRS:
-            value = getattr(module, attr, None)
-            if isinstance(value, int) and not isinstance(value, bool) and value % tp:
+        for attr, value in _ints(module, LOCAL_ATTRS).items():
+            if value % tp:
                 problems.append(
                     f"{parent or type(model).__name__} has {attr}={value}, which the plan must set to the local count"
                     f" {attr} // tp on each rank, but {value} is not divisible by tp={tp}; choose a tp that divides it."
@@ -79,28 +59,20 @@ def local_attr_problems(model: nn.Module, entries: list[TPEntry], tp: int) -> li
 
 
 def set_local_attrs(model: nn.Module, entries: list[TPEntry], tp: int, *, within: nn.Module | None = None) -> list[str]:
-    """Divide the head-count attributes of each split region by `tp`; returns ``module.attr`` names changed.
-
-    `within`: only regions that are modules of this piece of `model` (a pipeline stage). Idempotent: a
-    region whose global values are already kept is left alone.
-    """
+    """Divide the head-count attributes of each split region by `tp` (only regions inside `within`, a pipeline stage,
+    when given; a region whose global values are already kept is left alone); returns the ``module.attr`` changed."""
     inside = None if within is None else {id(m) for m in within.modules()}
     changed = []
-    for parent in _split_regions(entries):
+    for parent in split_regions(entries):
         module = model.get_submodule(parent)
         if (inside is not None and id(module) not in inside) or GLOBAL_ATTRS_KEY in module.__dict__:
             continue
-        saved = {}
-        for attr in LOCAL_ATTRS:
-            value = getattr(module, attr, None)
-            if isinstance(value, int) and not isinstance(value, bool):
-                saved[attr] = value
-                setattr(module, attr, value // tp)
-                changed.append(f"{parent}.{attr}")
+        saved: dict[str, object] = _ints(module, LOCAL_ATTRS)
+        for attr, value in saved.items():
+            setattr(module, attr, value // tp)
+            changed.append(f"{parent}.{attr}")
         cfg, counts = _config_counts(module)
         if counts:
-            import copy
-
             local = copy.copy(cfg)  # this module's own config: the shared one keeps the global counts
             for attr, value in counts.items():
                 setattr(local, attr, value // tp)
@@ -117,18 +89,13 @@ def divisibility_problems(fqn: str, module: nn.Module, style: str, tp: int, pare
     if style == "colwise_qkv":
         return _fused_problems(fqn, module, tp, parent)
     if style in ("colwise", "colwise_gather", "rowwise"):
+        row = style == "rowwise"
         if isinstance(module, nn.Linear):
-            size, what = (
-                (module.in_features, "in_features") if style == "rowwise" else (module.out_features, "out_features")
-            )
+            size, what = (module.in_features, "in_features") if row else (module.out_features, "out_features")
         elif is_conv1d(module):
-            size, what = (module.nx, "nx (in features)") if style == "rowwise" else (module.nf, "nf (out features)")
+            size, what = (module.nx, "nx (in features)") if row else (module.nf, "nf (out features)")
         else:
-            size, what = (
-                (module.num_embeddings, "num_embeddings")
-                if style == "rowwise"
-                else (module.embedding_dim, "embedding_dim")
-            )
+            size, what = (module.num_embeddings, "num_embeddings") if row else (module.embedding_dim, "embedding_dim")
         if size % tp:
             problems.append(
                 f"{fqn} ({type(module).__name__}, {style}): {what}={size} is not divisible by tp={tp};"
@@ -141,7 +108,7 @@ def divisibility_problems(fqn: str, module: nn.Module, style: str, tp: int, pare
 
 def _fused_problems(fqn: str, module: nn.Module, tp: int, parent: nn.Module | None) -> list[str]:
     """A fused [q | k | v] projection: three equal blocks, each split into whole heads over `tp`."""
-    out = module.nf if is_conv1d(module) else module.out_features
+    out = out_features(module)
     if out % 3:
         return [
             f"{fqn} ({type(module).__name__}, colwise_qkv): {out} output features are not three equal [q | k | v]"
@@ -164,29 +131,28 @@ def _fused_problems(fqn: str, module: nn.Module, tp: int, parent: nn.Module | No
 
 
 def _head_dim(attn: nn.Module) -> int | None:
-    """Per-head width of an attention module: its ``head_dim``/``head_size``, or from its ``config``."""
-    for attr in ("head_dim", "head_size"):
-        if isinstance(getattr(attn, attr, None), int):
-            return getattr(attn, attr)
+    """Per-head width of an attention module: its or its ``config``'s ``head_dim``/``head_size`` (litgpt), else the
+    config's width over the head count."""
     cfg = getattr(attn, "config", None)
-    for attr in ("head_dim", "head_size"):  # head_size: litgpt's config
-        if isinstance(getattr(cfg, attr, None), int):
-            return getattr(cfg, attr)
-    heads = next((getattr(attn, a) for a in _HEAD_ATTRS if isinstance(getattr(attn, a, None), int)), None)
+    for obj in (attn, cfg):
+        head_dim = _first_int(obj, ("head_dim", "head_size"))
+        if head_dim is not None:
+            return head_dim
+    heads = _first_int(attn, _HEAD_ATTRS)
     if heads is None:
-        heads = next((getattr(cfg, a) for a in _HEAD_ATTRS if isinstance(getattr(cfg, a, None), int)), None)
-    width = getattr(cfg, "hidden_size", None) if cfg is not None else None
+        heads = _first_int(cfg, _HEAD_ATTRS)
+    width = getattr(cfg, "hidden_size", None)
     return width // heads if isinstance(width, int) and heads else None
 
 
 def _head_problems(fqn: str, module: nn.Module, tp: int, parent: nn.Module) -> list[str]:
     # a column-wise projection of an attention module must give each rank whole heads (query or key/value heads)
     head_dim = _head_dim(parent)
-    out = module.nf if is_conv1d(module) else getattr(module, "out_features", None)
+    out = out_features(module)
     name = fqn.rpartition(".")[2]
     if not head_dim or not isinstance(out, int) or out % head_dim:
         # no head width known: the module's own head count attribute, if any
-        heads = next((getattr(parent, a) for a in _HEAD_ATTRS if isinstance(getattr(parent, a, None), int)), None)
+        heads = _first_int(parent, _HEAD_ATTRS)
         if heads is None:
             return []
     else:
@@ -209,8 +175,6 @@ ONE_INPUT_STYLES = ("region_input", "sp_enter", "sp_exit", "sp_region")
 def forward_inputs(module: nn.Module) -> list[str] | None:
     """Names of the positional inputs `module`'s forward requires (no default), ``*args`` as ``*name``; None when
     its signature cannot be read."""
-    import inspect
-
     try:
         params = inspect.signature(module.forward).parameters.values()
     except (TypeError, ValueError):
@@ -220,9 +184,8 @@ def forward_inputs(module: nn.Module) -> list[str] | None:
 
 
 def input_problems(entries: list[TPEntry], modules: Mapping[str, nn.Module]) -> list[str]:
-    """A one-input style on a module whose forward takes several inputs: torch would fail at the first forward,
-    after the weights were distributed, with "module inputs and input_layouts should have same length!" (its
-    PrepareModuleInput gets one layout per positional input). Found here, in one process, before any collective."""
+    """A one-input style on a module whose forward takes several inputs (torch would fail at the first forward, after
+    the weights were distributed: its PrepareModuleInput gets one layout per positional input)."""
     problems = []
     for e in entries:
         if e.style not in ONE_INPUT_STYLES or not e.active:
@@ -231,9 +194,8 @@ def input_problems(entries: list[TPEntry], modules: Mapping[str, nn.Module]) -> 
         if names is not None and len(names) > 1:
             problems.append(
                 f"{e.fqn} ({e.module_type}) is given {e.style!r}, which lays out exactly one input, but its forward"
-                f" takes {len(names)} inputs {names} (torch would fail with 'module inputs and input_layouts"
-                " should have"
-                f" same length!'). Drop the {e.pattern!r} entry (its column-wise layers take a replicated input"
+                f" takes {len(names)} inputs {names} (torch would fail with 'module inputs and input_layouts should"
+                f" have same length!'). Drop the {e.pattern!r} entry (its column-wise layers take a replicated input"
                 " themselves; no sequence parallelism around it), or put the style on a module whose forward takes"
                 " one tensor."
             )
@@ -241,15 +203,8 @@ def input_problems(entries: list[TPEntry], modules: Mapping[str, nn.Module]) -> 
 
 
 def region_problems(entries: list[TPEntry], modules: Mapping[str, nn.Module]) -> list[str]:
-    """A plan checked against the model's structure: each split activation is consumed where it is split.
-
-    A column-wise layer leaves its output split over the tp ranks: a row-wise layer of the same parent
-    module (the attention or MLP region) must take it back, else the next layer or the loss sees a
-    fraction of the features (``Target 25 is out of bounds``). A row-wise layer expects a split input: a
-    column-wise layer of the same parent must produce it, else it is handed the whole activation as if it
-    were one shard (``mat1 and mat2 shapes cannot be multiplied``). A dict entry with an explicit
-    ``input``/``output`` layout states the layout itself and is not second-guessed.
-    """
+    """Each split activation consumed where it is split: a column-wise layer's output taken back by a row-wise layer of
+    the same parent module, a row-wise layer's split input produced by a column-wise one (unless a layout is stated)."""
     by_parent: dict[str, list[TPEntry]] = {}
     for e in entries:
         if e.active:

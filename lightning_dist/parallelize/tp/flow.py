@@ -8,12 +8,12 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from lightning_dist.parallelize.tp.vocab import TPEntry, is_conv1d
+from lightning_dist.parallelize.self_check import probe_samples, run_eval
+from lightning_dist.parallelize.tp.vocab import TPEntry, out_features, split_regions
 
 SOURCES = ("colwise", "colwise_qkv")
 """Styles whose output stays split over tp (without an ``output`` layout of their own)."""
@@ -32,19 +32,10 @@ class SplitFlow:
 
 def _unit(module: nn.Module, style: str, tp: int) -> int:
     """Features of one rank's contiguous part of a source layer's output (per [q | k | v] block for colwise_qkv)."""
-    out = module.nf if is_conv1d(module) else getattr(module, "out_features", None)
+    out = out_features(module)
     if not isinstance(out, int):
         out = module.weight.shape[0]
     return out // tp // (3 if style == "colwise_qkv" else 1)
-
-
-def _regions(entries: list[TPEntry]) -> set[str]:
-    """Parents of both a splitting and a row-wise layer: the attention/MLP modules the plan splits."""
-    kinds: dict[str, set[str]] = {}
-    for e in entries:
-        if e.active and e.style in (*SOURCES, "rowwise") and not ({"input", "output"} & set(e.options)):
-            kinds.setdefault(e.fqn.rpartition(".")[0], set()).add("row" if e.style == "rowwise" else "col")
-    return {p for p, k in kinds.items() if k == {"row", "col"}}
 
 
 class _Watch(TorchFunctionMode):
@@ -112,8 +103,12 @@ class _Watch(TorchFunctionMode):
         return out
 
 
-def trace_split_flow(model: nn.Module, entries: list[TPEntry], tp: int, run: Any) -> SplitFlow:
-    """The rule from one unsplit forward: `run()` calls the model on a probe sample (under grad mode)."""
+def split_flow(model: nn.Module, entries: list[TPEntry], tp: int) -> SplitFlow:
+    """The rule for `entries` on `model`, from one unsplit forward on a probe sample (meta-device models too), or
+    nothing found when no sample runs. One process, no collective: the same result on every rank."""
+    regions = split_regions(entries, stated_layouts=False)
+    if not regions:
+        return SplitFlow(traced=True)  # nothing is split inside a region: nothing to meet
     modules = dict(model.named_modules())
     active = [e for e in entries if e.active]
     planned_fqns = {e.fqn for e in active} | {e.fqn for e in entries if e.style == "replicate"}
@@ -122,48 +117,37 @@ def trace_split_flow(model: nn.Module, entries: list[TPEntry], tp: int, run: Any
     for fqn, mod in modules.items():
         for pname, p in mod.named_parameters(recurse=False):
             owners.setdefault(id(p), (fqn, pname, p))
-    watch = _Watch(owners, planned)
-    handles = []
-    for e in active:
-        mod = modules[e.fqn]
-        if e.style in SOURCES and "output" not in e.options:
-            unit = _unit(mod, e.style, tp)
-            handles.append(mod.register_forward_hook(lambda m, a, o, u=unit, f=e.fqn: watch.mark(o, u, f)))
-        elif e.style in ("rowwise", "colwise_gather"):
-            handles.append(mod.register_forward_hook(lambda m, a, o: watch.unmark(o)))
-    try:
-        with watch, torch.enable_grad():
-            run()
-    finally:
-        for h in handles:
-            h.remove()
-    found = SplitFlow(traced=True)
-    regions = _regions(entries)
-    for fqn in modules:  # module order
-        if fqn in watch.meets:
-            _classify(found, fqn, modules[fqn], watch.meets[fqn], fqn in regions)
-    for where, what in watch.joins.items():
-        found.problems.append(
-            f"{where}: {what} joins the split activation of {where.split(' ->')[0]!r} inside its region, so its"
-            " gradient on each rank covers that rank's part only and no style of the plan sums it (multi-head latent"
-            " attention's rotary key is one such). Leave that region whole, or split the layer that computes it."
-        )
-    return found
-
-
-def split_flow(model: nn.Module, entries: list[TPEntry], tp: int) -> SplitFlow:
-    """The rule for `entries` on `model`: traced on a probe sample where one runs (meta-device models too), else read
-    from the plan's regions. One process, no collective: the same result on every rank."""
-    from lightning_dist.parallelize.tp.probe import probe_samples, run_eval
-
-    if not _regions(entries):
-        return SplitFlow(traced=True)  # nothing is split inside a region: nothing to meet
     for net, sample in probe_samples(model):
+        watch = _Watch(owners, planned)
+        handles = []
+        for e in active:
+            mod = modules[e.fqn]
+            if e.style in SOURCES and "output" not in e.options:
+                unit = _unit(mod, e.style, tp)
+                handles.append(mod.register_forward_hook(lambda m, a, o, u=unit, f=e.fqn: watch.mark(o, u, f)))
+            elif e.style in ("rowwise", "colwise_gather"):
+                handles.append(mod.register_forward_hook(lambda m, a, o: watch.unmark(o)))
         try:
-            return trace_split_flow(model, entries, tp, lambda: run_eval(net, sample, grad=True))
+            with watch:
+                run_eval(net, sample, grad=True)
         except Exception:  # a sample the forward does not take (or an op the meta device lacks): the next guess
             continue
-    return SplitFlow(traced=False)  # the setup's gradient self-check decides (see tp_grad_probe)
+        finally:
+            for h in handles:
+                h.remove()
+        found = SplitFlow(traced=True)
+        for fqn in modules:  # module order
+            if fqn in watch.meets:
+                _classify(found, fqn, modules[fqn], watch.meets[fqn], fqn in regions)
+        for where, what in watch.joins.items():
+            found.problems.append(
+                f"{where}: {what} joins the split activation of {where.split(' ->')[0]!r} inside its region, so its"
+                " gradient on each rank covers that rank's part only and no style of the plan sums it (multi-head"
+                " latent attention's rotary key is one such). Leave that region whole, or split the layer that"
+                " computes it."
+            )
+        return found
+    return SplitFlow(traced=False)  # the setup's gradient self-check decides
 
 
 def _classify(found: SplitFlow, fqn: str, module: nn.Module, meets: dict, is_region: bool) -> None:
@@ -189,4 +173,4 @@ def _classify(found: SplitFlow, fqn: str, module: nn.Module, meets: dict, is_reg
     found.grad_sum.append(fqn)
 
 
-__all__ = ["SOURCES", "SplitFlow", "split_flow", "trace_split_flow"]
+__all__ = ["SOURCES", "SplitFlow", "split_flow"]

@@ -19,37 +19,14 @@ from torch.utils._pytree import tree_flatten
 _LOSSES = {F.cross_entropy, F.nll_loss}
 _LOG_SOFTMAX = {F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax}  # still sharded: nll_loss follows
 # layout-only functions of the logits: their results are followed like the logits themselves
-_LAYOUT = {
-    torch.Tensor.view,
-    torch.Tensor.reshape,
-    torch.reshape,
-    torch.Tensor.flatten,
-    torch.flatten,
-    torch.Tensor.float,
-    torch.Tensor.double,
-    torch.Tensor.to,
-    torch.Tensor.contiguous,
-    torch.Tensor.__getitem__,
-    torch.Tensor.transpose,
-    torch.transpose,
-    torch.Tensor.permute,
-    torch.Tensor.squeeze,
-    torch.Tensor.unsqueeze,
-    torch.Tensor.type_as,
-    torch.Tensor.narrow,
+_LAYOUT = {torch.reshape, torch.flatten, torch.transpose} | {
+    getattr(torch.Tensor, name)
+    for name in "view reshape flatten float double to contiguous __getitem__ transpose permute squeeze unsqueeze"
+    " type_as narrow".split()
 }
 # reading metadata or detaching (logging, metrics outside the loss): no compute on the sharded values
-_NEUTRAL = {
-    torch.Tensor.size,
-    torch.Tensor.dim,
-    torch.Tensor.detach,
-    torch.Tensor.requires_grad_,
-    torch.Tensor.register_hook,
-    torch.Tensor.retain_grad,
-    torch.zeros_like,
-    torch.ones_like,
-    torch.empty_like,
-    torch.full_like,
+_NEUTRAL = {torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like} | {
+    getattr(torch.Tensor, name) for name in "size dim detach requires_grad_ register_hook retain_grad".split()
 }
 
 

@@ -62,28 +62,26 @@ def _parse_value(pattern: str, value: PlanValue, problems: list[str]) -> tuple[s
     return style, options
 
 
-def _local_shapes(module: nn.Module, style: str, tp: int) -> tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...]:
+def _entry(fqn: str, module: nn.Module, style: str, pattern: str, tp: int, **fields: Any) -> TPEntry:
+    """The plan's entry for `module`, with each parameter's shape and the shape one tensor rank holds."""
     dims = shard_dims(module, style)
-    out = []
+    shapes = []
     for name, p in module.named_parameters(recurse=False):
         shape, local = tuple(p.shape), list(p.shape)
-        if name in dims and style == "colwise_qkv":  # held with [q | k | v] as a dim of its own (tp_styles.py)
+        if name in dims and style == "colwise_qkv":  # held with [q | k | v] as a dim of its own (styles.py)
             d = dims[name]
             local[d : d + 1] = [3, shape[d] // 3 // tp]
         elif name in dims:
             local[dims[name]] //= tp
-        out.append((name, shape, tuple(local)))
-    return tuple(out)
+        shapes.append((name, shape, tuple(local)))
+    kind = module_kind(module)
+    return TPEntry(fqn, style, pattern, type(module).__name__, tuple(shapes), kind=kind, **fields)
 
 
 def resolve_plan(model: nn.Module, plan: Plan | str, *, tp: int, sequence_parallel: bool = False) -> list[TPEntry]:
-    """Match `plan` against `model` and validate it for `tp` ranks, in one process (no process group).
-
-    `plan` is a mapping, a built-in plan name or ``"auto"``. Collects every problem and raises one
-    ``ValueError``: heads or hidden sizes not divisible by `tp`, a pattern that matches no module, a
-    module given two styles, a style on a module type it does not support, sequence parallelism
-    requested from a plan without sequence-parallel entries.
-    """
+    """Match `plan` (a mapping, a built-in plan name or ``"auto"``) against `model` and validate it for `tp` ranks, in
+    one process; every problem (sizes or heads not divisible by `tp`, a pattern matching no module, a module given two
+    styles or one it does not support, ...) is listed in one ``ValueError``."""
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"`tp={tp!r}` must be an integer >= 1.")
     if isinstance(plan, str):
@@ -110,15 +108,15 @@ def resolve_plan(model: nn.Module, plan: Plan | str, *, tp: int, sequence_parall
         if not hits:
             deeper = [n for n in modules if n and fnmatch.fnmatchcase(n, "*." + pattern)][:4]
             near = [n for n, m in modules.items() if n and STYLES[style].accepts(m)][:6]
+            hint = (
+                f"it only names deeper paths {deeper}: write the full path"
+                if deeper
+                else f"module names look like {near}"
+            )
             problems.append(
                 f"plan pattern {pattern!r} ({style}) matches no module of {type(model).__name__}; a plan entry"
                 " must not be a silent no-op. Patterns match from the root (the model, or a LightningModule's direct"
-                " children), "
-                + (
-                    f"and it only names deeper paths {deeper}: write the full path."
-                    if deeper
-                    else f"and module names look like {near}."
-                )
+                f" children), and {hint}."
             )
             continue
         if len(hits) > 1 and not any(c in pattern for c in "*?["):
@@ -143,18 +141,8 @@ def resolve_plan(model: nn.Module, plan: Plan | str, *, tp: int, sequence_parall
                 continue
             parent = modules.get(fqn.rpartition(".")[0])
             problems += divisibility_problems(fqn, module, style, tp, parent)
-            entries.append(
-                TPEntry(
-                    fqn=fqn,
-                    style=style,
-                    pattern=pattern,
-                    module_type=type(module).__name__,
-                    shapes=_local_shapes(module, style, tp),
-                    options=options,
-                    active=sequence_parallel or not STYLES[style].sp_only,
-                    kind=module_kind(module),
-                )
-            )
+            active = sequence_parallel or not STYLES[style].sp_only
+            entries.append(_entry(fqn, module, style, pattern, tp, options=options, active=active))
     problems += region_problems(entries, modules)
     problems += input_problems(entries, modules)
     problems += local_attr_problems(model, entries, tp)
@@ -178,20 +166,13 @@ def format_plan(entries: list[TPEntry], *, tp: int, title: str | None = None) ->
     from rich.markup import escape
     from rich.table import Table
 
-    fused = any(e.active and e.style == "colwise_qkv" for e in entries)
-    # colwise_qkv changes what named_parameters() shows: say so next to the shapes (README: "Plan styles")
-    caption = (
-        (
+    caption = None
+    if any(e.active and e.style == "colwise_qkv" for e in entries):  # it changes what named_parameters() shows
+        caption = escape(
             "colwise_qkv: the parameter is held as [in, 3, E/tp] ([3, E/tp, in] for a Linear; bias [3, E/tp]) in"
-            " named_parameters() and the optimizer; state_dict, checkpoints and consolidation keep the model's"
-            " [in, 3E]"
+            " named_parameters() and the optimizer; state_dict, checkpoints and consolidation keep the model's [in, 3E]"
         )
-        if fused
-        else None
-    )
-    table = Table(
-        title=title or f"Tensor-parallel plan (tp={tp})", caption=caption and escape(caption), caption_justify="left"
-    )
+    table = Table(title=title or f"Tensor-parallel plan (tp={tp})", caption=caption, caption_justify="left")
     for col in ("module", "type", "style", "global shape", "local shape"):
         table.add_column(col)
     for e in entries:
@@ -239,17 +220,7 @@ def resolve_tp_plan(
         )
     modules = dict(model.named_modules())
     order = {n: i for i, n in enumerate(modules)}
-    added = [
-        TPEntry(
-            fqn=fqn,
-            style="replicate_grad_sum",
-            pattern=GRAD_SUM_RULE,
-            module_type=type(modules[fqn]).__name__,
-            shapes=_local_shapes(modules[fqn], "replicate_grad_sum", tp),
-            kind=module_kind(modules[fqn]),
-        )
-        for fqn in flow.grad_sum
-    ]
+    added = [_entry(fqn, modules[fqn], "replicate_grad_sum", GRAD_SUM_RULE, tp) for fqn in flow.grad_sum]
     entries = sorted([*entries, *added], key=lambda e: order[e.fqn])
     return ResolvedPlan(
         name=name, entries=tuple(entries), tp=tp, sequence_parallel=sequence_parallel, flow_traced=flow.traced

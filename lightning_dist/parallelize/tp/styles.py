@@ -1,5 +1,5 @@
-"""Tensor-parallel styles torch does not ship: HuggingFace's ``Conv1D`` (GPT-2 family) column- and row-wise,
-and a fused ``[q | k | v]`` projection split per head.
+"""Tensor-parallel styles torch does not ship: HuggingFace's ``Conv1D`` (GPT-2 family) column- and row-wise, a module
+kept whole whose gradient is summed over tp, and a fused ``[q | k | v]`` projection split per head.
 
 Notes: docs/internals.md, "lightning_dist/parallelize/tp/styles.py"."""
 
@@ -70,18 +70,9 @@ class Conv1DParallel(ParallelStyle):
 
 
 class ReplicateGradSum(ParallelStyle):
-    """Keep a module whole on every tp rank while it runs on each rank's part of a split activation, and sum its
-    parameters' gradients over tp (a per-head q/k norm after a head-split projection: each rank's gradient covers
-    its own heads only).
-
-    The parameters become ``Replicate()`` DTensors and the first input is taken as ``Shard(0)``: each rank holds a
-    disjoint part of the whole activation, so DTensor treats it as a shard of the leading dim, leaves the module's
-    work along its other dims local and reduces the parameters' gradients (``Partial`` -> ``Replicate``: one
-    all-reduce per parameter and micro-batch, inside the backward, so gradient accumulation stays exact). torch's
-    ``SequenceParallel`` does the same for norms on sequence shards; this one takes any leading split and the module's
-    own parameters only. The module must not mix positions along its input's first dim (norms and element-wise
-    modules do not); the strategy's gradient self-check verifies it.
-    """
+    """Keep a module whole on every tp rank while it runs on each rank's part of a split activation (a per-head q/k
+    norm after a head-split projection), and sum its parameters' gradients over tp: the parameters become
+    ``Replicate()`` DTensors and the first input a ``Shard(0)`` one (docs/strategies/tp.md, "the split-flow rule")."""
 
     def _apply(self, module: nn.Module, device_mesh: "DeviceMesh") -> nn.Module:
         def params(name: str, mod: nn.Module, mesh: "DeviceMesh") -> None:
@@ -115,12 +106,8 @@ def _fused_shape(shape: tuple[int, ...], dim: int, parts: int) -> tuple[int, ...
 
 
 def fused_qkv_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """Forward of a layer split by :class:`FusedQKVParallel`, bound to the layer as its ``forward``.
-
-    Split (DTensor weight on the tp mesh; under FSDP2 the gathered one): the local ``[q_r | k_r | v_r]``
-    columns. Plain weights (a single-device copy such as GradientParityCheck's reference): the original
-    layer's output, from the same 3-D tensors reshaped back to the original layout.
-    """
+    """Forward of a layer split by :class:`FusedQKVParallel`, bound to the layer: with a DTensor weight the local
+    ``[q_r | k_r | v_r]`` columns; with plain weights (a single-device copy) the original layer's output."""
     from torch.distributed.tensor import Partial
 
     w, b = self.weight, self.bias
@@ -143,13 +130,8 @@ def fused_qkv_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 class FusedQKVParallel(ParallelStyle):
-    """Split a fused projection laid out ``[q | k | v]`` (``parts`` blocks) column-wise per head over a 1-D mesh.
-
-    Each rank keeps the output columns of its own heads in every block and returns them as one local tensor
-    ``[q_r | k_r | v_r]`` (the attention then reads local head counts, set by the plan). The input arrives
-    replicated (a DTensor from ``region_input``, or a plain tensor); its gradient is all-reduced once.
-    Accepts ``nn.Linear`` and HuggingFace's ``Conv1D``.
-    """
+    """Split a fused ``nn.Linear`` or ``Conv1D`` laid out ``[q | k | v]`` (``parts`` blocks) column-wise per head: each
+    rank computes the columns of its own heads in every block, ``[q_r | k_r | v_r]``, from a replicated input."""
 
     def __init__(self, parts: int = 3) -> None:
         super().__init__()
@@ -167,9 +149,7 @@ class FusedQKVParallel(ParallelStyle):
             )
             module.register_parameter(pname, dparam)
         module.__dict__[FUSED_SHAPES_KEY] = shapes
-        # the layer keeps its class; its own forward (an instance attribute, which nn.Module.__call__ runs) reads
-        # the 3-D weights. A bound method: copies that rebind instance methods (GradientParityCheck's reference,
-        # copy.deepcopy) run it on their own weights
+        # the layer keeps its class; a forward of its own reads the 3-D weights (bound: copies run it on theirs)
         module.forward = types.MethodType(fused_qkv_forward, module)
         module.register_state_dict_post_hook(_original_shape_state_dict)
         module.register_load_state_dict_pre_hook(_fused_shape_load)
@@ -177,9 +157,8 @@ class FusedQKVParallel(ParallelStyle):
 
 
 def _original_shape_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
-    """State dicts show each fused parameter in its original shape and layout. A DTensor is gathered and kept
-    replicated (a collective: every rank saves together, as DCP and ``get_model_state_dict`` do), since the
-    original layout of a per-head shard is not one contiguous chunk that DCP could write."""
+    """State dicts show each fused parameter in its original shape and layout: a DTensor gathered and kept replicated
+    (a collective), since a per-head shard of the original layout is not one contiguous chunk DCP could write."""
     for name, shape in module.__dict__.get(FUSED_SHAPES_KEY, {}).items():
         key = prefix + name
         value = state_dict.get(key)
@@ -193,8 +172,7 @@ def _original_shape_state_dict(module: nn.Module, state_dict: dict, prefix: str,
 
 
 def _fused_shape_load(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
-    """Load a fused parameter from its original shape (any state dict: DCP's, a single-device one): each rank
-    takes its own heads' columns of the whole value."""
+    """Load a fused parameter from its original shape (any state dict): each rank takes its own heads' columns."""
     for name in module.__dict__.get(FUSED_SHAPES_KEY, {}):
         key, param = prefix + name, getattr(module, name)
         value = state_dict.get(key)

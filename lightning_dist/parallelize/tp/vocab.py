@@ -1,10 +1,5 @@
-"""The words a tensor-parallel plan is written in: module kinds, styles, :class:`TPEntry`, pattern matching.
-
-Imported by the plan's checks (:mod:`.checks`), its built-in plans (:mod:`.auto`), its resolution
-(:mod:`.plan`), the styles torch lacks (:mod:`.styles`) and ``apply_tp`` (:mod:`.tp`); it imports none of
-them, so each of those reads one definition of what a Linear-like module is, which styles exist and what a
-pattern matches. The plan syntax and the styles are described in :mod:`lightning_dist.parallelize.tp.apply`.
-"""
+"""The words a tensor-parallel plan is written in: module kinds, styles, :class:`TPEntry`, pattern matching (imported
+by every other ``tp`` module, importing none of them). The plan syntax: docs/internals.md, "tp/apply.py"."""
 
 from __future__ import annotations
 
@@ -25,10 +20,8 @@ _NORMS: tuple[type, ...] = (nn.LayerNorm, nn.Dropout, nn.RMSNorm)  # nn.RMSNorm:
 
 
 def is_conv1d(module: nn.Module) -> bool:
-    """HuggingFace's ``Conv1D`` (GPT-2 family): a Linear whose weight is stored transposed, ``[nx, nf]``.
-
-    Recognized by shape rather than imported, so the pack does not import ``transformers``.
-    """
+    """HuggingFace's ``Conv1D`` (GPT-2 family): a Linear whose weight is stored transposed, ``[nx, nf]``; recognized by
+    its name and fields, so the pack does not import ``transformers``."""
     named = any(c.__name__ == "Conv1D" for c in type(module).__mro__)  # a subclass of Conv1D counts too
     return named and isinstance(getattr(module, "nf", None), int) and isinstance(getattr(module, "nx", None), int)
 
@@ -46,6 +39,11 @@ def linear_like(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) or is_conv1d(module)
 
 
+def out_features(module: nn.Module) -> int | None:
+    """Output features of a Linear or a ``Conv1D`` (None for other modules)."""
+    return module.nf if is_conv1d(module) else getattr(module, "out_features", None)
+
+
 def module_kind(module: nn.Module) -> str:
     """``conv1d``, ``linear``, ``embedding`` or ``other`` (:attr:`TPEntry.kind`: picks the torch style)."""
     if is_conv1d(module):
@@ -56,7 +54,6 @@ def module_kind(module: nn.Module) -> str:
 # ---- styles ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class _Style:
-    description: str
     accepts: Callable[[nn.Module], bool]  # module kinds the style supports
     kinds: str  # those kinds, for error messages
     sp_only: bool = False  # a no-op unless sequence_parallel=True
@@ -67,39 +64,28 @@ def _any(module: nn.Module) -> bool:
     return True
 
 
+def _shardable(module: nn.Module) -> bool:
+    return linear_like(module) or isinstance(module, nn.Embedding)
+
+
 def _has_own_params(module: nn.Module) -> bool:
     return any(True for _ in module.parameters(recurse=False))
 
 
-_SHARDABLE = "['Linear', 'Conv1D', 'Embedding']"
+_SHARDABLE, _LINEAR = "['Linear', 'Conv1D', 'Embedding']", "['Linear', 'Conv1D']"
 STYLES: dict[str, _Style] = {
-    "colwise": _Style(
-        "column-wise sharded (output features)",
-        lambda m: linear_like(m) or isinstance(m, nn.Embedding),
-        _SHARDABLE,
-        layouts=True,
-    ),
-    "rowwise": _Style(
-        "row-wise sharded (input features; vocab-parallel for an Embedding)",
-        lambda m: linear_like(m) or isinstance(m, nn.Embedding),
-        _SHARDABLE,
-        layouts=True,
-    ),
-    "colwise_gather": _Style("column-wise, output gathered to full", linear_like, "['Linear', 'Conv1D']"),
-    "colwise_qkv": _Style(
-        "column-wise per head of a fused [q | k | v] projection", linear_like, "['Linear', 'Conv1D']"
-    ),
-    "sequence_parallel": _Style("runs on sequence shards", is_norm, "norms and dropout", sp_only=True),
-    "sp_enter": _Style("input split into sequence shards", _any, "any module", sp_only=True),
-    "region_input": _Style("input replicated (gathered with SP)", _any, "any module"),
-    "sp_exit": _Style("output gathered from sequence shards", _any, "any module", sp_only=True),
-    "sp_region": _Style("input split, output gathered", _any, "any module", sp_only=True),
-    "replicate_grad_sum": _Style(
-        "whole on every rank, run on each rank's part of a split activation: gradient summed over tp",
-        _has_own_params,
-        "modules holding parameters",
-    ),
-    "replicate": _Style("whole on every rank, nothing reduced (a module the plan leaves alone)", _any, "any module"),
+    "colwise": _Style(_shardable, _SHARDABLE, layouts=True),  # output features split
+    "rowwise": _Style(_shardable, _SHARDABLE, layouts=True),  # input features split (an Embedding: vocab-parallel)
+    "colwise_gather": _Style(linear_like, _LINEAR),  # column-wise, output gathered to full
+    "colwise_qkv": _Style(linear_like, _LINEAR),  # column-wise per head of a fused [q | k | v] projection
+    "sequence_parallel": _Style(is_norm, "norms and dropout", sp_only=True),  # runs on sequence shards
+    "sp_enter": _Style(_any, "any module", sp_only=True),  # input split into sequence shards
+    "region_input": _Style(_any, "any module"),  # input replicated (gathered with SP)
+    "sp_exit": _Style(_any, "any module", sp_only=True),  # output gathered from sequence shards
+    "sp_region": _Style(_any, "any module", sp_only=True),  # input split, output gathered
+    # whole on every rank, run on each rank's part of a split activation: gradient summed over tp
+    "replicate_grad_sum": _Style(_has_own_params, "modules holding parameters"),
+    "replicate": _Style(_any, "any module"),  # whole on every rank, nothing reduced (left alone)
 }
 
 GRAD_SUM_RULE = "(rule) runs on split activations"
@@ -155,6 +141,16 @@ class TPEntry:
     """``linear``, ``conv1d`` (HF, transposed weight), ``embedding`` or ``other``: picks the torch style."""
 
 
+def split_regions(entries: list[TPEntry], *, stated_layouts: bool = True) -> list[str]:
+    """Parents of both a column-wise and a row-wise layer of the plan: the attention/MLP modules it splits (in plan
+    order). ``stated_layouts=False``: entries that state their own ``input``/``output`` layout do not count."""
+    kinds: dict[str, set[str]] = {}
+    for e in entries:
+        if e.active and e.style in ("colwise", "colwise_qkv", "rowwise") and (stated_layouts or not e.options):
+            kinds.setdefault(e.fqn.rpartition(".")[0], set()).add("row" if e.style == "rowwise" else "col")
+    return [p for p, k in kinds.items() if k == {"row", "col"}]
+
+
 # ---- patterns ------------------------------------------------------------------------------------
 def plan_roots(model: nn.Module) -> list[str]:
     """Where patterns are anchored: the model itself and, for a LightningModule, each of its direct children
@@ -167,21 +163,3 @@ def pattern_matches(fqn: str, pattern: str, roots: list[str]) -> bool:
     """True when module name `fqn` matches plan `pattern` from one of `roots` (:func:`plan_roots`)."""
     # from a root only: `decoder` names `model.decoder`, never also `model.transformer.decoder`
     return any(fnmatch.fnmatchcase(fqn, f"{root}.{pattern}" if root else pattern) for root in roots)
-
-
-__all__ = [
-    "COLWISE",
-    "GRAD_SUM_RULE",
-    "STYLES",
-    "Plan",
-    "PlanValue",
-    "TPEntry",
-    "is_conv1d",
-    "is_norm",
-    "linear_like",
-    "module_kind",
-    "parse_layout",
-    "pattern_matches",
-    "plan_roots",
-    "shard_dims",
-]
