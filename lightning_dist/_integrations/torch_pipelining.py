@@ -1,9 +1,5 @@
-"""Patches of ``torch.distributed.pipelining`` internals (private schedule IR, ``PipelineStage`` hooks).
-
-Every function here is the only place the pack touches the private name it uses. On a torch release outside
-:data:`~lightning_dist._compat.TORCH_PIPELINING_TESTED` each one raises a ``RuntimeError`` naming the
-release and the fix (pin a tested torch, or re-run the unit tests of this module on the new one).
-"""
+"""The pack's only uses of ``torch.distributed.pipelining`` internals (private schedule IR, ``PipelineStage`` hooks),
+each refusing a torch outside :data:`~lightning_dist._compat.TORCH_PIPELINING_TESTED` with the release and the fix."""
 
 from __future__ import annotations
 
@@ -50,14 +46,12 @@ def drop_p2p_to_self(ops: list, group_rank: int) -> list:
 
 
 class TimedStage(PipelineStage):
-    """A PipelineStage that records its F/B/I/W actions when a timeline list is attached (else no overhead), and
-    that asks `peer` (a :class:`~lightning_dist.parallelize.pipeline.schedule.PipelinePeer`) for what the stages of
-    other ranks would send it, when one is given.
+    """A PipelineStage that records its F/B/I/W actions when a timeline list is attached, and asks `peer` (a
+    :class:`~lightning_dist.parallelize.pipeline.schedule.PipelinePeer`) for what other ranks' stages would send.
 
-    Reason: torch's schedules have no per-action callback (upstream: no issue found); the three
-    ``*_one_chunk`` methods every schedule calls are wrapped, and ``fwd_cache`` (held activations) is read. A process
-    group that delivers no values (the dry run's fake group) cannot carry the stages' metadata, which torch exchanges
-    in the private ``_recv_meta`` / ``_send_meta`` (pickled objects) in a schedule's first step.
+    Reason: torch's schedules have no per-action callback (upstream: no issue found), so the ``*_one_chunk`` methods
+    are wrapped and ``fwd_cache`` is read; a fake process group cannot carry the metadata torch exchanges in the
+    private ``_recv_meta`` / ``_send_meta`` in a schedule's first step.
     """
 
     timeline: Optional[list] = None
@@ -128,9 +122,8 @@ class TimedStage(PipelineStage):
 
 @functools.lru_cache(maxsize=None)
 def peer_answered(schedule_class: type) -> type:
-    """`schedule_class` whose first step sets its stages' shape mode (static or dynamic) from this rank's stages' own
-    votes instead of the vote of every stage; for stages with a peer (:class:`TimedStage`), each rank building its
-    stages with the same code.
+    """`schedule_class` whose first step sets its stages' shape mode from this rank's stages' own votes instead of
+    every stage's (stages with a peer, :class:`TimedStage`).
 
     Reason: the vote travels as tensors between the ranks and is read with ``.item()`` in the private
     ``_PipelineSchedule._warmup_p2p``, which a process group that delivers no values (fake tensors) cannot answer.

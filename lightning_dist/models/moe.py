@@ -229,8 +229,8 @@ class CharMoEGPT(CharGPT):
                 " layer's router load-balancing loss multiplies two sums over the whole batch, while a pipeline stage"
                 " holds some layers and runs them one micro-batch at a time (the loss served per micro-batch by"
                 " pipeline_loss), so no stage can add it. Set aux_loss_coef=0 to pipeline the model, or train it with"
-                " hsdp/fsdp2/tp, where the loss is taken over the global batch (moe_aux_loss='local' keeps each"
-                " rank's own)."
+                " hsdp/fsdp2/tp, where the loss is taken over the global batch. moe_aux_loss='local' does not help"
+                " under a pipeline: it keeps each data-parallel rank's own loss, which a stage still cannot compute."
             )
 
     @override

@@ -1,6 +1,5 @@
-"""What a pipeline split cannot run as is: parameters shared across stages, BatchNorm, a forward the stages
-would not reproduce (checked on one micro-batch by the network's layout). Pure checks on the plan of
-:mod:`.pipeline`, run before anything is split."""
+"""What a pipeline split cannot run as is (BatchNorm, a forward the stages would not reproduce) and the parameters
+shared across stages: checks on the plan, run before anything is split."""
 
 from __future__ import annotations
 
@@ -14,7 +13,6 @@ from torch import nn
 from lightning_dist.parallelize.pipeline.split import PipelineSplit, StagePlan, network_layout
 
 
-# ---- what cannot be split ----------------------------------------------------------------------
 def _part_names(split: PipelineSplit, stage: StagePlan) -> list[str]:
     lay = split.layout
     return (
@@ -35,11 +33,8 @@ def batchnorm_modules(net: nn.Module) -> list[str]:
 
 
 def tied_stages(net: nn.Module, split: PipelineSplit) -> list[tuple[tuple[str, ...], tuple[int, ...]]]:
-    """Parameters held by two or more stages (tied embeddings): ``(qualified names, stage indices)`` of each.
-
-    Each holding stage keeps the parameter; the strategy sums its gradient over the holders' ranks every step
-    (Megatron's embedding group), so every copy takes the same optimizer step.
-    """
+    """Parameters held by two or more stages (tied embeddings): ``(qualified names, stage indices)`` of each (every
+    holder keeps a copy; their gradients are summed each step, see :mod:`.tied`)."""
     owners: dict[int, list[tuple[int, str]]] = {}
     for stage in split.stages:
         for part in _part_names(split, stage):
@@ -54,8 +49,7 @@ def tied_stages(net: nn.Module, split: PipelineSplit) -> list[tuple[tuple[str, .
 
 
 def check_splittable(net: nn.Module, split: PipelineSplit, *, allow_batchnorm: bool = False) -> None:
-    """Refuse (unless allowed, then warn) BatchNorm layers, naming them. Tied weights across stages are
-    trained as one parameter (see :func:`tied_stages`)."""
+    """Refuse (unless allowed, then warn) BatchNorm layers, naming them."""
     bn = batchnorm_modules(net)
     if bn and not allow_batchnorm:
         raise ValueError(
@@ -69,13 +63,7 @@ def check_splittable(net: nn.Module, split: PipelineSplit, *, allow_batchnorm: b
 def staged_forward_problem(
     net: nn.Module, sample: torch.Tensor, *, rtol: float = 1e-5, atol: float = 1e-6
 ) -> str | None:
-    """Why the pipeline stages would not compute ``net(sample)``, or None when they do.
-
-    Plain stages run only the network's children (stem, blocks, head) one after the other; a ``forward`` that
-    adds residuals around blocks, calls a child twice or in another order, or transforms tensors between children
-    computes something else. Pruned stages (HF, litgpt) are run one per block, each hand-over checked
-    (:meth:`~lightning_dist.parallelize.pipeline.split.NetworkLayout.forward_problem`).
-    """
+    """Why the pipeline stages would not compute ``net(sample)`` (its layout's ``forward_problem``), or None."""
     return network_layout(net).forward_problem(net, sample, rtol=rtol, atol=atol)
 
 

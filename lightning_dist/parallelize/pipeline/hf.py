@@ -1,7 +1,5 @@
-"""Pipeline stages of an unmodified HuggingFace causal LM (``LlamaForCausalLM``, ``Qwen2ForCausalLM``,
-``GPT2LMHeadModel``...).
-
-Notes: docs/internals.md, "lightning_dist/parallelize/pipeline/hf.py"."""
+"""Pipeline stages of an unmodified HuggingFace causal LM (Llama, Qwen2, GPT-2...): its parts, stage inputs and
+``labels`` loss. Notes: docs/internals.md."""
 
 from __future__ import annotations
 
@@ -71,8 +69,8 @@ class HFStageMixin(PrunedStage):
             and base.stride() == out.stride()
             and base.storage_offset() == out.storage_offset()
         ):
-            # a stage without the head returns HF's `hidden[:, slice(0, None), :]`: a view of the whole tensor, which
-            # torch's split backward (zero-bubble schedules) cannot `detach_()` in place; the tensor itself is the same
+            # a stage without the head returns the view `hidden[:, 0:, :]`, which torch's split backward
+            # (zero-bubble) cannot `detach_()` in place; its base is the same tensor
             out = base
         return out
 
@@ -119,8 +117,8 @@ def hf_call_inputs(args: tuple, kwargs: dict) -> tuple[torch.Tensor, dict, torch
 
 
 def hf_call_output(shown: torch.Tensor, loss: Any, labels: Any) -> Any:
-    """What the pipelined HF model's call returns: a ``CausalLMOutputWithPast`` carrying the mean loss over the
-    labelled tokens (HF's ``labels`` convention) and what the step sees of the logits."""
+    """What the pipelined HF model's call returns: a ``CausalLMOutputWithPast`` with the ``labels`` loss and what
+    the step sees of the logits."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     return CausalLMOutputWithPast(loss=None if labels is None else loss, logits=shown)
@@ -131,11 +129,9 @@ def hf_labels_loss(
 ) -> torch.Tensor:
     """HF's causal-LM ``labels`` convention: next-token cross-entropy (labels shifted by one, -100 ignored).
 
-    `num_items`: divide the summed loss by this instead of the count of labelled tokens: the pipeline divides
-    each micro-batch by the whole batch's count, so the micro-batches' losses add up to the batch mean.
-    ``shifted=True``: `labels` are shifted already (HF's ``shift_labels``; context parallelism shifts the whole
-    sequences before cutting them into chunks).
-    Written out (not ``model.loss_function``) because HF's upcast ``logits.float()`` would *downcast* float64.
+    `num_items`: the divisor of the summed loss (the pipeline divides each micro-batch by the whole batch's count);
+    ``shifted=True``: `labels` are shifted already (context parallelism). Written out: HF's upcast ``logits.float()``
+    would *downcast* float64.
     """
     import torch.nn.functional as F
 
@@ -150,13 +146,8 @@ def hf_labels_loss(
 def pipeline_loss_function(
     logits: torch.Tensor, labels: torch.Tensor, vocab_size: Any = None, num_items_in_batch: Any = None, **kwargs: Any
 ) -> torch.Tensor:
-    """HF's ``model.loss_function`` signature with the pipeline's loss math (:func:`hf_labels_loss`).
-
-    For a single-device reference of a pipelined HF model (``GradientParityCheck``): set as the joined
-    model's ``loss_function``, its ``labels`` loss is computed as the pipeline computes it, in the logits'
-    dtype (HF's own ``ForCausalLMLoss`` casts float64 logits to float32, a difference of ~1e-7 that a
-    float64 gradient check would report as a mismatch).
-    """
+    """HF's ``model.loss_function`` signature with the pipeline's loss math (:func:`hf_labels_loss`), in the logits'
+    dtype: the single-device reference of a pipelined HF model (HF's own casts float64 logits to float32)."""
     return hf_labels_loss(logits, labels, num_items=num_items_in_batch)
 
 

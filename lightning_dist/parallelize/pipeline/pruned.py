@@ -1,22 +1,19 @@
-"""Pipeline stages cut out of an unmodified model: a stage is the model with the parts it does not own taken
-out, so the model's own ``forward`` runs each stage (positions, rotary tables, masks, whatever it builds), as
-torchtitan builds its stages. Where the parts are (:func:`pruned_parts`, or :func:`~.hf.hf_parts` for HF): the
-**block list** (an ``nn.ModuleList``; a stage keeps its slice under the original indices), the **stem** (its
-owner's children registered before it: first stage) and the **head** (its owner's later children and every
-other child of the model: last stage). A stem part a stage does not own is :class:`Absent`, a head part
-``nn.Identity``.
-
-Notes: docs/internals.md, "lightning_dist/parallelize/pipeline/pruned.py"."""
+"""Pipeline stages cut out of an unmodified model: a stage is the model with the parts it does not own taken out,
+so the model's own ``forward`` runs each stage, as torchtitan builds its stages. Notes: docs/internals.md."""
 
 from __future__ import annotations
 
 import inspect
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from lightning_dist.parallelize.cp_probe import evaluating
+from lightning_dist.parallelize.pipeline.stages import PipelinedModule, part_costs, plain_call_inputs
+from lightning_dist.parallelize.self_check import gradient_problem
 from lightning_dist.parallelize.units import find_block_lists
 
 MODEL_INPUT = "model_input"
@@ -40,9 +37,8 @@ class Handover:
 
 
 class Absent(nn.Module):
-    """A stem part a later stage does not own. With a :class:`Handover` (:class:`ForwardStage`): the activation the
-    stage received, so shape arithmetic before the blocks runs as on one device (the value is not used: the first
-    block takes the activation itself). Without (HF): adds nothing to an embedding sum, passes hidden states on."""
+    """A stem part a later stage does not own: returns the activation the stage received (so shape arithmetic before
+    the blocks runs as on one device), else passes hidden states on and adds nothing to an embedding sum (HF)."""
 
     def __init__(self, handover: Handover | None = None) -> None:
         super().__init__()
@@ -81,13 +77,12 @@ def _pass_through(x: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 class StageBlocks(nn.ModuleList):
-    """A :class:`ForwardStage`'s slice of the block list (the original keys). While the stage runs, the model's forward
-    sees the whole list (iterated, indexed, ``len``): the blocks the stage does not own pass their input through, its
-    first and last own blocks are seen through :class:`_Boundary`. Otherwise it is its slice."""
+    """A :class:`ForwardStage`'s slice of the block list (original keys). While the stage runs, the forward sees the
+    whole list (`every` key): blocks it does not own pass their input through, its first and last are
+    :class:`_Boundary`."""
 
     handover: Handover | None = None
     every: tuple[str, ...] = ()
-    """The keys of the whole block list."""
 
     def _running(self) -> bool:
         return self.handover is not None and self.handover.active
@@ -132,30 +127,17 @@ def _shallow(module: nn.Module, cls: type | None = None) -> nn.Module:
     return out
 
 
-class PrunedStage(nn.Module):
+class PrunedStage(PipelinedModule):
     """A stage made of the model itself (a class made per model: ``(the convention, the model's class)``)."""
 
     _ld_model: type = nn.Module
     """The model's own class (the stage class is made at run time)."""
     _ld_first: bool = True
     _ld_block_list: str | None = None
-    runner: Any = None
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-        if self.runner is not None:  # the LightningModule's copy: the call runs the whole schedule
-            return self.runner(*args, **kwargs)
-        return self.run_local(*args, **kwargs)
-
-    def run_local(self, x: Any, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError
 
     def stage_blocks(self) -> list[nn.Module]:
         """The blocks this stage holds: its slice of the model's block list."""
         return list(self.get_submodule(self._ld_block_list).children())
-
-    def fsdp_units(self) -> list[nn.Module]:
-        """FSDP2's ``"auto"`` units: the blocks it holds."""
-        return self.stage_blocks()
 
     @staticmethod
     def whole_output(net: nn.Module, sample: Any) -> torch.Tensor:
@@ -169,11 +151,9 @@ class PrunedStage(nn.Module):
 
 
 class ForwardStage(PrunedStage):
-    """Every stage runs the model's forward on the model's own input (keyword :data:`MODEL_INPUT`; the first stage's
-    activation is that input): a later stage's first block takes the activation it received, a stage without the
-    head hands on its last block's output. So the forward's own arithmetic on the input (``b, t = idx.size()``,
-    ``arange(t)`` positions, masks, rotary tables) and between the parts (a learned position embedding added to the
-    token embedding, an embedding scale, a logit soft-cap) runs as on one device."""
+    """Every stage runs the model's forward on the model's own input (keyword :data:`MODEL_INPUT`): a later stage's
+    first block takes the activation it received, a stage without the head hands on its last block's output, so the
+    forward's own arithmetic (positions, masks, an embedding sum or scale) runs as on one device."""
 
     _ld_last: bool = True
     _ld_handover: Handover | None = None
@@ -210,6 +190,12 @@ class ForwardStage(PrunedStage):
         return sample, {MODEL_INPUT: sample}
 
 
+def model_input_call(args: tuple, kwargs: dict) -> tuple[torch.Tensor, dict, None]:
+    """:func:`~.stages.plain_call_inputs` for pruned stages, each of which runs the model's forward on its input."""
+    x, _, _ = plain_call_inputs(args, kwargs)
+    return x, {MODEL_INPUT: x}, None
+
+
 def model_class(stage: nn.Module) -> type:
     """The model's own class of a pruned stage (the class itself for any other module)."""
     return stage._ld_model if isinstance(stage, PrunedStage) else type(stage)
@@ -218,9 +204,8 @@ def model_class(stage: nn.Module) -> type:
 def pruned_parts(
     net: nn.Module, block_list: str | None = None
 ) -> tuple[tuple[str, str, tuple[str, ...], tuple[str, ...]] | None, str]:
-    """``((owner, block_list, stem, head), "")`` for a model with one block list (`block_list`, else the one
-    :func:`find_block_lists` finds) and a forward taking one input, as qualified names (``owner``: the module holding
-    the list, ``""`` for the model itself); ``(None, why not)`` otherwise (pure, works on meta)."""
+    """``((owner, block_list, stem, head), "")`` as qualified names for a model with one block list and a forward
+    taking one input (``owner`` holds the list; ``""``: the model); ``(None, why not)`` otherwise (pure)."""
     lists = [block_list] if block_list is not None else [n for n, _ in find_block_lists(net)]
     if not lists:
         return None, "it has no nn.ModuleList of blocks"
@@ -269,8 +254,7 @@ def pruned_parts(
 
 
 def _own_path(root: nn.Module, owner: str) -> nn.Module:
-    """Give `root` its own shallow copies of the modules down to `owner` (their child dicts are then the copy's
-    alone); returns the copy of `owner`."""
+    """Give `root` its own shallow copies of the modules down to `owner`; returns the copy of `owner`."""
     module = root
     for part in owner.split(".") if owner else []:
         module._modules[part] = _shallow(module._modules[part])
@@ -316,8 +300,7 @@ def build_pruned_stage(
 
 
 def join_pruned(parts: tuple, blocks_order: Sequence[str], pieces: Sequence[nn.Module]) -> nn.Module:
-    """The whole model of the model's own class from plain copies of every stage (the parts put back into the
-    first stage's copy, under their single-device names)."""
+    """The whole model, of its own class, from plain copies of every stage (the parts put back into the first's)."""
     owner, block_list, stem, head = parts
     first = next(p for p in pieces if not isinstance(p.get_submodule(stem[0]), Absent)) if stem else pieces[0]
     whole = _shallow(first, model_class(first))
@@ -333,9 +316,8 @@ def join_pruned(parts: tuple, blocks_order: Sequence[str], pieces: Sequence[nn.M
 
 
 def model_class_copy(module: nn.Module) -> nn.Module:
-    """`module` with every pruned stage in it (itself included) turned back into the model's own class (shared
-    parts): the stage classes are made per model at run time, so a stage cannot be pickled (e.g. gathered
-    with ``all_gather_object``) as it is."""
+    """`module` with every pruned stage in it (itself included) back in the model's own class (shared parts): a
+    stage's class is made at run time, so a stage cannot be pickled as it is."""
 
     def plain(m: nn.Module) -> nn.Module:
         return _shallow(m, model_class(m)) if isinstance(m, PrunedStage) else m
@@ -349,39 +331,11 @@ def model_class_copy(module: nn.Module) -> nn.Module:
 
 
 def check_pruned_stages(net: nn.Module, stages: Sequence[nn.Module], sample: Any) -> str | None:
-    """Why running `stages` one after the other does not give the model's output on `sample` (None when it does)."""
+    """Why running `stages` one after the other does not give the model's output on `sample`, or its gradients (None
+    when it does; eval mode)."""
     if not stages or not isinstance(stages[0], PrunedStage):
         return "the stages are not pruned copies of the model"
     convention = type(stages[0])
-    was = net.training
-    net.eval()
-    for s in stages:
-        s.eval()
-    try:
-        with torch.no_grad():
-            expected = convention.whole_output(net, sample)
-            x, kw = convention.split_sample(sample)
-            for stage in stages:
-                x = stage.run_local(x, **kw)
-    except Exception as err:  # a forward that cannot run without the parts a stage does not own
-        return f"its forward fails on a stage without the parts it does not own ({type(err).__name__}: {err})"
-    finally:
-        net.train(was)
-        for s in stages:
-            s.train(was)
-    if not isinstance(expected, torch.Tensor) or not isinstance(x, torch.Tensor):
-        return f"its forward returns {type(expected).__name__}, not one tensor a stage can hand on"
-    if x.shape != expected.shape:
-        return f"the stages return {tuple(x.shape)}, the model {tuple(expected.shape)}"
-    if not torch.allclose(x, expected, rtol=1e-5, atol=1e-6):
-        gap = (x - expected).abs().max().item()
-        return f"the stages compute another function (max abs difference {gap:.3g} on one micro-batch)"
-    return _pruned_gradient_problem(net, stages, sample, convention)
-
-
-def _pruned_gradient_problem(net: nn.Module, stages: Sequence[nn.Module], sample: Any, convention: Any) -> str | None:
-    """The stages' gradients against the model's on `sample` (what the optimizer will use; eval mode)."""
-    from lightning_dist.parallelize.self_check import gradient_problem
 
     def staged() -> Any:
         x, kw = convention.split_sample(sample)
@@ -389,27 +343,27 @@ def _pruned_gradient_problem(net: nn.Module, stages: Sequence[nn.Module], sample
             x = stage.run_local(x, **kw)
         return x
 
-    modules = [net, *stages]
-    was = [m.training for m in modules]
-    for m in modules:
-        m.eval()
-    try:
+    with evaluating(net, *stages):
+        try:
+            with torch.no_grad():
+                expected, x = convention.whole_output(net, sample), staged()
+        except Exception as err:  # a forward that cannot run without the parts a stage does not own
+            return f"its forward fails on a stage without the parts it does not own ({type(err).__name__}: {err})"
+        if not isinstance(expected, torch.Tensor) or not isinstance(x, torch.Tensor):
+            return f"its forward returns {type(expected).__name__}, not one tensor a stage can hand on"
+        if x.shape != expected.shape:
+            return f"the stages return {tuple(x.shape)}, the model {tuple(expected.shape)}"
+        if not torch.allclose(x, expected, rtol=1e-5, atol=1e-6):
+            gap = (x - expected).abs().max().item()
+            return f"the stages compute another function (max abs difference {gap:.3g} on one micro-batch)"
         return gradient_problem(dict(net.named_parameters()), lambda: convention.whole_output(net, sample), staged)
-    finally:
-        for m, w in zip(modules, was):
-            m.train(w)
 
 
 def profile_pruned(
     net: nn.Module, layout: Any, sample: Any, *, convention: type[PrunedStage], repeats: int = 5
 ) -> tuple[float, list[float], float]:
-    """Milliseconds of (stem, each block, head) in forward, inside the model's own forward (best of `repeats`).
-
-    Blocks need the model's extra inputs (mask, rotary tables), so they are timed by hooks during the model's
-    forward; the backward is taken as proportional to the forward (the split only needs ratios).
-    """
-    import time
-
+    """Milliseconds of (stem, each block, head) in forward, timed by hooks inside the model's own forward (its blocks
+    take extra inputs: mask, rotary tables), best of `repeats`; the split needs ratios only, so no backward."""
     names = [*layout.stem, *(f"{layout.block_list}.{k}" for k in layout.blocks), *layout.head]
     best = [float("inf")] * len(names)
     starts: dict[int, float] = {}
@@ -429,9 +383,7 @@ def profile_pruned(
     finally:
         for h in handles:
             h.remove()
-    n_stem, n_head = len(layout.stem), len(layout.head)
-    best = [0.0 if b == float("inf") else b for b in best]  # a part the forward never calls costs nothing
-    return sum(best[:n_stem]), best[n_stem : len(best) - n_head], sum(best[len(best) - n_head :])
+    return part_costs(layout, [0.0 if b == float("inf") else b for b in best])  # a part never called costs nothing
 
 
 __all__ = [
@@ -445,6 +397,7 @@ __all__ = [
     "join_pruned",
     "model_class",
     "model_class_copy",
+    "model_input_call",
     "pruned_parts",
     "profile_pruned",
     "StageBlocks",

@@ -1,6 +1,5 @@
-"""Running a pipeline split with torch's schedules: which schedule, its checks, forward-only programs, timing.
-
-Notes: docs/internals.md, "lightning_dist/parallelize/pipeline/schedule.py"."""
+"""Running a pipeline split with torch's schedules: which schedule, its checks, the runner of one step.
+Notes: docs/internals.md."""
 
 from __future__ import annotations
 
@@ -20,16 +19,14 @@ if TYPE_CHECKING:
 
 class PipelinePeer(Protocol):
     """What this rank's pipeline peers would send it, for a process group that delivers no values (the dry run's
-    fake group, on fake tensors): the runner and its stages ask it instead of receiving, and leave out the sends
-    only it would have read. Every rank builds its stages with the same code, so the answers are this rank's own."""
+    fake group): the runner and its stages ask it instead of receiving."""
 
     def stage_input(self, stage: int) -> tuple[tuple[int, ...], torch.dtype]:
         """(shape, dtype) of one micro-batch's input of `stage` (the previous stage's output)."""
         ...
 
     def last_stage_meta(self, key: tuple) -> tuple[tuple[int, ...], torch.dtype]:
-        """(shape, dtype) of what the last stage's rank holds under `key`: ``("out", ...)`` the joined output,
-        ``("loss", ...)`` the batch loss (see :meth:`PipelineRunner.output_meta`)."""
+        """(shape, dtype) of what the last stage's rank holds under `key` (``("out", ...)``, ``("loss", ...)``)."""
         ...
 
 
@@ -75,16 +72,10 @@ def build_schedule(
 ) -> tuple[Any, list[TimedStage]]:
     """This rank's stages (one per module of `views`) and the schedule running them.
 
-    The schedule does not rescale gradients (``scale_grads=False``): `loss_fn` must return each micro-batch's
-    share of the batch loss (its mean loss / `n_microbatches`), which averages the gradients as they
-    accumulate instead of in one more pass over every gradient at the end of the step (on the critical path).
-    With ``loss_fn=None`` the schedule is forward-only: GPipe for one stage per rank, otherwise the
-    schedule's own stage layout with an F-only program (see :func:`install_forward_only_program`).
-    `peer`: answers for the other ranks' stages (see :class:`PipelinePeer`).
+    ``scale_grads=False``: `loss_fn` returns each micro-batch's share of the batch loss (its mean / `n_microbatches`),
+    so gradients average as they accumulate, not in one more pass at the step's end. ``loss_fn=None``: forward only.
     """
-    # torch's pipelining is imported when a schedule is built, not with the package (`lightning-dist plan` and
-    # the strategies that do not pipeline never load it)
-    from torch.distributed import pipelining
+    from torch.distributed import pipelining  # loaded only by a pipeline, not with the package
 
     from lightning_dist._integrations.torch_pipelining import TimedStage, install_forward_only_program, peer_answered
 
@@ -104,15 +95,11 @@ _LOSS_TAG = 0x1055  # the tag of the batch loss's transfer to the pp ranks (torc
 
 
 class PipelineRunner:
-    """This rank's pipeline stages and the schedules that run them: one per (training?, input shape, dtype, m).
+    """This rank's pipeline stages and their schedules, one per (training?, input shape, dtype, m).
 
-    ``step`` runs one schedule over a batch (forward and backward with a loss, forward only without): the
-    output stays on the last stage's rank, the batch loss goes to every rank of the pp group (one scalar);
-    ``output_meta`` / ``from_last_stage`` give every rank the output's shape, or any tensor the last stage
-    holds. The gradients stay in ``.grad`` of the stage parameters, averaged over micro-batches; a weight tied
-    across stages (`tied`: (parameter, process group of its holders' ranks)) has its gradient summed over its
-    holders after each backward, so every copy holds the single-device gradient. `peer` answers for the other
-    ranks' stages on a process group that delivers no values (see :class:`PipelinePeer`).
+    ``step`` runs one schedule over a batch: the output stays on the last stage's rank, the batch loss goes to every
+    pp rank, the gradients stay in ``.grad`` (averaged over micro-batches; a tied weight's, `tied`: (parameter,
+    group of its holders), summed over its holders). `peer`: see :class:`PipelinePeer`.
     """
 
     def __init__(
@@ -129,25 +116,21 @@ class PipelineRunner:
     ) -> None:
         self.views, self.local_stages, self.stage_ranks = list(views), list(local_stages), list(stage_ranks)
         self.tied, self.peer = list(tied), peer
-        # this rank's stage parameters, each once: listed at set-up, not by walking the modules every step
         self.params = list({id(p): p for view in self.views for p in view.parameters()}.values())
         self.schedule, self.device, self.group = schedule, device, group
         self._schedules: dict[tuple, tuple[Any, list[TimedStage]]] = {}
         self._meta: dict[tuple, Any] = {}
-        # the running step's loss, which the cached schedules call (a loss may change per batch: HF labels
-        # divide by the batch's token count); set for one step only
+        # the running step's loss, which the cached schedules call (HF labels divide by each batch's token count)
         self._loss_fn: Optional[Callable] = None
         self._seen: list[tuple[tuple[int, ...], torch.dtype]] = []  # the running step's micro-batch output metas
-        # the batch loss goes from the last stage's rank to the others point to point (see `_loss_to_all`)
         self._last, self._peers = None, []
         if group is not None:
             self._last = dist.get_global_rank(group, self.stage_ranks[-1])
             self._peers = [
                 dist.get_global_rank(group, r) for r in range(dist.get_world_size(group)) if r != self.stage_ranks[-1]
             ]
-        # gloo matches a receive by sender and tag, so a receive with the loss's own tag can wait through the schedule
-        # (torch's schedules send with tag 0); NCCL ignores tags (its transfers between two ranks arrive in order), so
-        # there the receive is posted after the schedule, behind the schedule's own transfers
+        # gloo matches a receive by sender and tag, so the loss's receive can wait through the schedule; NCCL
+        # ignores tags, so there it is posted after the schedule, behind the schedule's own transfers
         self.receive_loss_early = group is not None and dist.get_backend(group) == "gloo"
 
     @property
@@ -165,29 +148,19 @@ class PipelineRunner:
         kwargs: Optional[dict] = None,
         keep_output: bool = True,
     ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], dict]:
-        """Run the schedule on `x` (used on the first stage's rank); returns (output, loss, record).
+        """Run the schedule on `x` (read on the first stage's rank); returns (output, loss, record).
 
-        output: the network's output on the last stage's rank (the micro-batches' outputs joined), else None.
-        ``keep_output=False`` (training, when nothing reads the values): torch's schedule keeps no micro-batch
-        output and joins none (``return_outputs=False``), and the last stage's rank gets a meta tensor of the
-        output's shape and dtype instead: at language-model shapes the kept logits were the largest tensors of
-        the step (two copies of the batch's logits at its end: the micro-batches' and the joined one).
-
-        kwargs: more inputs every stage takes (an attention mask, position ids): torch's schedule splits each
-        tensor into the micro-batches along dim 0, like `x`, and passes every stage its micro-batch's values.
-
-        loss: the batch's mean `loss_fn` (the micro-batches' mean) on every rank, None without `loss_fn`; the
-        gradients of tied weights are summed over their holders.
-        record: wall start/end of the schedule, peak micro-batches held per local stage; `timeline` (a list)
-        receives every F/B/I/W action when given.
+        output: the joined output on the last stage's rank, else None; with ``keep_output=False`` (training) a meta
+        tensor of its shape (the schedule keeps no logits). `kwargs`: inputs every stage takes, split along dim 0
+        like `x`. loss: the batch's mean `loss_fn` on every rank (None without one). record: wall start/end, peak
+        micro-batches held per local stage; `timeline` receives every F/B/I/W action.
         """
         train, m = loss_fn is not None, n_microbatches
         kwargs = dict(kwargs or {})
         shapes = tuple((k, tuple(v.shape) if isinstance(v, torch.Tensor) else None) for k, v in sorted(kwargs.items()))
         key = (train, tuple(x.shape), x.dtype, m, shapes)
         if key not in self._schedules:
-            # each micro-batch's share of the batch mean: the accumulated gradients are the mean's; its output's
-            # shape and dtype noted (the joined output's, when the schedule keeps no output)
+            # each micro-batch's share of the batch mean, its output's shape noted (for the meta output)
             def share(out: torch.Tensor, tgt: Any) -> torch.Tensor:
                 self._seen.append((tuple(out.shape), out.dtype))
                 return self._loss_fn(out, tgt) / m
@@ -226,8 +199,7 @@ class PipelineRunner:
         record = {"start": start, "end": end, "peak_held": {st.stage_index: st.peak_held for st in stages}}
         out = out if has_last else None
         if has_last and not keep:  # the joined output's shape: the micro-batches' along dim 0 (torch's default merge)
-            # the last m calls are the micro-batches' (a schedule's first step also calls the loss once to infer the
-            # backward's metadata)
+            # the last m calls (a schedule's first step also calls the loss once to infer the backward's metadata)
             seen = self._seen[-m:]
             assert len(seen) == m, f"{len(seen)} micro-batch losses for {m} micro-batches"
             (first, dtype), rows = seen[0], sum(shape[0] for shape, _ in seen)
@@ -242,8 +214,7 @@ class PipelineRunner:
         return out, loss, record
 
     def _sum_tied_gradients(self) -> None:
-        """Each tied parameter's gradient summed over its holders (FSDP2 shards: the same shard on every holder),
-        as Megatron's embedding group."""
+        """Each tied parameter's gradient summed over its holders (FSDP2: the same shard on each), as Megatron does."""
         from torch.distributed.tensor import DTensor
 
         for p, group in self.tied:
@@ -256,14 +227,9 @@ class PipelineRunner:
         return dist.irecv(buf, src=self._last, group=self.group, tag=_LOSS_TAG), buf
 
     def _loss_to_all(self, value: Optional[torch.Tensor], posted: Optional[tuple[Any, torch.Tensor]]) -> torch.Tensor:
-        """The batch loss (`value`, held by the last stage's rank) on every rank of the pp group.
-
-        Sent point to point (by hand: no collective sends one scalar without a rendezvous): a broadcast's root waits
-        for every receiver to reach it, and a receiver that posts its receive only then waits a round trip (0.3-0.5
-        ms on gloo, on the first stage's rank: the step's critical path, whose schedule ends last). The last stage's
-        rank sends as soon as its schedule is over; under gloo the others posted their receive before their schedule
-        (`posted`) and find the loss there when theirs ends. The first step gives every rank the loss's dtype (one
-        object broadcast)."""
+        """The batch loss (`value`, held by the last stage's rank) on every pp rank, sent point to point: a
+        broadcast's rendezvous costs the first stage's rank a round trip on the step's critical path. Under gloo the
+        others posted their receive before their schedule (`posted`)."""
         if self.group is None:
             assert value is not None
             return value
@@ -277,8 +243,7 @@ class PipelineRunner:
         return buf
 
     def output_meta(self, value: Optional[torch.Tensor], key: tuple) -> tuple[tuple[int, ...], torch.dtype]:
-        """(shape, dtype) of a tensor held by the last stage's rank, on every pp rank (one object broadcast per
-        `key`, then cached: shapes are fixed per input shape)."""
+        """(shape, dtype) of a tensor held by the last stage's rank, on every pp rank (broadcast once per `key`)."""
         if self.group is None or (value is not None and self.peer is not None):
             assert value is not None
             return tuple(value.shape), value.dtype
@@ -286,8 +251,7 @@ class PipelineRunner:
             return self.peer.last_stage_meta(key)
         if key not in self._meta:
             meta = [(tuple(value.shape), value.dtype) if value is not None else None]
-            src = dist.get_global_rank(self.group, self.stage_ranks[-1])
-            dist.broadcast_object_list(meta, src=src, group=self.group, device=self.device)
+            dist.broadcast_object_list(meta, src=self._last, group=self.group, device=self.device)
             self._meta[key] = meta[0]
         return self._meta[key]
 
@@ -296,10 +260,9 @@ class PipelineRunner:
         if self.group is None:
             assert value is not None
             return value.detach()
-        src = dist.get_global_rank(self.group, self.stage_ranks[-1])
         shape, dtype = self.output_meta(value, key)
         buf = value.detach().contiguous() if value is not None else torch.empty(shape, dtype=dtype, device=self.device)
-        dist.broadcast(buf, src=src, group=self.group)
+        dist.broadcast(buf, src=self._last, group=self.group)
         return buf
 
     def clear(self) -> None:

@@ -1,8 +1,5 @@
-"""How a network is pipelined: where its stem, blocks and head are and how its stages are built, timed, checked
-and joined (:class:`NetworkLayout`, one object chosen once per network by :func:`network_layout`: plain,
-:class:`PrunedLayout` or :class:`HFLayout`), and the split into stages as data (stage -> blocks -> params -> cost,
-:func:`plan_split`). Which models take which route: ``docs/strategies/pipeline.md``.
-"""
+"""How a network is pipelined (:class:`NetworkLayout`: plain, pruned or HF, chosen once by :func:`network_layout`)
+and its split into stages as data (:func:`plan_split`). Which models take which route: docs/strategies/pipeline.md."""
 
 from __future__ import annotations
 
@@ -28,6 +25,7 @@ from lightning_dist.parallelize.pipeline.pruned import (
     build_pruned_stage,
     check_pruned_stages,
     join_pruned,
+    model_input_call,
     profile_pruned,
     pruned_parts,
 )
@@ -35,7 +33,6 @@ from lightning_dist.parallelize.pipeline.stages import (
     build_plain_stage,
     chain_problem,
     join_plain,
-    model_input_call,
     plain_call_inputs,
     plain_call_output,
     plain_forward_problem,
@@ -53,13 +50,8 @@ Costs = tuple[float, list[float], float]
 # ---- how a network is staged -------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
 class NetworkLayout:
-    """Where a network's stem, blocks and head are, by child name, and how its stages are made.
-
-    This class is the plain layout (an ``nn.Sequential``, or stem children, one direct block list and head
-    children): a stage is a :class:`~.stages.StageModule` running its children in registration order,
-    the network takes one tensor and returns one tensor. :class:`PrunedLayout` and :class:`HFLayout` are the
-    other implementations; :func:`network_layout` picks one per network.
-    """
+    """Where a network's stem, blocks and head are, by child name, and how its stages are made: this class is the
+    plain layout (a :class:`~.stages.StageModule` runs its children in registration order, one tensor in and out)."""
 
     stem: tuple[str, ...]
     """Children run before the blocks (on stage 0)."""
@@ -86,8 +78,7 @@ class NetworkLayout:
 
     # ---- stages
     def build_stage(self, net: nn.Module, block_ids: Sequence[int], *, first: bool, last: bool) -> nn.Module:
-        """The stage module of blocks `block_ids`, with the stem when `first` and the head when `last` (the same
-        module objects as `net`, under their original names)."""
+        """The stage module of blocks `block_ids`, the stem when `first`, the head when `last` (`net`'s modules)."""
         return build_plain_stage(net, self, block_ids, first=first, last=last)
 
     def profile(self, net: nn.Module, sample: Any, *, repeats: int = 5) -> Costs:
@@ -104,8 +95,7 @@ class NetworkLayout:
 
     # ---- the network call
     def sample(self, net: nn.Module, example: Any) -> Any:
-        """The sample micro-batch (`example`: ``example_input_array``) on `net`'s device and floating dtype; None
-        without one."""
+        """The sample micro-batch (`example`: ``example_input_array``) placed on `net`; None without one."""
         return None if example is None else self.place_sample(example, net)
 
     def place_sample(self, sample: Any, net: nn.Module) -> Any:
@@ -114,7 +104,6 @@ class NetworkLayout:
         dtype = next((p.dtype for p in net.parameters() if p.is_floating_point()), None)
         return sample.to(dtype) if dtype is not None and sample.is_floating_point() else sample
 
-    # the network call, as each route's stage module takes it (the step calls these every step)
     call_inputs: ClassVar[Callable[[tuple, dict], tuple[Tensor, dict, Tensor | None]]] = staticmethod(plain_call_inputs)
     """(first stage's input, inputs every stage takes, labels) of a call of the pipelined network."""
     call_output: ClassVar[Callable[[Tensor, Any, Any], Any]] = staticmethod(plain_call_output)
@@ -123,18 +112,15 @@ class NetworkLayout:
 
 @dataclass(frozen=True, kw_only=True)
 class PrunedLayout(NetworkLayout):
-    """A model whose forward is more than its children in order (nanoGPT's ``tok_emb(idx) + pos_emb(arange(t))``,
-    litgpt's rotary tables): a stage is the model with the parts it does not own taken out (:mod:`.pruned`), running
-    its own forward on the model's input, the boundary activation put into its first block."""
+    """A model whose forward is more than its children in order (nanoGPT, litgpt): a stage is the model with the parts
+    it does not own taken out (:mod:`.pruned`), running its own forward."""
 
     parts: tuple[str, str, tuple[str, ...], tuple[str, ...]]
     """``(owner, block_list, stem, head)`` as qualified names (``owner``: the module holding the block list)."""
     plain: NetworkLayout | None = None
-    """The plain layout the model's structure also fits (a direct block list), tried first on a sample: its reason
-    is reported beside this route's when neither computes the model's forward."""
+    """The plain layout the model's structure also fits, whose reason is reported beside this route's."""
 
     convention: ClassVar[type] = ForwardStage
-    """The stage class: how a stage takes the boundary activation and gives its output."""
     handed_over: ClassVar[str] = "into its first block, the model's input given to every stage"
 
     def build_stage(self, net: nn.Module, block_ids: Sequence[int], *, first: bool, last: bool) -> nn.Module:
@@ -142,7 +128,6 @@ class PrunedLayout(NetworkLayout):
         return build_pruned_stage(net, self.parts, blocks, first=first, last=last, convention=self.convention)
 
     def profile(self, net: nn.Module, sample: Any, *, repeats: int = 5) -> Costs:
-        # measured inside the model's own forward (its blocks take extra inputs)
         return profile_pruned(net, self, sample, convention=self.convention, repeats=repeats)
 
     def forward_problem(self, net: nn.Module, sample: Any, *, rtol: float = 1e-5, atol: float = 1e-6) -> str | None:
@@ -167,17 +152,14 @@ class PrunedLayout(NetworkLayout):
         )
 
     def join(self, pieces: Sequence[nn.Module]) -> nn.Module:
-        # the parts put back into the first stage's copy: the model's own class again
         return join_pruned(self.parts, self.blocks, pieces)
 
-    call_inputs = staticmethod(model_input_call)  # every stage runs the model's forward on its input
+    call_inputs = staticmethod(model_input_call)
 
 
 @dataclass(frozen=True, kw_only=True)
 class HFLayout(PrunedLayout):
-    """An unmodified HuggingFace causal LM (:mod:`.hf`): pruned stages taking hidden states as
-    ``inputs_embeds`` and returning ``.logits``; called with ``input_ids``, keyword inputs and ``labels``, it
-    returns a ``CausalLMOutputWithPast``."""
+    """An unmodified HuggingFace causal LM (:mod:`.hf`): pruned stages taking ``inputs_embeds``, giving ``.logits``."""
 
     convention: ClassVar[type] = HFStageMixin
     handed_over: ClassVar[str] = "as `inputs_embeds` (HF's config.base_model_pp_plan layout)"
@@ -191,7 +173,6 @@ class HFLayout(PrunedLayout):
         return whole
 
     def sample(self, net: nn.Module, example: Any) -> Any:
-        # keyword inputs: `example` (ids, or a mapping), else ids built from the config
         if example is None:
             return hf_example_inputs(net)
         return self.place_sample(dict(example) if isinstance(example, Mapping) else {"input_ids": example}, net)
@@ -205,22 +186,13 @@ class HFLayout(PrunedLayout):
 
 
 def layout_kind(net: Any) -> type[NetworkLayout]:
-    """The layout class `net` gets (:class:`HFLayout` or the plain one), before its parts are looked for: its class
-    attributes (``needs_pipeline_loss``, ``config_sample``) answer for a network that may not split at all."""
+    """:class:`HFLayout` or the plain layout class, before the parts are looked for (its class attributes answer)."""
     return HFLayout if isinstance(net, nn.Module) and is_hf_causal_lm(net) else NetworkLayout
 
 
 def network_layout(net: nn.Module) -> NetworkLayout:
-    """The layout of `net` (stem / blocks / head, and how it is staged); TypeError when no route can split it
-    (the message gives each route's reason).
-
-    Routes, in order: a HuggingFace causal LM (its ``config.base_model_pp_plan`` block list), an
-    ``nn.Sequential``, a direct ``nn.ModuleList`` of blocks between stem and head children whose forward is those
-    children in order (:func:`~.stages.chain_problem`), any other model with one block list and a forward taking
-    one input (nanoGPT, litgpt: the stages are the model with the blocks they do not own taken out, running its own
-    forward). A direct block list whose forward is neither is given the plain layout: the staged-forward check on
-    a micro-batch then names what the forward does.
-    """
+    """The layout of `net`; TypeError giving each route's reason when none can split it. Routes, in order: HF causal
+    LM, ``nn.Sequential``, children in order around one direct block list, the model pruned per stage."""
     if layout_kind(net) is HFLayout:
         parts = hf_parts(net)
         _, block_list, stem, head = parts
@@ -288,8 +260,7 @@ def _num_params(module: nn.Module) -> int:
 
 
 def part_params(net: nn.Module, layout: NetworkLayout) -> tuple[list[int], int, int]:
-    """Parameters of (each block, the stem, the head) of `net` as its stages hold them (pure; the planner uses
-    it too). A weight shared by the stem and the head counts on both: each of the two stages holds a copy."""
+    """Parameters of (each block, the stem, the head) as the stages hold them (a tied weight counts on both)."""
     blocks = [_num_params(layout.block(net, i)) for i in range(len(layout.blocks))]
     stem = sum(_num_params(net.get_submodule(m)) for m in layout.stem)
     head = sum(_num_params(net.get_submodule(m)) for m in layout.head)
@@ -375,11 +346,8 @@ class PipelineSplit:
 
 
 def profile_costs(net: nn.Module, layout: NetworkLayout, sample: Any, *, repeats: int = 5) -> Costs:
-    """Measured forward+backward milliseconds of (stem, each block, head) on one sample micro-batch (best of `repeats`).
-
-    The parts are assumed to compose to ``net`` (check that first with :meth:`NetworkLayout.forward_problem`).
-    A model split into pruned copies (HF, litgpt) is measured inside its own forward (HF `sample`: its keyword inputs).
-    """
+    """Measured milliseconds of (stem, each block, head) on one sample micro-batch (best of `repeats`); the parts
+    must compose to ``net`` (see :meth:`NetworkLayout.forward_problem`)."""
     return layout.profile(net, sample, repeats=repeats)
 
 
@@ -423,12 +391,9 @@ def plan_split(
             costs = layout.profile(net, sample)
         first, block_costs, last = costs
         method, unit = "balanced", "ms"
-    elif isinstance(split, str) and split == "params":
+    elif split == "params" if isinstance(split, str) else isinstance(split, Sequence):
         first, block_costs, last = float(stem_p), [float(p) for p in params], float(head_p)
-        method, unit = "params", "params"
-    elif not isinstance(split, str) and isinstance(split, Sequence):
-        first, block_costs, last = float(stem_p), [float(p) for p in params], float(head_p)
-        method, unit = "manual", "params"
+        method, unit = "params" if isinstance(split, str) else "manual", "params"
     else:
         raise ValueError(f'split={split!r} must be "balanced", "params" or a list of {num_stages - 1} block indices.')
     if method == "manual":
@@ -460,10 +425,7 @@ def plan_split(
 
 
 def build_stage_module(net: nn.Module, split: PipelineSplit, stage_indices: Sequence[int]) -> nn.Module:
-    """The stage module with only the stem/blocks/head of `stage_indices` (the same module objects).
-
-    The rest of `net` is not referenced: once the caller drops `net`, those parameters are freed.
-    """
+    """The stage module with the parts of `stage_indices` (`net`'s modules: the rest is freed with `net`)."""
     chosen = [split.stages[i] for i in sorted(stage_indices)]
     return split.layout.build_stage(
         net,
@@ -474,21 +436,13 @@ def build_stage_module(net: nn.Module, split: PipelineSplit, stage_indices: Sequ
 
 
 def join_stages(split: PipelineSplit, pieces: Sequence[nn.Module]) -> nn.Module:
-    """The whole single-device network from plain copies of every pipeline rank's stage module (pure).
-
-    Stem, blocks and head are put back in the split's order under their single-device names. A pruned
-    stage (HF, litgpt) is the model with the parts it does not own taken out: the parts are put back into the first
-    stage's copy (a HF model's ``labels`` loss then computed as the pipeline computes it).
-    """
+    """The whole single-device network from plain copies of every pipeline rank's stage module (pure)."""
     return split.layout.join(pieces)
 
 
 @runtime_checkable
 class PipelineView(Protocol):
-    """What a strategy offers about its pipeline to callbacks and tools (``MeshStrategy.pipeline_view()``).
-
-    Read-only except ``record_timeline``; a callback never needs the strategy's class or its internals.
-    """
+    """What a strategy offers about its pipeline to callbacks and tools (read-only except ``record_timeline``)."""
 
     split: PipelineSplit | None
     """The stage plan (blocks per stage, the network's layout); None until the model is split."""
@@ -510,8 +464,7 @@ class PipelineView(Protocol):
 
 
 def pipeline_view(strategy: Any) -> PipelineView | None:
-    """The strategy's :class:`PipelineView` (``strategy.pipeline_view()``), or None (no pipeline, or not a mesh
-    strategy)."""
+    """The strategy's :class:`PipelineView`, or None (no pipeline, or not a mesh strategy)."""
     get = getattr(strategy, "pipeline_view", None)
     return get() if callable(get) else None
 

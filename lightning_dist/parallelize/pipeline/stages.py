@@ -1,7 +1,5 @@
-"""Plain pipeline stages: the parts of a network some stages run (stem, blocks, head children) in a
-:class:`StageModule` under their original names, which applies them in registration order.
-
-Notes: docs/internals.md, "lightning_dist/parallelize/pipeline/stages.py"."""
+"""Plain pipeline stages: a :class:`StageModule` holds the stem, block and head children some stages run, under
+their original names, and applies them in registration order. Notes: docs/internals.md."""
 
 from __future__ import annotations
 
@@ -15,60 +13,93 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from lightning_dist.parallelize.pipeline.pruned import MODEL_INPUT, PrunedStage
+from lightning_dist.parallelize.cp_probe import evaluating
 from lightning_dist.parallelize.self_check import gradient_problem
 
 
-class StageModule(nn.Module):
-    """The parts of a network that some pipeline stages run, under their original names.
+class PipelinedModule(nn.Module):
+    """A module made of what some pipeline stages run: ``run_local`` is the stages' forward; once the strategy sets
+    ``runner``, calling the module runs the whole pipeline schedule instead."""
 
-    Children are kept in execution order: stem parts, the block list (an ``nn.ModuleDict`` keyed by the
-    original block indices, or the Sequential's own keys), head parts. ``forward`` applies them in order.
-    """
+    runner: Callable | None = None
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        if self.runner is not None:
+            return self.runner(*args, **kwargs)
+        return self.run_local(*args, **kwargs)
+
+    def run_local(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    def stage_blocks(self) -> list[nn.Module]:
+        """The blocks this module holds."""
+        raise NotImplementedError
+
+    def fsdp_units(self) -> list[nn.Module]:
+        """FSDP2's ``"auto"`` units: the blocks it holds."""
+        return self.stage_blocks()
+
+
+class StageModule(PipelinedModule):
+    """The parts of a network that some pipeline stages run, under their original names, in execution order: stem
+    parts, the block list (an ``nn.ModuleDict`` keyed by the original indices, or the Sequential's own keys), head
+    parts. `network`: the split network, named in the refusal of an attribute only it has."""
 
     def __init__(
-        self, parts: Sequence[tuple[str, nn.Module]], block_list: str | None, blocks: Sequence[tuple[str, nn.Module]]
+        self,
+        parts: Sequence[tuple[str, nn.Module]],
+        block_list: str | None,
+        blocks: Sequence[tuple[str, nn.Module]],
+        network: nn.Module | tuple[str, frozenset[str]] = ("", frozenset()),
     ) -> None:
         super().__init__()
         self._block_list = block_list
+        if isinstance(network, nn.Module):
+            names = frozenset(n for n in dir(network) if not n.startswith("_")) - frozenset(dir(StageModule))
+            network = (type(network).__name__, names)
+        self._network = network  # (class name, attribute names): strings only, so a stage still pickles
         for name, module in parts:
-            if name == block_list:
-                self.add_module(name, nn.ModuleDict(dict(blocks)))
-            else:
-                self.add_module(name, module)
+            self.add_module(name, nn.ModuleDict(dict(blocks)) if name == block_list else module)
         if block_list is None:
             for key, module in blocks:
                 self.add_module(key, module)
-        self.runner: Callable | None = None
-        """Set by the strategy: the whole-network call on the pipelined model runs the schedule instead."""
 
     def run_local(self, x, **kwargs):
         """Apply this module's parts in order (what a PipelineStage runs). Keyword inputs (context parallelism's
         ``position_ids``) go to each part whose forward names them, as the network's forward passes them."""
         # `_modules`, not `children()`: children() yields a module used twice (weight sharing) only once
         for child in self._modules.values():
-            if isinstance(child, nn.ModuleDict):
-                for block in child.values():
-                    x = block(x, **_taken(block, kwargs)) if kwargs else block(x)
-            else:
-                x = child(x, **_taken(child, kwargs)) if kwargs else child(x)
+            for part in child.values() if isinstance(child, nn.ModuleDict) else (child,):
+                x = part(x, **_taken(part, kwargs)) if kwargs else part(x)
         return x
 
-    def forward(self, *args, **kwargs):
-        if self.runner is not None:
-            return self.runner(*args, **kwargs)
-        return self.run_local(*args, **kwargs)
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            cls, names = self.__dict__.get("_network", ("", frozenset()))
+            if name not in names:
+                raise
+        held = ", ".join(
+            ", ".join(f"{n}.{k}" for k in c._modules) if isinstance(c, nn.ModuleDict) else n
+            for n, c in self._modules.items()
+        )
+        raise AttributeError(
+            f"{cls}.{name} is not available under PipelineStrategy: it replaced the {cls} with the parts this rank's"
+            f" pipeline stages run ({held}), one micro-batch at a time, and `{name}` belongs to the whole model. A"
+            " value over every layer and the whole batch (e.g. a mixture of experts' router load-balancing loss,"
+            " which the micro-batches of a 1F1B schedule cannot add up to) has no pipelined form: leave it out of"
+            " the step under a pipeline, or train with a strategy that keeps the whole model on each rank (hsdp,"
+            " fsdp2, tp)."
+        )
 
     def stage_blocks(self) -> list[nn.Module]:
         """The blocks this stage holds: its block list's entries, or (a split ``nn.Sequential``) its children."""
-        lists = [child for child in self.children() if isinstance(child, nn.ModuleDict)]
-        if lists:
-            return [block for blocks in lists for block in blocks.values()]
-        return list(self.children())
+        units = self.fsdp_units()
+        return units if units or self._block_list is not None else list(self.children())
 
     def fsdp_units(self) -> list[nn.Module]:
-        """FSDP2's ``"auto"`` units: the entries of its block list (a split ``nn.Sequential``: none, its
-        children shard with the stage's root unit)."""
+        """FSDP2's ``"auto"`` units: its block list's entries (a split ``nn.Sequential``: none, the root unit)."""
         return [b for child in self._modules.values() if isinstance(child, nn.ModuleDict) for b in child.values()]
 
 
@@ -95,12 +126,6 @@ def plain_call_inputs(args: tuple, kwargs: dict) -> tuple[torch.Tensor, dict, No
     return args[0], {}, None
 
 
-def model_input_call(args: tuple, kwargs: dict) -> tuple[torch.Tensor, dict, None]:
-    """:func:`plain_call_inputs` for pruned stages, each of which runs the model's forward on the model's input."""
-    x, _, _ = plain_call_inputs(args, kwargs)
-    return x, {MODEL_INPUT: x}, None
-
-
 def plain_call_output(shown: torch.Tensor, loss: Any, labels: Any) -> torch.Tensor:
     """What the pipelined network's call returns: what the step sees of the output."""
     return shown
@@ -108,10 +133,10 @@ def plain_call_output(shown: torch.Tensor, loss: Any, labels: Any) -> torch.Tens
 
 def is_pipelined_module(net: object) -> bool:
     """A stage module built by ``split.build_stage_module`` (of either kind)."""
-    return isinstance(net, (StageModule, PrunedStage))
+    return isinstance(net, PipelinedModule)
 
 
-def stage_blocks(stage: StageModule | PrunedStage) -> list[nn.Module]:
+def stage_blocks(stage: PipelinedModule) -> list[nn.Module]:
     """The blocks a stage module holds (its block list's entries; a split ``nn.Sequential``: its children)."""
     return stage.stage_blocks()
 
@@ -120,14 +145,12 @@ def build_plain_stage(net: nn.Module, layout: Any, block_ids: Sequence[int], *, 
     """A :class:`StageModule` with blocks `block_ids` of `layout` (a ``NetworkLayout``), the stem when `first` and
     the head when `last` (the same module objects): once the caller drops `net`, the rest is freed."""
     blocks = [(layout.blocks[i], layout.block(net, i)) for i in block_ids]
-    parts: list[tuple[str, nn.Module]] = []
-    if first:
-        parts += [(n, getattr(net, n)) for n in layout.stem]
-    if layout.block_list is not None:
-        parts.append((layout.block_list, getattr(net, layout.block_list)))
-    if last:
-        parts += [(n, getattr(net, n)) for n in layout.head]
-    return StageModule(parts, layout.block_list, blocks)
+    names = [
+        *(layout.stem if first else ()),
+        *([layout.block_list] if layout.block_list else ()),
+        *(layout.head if last else ()),
+    ]
+    return StageModule([(n, getattr(net, n)) for n in names], layout.block_list, blocks, network=net)
 
 
 def join_plain(layout: Any, pieces: Sequence[nn.Module]) -> StageModule:
@@ -142,8 +165,17 @@ def join_plain(layout: Any, pieces: Sequence[nn.Module]) -> StageModule:
                 blocks[name] = child
             else:
                 parts[name] = child
-    order = list(layout.stem) + ([layout.block_list] if layout.block_list is not None else []) + list(layout.head)
-    return StageModule([(n, parts.get(n)) for n in order], layout.block_list, [(k, blocks[k]) for k in layout.blocks])
+    order = [*layout.stem, *([layout.block_list] if layout.block_list is not None else []), *layout.head]
+    network = pieces[0].__dict__.get("_network", ("", frozenset()))
+    return StageModule(
+        [(n, parts.get(n)) for n in order], layout.block_list, [(k, blocks[k]) for k in layout.blocks], network
+    )
+
+
+def part_costs(layout: Any, times: Sequence[float]) -> tuple[float, list[float], float]:
+    """(stem, each block, head) from one time per stem part, block and head part, in that order."""
+    n_stem, n_head = len(layout.stem), len(layout.head)
+    return sum(times[:n_stem]), list(times[n_stem : len(times) - n_head]), sum(times[len(times) - n_head :])
 
 
 def profile_plain(
@@ -162,57 +194,42 @@ def profile_plain(
         for i in range(repeats + 1):  # the first run (allocations, lazy kernels set-up) is not timed
             inp = x.detach().requires_grad_(x.is_floating_point())
             start = time.perf_counter()
-            out = part(inp)
-            out.float().sum().backward()
+            part(inp).float().sum().backward()
             if i:
                 runs.append((time.perf_counter() - start) * 1e3)
         times.append(min(runs))  # interference from other processes only ever adds time
         with torch.no_grad():
             x = part(x)
     net.zero_grad(set_to_none=True)
-    n_stem, n_head = len(layout.stem), len(layout.head)
-    return sum(times[:n_stem]), times[n_stem : len(times) - n_head], sum(times[len(times) - n_head :])
+    return part_costs(layout, times)
 
 
 def plain_forward_problem(
     net: nn.Module, layout: Any, sample: torch.Tensor, *, rtol: float = 1e-5, atol: float = 1e-6
 ) -> str | None:
-    """Why the children of `net` applied in registration order would not compute ``net(sample)`` (None: they do).
-
-    The stages run only the network's children (stem, blocks, head) one after the other (what
-    :class:`StageModule` runs); a ``forward`` that adds residuals around blocks, calls a child twice or
-    in another order, or transforms tensors between children computes something else.
-    """
+    """Why the children of `net` applied in registration order (what :class:`StageModule` runs) would not compute
+    ``net(sample)``, or None when they do, gradients included."""
     staged = build_plain_stage(net, layout, range(len(layout.blocks)), first=True, last=True)
     registered = [*layout.stem, layout.block_list or "children", *layout.head]
-    was_training = net.training
-    net.eval()  # dropout & co. would draw different masks in the two runs
-    try:
-        with torch.no_grad():
-            called, hooks = _record_call_order(net, layout)
-            try:
-                expected = net(sample)
-            finally:
-                for h in hooks:
-                    h.remove()
-            try:
-                got, crash = staged.run_local(sample), None
-            except (RuntimeError, ValueError, TypeError, IndexError) as err:  # e.g. a head run before the blocks
-                got, crash = None, err
-    finally:
-        net.train(was_training)
+    with evaluating(net), torch.no_grad():  # eval: dropout & co. would draw different masks in the two runs
+        called, hooks = _record_call_order(net, layout)
+        try:
+            expected = net(sample)
+        finally:
+            for h in hooks:
+                h.remove()
+        try:
+            got, crash = staged.run_local(sample), None
+        except (RuntimeError, ValueError, TypeError, IndexError) as err:  # e.g. a head run before the blocks
+            got, crash = None, err
     if (
         crash is None
         and isinstance(expected, torch.Tensor)
         and expected.shape == got.shape
         and torch.allclose(expected, got, rtol=rtol, atol=atol)
     ):
-        # what the optimizer will use, too: the same output can come with other gradients
-        net.eval()
-        try:
+        with evaluating(net):  # the same output can come with other gradients
             return gradient_problem(dict(net.named_parameters()), lambda: net(sample), lambda: staged.run_local(sample))
-        finally:
-            net.train(was_training)
     order = " -> ".join(registered)
     if called and called != registered and set(called) == set(registered):
         moved = [n for n in registered if called.index(n) != registered.index(n)]
@@ -245,9 +262,8 @@ def plain_forward_problem(
 
 
 def chain_problem(net: nn.Module, layout: Any) -> str | None:
-    """Why `net`'s forward is not provably its stem, block and head children applied in registration order, each
-    to the previous one's output (None: it is), read from a ``torch.fx`` trace with those children as leaves
-    (structure only: no tensors run, works on meta)."""
+    """Why `net`'s forward is not provably its stem, block and head children in registration order, each on the
+    previous one's output (None: it is), from a ``torch.fx`` trace with them as leaves (works on meta)."""
     names = [*layout.stem, *(layout.block_name(i) for i in range(len(layout.blocks))), *layout.head]
     leaves = {id(net.get_submodule(n)) for n in names}
 
@@ -280,9 +296,8 @@ def chain_problem(net: nn.Module, layout: Any) -> str | None:
 
 
 def _record_call_order(net: nn.Module, layout: Any) -> tuple[list[str], list]:
-    """Hooks recording the stem, block-list and head children of `net` in the order its forward first calls
-    them: (that list, filled as it runs; the hook handles to remove). Nothing for an nn.Sequential, which runs
-    its children in registration order by definition."""
+    """(the stem, block-list and head children in the order `net`'s forward first calls them, filled as it runs;
+    the hooks to remove). Nothing for an nn.Sequential, which runs its children in order by definition."""
     order: list[str] = []
     if layout.block_list is None:
         return order, []
@@ -315,7 +330,8 @@ __all__ = [
     "is_pipelined_module",
     "keyword_inputs",
     "join_plain",
-    "model_input_call",
+    "part_costs",
+    "PipelinedModule",
     "plain_call_inputs",
     "plain_call_output",
     "plain_forward_problem",

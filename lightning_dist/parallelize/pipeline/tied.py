@@ -1,6 +1,5 @@
-"""Weights tied across pipeline stages (a head tied to the token embedding): one copy per holding stage.
-
-Notes: docs/internals.md, "lightning_dist/parallelize/pipeline/tied.py"."""
+"""Weights tied across pipeline stages (a head tied to the token embedding): one copy per holding stage, saved once.
+Notes: docs/internals.md."""
 
 from __future__ import annotations
 
@@ -20,9 +19,8 @@ def tied_problems(
     dp_size: int,
     tp_size: int = 1,
 ) -> list[str]:
-    """What cannot be trained (pure): a tied parameter held by two stages of one rank under FSDP2, or by
-    stages whose tensor-parallel plans may shard it differently (an embedding and a head: the holders'
-    gradient shards would not line up, so their sum would be wrong)."""
+    """What cannot be trained (pure): a tied parameter held by two stages of one rank under FSDP2, or by stages
+    whose tensor-parallel plans may shard it differently (the holders' gradient shards would not line up)."""
     out = []
     for names, stages in tied:
         if tp_size > 1 and len({stage_ranks[s] for s in stages}) > 1:
@@ -72,12 +70,8 @@ def tied_checkpoint_keys(
     pp_rank: int,
     prefix: str = "",
 ) -> list[tuple[str, tuple[str, ...], bool]]:
-    """For each tied parameter: (its checkpoint key, every key of its copies, whether this pp rank saves it).
-
-    The checkpoint key is the unsplit model's name for it (the first in ``named_parameters()``, which is
-    what a single-device optimizer and a strict ``load_state_dict`` see first); `prefix` is the network's
-    attribute path in the LightningModule (``"model."``). Pure: call it before the split drops the network.
-    """
+    """For each tied parameter: (its checkpoint key: the unsplit model's first name for it, every key of its copies,
+    whether this pp rank saves it). `prefix`: the network's path in the LightningModule. Call it before the split."""
     canonical = {id(p): name for name, p in net.named_parameters()}
     out = []
     for names, stages in tied:
@@ -88,20 +82,15 @@ def tied_checkpoint_keys(
 
 
 def tied_aliases(keys: Sequence[tuple[str, tuple[str, ...], bool]]) -> dict[str, str]:
-    """``{key of a copy: checkpoint key}`` for every copy saved under another name (see
-    :func:`tied_checkpoint_keys`)."""
+    """``{key of a copy: checkpoint key}`` for every copy saved under another name."""
     return {name: key for key, names, _ in keys for name in names if name != key}
 
 
 def save_tied_once(
     state: dict[str, Any], keys: Sequence[tuple[str, tuple[str, ...], bool]], *, optimizer: bool = False
 ) -> dict[str, Any]:
-    """This rank's model (or flattened optimizer) state with each tied parameter under its checkpoint key once.
-
-    The saving rank renames its copy to the checkpoint key; the other holders drop theirs (equal values:
-    their gradients are summed every step). Optimizer keys are ``state.<name>.<slot>`` and
-    ``param_groups.<name>.<option>`` (torch's flattened layout, see ``name_keyed_optimizer_state``).
-    """
+    """This rank's model (or flattened optimizer: ``state.<name>.<slot>``, ``param_groups.<name>.<option>``) state
+    with each tied parameter under its checkpoint key once: the saving rank renames its copy, the others drop theirs."""
     out = dict(state)
     for key, names, saves in keys:
         for name in names:

@@ -1,6 +1,5 @@
 """What a pipeline needs from the LightningModule, checked and planned before the split (no strategy state).
-
-Notes: docs/internals.md, "lightning_dist/strategies/pipeline/setup.py"."""
+Notes: docs/internals.md."""
 
 from __future__ import annotations
 
@@ -26,8 +25,7 @@ from lightning_dist.parallelize.pipeline.tied import tied_gradient_groups, tied_
 
 
 def option_problems(*, schedule: Any, options: Mapping[str, Any]) -> list[str]:
-    """The strategy's constructor options that cannot work with a pipeline (its model options are checked by
-    ``ModelOptions``; these are the combinations a pipeline adds)."""
+    """The constructor options that cannot work with a pipeline (beyond ``ModelOptions``' own checks)."""
     problems = []
     compile, ac = options.get("compile", False), options.get("activation_checkpointing", False)
     if isinstance(schedule, str) and "zero_bubble" in schedule:
@@ -69,9 +67,8 @@ def module_problems(module: Any, network: str, net: Any) -> list[str]:
 
 
 def cp_stage_problems(net: nn.Module) -> list[str]:
-    """What keeps `net`'s stages from taking context parallelism's ``position_ids`` (pure): a plain layout's stages
-    run its children in order, so a stem or block child must name ``position_ids`` (the pack's ``GPT.pos_emb``); a
-    model split into pruned copies of itself takes them in its own forward (checked with the model's cp problems)."""
+    """What keeps `net`'s stages from taking context parallelism's ``position_ids`` (pure): under the plain layout a
+    stem or block child must name them (the pack's ``GPT.pos_emb``); pruned stages take them in the model's forward."""
     try:
         layout = network_layout(net)
     except TypeError:
@@ -89,13 +86,14 @@ def cp_stage_problems(net: nn.Module) -> list[str]:
     ]
 
 
+def _has_sample(module: Any, net: Any) -> bool:
+    """A sample micro-batch exists: ``example_input_array``, or a HF model's config."""
+    return getattr(module, "example_input_array", None) is not None or layout_kind(net).config_sample
+
+
 def check_balanced_sample(module: Any, net: nn.Module, mode: Any) -> None:
-    """``split="balanced"`` measures the blocks on a sample: ``example_input_array``, or a HF model's config."""
-    if (
-        mode == "balanced"
-        and getattr(module, "example_input_array", None) is None
-        and not layout_kind(net).config_sample
-    ):
+    """``split="balanced"`` measures the blocks on a sample micro-batch."""
+    if mode == "balanced" and not _has_sample(module, net):
         raise ValueError(
             f'split="balanced" profiles each block on a sample micro-batch: set'
             f" `{type(module).__name__}.example_input_array` to one micro-batch of inputs,"
@@ -106,18 +104,13 @@ def check_balanced_sample(module: Any, net: nn.Module, mode: Any) -> None:
 def resolve_split_mode(split_option: Any, module: Any, network: str) -> Any:
     """The split that will be used: `split_option` with ``"auto"`` resolved for the attached module."""
     if isinstance(split_option, str) and split_option == "auto":
-        net = getattr(module, network, None)
-        has_sample = getattr(module, "example_input_array", None) is not None or layout_kind(net).config_sample
-        return "balanced" if has_sample else "params"
+        return "balanced" if _has_sample(module, getattr(module, network, None)) else "params"
     return split_option
 
 
 def pipeline_sample(module: Any, net: nn.Module, layout: NetworkLayout) -> Any:
-    """``example_input_array`` on the network's device and floating dtype; None without one (or on meta).
-
-    A HuggingFace causal LM gets keyword inputs: ``example_input_array`` (ids, or a mapping), else ids
-    built from its config (:func:`~lightning_dist.parallelize.pipeline.hf.hf_example_inputs`).
-    """
+    """The layout's sample micro-batch (``example_input_array``, or a HF model's config ids), placed on the
+    network; None without one or on meta."""
     first = next(iter(net.parameters()), None)
     if first is None or first.is_meta:
         return None
@@ -133,8 +126,7 @@ class PipelinePlan:
     split: PipelineSplit
     """The split (by parameters when `mode` is ``"balanced"``: the measured one is made in ``parallelize``)."""
     sample: Any
-    """The sample micro-batch (None: no ``example_input_array``, or the network is on meta); the staged
-    forward was compared with the network's on it. Place it with ``split.layout.place_sample``."""
+    """The sample micro-batch the staged forward was checked on (None: none, or on meta)."""
 
     @property
     def layout(self) -> NetworkLayout:
@@ -142,8 +134,8 @@ class PipelinePlan:
 
 
 def plan_pipeline(module: Any, net: nn.Module, num_stages: int, mode: Any, *, allow_batchnorm: bool) -> PipelinePlan:
-    """The split arithmetic (TypeError for a network of another shape), BatchNorm, the balanced split's sample and
-    the staged forward on the sample, checked once; the plan ``parallelize`` uses (ValueError naming a problem)."""
+    """The split, BatchNorm, the balanced split's sample and the staged forward on it, checked once (TypeError for
+    a network of another shape, ValueError naming a problem); the plan ``parallelize`` uses."""
     split = plan_split(net, num_stages, split="params" if mode == "balanced" else mode)
     check_splittable(net, split, allow_batchnorm=allow_batchnorm)
     check_balanced_sample(module, net, mode)
@@ -158,11 +150,8 @@ def plan_pipeline(module: Any, net: nn.Module, num_stages: int, mode: Any, *, al
 def tied_groups(
     tied: Sequence[tuple[tuple[str, ...], tuple[int, ...]]], stage_ranks: Sequence[int], *, mesh: Any, rank: int
 ) -> list[tuple[tuple[str, ...], Any, bool]]:
-    """Tied parameters across stages (`tied`: :func:`~.checks.tied_stages`), refused or grouped (see
-    :mod:`~lightning_dist.parallelize.pipeline.tied`).
-
-    Collective when there are any (``new_group`` on every rank); the refusal comes first, on every rank.
-    """
+    """Tied parameters across stages (`tied`: :func:`~.checks.tied_stages`) refused on every rank, else grouped
+    (``new_group``: collective when there are any)."""
     from lightning_dist.mesh import DP_CP, TP
 
     # FSDP2 shards each stage over dp x cp (context peers average gradients too)
@@ -175,10 +164,7 @@ def tied_groups(
 
 
 def first_batch_problem(unsplit: nn.Module, sample: Tensor, device: Any) -> Optional[str]:
-    """The staged forward against the unsplit copy on the first micro-batch: one verdict for all ranks.
-
-    Returns the problem (a message) when any rank found one, on every rank; None when the stages agree.
-    """
+    """The staged forward against the unsplit copy on the first micro-batch: any rank's problem, on every rank."""
     dtype = next((p.dtype for p in unsplit.parameters() if p.is_floating_point()), None)
     sample = sample.detach().cpu()
     problem = staged_forward_problem(unsplit, sample.to(dtype) if dtype and sample.is_floating_point() else sample)

@@ -1,7 +1,5 @@
 """One step of :class:`~lightning_dist.strategies.PipelineStrategy`: the network call, what the LightningModule sees of
-its output and loss, and the gradients the returned loss adds.
-
-Notes: docs/internals.md, "lightning_dist/strategies/pipeline/step.py"."""
+its output and loss, and the gradients the returned loss adds. Notes: docs/internals.md."""
 
 from __future__ import annotations
 
@@ -23,12 +21,11 @@ from lightning_dist.strategies.pipeline.setup import first_batch_problem
 
 @dataclass(eq=False)
 class PipelineRun:
-    """What the strategy's set-up made for its steps: the runner and what a step would otherwise look up each time
-    (the network's call convention, the pp group and rank, the device, context parallelism)."""
+    """What the strategy's set-up made for its steps: the runner, the network's call convention, pp group, cp."""
 
     runner: PipelineRunner
     layout: Any
-    """The split's ``NetworkLayout``: ``call_inputs`` / ``call_output``, the network's call convention."""
+    """The split's ``NetworkLayout`` (its ``call_inputs`` / ``call_output``)."""
     n_microbatches: int
     device: torch.device
     pp_rank: int
@@ -38,10 +35,8 @@ class PipelineRun:
     unsplit: Optional[nn.Module] = None
     """A host copy of the network, compared with the stages on the first batch (then dropped)."""
     calls: int = 0
-    """Network calls so far: a stand-in names the call it came from."""
 
 
-# ---- what the step sees of the output ------------------------------------------------------------
 _ALLOWED = {
     Tensor.shape.__get__,
     Tensor.dtype.__get__,
@@ -69,11 +64,8 @@ def refusal(owner: str, what: str, where: str) -> str:
 
 
 class PipelineOutput(Tensor):
-    """A stand-in for the pipelined network's output: its shape and dtype, no storage; refuses its values.
-
-    ``owner`` names the LightningModule and ``where`` the step in the refusal; ``step`` identifies the network
-    call it came from (a stand-in of an earlier call is not served).
-    """
+    """A stand-in for the pipelined network's output: its shape and dtype, no storage; refuses its values, naming
+    ``owner`` (the LightningModule) and ``where``; ``step``: the network call it came from."""
 
     owner: str
     where: str
@@ -102,14 +94,9 @@ class PipelineOutput(Tensor):
         raise ValueError(refusal("The LightningModule", f"`{func}`", "a step"))
 
 
-# ---- what the returned loss may hold -------------------------------------------------------------
 def reached_leaves(loss: Tensor) -> set[int]:
-    """The ids of the leaf tensors `loss`'s autograd graph reaches (its ``AccumulateGrad`` nodes' variables).
-
-    ``backward`` asks ``autograd.grad`` for the returned loss's gradients on these only: asking for every
-    parameter cost more than the rest of the step on a small model. Written by hand: torch has no public
-    "leaves of this graph" query.
-    """
+    """The ids of the leaf tensors `loss`'s autograd graph reaches (torch has no public query): ``backward`` asks
+    for gradients on these only, as asking for every parameter cost more than the rest of a small model's step."""
     # a freed Node wrapper's id is reused by the next one: `seen` holds the visited nodes, keeping ids unique
     seen: dict[int, Any] = {}
     leaves: set[int] = set()
@@ -133,23 +120,18 @@ def _fix(owner: str) -> str:
     )
 
 
-def output_term_problem(owner: str) -> str:
+def output_term_problem(owner: str, how: str = "e.g. a scaled loss, or an extra term on the output") -> str:
     """The refusal of a returned loss whose gradient on the (broadcast) output differs from the schedule's."""
     return (
         f"{owner}.training_step returned a loss that uses the network's output differently from the mean of"
-        " `pipeline_loss` over the micro-batches, which is all the pipeline schedule back-propagates through the"
-        " stages (e.g. a scaled loss, or an extra term on the output): that part of its gradient would be lost."
-        + _fix(owner)
+        f" `pipeline_loss` over the micro-batches, which is all the pipeline schedule back-propagates through the"
+        f" stages ({how}): that part of its gradient would be lost." + _fix(owner)
     )
 
 
 def returned_loss_problem(d_loss: Optional[Tensor | float], scale: float, owner: str) -> Optional[str]:
-    """Why the returned loss cannot be served, from its gradient on the step's loss leaf (None: it can).
-
-    The schedule back-propagated ``scale`` x the batch loss (``scale``: Lightning's ``1 / accumulate_grad_batches``);
-    the returned loss must hold exactly that one copy of it. Every rank computes this from the same scalar with the
-    same code: one verdict, no collective.
-    """
+    """Why the returned loss cannot be served, from its gradient on the step's loss leaf (None: it can): it must
+    hold exactly the ``scale`` x batch loss the schedule back-propagated. The same verdict on every rank."""
     if d_loss is None:
         return (
             f"{owner}.training_step returned a loss that does not contain the pipeline's loss (the value of"
@@ -158,11 +140,9 @@ def returned_loss_problem(d_loss: Optional[Tensor | float], scale: float, owner:
         )
     got = float(d_loss)
     if abs(got - scale) > 1e-6 * abs(scale):
-        return (
-            f"{owner}.training_step returned a loss that uses the network's output differently from the mean of"
-            f" `pipeline_loss` over the micro-batches (its gradient on that loss is {got / scale:g} x, not 1 x),"
-            " which is all the pipeline schedule back-propagates through the stages (e.g. a scaled loss, or"
-            " the loss used twice): that part of its gradient would be lost." + _fix(owner)
+        return output_term_problem(
+            owner,
+            f"its gradient on that loss is {got / scale:g} x, not 1 x: e.g. a scaled loss, or the loss used twice",
         )
     return None
 
@@ -170,13 +150,9 @@ def returned_loss_problem(d_loss: Optional[Tensor | float], scale: float, owner:
 def returned_loss_gradients(
     loss: Tensor, out: Tensor, target: Any, *, n_microbatches: int, scale: float, pipeline_loss: Any, params: list
 ) -> tuple[bool, list[tuple[Tensor, Tensor]]]:
-    """What a returned loss computed from the broadcast output adds: (uses the output otherwise, [(param, grad)]).
-
-    The schedule back-propagated ``scale`` x the mean of ``pipeline_loss`` over the micro-batches (split as torch
-    splits targets, ``tensor_split`` on dim 0); `out` is the output as a leaf `loss` was computed from. True when
-    ``d loss / d out`` differs from that mean's (relative 1e-6, or 16 ulps of the output's dtype); the list holds the
-    other terms' gradients (weight penalties) on `params`.
-    """
+    """What a returned loss computed from the broadcast output (`out`, a leaf) adds: (whether ``d loss / d out``
+    differs from that of ``scale`` x the mean ``pipeline_loss`` over the micro-batches the schedule ran, the other
+    terms' gradients on `params`)."""
     grads = torch.autograd.grad(loss, [out, *params], allow_unused=True)
     user_out = grads[0] if grads[0] is not None else torch.zeros_like(out)
     differs = False
@@ -209,29 +185,22 @@ def check_target(served: Any, given: Any, owner: str) -> None:
         )
 
 
-# ---- the step --------------------------------------------------------------------------------------
 class NetworkCall(NamedTuple):
-    """One network call, for ``pipeline_loss`` and ``backward``: what the step saw, the last stage's output
-    (evaluation, on its rank), the batch loss (a leaf in training), the schedule's target, training or not."""
+    """One network call, for ``pipeline_loss`` and ``backward``."""
 
     out: Any
     local: Optional[Tensor]
     loss: Optional[Tensor]
     target: Any
     train: bool
-    loss_fn: Any = None  # the schedule's per-micro-batch loss and micro-batch count (the opt-in's direct-use check)
+    loss_fn: Any = None  # the schedule's per-micro-batch loss and count (the opt-in's direct-use check)
     m: int = 1
 
 
 class PipelineStep:
-    """The state of one step: its batch, its network call and the gradients held aside until ``backward``.
-
-    ``training=True`` (made by ``training_step``): the first network call runs forward and backward, its
-    gradients are held aside (``grads``) until :meth:`backward` adds them to ``.grad``. Otherwise (evaluation
-    steps, a network call outside any step) every call runs forward only. ``call`` is the step's last
-    network call, the one ``pipeline_loss(out, target)`` answers for; ``loss`` and ``timeline`` are what the
-    training call recorded. `own_loss`: the module's own ``pipeline_loss`` (the strategy serves it).
-    """
+    """The state of one step: its batch, its last network call (the one ``pipeline_loss(out, target)`` answers for)
+    and, in training, the schedule's gradients held aside until :meth:`backward`. Otherwise every call runs forward
+    only. `own_loss`: the module's own ``pipeline_loss``."""
 
     def __init__(
         self,
@@ -256,7 +225,6 @@ class PipelineStep:
         self.loss: Optional[Tensor] = None
         self.timeline: Optional[dict] = None
 
-    # ---- the network call ----------------------------------------------------------------------
     def run(self, args: tuple, kwargs: dict) -> Any:
         """The pipelined network's call: the whole schedule; returns what every pp rank sees of the output."""
         run, module = self.run_state, self.module
@@ -337,8 +305,8 @@ class PipelineStep:
         return PipelineOutput(shape, dtype, device, owner=self.owner, where=where, step=run.calls)
 
     def _loss_of_step(self, labels: Optional[Tensor], m: int, count: Optional[Tensor] = None) -> tuple[Any, Any]:
-        """The step's target and per-micro-batch loss: HF ``labels``, or ``pipeline_target``/``pipeline_loss``.
-        `count`: context parallelism's labelled tokens of the whole sequences (`labels`: this rank's shifted chunks)."""
+        """The step's target and per-micro-batch loss: HF ``labels``, or ``pipeline_target``/``pipeline_loss``
+        (`count`: cp's labelled tokens of the whole sequences)."""
         if labels is not None:
             # each micro-batch's summed loss over the whole batch's labelled tokens (x m: the runner divides by m),
             # so the micro-batches add up to the batch mean whatever tokens each one holds
@@ -388,7 +356,6 @@ class PipelineStep:
         value = None if call.local is None else original(call.local, target)  # the whole batch: one device's value
         return run.runner.from_last_stage(value, ("loss", "eval"))
 
-    # ---- backward ------------------------------------------------------------------------------
     def check_called(self) -> None:
         """At the end of ``training_step``: the step must have called the network (which ran the schedule)."""
         if self.pending:
@@ -398,11 +365,8 @@ class PipelineStep:
             )
 
     def whole_loss(self, returned: Any) -> Optional[Tensor]:
-        """The value one device would have for the returned loss: the pipeline's batch loss plus the other terms
-        (a weight penalty) summed over the pp ranks, each of which holds its stages' parameters only. One scalar
-        all-reduced over the pp group when the returned loss is not the pipeline's loss itself (every pp rank runs
-        the same ``training_step``, so all of them or none); None when the step returned no loss tensor or did
-        not call the network."""
+        """The value one device would have for the returned loss: the batch loss plus the other terms (a weight
+        penalty on this rank's stages) summed over the pp ranks; None without a loss tensor or a network call."""
         call = self.call
         if call is None or not isinstance(returned, Tensor) or returned.dim() != 0 or call.loss is None:
             return None
@@ -428,13 +392,8 @@ class PipelineStep:
         self.grads = None
 
     def _extra_gradients(self, loss: Tensor, scale: float) -> list[tuple[Tensor, Tensor]]:
-        """Gradients of the terms of training_step's loss that the schedule did not back-propagate.
-
-        The step's loss is a leaf: one backward through the returned loss's own small graph gives its gradient on
-        that leaf (it must be ``scale``: one copy of the loss, as the schedule assumed) and the other terms'
-        gradients (weight penalties) on the parameters this rank holds. With ``broadcast_output=True`` a loss
-        computed from the output directly is compared with the schedule's (a loss pass over the output).
-        """
+        """Gradients of the returned loss's terms the schedule did not back-propagate (weight penalties), from one
+        backward through its small graph; its gradient on the loss leaf must be ``scale``."""
         call, self.call = self.call, None
         if call is None or not call.train:
             return []
@@ -461,7 +420,7 @@ class PipelineStep:
         self, loss: Tensor, call: NetworkCall, scale: float, params: list[Tensor]
     ) -> list[tuple[Tensor, Tensor]]:
         """``broadcast_output=True`` and a loss computed from the output itself: its gradient on the output must be
-        the schedule's (one more loss pass over the output, on every rank; one flag all-reduced)."""
+        the schedule's (one more loss pass, one flag all-reduced)."""
         differs, extra = returned_loss_gradients(
             loss, call.out, call.target, n_microbatches=call.m, scale=scale, pipeline_loss=call.loss_fn, params=params
         )
@@ -473,12 +432,10 @@ class PipelineStep:
         return extra
 
 
-# ---- context parallelism: the network call's cut ---------------------------------------------------
 def cut_for_cp(cp: Any, x: Tensor, extra: dict, labels: Optional[Tensor]) -> tuple[Tensor, dict, Any, Any]:
-    """Context parallelism's cut of one network call, before the schedule splits it into micro-batches (dim 0): the
-    first stage's input and every ``[B, S, ...]`` keyword input cut to this rank's chunks, ``position_ids`` added
-    (every stage takes them), HF ``labels`` shifted over the whole sequences, then cut. Returns (input, keyword
-    inputs, labels, labelled tokens of the whole sequences; None without labels)."""
+    """Context parallelism's cut of one network call, before the micro-batch split: the input and every ``[B, S,
+    ...]`` keyword input cut to this rank's chunks, ``position_ids`` added, HF ``labels`` shifted then cut. Returns
+    (input, keyword inputs, labels, labelled tokens of the whole sequences or None)."""
     values = {**extra, _INPUT: x}
     count = None
     if labels is not None:
@@ -492,14 +449,14 @@ _INPUT, _LABELS = "\0input", "\0labels"  # keys no keyword input has
 
 
 def cp_share(cp: Any, count: Tensor, m: int = 1) -> dict:
-    """``hf_labels_loss`` options for this rank's shifted chunks: the sum over them divided by the whole sequences'
-    labelled tokens / cp (gradients average over the cp ranks), and / m (the runner divides each micro-batch by m)."""
+    """``hf_labels_loss`` options for this rank's shifted chunks: divided by the whole sequences' labelled tokens,
+    / cp (gradients average over cp) and / m (the runner divides each micro-batch by m)."""
     return {"num_items": count.clamp_min(1) / (cp.cp.size * m), "shifted": True}
 
 
 def cut_target(cp: Any, target: Any, owner: str) -> Tensor:
-    """`target`'s chunks matching the last cut (:func:`cut_for_cp`): refused, on every rank (each holds the same
-    target shape), unless it is ``[batch, seq, ...]`` with the inputs' sequence length."""
+    """`target`'s chunks matching the last cut (:func:`cut_for_cp`); refused on every rank unless ``[batch, seq,
+    ...]`` with the inputs' sequence length."""
     call = cp.last
     if not (isinstance(target, Tensor) and target.dim() >= 2 and target.shape[1] == call.seq_len):
         got = tuple(target.shape) if isinstance(target, Tensor) else type(target).__name__
@@ -513,10 +470,9 @@ def cut_target(cp: Any, target: Any, owner: str) -> Tensor:
 
 
 class PipelineProbe:
-    """Context parallelism's self-check passes (:mod:`~lightning_dist.parallelize.cp_probe`) through the pipeline
-    schedule: `inputs` (one sequence per micro-batch) cut as the network call cuts a batch (:func:`cut_for_cp`,
-    :func:`cut_target`) in the split pass, whole with ``position_ids`` 0, 1, ... in the unsplit one; the schedule's loss
-    is the probe's and its target each token's index. Every pp rank runs it (the schedule is collective)."""
+    """Context parallelism's self-check passes (:mod:`~lightning_dist.parallelize.cp_probe`) through the schedule:
+    `inputs` (one sequence per micro-batch) cut as a network call cuts them in the split pass, whole in the unsplit
+    one. Every pp rank runs it."""
 
     def __init__(self, run: PipelineRun, owner: str, inputs: Tensor) -> None:
         self.run_state, self.owner, self.inputs = run, owner, inputs

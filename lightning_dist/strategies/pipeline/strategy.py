@@ -1,6 +1,5 @@
 """PipelineStrategy: ``torch.distributed.pipelining`` schedules inside Lightning's training loop.
-
-Notes: docs/internals.md, "lightning_dist/strategies/pipeline/strategy.py"."""
+Notes: docs/internals.md."""
 
 from __future__ import annotations
 
@@ -57,18 +56,13 @@ class PipelineStrategy(MeshStrategy):
             across the micro-batches of a step).
         record_timeline: record each rank's F/B/W actions per step (see ``PipelineBubble``).
         tp: tensor-parallel degree inside each stage (the mesh is ``pp x dp x tp``); 1: none.
-        tp_plan: the tensor-parallel plan when ``tp > 1`` (one of :class:`MeshStrategy`'s model options). It is
-            checked on the whole network (every pattern must match somewhere), then each stage applies the entries
-            of the modules it holds. The network's output must be whole on every tensor rank (the loss sees it):
-            give a sharded head ``colwise_gather``. Sequence parallelism is not available inside stages.
-            ``activation_checkpointing`` and ``compile`` apply per block of each stage; neither compile nor
-            selective checkpointing with the zero-bubble schedules, whose split backward (input gradients first,
-            weight gradients later) needs each block's autograd graph.
-        broadcast_output: give every pp rank the network's whole output in training and evaluation (it is
-            broadcast from the last stage each step: its bytes to every pp rank, plus, for a loss computed from
-            it directly, one loss pass over it to check the gradient). Default False: the steps see a stand-in
-            that answers ``pipeline_loss(out, target)`` / HF ``out.loss`` with the batch loss (a scalar) and
-            refuses any other use. Predict always broadcasts (its loop returns the values).
+        tp_plan: the tensor-parallel plan when ``tp > 1``, checked on the whole network, applied per stage; the
+            output must be whole on every tensor rank (a sharded head: ``colwise_gather``); no sequence parallelism.
+            ``activation_checkpointing`` and ``compile`` apply per block of each stage (neither compile nor
+            selective checkpointing with the zero-bubble schedules).
+        broadcast_output: give every pp rank the network's whole output (broadcast from the last stage each step).
+            Default False: the steps see a stand-in that answers ``pipeline_loss(out, target)`` / HF ``out.loss``
+            with the batch loss and refuses any other use. Predict always broadcasts.
         **kwargs: mesh, model and checkpoint options of :class:`MeshStrategy` (``dp_replicate``, ``dp_shard``,
             ``tp_plan``, ``activation_checkpointing``, ``compile``...).
     """
@@ -104,8 +98,7 @@ class PipelineStrategy(MeshStrategy):
         self._defer_problems(problems)  # raised by MeshStrategy with the mesh's and the model options' problems
         super().__init__(pp=1 if pp is None else pp, tp=tp, **kwargs)
         self.broadcast_output = bool(broadcast_output)
-        self.tp_entries: list[TPEntry] = []
-        """The resolved tensor-parallel plan (on the whole LightningModule; filled in ``parallelize``)."""
+        self.tp_entries: list[TPEntry] = []  # the resolved tensor-parallel plan, filled in `parallelize`
         self._pp_auto = pp is None
         self.schedule = schedule
         self.stages_per_rank = SCHEDULES[schedule][1] if stages_per_rank is None else stages_per_rank
@@ -119,20 +112,15 @@ class PipelineStrategy(MeshStrategy):
         self.split: Optional[plan.PipelineSplit] = None
         self.last_loss: Optional[Tensor] = None
         self._local_stages: list[int] = []
-        self._pipeline: Optional[PipelineRun] = None  # the runner and what every step uses, made by `parallelize`
-        self._peer: Optional[PipelinePeer] = None  # answers for the other pp ranks (see `answer_peers_with`)
-        self._plan: Optional[checks.PipelinePlan] = None  # made by `validate_config`, used by `parallelize`
-        self._tp_checked: Optional[list[TPEntry]] = None  # the TP plan `validate_config` resolved, for `parallelize`
+        self._pipeline: Optional[PipelineRun] = None  # made by `parallelize`
+        self._peer: Optional[PipelinePeer] = None  # see `answer_peers_with`
+        self._plan: Optional[tuple[checks.PipelinePlan, Optional[list[TPEntry]]]] = None  # see `_checked_plan`
         self._uncounted: list[Tensor] = []  # tied weights' copies left out of the gradient norm (one copy counts)
-        # (checkpoint key, keys of its copies, saved by this rank) of each tied parameter: saved once
-        self._tied_keys: list[tuple[str, tuple[str, ...], bool]] = []
-        # the running step's state (its batch, network call, held-aside gradients): made by each step hook,
-        # dropped when the step is over (training: by the backward that adds its gradients)
-        self._step: Optional[PipelineStep] = None
-        self._own_loss: Any = None  # the module's pipeline_loss while the strategy serves it (see `setup`)
+        self._tied_keys: list[tuple[str, tuple[str, ...], bool]] = []  # see `tied_checkpoint_keys`
+        self._step: Optional[PipelineStep] = None  # the running step, dropped at its end (training: by backward)
+        self._own_loss: Any = None  # the module's pipeline_loss while the strategy serves it
         self._cp_probe_inputs: Optional[tuple[Tensor, str]] = None  # made before the split (stage 0 holds the vocab)
 
-    # ---- configuration -------------------------------------------------------------------------
     @property
     def n_microbatches(self) -> int:
         return 2 * self._sizes["pp"] if self._n_microbatches is None else self._n_microbatches
@@ -201,7 +189,8 @@ class PipelineStrategy(MeshStrategy):
                 " (config.output_router_logits=True, router_aux_loss_coef > 0); a pipeline stage holds some layers"
                 " only, so its loss would leave out the others'. Set output_router_logits=False (or"
                 " router_aux_loss_coef=0) to pipeline it, or train it with hsdp/fsdp2/tp, where that loss is taken"
-                " over the global batch."
+                " over the global batch. moe_aux_loss='local' does not help under a pipeline: it keeps each"
+                " data-parallel rank's own loss, which a stage still computes from its own layers only."
             )
         if spec.cp > 1 and isinstance(net, nn.Module):
             problems += checks.cp_stage_problems(net)
@@ -216,19 +205,22 @@ class PipelineStrategy(MeshStrategy):
                 problems += ep_problems(net, ep=self.ep, dp_shard=spec.size("dp_shard"))
         if problems or net is None:
             raise ValueError(f"Invalid {type(self).__name__} configuration:\n  - " + "\n  - ".join(problems))
-        # split arithmetic (TypeError for a network of another shape), the sample and the staged forward on it,
-        # checked once: `parallelize` uses this plan (a balanced split is measured there)
-        self._plan = checks.plan_pipeline(
+        self._plan = self._checked_plan(module, net, spec.size(TP))  # `parallelize` uses it
+
+    def _checked_plan(
+        self, module: Any, net: nn.Module, tp: int
+    ) -> tuple[checks.PipelinePlan, Optional[list[TPEntry]]]:
+        """The split plan (a balanced split is measured in ``parallelize``) and the TP plan resolved on the whole
+        network (each stage applies the entries it holds), checked once."""
+        setup = checks.plan_pipeline(
             module, net, self.num_stages, self.split_mode(), allow_batchnorm=self.allow_batchnorm
         )
-        if spec.size(TP) > 1:  # resolved once: `parallelize` applies these entries
-            self._tp_checked = resolve_stage_plan(module, net, self.tp_plan, tp=spec.size(TP))
+        return setup, resolve_stage_plan(module, net, self.tp_plan, tp=tp) if tp > 1 else None
 
     def split_mode(self) -> Any:
         """The split that will be used: ``split`` with ``"auto"`` resolved for the attached module."""
         return checks.resolve_split_mode(self.split_option, self.lightning_module, self.network)
 
-    # ---- model set-up --------------------------------------------------------------------------
     def _is_pipelined(self, net: Any) -> bool:
         return is_pipelined_module(net) and net.runner == self._run
 
@@ -243,11 +235,8 @@ class PipelineStrategy(MeshStrategy):
         if self._is_pipelined(net):
             return
         mesh, pp = self.mesh, self.mesh.size(PP)
-        setup, self._plan = self._plan, None
-        if setup is None:  # `validate_config` did not run for this network
-            setup = checks.plan_pipeline(
-                module, net, self.num_stages, self.split_mode(), allow_batchnorm=self.allow_batchnorm
-            )
+        # made by `validate_config`, unless it did not run for this network
+        (setup, entries), self._plan = self._plan or self._checked_plan(module, net, mesh.size(TP)), None
         layout = setup.layout
         sample = None if setup.sample is None else layout.place_sample(setup.sample, net)  # on the device now
         # no sample micro-batch: the staged forward is compared with this copy on the first batch (see `PipelineRun`)
@@ -267,14 +256,9 @@ class PipelineStrategy(MeshStrategy):
         pp_rank = mesh.local_rank(PP) if pp > 1 else 0
         self._local_stages = [s for s, r in enumerate(stage_ranks) if r == pp_rank]
         rank_zero_info(self.split.format(stage_ranks))
-        entries = None
-        if mesh.size(TP) > 1:  # one plan checked on the whole network; each stage applies the entries it holds
-            checked, self._tp_checked = self._tp_checked, None
-            if checked is None:  # `validate_config` did not run for this network
-                checked = resolve_stage_plan(module, net, self.tp_plan, tp=mesh.size(TP))
-            entries = self.tp_entries = checked
-            rank_zero_info(format_plan(self.tp_entries, tp=mesh.size(TP)))
-        # the same assembly as every strategy: split, then parallelize_model per stage (TP, AC, compile, FSDP2)
+        if entries is not None:
+            self.tp_entries = entries
+            rank_zero_info(format_plan(entries, tp=mesh.size(TP)))
         config = ParallelizeConfig(
             zero_stage=3 if self.reshard_after_forward else 2,
             activation_checkpointing=self.activation_checkpointing,
@@ -346,7 +330,7 @@ class PipelineStrategy(MeshStrategy):
         self._own_loss, self._step = None, None
         super().teardown()
 
-    # ---- context parallelism: the network call cuts the sequences (see `step.cut_for_cp`) ----------
+    # context parallelism: the network call cuts the sequences (see `step.cut_for_cp`)
     @override
     def _check_cp_model(self) -> None:
         if not self._is_pipelined(getattr(self.lightning_module, self.network, None)):  # checked before its split
@@ -383,7 +367,6 @@ class PipelineStrategy(MeshStrategy):
             if probed and self._pipeline is not None:
                 self._pipeline.runner.clear()  # the probe's schedules (its own batch shape) are not training's
 
-    # ---- the step ------------------------------------------------------------------------------
     def _new_step(self, batch: Any = None, *, training: bool = False) -> PipelineStep:
         assert self._pipeline is not None, "a pipeline step before `parallelize`"
         module = self.lightning_module
@@ -483,7 +466,6 @@ class PipelineStrategy(MeshStrategy):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._evaluation_step(super().predict_step, args, kwargs)
 
-    # ---- gradients -----------------------------------------------------------------------------
     @override
     def optimizer_gradients(self, optimizer: Any) -> tuple[list[Tensor], list[Tensor]]:
         grads, _ = super().optimizer_gradients(optimizer)
@@ -495,7 +477,7 @@ class PipelineStrategy(MeshStrategy):
     def grad_norm_group(self) -> Optional[Any]:
         return None if self._pipeline is None else self._pipeline.pp_group  # the stages hold distinct parameters
 
-    # ---- checkpoints: sharded, each stage its own keys (optimizer states by name), a tied weight once ----------
+    # checkpoints: sharded, each stage its own keys (optimizer states by name), a tied weight once
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         assert self.model is not None
