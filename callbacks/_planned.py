@@ -78,9 +78,23 @@ def group_label(ranks: list[int], *, mesh: DistMesh | None, rank: int, world: in
 
 def dim_label(dim: str, *, mesh: DistMesh | None, rank: int, world: int, ep: int = 1) -> str:
     """A planner dim name (``dp``, ``dp_shard``, ``ep``...) as :func:`group_label` names the same group."""
+    if dim not in _LABEL_ORDER:  # a group outside the mesh (torchft's across replica groups): its own name
+        return dim
     if mesh is None:
         return "world" if dim in (DP, DP_SHARD, DP_REPLICATE, EP) else dim
     return group_label(_group_ranks(mesh, rank, dim, ep), mesh=mesh, rank=rank, world=world, ep=ep)
+
+
+def outside_dim(strategy: Any) -> str:
+    """The ledger's dim for collectives on a process group c10d does not know: the strategy's name for it
+    (``replica_group``: torchft's all-reduce across fault-tolerant replica groups), else ``unregistered``."""
+    return getattr(strategy, "outside_group_dim", None) or "unregistered"
+
+
+def _replica_groups(strategy: Any) -> int:
+    """Fault-tolerant replica groups whose gradients torchft averages every step (1: none)."""
+    config = getattr(strategy, "fault_tolerance", None)
+    return strategy.replica_groups if config is not None and config.sync == "step" else 1
 
 
 def strategy_mesh(strategy: Any) -> DistMesh | None:
@@ -327,6 +341,12 @@ def planned_traffic(
         )
     if cp > 1 and attention_traffic is None:
         return None  # the all-to-alls need the attention's shape: no plan rather than one without them
+    groups = _replica_groups(trainer.strategy)
+    if groups > 1:  # fault tolerance: the plain layout's traffic, whose dp_replicate is the replica groups
+        if layout.mode == "fsdp":
+            layout = replace(layout, replicate_size=groups, dp_size=layout.dp_size * groups)
+        else:  # a group of one data-parallel rank: DDP over itself, torchft's all-reduce across the groups
+            layout = replace(layout, mode="replicate", zero_stage=0, dp_size=groups)
     # traffic depends on the gather / reduce dtypes only, not on the optimizer
     state = planner.state_bytes(precision=precision_flag(trainer), optimizer="sgd")
     out: list[planner.Collective] = []
@@ -389,4 +409,10 @@ def planned_traffic(
             sequence_parallel=bool(getattr(trainer.strategy, "sequence_parallel", False)),
             gathered=activation.get("gathered", ()),
         )
+    if groups > 1:  # the gradient all-reduce that crosses the groups is torchft's, on its own process group
+        across = (DP_REPLICATE, DP) if layout.mode == "replicate" else (DP_REPLICATE,)
+        out = [
+            replace(c, dim=outside_dim(trainer.strategy)) if c.op == "all_reduce" and c.dim in across else c
+            for c in out
+        ]
     return out

@@ -72,22 +72,35 @@ class CollectiveRecorder(TorchDispatchMode):
     (a real run) and the dry run (:mod:`lightning_dist.dryrun`, on torch's fake process group and fake
     tensors) both count with it, so their op names, payloads and dim labels are the same. Calls go through
     unchanged; only the bytes and the group are read.
+
+    Args:
+        outside: the dim name of a process group c10d does not know (not made by ``init_process_group`` or
+            ``new_group``): under ``fault_tolerance=``, torchft's across the replica groups (``replica_group``).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, outside: str = "unregistered") -> None:
         super().__init__()
-        self.calls: list[tuple[str, tuple[int, ...], int]] = []
+        self.outside = outside
+        self.calls: list[tuple[str, tuple[int, ...] | str, int]] = []
+        """``(op, the group's ranks, or `outside` for a group c10d does not know, payload bytes)`` per call."""
+        self.outside_size = 0
+        """Ranks in the last `outside` group seen (torchft's: the replica groups in the step's quorum)."""
         self._ranks: dict[str, tuple[int, ...]] = {}
 
-    def _group_ranks(self, group: Any) -> tuple[int, ...]:
+    def _group_ranks(self, group: Any) -> tuple[int, ...] | str:
         from torch.distributed.distributed_c10d import _resolve_process_group
 
+        pg = None
         if not isinstance(group, str):
-            if not isinstance(group, dist.ProcessGroup):
-                group = dist.ProcessGroup.unbox(group)
-            group = group.group_name
+            pg = group if isinstance(group, dist.ProcessGroup) else dist.ProcessGroup.unbox(group)
+            group = pg.group_name
         if group not in self._ranks:
-            self._ranks[group] = tuple(dist.get_process_group_ranks(_resolve_process_group(group)))
+            try:
+                ranks = tuple(dist.get_process_group_ranks(_resolve_process_group(group)))
+            except (RuntimeError, ValueError):  # never raise inside a collective: torchft would fail the step
+                self.outside_size = pg.size() if pg is not None else self.outside_size
+                return self.outside  # not cached: torchft reconfigures its group when the quorum changes
+            self._ranks[group] = ranks
         return self._ranks[group]
 
     def _record(self, func: Any, args: tuple, kwargs: dict) -> None:
@@ -114,7 +127,7 @@ class CollectiveRecorder(TorchDispatchMode):
         None."""
         out: dict[tuple[str, str], list[int]] = {}
         for op, ranks, nbytes in self.calls:
-            label = _planned.group_label(list(ranks), mesh=mesh, rank=rank, world=world, ep=ep)
+            label = self._label(ranks, mesh=mesh, rank=rank, world=world, ep=ep)
             entry = out.setdefault((op, label), [0, 0])
             entry[0] += 1
             entry[1] += nbytes
@@ -123,9 +136,15 @@ class CollectiveRecorder(TorchDispatchMode):
     def group_sizes(self, *, mesh: Any, rank: int, world: int, ep: int = 1) -> dict[str, int]:
         """Ranks in each group label of :meth:`totals`."""
         return {
-            _planned.group_label(list(ranks), mesh=mesh, rank=rank, world=world, ep=ep): len(ranks)
+            self._label(ranks, mesh=mesh, rank=rank, world=world, ep=ep): (
+                self.outside_size if isinstance(ranks, str) else len(ranks)
+            )
             for _, ranks, _ in self.calls
         }
+
+    @staticmethod
+    def _label(ranks: tuple[int, ...] | str, **where: Any) -> str:
+        return ranks if isinstance(ranks, str) else _planned.group_label(list(ranks), **where)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from torch.distributed.tensor import DTensor
@@ -294,7 +313,7 @@ class CommunicationLedger(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._step_at_start = trainer.global_step
-        self._recorder = CollectiveRecorder()
+        self._recorder = CollectiveRecorder(outside=_planned.outside_dim(trainer.strategy))
         self._recorder.__enter__()
 
     @override

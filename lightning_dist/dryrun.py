@@ -338,14 +338,12 @@ def simulate_rank(config: DryRunConfig, rank: int) -> dict[str, Any]:
             staging = local_tensor_bytes(saved)
         heal_bytes = None
         if _replica_groups(config) is not None:
-            # what a healthy group sends a healing one, as fault_tolerance registers it with torchft: this rank's
-            # parameters and buffers and its optimizer's state dict, local shards (strategies/heal.py: module_state,
-            # local_tree; not imported here: the strategies import the dry run)
+            # what a healthy group sends a healing one: the model and optimizer state fault_tolerance registers
             from lightning_dist.checkpoint_async import local_tensor_bytes
+            from lightning_dist.parallelize.shard_state import module_state, optimizer_state
 
             with fake:
-                tensors = {**dict(module.named_parameters()), **dict(module.named_buffers())}
-                heal_bytes = local_tensor_bytes([tensors, *(o.state_dict() for o in optimizers)])
+                heal_bytes = local_tensor_bytes([module_state(module), *(optimizer_state(o) for o in optimizers)])
         return {
             "rank": rank,
             "coords": spec.coords(rank),

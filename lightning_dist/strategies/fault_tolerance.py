@@ -1,22 +1,20 @@
-"""Fault-tolerant replica groups (``fault_tolerance=``): the Lightning glue around torchft.
+"""Fault-tolerant replica groups (``fault_tolerance=``): the Lightning glue around torchft, per step.
 
 Each replica group (one index of ``dp_replicate``) is its own launched job whose mesh has ``dp_replicate=1``;
 the gradient average across the groups and the per-step quorum are torchft's (``_integrations/torchft.py``); what a
-healing group receives, and the training loader that asks each step's quorum, are in ``heal.py``.
-Notes: docs/fault_tolerance.md.
+healing group receives, and the training loader that asks each step's quorum, are in ``heal.py``; the configuration
+in ``ft_config.py``; ``sync="diloco"`` in ``diloco.py``. After each step the figures the user sees are logged
+(:class:`ReplicaGroupFigures`). Notes: docs/fault_tolerance.md.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import functools
-import math
 import os
+import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
-from typing import Any, Optional, Union
+from collections.abc import Callable
+from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -26,171 +24,10 @@ from typing_extensions import override
 
 from lightning_dist._compat import torchft_available
 from lightning_dist.strategies.base import MeshStrategy
+from lightning_dist.strategies.diloco import DiLoCoSync
+from lightning_dist.strategies.ft_config import LIGHTHOUSE_ENV, FaultTolerance, FaultToleranceArg, as_fault_tolerance
 
-LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # torchft's own variable for the lighthouse's address
-SYNC_EVERY = 100  # DiLoCo's default inner steps per sync: torchft's example (the DiLoCo paper uses 500)
-
-
-@dataclass(frozen=True, kw_only=True)
-class FaultTolerance:
-    """Fault-tolerant replica groups with torchft: ``HybridShardStrategy(dp_replicate=N, fault_tolerance=...)``."""
-
-    replica_group: int
-    """This job's replica group, 0 .. dp_replicate - 1 (each replica group is its own launched job)."""
-    lighthouse: Optional[str] = None
-    """The lighthouse's address (``http://host:29510``). None: the ``TORCHFT_LIGHTHOUSE`` environment variable, else
-    a lighthouse embedded in replica group 0 on this machine, at ``http://127.0.0.1:<lighthouse_port>``."""
-    lighthouse_port: int = 29510
-    """The embedded lighthouse's port (one machine only)."""
-    min_replicas: int = 1
-    """The fewest replica groups a step commits with; also the embedded lighthouse's quorum size (set it to
-    dp_replicate to start every group's first step together)."""
-    timeout: float = 60.0
-    """Seconds for the cross-group all-reduce, the commit vote and the healing transfer."""
-    quorum_timeout: float = 60.0
-    """Seconds a step waits for its quorum from the lighthouse before the job fails."""
-    connect_timeout: float = 30.0
-    """Seconds to reach the lighthouse at start-up before the job fails with its address."""
-    join_timeout: float = 60.0
-    """The embedded lighthouse's wait for heartbeating groups that have not asked for the quorum yet."""
-    sync: str = "step"
-    """``"step"``: every step averages the gradients across the groups (the result of plain hsdp). ``"diloco"``: the
-    groups train on their own and every ``sync_every`` steps torchft's DiLoCo averages the pseudo-gradients (global
-    weights - local weights) and the outer optimizer steps the global weights (docs/fault_tolerance.md, DiLoCo)."""
-    sync_every: Optional[int] = None
-    """DiLoCo's inner steps between two syncs (H); None: :data:`SYNC_EVERY`. Only with ``sync="diloco"``."""
-    outer_optimizer: Optional[Callable[[Iterable[Any]], torch.optim.Optimizer]] = None
-    """DiLoCo's outer optimizer: a ``torch.optim.Optimizer`` class, a factory ``params -> optimizer``, or (YAML)
-    ``{"class_path": "torch.optim.SGD", "init_args": {...}}``. None: SGD, lr 0.7, momentum 0.9, Nesterov (the DiLoCo
-    paper's). Only with ``sync="diloco"``."""
-
-    def problems(self, dp_replicate: Any) -> list[str]:
-        """Every configuration problem, in words with the values (none: empty)."""
-        out = []
-        if isinstance(dp_replicate, bool) or not isinstance(dp_replicate, int) or dp_replicate < 1:
-            out.append(
-                f"fault_tolerance needs `dp_replicate` to be the number of replica groups (an integer >= 1), not"
-                f" {dp_replicate!r}: each replica group is its own job, e.g. dp_replicate=2."
-            )
-            dp_replicate = None
-        group = self.replica_group
-        if isinstance(group, bool) or not isinstance(group, int) or group < 0:
-            out.append(f"`FaultTolerance(replica_group={group!r})` must be an integer >= 0 (this job's group).")
-        elif dp_replicate is not None and group >= dp_replicate:
-            out.append(
-                f"`FaultTolerance(replica_group={group})` is outside dp_replicate={dp_replicate}: the groups are"
-                f" 0 .. {dp_replicate - 1}."
-            )
-        low = self.min_replicas
-        if isinstance(low, bool) or not isinstance(low, int) or low < 1:
-            out.append(f"`FaultTolerance(min_replicas={low!r})` must be an integer >= 1.")
-        elif dp_replicate is not None and low > dp_replicate:
-            out.append(
-                f"`FaultTolerance(min_replicas={low})` exceeds dp_replicate={dp_replicate}: no step could commit."
-            )
-        for name in ("timeout", "quorum_timeout", "connect_timeout", "join_timeout"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-                out.append(f"`FaultTolerance({name}={value!r})` must be a positive number of seconds.")
-        port = self.lighthouse_port
-        if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
-            out.append(f"`FaultTolerance(lighthouse_port={port!r})` must be a port number, 1 .. 65535.")
-        if self.lighthouse is not None and (
-            not isinstance(self.lighthouse, str) or not self.lighthouse.startswith(("http://", "https://"))
-        ):
-            out.append(
-                f"`FaultTolerance(lighthouse={self.lighthouse!r})` must be the lighthouse's URL, e.g."
-                " 'http://lighthouse-host:29510', or None."
-            )
-        return out + self._sync_problems(dp_replicate)
-
-    def _sync_problems(self, dp_replicate: Optional[int]) -> list[str]:
-        if self.sync not in ("step", "diloco"):
-            return [f"`FaultTolerance(sync={self.sync!r})` must be 'step' (every step) or 'diloco' (every sync_every)."]
-        if self.sync == "step":
-            given = [
-                f"{n}={getattr(self, n)!r}" for n in ("sync_every", "outer_optimizer") if getattr(self, n) is not None
-            ]
-            if given:
-                return [f"`FaultTolerance({', '.join(given)})` applies to sync='diloco' only: pass sync='diloco'."]
-            return []
-        out = []
-        every = self.sync_every
-        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
-            out.append(
-                f"`FaultTolerance(sync_every={every!r})` must be an integer >= 1 (DiLoCo's inner steps per sync)."
-            )
-        if dp_replicate is not None and dp_replicate < 2:
-            out.append(
-                f"sync='diloco' averages pseudo-gradients across replica groups; dp_replicate={dp_replicate} has one."
-                " Pass dp_replicate >= 2 (one job per group), or sync='step'."
-            )
-        try:
-            outer_optimizer_factory(self.outer_optimizer)
-        except (TypeError, ValueError, ImportError) as err:
-            out.append(str(err))
-        return out
-
-    @property
-    def diloco(self) -> bool:
-        return self.sync == "diloco"
-
-    @property
-    def inner_steps(self) -> int:
-        """DiLoCo's inner steps per sync, the default filled in."""
-        return self.sync_every or SYNC_EVERY
-
-
-def _default_outer(params: Any) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
-
-
-def outer_optimizer_factory(value: Any) -> Callable[[Any], Any]:
-    """``params -> optimizer`` for ``FaultTolerance(outer_optimizer=value)``; TypeError/ValueError naming the value."""
-    if value is None:
-        return _default_outer
-    if isinstance(value, Mapping):
-        import importlib
-
-        if set(value) - {"class_path", "init_args"} or not isinstance(value.get("class_path"), str):
-            raise ValueError(
-                f"`FaultTolerance(outer_optimizer={dict(value)!r})`: a dict names the class as LightningCLI does,"
-                " {'class_path': 'torch.optim.SGD', 'init_args': {'lr': 0.7, 'momentum': 0.9, 'nesterov': True}}."
-            )
-        module, _, name = value["class_path"].rpartition(".")
-        cls = getattr(importlib.import_module(module), name, None) if module else None
-        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-            raise ValueError(
-                f"`FaultTolerance(outer_optimizer={{'class_path': {value['class_path']!r}}})` is not a"
-                " torch.optim.Optimizer class; e.g. 'torch.optim.SGD'."
-            )
-        return functools.partial(cls, **dict(value.get("init_args") or {}))
-    if (isinstance(value, type) and not issubclass(value, torch.optim.Optimizer)) or not callable(value):
-        raise TypeError(
-            f"`FaultTolerance(outer_optimizer={value!r})` must be a torch.optim.Optimizer class, a factory"
-            " `params -> optimizer` (e.g. functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)),"
-            " or None for that default."
-        )
-    return value
-
-
-FaultToleranceArg = Union[FaultTolerance, Mapping[str, Any], None]
-
-
-def as_fault_tolerance(value: FaultToleranceArg) -> tuple[Optional[FaultTolerance], list[str]]:
-    """(the option as a :class:`FaultTolerance`, problems): a dict (LightningCLI YAML) is read by field name."""
-    if value is None or isinstance(value, FaultTolerance):
-        return value, []
-    if isinstance(value, Mapping):
-        names = {f.name for f in dataclasses.fields(FaultTolerance)}
-        unknown = sorted(set(value) - names)
-        if unknown or "replica_group" not in value:
-            why = f"unknown keys {unknown}" if unknown else "no 'replica_group'"
-            return None, [f"`fault_tolerance={dict(value)!r}`: {why}; the keys are {sorted(names)}."]
-        return FaultTolerance(**value), []
-    return None, [
-        f"`fault_tolerance={value!r}` must be a FaultTolerance(replica_group=...) or a dict of its fields, or None."
-    ]
+REPLICA_GROUP_DIM = "replica_group"  # the ledger's dim for torchft's all-reduce across the replica groups
 
 
 class ReplicaGroupsMixin(MeshStrategy):
@@ -201,8 +38,8 @@ class ReplicaGroupsMixin(MeshStrategy):
     _manager: Any = None
     _lighthouse: Any = None
     _quorum_open = False
-    _diloco: Optional[contextlib.ExitStack] = None  # torchft's DiLoCo, entered (its hooks on the inner optimizer)
-    _inner_steps = 0
+    _diloco: Optional[DiLoCoSync] = None
+    _quorum_started: Optional[float] = None  # when this step's quorum was asked (a heal in it is timed from there)
 
     def _take_fault_tolerance(self, value: FaultToleranceArg, kwargs: dict[str, Any], zero_stage: int) -> list[str]:
         """Read ``fault_tolerance`` before ``MeshStrategy.__init__``: the job's own mesh gets ``dp_replicate=1``."""
@@ -211,6 +48,8 @@ class ReplicaGroupsMixin(MeshStrategy):
         """The last 10,000 optimizer steps under fault tolerance, each ``{"step", "participants", "committed", "epoch",
         "batch"}``: torchft's step counter after it, the groups in it, and the batch trained (its index in the epoch,
         per training loader; every group's part of that global batch)."""
+        self.figures = ReplicaGroupFigures()
+        """What the progress bar and the loggers show (``ft/participants``, ``ft/failures``, ``ft/heal_s``)."""
         if config is None:
             return problems
         groups = kwargs.get("dp_replicate", "auto")
@@ -235,6 +74,17 @@ class ReplicaGroupsMixin(MeshStrategy):
     def fault_tolerance(self) -> Optional[FaultTolerance]:
         """The fault-tolerance configuration (None: off)."""
         return self._ft
+
+    @property
+    def replica_groups(self) -> int:
+        """Fault-tolerant replica groups (``dp_replicate`` as given); 1 without fault tolerance."""
+        return self._ft_groups if self._ft is not None else 1
+
+    @property
+    def outside_group_dim(self) -> Optional[str]:
+        """What :class:`~lightning_dist.callbacks.CommunicationLedger` calls the process group outside this job's mesh:
+        torchft's, across the replica groups (``"replica_group"``); None without fault tolerance."""
+        return REPLICA_GROUP_DIM if self._ft is not None else None
 
     @property
     def manager(self) -> Any:
@@ -349,21 +199,27 @@ class ReplicaGroupsMixin(MeshStrategy):
                 f" {len(self.optimizers)} optimizers. Combine them into one (parameter groups)."
             )
         from lightning_dist._integrations.torchft import register_state
+        from lightning_dist.parallelize import shard_state
         from lightning_dist.strategies import heal
 
         module, optimizer, manager = self.lightning_module, self.optimizers[0], self._manager
         # a healing group loads these in this order, in the read of its first batch (the quorum is asked there; under
         # DiLoCo in its sync, inside the optimizer step, where DiLoCo adds its own state: global weights, outer state)
         wrap = functools.partial(_healing, manager=manager if self._ft.diloco else None)
-        register_state(manager, "model", lambda: heal.module_state(module), wrap(heal.load_module_state, module))
+        register_state(
+            manager, "model", lambda: shard_state.module_state(module), wrap(shard_state.load_module_state, module)
+        )
         register_state(
             manager,
             "optimizer",
-            lambda: heal.local_tree(optimizer.state_dict()),
-            wrap(heal.load_optimizer_state, optimizer),
+            lambda: shard_state.optimizer_state(optimizer),
+            wrap(shard_state.load_optimizer_state, optimizer),
         )
         register_state(
-            manager, "trainer", lambda: heal.training_state(trainer), wrap(heal.load_training_state, trainer)
+            manager,
+            "trainer",
+            lambda: heal.training_state(trainer),
+            wrap(heal.load_training_state, trainer, healed=self._healed),  # loaded last: the heal is over
         )
 
     @override
@@ -371,21 +227,14 @@ class ReplicaGroupsMixin(MeshStrategy):
         super().on_train_start()
         if self._manager is None or not self._ft.diloco:
             return
-        from lightning_dist._integrations.torchft import diloco
-        from lightning_dist.strategies.heal import LocalShardState
-
         # here, not at set-up: DiLoCo copies the global weights now, after a checkpoint or callback loaded them
-        module = self.lightning_module
-        outer = outer_optimizer_factory(self._ft.outer_optimizer)(module.parameters())
-        if not isinstance(outer, torch.optim.Optimizer):
-            raise TypeError(
-                f"`FaultTolerance(outer_optimizer={self._ft.outer_optimizer!r})` returned {type(outer).__name__}, not a"
-                " torch.optim.Optimizer: a factory takes the parameters and returns the optimizer."
-            )
-        self._diloco = contextlib.ExitStack()
-        inner = self.optimizers[0]
-        self._diloco.enter_context(diloco(self._manager, module, inner, LocalShardState(outer), self._ft.inner_steps))
-        self._inner_steps = 0
+        self._diloco = DiLoCoSync(
+            self._manager,
+            self.lightning_module,
+            self.optimizers[0],
+            outer_optimizer=self._ft.outer_optimizer,
+            every=self._ft.inner_steps,
+        )
 
     # ---- data: each batch is read after the step's quorum ----------------------------------------------------
     @override
@@ -412,6 +261,7 @@ class ReplicaGroupsMixin(MeshStrategy):
         if self._manager is None or self._quorum_open:
             return
         config = self._ft
+        self._quorum_started = time.perf_counter()
         try:
             self._manager.start_quorum()
         except HealError:
@@ -449,55 +299,56 @@ class ReplicaGroupsMixin(MeshStrategy):
         return result
 
     def _diloco_step(self, optimizer: Any, closure: Any, model: Any, **kwargs: Any) -> Any:
-        """The inner step; every ``sync_every`` of them DiLoCo's hook on the inner optimizer syncs after it: the quorum
-        (a group behind heals there), the pseudo-gradients' all-reduce, the commit vote, the outer step."""
-        manager, config = self._manager, self._ft
-        assert self._diloco is not None, "DiLoCo is entered at on_train_start"
-        self._inner_steps += 1
-        syncs = self._inner_steps % config.inner_steps == 0
-        trained = []
+        """The inner step; every ``sync_every`` of them DiLoCo's sync after it, where a group behind heals."""
+        config, sync = self._ft, self._diloco
+        assert sync is not None, "DiLoCo is entered at on_train_start"
 
-        def step_closure() -> Any:
-            out = closure()
-            trained.append(True)  # an error after this is the optimizer's or DiLoCo's sync, not the training step's
-            return out
-
-        before = manager.current_step()
-        try:
-            result = super().optimizer_step(optimizer, step_closure, model, **kwargs)
-        except Exception as err:
-            if not (syncs and trained):
-                raise
+        def failed(inner_step: int, err: Exception) -> RuntimeError:
             address, _ = self.lighthouse_address()
-            raise RuntimeError(
+            return RuntimeError(
                 f"replica group {config.replica_group} rank {self.global_rank}: DiLoCo's sync after inner step"
-                f" {self._inner_steps} failed ({err}): the quorum from the torchft lighthouse at {address} (within"
+                f" {inner_step} failed ({err}): the quorum from the torchft lighthouse at {address} (within"
                 f" quorum_timeout={config.quorum_timeout:g} s), the pseudo-gradients' all-reduce or the commit vote"
                 f" (timeout={config.timeout:g} s). Is the lighthouse running?"
-            ) from err
-        if syncs:
-            self._record(manager.current_step() > before)
+            )
+
+        inner_step = super().optimizer_step
+        self._quorum_started = time.perf_counter()  # a heal in this step's sync is timed from here
+        result, committed = sync.step(
+            lambda step_closure: inner_step(optimizer, step_closure, model, **kwargs), closure, failed=failed
+        )
+        if committed is not None:
+            self._record(committed)
         return result
+
+    def _healed(self) -> None:
+        """This group just loaded a healthy group's state: the heal took since the quorum was asked."""
+        assert self._quorum_started is not None, "a heal happens in a quorum"
+        self.figures.healed(time.perf_counter() - self._quorum_started)
 
     def _record(self, committed: bool) -> None:
         from lightning_dist.strategies.heal import group_loaders
 
         trainer = self.lightning_module.trainer
+        participants = self._manager.num_participants()
         self.committed_steps.append(
             {
                 "step": self._manager.current_step(),
-                "participants": self._manager.num_participants(),
+                "participants": participants,
                 "committed": committed,
                 "epoch": trainer.current_epoch,
                 "batch": [loader.position - 1 for loader in group_loaders(trainer)],
             }
         )
+        self.figures.stepped(participants, committed)
+        # the module's own logging path (allowed in optimizer_step): the progress bar, and every logger
+        self.lightning_module.log_dict(self.figures.as_dict(), prog_bar=True, on_step=True, on_epoch=False)
 
     @override
     def teardown(self) -> None:
         diloco, self._diloco = self._diloco, None
         if diloco is not None:
-            diloco.close()  # DiLoCo's hooks off the inner optimizer
+            diloco.close()
         manager, self._manager = self._manager, None
         if manager is not None:
             manager.shutdown(wait=False)
@@ -522,10 +373,11 @@ def _no_quorum() -> None:
     """DiLoCo asks the quorum at its sync, not before each batch."""
 
 
-def _healing(load: Any, target: Any, *, manager: Any = None) -> Any:
-    """`load` of a healthy group's state into `target`, errors as :class:`HealError`. With `manager` (DiLoCo): not at
-    step 0, where torchft's ``init_sync`` makes every group but one heal at the first sync: each group keeps its own
-    first interval there (DiLoCo's own state brings that group's global weights and outer optimizer state)."""
+def _healing(load: Any, target: Any, *, manager: Any = None, healed: Optional[Callable[[], None]] = None) -> Any:
+    """`load` of a healthy group's state into `target`, errors as :class:`HealError`, then `healed()`. With `manager`
+    (DiLoCo): not at step 0, where torchft's ``init_sync`` makes every group but one heal at the first sync: each group
+    keeps its own first interval there (DiLoCo's own state brings that group's global weights and outer optimizer
+    state)."""
 
     def apply(state: Any) -> None:
         if manager is not None and manager.current_step() == 0:
@@ -534,5 +386,31 @@ def _healing(load: Any, target: Any, *, manager: Any = None) -> Any:
             load(target, state)
         except Exception as err:
             raise HealError(f"fault_tolerance: loading the healthy replica group's state failed: {err}") from err
+        if healed is not None:
+            healed()
 
     return apply
+
+
+class ReplicaGroupFigures:
+    """What a replica group shows its user, per optimizer step (under DiLoCo, per sync): ``ft/participants``, the
+    groups in the step's quorum; ``ft/failures``, the failures this group has seen (each group that left the quorum
+    between two steps, and each step that did not commit); ``ft/heal_s``, the seconds of this group's last heal, from
+    asking the quorum to the healthy state loaded (0: none yet; every group but one heals at the first step)."""
+
+    def __init__(self) -> None:
+        self.participants = 0
+        self.failures = 0
+        self.heals = 0
+        self.heal_s = 0.0
+
+    def stepped(self, participants: int, committed: bool) -> None:
+        self.failures += max(0, self.participants - participants) + (not committed)
+        self.participants = participants
+
+    def healed(self, seconds: float) -> None:
+        self.heals += 1
+        self.heal_s = seconds
+
+    def as_dict(self) -> dict[str, float]:
+        return {"ft/participants": self.participants, "ft/failures": self.failures, "ft/heal_s": self.heal_s}

@@ -1,91 +1,16 @@
-"""What a healthy replica group sends to one that heals (torchft's live state transfer), and the training loader
-that reads each batch after the step's quorum, so that a group healing there reads the batch of the step it joins.
+"""Lightning's side of a heal (torchft's live state transfer), and the training loader that reads each batch after
+the step's quorum, so that a group healing there reads the batch of the step it joins.
 
-The state is that of an exact resume: this rank's model and optimizer shards, Lightning's loop progress, the LR
-schedulers, the loaders' positions and the RNG states (under DiLoCo, also DiLoCo's own: the global weights and the
-outer optimizer's state). Notes: docs/fault_tolerance.md.
+A healing group receives the state of an exact resume: this rank's model and optimizer shards
+(``parallelize/shard_state.py``, no Lightning there), and from here Lightning's loop progress, the LR schedulers, the
+loaders' positions and the RNG states (under DiLoCo, also DiLoCo's own: the global weights and the outer optimizer's
+state). Notes: docs/fault_tolerance.md.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from typing import Any
-
-import torch
-
-# ---- model and optimizer: this rank's shards, as plain tensors (torchft loads with weights_only=True) --------
-
-
-def _local(value: Any) -> Any:
-    from torch.distributed.tensor import DTensor
-
-    return value.to_local() if isinstance(value, DTensor) else value
-
-
-def local_tree(tree: Any) -> Any:
-    """`tree` with every DTensor replaced by its local shard."""
-    if isinstance(tree, dict):
-        return {k: local_tree(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(local_tree(v) for v in tree)
-    return _local(tree)
-
-
-def module_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """This rank's parameters and buffers (shards as plain tensors)."""
-    tensors = {**dict(module.named_parameters()), **dict(module.named_buffers())}
-    return {name: _local(t).detach() for name, t in tensors.items()}
-
-
-@torch.no_grad()
-def load_module_state(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    for name, t in {**dict(module.named_parameters()), **dict(module.named_buffers())}.items():
-        _local(t).copy_(state[name])
-
-
-def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-    """Load a state of local shards: each per-parameter tensor shaped like the parameter's shard becomes a DTensor
-    laid out as the parameter is (every replica group has the same inner mesh)."""
-    from torch.distributed.tensor import DTensor
-
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    restored = {}
-    for index, entry in state["state"].items():
-        p = params[index]
-        if isinstance(p, DTensor):
-            entry = {
-                k: DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
-                if isinstance(v, torch.Tensor) and v.shape == p.to_local().shape
-                else v
-                for k, v in entry.items()
-            }
-        restored[index] = entry
-    optimizer.load_state_dict({**state, "state": restored})
-
-
-class LocalShardState:
-    """An optimizer whose ``state_dict`` holds local shards, loaded back as the parameters' DTensor shards: DiLoCo's
-    outer optimizer, whose state DiLoCo itself registers with torchft's transport (which sends plain tensors)."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        self.optimizer = optimizer
-
-    def step(self, closure: Any = None) -> Any:
-        return self.optimizer.step(closure)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none)
-
-    @property
-    def param_groups(self) -> list:
-        return self.optimizer.param_groups
-
-    def state_dict(self) -> dict[str, Any]:
-        return local_tree(self.optimizer.state_dict())
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        load_optimizer_state(self.optimizer, state)
-
 
 # ---- the training loader: a quorum before each batch, a position that a heal can move ------------------------
 

@@ -4,15 +4,19 @@ No failure: 2 groups x 2 ranks and 2 groups x 1 rank equal plain hsdp 2 x 2 / 2 
 the single-device reference. A lighthouse unreachable at start-up or killed mid-run: every rank fails with its
 address within the timeout. A group that fails (SIGKILLed, or one of its ranks): the other steps on alone;
 restarted, it heals from it, and the committed steps equal a single-device replay of exactly their samples.
-DiLoCo (``sync="diloco"``) on 2 groups equals an outer loop written with torch.
+DiLoCo (``sync="diloco"``) on 2 groups equals an outer loop written with torch. What the user sees rides along: the
+``ft/`` figures of the progress bar and the loggers, and the ledger's row of the all-reduce across the groups.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,6 +24,9 @@ import torch
 from _harness import ROOT, SCENARIOS, _env, collect, reap_survivors, results
 
 from lightning_dist._compat import torchft_available
+
+sys.path.insert(0, str(SCENARIOS))
+from _common import MLP, dataset, max_rel_diff, reference  # noqa: E402  (the scenarios' model and data)
 
 pytestmark = [
     pytest.mark.distributed,
@@ -41,6 +48,33 @@ def finish(procs: list[subprocess.Popen], timeout: float = 240) -> list[subproce
     return collect(procs, timeout)
 
 
+def all_ok(done: list[subprocess.CompletedProcess], marker: str) -> list[subprocess.CompletedProcess]:
+    """Every launch exited 0, and nothing carrying `marker` is left (call it after the lighthouse is gone)."""
+    for d in done:
+        assert d.returncode == 0, d.stderr[-6000:]
+    assert reap_survivors(marker) == []
+    return done
+
+
+def finish_ok(procs: list[subprocess.Popen], marker: str) -> list[subprocess.CompletedProcess]:
+    return all_ok(finish(procs), marker)
+
+
+@contextlib.contextmanager
+def lighthouse(port: int, marker: str, *options: str) -> Iterator[str]:
+    """`torchft_lighthouse` as its own process (the cluster way) on loopback: its address; killed on exit."""
+    server = subprocess.Popen(
+        [str(Path(sys.executable).parent / "torchft_lighthouse"), "--min_replicas", "1", "--bind", f"127.0.0.1:{port}",
+         *options],
+        env=_env({"LD_FAULT_MARKER": marker}), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.kill()
+        server.wait()
+
+
 def replica_groups(groups: int, shard: int, out, *, lighthouse_port: int, first_port: int) -> list[dict]:
     marker = uuid.uuid4().hex
     procs = [
@@ -49,23 +83,24 @@ def replica_groups(groups: int, shard: int, out, *, lighthouse_port: int, first_
         )
         for g in range(groups)
     ]
-    done = finish(procs)
-    for d in done:
-        assert d.returncode == 0, d.stderr[-6000:]
-    assert reap_survivors(marker) == []
-    return [r for d in done for r in results(d)]
+    return [r for d in finish_ok(procs, marker) for r in results(d)]
+
+
+def cross_group_payload(shard: int) -> tuple[int, int]:
+    """(calls, bytes) per step of one rank's all-reduce across the groups, for the scenarios' float64 MLP: a group of
+    one rank (DDP) sends every gradient in one bucket; a group of `shard` ranks (FSDP2) each unit's padded dim-0 shard
+    (3 blocks and the root)."""
+    shapes = [p.shape for p in MLP().parameters()]
+    if shard == 1:
+        return 1, 8 * sum(math.prod(s) for s in shapes)
+    return 4, 8 * sum(-(-s[0] // shard) * math.prod(s[1:]) for s in shapes)
 
 
 def test_replica_groups_without_failure_equal_plain_hsdp(tmp_path):
-    sys.path.insert(0, str(SCENARIOS))
-    from _common import max_rel_diff, reference
-
     rows = replica_groups(2, 2, tmp_path, lighthouse_port=29641, first_port=29652)  # also trains plain 2 x 1
     rows += replica_groups(2, 1, tmp_path, lighthouse_port=29642, first_port=29654)
     marker = uuid.uuid4().hex
-    (plain,) = finish([launch("plain", "2", "2", str(tmp_path), port=29656, marker=marker)])
-    assert plain.returncode == 0, plain.stderr[-6000:]
-    assert reap_survivors(marker) == []
+    finish_ok([launch("plain", "2", "2", str(tmp_path), port=29656, marker=marker)], marker)
 
     ft = [r for r in rows if r["kind"] == "ft"]
     assert len(ft) == 2 * 2 + 2 * 1, rows
@@ -79,6 +114,15 @@ def test_replica_groups_without_failure_equal_plain_hsdp(tmp_path):
         # every step asked the quorum, both groups took part, every step committed, on global batches 0, 1, 2
         expected = [{"step": k, "participants": 2, "committed": True, "epoch": 0, "batch": [k - 1]} for k in (1, 2, 3)]
         assert r["steps"] == expected, r
+        # the ledger: torchft's all-reduce across the groups as its own row, every step, as planned; MemoryReport too
+        calls, nbytes = cross_group_payload(r["shard"])
+        assert r["cross"] == [[calls, nbytes]] * 3, r
+        summary = r["cross_summary"]
+        assert summary["bytes"] == summary["planned_bytes"] == nbytes and summary["wire_bytes"] == nbytes, summary
+        assert r["memory_ratio"] == 1.0, r
+        # the progress bar and the loggers: both groups took part, no failure
+        assert r["shown"]["bar"] == r["shown"]["logged"], r
+        assert r["shown"]["bar"]["ft/participants"] == 2 and r["shown"]["bar"]["ft/failures"] == 0, r
     load = lambda name: torch.load(tmp_path / f"{name}.pt", weights_only=True)  # noqa: E731
     ref = reference(3)
     for shard in (2, 1):
@@ -99,15 +143,9 @@ def test_diloco_on_two_groups_equals_an_outer_loop_written_with_torch(tmp_path):
     """2 replica groups under sync="diloco", sync_every=2, 6 AdamW steps (3 syncs, the default outer SGD-Nesterov):
     no per-step average; each group's weights, at the end of a sync, equal (fp64, <= 1e-12) two local copies trained on
     their groups' batches, their pseudo-gradients averaged and stepped by torch's SGD on a global copy."""
-    sys.path.insert(0, str(SCENARIOS))
-    from _common import max_rel_diff
-
     marker, shard = uuid.uuid4().hex, DILOCO_SHARD
     args = (str(shard), str(tmp_path), "29645")
-    done = finish([launch("diloco", str(g), *args, port=29664 + g, marker=marker) for g in (0, 1)])
-    for d in done:
-        assert d.returncode == 0, d.stderr[-6000:]
-    assert reap_survivors(marker) == []
+    done = finish_ok([launch("diloco", str(g), *args, port=29664 + g, marker=marker) for g in (0, 1)], marker)
     rows = [r for d in done for r in results(d) if r["kind"] == "diloco"]
     assert len(rows) == 2 * shard, rows
     for r in rows:
@@ -119,15 +157,11 @@ def test_diloco_on_two_groups_equals_an_outer_loop_written_with_torch(tmp_path):
         assert r["seen"] == 6 * 16 // (2 * shard), r
     g0, g1 = (torch.load(tmp_path / f"diloco_2x{shard}_g{g}.pt", weights_only=True) for g in (0, 1))
     assert all(torch.equal(g0[k], g1[k]) for k in g0)  # after a sync every group holds the global weights
-    reference = _diloco_reference(shard, steps=6, every=2)
-    assert max_rel_diff(g0, reference) <= 1e-12
+    by_hand = _diloco_reference(shard, steps=6, every=2)
+    assert max_rel_diff(g0, by_hand) <= 1e-12
     # not the synchronous run: the same 6 global batches averaged every step end elsewhere
-    from _common import reference as synchronous
-
-    assert max_rel_diff(g0, synchronous(6)) > 1e-3
-    print(
-        f"DiLoCo 2 x {shard}: {max_rel_diff(g0, reference):.1e} from the torch outer loop; {rows[0]['seconds']:.1f} s"
-    )
+    assert max_rel_diff(g0, reference(6)) > 1e-3
+    print(f"DiLoCo 2 x {shard}: {max_rel_diff(g0, by_hand):.1e} from the torch outer loop; {rows[0]['seconds']:.1f} s")
 
 
 def _diloco_reference(shard: int, *, steps: int, every: int) -> dict[str, torch.Tensor]:
@@ -137,7 +171,6 @@ def _diloco_reference(shard: int, *, steps: int, every: int) -> dict[str, torch.
     import copy
 
     import torch.nn.functional as F
-    from _common import MLP, dataset
     from torch.utils.data import DistributedSampler
 
     torch.manual_seed(0)
@@ -184,18 +217,11 @@ def test_unreachable_or_killed_lighthouse_fails_every_rank_with_its_address_with
     assert reap_survivors(marker) == []
 
     marker = uuid.uuid4().hex
-    lighthouse = subprocess.Popen(
-        [str(Path(sys.executable).parent / "torchft_lighthouse"), "--min_replicas", "1", "--bind", "127.0.0.1:29644"],
-        env=_env({"LD_FAULT_MARKER": marker}), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        group = launch("orphan", str(tmp_path), "http://127.0.0.1:29644", port=29663, marker=marker)
+    with lighthouse(29644, marker) as address:
+        group = launch("orphan", str(tmp_path), address, port=29663, marker=marker)
         deadline = time.monotonic() + 120
         while not (tmp_path / "stepping").exists() and group.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
-    finally:
-        lighthouse.kill()
-        lighthouse.wait()
     killed = time.monotonic()
     (done,) = finish([group], timeout=120)
     elapsed = time.monotonic() - killed
@@ -220,14 +246,8 @@ def test_killed_group_heals_and_every_committed_step_trains_its_samples_once(tmp
     batch, no sample twice, nothing dropped but the absent group's parts; both groups hold bitwise-identical weights
     and AdamW state, equal to a single-device replay of exactly those samples. Groups of one rank replicate with
     DDP, of two shard with FSDP2 (uneven shards for the 5-row head)."""
-    marker = uuid.uuid4().hex
-    address, total = "http://127.0.0.1:29643", 10
-    lighthouse = subprocess.Popen(
-        [str(Path(sys.executable).parent / "torchft_lighthouse"), "--min_replicas", "1", "--bind", "127.0.0.1:29643",
-         "--join_timeout_ms", "2000", "--heartbeat_timeout_ms", "2000"],
-        env=_env({"LD_FAULT_MARKER": marker}), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
+    marker, total = uuid.uuid4().hex, 10
+    with lighthouse(29643, marker, "--join_timeout_ms", "2000", "--heartbeat_timeout_ms", "2000") as address:
         args = (str(tmp_path), address, str(total))
         group0 = launch("heal", "0", *args, "0", str(shard), port=29660, marker=marker)
         (first,) = finish([launch("heal", "1", *args, "3", str(shard), port=29661, marker=marker)])
@@ -235,12 +255,7 @@ def test_killed_group_heals_and_every_committed_step_trains_its_samples_once(tmp
         assert first.returncode == (-9 if shard == 1 else 1), first.stderr[-6000:]
         restarted = launch("heal", "1", *args, "0", str(shard), port=29662, marker=marker)
         done = finish([group0, restarted])
-    finally:
-        lighthouse.kill()
-        lighthouse.wait()
-    for d in done:
-        assert d.returncode == 0, d.stderr[-6000:]
-    assert reap_survivors(marker) == []
+    all_ok(done, marker)
 
     launches = {"killed": results(first), "alive": results(done[0]), "healed": results(done[1])}
     steps = {name: _steps_by_rank0(rows, shard) for name, rows in launches.items()}
@@ -269,6 +284,20 @@ def test_killed_group_heals_and_every_committed_step_trains_its_samples_once(tmp
     for key in ("global_step", "scheduler", "rng"):
         assert ends["alive"][key] == ends["healed"][key], key
 
+    # what the user sees: the progress bar and the loggers show the same ft/ figures each step; group 0's
+    # participants dropped to 1 for exactly the outage, its failures count the lost group from the step after the
+    # kill; the healed group shows its heal time from its first step and no failure
+    for s in killed + alive + healed:
+        assert s["bar"] == s["logged"] and s["bar"]["ft/participants"] == s["participants"], s
+    assert [s["step"] for s in alive if s["bar"]["ft/participants"] == 1 and s["step"] > kill] == outage
+    assert [s["bar"]["ft/failures"] for s in alive] == [int(s["step"] > kill) for s in alive], alive
+    (heal_s,) = {s["bar"]["ft/heal_s"] for s in healed}
+    assert 0 < heal_s < 60, healed
+    assert all(s["bar"]["ft/failures"] == 0 for s in healed)
+    # the ledger: torchft's all-reduce across the groups, every step, one rank's gradient payload (fp64) whether
+    # one group took part or two (a group of one rank: one DDP bucket; of two: each FSDP2 unit's padded shard)
+    assert all(s["cross"] == list(cross_group_payload(shard)) for s in killed + alive + healed)
+
     # data accounting: committed step k trained the participants' parts of global batch k - 1 (32 an epoch, shuffled
     # per epoch), nothing else; a step with one group drops the other's part, no other sample is dropped
     samples = _committed_samples(launches)
@@ -290,9 +319,6 @@ def test_killed_group_heals_and_every_committed_step_trains_its_samples_once(tmp
     assert len(trained) == len(set(trained)), "no sample trained twice in an epoch"
     assert len(trained) + len(dropped) == 16 * last and set(trained).isdisjoint(dropped)
 
-    sys.path.insert(0, str(SCENARIOS))
-    from _common import max_rel_diff
-
     g0 = torch.load(tmp_path / "heal_g0.pt", weights_only=True)
     g1 = torch.load(tmp_path / "heal_g1.pt", weights_only=True)
     assert g0.keys() == g1.keys() and any(k.startswith("opt.") for k in g0)
@@ -302,7 +328,8 @@ def test_killed_group_heals_and_every_committed_step_trains_its_samples_once(tmp
     floats = [k for k in g0 if g0[k].is_floating_point() and g0[k].dim() > 0]
     assert max_rel_diff({k: g0[k] for k in floats}, {k: replay[k] for k in floats}) <= 1e-12
     print(f"group 1 failed after step {kill}; group 0 alone for {len(outage)} steps; group 1 healed at {outage[-1]};"
-          f" {last} committed steps, {len(trained)} samples trained, {len(dropped)} dropped")  # fmt: skip
+          f" {last} committed steps, {len(trained)} samples trained, {len(dropped)} dropped; progress bar: group 0"
+          f" {alive[-1]['bar']} at the end, group 1 {healed[0]['bar']} after its heal")  # fmt: skip
 
 
 def _steps_by_rank0(rows: list[dict], shard: int) -> list[dict]:
@@ -345,7 +372,6 @@ def _replay(samples: dict[int, dict[int, list[int]]]) -> dict[str, torch.Tensor]
     """One device, committed step by committed step: AdamW on the union of the participating groups' samples (their
     mean loss), StepLR(16, 0.7) stepped after each, as the scenario's `Indexed` module."""
     import torch.nn.functional as F
-    from _common import MLP, dataset
 
     torch.manual_seed(0)
     model = MLP().double()

@@ -1,8 +1,9 @@
 """Fault-tolerant replica groups (torchft): one replica group per launch of this script (Lightning's launcher).
 
 ``group G GROUPS SHARD OUT PORT``: replica group G of GROUPS, SHARD ranks, embedded lighthouse on PORT (group 0);
-3 AdamW steps in float64, the full parameters saved to OUT/ft_{GROUPS}x{SHARD}_g{G}.pt. Group 0 of a 2-rank
-group also trains plain hsdp 2 x 1 on its two ranks (OUT/plain_2x1.pt), the reference of the 1-rank groups.
+3 AdamW steps in float64 under ``CommunicationLedger`` and ``MemoryReport``, the full parameters saved to
+OUT/ft_{GROUPS}x{SHARD}_g{G}.pt. Group 0 of a 2-rank group also trains plain hsdp 2 x 1 on its two ranks
+(OUT/plain_2x1.pt), the reference of the 1-rank groups.
 ``plain REP SHARD OUT``: plain hsdp REP x SHARD (OUT/plain_{REP}x{SHARD}.pt).
 ``diloco G SHARD OUT PORT``: replica group G of 2 under ``sync="diloco"``, ``sync_every=2``, SHARD ranks (FSDP2 inside
 a group of two), embedded lighthouse on PORT (group 0); 6 AdamW inner steps in float64 (3 syncs, the default outer
@@ -12,8 +13,9 @@ SGD-Nesterov), the full parameters saved to OUT/diloco_2x{SHARD}_g{G}.pt.
 at ADDRESS, 0.2 s per step, until torchft's committed step TOTAL and 3 steps with both groups; with KILL_AT > 0 one rank
 SIGKILLs itself once step KILL_AT is committed in a step both groups took: a group of one rank its only rank, of two
 ranks its rank 1 (a failure inside the group's shard dim: the launcher ends the group). Every rank prints each step
-(torchft's step, participants, the sample indices it trained, Lightning's global step, the LR, one random draw); the
-weights and optimizer state are saved to OUT/heal_g{G}.pt.
+(torchft's step, participants, the sample indices it trained, Lightning's global step, the LR, one random draw, the
+``ft/`` figures of the progress bar and of the loggers, the ledger's cross-group all-reduce); the weights and optimizer
+state are saved to OUT/heal_g{G}.pt.
 ``orphan OUT ADDRESS``: replica group 0 of 2 (two ranks, quorum_timeout 5 s) stepping until its lighthouse goes
 away; it touches OUT/stepping after step 3. Must fail.
 """
@@ -30,11 +32,18 @@ from _common import Classifier, dataset, emit, full_params, rank, trainer
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_dist  # noqa: F401  (registers the strategies)
-from lightning_dist.strategies import HybridShardStrategy
-from lightning_dist.strategies.fault_tolerance import FaultTolerance
+from lightning_dist.callbacks import CommunicationLedger, MemoryReport
+from lightning_dist.strategies import FaultTolerance, HybridShardStrategy
 
 STEPS = 3
+CROSS = ("all_reduce", "replica_group")  # the ledger's row of torchft's all-reduce across the groups
 mode = sys.argv[1]
+
+
+def shown(trainer) -> dict:
+    """The ``ft/`` figures as the progress bar shows them, and as the loggers receive them."""
+    pick = lambda metrics: {k: float(v) for k, v in metrics.items() if k.startswith("ft/")}  # noqa: E731
+    return {"bar": pick(trainer.progress_bar_metrics), "logged": pick(trainer.logged_metrics)}
 
 
 def save(module, path) -> None:
@@ -56,8 +65,9 @@ if mode == "group":
     # one rank per group: group 1 starts from another model, and torchft's first quorum hands it group 0's (with
     # more ranks torchft takes group rank r's shard from group r % groups: groups must seed alike to equal a reference)
     module = Classifier(seed=7 if group == 1 and shard == 1 else 0)
+    ledger, memory = CommunicationLedger(skip_steps=0, print_table=False), MemoryReport(print_table=False)
     start = time.perf_counter()
-    t = trainer(strategy, devices=shard, steps=STEPS)
+    t = trainer(strategy, devices=shard, steps=STEPS, callbacks=[ledger, memory])
     t.fit(module)
     seconds = time.perf_counter() - start
     sampler = t.train_dataloader.sampler
@@ -73,6 +83,10 @@ if mode == "group":
         shape=list(strategy.mesh.spec.shape),
         seen=module.seen,
         seconds=seconds,
+        cross=[step.get(CROSS) for step in ledger.steps],  # [calls, payload bytes] per step
+        cross_summary=next(r for r in ledger.summary if (r["op"], r["dim"]) == CROSS),
+        memory_ratio=memory.rows[torch.distributed.get_rank()]["ratio"],
+        shown=shown(t),
     )
     if group == 0 and shard == 2:
         module = Classifier()
@@ -134,7 +148,9 @@ elif mode == "heal":
     class Chaos(pl.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             last = trainer.strategy.committed_steps[-1]
-            emit(kind="step", group=group, global_step=trainer.global_step, **last, **pl_module.record)
+            cross = ledger.steps[-1].get(CROSS)  # the ledger's callback runs first: this step's row
+            emit(kind="step", group=group, global_step=trainer.global_step, **last, **pl_module.record, cross=cross,
+                 **shown(trainer))  # fmt: skip
             time.sleep(0.2)  # a step long enough for the other group to be restarted during the outage
             step = trainer.strategy.manager.current_step()
             if kill_at and step >= kill_at and last["participants"] == 2:  # killed while both groups step
@@ -152,7 +168,8 @@ elif mode == "heal":
     ft = FaultTolerance(replica_group=group, lighthouse=address, min_replicas=1, timeout=10, quorum_timeout=60)
     strategy = HybridShardStrategy(dp_replicate=2, dp_shard=shard, fault_tolerance=ft)
     module = Indexed(n=512)
-    t = trainer(strategy, devices=shard, steps=10_000, callbacks=[Chaos()])
+    ledger = CommunicationLedger(skip_steps=0, print_table=False)
+    t = trainer(strategy, devices=shard, steps=10_000, callbacks=[ledger, Chaos()])
     t.fit(module)
     optimizer = strategy.optimizers[0]
     moments = {f"opt.{n}.{k}": v for n, p in module.named_parameters() for k, v in optimizer.state[p].items()}

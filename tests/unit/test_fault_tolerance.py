@@ -11,17 +11,15 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_dist import _compat
-from lightning_dist.strategies import FullyShardStrategy, HybridShardStrategy
-from lightning_dist.strategies.fault_tolerance import FaultTolerance
-from lightning_dist.strategies.heal import (
-    group_loader,
+from lightning_dist.parallelize.shard_state import (
     load_module_state,
     load_optimizer_state,
-    load_training_state,
-    local_tree,
     module_state,
-    training_state,
+    optimizer_state,
 )
+from lightning_dist.strategies import FullyShardStrategy, HybridShardStrategy
+from lightning_dist.strategies.ft_config import FaultTolerance
+from lightning_dist.strategies.heal import group_loader, load_training_state, training_state
 
 needs_torchft = pytest.mark.skipif(
     not _compat.torchft_available(), reason="torchft (the `fault-tolerance` extra) is not installed"
@@ -101,7 +99,7 @@ def test_heal_state_round_trips_weights_and_adamw_state():
     state = module_state(healthy)
     assert "1.running_mean" in state  # buffers travel too (BatchNorm statistics)
     load_module_state(healing, state)
-    load_optimizer_state(healing_opt, local_tree(healthy_opt.state_dict()))
+    load_optimizer_state(healing_opt, optimizer_state(healthy_opt))
     for a, b in zip(healthy.state_dict().values(), healing.state_dict().values()):
         assert torch.equal(a, b)
     for p, q in zip(healthy.parameters(), healing.parameters()):
@@ -185,7 +183,7 @@ class _Net(pl.LightningModule):
             load_training_state(trainer, self.heal_from["trainer"])
             self.heal_from = None
         elif trainer.global_step == self.snapshot_at and self.snapshot is None:  # what torchft sends (a copy)
-            state = {"model": module_state(self), "optimizer": local_tree(optimizer.state_dict())}
+            state = {"model": module_state(self), "optimizer": optimizer_state(optimizer)}
             self.snapshot = copy.deepcopy({**state, "trainer": training_state(trainer)})
 
     def training_step(self, batch, batch_idx):
@@ -234,7 +232,7 @@ def test_a_heal_continues_lightning_exactly_where_the_healthy_group_was():
 def test_diloco_configuration_and_every_refusal_listed_at_once():
     import functools
 
-    from lightning_dist.strategies.fault_tolerance import outer_optimizer_factory
+    from lightning_dist.strategies.diloco import outer_optimizer_factory
 
     diloco = {"replica_group": 0, "sync": "diloco", "sync_every": 50}
     strategy = HybridShardStrategy(dp_replicate=2, fault_tolerance=diloco)  # a dict, as in a LightningCLI YAML
@@ -282,8 +280,8 @@ def test_diloco_heal_state_brings_global_weights_and_outer_state_and_skips_the_f
     from types import SimpleNamespace
 
     from lightning_dist._integrations.torchft import diloco
+    from lightning_dist.parallelize.shard_state import LocalShardState
     from lightning_dist.strategies.fault_tolerance import _healing
-    from lightning_dist.strategies.heal import LocalShardState
 
     def group(seed: int):
         registered = {}
@@ -344,7 +342,7 @@ class _SyncNet(_Net):
             load_training_state(trainer, self.heal_from["trainer"])
             self.heal_from = None
         elif trainer.global_step == self.snapshot_at and self.snapshot is None:
-            state = {"model": module_state(self), "optimizer": local_tree(optimizer.state_dict())}
+            state = {"model": module_state(self), "optimizer": optimizer_state(optimizer)}
             self.snapshot = copy.deepcopy({**state, "trainer": training_state(trainer)})
 
 
@@ -388,3 +386,27 @@ def test_diloco_from_the_docs_lightningcli_yaml(monkeypatch):
     assert ft.diloco and ft.sync_every == 100 and cli.trainer.strategy._ft_groups == 4
     outer = ft.outer_optimizer([torch.nn.Parameter(torch.zeros(2))])
     assert isinstance(outer, torch.optim.SGD) and outer.defaults["nesterov"] and outer.defaults["lr"] == 0.7
+
+
+def test_what_the_user_sees_participants_failures_and_heal_time():
+    """``ft/participants`` per step; ``ft/failures`` counts each group that left the quorum and each uncommitted step
+    (a group joining is none); ``ft/heal_s`` the last heal's seconds (0: none)."""
+    from lightning_dist.strategies.fault_tolerance import ReplicaGroupFigures
+
+    figures, shown = ReplicaGroupFigures(), []
+    for participants, committed in [(1, True), (3, True), (2, True), (2, False), (1, True), (3, True)]:
+        figures.stepped(participants, committed)
+        shown.append(figures.as_dict())
+    assert [s["ft/participants"] for s in shown] == [1, 3, 2, 2, 1, 3]
+    assert [s["ft/failures"] for s in shown] == [0, 0, 1, 2, 3, 3]
+    assert shown[-1]["ft/heal_s"] == 0.0
+    figures.healed(1.5)
+    assert figures.as_dict()["ft/heal_s"] == 1.5 and figures.heals == 1
+
+
+@needs_torchft
+def test_the_ledger_names_the_group_outside_the_mesh_replica_group():
+    strategy = HybridShardStrategy(dp_replicate=2, dp_shard=1, fault_tolerance=FaultTolerance(replica_group=0))
+    assert strategy.outside_group_dim == "replica_group" and strategy.replica_groups == 2
+    plain = HybridShardStrategy(dp_replicate=2, dp_shard=1)
+    assert plain.outside_group_dim is None and plain.replica_groups == 1

@@ -1,0 +1,94 @@
+"""``FaultTolerance(sync="diloco")``: torchft's DiLoCo around the inner optimizer for one fit, and its outer optimizer.
+
+The replica groups train on their own; every ``sync_every`` inner steps DiLoCo's hook on the inner optimizer syncs
+after the step: the quorum (a group behind heals there), the pseudo-gradients' all-reduce, the commit vote, the
+outer step. Notes: docs/fault_tolerance.md, "DiLoCo".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+
+def _default_outer(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+
+
+def outer_optimizer_factory(value: Any) -> Callable[[Any], Any]:
+    """``params -> optimizer`` for ``FaultTolerance(outer_optimizer=value)``; TypeError/ValueError naming the value."""
+    if value is None:
+        return _default_outer
+    if isinstance(value, Mapping):
+        if set(value) - {"class_path", "init_args"} or not isinstance(value.get("class_path"), str):
+            raise ValueError(
+                f"`FaultTolerance(outer_optimizer={dict(value)!r})`: a dict names the class as LightningCLI does,"
+                " {'class_path': 'torch.optim.SGD', 'init_args': {'lr': 0.7, 'momentum': 0.9, 'nesterov': True}}."
+            )
+        module, _, name = value["class_path"].rpartition(".")
+        cls = getattr(importlib.import_module(module), name, None) if module else None
+        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+            raise ValueError(
+                f"`FaultTolerance(outer_optimizer={{'class_path': {value['class_path']!r}}})` is not a"
+                " torch.optim.Optimizer class; e.g. 'torch.optim.SGD'."
+            )
+        return functools.partial(cls, **dict(value.get("init_args") or {}))
+    if (isinstance(value, type) and not issubclass(value, torch.optim.Optimizer)) or not callable(value):
+        raise TypeError(
+            f"`FaultTolerance(outer_optimizer={value!r})` must be a torch.optim.Optimizer class, a factory"
+            " `params -> optimizer` (e.g. functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)),"
+            " or None for that default."
+        )
+    return value
+
+
+class DiLoCoSync:
+    """torchft's DiLoCo over `module`, entered now (its hooks on `inner`) until :meth:`close`; the outer optimizer
+    built from `outer_optimizer` (``FaultTolerance(outer_optimizer=...)``) over the module's parameters."""
+
+    def __init__(self, manager: Any, module: torch.nn.Module, inner: Any, *, outer_optimizer: Any, every: int) -> None:
+        from lightning_dist._integrations.torchft import diloco
+        from lightning_dist.parallelize.shard_state import LocalShardState
+
+        outer = outer_optimizer_factory(outer_optimizer)(module.parameters())
+        if not isinstance(outer, torch.optim.Optimizer):
+            raise TypeError(
+                f"`FaultTolerance(outer_optimizer={outer_optimizer!r})` returned {type(outer).__name__}, not a"
+                " torch.optim.Optimizer: a factory takes the parameters and returns the optimizer."
+            )
+        self.manager, self.every, self.inner_steps = manager, every, 0
+        self._stack = contextlib.ExitStack()
+        self._stack.enter_context(diloco(manager, module, inner, LocalShardState(outer), every))
+
+    def step(
+        self, optimizer_step: Callable[[Callable[[], Any]], Any], closure: Callable[[], Any], *, failed: Callable
+    ) -> tuple[Any, bool | None]:
+        """Run ``optimizer_step(closure)`` (the inner step; every ``every``-th, DiLoCo's sync after it). Returns (its
+        result, whether the sync committed: None without a sync). A failure in a sync after the training step ran
+        is raised as ``failed(inner_step, error)``."""
+        self.inner_steps += 1
+        syncs = self.inner_steps % self.every == 0
+        trained = []
+
+        def step_closure() -> Any:
+            out = closure()
+            trained.append(True)  # an error after this is the optimizer's or DiLoCo's sync, not the training step's
+            return out
+
+        before = self.manager.current_step()
+        try:
+            result = optimizer_step(step_closure)
+        except Exception as err:
+            if not (syncs and trained):
+                raise
+            raise failed(self.inner_steps, err) from err
+        return result, (self.manager.current_step() > before if syncs else None)
+
+    def close(self) -> None:
+        """DiLoCo's hooks off the inner optimizer."""
+        self._stack.close()
