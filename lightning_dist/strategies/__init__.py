@@ -7,7 +7,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_dist._integrations.lightning import explain_unknown_strategy
 from lightning_dist.strategies.auto_parallel import AutoParallelStrategy
 from lightning_dist.strategies.base import MeshStrategy, attach_mesh
-from lightning_dist.strategies.fault_tolerance import FaultTolerance
+from lightning_dist.strategies.ft_config import FaultTolerance
 from lightning_dist.strategies.hsdp import FullyShardStrategy, HybridShardStrategy
 from lightning_dist.strategies.offload import OffloadStrategy
 from lightning_dist.strategies.offload_fsdp2 import FSDP2OffloadStrategy

@@ -17,7 +17,8 @@ from lightning_dist.parallelize import ParallelizeConfig, parallelize_model
 from lightning_dist.parallelize.ac import check_offload_device
 from lightning_dist.parallelize.ep import ep_problems
 from lightning_dist.precision import precision_dtypes
-from lightning_dist.strategies.fault_tolerance import FaultToleranceArg, ReplicaGroupsMixin
+from lightning_dist.strategies.fault_tolerance import ReplicaGroupsMixin
+from lightning_dist.strategies.ft_config import FaultToleranceArg
 
 
 class HybridShardStrategy(ReplicaGroupsMixin):
@@ -34,7 +35,7 @@ class HybridShardStrategy(ReplicaGroupsMixin):
             (all-reduce) and shard only the optimizer state (torch's ``ZeroRedundancyOptimizer``).
         units: FSDP units: ``"auto"`` (each block of the model's block list) or module class names.
         offload_policy: an FSDP2 ``CPUOffloadPolicy`` (see ``OffloadStrategy`` for the managed version).
-        fault_tolerance: a :class:`~lightning_dist.strategies.fault_tolerance.FaultTolerance` (or a dict of its fields):
+        fault_tolerance: a :class:`~lightning_dist.strategies.ft_config.FaultTolerance` (or a dict of its fields):
             each of the ``dp_replicate`` replica groups is its own job, and torchft averages gradients across the groups
             that are alive (docs/fault_tolerance.md). None: off.
         **kwargs: the mesh, model and checkpoint options of :class:`MeshStrategy` (``dp_replicate``,
