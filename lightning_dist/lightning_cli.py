@@ -17,7 +17,14 @@ from typing_extensions import override
 
 from lightning_dist.models import CharDataModule
 
-__all__ = ["CharCLI", "SuggestingArgumentParser", "char_cli", "class_arguments", "misspelt_key_hint"]
+__all__ = [
+    "CharCLI",
+    "SuggestingArgumentParser",
+    "char_cli",
+    "class_arguments",
+    "example_cli",
+    "misspelt_key_hint",
+]
 
 # a key of the command (YAML or --flag) that no option has; jsonargparse's wording (4.27 to 4.53)
 _UNKNOWN_OPTION = re.compile(r"(?:Subcommand '\w+' does not accept option|Option) '(?P<key>[\w.]+)'")
@@ -97,14 +104,21 @@ class CharCLI(LightningCLI):
         parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
 
 
-def char_cli(model_class: type, args: list[str] | None = None) -> LightningCLI:
-    """Run :class:`CharCLI` for ``model_class`` on ``CharDataModule`` with ``args`` (default: the command line);
-    returns the CLI (its ``trainer`` and ``model``)."""
-    return CharCLI(
+def example_cli(
+    model_class: type, datamodule_class: type, args: list[str] | None = None, *, cli_class: type = LightningCLI
+) -> LightningCLI:
+    """The examples' LightningCLI: seed 0, the saved config overwritten, a misspelt key named with the closest
+    accepted one. Runs on ``args`` (default: the command line) and returns the CLI (its ``trainer`` and ``model``)."""
+    return cli_class(
         model_class,
-        CharDataModule,
+        datamodule_class,
         seed_everything_default=0,
         save_config_kwargs={"overwrite": True},
-        parser_class=SuggestingArgumentParser,  # a misspelt config key: the closest one, said first
+        parser_class=SuggestingArgumentParser,
         args=args,
     )
+
+
+def char_cli(model_class: type, args: list[str] | None = None) -> LightningCLI:
+    """:func:`example_cli` of :class:`CharCLI` for ``model_class`` on ``CharDataModule``."""
+    return example_cli(model_class, CharDataModule, args, cli_class=CharCLI)

@@ -31,6 +31,24 @@ needs_matplotlib = pytest.mark.skipif(
 SCENARIOS = ROOT / "tests" / "scenarios"
 
 
+def tiny_qwen3_moe(transformers, **kw):
+    """An unmodified transformers Qwen3-MoE small enough for CPU (4 experts, top-2, 2 layers); `kw`: its config's."""
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=8,
+        **kw,
+    )
+    return transformers.Qwen3MoeForCausalLM(cfg)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

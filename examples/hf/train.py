@@ -20,7 +20,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 import lightning_dist  # noqa: F401  (importing the pack registers its strategy names)
 from lightning_dist.callbacks import HFPretrained
 from lightning_dist.hf import init_empty_weights
-from lightning_dist.lightning_cli import SuggestingArgumentParser
+from lightning_dist.lightning_cli import example_cli
 from lightning_dist.models import CharDataModule
 
 
@@ -83,14 +83,7 @@ class CausalLMCLI(LightningCLI):
 
 def main(args: list[str] | None = None) -> LightningCLI:
     """Run the CLI on ``args`` (default: the command line) and return it."""
-    return CausalLMCLI(
-        CausalLM,
-        CharDataModule,
-        seed_everything_default=0,
-        save_config_kwargs={"overwrite": True},
-        parser_class=SuggestingArgumentParser,  # a misspelt config key: the closest one, said first
-        args=args,
-    )
+    return example_cli(CausalLM, CharDataModule, args, cli_class=CausalLMCLI)
 
 
 if __name__ == "__main__":

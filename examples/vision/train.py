@@ -12,20 +12,13 @@ from __future__ import annotations
 from lightning.pytorch.cli import LightningCLI
 
 import lightning_dist  # noqa: F401  (importing the pack registers its strategy names)
-from lightning_dist.lightning_cli import SuggestingArgumentParser
+from lightning_dist.lightning_cli import example_cli
 from lightning_dist.models import ShapesClassifier, ShapesDataModule
 
 
 def main(args: list[str] | None = None) -> LightningCLI:
     """Run the CLI on ``args`` (default: the command line) and return it (its ``trainer`` and ``model``)."""
-    return LightningCLI(
-        ShapesClassifier,
-        ShapesDataModule,
-        seed_everything_default=0,
-        save_config_kwargs={"overwrite": True},
-        parser_class=SuggestingArgumentParser,  # a misspelt config key: the closest one, said first
-        args=args,
-    )
+    return example_cli(ShapesClassifier, ShapesDataModule, args)
 
 
 if __name__ == "__main__":

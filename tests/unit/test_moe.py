@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from _harness import tiny_qwen3_moe
 
 from lightning_dist.models import MoE, MoEGPT
 from lightning_dist.parallelize.moe import RouterStats, balance_loss
@@ -68,28 +69,11 @@ def test_expert_parallel_configuration_is_checked_before_any_collective():
         FullyShardStrategy(ep=0)
 
 
-def _tiny_qwen3_moe(transformers, **kw):
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=32,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=8,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=8,
-        **kw,
-    )
-    return transformers.Qwen3MoeForCausalLM(cfg)
-
-
 def test_hf_experts_are_found_by_their_interface():
     transformers = pytest.importorskip("transformers")
     from lightning_dist.parallelize.ep import expert_count, find_experts
 
-    found = find_experts(_tiny_qwen3_moe(transformers))
+    found = find_experts(tiny_qwen3_moe(transformers))
     assert [n for n, _ in found] == [f"model.layers.{i}.mlp.experts" for i in range(2)]
     assert all(expert_count(m) == 4 for _, m in found)
 
@@ -105,7 +89,7 @@ def test_grouped_mm_where_torch_does_not_serve_the_dtype_is_refused_at_set_up():
     from lightning_dist.strategies import FullyShardStrategy, PipelineStrategy
 
     def qwen(**kw):
-        return _tiny_qwen3_moe(transformers, **kw)
+        return tiny_qwen3_moe(transformers, **kw)
 
     class Task(pl.LightningModule):
         def __init__(self, model):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _harness import tiny_qwen3_moe
 from torch import nn
 
 from lightning_dist.mesh import MeshSpec
@@ -190,21 +191,7 @@ def test_joined_stages_are_the_whole_model_again(make):
 
 
 def test_an_hf_moe_router_loss_is_refused_saying_the_local_loss_does_not_help():
-    cfg = tf.Qwen3MoeConfig(
-        vocab_size=V,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=8,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=8,
-        output_router_logits=True,
-        router_aux_loss_coef=0.05,
-    )
     with pytest.raises(ValueError, match="Qwen3MoeForCausalLM adds a router load-balancing loss") as err:
-        _validate(tf.Qwen3MoeForCausalLM(cfg))
+        _validate(tiny_qwen3_moe(tf, output_router_logits=True, router_aux_loss_coef=0.05))
     assert "output_router_logits=False" in str(err.value)
     assert "moe_aux_loss='local' does not help under a pipeline" in str(err.value)
