@@ -225,6 +225,8 @@ def run_plan(args: argparse.Namespace) -> int:
             tokens=args.batch_size * args.seq_len if args.batch_size is not None else None,
             bytes_per_element=state.gather,
             device_memory=device_memory,
+            tp_sharded_params=counts.tp_sharded_params,
+            devices_per_node=args.devices_per_node,
         )
     if args.json:
         print(
@@ -391,14 +393,15 @@ def _print_ep(layouts, moe, *, state, device_memory, args) -> None:
     tokens = args.batch_size * args.seq_len if counted else None
     table = Table(
         title=f"{head}; memory in {unit}, traffic in bytes",
-        caption="ep layouts (FSDP2 / HSDP with ep=): each group of ep consecutive dp_shard ranks holds every expert"
+        caption="ep layouts (FSDP2 / HSDP with ep=; tpN-: TensorParallelStrategy with ep=, the dense parts split over"
+        " tp, the experts whole on each tp rank): each group of ep consecutive dp_shard ranks holds every expert"
         " once, E/ep per rank, FSDP2-sharded over the dp_shard/ep ranks left. a2a/layer: all-to-all payload per MoE"
         " layer and step (counts + dispatch + combine, forward; both again in backward); a2a wire: what one rank sends"
         " per step, all layers; fsdp wire: FSDP2's gathers and reduce-scatters per step.",
     )
     for col in (
         "layout",
-        "rep x shard x ep",
+        "rep x shard x tp x ep",
         "experts/rank",
         "experts",
         "dense",
@@ -408,12 +411,12 @@ def _print_ep(layouts, moe, *, state, device_memory, args) -> None:
         "fsdp wire",
         "fits",
     ):
-        table.add_column(col, justify="left" if col in ("layout", "rep x shard x ep") else "right")
+        table.add_column(col, justify="left" if col in ("layout", "rep x shard x tp x ep") else "right")
     for lay in layouts:
         per_layer = sum(c.payload_bytes for c in lay.per_layer)
         table.add_row(
             lay.name,
-            f"{lay.dp_replicate}x{lay.dp_shard}x{lay.ep}",
+            f"{lay.dp_replicate}x{lay.dp_shard}x{lay.tp}x{lay.ep}",
             str(lay.experts_per_rank),
             f"{lay.experts.total / scale:.3g}",
             f"{lay.dense.total / scale:.3g}",

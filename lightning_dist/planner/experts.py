@@ -7,9 +7,9 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
-from lightning_dist.mesh import DP_REPLICATE, DP_SHARD, EP, EP_OUTER
+from lightning_dist.mesh import DP_REPLICATE, DP_SHARD, EP, EP_OUTER, TP
 from lightning_dist.planner._checks import check_count, check_divides, check_size, divisors
-from lightning_dist.planner.memory import MemoryBreakdown, StateBytes, model_state_bytes
+from lightning_dist.planner.memory import MemoryBreakdown, StateBytes, model_state_bytes, tp_local_params
 from lightning_dist.planner.shards import fsdp2_state_bytes
 from lightning_dist.planner.traffic import Collective, data_parallel_traffic
 
@@ -167,10 +167,12 @@ class EPLayout:
     """One expert-parallel layout (FSDP2 / HSDP with ``ep``): states per rank and traffic per step."""
 
     name: str
-    """``fsdp-ep2``, ``hsdp-4-ep2`` (shard size 4)."""
+    """``fsdp-ep2``, ``hsdp-4-ep2`` (shard size 4), ``tp2-fsdp-ep2`` (tensor parallel x2)."""
     dp_replicate: int
     dp_shard: int
     ep: int
+    tp: int = 1
+    """Tensor-parallel degree: the dense parts split over ``tp`` ranks, the routed experts whole on each."""
     experts_per_rank: int
     """``E / ep`` experts of each layer on a rank."""
     dense: MemoryBreakdown
@@ -197,7 +199,7 @@ class EPLayout:
     def to_dict(self) -> dict:
         return {
             "name": self.name,
-            "mesh": {DP_REPLICATE: self.dp_replicate, DP_SHARD: self.dp_shard, EP: self.ep},
+            "mesh": {DP_REPLICATE: self.dp_replicate, DP_SHARD: self.dp_shard, TP: self.tp, EP: self.ep},
             "experts_per_rank": self.experts_per_rank,
             "dense": self.dense.to_dict(),
             "experts": self.experts.to_dict(),
@@ -219,50 +221,92 @@ def ep_layouts(
     tokens: int | None = None,
     bytes_per_element: float = 2,
     device_memory: float | None = None,
+    tp_sharded_params: float | None = None,
+    devices_per_node: int | None = None,
 ) -> list[EPLayout]:
     """Every FSDP2 / HSDP layout of ``world_size`` ranks with expert parallelism: each shard size ``S > 1`` dividing
-    the world (``R = W / S`` replicas) and each ``ep > 1`` dividing ``S`` and the experts. ``tokens``: tokens per
-    data-parallel rank per step (batch x sequence), for the all-to-all bytes under uniform routing (None: not
-    counted). States: the exact shards of ``moe.expert_shapes`` when given (rank 0, the most loaded), else the
-    closed form."""
+    the data-parallel ranks (``R = W / (t S)`` replicas) and each ``ep > 1`` dividing ``S`` and the experts; with
+    ``tp_sharded_params`` (what tensor parallelism splits, ``ParamCounts.tp_sharded_params``) also under each
+    ``tp = t > 1`` dividing the node (``devices_per_node``, default the world), as ``TensorParallelStrategy(ep=...)``
+    runs it: the dense parameters ``P_s / t + P_r`` per tp rank (the routed experts, kept whole on tp, taken out of
+    the parameters tp does not split), the experts and their all-to-alls as without tp (every tp rank holds its
+    data-parallel rank's tokens and dispatches them over its own ep group). ``tokens``: tokens per data-parallel rank
+    per step (batch x sequence), for the all-to-all bytes under uniform routing (None: not counted). States: the exact
+    shards of ``moe.expert_shapes`` when given (rank 0, the most loaded), else the closed form."""
     check_size("world_size", world_size)
     check_count("total_params", total_params)
     if moe.expert_params > total_params:
         raise ValueError(f"expert_params={moe.expert_params} exceeds the model's {total_params} parameters.")
     dense_params = total_params - moe.expert_params
+    per_node = devices_per_node or world_size
+    tps = [1]
+    if tp_sharded_params is not None:
+        check_count("tp_sharded_params", tp_sharded_params)
+        tps += [t for t in divisors(world_size)[1:] if t <= per_node and per_node % t == 0]
     out = []
-    for shard in divisors(world_size)[1:]:
-        rep = world_size // shard
-        for ep in ep_degrees(moe.experts, shard):
-            dense, experts = ep_state_bytes(dense_params, moe.expert_params, shard_size=shard, ep=ep, state=state)
-            if moe.expert_shapes:
-                _, experts = ep_state_bytes_exact(
-                    (), moe.expert_shapes, shard_size=shard, ep=ep, shard_rank=0, state=state
-                )
-            a2a: list[Collective] = []
-            per_layer: list[Collective] = []
-            if tokens is not None:
-                common = dict(hidden=moe.hidden, bytes_per_element=bytes_per_element, experts=moe.experts, ep=ep)
-                a2a = ep_all_to_all(rows=tokens * moe.top_k, layers=moe.layers, **common)
-                per_layer = ep_all_to_all(rows=tokens * moe.top_k, **common)
-            kind = "fsdp" if rep == 1 else f"hsdp-{shard}"
-            layout = EPLayout(
-                name=f"{kind}-ep{ep}",
-                dp_replicate=rep,
-                dp_shard=shard,
-                ep=ep,
-                experts_per_rank=moe.experts // ep,
-                dense=dense,
-                experts=experts,
-                all_to_all=tuple(a2a),
-                per_layer=tuple(per_layer),
-                fsdp=tuple(
-                    ep_fsdp_traffic(
-                        dense_params, moe.expert_params, state=state, shard_size=shard, replicate_size=rep, ep=ep
-                    )
-                ),
+    for t in tps:
+        dense_local = dense_params
+        if t > 1:
+            replicated = max(total_params - tp_sharded_params - moe.expert_params, 0)
+            dense_local = tp_local_params(
+                tp_sharded_params=dense_params - replicated, replicated_params=replicated, tp=t
             )
-            if device_memory is not None:
-                layout = replace(layout, fits=layout.total <= device_memory)
-            out.append(layout)
+        for shard in divisors(world_size // t)[1:]:
+            rep = world_size // (t * shard)
+            for ep in ep_degrees(moe.experts, shard):
+                out.append(
+                    _ep_layout(
+                        dense_local,
+                        moe,
+                        t=t,
+                        rep=rep,
+                        shard=shard,
+                        ep=ep,
+                        state=state,
+                        tokens=tokens,
+                        bytes_per_element=bytes_per_element,
+                    )
+                )
+    if device_memory is not None:
+        out = [replace(layout, fits=layout.total <= device_memory) for layout in out]
     return out
+
+
+def _ep_layout(
+    dense_params: float,
+    moe: MoEShape,
+    *,
+    t: int,
+    rep: int,
+    shard: int,
+    ep: int,
+    state: StateBytes,
+    tokens: int | None,
+    bytes_per_element: float,
+) -> EPLayout:
+    """One row of :func:`ep_layouts`: `dense_params` per tp rank, the mesh ``rep x shard x t``, ``ep`` over shard."""
+    dense, experts = ep_state_bytes(dense_params, moe.expert_params, shard_size=shard, ep=ep, state=state)
+    if moe.expert_shapes:
+        _, experts = ep_state_bytes_exact((), moe.expert_shapes, shard_size=shard, ep=ep, shard_rank=0, state=state)
+    a2a: list[Collective] = []
+    per_layer: list[Collective] = []
+    if tokens is not None:
+        common = dict(hidden=moe.hidden, bytes_per_element=bytes_per_element, experts=moe.experts, ep=ep)
+        a2a = ep_all_to_all(rows=tokens * moe.top_k, layers=moe.layers, **common)
+        per_layer = ep_all_to_all(rows=tokens * moe.top_k, **common)
+    kind = "fsdp" if rep == 1 else f"hsdp-{shard}"
+    return EPLayout(
+        name=f"{f'tp{t}-' if t > 1 else ''}{kind}-ep{ep}",
+        dp_replicate=rep,
+        dp_shard=shard,
+        ep=ep,
+        tp=t,
+        experts_per_rank=moe.experts // ep,
+        dense=dense,
+        experts=experts,
+        all_to_all=tuple(a2a),
+        per_layer=tuple(per_layer),
+        fsdp=tuple(
+            ep_fsdp_traffic(dense_params, moe.expert_params, state=state, shard_size=shard, replicate_size=rep, ep=ep)
+        ),
+    )
