@@ -94,8 +94,34 @@ def _report(what: str, proc: subprocess.CompletedProcess) -> str:
 
 
 def _run(cmd: list[str], timeout: float, env: dict | None, cwd: Path | None) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, cwd=cwd or ROOT, env=_env(env), capture_output=True, text=True, timeout=timeout)
-    return proc
+    """Run `cmd` to its end; a job still running after `timeout` s fails the test with every one of its processes'
+    Python stacks (faulthandler, on SIGABRT), so a hang names the line each rank waits on."""
+    import signal
+
+    import psutil
+
+    env = _env({"PYTHONFAULTHANDLER": "1", **(env or {})})
+    proc = subprocess.Popen(cmd, cwd=cwd or ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            try:
+                child.send_signal(signal.SIGABRT)
+            except psutil.NoSuchProcess:
+                pass
+        try:
+            stdout, stderr = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                child.kill()
+            proc.kill()
+            stdout, stderr = proc.communicate()
+        pytest.fail(
+            f"{' '.join(map(str, cmd))} did not end in {timeout:g} s (a hang: each process's stack below)\n"
+            f"--- stdout (tail)\n{stdout[-3000:]}\n--- stderr (tail)\n{stderr[-12000:]}"
+        )
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 def results(proc: subprocess.CompletedProcess) -> list[dict]:
