@@ -105,14 +105,9 @@ class LlamaTask(pl.LightningModule):
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
-def test_hf_llama_dry_runs_with_selective_ac_in_one_process(monkeypatch, precision):
+def test_hf_llama_dry_runs_with_selective_ac_in_one_process(fake_world, precision):
     # rank 1 of a 2-rank fake world in this process (torch's fake process group: no peers, fake tensors)
     from lightning_dist.dryrun import DryRunConfig, simulate_rank
-
-    if dist.is_initialized():
-        pytest.skip("a process group is already running in this process")
-    for key in ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.setenv(key, "0")  # simulate_rank sets the cluster variables: restored after the test
 
     def run(ac):
         config = DryRunConfig(

@@ -47,14 +47,10 @@ class MoETask(pl.LightningModule):
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
-def test_an_ep_step_dry_runs_in_one_process_and_its_all_to_alls_equal_the_uniform_plan(monkeypatch, precision):
+def test_an_ep_step_dry_runs_in_one_process_and_its_all_to_alls_equal_the_uniform_plan(fake_world, precision):
     # rank 1 of ep=2 x dp_shard=4 on torch's fake process group: the ep dispatch sized by the assumed uniform routing
     from lightning_dist.dryrun import DryRunConfig, simulate_rank
 
-    if dist.is_initialized():
-        pytest.skip("a process group is already running in this process")
-    for key in ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.setenv(key, "0")  # simulate_rank sets the cluster variables: restored after the test
     sizes = dict(n_layer=2, n_head=4, n_embd=64, vocab_size=128, block_size=32, n_experts=8, top_k=2, expert_hidden=32)
     config = DryRunConfig(
         model=f"{__name__}.MoETask",

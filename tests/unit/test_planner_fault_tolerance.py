@@ -114,14 +114,6 @@ def test_cli_dry_run_refuses_a_bad_fault_tolerance_with_the_strategys_message_be
 
 
 # ---- the dry run ------------------------------------------------------------------------------------------
-@pytest.fixture
-def fake_world(monkeypatch):
-    if dist.is_initialized():
-        pytest.skip("a process group is already running in this process")
-    for key in ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.setenv(key, "0")  # simulate_rank sets the cluster variables: restored after the test
-
-
 def _yaml_config(tmp_path, strategy_args: dict, world_size: int):
     """A DryRunConfig as `lightning-dist dry-run --config` reads it from a LightningCLI YAML."""
     import yaml
