@@ -5,6 +5,7 @@ Notes: docs/internals.md, "callbacks/ledger.py"."""
 from __future__ import annotations
 
 import io
+import weakref
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
@@ -86,22 +87,38 @@ class CollectiveRecorder(TorchDispatchMode):
         self.outside_size = 0
         """Ranks in the last `outside` group seen (torchft's: the replica groups in the step's quorum)."""
         self._ranks: dict[str, tuple[int, ...]] = {}
+        # per group object, not per name: torchft builds a new group object when the quorum changes (that one is
+        # resolved again), and c10d's refusal of a group it does not know is asked once per object, not per call
+        self._pg_ranks: weakref.WeakKeyDictionary[dist.ProcessGroup, tuple[int, ...] | str] = (
+            weakref.WeakKeyDictionary()
+        )
 
-    def _group_ranks(self, group: Any) -> tuple[int, ...] | str:
+    @staticmethod
+    def _resolve(group_name: str) -> tuple[int, ...]:
+        """The ranks c10d knows for the group named `group_name` (raises for a group it does not know)."""
         from torch.distributed.distributed_c10d import _resolve_process_group
 
-        pg = None
-        if not isinstance(group, str):
-            pg = group if isinstance(group, dist.ProcessGroup) else dist.ProcessGroup.unbox(group)
-            group = pg.group_name
-        if group not in self._ranks:
+        return tuple(dist.get_process_group_ranks(_resolve_process_group(group_name)))
+
+    def _group_ranks(self, group: Any) -> tuple[int, ...] | str:
+        if isinstance(group, str):  # functional collectives: a name c10d resolved to run the op
+            if group not in self._ranks:
+                try:
+                    self._ranks[group] = self._resolve(group)
+                except (RuntimeError, ValueError):  # never raise inside a collective: torchft would fail the step
+                    return self.outside
+            return self._ranks[group]
+        pg = group if isinstance(group, dist.ProcessGroup) else dist.ProcessGroup.unbox(group)
+        ranks = self._pg_ranks.get(pg)
+        if ranks is None:
             try:
-                ranks = tuple(dist.get_process_group_ranks(_resolve_process_group(group)))
+                ranks = self._resolve(pg.group_name)
             except (RuntimeError, ValueError):  # never raise inside a collective: torchft would fail the step
-                self.outside_size = pg.size() if pg is not None else self.outside_size
-                return self.outside  # not cached: torchft reconfigures its group when the quorum changes
-            self._ranks[group] = ranks
-        return self._ranks[group]
+                ranks = self.outside
+            self._pg_ranks[pg] = ranks
+        if isinstance(ranks, str):
+            self.outside_size = pg.size()  # read at each call: the group's size is the step's quorum
+        return ranks
 
     def _record(self, func: Any, args: tuple, kwargs: dict) -> None:
         ns, name = func.namespace, func._overloadpacket.__name__

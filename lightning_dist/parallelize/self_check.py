@@ -52,13 +52,16 @@ def first_tensor(out: Any) -> Optional[Tensor]:
 
 # ---- probe samples -------------------------------------------------------------------------------
 def _cast(sample: Any, device: torch.device, dtype: torch.dtype) -> Any:
-    if isinstance(sample, Tensor):
-        return sample.to(device, dtype) if sample.is_floating_point() else sample.to(device)
-    if isinstance(sample, Mapping):
-        return {k: _cast(v, device, dtype) for k, v in sample.items()}
-    if isinstance(sample, (list, tuple)):
-        return type(sample)(_cast(v, device, dtype) for v in sample)
-    return sample
+    """`sample` with its tensors on `device`, floating ones in `dtype`; anything else as it is."""
+
+    def one(x: Any) -> Any:
+        if isinstance(x, Tensor):
+            return x.to(device, dtype) if x.is_floating_point() else x.to(device)
+        if isinstance(x, Mapping):  # a mapping pytree does not walk (HF's BatchEncoding): as a dict, walked
+            return _cast(dict(x), device, dtype)
+        return x
+
+    return tree_map(one, sample)
 
 
 def _made_up(module: nn.Module) -> list[tuple[nn.Module, Any]]:

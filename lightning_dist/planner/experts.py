@@ -222,17 +222,22 @@ def ep_layouts(
     bytes_per_element: float = 2,
     device_memory: float | None = None,
     tp_sharded_params: float | None = None,
+    tp_sharded_expert_params: float | None = None,
     devices_per_node: int | None = None,
 ) -> list[EPLayout]:
     """Every FSDP2 / HSDP layout of ``world_size`` ranks with expert parallelism: each shard size ``S > 1`` dividing
     the data-parallel ranks (``R = W / (t S)`` replicas) and each ``ep > 1`` dividing ``S`` and the experts; with
     ``tp_sharded_params`` (what tensor parallelism splits, ``ParamCounts.tp_sharded_params``) also under each
     ``tp = t > 1`` dividing the node (``devices_per_node``, default the world), as ``TensorParallelStrategy(ep=...)``
-    runs it: the dense parameters ``P_s / t + P_r`` per tp rank (the routed experts, kept whole on tp, taken out of
-    the parameters tp does not split), the experts and their all-to-alls as without tp (every tp rank holds its
-    data-parallel rank's tokens and dispatches them over its own ep group). ``tokens``: tokens per data-parallel rank
-    per step (batch x sequence), for the all-to-all bytes under uniform routing (None: not counted). States: the exact
-    shards of ``moe.expert_shapes`` when given (rank 0, the most loaded), else the closed form."""
+    runs it: the dense parameters ``P_s / t + P_r`` per tp rank, the experts and their all-to-alls as without tp
+    (every tp rank holds its data-parallel rank's tokens and dispatches them over its own ep group). The routed
+    experts stay whole on tp and count once, as experts: ``tp_sharded_expert_params`` of them are taken out of
+    ``tp_sharded_params`` (``P_s``, experts held as ``nn.Linear`` modules, which ``count_params`` counts with the
+    Linear weights), the rest out of the parameters tp does not split (``P_r``, fused 3-D experts). None: all of them
+    when ``tp_sharded_params`` is the whole model (``ParamCounts(tp_sharded=None)``), else none (the fused experts
+    ``inputs.moe_spec`` reads off a model). ``tokens``: tokens per data-parallel rank per step (batch x sequence), for
+    the all-to-all bytes under uniform routing (None: not counted). States: the exact shards of ``moe.expert_shapes``
+    when given (rank 0, the most loaded), else the closed form."""
     check_size("world_size", world_size)
     check_count("total_params", total_params)
     if moe.expert_params > total_params:
@@ -242,14 +247,34 @@ def ep_layouts(
     tps = [1]
     if tp_sharded_params is not None:
         check_count("tp_sharded_params", tp_sharded_params)
+        if tp_sharded_params > total_params:
+            raise ValueError(f"tp_sharded_params={tp_sharded_params} exceeds the model's {total_params} parameters.")
+        if tp_sharded_expert_params is None:
+            tp_sharded_expert_params = moe.expert_params if tp_sharded_params == total_params else 0
+        check_count("tp_sharded_expert_params", tp_sharded_expert_params)
+        if tp_sharded_expert_params > min(moe.expert_params, tp_sharded_params):
+            raise ValueError(
+                f"tp_sharded_expert_params={tp_sharded_expert_params} exceeds expert_params={moe.expert_params} or"
+                f" tp_sharded_params={tp_sharded_params}."
+            )
+        # the dense parameters tp does not split: the whole model less what tp splits less the experts not in it
+        replicated = total_params - tp_sharded_params - (moe.expert_params - tp_sharded_expert_params)
+        if replicated < 0:
+            raise ValueError(
+                f"The {moe.expert_params - tp_sharded_expert_params} routed-expert parameters not counted in"
+                f" tp_sharded_params={tp_sharded_params} exceed the {total_params - tp_sharded_params} parameters tp"
+                " does not split: pass tp_sharded_expert_params, the expert parameters counted in tp_sharded_params"
+                " (experts held as nn.Linear modules)."
+            )
         tps += [t for t in divisors(world_size)[1:] if t <= per_node and per_node % t == 0]
+    elif tp_sharded_expert_params is not None:
+        raise ValueError("tp_sharded_expert_params goes with tp_sharded_params.")
     out = []
     for t in tps:
         dense_local = dense_params
         if t > 1:
-            replicated = max(total_params - tp_sharded_params - moe.expert_params, 0)
             dense_local = tp_local_params(
-                tp_sharded_params=dense_params - replicated, replicated_params=replicated, tp=t
+                tp_sharded_params=tp_sharded_params - tp_sharded_expert_params, replicated_params=replicated, tp=t
             )
         for shard in divisors(world_size // t)[1:]:
             rep = world_size // (t * shard)

@@ -72,6 +72,43 @@ def test_ledger_options_are_validated():
     CommunicationLedger(planned=[planner.Collective(op="all_reduce", dim="dp", group_size=2, payload_bytes=8)])
 
 
+def test_recorder_resolves_each_group_object_once(monkeypatch):
+    # c10d is asked once per group object: torchft's group (one c10d does not know, so asking raises) is not asked
+    # again at every collective, and the new group object torchft builds after a quorum change is asked again
+    import torch.distributed as dist
+
+    from lightning_dist.callbacks.ledger import CollectiveRecorder
+
+    asked: list[str] = []
+
+    def resolve(name: str) -> tuple[int, ...]:
+        asked.append(name)
+        if name.startswith("ft"):
+            raise RuntimeError(f"Could not resolve the process group registered under the name {name}")
+        return (0, 1)
+
+    monkeypatch.setattr(CollectiveRecorder, "_resolve", staticmethod(resolve))
+
+    class Group(dist.ProcessGroup):  # a group object with a name and a size, nothing registered with c10d
+        def __init__(self, name: str, size: int) -> None:
+            super().__init__(0, size)
+            self.name = name
+
+        @property
+        def group_name(self) -> str:
+            return self.name
+
+    rec = CollectiveRecorder(outside="replica_group")
+    ft, known = Group("ft0", 3), Group("known", 2)
+    for _ in range(3):
+        assert rec._group_ranks(ft) == "replica_group" and rec._group_ranks(ft.boxed()) == "replica_group"
+        assert rec._group_ranks(known) == (0, 1)
+    assert asked == ["ft0", "known"] and rec.outside_size == 3
+    ft = Group("ft1", 2)  # the quorum changed: a new group object
+    assert rec._group_ranks(ft) == "replica_group" and rec._group_ranks(ft) == "replica_group"
+    assert asked == ["ft0", "known", "ft1"] and rec.outside_size == 2
+
+
 def test_per_step_mean_skips_the_first_steps():
     ledger = CommunicationLedger(skip_steps=1)
     ledger.steps = [{("broadcast", "dp"): [4, 400]}, {("all_reduce", "dp"): [1, 100]}, {("all_reduce", "dp"): [3, 300]}]

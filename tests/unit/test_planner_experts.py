@@ -239,3 +239,33 @@ def test_tp_ep_rows_against_the_dry_run_of_the_runtime(fake_world):
     # the dense parameters tp splits halved, the rest (experts taken out) whole, then FSDP2 over dp_shard 2
     replicated = counts.total - counts.tp_sharded_params - moe.expert_params
     assert row.dense.total == (counts.tp_sharded_params / 2 + replicated) / 2 * 16
+
+
+def test_tp_ep_rows_count_linear_experts_once():
+    # experts held as nn.Linear modules: count_params counts them with the Linear weights tp splits; the tp x ep row
+    # takes them out of those (tp_sharded_expert_params) and counts them once, as experts
+    class LinearMoE(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(16, 8)  # 128, split by tp
+            self.norm = torch.nn.LayerNorm(8)  # 16, whole on every tp rank
+            self.router = torch.nn.Linear(8, 4, bias=False)  # 32, split by tp
+            self.experts = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))  # 4 x 72 = 288
+
+    model = LinearMoE()
+    counts = count_params(model)
+    assert (counts.total, counts.tp_sharded_params) == (464, 448)  # the Linear experts among the split parameters
+    moe = MoEShape(experts=4, top_k=2, hidden=8, layers=1, expert_params=288)
+    common = dict(world_size=4, state=FP32, tp_sharded_params=counts.tp_sharded_params)
+    rows = planner.ep_layouts(counts.total, moe, tp_sharded_expert_params=288, **common)
+    row = {lay.name: lay for lay in rows}["tp2-fsdp-ep2"]
+    assert (row.dp_shard, row.tp, row.ep) == (2, 2, 2)
+    # dense: (128 + 32) / tp 2 + 16 = 96 per tp rank, / dp_shard 2; experts: 288 / ep 2 = 144, / (2 / 2) = 1
+    assert row.dense.total == 96 / 2 * 16 and row.experts.total == 144 * 16
+    assert row.total == (48 + 144) * 16
+    # the experts counted in neither part: they cannot fit in the 16 parameters tp does not split
+    with pytest.raises(ValueError, match="tp_sharded_expert_params"):
+        planner.ep_layouts(counts.total, moe, **common)
+    # everything split (ParamCounts(tp_sharded=None), --params): the experts among them, the dense split whole
+    everything = planner.ep_layouts(464, moe, world_size=4, state=FP32, tp_sharded_params=464)
+    assert {lay.name: lay for lay in everything}["tp2-fsdp-ep2"].dense.total == 176 / 2 / 2 * 16
