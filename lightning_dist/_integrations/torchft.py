@@ -7,10 +7,12 @@
 * :func:`register_state`: the state a healing replica group receives from a healthy one;
 * :class:`CommitGate`: Lightning's optimizer closure, then torchft's optimizer wrapper (step only on commit);
 * :func:`diloco`: torchft's ``DiLoCo`` over the whole module (``sync="diloco"``: no per-step average);
+  :func:`diloco_global_weights` / :func:`set_diloco_inner_step`: what a checkpoint saves and restores of it;
 * :func:`continue_fit_loop`: Lightning's side of a heal, the healthy group's loop progress taken over mid-epoch.
 
 Only public torchft API (``torchft.Manager``, ``torchft.Optimizer``, ``torchft.coordination``,
-``torchft.local_sgd.DiLoCo``); the entry points
+``torchft.local_sgd.DiLoCo``) but for DiLoCo's global weights and sync counter (:func:`diloco_global_weights`,
+:func:`set_diloco_inner_step`); the entry points
 (the lighthouse, the manager) check :data:`lightning_dist._compat.TORCHFT_RANGE`; :func:`continue_fit_loop` reaches
 into Lightning's loop (checked against ``LIGHTNING_RANGE``). Notes: docs/fault_tolerance.md.
 """
@@ -32,9 +34,11 @@ __all__ = [
     "check_lighthouse",
     "continue_fit_loop",
     "diloco",
+    "diloco_global_weights",
     "make_manager",
     "register_state",
     "replicate_for_replica_groups",
+    "set_diloco_inner_step",
     "start_lighthouse",
 ]
 
@@ -202,6 +206,21 @@ def diloco(manager: Any, module: nn.Module, inner: Any, outer: Any, sync_every: 
     from torchft.local_sgd import DiLoCo
 
     return DiLoCo(manager, [module], inner, outer, sync_every=sync_every)
+
+
+def diloco_global_weights(sync: Any) -> dict[str, torch.Tensor]:
+    """The live global (last synced) weights of `sync` (what :func:`diloco` returned), by parameter name: this rank's
+    local shard of each, on the CPU; copy into them to restore."""
+    # Reason: torchft keeps them only in its private per-fragment `original_parameters` (no accessor; its own
+    # save_fn is registered with the manager, not exposed); :func:`diloco` makes one fragment
+    (fragment,) = sync._fragments
+    return fragment.original_parameters
+
+
+def set_diloco_inner_step(sync: Any, step: int) -> None:
+    """Set `sync`'s inner steps since its last sync (what decides when the next one runs) to `step`."""
+    # Reason: torchft counts them in its private `_local_step` (reset at each sync), with no setter
+    sync._local_step = step
 
 
 def continue_fit_loop(trainer: Any, state: dict) -> None:

@@ -62,8 +62,9 @@ class DiLoCoSync:
                 " torch.optim.Optimizer: a factory takes the parameters and returns the optimizer."
             )
         self.manager, self.every, self.inner_steps = manager, every, 0
+        self.module, self.outer = module, outer
         self._stack = contextlib.ExitStack()
-        self._stack.enter_context(diloco(manager, module, inner, LocalShardState(outer), every))
+        self._sync = self._stack.enter_context(diloco(manager, module, inner, LocalShardState(outer), every))
 
     def step(
         self, optimizer_step: Callable[[Callable[[], Any]], Any], closure: Callable[[], Any], *, failed: Callable
@@ -89,6 +90,88 @@ class DiLoCoSync:
             raise failed(self.inner_steps, err) from err
         return result, (self.manager.current_step() > before if syncs else None)
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps (plain tensors, whole: a collective for DTensor parameters): the inner steps, the
+        outer optimizer's state and the global (last synced) weights by parameter name."""
+        from lightning_dist._integrations.torchft import diloco_global_weights
+
+        params = dict(self.module.named_parameters())
+        weights = diloco_global_weights(self._sync)
+        outer = self.outer.state_dict()
+        by_index = _outer_params(self.outer)
+        state = {i: {k: _whole(v, by_index[i]) for k, v in s.items()} for i, s in outer["state"].items()}
+        return {
+            "inner_steps": self.inner_steps,
+            "sync_every": self.every,
+            "outer_class": _class_name(self.outer),
+            "outer_optimizer": {"state": state, "param_groups": outer["param_groups"]},
+            "global_weights": {name: _whole(t, params[name], shard=True) for name, t in weights.items()},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state_dict` (of the same model and outer optimizer); ValueError naming a mismatch."""
+        from lightning_dist._integrations.torchft import diloco_global_weights, set_diloco_inner_step
+
+        saved, mine = state["outer_class"], _class_name(self.outer)
+        if saved != mine:
+            raise ValueError(
+                f"The checkpoint's DiLoCo outer optimizer is {saved}, this run's {mine}: resume with the same"
+                " FaultTolerance(outer_optimizer=...)."
+            )
+        params = dict(self.module.named_parameters())
+        weights = diloco_global_weights(self._sync)
+        if set(state["global_weights"]) != set(weights):
+            missing, extra = set(weights) - set(state["global_weights"]), set(state["global_weights"]) - set(weights)
+            raise ValueError(
+                f"The checkpoint's DiLoCo global weights do not match the model (missing {sorted(missing)}, unexpected"
+                f" {sorted(extra)}): resume the same LightningModule."
+            )
+        with torch.no_grad():
+            for name, backup in weights.items():
+                backup.copy_(_local(state["global_weights"][name], params[name], shard=True))
+        by_index = _outer_params(self.outer)
+        outer = state["outer_optimizer"]
+        local = {i: {k: _local(v, by_index[i]) for k, v in s.items()} for i, s in outer["state"].items()}
+        self.outer.load_state_dict({"state": local, "param_groups": outer["param_groups"]})
+        self.inner_steps = int(state["inner_steps"])
+        set_diloco_inner_step(self._sync, self.inner_steps % self.every)
+
     def close(self) -> None:
         """DiLoCo's hooks off the inner optimizer."""
         self._stack.close()
+
+
+def _class_name(optimizer: torch.optim.Optimizer) -> str:
+    return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+
+
+def _outer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The parameters as the optimizer's ``state_dict`` numbers them."""
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _whole(value: Any, param: torch.Tensor, *, shard: bool = False) -> Any:
+    """`value` (a DTensor, or with `shard` this rank's local shard of `param`) as a whole tensor on the CPU (a
+    collective for a DTensor `param`); anything else as it is."""
+    from torch.distributed.tensor import DTensor
+
+    if not torch.is_tensor(value):
+        return value
+    if shard and isinstance(param, DTensor):
+        value = DTensor.from_local(
+            value.to(param.device), param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
+        )
+    if isinstance(value, DTensor):
+        value = value.full_tensor()
+    return value.detach().cpu().clone()
+
+
+def _local(value: Any, param: torch.Tensor, *, shard: bool = False) -> Any:
+    """A whole tensor of `param`'s shape as `param` holds it: a DTensor for a DTensor `param` (sliced, no
+    communication), with `shard` its local shard; anything else as it is."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not (isinstance(param, DTensor) and torch.is_tensor(value) and value.shape == param.shape):
+        return value
+    value = distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+    return value.to_local() if shard else value

@@ -4,7 +4,8 @@ Each replica group (one index of ``dp_replicate``) is its own launched job whose
 the gradient average across the groups and the per-step quorum are torchft's (``_integrations/torchft.py``); what a
 healing group receives, and the training loader that asks each step's quorum, are in ``heal.py``; the configuration
 in ``ft_config.py``; ``sync="diloco"`` in ``diloco.py``. After each step the figures the user sees are logged
-(:class:`ReplicaGroupFigures`). Notes: docs/fault_tolerance.md.
+(:class:`ReplicaGroupFigures`). A checkpoint also keeps torchft's step counter and DiLoCo's state
+(:func:`checkpoint_entry`, :func:`check_checkpoint_entry`). Notes: docs/fault_tolerance.md.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_dist._compat import torchft_available
@@ -28,6 +30,7 @@ from lightning_dist.strategies.diloco import DiLoCoSync
 from lightning_dist.strategies.ft_config import LIGHTHOUSE_ENV, FaultTolerance, FaultToleranceArg, as_fault_tolerance
 
 REPLICA_GROUP_DIM = "replica_group"  # the ledger's dim for torchft's all-reduce across the replica groups
+CHECKPOINT_KEY = "fault_tolerance"  # a checkpoint's entry: torchft's step counter, DiLoCo's state
 
 
 class ReplicaGroupsMixin(MeshStrategy):
@@ -40,6 +43,7 @@ class ReplicaGroupsMixin(MeshStrategy):
     _quorum_open = False
     _diloco: Optional[DiLoCoSync] = None
     _quorum_started: Optional[float] = None  # when this step's quorum was asked (a heal in it is timed from there)
+    _pending_diloco: Optional[dict[str, Any]] = None  # DiLoCo's state from a checkpoint, until DiLoCo is entered
 
     def _take_fault_tolerance(self, value: FaultToleranceArg, kwargs: dict[str, Any], zero_stage: int) -> list[str]:
         """Read ``fault_tolerance`` before ``MeshStrategy.__init__``: the job's own mesh gets ``dp_replicate=1``."""
@@ -235,6 +239,41 @@ class ReplicaGroupsMixin(MeshStrategy):
             outer_optimizer=self._ft.outer_optimizer,
             every=self._ft.inner_steps,
         )
+        pending, self._pending_diloco = self._pending_diloco, None
+        if pending is not None:  # the checkpoint was loaded before DiLoCo existed (Lightning restores after setup)
+            self._diloco.load_state_dict(pending)
+
+    # ---- checkpoints: torchft's step counter; under DiLoCo its outer optimizer, global weights, inner steps -----
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
+    ) -> None:
+        if self._manager is not None:  # while fitting (every rank: DiLoCo's state gathers DTensor shards)
+            diloco = self._diloco.state_dict() if self._diloco is not None else self._pending_diloco
+            checkpoint = {**checkpoint, CHECKPOINT_KEY: checkpoint_entry(self._ft, self._manager, diloco)}
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        entry = checkpoint.get(CHECKPOINT_KEY)  # left in: the LightningModule's on_load_checkpoint sees it too
+        if self._manager is None:  # not fitting, or no fault tolerance
+            if entry is not None and self._ft is None and self._stage() is not None:
+                rank_zero_warn(
+                    f"{checkpoint_path} is from a fault-tolerant run (sync={entry['sync']!r}); this run has no"
+                    " fault_tolerance: its weights and optimizer load, torchft's step counter and DiLoCo's state are"
+                    " dropped."
+                )
+            return checkpoint
+        if not check_checkpoint_entry(entry, self._ft, checkpoint_path):
+            return checkpoint
+        self._manager.load_state_dict(entry["manager"])
+        if self._ft.diloco:
+            if self._diloco is not None:
+                self._diloco.load_state_dict(entry["diloco"])
+            else:
+                self._pending_diloco = entry["diloco"]  # loaded when DiLoCo is entered, at on_train_start
+        return checkpoint
 
     # ---- data: each batch is read after the step's quorum ----------------------------------------------------
     @override
@@ -346,6 +385,7 @@ class ReplicaGroupsMixin(MeshStrategy):
 
     @override
     def teardown(self) -> None:
+        self._pending_diloco = None
         diloco, self._diloco = self._diloco, None
         if diloco is not None:
             diloco.close()
@@ -356,6 +396,40 @@ class ReplicaGroupsMixin(MeshStrategy):
         if lighthouse is not None:
             lighthouse.shutdown()
         super().teardown()
+
+
+def checkpoint_entry(config: FaultTolerance, manager: Any, diloco: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """A checkpoint's ``fault_tolerance`` entry (plain containers and tensors): the sync mode, torchft's
+    ``{"step", "batches_committed"}``, and under DiLoCo its :meth:`DiLoCoSync.state_dict`."""
+    entry: dict[str, Any] = {"sync": config.sync, "manager": dict(manager.state_dict())}
+    if config.diloco:
+        entry["diloco"] = diloco
+    return entry
+
+
+def check_checkpoint_entry(entry: Optional[dict[str, Any]], config: FaultTolerance, path: Any) -> bool:
+    """Whether a checkpoint's ``fault_tolerance`` entry (None: a checkpoint of a run without fault tolerance) can
+    be restored into a run configured by `config`: False (a rank-0 warning: torchft's counters start at 0) for a
+    plain checkpoint, ValueError naming both sides for another sync mode."""
+    if entry is None:
+        rank_zero_warn(
+            f"{path} is not from a fault-tolerant run: its weights and optimizer load, torchft's step counter starts"
+            + (" at 0 and DiLoCo's outer optimizer and global weights start afresh." if config.diloco else " at 0.")
+        )
+        return False
+    saved = entry.get("sync")
+    if saved == config.sync and config.diloco and entry.get("diloco") is None:
+        raise ValueError(
+            f"{path} is from a sync='diloco' run saved before DiLoCo was entered (no outer optimizer state or global"
+            " weights in it): resume from a checkpoint saved during training."
+        )
+    if saved != config.sync:
+        raise ValueError(
+            f"{path} is from a fault-tolerant run with sync={saved!r}, this run has"
+            f" FaultTolerance(sync={config.sync!r}): the state of one does not continue the other. Resume with"
+            f" sync={saved!r}, or load only the weights (LightningModule.load_state_dict) and start afresh."
+        )
+    return True
 
 
 def _has_data_parallel(module: torch.nn.Module) -> bool:

@@ -4,7 +4,9 @@ No failure: 2 groups x 2 ranks and 2 groups x 1 rank equal plain hsdp 2 x 2 / 2 
 the single-device reference. A lighthouse unreachable at start-up or killed mid-run: every rank fails with its
 address within the timeout. A group that fails (SIGKILLed, or one of its ranks): the other steps on alone;
 restarted, it heals from it, and the committed steps equal a single-device replay of exactly their samples.
-DiLoCo (``sync="diloco"``) on 2 groups equals an outer loop written with torch. What the user sees rides along: the
+DiLoCo (``sync="diloco"``) on 2 groups equals an outer loop written with torch, and resumed from a Lightning checkpoint
+between two syncs (its outer optimizer, global weights, inner steps and torchft's step counter in it) ends where the
+uninterrupted run does. What the user sees rides along: the
 ``ft/`` figures of the progress bar and the loggers, and the ledger's row of the all-reduce across the groups.
 """
 
@@ -139,10 +141,12 @@ def test_replica_groups_without_failure_equal_plain_hsdp(tmp_path):
 DILOCO_SHARD = 1  # ranks per replica group; 2 (FSDP2 inside each group) passes too (3.1e-16) but costs 20-40 s more
 
 
-def test_diloco_on_two_groups_equals_an_outer_loop_written_with_torch(tmp_path):
+def test_diloco_on_two_groups_equals_an_outer_loop_written_with_torch_and_resumes_exactly(tmp_path):
     """2 replica groups under sync="diloco", sync_every=2, 6 AdamW steps (3 syncs, the default outer SGD-Nesterov):
     no per-step average; each group's weights, at the end of a sync, equal (fp64, <= 1e-12) two local copies trained on
-    their groups' batches, their pseudo-gradients averaged and stepped by torch's SGD on a global copy."""
+    their groups' batches, their pseudo-gradients averaged and stepped by torch's SGD on a global copy. Resumed in
+    fresh processes (from another initial model) from the checkpoints of step 3, one inner step past a sync, the run
+    ends on the same weights (<= 1e-12), torchft's step counter and DiLoCo's inner steps going on from the saved."""
     marker, shard = uuid.uuid4().hex, DILOCO_SHARD
     args = (str(shard), str(tmp_path), "29645")
     done = finish_ok([launch("diloco", str(g), *args, port=29664 + g, marker=marker) for g in (0, 1)], marker)
@@ -162,6 +166,42 @@ def test_diloco_on_two_groups_equals_an_outer_loop_written_with_torch(tmp_path):
     # not the synchronous run: the same 6 global batches averaged every step end elsewhere
     assert max_rel_diff(g0, reference(6)) > 1e-3
     print(f"DiLoCo 2 x {shard}: {max_rel_diff(g0, by_hand):.1e} from the torch outer loop; {rows[0]['seconds']:.1f} s")
+    _check_diloco_resume(tmp_path, shard, rows)
+
+
+def _check_diloco_resume(out: Path, shard: int, uninterrupted: list[dict]) -> None:
+    """The checkpoints of steps 2 (a sync) and 3 carry DiLoCo's state (weights_only); resumed from step 3 each group
+    ends on the uninterrupted run's weights, torchft's counters going on from the checkpoint's."""
+    for g in (0, 1):
+        two, three = (
+            torch.load(out / f"diloco_g{g}_step{k}.ckpt" / "meta.pt", weights_only=True)["fault_tolerance"]
+            for k in (2, 3)
+        )
+        assert two["sync"] == three["sync"] == "diloco", two
+        assert two["manager"] == three["manager"] == {"step": 1, "batches_committed": 2}, (two, three)
+        assert (two["diloco"]["inner_steps"], three["diloco"]["inner_steps"]) == (2, 3)
+        momentum = [s["momentum_buffer"] for s in three["diloco"]["outer_optimizer"]["state"].values()]
+        assert momentum and all(m.abs().max() > 0 for m in momentum)  # the outer step at the sync left momentum
+        weights = three["diloco"]["global_weights"]
+        assert all(torch.equal(weights[k], two["diloco"]["global_weights"][k]) for k in weights)  # no sync between
+    marker = uuid.uuid4().hex
+    args = (str(shard), str(out), "29646", "3")
+    done = finish_ok([launch("diloco_resume", str(g), *args, port=29666 + g, marker=marker) for g in (0, 1)], marker)
+    rows = [r for d in done for r in results(d) if r["kind"] == "diloco_resume"]
+    assert len(rows) == 2 * shard, rows
+    whole = {r["group"]: r for r in uninterrupted}
+    for r in rows:
+        assert r["first"] == {"step": 1, "inner_steps": 3}, r  # the checkpoint's, not 0
+        # the syncs after inner steps 4 and 6 (not 5: the inner steps went on), torchft's steps 2 and 3
+        assert [(s["step"], s["participants"], s["committed"]) for s in r["steps"]] == [(2, 2, True), (3, 2, True)], r
+        assert r["batches_committed"] == whole[r["group"]]["batches_committed"] == 6, (r, whole)
+        assert r["seen"] == 3 * 16 // (2 * shard), r  # steps 4-6 only
+    for g in (0, 1):
+        resumed = torch.load(out / f"diloco_resumed_2x{shard}_g{g}.pt", weights_only=True)
+        reference_ = torch.load(out / f"diloco_2x{shard}_g{g}.pt", weights_only=True)
+        diff = max_rel_diff(resumed, reference_)
+        assert diff <= 1e-12, (g, diff)
+        print(f"DiLoCo 2 x {shard} group {g} resumed from step 3: {diff:.1e} from the uninterrupted run")
 
 
 def _diloco_reference(shard: int, *, steps: int, every: int) -> dict[str, torch.Tensor]:

@@ -7,7 +7,11 @@ OUT/ft_{GROUPS}x{SHARD}_g{G}.pt. Group 0 of a 2-rank group also trains plain hsd
 ``plain REP SHARD OUT``: plain hsdp REP x SHARD (OUT/plain_{REP}x{SHARD}.pt).
 ``diloco G SHARD OUT PORT``: replica group G of 2 under ``sync="diloco"``, ``sync_every=2``, SHARD ranks (FSDP2 inside
 a group of two), embedded lighthouse on PORT (group 0); 6 AdamW inner steps in float64 (3 syncs, the default outer
-SGD-Nesterov), the full parameters saved to OUT/diloco_2x{SHARD}_g{G}.pt.
+SGD-Nesterov), the full parameters saved to OUT/diloco_2x{SHARD}_g{G}.pt; Lightning checkpoints after steps 2 (a sync)
+and 3 (between two) in OUT/diloco_g{G}_step{2,3}.ckpt (a ResumableDataLoader: an exact mid-epoch resume).
+``diloco_resume G SHARD OUT PORT STEP``: the same run, from another initial model, resumed from
+OUT/diloco_g{G}_step{STEP}.ckpt to step 6; the full parameters saved to OUT/diloco_resumed_2x{SHARD}_g{G}.pt, torchft's
+step counter and DiLoCo's inner steps at the first resumed batch emitted.
 ``unreachable ADDRESS``: a replica group whose lighthouse does not answer (connect_timeout 3 s): must fail.
 ``heal G OUT ADDRESS TOTAL KILL_AT [SHARD]``: replica group G of 2 (SHARD ranks, default 1) against the lighthouse
 at ADDRESS, 0.2 s per step, until torchft's committed step TOTAL and 3 steps with both groups; with KILL_AT > 0 one rank
@@ -33,6 +37,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_dist  # noqa: F401  (registers the strategies)
 from lightning_dist.callbacks import CommunicationLedger, MemoryReport
+from lightning_dist.data import ResumableDataLoader
 from lightning_dist.strategies import FaultTolerance, HybridShardStrategy
 
 STEPS = 3
@@ -98,17 +103,52 @@ elif mode == "plain":
     trainer(HybridShardStrategy(dp_replicate=rep, dp_shard=shard), devices=rep * shard, steps=STEPS).fit(module)
     save(module, f"{out}/plain_{rep}x{shard}.pt")
     emit(kind="plain", mesh=[rep, shard])
-elif mode == "diloco":
+elif mode in ("diloco", "diloco_resume"):
     group, shard, out, port = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
+
+    class Resumable(Classifier):
+        def train_dataloader(self):
+            plain = super().train_dataloader()
+            return ResumableDataLoader(plain.dataset, batch_size=plain.batch_size, sampler=plain.sampler)
+
+    class SaveAt(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step in (2, 3):  # right after a sync; one inner step past it
+                trainer.save_checkpoint(f"{out}/diloco_g{group}_step{trainer.global_step}.ckpt")
+
+    class Counters(pl.Callback):
+        """torchft's step counter and DiLoCo's inner steps at the first batch (DiLoCo is entered after the
+        callbacks' on_train_start), torchft's batches committed at the end (the manager is gone after fit)."""
+
+        first = batches_committed = None
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if self.first is None:
+                strategy = trainer.strategy
+                self.first = {"step": strategy.manager.current_step(), "inner_steps": strategy._diloco.inner_steps}
+
+        def on_train_end(self, trainer, pl_module):
+            self.batches_committed = trainer.strategy.manager.batches_committed()
+
     ft = FaultTolerance(replica_group=group, min_replicas=2, lighthouse_port=port, sync="diloco", sync_every=2)
     strategy = HybridShardStrategy(dp_replicate=2, dp_shard=shard, fault_tolerance=ft)
-    module = Classifier()  # every group seeded alike: DiLoCo's groups start from one model
+    resume = mode == "diloco_resume"
+    module = Resumable(seed=7 if resume else 0)  # every group seeded alike: DiLoCo's groups start from one model
+    counters = Counters()
     start = time.perf_counter()
-    t = trainer(strategy, devices=shard, steps=6)
-    t.fit(module)
+    t = trainer(strategy, devices=shard, steps=6, callbacks=[counters] if resume else [counters, SaveAt()])
+    t.fit(module, ckpt_path=f"{out}/diloco_g{group}_step{sys.argv[6]}.ckpt" if resume else None)
     seconds = time.perf_counter() - start
-    save(module, f"{out}/diloco_2x{shard}_g{group}.pt")
-    emit(kind="diloco", group=group, steps=list(strategy.committed_steps), seen=module.seen, seconds=seconds)
+    save(module, f"{out}/diloco{'_resumed' if resume else ''}_2x{shard}_g{group}.pt")
+    emit(
+        kind=mode,
+        group=group,
+        steps=list(strategy.committed_steps),
+        seen=module.seen,
+        seconds=seconds,
+        first=counters.first,
+        batches_committed=counters.batches_committed,
+    )
 elif mode == "unreachable":
     ft = FaultTolerance(replica_group=1, lighthouse=sys.argv[2], connect_timeout=3)
     strategy = HybridShardStrategy(dp_replicate=2, dp_shard=2, fault_tolerance=ft)

@@ -410,3 +410,62 @@ def test_the_ledger_names_the_group_outside_the_mesh_replica_group():
     assert strategy.outside_group_dim == "replica_group" and strategy.replica_groups == 2
     plain = HybridShardStrategy(dp_replicate=2, dp_shard=1)
     assert plain.outside_group_dim is None and plain.replica_groups == 1
+
+
+def _diloco_sync(seed: int, outer_optimizer=None):
+    """A DiLoCoSync over a small model, on a stand-in manager (no process group)."""
+    from types import SimpleNamespace
+
+    from lightning_dist.strategies.diloco import DiLoCoSync
+
+    manager = SimpleNamespace(_use_async_quorum=False, current_step=lambda: 0)
+    manager.register_state_dict_fn = lambda key, load, save: None
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(3, 2).double()
+    inner = torch.optim.AdamW(model.parameters())
+    return DiLoCoSync(manager, model, inner, outer_optimizer=outer_optimizer, every=2)
+
+
+@needs_torchft
+def test_diloco_checkpoint_state_round_trips_through_weights_only_load(tmp_path):
+    """A checkpoint's DiLoCo state (plain tensors: torch.load(weights_only=True)) brings the global weights, the outer
+    optimizer's momentum and the inner steps (DiLoCo's own counter of the steps since its last sync too)."""
+    from lightning_dist._integrations.torchft import diloco_global_weights
+
+    saved = _diloco_sync(0)
+    for p in saved.module.parameters():  # an outer step: momentum; then the weights moved on from the backup
+        p.grad = torch.ones_like(p)
+    saved.outer.step()
+    with torch.no_grad():
+        for p in saved.module.parameters():
+            p.add_(1.0)
+    saved.inner_steps = 3
+    torch.save(saved.state_dict(), tmp_path / "diloco.pt")
+    state = torch.load(tmp_path / "diloco.pt", weights_only=True)
+    resumed = _diloco_sync(1)
+    resumed.load_state_dict(state)
+    assert resumed.inner_steps == 3 and resumed._sync._local_step == 1  # the next sync after one more step
+    backup, expected = diloco_global_weights(resumed._sync), diloco_global_weights(saved._sync)
+    assert set(backup) == {"weight", "bias"} and all(torch.equal(backup[k], expected[k]) for k in backup)
+    assert not any(torch.equal(backup[n], p) for n, p in saved.module.named_parameters())  # global, not local
+    for p, q in zip(saved.module.parameters(), resumed.module.parameters()):
+        momentum = saved.outer.state[p]["momentum_buffer"]
+        assert momentum.abs().max() > 0 and torch.equal(momentum, resumed.outer.state[q]["momentum_buffer"])
+
+
+@needs_torchft
+def test_a_checkpoint_of_another_sync_mode_or_outer_optimizer_is_refused_and_a_plain_one_warns():
+    from lightning_dist.strategies.fault_tolerance import check_checkpoint_entry
+
+    diloco, step = FaultTolerance(replica_group=0, sync="diloco"), FaultTolerance(replica_group=0)
+    entry = {"sync": "step", "manager": {"step": 4, "batches_committed": 8}}
+    with pytest.raises(ValueError, match=re.escape("sync='step', this run has FaultTolerance(sync='diloco')")):
+        check_checkpoint_entry(entry, diloco, "last.ckpt")
+    assert check_checkpoint_entry(entry, step, "last.ckpt")
+    with pytest.raises(ValueError, match="saved before DiLoCo was entered"):
+        check_checkpoint_entry({**entry, "sync": "diloco"}, diloco, "last.ckpt")
+    with pytest.warns(UserWarning, match="not from a fault-tolerant run.*starts at 0 and DiLoCo"):
+        assert not check_checkpoint_entry(None, diloco, "plain.ckpt")
+    state = _diloco_sync(0).state_dict()
+    with pytest.raises(ValueError, match="outer optimizer is torch.optim.sgd.SGD, this run's torch.optim.adam.Adam"):
+        _diloco_sync(0, outer_optimizer=torch.optim.Adam).load_state_dict(state)
