@@ -15,7 +15,7 @@ from typing_extensions import override
 
 from lightning_dist.models.data import CHAR_VOCAB_SIZE
 from lightning_dist.models.gpt import GPT, CharGPT, GPTBlock, GPTConfig
-from lightning_dist.parallelize.moe import RouterStats, balance_loss
+from lightning_dist.parallelize.moe import RouterStats, balance_loss, routed, router_loss
 
 
 class Experts(nn.Module):
@@ -117,7 +117,7 @@ class MoE(nn.Module):
         out = self.experts(x, chosen, weights)
         if self.shared is not None:
             out = out + self.shared(x)
-        return out.reshape(shape)
+        return routed(self, out.reshape(shape), self.stats)  # under a pipeline, the router loss joins its backward
 
 
 class MoEBlock(GPTBlock):
@@ -155,15 +155,17 @@ class MoEGPT(GPT):
     def make_block(self, cfg: GPTConfig) -> nn.Module:
         return MoEBlock(dim=cfg.n_embd, n_heads=cfg.n_head, moe=self._moe, bias=cfg.bias, n_kv_heads=cfg.n_kv_head)
 
+    @router_loss
     def aux_loss(self) -> Tensor:
         """The router load-balancing loss of the last forward, summed over the layers (each layer's on the global
-        batch when a strategy runs the step: :func:`~lightning_dist.parallelize.moe.balance_loss`)."""
+        batch when a strategy runs the step: :func:`~lightning_dist.parallelize.moe.balance_loss`; a pipeline
+        answers it: :class:`~lightning_dist.parallelize.moe.StagedRouterLoss`)."""
         if len(self.blocks) != self.config.n_layer or any(b is None for b in self.blocks):
             raise RuntimeError(
                 f"MoEGPT.aux_loss() on a pipeline stage: it holds {sum(b is not None for b in self.blocks)} of the"
                 f" {self.config.n_layer} blocks, and a loss from its own routers only would leave out the other"
-                " stages'. Train the router loss with hsdp/fsdp2/tp (it is taken over the global batch there), or"
-                " pipeline the model without it."
+                " stages'. Call it on the network inside training_step under PipelineStrategy, which answers it with"
+                " the loss of the global batch."
             )
         layers = [b.mlp.stats for b in self.blocks if b.mlp.stats is not None]
         return sum((balance_loss(s) for s in layers), torch.zeros((), device=self.lm_head.weight.device))
@@ -172,11 +174,11 @@ class MoEGPT(GPT):
 class CharMoEGPT(CharGPT):
     """Character-level language modelling with :class:`MoEGPT` (kept as ``self.model``): :class:`CharGPT`'s
     cross-entropy plus ``aux_loss_coef`` times the router load-balancing loss, over the global batch under the
-    pack's strategies. Logs ``train_loss`` (the sum) and ``aux_loss`` with ``sync_dist=True``.
+    pack's strategies (a pipeline's too). Logs ``train_loss`` (the sum) and ``aux_loss`` with ``sync_dist=True``.
 
     Args:
         n_experts, top_k, expert_hidden, n_shared, router: :class:`MoEGPT`'s experts.
-        aux_loss_coef: weight of the router loss; 0 leaves it out (a pipeline stage cannot compute it).
+        aux_loss_coef: weight of the router loss; 0 leaves it out.
         vocab_size, block_size, n_layer, n_head, n_embd, bias, n_kv_head, lr, weight_decay: as :class:`CharGPT`.
     """
 
@@ -217,21 +219,6 @@ class CharMoEGPT(CharGPT):
             n_kv_head=n_kv_head,
         )
         self.lr, self.weight_decay, self.aux_loss_coef = lr, weight_decay, aux_loss_coef
-
-    @override
-    def setup(self, stage: str) -> None:
-        from lightning_dist.parallelize.pipeline.split import pipeline_view
-
-        # refused on every rank before the strategy splits the model (its stages run no training_step of their own)
-        if self.aux_loss_coef and pipeline_view(self.trainer.strategy) is not None:
-            raise ValueError(
-                f"CharMoEGPT(aux_loss_coef={self.aux_loss_coef}) under {type(self.trainer.strategy).__name__}: each"
-                " layer's router load-balancing loss multiplies two sums over the whole batch, while a pipeline stage"
-                " holds some layers and runs them one micro-batch at a time (the loss served per micro-batch by"
-                " pipeline_loss), so no stage can add it. Set aux_loss_coef=0 to pipeline the model, or train it with"
-                " hsdp/fsdp2/tp, where the loss is taken over the global batch. moe_aux_loss='local' does not help"
-                " under a pipeline: it keeps each data-parallel rank's own loss, which a stage still cannot compute."
-            )
 
     @override
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:

@@ -1,19 +1,24 @@
-"""The router load-balancing loss of a mixture of experts, over the global batch under data parallelism.
+"""The router load-balancing loss of a mixture of experts, over the global batch under data parallelism and, split
+over a pipeline's stages and micro-batches, under any schedule (:class:`StagedRouterLoss`).
 
-Notes: docs/internals.md, "lightning_dist/parallelize/moe.py"."""
+Notes: docs/internals.md, "lightning_dist/parallelize/moe.py"; docs/moe.md."""
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 _GROUP: contextvars.ContextVar[Any] = contextvars.ContextVar("lightning_dist_moe_group", default=None)
+_STAGED: contextvars.ContextVar[Optional[StagedRouterLoss]] = contextvars.ContextVar(
+    "lightning_dist_moe_staged", default=None
+)
+ROUTER_LOSS_MARK = "pipelined_router_loss"
 
 
 @dataclass(frozen=True)
@@ -114,12 +119,131 @@ def global_balance_loss(group: Any) -> Iterator[None]:
         _GROUP.reset(token)
 
 
+def router_loss(method: Callable) -> Callable:
+    """Marks a network's method that returns its router load-balancing loss from the last forward's
+    :class:`RouterStats` (``MoEGPT.aux_loss``): under a pipeline the strategy answers it with the loss of the global
+    batch (:class:`StagedRouterLoss`)."""
+    setattr(method, ROUTER_LOSS_MARK, True)
+    return method
+
+
+def router_loss_methods(net: nn.Module) -> list[str]:
+    """The names of `net`'s methods marked by :func:`router_loss`."""
+    cls = type(net)
+    return [n for n in dir(cls) if not n.startswith("_") and getattr(getattr(cls, n, None), ROUTER_LOSS_MARK, False)]
+
+
+class _AddLoss(torch.autograd.Function):
+    """`out` unchanged; its backward also gives `loss` the gradient 1 (the loss joins the backward of `out`)."""
+
+    @staticmethod
+    def forward(ctx: Any, out: Tensor, loss: Tensor) -> Tensor:
+        ctx.loss_meta = (loss.shape, loss.dtype, loss.device)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple:
+        shape, dtype, device = ctx.loss_meta
+        return grad, torch.ones(shape, dtype=dtype, device=device)
+
+
+def routed(module: nn.Module, out: Tensor, stats: RouterStats) -> Tensor:
+    """What a router layer returns: `out`, plus, inside :class:`StagedRouterLoss`'s passes, `stats` counted (the
+    counting pass) or this micro-batch's share of the global loss joined to the backward of `out` (training)."""
+    staged = _STAGED.get()
+    return out if staged is None else staged.take(module, out, stats)
+
+
+@dataclass(eq=False)
+class StagedRouterLoss:
+    """The router load-balancing loss of a pipelined network over the global batch, exact under any schedule.
+
+    ``sum_e f_e P_e`` multiplies two sums over every token, and 1F1B back-propagates a micro-batch before the later
+    ones ran forward. So :meth:`counting` runs a forward-only pass that sums each layer's choices and probabilities
+    (:meth:`reduce`: over the data-parallel ranks, the value over the pp ranks); in the training pass
+    (:meth:`attaching`) each micro-batch adds ``weight * E * sum_e C_e p_e / N^2`` with the counted ``C``, ``N``
+    fixed, which is linear in its probabilities: the micro-batches' gradients add up to the global loss's."""
+
+    mode: str = ""  # "count" | "attach" | ""
+    layers: list = field(default_factory=list)  # [module, [[counts, probs, rows] per call]] in first-call order
+    calls: int = 0  # the counting pass's micro-batches
+    weight: Optional[Tensor] = None
+    totals: dict = field(default_factory=dict)  # id(module) -> (counts, rows) of the global batch
+
+    @contextlib.contextmanager
+    def _active(self, mode: str) -> Iterator[None]:
+        self.mode, token = mode, _STAGED.set(self)
+        try:
+            yield
+        finally:
+            _STAGED.reset(token)
+            self.mode = ""
+
+    def counting(self, n_microbatches: int) -> contextlib.AbstractContextManager:
+        """The forward-only pass: each router layer's counts, probabilities and rows summed over the last
+        `n_microbatches` calls (a new schedule's metadata inference calls each stage once more before them)."""
+        self.layers, self.totals, self.calls = [], {}, n_microbatches
+        return self._active("count")
+
+    def attaching(self, weight: Tensor) -> contextlib.AbstractContextManager:
+        """The training pass: each micro-batch's share of `weight` x the loss joins its backward."""
+        self.weight = weight
+        return self._active("attach")
+
+    def take(self, module: nn.Module, out: Tensor, stats: RouterStats) -> Tensor:
+        if self.mode == "count":
+            row = next((r for r in self.layers if r[0] is module), None)
+            if row is None:
+                self.layers.append(row := [module, []])
+            # summed in float64: a count held in bfloat16 is exact only up to 256
+            values = (stats.counts, stats.probs, stats.rows)
+            row[1].append([t.detach().to(device=stats.probs.device, dtype=torch.float64) for t in values])
+            return out
+        if self.mode != "attach" or self.weight is None:
+            return out
+        if id(module) not in self.totals:
+            raise RuntimeError(
+                f"The router layer {type(module).__name__} ran in the training pass but not in the counting pass"
+                " before it: the pipelined network's forward must call the same router layers in both."
+            )
+        counts, rows = (t.to(stats.probs) for t in self.totals[id(module)])
+        share = self.weight.to(stats.probs) * torch.sum(counts * stats.probs) * counts.numel() / rows**2
+        return _AddLoss.apply(out, share)
+
+    def reduce(self, dp_group: Any, pp_group: Any, device: Any) -> Tensor:
+        """After :meth:`counting`: the counts summed over `dp_group` (one all-reduce) are fixed for the training pass;
+        returns the loss of the global batch summed over the layers of every pp rank (one more all-reduce), in
+        float64 on `device` (a stage may hold no router layer)."""
+        if self.layers:
+            sums = [[sum(x) for x in zip(*calls[-self.calls :])] for _, calls in self.layers]
+            flat = torch.cat([torch.cat([c, p, r.reshape(1)]) for c, p, r in sums])
+            if dp_group is not None:
+                torch.distributed.all_reduce(flat, group=dp_group)
+            parts = flat.split([2 * c.numel() + 1 for c, _, _ in sums])
+            value = torch.zeros((), dtype=torch.float64, device=device)
+            for (module, _), part in zip(self.layers, parts):
+                n = (part.numel() - 1) // 2
+                c, p, r = part[:n], part[n : 2 * n], part[-1]
+                self.totals[id(module)] = (c, r)
+                value = value + switch_loss(c, p, r).to(value)
+        else:
+            value = torch.zeros((), dtype=torch.float64, device=device)
+        if pp_group is not None:
+            torch.distributed.all_reduce(value, group=pp_group)
+        return value
+
+
 __all__ = [
+    "ROUTER_LOSS_MARK",
     "RouterStats",
+    "StagedRouterLoss",
     "all_reduce_sum",
     "all_to_all",
     "balance_loss",
     "global_balance_loss",
     "reduce_stats",
+    "routed",
+    "router_loss",
+    "router_loss_methods",
     "switch_loss",
 ]

@@ -6,11 +6,13 @@ and `router_aux_loss_coef=0.05`: the loss is the cross-entropy plus the coeffici
 safetensors and loaded back by transformers), ep=2 with full activation checkpointing (the recomputed forward
 dispatches the tokens again) and ep=2 with the blocks' activations offloaded; with ``local`` as argv[1] also the
 per-rank auxiliary loss kept on purpose (``moe_aux_loss="local"``), which must differ from one device's; and a
-pipeline refused (its stages cannot compute that loss), as are ep without experts, ep with cp, transformers'
+transformers model's router loss under a pipeline refused, as are ep without experts, ep with cp, transformers'
 grouped_mm experts in float64, and (by ep's setup self-check) experts that scale their input by a routing weight and
 a dispatch whose expert gradients miss the 1/ep scaling. Every ep run reports its self-check's figures. 4 processes:
 hsdp 2 x 2, tp2 x dp_shard2 and the ep layouts (ep2 x tp2 among them, and pp2 x ep2 without the router loss),
-cp2 x dp_shard2 with selective activation checkpointing. The ep2 runs carry the CommunicationLedger and MemoryReport
+cp2 x dp_shard2 with selective activation checkpointing. The pack's MoE GPTs pipelined with their router loss: pp2
+(1F1B; GPipe with full activation checkpointing) on 2 processes, pp2 x dp_shard2, x ep2, x cp2 on 4 (and the
+per-rank loss, which must differ). The ep2 runs carry the CommunicationLedger and MemoryReport
 (measured next to the plan), and one more ep2 run routes every token by a fixed balanced pattern, so its all-to-alls
 can be held against the planner's uniform-routing formula.
 One RESULT row per case and rank.
@@ -176,6 +178,39 @@ class PipeTask(Task):
         return self.pipeline_loss(self(x), y)
 
 
+class PipeAuxTask(PipeTask):
+    """`PipeTask` with the pack's router loss: under a pipeline ``aux_loss()`` is answered with the global batch's
+    (a counting pass before the schedule), its gradient joining each micro-batch's backward."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return self.pipeline_loss(self(x), y) + COEF * self.model.aux_loss()
+
+
+def pipelined_router_loss(world: int) -> None:
+    """The pack's MoE GPTs pipelined with their router loss, against one device with it."""
+    if world == 2:
+        cases = {
+            "pp2_1f1b": dict(pp=2, n_microbatches=4),
+            "pp2_gpipe_ac_full": dict(pp=2, schedule="gpipe", n_microbatches=2, activation_checkpointing="full"),
+        }
+    else:  # the statistics summed over the data-parallel ranks (dp_shard, cp) before the loss; "local": not
+        cases = {
+            "pp2_dp2": dict(pp=2, n_microbatches=2),
+            "pp2_ep2": dict(pp=2, ep=2, n_microbatches=2),
+            "pp2_cp2": dict(pp=2, cp=2, n_microbatches=2),
+            "pp2_dp2_local": dict(pp=2, n_microbatches=2, moe_aux_loss="local"),
+        }
+    for kind in ("pack_moe", "pack_moe_ds"):
+        ref = reference(kind)
+        for case, kw in cases.items():
+            task = PipeAuxTask(kind)
+            trainer(PipelineStrategy(**kw), devices=world, steps=STEPS).fit(task)
+            held = full_params(task)  # this stage's parameters
+            diff = max_rel_diff(held, {k: ref[k] for k in held})
+            emit(kind="moe_pp_aux", model=kind, case=case, diff=diff, ep=ep_degree(task), held=len(held))
+
+
 def pipe_reference(kind: str) -> dict:
     task = PipeTask(kind)
     opt = torch.optim.AdamW(task.parameters(), lr=1e-2, weight_decay=0.01)
@@ -327,10 +362,11 @@ def main() -> None:
                 emit(kind="refusal", case=case, error=None)
             except ValueError as err:
                 emit(kind="refusal", case=case, error=str(err))
+    pipelined_router_loss(world)
     if world == 2:
         uniform_routing_against_the_planner()
     if world == 2:
-        # a pipeline stage holds some layers: the router loss, a product of sums over every layer, cannot be split
+        # a transformers model's router loss under a pipeline: refused (the pack's own MoE GPT's is answered)
         try:
             trainer(PipelineStrategy(pp=2), devices=world, steps=STEPS).fit(Task("qwen3_moe"))
             emit(kind="refusal", case="pp2", error=None)

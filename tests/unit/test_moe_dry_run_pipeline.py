@@ -1,6 +1,6 @@
 """Pipelines of a mixture of experts in one process: the dry run (fake process group, fake tensors; the experts run
-on the routing it states, uniform, with expert parallelism inside the stages or without it), and the pack's
-``CharMoEGPT`` refusing its router loss under a pipeline before the model is split."""
+on the routing it states, uniform, with expert parallelism inside the stages or without it), the pack's
+``CharMoEGPT`` with its router loss (the counting pass), and a bare stage refusing the whole model's methods."""
 
 from __future__ import annotations
 
@@ -13,14 +13,14 @@ import torch.nn.functional as F
 from lightning_dist import _compat, planner
 from lightning_dist.dryrun import DryRunConfig, UniformRouting, simulate_rank
 from lightning_dist.dryrun_report import DryRunReport
-from lightning_dist.models.moe import CharMoEGPT, MoEGPT
+from lightning_dist.models.moe import MoEGPT
 from lightning_dist.parallelize.ep import stand_in_choices
 
 SIZES = dict(n_layer=2, n_head=4, n_embd=64, vocab_size=128, block_size=32, n_experts=8, top_k=2, expert_hidden=32)
 
 
 class PipedMoE(pl.LightningModule):
-    """The pack's MoE GPT for a pipeline: the cross-entropy per micro-batch, no router loss (a stage cannot take it)."""
+    """The pack's MoE GPT for a pipeline: the cross-entropy per micro-batch, no router loss."""
 
     def __init__(self, **sizes) -> None:
         super().__init__()
@@ -83,19 +83,28 @@ def test_a_pipeline_of_a_mixture_of_experts_dry_runs(fake_world, ep, rank):
     assert "uniform routing" in " ".join(DryRunReport(config=config, ranks=[result]).format(width=200).split())
 
 
-def test_char_moe_gpt_refuses_its_router_loss_under_a_pipeline_and_names_the_fix():
-    from lightning_dist.strategies import FullyShardStrategy, PipelineStrategy
-
-    def set_up(strategy, coef):
-        module = CharMoEGPT(n_layer=2, n_head=2, n_embd=16, block_size=8, expert_hidden=8, aux_loss_coef=coef)
-        module.trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
-        module.setup("fit")  # Lightning's hook, before the strategy splits the model
-
-    with pytest.raises(ValueError, match=r"aux_loss_coef=0.01\) under PipelineStrategy.*Set aux_loss_coef=0") as err:
-        set_up(PipelineStrategy(pp=2), 0.01)
-    assert "hsdp/fsdp2/tp" in str(err.value) and "moe_aux_loss='local'" in str(err.value)
-    set_up(PipelineStrategy(pp=2), 0.0)  # without the router loss it pipelines
-    set_up(FullyShardStrategy(), 0.01)
+@pytest.mark.parametrize("rank", [0, 3], ids=["first_stage", "last_stage"])
+def test_char_moe_gpt_with_its_router_loss_dry_runs_under_a_pipeline(fake_world, rank):
+    """The router's counting pass before the schedule (its statistics summed over dp_shard, the loss over pp), on
+    fake tensors; the parity of the real run is tests/distributed/test_moe.py's."""
+    config = DryRunConfig(
+        model="lightning_dist.models.moe.CharMoEGPT",
+        init_args=dict(n_layer=2, n_head=2, n_embd=16, block_size=8, expert_hidden=8, aux_loss_coef=0.01),
+        strategy="pipeline_1f1b",
+        strategy_args={"pp": 2, "n_microbatches": 2},
+        world_size=4,
+        devices_per_node=4,
+        precision="32-true",
+        batch_size=4,
+    )
+    if not _compat.torch_pipelining_exchanges_meta():
+        pytest.skip("torch's stage metadata exchange is needed by the pipeline dry run (torch >= 2.13)")
+    result = simulate_rank(config, rank)
+    calls = {(c["op"], c["dim"]): c for c in result["collectives"]}
+    # the stage's one MoE layer: 8 counts, 8 probabilities and the rows, float64, in one all-reduce over dp_shard
+    assert calls[("all_reduce", "dp_shard")]["calls"] == 1
+    assert calls[("all_reduce", "dp_shard")]["payload_bytes"] == (2 * 8 + 1) * 8
+    assert calls[("all_reduce", "pp")]["calls"] == 2  # the router loss over the stages; the returned loss's terms
 
 
 def test_moe_gpt_aux_loss_on_a_pipeline_stage_is_refused_naming_the_call_and_the_fix():

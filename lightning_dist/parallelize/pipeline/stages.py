@@ -86,11 +86,11 @@ class StageModule(PipelinedModule):
         )
         raise AttributeError(
             f"{cls}.{name} is not available under PipelineStrategy: it replaced the {cls} with the parts this rank's"
-            f" pipeline stages run ({held}), one micro-batch at a time, and `{name}` belongs to the whole model. A"
-            " value over every layer and the whole batch (e.g. a mixture of experts' router load-balancing loss,"
-            " which the micro-batches of a 1F1B schedule cannot add up to) has no pipelined form: leave it out of"
-            " the step under a pipeline, or train with a strategy that keeps the whole model on each rank (hsdp,"
-            " fsdp2, tp)."
+            f" pipeline stages run ({held}), one micro-batch at a time, and `{name}` belongs to the whole model."
+            " PipelineStrategy answers, inside training_step, a router load-balancing loss method marked with"
+            " lightning_dist.parallelize.moe.router_loss (MoEGPT.aux_loss); any other value over every layer and the"
+            " whole batch has no pipelined form: leave it out of the step under a pipeline, or train with a strategy"
+            " that keeps the whole model on each rank (hsdp, fsdp2, tp)."
         )
 
     def stage_blocks(self) -> list[nn.Module]:

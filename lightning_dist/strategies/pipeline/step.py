@@ -14,6 +14,7 @@ from torch.utils._pytree import tree_leaves
 
 from lightning_dist.parallelize.cp import shift_labels
 from lightning_dist.parallelize.cp_probe import evaluating, module_names
+from lightning_dist.parallelize.moe import StagedRouterLoss
 from lightning_dist.parallelize.pipeline.hf import hf_labels_loss, labelled_tokens
 from lightning_dist.parallelize.pipeline.schedule import PipelineRunner
 from lightning_dist.strategies.pipeline.setup import first_batch_problem
@@ -35,6 +36,13 @@ class PipelineRun:
     unsplit: Optional[nn.Module] = None
     """A host copy of the network, compared with the stages on the first batch (then dropped)."""
     calls: int = 0
+    router: Optional[StagedRouterLoss] = None
+    """The network's router loss over the global batch (a method marked ``router_loss``), None without one."""
+    dp_group: Optional[Any] = None
+    """The group the router statistics are summed over (the data-parallel ranks, cp included; None: this rank's)."""
+    dp_size: int = 1
+    counted: bool = True
+    """Run the router's counting pass (False once a training step did not use the router loss)."""
 
 
 _ALLOWED = {
@@ -197,6 +205,18 @@ class NetworkCall(NamedTuple):
     m: int = 1
 
 
+class _Call(nn.Module):
+    """A deferred schedule run as a module call of its own, so module hooks (the memory trackers) see its stages
+    called inside a module, as inside the network call (a module called twice from the top refuses)."""
+
+    def __init__(self, job: Any) -> None:
+        super().__init__()
+        self.job = job
+
+    def forward(self) -> Any:
+        return self.job()
+
+
 class PipelineStep:
     """The state of one step: its batch, its last network call (the one ``pipeline_loss(out, target)`` answers for)
     and, in training, the schedule's gradients held aside until :meth:`backward`. Otherwise every call runs forward
@@ -224,6 +244,9 @@ class PipelineStep:
         self.grads: Optional[list[tuple[Tensor, Optional[Tensor]]]] = None  # the schedule's, until backward
         self.loss: Optional[Tensor] = None
         self.timeline: Optional[dict] = None
+        self.aux: Optional[Tensor] = None  # the router loss of the global batch (a leaf), after a counting pass
+        self.aux_term: Optional[Tensor] = None  # its part of the returned loss (the same on every rank)
+        self.deferred: Optional[tuple] = None  # the training schedule's inputs, run by `finish`
 
     def run(self, args: tuple, kwargs: dict) -> Any:
         """The pipelined network's call: the whole schedule; returns what every pp rank sees of the output."""
@@ -252,6 +275,27 @@ class PipelineStep:
             given, loss_fn = self._loss_of_step(labels, m, count)
             # the schedule's target: the chunks matching this rank's part of the sequences (HF labels: cut above)
             target = cut_target(cp, given, self.owner) if cp is not None and count is None else given
+        if train and run.router is not None and run.counted:  # the schedule runs once the returned loss is known
+            out, loss = self._counted(x, extra, target, loss_fn, m)
+        else:
+            out, loss = self._schedule(x, extra, target, loss_fn, m, train)
+        shown = self._shown_output(out, train, key=("out", train, tuple(x.shape), m), device=x.device)
+        if not train and labels is not None:  # HF's eval loss: computed on the last stage, a scalar to every rank
+            value = None
+            if out is not None:
+                # under cp: this rank's sum over the whole sequences' tokens / cp (the loss group's mean is the batch's)
+                value = (
+                    hf_labels_loss(out, labels) if cp is None else hf_labels_loss(out, labels, **cp_share(cp, count))
+                )
+            loss = runner.from_last_stage(value, ("loss", "eval"))
+        # the target as training_step passes it (whole sequences), for `pipeline_loss(out, target)`'s check
+        self.call = NetworkCall(shown, None if train else out, loss, given, train, loss_fn, m)
+        return run.layout.call_output(shown, loss, labels)  # a HF model: its ModelOutput
+
+    def _schedule(self, x: Tensor, extra: dict, target: Any, loss_fn: Any, m: int, train: bool) -> tuple[Any, Any]:
+        """Run the schedule once; in training its gradients go aside (see :meth:`backward`) and the loss returned is
+        a leaf (``backward`` reads through it how the step used it)."""
+        run, runner = self.run_state, self.run_state.runner
         params = runner.params  # the schedule accumulates gradients into these only
         if train:  # the schedule's gradients go aside; `backward` adds them to .grad
             held = [p.grad for p in params]
@@ -259,7 +303,7 @@ class PipelineStep:
                 p.grad = None
         events: Optional[list] = [] if self.record and train else None
         # every stage's attention under context parallelism's mode (its checkpointed blocks recompute under it too)
-        with cp.active() if cp is not None else contextlib.nullcontext():
+        with run.cp.active() if run.cp is not None else contextlib.nullcontext():
             out, loss, record = runner.step(
                 x,
                 n_microbatches=m,
@@ -275,21 +319,59 @@ class PipelineStep:
             for p, g in zip(params, held):
                 p.grad = g
             self.loss = loss
-            loss = loss.detach().clone().requires_grad_()  # a leaf: `backward` reads through it how the step used it
+            loss = loss.detach().clone().requires_grad_()
             if events is not None:
                 self.timeline = {**record, "rank": run.pp_rank, "events": events, "n_microbatches": m}
-        shown = self._shown_output(out, train, key=("out", train, tuple(x.shape), m), device=x.device)
-        if not train and labels is not None:  # HF's eval loss: computed on the last stage, a scalar to every rank
+        return out, loss
+
+    def _counted(self, x: Tensor, extra: dict, target: Any, loss_fn: Any, m: int) -> tuple[Any, Tensor]:
+        """The router's counting pass (forward only, from the RNG state training will start from): the batch loss
+        and the router loss of the global batch (:attr:`aux`) for training_step; the schedule waits for
+        :meth:`finish`."""
+        run, runner = self.run_state, self.run_state.runner
+        assert run.router is not None
+        devices = [run.device] if run.device.type == "cuda" else []
+        cp = run.cp.active() if run.cp is not None else contextlib.nullcontext()
+        with torch.random.fork_rng(devices=devices), run.router.counting(m), cp, torch.no_grad():
+            out, _, _ = runner.step(x, n_microbatches=m, kwargs=extra, keep_output=True)
             value = None
             if out is not None:
-                # under cp: this rank's sum over the whole sequences' tokens / cp (the loss group's mean is the batch's)
-                value = (
-                    hf_labels_loss(out, labels) if cp is None else hf_labels_loss(out, labels, **cp_share(cp, count))
+                value = sum(loss_fn(o, t) for o, t in zip(out.tensor_split(m), target.tensor_split(m))) / m
+            loss = runner.from_last_stage(value, ("loss", "counted"))
+            aux = run.router.reduce(run.dp_group, run.pp_group, run.device)
+        self.pending, self.loss, self.deferred = False, loss, (x, extra, target, loss_fn, m)
+        self.aux = aux.to(loss.dtype).requires_grad_()
+        if out is not None and not self.shows:  # the step sees a stand-in: no values kept
+            out = torch.empty(out.shape, dtype=out.dtype, device="meta")
+        return out, loss.detach().clone().requires_grad_()
+
+    def finish(self, returned: Any) -> None:
+        """After training_step, a counted step's schedule: the router loss joins each micro-batch's backward weighted
+        as the returned loss weighs :attr:`aux` (its gradient there: ``coef`` for ``loss + coef * aux``)."""
+        if self.deferred is None:
+            return
+        (x, extra, target, loss_fn, m), self.deferred = self.deferred, None
+        run, aux = self.run_state, self.aux
+        assert run.router is not None and aux is not None
+        weight = None
+        if isinstance(returned, Tensor) and returned.requires_grad:
+            (weight,) = torch.autograd.grad(returned, [aux], retain_graph=True, allow_unused=True)
+        if weight is None:
+            run.counted = False  # the steps do not use the router loss: no counting pass from now on
+        counted = self.loss
+        with run.router.attaching(weight.detach() * run.dp_size) if weight is not None else contextlib.nullcontext():
+            _Call(lambda: self._schedule(x, extra, target, loss_fn, m, True))()
+        self.aux_term = None if weight is None else weight.detach() * aux.detach()
+        if self.values and counted is not None and self.loss is not None:
+            gap = (self.loss.double() - counted.double()).abs() / counted.double().abs().clamp_min(1e-30)
+            if gap > max(1e-6, 64 * torch.finfo(counted.dtype).eps):
+                raise RuntimeError(
+                    f"The pipelined network's training pass gave the batch loss {float(self.loss):.8g}, its router"
+                    f" counting pass (forward only, same batch and RNG state) {float(counted):.8g}: its forward is"
+                    " not deterministic, so the routing the router loss was taken over is not the one trained."
+                    " Make the forward deterministic (torch.use_deterministic_algorithms(True)), or train the router"
+                    " loss with hsdp/fsdp2/tp."
                 )
-            loss = runner.from_last_stage(value, ("loss", "eval"))
-        # the target as training_step passes it (whole sequences), for `pipeline_loss(out, target)`'s check
-        self.call = NetworkCall(shown, None if train else out, loss, given, train, loss_fn, m)
-        return run.layout.call_output(shown, loss, labels)  # a HF model: its ModelOutput
 
     def _shown_output(self, out: Optional[Tensor], train: bool, *, key: tuple, device: Any) -> Tensor:
         """What the step sees of the output: a stand-in on `device` (default), or the whole output broadcast (the
@@ -373,6 +455,8 @@ class PipelineStep:
         if returned is call.loss:  # the pipeline's loss itself (no other terms): the same on every rank already
             return returned.detach()
         base = call.loss.detach().to(returned.dtype)
+        if self.aux_term is not None:  # the router loss's term: the global batch's already, on every rank
+            base = base + self.aux_term.to(returned.dtype)
         extra = returned.detach() - base  # this rank's share of the other terms (0 without any)
         if self.run_state.pp_group is not None:
             dist.all_reduce(extra, group=self.run_state.pp_group)

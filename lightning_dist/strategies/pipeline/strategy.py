@@ -16,11 +16,12 @@ from typing_extensions import override
 from lightning_dist import checkpoint as ckpt
 from lightning_dist import rules
 from lightning_dist._integrations.transformers_moe import router_loss_in_use
-from lightning_dist.mesh import PP, TP, MeshSpec
+from lightning_dist.mesh import DP_CP, PP, TP, MeshSpec
 from lightning_dist.parallelize import ParallelizeConfig, pipeline_model
 from lightning_dist.parallelize.ac import check_offload_device
 from lightning_dist.parallelize.cp_probe import probe_inputs
 from lightning_dist.parallelize.ep import ep_problems
+from lightning_dist.parallelize.moe import StagedRouterLoss, router_loss_methods
 from lightning_dist.parallelize.pipeline import split as plan
 from lightning_dist.parallelize.pipeline.checks import host_copy, tied_stages
 from lightning_dist.parallelize.pipeline.schedule import PipelinePeer, PipelineRunner, schedule_problems
@@ -272,6 +273,7 @@ class PipelineStrategy(MeshStrategy):
             ep=self.ep,
         )
         # before the split drops the rest of the network
+        served = router_loss_methods(net)  # answered with the global batch's loss (see `_router_loss`)
         tied_names = tied_stages(net, self.split)
         tied = checks.tied_groups(tied_names, stage_ranks, mesh=self.mesh, rank=self.global_rank)
         self._tied_keys = tied_checkpoint_keys(net, tied_names, stage_ranks, pp_rank=pp_rank, prefix=f"{self.network}.")
@@ -303,7 +305,13 @@ class PipelineStrategy(MeshStrategy):
             network=self.network,
             unsplit=unsplit,
         )
+        if served:
+            dp = mesh.size(DP_CP) if self.moe_aux_loss == "global" else 1  # "local": each rank's own tokens
+            self._pipeline.router = StagedRouterLoss()
+            self._pipeline.dp_group, self._pipeline.dp_size = mesh.group(DP_CP) if dp > 1 else None, dp
         container.runner = self._run
+        for name in served:
+            setattr(container, name, self._router_loss)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -396,6 +404,24 @@ class PipelineStrategy(MeshStrategy):
                 step.timeline = None
         return out
 
+    def _router_loss(self) -> Tensor:
+        """The pipelined network's router loss (its method marked ``router_loss``): the global batch's, from the
+        running training step's counting pass."""
+        step = self._step
+        if step is None or step.aux is None:
+            run = self._pipeline
+            why = (
+                "the first training step did not use it, so the steps since run without the router's counting pass"
+                if run is not None and not run.counted
+                else "it is answered in training_step, after the network call, only"
+            )
+            raise RuntimeError(
+                f"The pipelined {self.network}'s router load-balancing loss is not available here: {why}. Under"
+                f" PipelineStrategy call self.{self.network}(inputs) and then its router loss in every training_step"
+                " (each step counts the routing over the global batch before its schedule runs)."
+            )
+        return step.aux
+
     def _serve_loss(self, original: Any, output: Any, target: Any, *args: Any, **kwargs: Any) -> Any:
         served = None if args or kwargs or self._step is None else self._step.serve(output, target, original)
         return original(output, target, *args, **kwargs) if served is None else served
@@ -423,6 +449,7 @@ class PipelineStrategy(MeshStrategy):
             else:
                 del module.log
         returned = out.get("loss") if isinstance(out, Mapping) else out
+        step.finish(returned)  # a step that counted the routing runs its schedule now
         whole = step.whole_loss(returned)
         for a, k in logged:
             value = k["value"] if "value" in k else (a[1] if len(a) > 1 else None)
