@@ -151,7 +151,20 @@ def routed(module: nn.Module, out: Tensor, stats: RouterStats) -> Tensor:
     """What a router layer returns: `out`, plus, inside :class:`StagedRouterLoss`'s passes, `stats` counted (the
     counting pass) or this micro-batch's share of the global loss joined to the backward of `out` (training)."""
     staged = _STAGED.get()
-    return out if staged is None else staged.take(module, out, stats)
+    if staged is None:
+        return out
+    share = staged.take(module, stats)
+    return out if share is None else join_loss(out, share)
+
+
+def join_loss(out: Tensor, loss: Tensor) -> Tensor:
+    """`out` unchanged, its backward also giving `loss` the gradient 1."""
+    return _AddLoss.apply(out, loss)
+
+
+def staged_router_loss() -> Optional[StagedRouterLoss]:
+    """The :class:`StagedRouterLoss` whose pass is running (None outside them)."""
+    return _STAGED.get()
 
 
 @dataclass(eq=False)
@@ -162,8 +175,13 @@ class StagedRouterLoss:
     ones ran forward. So :meth:`counting` runs a forward-only pass that sums each layer's choices and probabilities
     (:meth:`reduce`: over the data-parallel ranks, the value over the pp ranks); in the training pass
     (:meth:`attaching`) each micro-batch adds ``weight * E * sum_e C_e p_e / N^2`` with the counted ``C``, ``N``
-    fixed, which is linear in its probabilities: the micro-batches' gradients add up to the global loss's."""
+    fixed, which is linear in its probabilities: the micro-batches' gradients add up to the global loss's.
 
+    `joint_experts` > 0: one loss over every router layer of the network together (transformers' formula: the
+    statistics summed over the layers before the product, so over the pp ranks too), of that many experts; else one
+    loss per layer, summed (the pack's ``MoEGPT``)."""
+
+    joint_experts: int = 0
     mode: str = ""  # "count" | "attach" | ""
     layers: list = field(default_factory=list)  # [module, [[counts, probs, rows] per call]] in first-call order
     calls: int = 0  # the counting pass's micro-batches
@@ -190,7 +208,9 @@ class StagedRouterLoss:
         self.weight = weight
         return self._active("attach")
 
-    def take(self, module: nn.Module, out: Tensor, stats: RouterStats) -> Tensor:
+    def take(self, module: nn.Module, stats: RouterStats) -> Optional[Tensor]:
+        """Counting: `stats` noted for `module` (None). Training: this micro-batch's share of the loss, which must
+        join the backward of the layer's output (None outside the passes)."""
         if self.mode == "count":
             row = next((r for r in self.layers if r[0] is module), None)
             if row is None:
@@ -198,36 +218,44 @@ class StagedRouterLoss:
             # summed in float64: a count held in bfloat16 is exact only up to 256
             values = (stats.counts, stats.probs, stats.rows)
             row[1].append([t.detach().to(device=stats.probs.device, dtype=torch.float64) for t in values])
-            return out
+            return None
         if self.mode != "attach" or self.weight is None:
-            return out
-        if id(module) not in self.totals:
+            return None
+        key = "joint" if self.joint_experts else id(module)
+        if key not in self.totals or (self.joint_experts and not any(r[0] is module for r in self.layers)):
             raise RuntimeError(
                 f"The router layer {type(module).__name__} ran in the training pass but not in the counting pass"
                 " before it: the pipelined network's forward must call the same router layers in both."
             )
-        counts, rows = (t.to(stats.probs) for t in self.totals[id(module)])
-        share = self.weight.to(stats.probs) * torch.sum(counts * stats.probs) * counts.numel() / rows**2
-        return _AddLoss.apply(out, share)
+        counts, rows = (t.to(stats.probs) for t in self.totals[key])
+        # the loss's own arithmetic (transformers' order, in the probabilities' dtype): the same rounding of the gradient
+        return self.weight.to(stats.probs) * switch_loss(counts, stats.probs, rows)
 
     def reduce(self, dp_group: Any, pp_group: Any, device: Any) -> Tensor:
         """After :meth:`counting`: the counts summed over `dp_group` (one all-reduce) are fixed for the training pass;
-        returns the loss of the global batch summed over the layers of every pp rank (one more all-reduce), in
-        float64 on `device` (a stage may hold no router layer)."""
-        if self.layers:
-            sums = [[sum(x) for x in zip(*calls[-self.calls :])] for _, calls in self.layers]
-            flat = torch.cat([torch.cat([c, p, r.reshape(1)]) for c, p, r in sums])
-            if dp_group is not None:
-                torch.distributed.all_reduce(flat, group=dp_group)
-            parts = flat.split([2 * c.numel() + 1 for c, _, _ in sums])
-            value = torch.zeros((), dtype=torch.float64, device=device)
-            for (module, _), part in zip(self.layers, parts):
-                n = (part.numel() - 1) // 2
-                c, p, r = part[:n], part[n : 2 * n], part[-1]
-                self.totals[id(module)] = (c, r)
-                value = value + switch_loss(c, p, r).to(value)
-        else:
-            value = torch.zeros((), dtype=torch.float64, device=device)
+        returns the loss of the global batch over the layers of every pp rank (one more all-reduce), in float64 on
+        `device` (a stage may hold no router layer)."""
+        sums = [[sum(x) for x in zip(*calls[-self.calls :])] for _, calls in self.layers]
+        if self.joint_experts:  # one set of statistics over the layers (none held: zeros, the others' still count)
+            n = self.joint_experts
+            zero = torch.zeros(n, dtype=torch.float64, device=device)
+            sums = [[sum(x) for x in zip(*sums)]] if sums else [[zero, zero, zero.new_zeros(())]]
+        flat = torch.cat([torch.cat([c, p, r.reshape(1)]) for c, p, r in sums] or [torch.zeros(0, device=device)])
+        flat = flat.to(device=device, dtype=torch.float64)
+        if dp_group is not None and flat.numel():
+            torch.distributed.all_reduce(flat, group=dp_group)
+        value = torch.zeros((), dtype=torch.float64, device=device)
+        if self.joint_experts:  # the statistics over every stage's layers; the same loss on every rank
+            if pp_group is not None:
+                torch.distributed.all_reduce(flat, group=pp_group)
+            n = self.joint_experts
+            self.totals["joint"] = (flat[:n], flat[-1])
+            return switch_loss(flat[:n], flat[n : 2 * n], flat[-1])
+        for (module, _), part in zip(self.layers, flat.split([2 * c.numel() + 1 for c, _, _ in sums])):
+            n = (part.numel() - 1) // 2
+            c, p, r = part[:n], part[n : 2 * n], part[-1]
+            self.totals[id(module)] = (c, r)
+            value = value + switch_loss(c, p, r)
         if pp_group is not None:
             torch.distributed.all_reduce(value, group=pp_group)
         return value
@@ -241,9 +269,11 @@ __all__ = [
     "all_to_all",
     "balance_loss",
     "global_balance_loss",
+    "join_loss",
     "reduce_stats",
     "routed",
     "router_loss",
     "router_loss_methods",
+    "staged_router_loss",
     "switch_loss",
 ]

@@ -116,12 +116,15 @@ def hf_call_inputs(args: tuple, kwargs: dict) -> tuple[torch.Tensor, dict, torch
     return x, {k: v for k, v in kwargs.items() if v is not None}, labels
 
 
-def hf_call_output(shown: torch.Tensor, loss: Any, labels: Any) -> Any:
+def hf_call_output(shown: torch.Tensor, loss: Any, labels: Any, aux: Any = None, coef: float = 0.0) -> Any:
     """What the pipelined HF model's call returns: a ``CausalLMOutputWithPast`` with the ``labels`` loss and what
-    the step sees of the logits."""
-    from transformers.modeling_outputs import CausalLMOutputWithPast
+    the step sees of the logits; with the router loss `aux` (a mixture of experts), a ``MoeCausalLMOutputWithPast``
+    whose loss adds ``coef * aux``, as the model's own forward does."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
-    return CausalLMOutputWithPast(loss=None if labels is None else loss, logits=shown)
+    if aux is None:
+        return CausalLMOutputWithPast(loss=None if labels is None else loss, logits=shown)
+    return MoeCausalLMOutputWithPast(loss=None if labels is None else loss + coef * aux, aux_loss=aux, logits=shown)
 
 
 def hf_labels_loss(

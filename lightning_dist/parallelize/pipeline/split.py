@@ -106,7 +106,7 @@ class NetworkLayout:
 
     call_inputs: ClassVar[Callable[[tuple, dict], tuple[Tensor, dict, Tensor | None]]] = staticmethod(plain_call_inputs)
     """(first stage's input, inputs every stage takes, labels) of a call of the pipelined network."""
-    call_output: ClassVar[Callable[[Tensor, Any, Any], Any]] = staticmethod(plain_call_output)
+    call_output: ClassVar[Callable[..., Any]] = staticmethod(plain_call_output)
     """What the pipelined network's call returns, from what the step sees of the output and the loss."""
 
 

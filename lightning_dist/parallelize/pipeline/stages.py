@@ -126,7 +126,7 @@ def plain_call_inputs(args: tuple, kwargs: dict) -> tuple[torch.Tensor, dict, No
     return args[0], {}, None
 
 
-def plain_call_output(shown: torch.Tensor, loss: Any, labels: Any) -> torch.Tensor:
+def plain_call_output(shown: torch.Tensor, loss: Any, labels: Any, aux: Any = None, coef: float = 0.0) -> torch.Tensor:
     """What the pipelined network's call returns: what the step sees of the output."""
     return shown
 

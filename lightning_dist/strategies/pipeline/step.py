@@ -4,7 +4,7 @@ its output and loss, and the gradients the returned loss adds. Notes: docs/inter
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple, Optional
 
 import torch
@@ -43,6 +43,10 @@ class PipelineRun:
     dp_size: int = 1
     counted: bool = True
     """Run the router's counting pass (False once a training step did not use the router loss)."""
+    router_coef: Optional[float] = None
+    """A transformers model's router loss coefficient (its output's loss adds it times the router loss)."""
+    router_hooks: list = field(default_factory=list)
+    """The stages' router hooks (a transformers model): held to the model's own loss after a counting pass."""
 
 
 _ALLOWED = {
@@ -275,8 +279,15 @@ class PipelineStep:
             given, loss_fn = self._loss_of_step(labels, m, count)
             # the schedule's target: the chunks matching this rank's part of the sequences (HF labels: cut above)
             target = cut_target(cp, given, self.owner) if cp is not None and count is None else given
+        aux = None
         if train and run.router is not None and run.counted:  # the schedule runs once the returned loss is known
             out, loss = self._counted(x, extra, target, loss_fn, m)
+            aux = self.aux
+        elif not train and run.router_coef is not None:  # the forward counts the routing: its loss has the term too
+            assert run.router is not None
+            with run.router.counting(m):
+                out, loss = self._schedule(x, extra, target, loss_fn, m, train)
+            aux = self._reduce_router(loss_dtype(out, run))
         else:
             out, loss = self._schedule(x, extra, target, loss_fn, m, train)
         shown = self._shown_output(out, train, key=("out", train, tuple(x.shape), m), device=x.device)
@@ -290,7 +301,9 @@ class PipelineStep:
             loss = runner.from_last_stage(value, ("loss", "eval"))
         # the target as training_step passes it (whole sequences), for `pipeline_loss(out, target)`'s check
         self.call = NetworkCall(shown, None if train else out, loss, given, train, loss_fn, m)
-        return run.layout.call_output(shown, loss, labels)  # a HF model: its ModelOutput
+        if run.router_coef is None:
+            return run.layout.call_output(shown, loss, labels)  # a HF model: its ModelOutput
+        return run.layout.call_output(shown, loss, labels, aux=aux, coef=run.router_coef)
 
     def _schedule(self, x: Tensor, extra: dict, target: Any, loss_fn: Any, m: int, train: bool) -> tuple[Any, Any]:
         """Run the schedule once; in training its gradients go aside (see :meth:`backward`) and the loss returned is
@@ -338,12 +351,28 @@ class PipelineStep:
             if out is not None:
                 value = sum(loss_fn(o, t) for o, t in zip(out.tensor_split(m), target.tensor_split(m))) / m
             loss = runner.from_last_stage(value, ("loss", "counted"))
-            aux = run.router.reduce(run.dp_group, run.pp_group, run.device)
+            aux = self._reduce_router(loss.dtype)
         self.pending, self.loss, self.deferred = False, loss, (x, extra, target, loss_fn, m)
-        self.aux = aux.to(loss.dtype).requires_grad_()
+        self.aux = aux.requires_grad_()
         if out is not None and not self.shows:  # the step sees a stand-in: no values kept
             out = torch.empty(out.shape, dtype=out.dtype, device="meta")
         return out, loss.detach().clone().requires_grad_()
+
+    def _reduce_router(self, dtype: torch.dtype) -> Tensor:
+        """After a counting pass: the router loss of the global batch (see ``StagedRouterLoss.reduce``), checked."""
+        run = self.run_state
+        assert run.router is not None
+        aux = run.router.reduce(run.dp_group, run.pp_group, run.device)
+        for hooks in run.router_hooks:
+            hooks.hold()
+        rows = run.router.totals.get("joint", (None, None))[1]
+        if self.values and rows is not None and not rows > 0:  # the same total on every rank: all refuse alike
+            raise RuntimeError(
+                "The pipelined network's router loss counted no token: its stages' router modules did not report"
+                " (lightning-dist found them by class before the split). Report this with the model's class; set"
+                " output_router_logits=False to pipeline it without the router loss."
+            )
+        return aux.to(dtype)
 
     def finish(self, returned: Any) -> None:
         """After training_step, a counted step's schedule: the router loss joins each micro-batch's backward weighted
@@ -514,6 +543,12 @@ class PipelineStep:
         if mismatch.item():
             raise ValueError(output_term_problem(self.owner))
         return extra
+
+
+def loss_dtype(out: Any, run: PipelineRun) -> torch.dtype:
+    """The dtype of the pipeline's loss (its output's, at least float32) on every pp rank."""
+    _, dtype = run.runner.output_meta(out, ("dtype",))
+    return torch.promote_types(dtype, torch.float32)
 
 
 def cut_for_cp(cp: Any, x: Tensor, extra: dict, labels: Optional[Tensor]) -> tuple[Tensor, dict, Any, Any]:

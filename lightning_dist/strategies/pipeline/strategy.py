@@ -16,6 +16,11 @@ from typing_extensions import override
 from lightning_dist import checkpoint as ckpt
 from lightning_dist import rules
 from lightning_dist._integrations.transformers_moe import router_loss_in_use
+from lightning_dist._integrations.transformers_routers import (
+    StageRouterHooks,
+    original_loss_function,
+    router_loss_spec,
+)
 from lightning_dist.mesh import DP_CP, PP, TP, MeshSpec
 from lightning_dist.parallelize import ParallelizeConfig, pipeline_model
 from lightning_dist.parallelize.ac import check_offload_device
@@ -183,15 +188,15 @@ class PipelineStrategy(MeshStrategy):
         if self._is_pipelined(net):
             return  # the same Trainer again (validate/test after fit): already split and checked
         problems += checks.module_problems(module, self.network, net)
-        if isinstance(net, nn.Module) and (moe := router_loss_in_use(net)) is not None:
-            # the loss sums router statistics over every layer before multiplying them: no stage can add its part
+        if isinstance(net, nn.Module) and (moe := router_loss_in_use(net)) is not None and not router_loss_spec(net):
+            # the routers the stages' hooks report from (the loss needs every layer's statistics) are not found
             problems.append(
                 f"{moe} adds a router load-balancing loss computed from every layer's router statistics together"
-                " (config.output_router_logits=True, router_aux_loss_coef > 0); a pipeline stage holds some layers"
-                " only, so its loss would leave out the others'. Set output_router_logits=False (or"
-                " router_aux_loss_coef=0) to pipeline it, or train it with hsdp/fsdp2/tp, where that loss is taken"
-                " over the global batch. moe_aux_loss='local' does not help under a pipeline: it keeps each"
-                " data-parallel rank's own loss, which a stage still computes from its own layers only."
+                " (config.output_router_logits=True, router_aux_loss_coef > 0), and lightning-dist cannot find its"
+                " router modules (transformers' _can_record_outputs['router_logits']) or its num_experts /"
+                " num_experts_per_tok, which the stages need to count the routing before the schedule. Set"
+                " output_router_logits=False (or router_aux_loss_coef=0) to pipeline it, or train it with"
+                " hsdp/fsdp2/tp, where that loss is taken over the global batch."
             )
         if spec.cp > 1 and isinstance(net, nn.Module):
             problems += checks.cp_stage_problems(net)
@@ -274,6 +279,8 @@ class PipelineStrategy(MeshStrategy):
         )
         # before the split drops the rest of the network
         served = router_loss_methods(net)  # answered with the global batch's loss (see `_router_loss`)
+        spec = router_loss_spec(net)  # a transformers model's router loss (its stages' routers report by hooks)
+        loss_of = original_loss_function(net) if spec is not None else None
         tied_names = tied_stages(net, self.split)
         tied = checks.tied_groups(tied_names, stage_ranks, mesh=self.mesh, rank=self.global_rank)
         self._tied_keys = tied_checkpoint_keys(net, tied_names, stage_ranks, pp_rank=pp_rank, prefix=f"{self.network}.")
@@ -305,10 +312,14 @@ class PipelineStrategy(MeshStrategy):
             network=self.network,
             unsplit=unsplit,
         )
-        if served:
+        if served or spec is not None:
             dp = mesh.size(DP_CP) if self.moe_aux_loss == "global" else 1  # "local": each rank's own tokens
-            self._pipeline.router = StagedRouterLoss()
-            self._pipeline.dp_group, self._pipeline.dp_size = mesh.group(DP_CP) if dp > 1 else None, dp
+            run = self._pipeline
+            run.router = StagedRouterLoss(joint_experts=spec.num_experts if spec is not None else 0)
+            run.dp_group, run.dp_size = mesh.group(DP_CP) if dp > 1 else None, dp
+            if spec is not None:
+                run.router_coef = spec.coef
+                run.router_hooks = [StageRouterHooks(view, spec, loss_of) for view in views]
         container.runner = self._run
         for name in served:
             setattr(container, name, self._router_loss)
@@ -332,7 +343,7 @@ class PipelineStrategy(MeshStrategy):
     @override
     def teardown(self) -> None:
         if self._pipeline is not None:
-            self._pipeline.runner.clear()
+            self._pipeline.runner.clear()  # the router hooks stay: inert outside a step, needed by a later validate
         if self.lightning_module is not None:
             unserve_pipeline_loss(self.lightning_module, self._own_loss)
         self._own_loss, self._step = None, None
