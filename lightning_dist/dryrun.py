@@ -199,7 +199,13 @@ def _stage_inputs(strategy: Any, module: Any, batch: tuple[Any, Any]) -> tuple[l
             x, y = (torch.empty(t.shape, dtype=t.dtype) for t in batch[:2])
             with strategy.precision_plugin.train_step_context():
                 out = functional_call(net, like, (x,))
-                loss = loss_fn(out, y) if callable(loss_fn) else torch.empty(())
+                if not isinstance(out, torch.Tensor):  # a transformers model's output: its logits are the pipeline's
+                    out = out.logits
+                loss = (
+                    loss_fn(out, y)
+                    if callable(loss_fn)
+                    else torch.empty((), dtype=torch.promote_types(out.dtype, torch.float32))
+                )
     finally:
         for h in hooks:
             h.remove()

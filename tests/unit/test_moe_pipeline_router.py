@@ -14,6 +14,7 @@ from lightning_dist.parallelize.moe import StagedRouterLoss
 from tests._harness import tiny_qwen3_moe
 
 M = 4  # micro-batches
+ROUTER = [True]  # the dry-run task's output_router_logits
 
 
 def _grads(model, loss):
@@ -90,3 +91,60 @@ def test_a_transformers_moe_router_loss_through_its_routers_hooks_gives_the_whol
             total = total + pipeline_loss_function(logits, ys, num_items_in_batch=n)
     hooks.remove()
     _close(_grads(model, total), _grads(model, whole))
+
+
+QwenMoETask = None  # made by `_qwen_task` (transformers imported only when the test runs)
+
+
+def _qwen_task():
+    """An unmodified transformers Qwen3-MoE with its router loss, in a LightningModule (its `labels` loss)."""
+    import lightning.pytorch as pl
+
+    transformers = pytest.importorskip("transformers")
+
+    class Task(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = tiny_qwen3_moe(
+                transformers,
+                output_router_logits=ROUTER[0],
+                router_aux_loss_coef=0.05,
+                experts_implementation="eager",
+            )
+
+        def dry_run_batch(self, n: int, seq_len: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+            ids = torch.randint(0, 32, (n, seq_len or 16))
+            return ids, ids
+
+        def training_step(self, batch, batch_idx):
+            ids, labels = batch
+            return self.model(input_ids=ids, labels=labels).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    return Task
+
+
+def test_a_transformers_moe_with_its_router_loss_dry_runs_under_a_pipeline(fake_world):
+    from lightning_dist import _compat
+    from lightning_dist.dryrun import DryRunConfig, simulate_rank
+
+    if not _compat.torch_pipelining_exchanges_meta():
+        pytest.skip("torch's stage metadata exchange is needed by the pipeline dry run (torch >= 2.13)")
+    globals()["QwenMoETask"] = _qwen_task()
+    config = DryRunConfig(
+        model=f"{__name__}.QwenMoETask",
+        strategy="pipeline_1f1b",
+        strategy_args={"pp": 2, "n_microbatches": 2},
+        world_size=4,
+        devices_per_node=4,
+        precision="32-true",
+        batch_size=4,
+    )
+    result = simulate_rank(config, 3)
+    calls = {(c["op"], c["dim"]): c for c in result["collectives"]}
+    # the counting pass: the statistics summed over the stage's layers (4 experts: 2E + 1 float64 numbers) over
+    # dp_shard, then over pp (with the returned loss's terms: float32)
+    assert calls[("all_reduce", "dp_shard")] == {**calls[("all_reduce", "dp_shard")], "calls": 1, "payload_bytes": 72}
+    assert calls[("all_reduce", "pp")]["payload_bytes"] == 72 + 4

@@ -86,13 +86,26 @@ def cp_stage_problems(net: nn.Module) -> list[str]:
     ]
 
 
+def _on_meta(net: Any) -> bool:
+    first = next(iter(net.parameters()), None) if isinstance(net, nn.Module) else None
+    return first is not None and first.is_meta
+
+
 def _has_sample(module: Any, net: Any) -> bool:
-    """A sample micro-batch exists: ``example_input_array``, or a HF model's config."""
-    return getattr(module, "example_input_array", None) is not None or layout_kind(net).config_sample
+    """A sample micro-batch can run: ``example_input_array``, or a HF model's config; on parameters with values (the
+    dry run's are on the meta device: nothing to time)."""
+    sample = getattr(module, "example_input_array", None) is not None or layout_kind(net).config_sample
+    return sample and not _on_meta(net)
 
 
 def check_balanced_sample(module: Any, net: nn.Module, mode: Any) -> None:
     """``split="balanced"`` measures the blocks on a sample micro-batch."""
+    if mode == "balanced" and _on_meta(net):
+        raise ValueError(
+            'split="balanced" times each block on a sample micro-batch, and the network\'s parameters are on the meta'
+            ' device (a dry run, or not materialized yet): nothing can be timed. Pass split="params" (or'
+            ' split="auto", which splits by parameters then).'
+        )
     if mode == "balanced" and not _has_sample(module, net):
         raise ValueError(
             f'split="balanced" profiles each block on a sample micro-batch: set'
