@@ -411,6 +411,7 @@ class CommunicationLedger(Callback):
             )
             if collectives is None:
                 return None
+            collectives = [*collectives, *_diloco_sync(trainer.strategy, pl_module)]
         else:
             collectives = list(self.planned_arg)
         mesh, rank, world = self._where(trainer)
@@ -475,6 +476,30 @@ def _gather(rows: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
         dist.all_gather_object(out, rows)
         return out
     return [rows]
+
+
+def _diloco_sync(strategy: Any, module: torch.nn.Module) -> list[planner.Collective]:
+    """Under ``FaultTolerance(sync="diloco")``: the planner's row of DiLoCo's all-reduce across the replica groups
+    (``planner.diloco_sync_traffic``: every parameter's local shard, as DiLoCo sends it, once per ``sync_every``
+    steps, per step averaged), on the strategy's dim for torchft's process group; else none."""
+    config = getattr(strategy, "fault_tolerance", None)
+    if config is None or not getattr(config, "diloco", False):
+        return []
+    from torch.distributed.tensor import DTensor
+
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in module.parameters()]
+    numel = sum(t.numel() for t in local)
+    if not numel:
+        return []
+    return [
+        planner.diloco_sync_traffic(
+            numel,
+            param_bytes=sum(t.numel() * t.element_size() for t in local) / numel,
+            inner_steps=config.inner_steps,
+            replica_groups=strategy.replica_groups,
+            dim=_planned.outside_dim(strategy),
+        )
+    ]
 
 
 def format_ledger(per_rank: list[list[dict[str, Any]]], *, title: str = "Communication per step") -> str:

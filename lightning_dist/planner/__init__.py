@@ -45,7 +45,13 @@ from lightning_dist.planner.memory import (
     zero_bytes,
 )
 from lightning_dist.planner.model import ParamCounts
-from lightning_dist.planner.replica_groups import ACROSS_GROUPS, fault_tolerant_layouts, heal_transfer
+from lightning_dist.planner.replica_groups import (
+    ACROSS_GROUPS,
+    DILOCO_SYNC,
+    diloco_sync_traffic,
+    fault_tolerant_layouts,
+    heal_transfer,
+)
 from lightning_dist.planner.shards import (
     fsdp2_local_numel,
     fsdp2_state_bytes,
@@ -71,6 +77,7 @@ from lightning_dist.planner.traffic import (
 __all__ = [
     "ACROSS_GROUPS",
     "AUTO_KINDS",
+    "DILOCO_SYNC",
     "KIND_ORDER",
     "OPTIMIZER_SLOTS",
     "PRECISIONS",
@@ -94,6 +101,7 @@ __all__ = [
     "cp_attention_traffic",
     "data_parallel_traffic",
     "ddp_bytes",
+    "diloco_sync_traffic",
     "ep_all_to_all",
     "ep_degrees",
     "ep_fsdp_traffic",

@@ -15,6 +15,43 @@ from lightning_dist.planner.traffic import Collective
 
 # what the per-step all-reduce across the groups is called in a fault-tolerant layout's traffic
 ACROSS_GROUPS = "across replica groups (torchft)"
+# what DiLoCo's all-reduce across the groups (``sync="diloco"``, once every H steps) is called
+DILOCO_SYNC = "DiLoCo's pseudo-gradients"
+
+
+def diloco_sync_traffic(
+    num_params: float,
+    *,
+    param_bytes: float,
+    inner_steps: int,
+    replica_groups: int,
+    shard_size: int = 1,
+    dim: str = DP_REPLICATE,
+) -> Collective:
+    """DiLoCo's all-reduce across the replica groups (``FaultTolerance(sync="diloco", sync_every=H)``), per step: once
+    every ``H = inner_steps`` steps each rank all-reduces the pseudo-gradients of its parameter shards (global weights
+    minus local weights, in the parameters' stored dtype; one call per parameter tensor), and no step in between sends
+    anything across the groups.
+
+    ``payload = P b_p / S / H`` per step (what the planner's traffic and ``CommunicationLedger`` count: the mean over
+    the steps); per sync it is ``P b_p / S`` (``payload_bytes x inner_steps``), for ``P`` parameters on this rank
+    (after tensor parallelism), ``b_p`` the stored parameter's element size (``StateBytes.param``) and ``S =
+    shard_size`` the FSDP2 shards inside a group (1: a group of one data-parallel rank, which under DiLoCo has no
+    data parallelism of its own). The plain layout's gradient all-reduce across the groups is not run under DiLoCo.
+    """
+    check_count("num_params", num_params)
+    check_count("param_bytes", param_bytes)
+    check_size("inner_steps", inner_steps)
+    check_size("shard_size", shard_size)
+    check_size("replica_groups", replica_groups)
+    per_sync = num_params / shard_size * param_bytes
+    return Collective(
+        op="all_reduce",
+        dim=dim,
+        group_size=replica_groups,
+        payload_bytes=per_sync / inner_steps,
+        what=f"{DILOCO_SYNC}, {ACROSS_GROUPS}: {per_sync:,.0f} B per sync every {inner_steps} steps, averaged per step",
+    )
 
 
 def heal_transfer(
@@ -60,7 +97,14 @@ def heal_transfer(
 
 
 def fault_tolerant_layouts(
-    layouts: Sequence, *, replica_groups: int, counts: ParamCounts | int, state: StateBytes, step_bytes: float = 4
+    layouts: Sequence,
+    *,
+    replica_groups: int,
+    counts: ParamCounts | int,
+    state: StateBytes,
+    step_bytes: float = 4,
+    sync: str = "step",
+    inner_steps: int | None = None,
 ) -> list:
     """The `layouts` that ``fault_tolerance=`` can run with ``replica_groups`` groups, each with its heal.
 
@@ -69,7 +113,18 @@ def fault_tolerant_layouts(
     one rank, and tensor parallel x replicated dp. States and traffic are the plain layout's; the all-reduce across
     the groups (on ``dp_replicate``, or ``dp`` when ``dp_shard == 1``) is torchft's, its ``what`` says so; ``heal``
     is :func:`heal_transfer` of the layout's parameters (``counts.shapes``, when known, give the step counters).
+
+    ``sync="diloco"`` (``inner_steps`` = ``sync_every``, H): that per-step gradient all-reduce is replaced by
+    :func:`diloco_sync_traffic` (the pseudo-gradients of this rank's parameter shards once every H steps, averaged
+    per step), on the same dim; the traffic inside a group is the plain layout's. The heal is the same (DiLoCo's
+    global weights and outer optimizer state also travel; not counted, as the loop's and loader's state).
     """
+    if sync not in ("step", "diloco"):
+        raise ValueError(f"`sync={sync!r}` must be 'step' (every step) or 'diloco' (every inner_steps).")
+    if sync == "diloco":
+        check_size("inner_steps", inner_steps)  # type: ignore[arg-type]
+    elif inner_steps is not None:
+        raise ValueError(f"`inner_steps={inner_steps!r}` applies to sync='diloco' only.")
     counts = counts if isinstance(counts, ParamCounts) else ParamCounts(total=counts)
     check_size("replica_groups", replica_groups)
     if replica_groups < 2:
@@ -87,10 +142,25 @@ def fault_tolerant_layouts(
             tp_sharded_params=counts.tp_sharded_params, replicated_params=P - counts.tp_sharded_params, tp=mesh[TP]
         )
         across = {DP_REPLICATE} | ({DP} if mesh[DP_SHARD] == 1 else set())
-        traffic = tuple(
-            replace(c, what=f"{c.what}, {ACROSS_GROUPS}") if c.op == "all_reduce" and c.dim in across else c
-            for c in layout.traffic
-        )
+        if sync == "diloco":
+            traffic = tuple(
+                diloco_sync_traffic(
+                    local,
+                    param_bytes=state.param,
+                    inner_steps=inner_steps,  # type: ignore[arg-type]
+                    replica_groups=replica_groups,
+                    shard_size=mesh[DP_SHARD],
+                    dim=c.dim,
+                )
+                if c.op == "all_reduce" and c.dim in across
+                else c
+                for c in layout.traffic
+            )
+        else:
+            traffic = tuple(
+                replace(c, what=f"{c.what}, {ACROSS_GROUPS}") if c.op == "all_reduce" and c.dim in across else c
+                for c in layout.traffic
+            )
         heal = heal_transfer(
             local,
             state=state,
@@ -101,5 +171,7 @@ def fault_tolerant_layouts(
             step_bytes=step_bytes if state.optimizer else 0,
         )
         note = f"{layout.note}; the {replica_groups} replicas fault-tolerant replica groups (torchft)"
+        if sync == "diloco":
+            note += f", DiLoCo every {inner_steps} steps"
         out.append(replace(layout, traffic=traffic, heal=heal, replica_groups=replica_groups, note=note))
     return out

@@ -136,6 +136,17 @@ class DiLoCoSync:
         self.inner_steps = int(state["inner_steps"])
         set_diloco_inner_step(self._sync, self.inner_steps % self.every)
 
+    def heal_state(self) -> dict[str, int]:
+        """What a healing replica group takes over besides torchft's own DiLoCo state (its global weights and outer
+        optimizer, which DiLoCo registers itself): the inner steps taken (what a checkpoint saves, and Lightning's
+        global step counts), so that a healed group's count, checkpoints and sync schedule are the healthy group's."""
+        return {"inner_steps": self.inner_steps}
+
+    def load_heal_state(self, state: Mapping[str, Any]) -> None:
+        """Continue from a healthy group's :meth:`heal_state`, inside the sync (DiLoCo's own counter of the inner
+        steps since the last sync is the same in every group there: ``every``, reset after the sync)."""
+        self.inner_steps = int(state["inner_steps"])
+
     def close(self) -> None:
         """DiLoCo's hooks off the inner optimizer."""
         self._stack.close()

@@ -239,6 +239,16 @@ class ReplicaGroupsMixin(MeshStrategy):
             outer_optimizer=self._ft.outer_optimizer,
             every=self._ft.inner_steps,
         )
+        from lightning_dist._integrations.torchft import register_state
+
+        # a healing group also takes over the inner-step count (DiLoCo registered its global weights and outer state)
+        sync = self._diloco
+        register_state(
+            self._manager,
+            "diloco",
+            sync.heal_state,
+            _healing(DiLoCoSync.load_heal_state, sync, manager=self._manager),
+        )
         pending, self._pending_diloco = self._pending_diloco, None
         if pending is not None:  # the checkpoint was loaded before DiLoCo existed (Lightning restores after setup)
             self._diloco.load_state_dict(pending)

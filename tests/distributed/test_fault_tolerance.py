@@ -6,7 +6,8 @@ address within the timeout. A group that fails (SIGKILLed, or one of its ranks):
 restarted, it heals from it, and the committed steps equal a single-device replay of exactly their samples.
 DiLoCo (``sync="diloco"``) on 2 groups equals an outer loop written with torch, and resumed from a Lightning checkpoint
 between two syncs (its outer optimizer, global weights, inner steps and torchft's step counter in it) ends where the
-uninterrupted run does. What the user sees rides along: the
+uninterrupted run does; a group SIGKILLed under DiLoCo (after a sync, and between two) heals in its first sync and both
+groups end equal to DiLoCo written with torch over the committed syncs. What the user sees rides along: the
 ``ft/`` figures of the progress bar and the loggers, and the ledger's row of the all-reduce across the groups.
 """
 
@@ -25,6 +26,7 @@ import pytest
 import torch
 from _harness import ROOT, SCENARIOS, _env, collect, reap_survivors, results
 
+from lightning_dist import planner
 from lightning_dist._compat import torchft_available
 
 sys.path.insert(0, str(SCENARIOS))
@@ -159,6 +161,17 @@ def test_diloco_on_two_groups_equals_an_outer_loop_written_with_torch_and_resume
         ]
         assert r["steps"] == expected, r
         assert r["seen"] == 6 * 16 // (2 * shard), r
+        # the ledger: the pseudo-gradients' all-reduce across the groups at the syncs only (each parameter's local
+        # shard, one call each), and its plan: the planner's DiLoCo row, bytes per sync / sync_every per step
+        calls, per_sync = _diloco_sync_payload(shard, r["rank"])
+        assert r["cross"] == [None, [calls, per_sync]] * 3, r
+        summary = r["cross_summary"]
+        planned = planner.diloco_sync_traffic(per_sync / 8, param_bytes=8, inner_steps=2, replica_groups=2)
+        assert summary["bytes"] == summary["planned_bytes"] == planned.payload_bytes == per_sync / 2, summary
+        assert summary["ratio"] == 1.0 and summary["count"] == calls / 2, summary
+        if r["group"] == 0:
+            print(f"DiLoCo ledger row: {summary['bytes']:,.0f} B per step measured, {summary['planned_bytes']:,.0f}"
+                  f" planned ({per_sync:,} B per sync, {calls} calls), ratio {summary['ratio']:.3f}")  # fmt: skip
     g0, g1 = (torch.load(tmp_path / f"diloco_2x{shard}_g{g}.pt", weights_only=True) for g in (0, 1))
     assert all(torch.equal(g0[k], g1[k]) for k in g0)  # after a sync every group holds the global weights
     by_hand = _diloco_reference(shard, steps=6, every=2)
@@ -167,6 +180,14 @@ def test_diloco_on_two_groups_equals_an_outer_loop_written_with_torch_and_resume
     assert max_rel_diff(g0, reference(6)) > 1e-3
     print(f"DiLoCo 2 x {shard}: {max_rel_diff(g0, by_hand):.1e} from the torch outer loop; {rows[0]['seconds']:.1f} s")
     _check_diloco_resume(tmp_path, shard, rows)
+
+
+def _diloco_sync_payload(shard: int, rank: int) -> tuple[int, int]:
+    """(calls, bytes) of one rank's DiLoCo sync for the scenarios' float64 MLP: every parameter's local shard (torch's
+    dim-0 chunks under FSDP2), one all-reduce each."""
+    params = list(MLP().parameters())
+    rows = lambda n, rank: len(range(n)[rank * -(-n // shard) :][: -(-n // shard)])  # noqa: E731
+    return len(params), 8 * sum(rows(p.shape[0], rank) * math.prod(p.shape[1:]) for p in params)
 
 
 def _check_diloco_resume(out: Path, shard: int, uninterrupted: list[dict]) -> None:
@@ -427,3 +448,228 @@ def _replay(samples: dict[int, dict[int, list[int]]]) -> dict[str, torch.Tensor]
     state = {f"model.{n}": p.detach() for n, p in model.named_parameters()}
     state.update({f"opt.model.{n}.{k}": v for n, p in model.named_parameters() for k, v in opt.state[p].items()})
     return state
+
+
+DILOCO_EVERY = 2  # the heal_diloco scenario's sync_every
+
+
+def test_killed_group_heals_under_diloco_and_equals_the_outer_loop_of_the_committed_syncs(tmp_path):
+    """``sync="diloco"`` (sync_every 2, 2 groups of 1 rank, the cluster way on loopback): group 1 SIGKILLed right
+    after a sync, restarted, healed, SIGKILLed again one inner step past a sync, restarted, healed; group 0 syncs on
+    alone through both outages. Each restarted group trains its own first interval, then heals in its first sync
+    from group 0 (local weights, inner AdamW, DiLoCo's global weights and outer momentum, DiLoCo's inner steps,
+    Lightning's loop, the LR scheduler, the loader position, the RNG) and from then on reads and trains group 0's
+    global batches, its own parts. At the end both groups hold bitwise-identical weights, global weights and outer
+    optimizer state, equal (fp64, <= 1e-12) to DiLoCo written with torch over exactly the committed syncs: each
+    sync's participants' intervals (a healing group contributes a copy of its source's pseudo-gradient), and the inner
+    AdamW states of both groups equal the replay's."""
+    marker, total = uuid.uuid4().hex, 10
+    logs = tmp_path / "logs"
+    logs.mkdir()
+
+    def start(name: str, group: int, kill: str, port: int) -> tuple[subprocess.Popen, str]:
+        # output to files: group 0 prints a few hundred lines while its pipe would not be read
+        env = _env({"LD_FAULT_MARKER": marker, "MASTER_PORT": str(port)})
+        argv = [sys.executable, SCRIPT, "heal_diloco", str(group), str(tmp_path), address, str(total), kill]
+        with open(logs / f"{name}.out", "w") as out, open(logs / f"{name}.err", "w") as err:
+            started.append(subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=err, text=True))
+        return started[-1], name
+
+    def wait(*procs: tuple[subprocess.Popen, str], timeout: float = 240) -> list[subprocess.CompletedProcess]:
+        for p, _ in procs:
+            try:
+                p.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                for q, _ in procs:
+                    q.kill()
+                raise
+        read = lambda name, kind: (logs / f"{name}.{kind}").read_text()  # noqa: E731
+        return [subprocess.CompletedProcess(p.args, p.returncode, read(n, "out"), read(n, "err")) for p, n in procs]
+
+    started: list[subprocess.Popen] = []
+    with lighthouse(29648, marker, "--join_timeout_ms", "2000", "--heartbeat_timeout_ms", "2000") as address:
+        began = time.monotonic()
+        try:
+            group0 = start("alive", 0, "none", 29670)
+            (first,) = wait(start("at_sync", 1, "sync", 29671))
+            assert first.returncode == -9, first.stderr[-6000:]
+            (second,) = wait(start("between", 1, "between", 29672))
+            assert second.returncode == -9, second.stderr[-6000:]
+            done = wait(group0, start("healed", 1, "none", 29673), timeout=420)
+        finally:
+            for p in started:  # a failed assertion above: nothing left running
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+    all_ok(done, marker)
+    _check_diloco_heal(tmp_path, total=total, seconds=time.monotonic() - began)
+
+
+def _check_diloco_heal(out: Path, *, total: int, seconds: float) -> None:
+    """The checks of the DiLoCo kill-and-heal test on its launches' output (OUT/logs/{name}.out) and saved states."""
+    read = lambda name: subprocess.CompletedProcess([], 0, (out / "logs" / f"{name}.out").read_text(), "")  # noqa: E731
+    launches = {name: results(read(name)) for name in ("at_sync", "between", "alive", "healed")}
+    inner = {name: [r for r in rows if r["kind"] == "inner"] for name, rows in launches.items()}
+    syncs = {name: [r for r in rows if r["sync"] is not None] for name, rows in inner.items()}
+    alive = syncs["alive"]
+    assert all(r["sync"]["committed"] for rows in syncs.values() for r in rows)
+    steps = [r["sync"]["step"] for r in alive]
+    assert steps == list(range(steps[0], steps[0] + len(steps))), steps  # group 0 never stopped syncing
+
+    # the two kills: right after a sync both groups took; one inner step past one
+    at_sync, between = inner["at_sync"], inner["between"]
+    assert at_sync[-1]["sync"] is not None and at_sync[-1]["sync"]["participants"] == 2, at_sync[-1]
+    assert at_sync[-1]["sync"]["step"] >= 3
+    assert between[-1]["sync"] is None and between[-1]["inner_steps"] % DILOCO_EVERY == 1, between[-1]
+    assert syncs["between"][-1]["sync"]["participants"] == 2 and len(syncs["between"]) >= 2
+    kills = [at_sync[-1]["sync"]["step"], syncs["between"][-1]["sync"]["step"]]
+    # each restarted launch: its own first interval (global batches 0 and 1 of epoch 0), then a heal in its first
+    # sync, the one after group 0's last sync alone; group 0 synced alone from the sync after the kill until then
+    outages = []
+    for name, kill in zip(("between", "healed"), kills):
+        rows = inner[name]
+        own, heal = rows[:DILOCO_EVERY], rows[DILOCO_EVERY - 1]
+        assert [(r["epoch"], r["batch"]) for r in own] == [(0, 0), (0, 1)] and own[0]["global_step"] == 1, own
+        assert heal["sync"] is not None and heal["heals"] == 1 and heal["sync"]["participants"] == 2, heal
+        assert 0 < heal["bar"]["ft/heal_s"] < 60, heal
+        outage = [r["sync"]["step"] for r in alive if kill < r["sync"]["step"] < heal["sync"]["step"]]
+        assert outage == list(range(kill + 1, heal["sync"]["step"])) and outage, (kill, heal["sync"])
+        assert all(r["sync"]["participants"] == 1 for r in alive if r["sync"]["step"] in outage)
+        outages.append(outage)
+        # healed in the sync: from there on the same global batch, Lightning global step, DiLoCo inner steps,
+        # loader position, LR and random draw as group 0 at every inner step
+        by_step = {r["global_step"]: r for r in inner["alive"]}
+        same = ("epoch", "batch", "global_step", "inner_steps", "position", "lr", "draw")
+        after = rows[DILOCO_EVERY:]
+        assert after and [{k: r[k] for k in same} for r in after] == [
+            {k: by_step[r["global_step"]][k] for k in same} for r in after
+        ]
+        assert {k: heal[k] for k in ("global_step", "inner_steps", "position")} == {
+            k: by_step[heal["global_step"]][k] for k in ("global_step", "inner_steps", "position")
+        }, heal
+        assert all(r["sync"]["participants"] == 2 for r in rows if r["sync"] is not None)
+    assert syncs["healed"][-1]["sync"]["step"] == alive[-1]["sync"]["step"] >= total
+    # what the user sees: the progress bar and the loggers agree at every sync; participants as the quorum's
+    for rows in syncs.values():
+        for r in rows:
+            assert r["bar"] == r["logged"] and r["bar"]["ft/participants"] == r["sync"]["participants"], r
+    # the ledger: the pseudo-gradients' all-reduce across the groups at each sync (every parameter, its own call),
+    # nothing across the groups between syncs
+    params = list(MLP().parameters())
+    payload = [len(params), 8 * sum(p.numel() for p in params)]
+    for rows in inner.values():
+        assert all(r["cross"] == (payload if r["sync"] is not None else None) for r in rows), rows
+    # every inner step read this group's part of the global batch it says (torch's DistributedSampler, shuffled)
+    for rows in inner.values():
+        for r in rows:
+            assert sorted(r["indices"]) == _part(r["group"], 1, r["epoch"], r["batch"]), r
+
+    g0 = torch.load(out / "heal_diloco_g0.pt", weights_only=True)
+    g1 = torch.load(out / "heal_diloco_g1.pt", weights_only=True)
+    assert g0.keys() == g1.keys()
+    shared = [k for k in g0 if not k.startswith("opt.")]  # the inner AdamW state is each group's own since its heal
+    assert any(k.startswith("outer.") for k in shared) and any(k.startswith("global.") for k in shared)
+    assert all(torch.equal(g0[k], g1[k]) for k in shared)  # weights, global weights, outer momentum
+    assert all(g0[k].abs().max() > 0 for k in shared if k.startswith("outer."))
+    trace: dict[int, float] = {}
+    replay = _diloco_heal_replay([inner[name] for name in ("at_sync", "between", "alive", "healed")], trace)
+    for rows in syncs.values():  # after every sync of every launch, its weights are the replay's global weights
+        for r in rows:
+            want = trace[r["sync"]["step"]]
+            assert abs(r["weights"] - want) <= 1e-12 * want, (r["sync"], r["weights"], want)
+    diffs = {}
+    for g, state in ((0, g0), (1, g1)):
+        want = replay[g]
+        assert want.keys() == state.keys(), (sorted(want), sorted(state))
+        floats = [k for k in state if state[k].is_floating_point() and state[k].dim() > 0]
+        diffs[g] = max_rel_diff({k: state[k] for k in floats}, {k: want[k] for k in floats})
+        assert diffs[g] <= 1e-12, (g, diffs[g])
+        assert all(torch.equal(state[k], want[k]) for k in state if k not in floats)  # AdamW step counts
+    heal_s = [inner[name][DILOCO_EVERY - 1]["bar"]["ft/heal_s"] for name in ("between", "healed")]
+    print(f"DiLoCo kill and heal: group 1 killed after sync {kills[0]} and between syncs after {kills[1]}; group 0"
+          f" synced alone {len(outages[0])} and {len(outages[1])} times; healed at syncs"
+          f" {[o[-1] + 1 for o in outages]} in {heal_s[0]:.2f} s and {heal_s[1]:.2f} s; {alive[-1]['sync']['step']}"
+          f" syncs; replay {diffs[0]:.1e} / {diffs[1]:.1e}; {seconds:.0f} s")  # fmt: skip
+
+
+def _diloco_heal_replay(
+    launches: list[list[dict]], trace: dict[int, float] | None = None
+) -> dict[int, dict[str, torch.Tensor]]:
+    """DiLoCo by hand over the committed syncs of `launches` (each launch's inner-step records, in order): per group a
+    local copy with its AdamW and StepLR(16, 0.7); at each sync its participants' intervals trained on the recorded
+    samples, a healing group's local copy, AdamW and StepLR replaced by its source's after the source's interval (its
+    own interval dropped), the pseudo-gradients averaged over the participants, torch's SGD (lr 0.7, momentum 0.9,
+    Nesterov) on the global copy, the participants' copies reset to it. A killed launch's steps after its last sync
+    are in no sync. Returns per group what the scenario saves: weights, inner AdamW state, global weights, outer
+    momentum. `trace`: filled with the sum of the global weights' magnitudes after each sync, by torchft's step."""
+    import copy
+
+    import torch.nn.functional as F
+
+    committed: dict[int, dict[int, tuple[list[dict], bool, int]]] = {}
+    for rows in launches:
+        interval, heals = [], 0
+        for r in rows:
+            interval.append(r)
+            if r["sync"] is not None:
+                healed, heals = r["heals"] > heals, r["heals"]
+                committed.setdefault(r["sync"]["step"], {})[r["group"]] = (interval, healed, r["sync"]["participants"])
+                interval = []
+    assert sorted(committed) == list(range(1, max(committed) + 1)), sorted(committed)
+    torch.manual_seed(0)
+    global_model = MLP().double()
+    outer = torch.optim.SGD(global_model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    x, y = dataset(512).tensors
+
+    def fresh():
+        model = copy.deepcopy(global_model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+        return model, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=16, gamma=0.7)
+
+    local = {0: fresh(), 1: fresh()}
+    taken: set[int] = set()  # groups in the last sync
+    for step in sorted(committed):
+        parts = committed[step]
+        assert {n for _, _, n in parts.values()} == {len(parts)}, (step, parts)
+        sources = [g for g, (_, healed, _) in parts.items() if not healed]
+        assert sources, (step, parts)
+        for g in sources:
+            interval = parts[g][0]
+            assert len(interval) == DILOCO_EVERY, (step, g, interval)
+            assert g in taken or step == 1, (step, g)  # a group not in the last sync heals (or it is the first)
+            model, opt, sched = local[g]
+            for r in interval:
+                index = torch.tensor(r["indices"])
+                opt.zero_grad()
+                F.cross_entropy(model(x[index]), y[index]).backward()
+                opt.step()
+                sched.step()
+        for g in parts:
+            if g not in sources:  # healing: the source's local copy, inner optimizer and schedule
+                model, opt, sched = fresh()
+                src = local[sources[0]]
+                model.load_state_dict(src[0].state_dict())
+                opt.load_state_dict(copy.deepcopy(src[1].state_dict()))  # torch would alias the source's tensors
+                sched.load_state_dict(src[2].state_dict())
+                local[g] = (model, opt, sched)
+        with torch.no_grad():
+            for name, p in global_model.named_parameters():
+                copies = [dict(local[g][0].named_parameters())[name] for g in parts]
+                p.grad = sum(p - q for q in copies) / len(copies)
+        outer.step()
+        outer.zero_grad()
+        for g in parts:
+            local[g][0].load_state_dict(global_model.state_dict())
+        taken = set(parts)
+        if trace is not None:
+            trace[step] = sum(p.detach().abs().sum().item() for p in global_model.parameters())
+    out = {}
+    for g, (model, opt, _) in local.items():
+        state = {f"model.{n}": p.detach().clone() for n, p in model.named_parameters()}
+        state.update({f"opt.model.{n}.{k}": v for n, p in model.named_parameters() for k, v in opt.state[p].items()})
+        state.update({f"global.model.{n}": p.detach().clone() for n, p in global_model.named_parameters()})
+        state.update(
+            {f"outer.model.{n}.{k}": v for n, p in global_model.named_parameters() for k, v in outer.state[p].items()}
+        )
+        out[g] = state
+    return out

@@ -8,7 +8,8 @@ OUT/ft_{GROUPS}x{SHARD}_g{G}.pt. Group 0 of a 2-rank group also trains plain hsd
 ``diloco G SHARD OUT PORT``: replica group G of 2 under ``sync="diloco"``, ``sync_every=2``, SHARD ranks (FSDP2 inside
 a group of two), embedded lighthouse on PORT (group 0); 6 AdamW inner steps in float64 (3 syncs, the default outer
 SGD-Nesterov), the full parameters saved to OUT/diloco_2x{SHARD}_g{G}.pt; Lightning checkpoints after steps 2 (a sync)
-and 3 (between two) in OUT/diloco_g{G}_step{2,3}.ckpt (a ResumableDataLoader: an exact mid-epoch resume).
+and 3 (between two) in OUT/diloco_g{G}_step{2,3}.ckpt (a ResumableDataLoader: an exact mid-epoch resume); under
+``CommunicationLedger`` (its row of the all-reduce across the groups, each step and planned).
 ``diloco_resume G SHARD OUT PORT STEP``: the same run, from another initial model, resumed from
 OUT/diloco_g{G}_step{STEP}.ckpt to step 6; the full parameters saved to OUT/diloco_resumed_2x{SHARD}_g{G}.pt, torchft's
 step counter and DiLoCo's inner steps at the first resumed batch emitted.
@@ -20,6 +21,14 @@ ranks its rank 1 (a failure inside the group's shard dim: the launcher ends the 
 (torchft's step, participants, the sample indices it trained, Lightning's global step, the LR, one random draw, the
 ``ft/`` figures of the progress bar and of the loggers, the ledger's cross-group all-reduce); the weights and optimizer
 state are saved to OUT/heal_g{G}.pt.
+``heal_diloco G OUT ADDRESS TOTAL KILL``: the same under ``sync="diloco"``, ``sync_every=2`` (one rank per group, its
+outer optimizer the default SGD-Nesterov), until torchft's committed sync TOTAL and 3 syncs with both groups; KILL
+``sync``: SIGKILLed right after a sync both groups took (torchft's step >= 3, the second such sync at least),
+``between``: one inner step past the second sync both groups took since this launch started (a launch that healed: its
+heal and one more), ``none``. Every inner step printed (the sample indices, the batch read, Lightning's global step,
+DiLoCo's inner steps, the LR, one random draw; at a sync its record, the heals, the ``ft/`` figures, the ledger's
+cross-group row); the weights, the inner AdamW state and DiLoCo's state (global weights, outer momentum) saved to
+OUT/heal_diloco_g{G}.pt.
 ``orphan OUT ADDRESS``: replica group 0 of 2 (two ranks, quorum_timeout 5 s) stepping until its lighthouse goes
 away; it touches OUT/stepping after step 3. Must fail.
 """
@@ -135,8 +144,9 @@ elif mode in ("diloco", "diloco_resume"):
     resume = mode == "diloco_resume"
     module = Resumable(seed=7 if resume else 0)  # every group seeded alike: DiLoCo's groups start from one model
     counters = Counters()
+    ledger = CommunicationLedger(skip_steps=0, print_table=False)  # its plan: DiLoCo's row (planner)
     start = time.perf_counter()
-    t = trainer(strategy, devices=shard, steps=6, callbacks=[counters] if resume else [counters, SaveAt()])
+    t = trainer(strategy, devices=shard, steps=6, callbacks=[counters] if resume else [counters, SaveAt(), ledger])
     t.fit(module, ckpt_path=f"{out}/diloco_g{group}_step{sys.argv[6]}.ckpt" if resume else None)
     seconds = time.perf_counter() - start
     save(module, f"{out}/diloco{'_resumed' if resume else ''}_2x{shard}_g{group}.pt")
@@ -148,6 +158,8 @@ elif mode in ("diloco", "diloco_resume"):
         seconds=seconds,
         first=counters.first,
         batches_committed=counters.batches_committed,
+        cross=[step.get(CROSS) for step in ledger.steps],  # [calls, payload bytes] per step: the syncs' only
+        cross_summary=next((r for r in ledger.summary if (r["op"], r["dim"]) == CROSS), None),
     )
 elif mode == "unreachable":
     ft = FaultTolerance(replica_group=1, lighthouse=sys.argv[2], connect_timeout=3)
@@ -224,6 +236,97 @@ elif mode == "heal":
         global_step=t.global_step,
         scheduler=t.lr_scheduler_configs[0].scheduler.state_dict(),
         rng=torch.get_rng_state().tolist(),
+    )
+elif mode == "heal_diloco":
+    group, out, address, total, kill = int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5]), sys.argv[6]
+    EVERY = 2
+
+    class Indexed(Classifier):
+        """Samples that carry their index, shuffled per epoch (32 inner steps an epoch); one random draw per step;
+        StepLR every 16 inner steps (the test's replay uses the same)."""
+
+        def train_dataloader(self):
+            kw = self.trainer.strategy.distributed_sampler_kwargs
+            x, y = dataset(self.n, dtype=self.dtype_).tensors
+            data = TensorDataset(x, y, torch.arange(self.n))
+            sampler = DistributedSampler(data, shuffle=True, seed=0, **kw)
+            return DataLoader(data, batch_size=self.global_batch // kw["num_replicas"], sampler=sampler)
+
+        def training_step(self, batch, batch_idx):
+            x, y, index = batch
+            self.record = {
+                "indices": index.tolist(),
+                "epoch": self.trainer.current_epoch,
+                "batch": batch_idx,  # the batch read (before a heal in this step's sync moves the loader)
+                "draw": torch.rand(()).item(),
+                "lr": self.trainer.optimizers[0].param_groups[0]["lr"],
+            }
+            return F.cross_entropy(self(x), y)
+
+        def configure_optimizers(self):
+            opt = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.wd)
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=16, gamma=0.7)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    class Chaos(pl.Callback):
+        syncs = together = 0
+        state = None
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            strategy = trainer.strategy
+            synced = len(strategy.committed_steps) > self.syncs  # this inner step ended with a sync
+            self.syncs = len(strategy.committed_steps)
+            row = {"sync": None}
+            if synced:
+                last = strategy.committed_steps[-1]
+                self.together = self.together + 1 if last["participants"] == 2 else 0
+                weights = sum(p.detach().double().abs().sum().item() for p in pl_module.parameters())
+                row = {"sync": last, "heals": strategy.figures.heals, "together": self.together, "weights": weights,
+                       **shown(trainer)}  # fmt: skip
+            positions = [loader.position for loader in group_loaders(trainer)]  # after a heal: the healthy group's
+            emit(kind="inner", group=group, global_step=trainer.global_step, inner_steps=strategy._diloco.inner_steps,
+                 position=positions, cross=ledger.steps[-1].get(CROSS), **pl_module.record, **row)  # fmt: skip
+            time.sleep(0.2)  # an inner step long enough for the other group to be restarted during the outage
+            step = strategy.manager.current_step()
+            if kill == "sync" and synced and step >= 3 and self.together >= 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if kill == "between" and not synced and self.together >= 2 and strategy._diloco.inner_steps % EVERY == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if synced and step >= total and (self.together >= 3 or step >= 600):  # end together, at a sync
+                trainer.should_stop = True
+
+        def on_train_end(self, trainer, pl_module):  # DiLoCo's state, before the strategy leaves DiLoCo
+            self.state = trainer.strategy._diloco.state_dict()
+
+    from lightning_dist.strategies.heal import group_loaders
+
+    ft = FaultTolerance(replica_group=group, lighthouse=address, min_replicas=1, timeout=10, quorum_timeout=60,
+                        sync="diloco", sync_every=EVERY)  # fmt: skip
+    strategy = HybridShardStrategy(dp_replicate=2, dp_shard=1, fault_tolerance=ft)
+    module = Indexed(n=512)
+    ledger, chaos = CommunicationLedger(skip_steps=0, print_table=False), Chaos()
+    t = trainer(strategy, devices=1, steps=10_000, callbacks=[ledger, chaos])
+    t.fit(module)
+    optimizer = strategy.optimizers[0]
+    moments = {f"opt.{n}.{k}": v for n, p in module.named_parameters() for k, v in optimizer.state[p].items()}
+    outer = chaos.state["outer_optimizer"]["state"]
+    names = [n for n, _ in module.named_parameters()]
+    state = {
+        **full_params(module),
+        **moments,
+        **{f"global.{n}": w for n, w in chaos.state["global_weights"].items()},
+        **{f"outer.{names[i]}.{k}": v for i, s in outer.items() for k, v in s.items()},
+    }
+    torch.save(state, f"{out}/heal_diloco_g{group}.pt")
+    emit(
+        kind="heal_diloco",
+        group=group,
+        steps=list(strategy.committed_steps),
+        global_step=t.global_step,
+        inner_steps=chaos.state["inner_steps"],
+        scheduler=t.lr_scheduler_configs[0].scheduler.state_dict(),
+        cross_summary=next(r for r in ledger.summary if (r["op"], r["dim"]) == CROSS),
+        ledger_steps=len(ledger.steps),
     )
 elif mode == "orphan":
     out, address = sys.argv[2], sys.argv[3]

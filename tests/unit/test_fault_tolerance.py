@@ -454,6 +454,27 @@ def test_diloco_checkpoint_state_round_trips_through_weights_only_load(tmp_path)
 
 
 @needs_torchft
+def test_diloco_heal_state_carries_the_inner_steps_but_not_at_the_first_sync():
+    """What the strategy registers with torchft besides DiLoCo's own heal state (key ``"diloco"``): the inner steps, so
+    that a healed group counts them (its checkpoints, Lightning's global step) as the healthy group does; skipped at
+    step 0 (torchft's init_sync: each group keeps its own first interval). DiLoCo's own counter of the steps since the
+    last sync is the same in every group at a sync and is left alone."""
+    from lightning_dist.strategies.diloco import DiLoCoSync
+    from lightning_dist.strategies.fault_tolerance import _healing
+
+    healthy, healing = _diloco_sync(0), _diloco_sync(1)
+    healthy.inner_steps, healing.inner_steps = 46, 2
+    state = healthy.heal_state()
+    assert state == {"inner_steps": 46}
+    load = _healing(DiLoCoSync.load_heal_state, healing, manager=healing.manager)
+    load(state)  # the first sync
+    assert healing.inner_steps == 2
+    healing.manager.current_step = lambda: 23
+    load(state)
+    assert healing.inner_steps == 46 and healing._sync._local_step == 0
+
+
+@needs_torchft
 def test_a_checkpoint_of_another_sync_mode_or_outer_optimizer_is_refused_and_a_plain_one_warns():
     from lightning_dist.strategies.fault_tolerance import check_checkpoint_entry
 

@@ -70,6 +70,47 @@ def test_heal_transfer_formula_and_refusals():
         _plan(1200, 4, 1)
 
 
+def test_diloco_replaces_the_per_step_all_reduce_across_the_groups_by_one_per_sync_averaged_per_step():
+    """sync="diloco": the pseudo-gradients of this rank's parameter shards, in the parameters' dtype, once every H steps
+    (per step: / H), on the same dim; everything else (inside a group, memory, the heal) as under sync="step"."""
+    counts = _counts()
+    P = counts.total
+    plain = planner.candidate_layouts(counts, world_size=8, devices_per_node=2, state=FP32)
+    (step,) = planner.fault_tolerant_layouts(plain, replica_groups=2, counts=counts, state=FP32)
+    (diloco,) = planner.fault_tolerant_layouts(
+        plain, replica_groups=2, counts=counts, state=FP32, sync="diloco", inner_steps=4
+    )
+    assert diloco.name == step.name == "hsdp-4" and diloco.memory == step.memory and diloco.heal == step.heal
+    assert "DiLoCo every 4 steps" in diloco.note
+    across = [c for c in diloco.traffic if planner.DILOCO_SYNC in c.what]
+    assert [(c.op, c.dim, c.group_size) for c in across] == [("all_reduce", "dp_replicate", 2)]
+    (sync,) = across
+    assert sync.payload_bytes == P / 4 * 4 / 4  # this rank's quarter, fp32, every 4th step
+    assert f"{P / 4 * 4:,.0f} B per sync every 4 steps" in sync.what and planner.ACROSS_GROUPS in sync.what
+    (per_step,) = [c for c in step.traffic if planner.ACROSS_GROUPS in c.what]
+    assert sync.payload_bytes == per_step.payload_bytes / 4  # fp32 gradients every step, fp32 weights every 4th
+    inside = lambda lay: [c for c in lay.traffic if planner.ACROSS_GROUPS not in c.what]  # noqa: E731
+    assert inside(diloco) == inside(step) and inside(step)  # dp_shard's gathers and reduce-scatters
+    # groups of one rank: DDP's all-reduce on dp is the one across the groups; DiLoCo sends every parameter
+    plain = planner.candidate_layouts(counts, world_size=2, devices_per_node=2, state=FP32)
+    (ddp,) = planner.fault_tolerant_layouts(plain, replica_groups=2, counts=counts, state=FP32, sync="diloco",
+                                            inner_steps=100)  # fmt: skip
+    assert [(c.dim, c.payload_bytes) for c in ddp.traffic] == [("dp", P * 4 / 100)]
+    # the row on its own (as CommunicationLedger plans it: the strategy's dim for torchft's process group)
+    row = planner.diloco_sync_traffic(1205, param_bytes=8, inner_steps=2, replica_groups=2, dim="replica_group")
+    assert (row.op, row.dim, row.payload_bytes, row.wire_bytes) == ("all_reduce", "replica_group", 4820, 4820)
+    sharded = planner.diloco_sync_traffic(1200, param_bytes=2, inner_steps=3, replica_groups=4, shard_size=4)
+    assert sharded.payload_bytes == 1200 / 4 * 2 / 3 and sharded.dim == "dp_replicate"
+    with pytest.raises(ValueError, match="`inner_steps=0` must be an integer >= 1"):
+        planner.diloco_sync_traffic(1200, param_bytes=2, inner_steps=0, replica_groups=2)
+    with pytest.raises(ValueError, match="`sync='local'` must be 'step'"):
+        planner.fault_tolerant_layouts(plain, replica_groups=2, counts=counts, state=FP32, sync="local")
+    with pytest.raises(ValueError, match="`inner_steps=None` must be an integer >= 1"):
+        planner.fault_tolerant_layouts(plain, replica_groups=2, counts=counts, state=FP32, sync="diloco")
+    with pytest.raises(ValueError, match="`inner_steps=4` applies to sync='diloco' only"):
+        planner.fault_tolerant_layouts(plain, replica_groups=2, counts=counts, state=FP32, inner_steps=4)
+
+
 def test_cli_plan_replica_groups_prints_the_heal_column(capsys):
     argv = ["plan", "--model", GPT, "--init-args", json.dumps(SIZES), "--world-size", "4", "--devices-per-node", "2"]
     assert main([*argv, "--precision", "32-true", "--replica-groups", "2", "--json"]) == 0
