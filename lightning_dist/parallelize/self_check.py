@@ -362,6 +362,38 @@ def _mean_over(tensors: list[Tensor], group: Any) -> list[Tensor]:
     return [chunk.view(t.shape).to(t.dtype) for chunk, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
 
 
+class _Calls:
+    """Every call of each experts module: its inputs, its output and the gradient that output got (None: none)."""
+
+    def __init__(self, modules: Sequence[tuple[str, nn.Module]]) -> None:
+        self.calls: dict[str, list[list]] = {name: [] for name, _ in modules}
+        self.handles = []
+        for name, module in modules:
+            self.handles.append(module.register_forward_pre_hook(self._pre(name), prepend=True, with_kwargs=True))
+            self.handles.append(module.register_forward_hook(self._post(name)))
+
+    def _pre(self, name: str) -> Callable:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            self.calls[name].append([_detached((args, kwargs)), None, None])
+
+        return hook
+
+    def _post(self, name: str) -> Callable:
+        def hook(module: nn.Module, args: tuple, out: Any) -> None:
+            call, t = self.calls[name][-1], first_tensor(out)
+            if t is None:
+                return
+            call[1] = t.detach().clone()
+            if t.requires_grad:
+                t.register_hook(lambda g: call.__setitem__(2, g.detach().clone()))
+
+        return hook
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
 def check_experts(
     model: nn.Module,
     run: Callable[[], Any],
@@ -369,22 +401,28 @@ def check_experts(
     *,
     dp_group: Any,
     describe: str,
+    backward: bool = True,
 ) -> SelfCheckReport:
-    """Run `run()` (the model's forward on this rank's probe sample) and a backward, then hold each experts module to a
-    whole copy of it: its output on this rank's tokens, and its experts' gradients (after the dispatch, the ep scaling
-    and FSDP2's reduction: what the optimizer steps on) against the copies' gradients averaged over `dp_group` (the
-    ranks whose gradients data parallelism averages). Raises ``ValueError`` on every rank naming the worst parameter.
+    """Run `run()` (the model's forward on this rank's probe sample) and a backward (``backward=False``: `run` runs
+    its own, a pipeline's schedule), then hold each experts module to a whole copy of it: its output on this rank's
+    tokens in every call, and its experts' gradients (after the dispatch, the ep scaling and FSDP2's reduction: what
+    the optimizer steps on) against the copies' gradients from the same output gradients, averaged over `dp_group`
+    (the ranks whose gradients data parallelism averages). Raises ``ValueError`` on every rank naming the worst
+    parameter.
 
     Collective: every rank of the mesh calls it, each with its own sample. Leaves no gradient behind.
     """
     start = time.perf_counter()
-    cap = _Capture(experts)
+    cap = _Calls(experts)
     try:
         with torch.enable_grad(), torch.compiler.set_stance("force_eager"):
-            out = first_tensor(run())
-            graded = out is not None and out.requires_grad
-            if graded:
-                (out * _seeded_like(out, 4321)).sum().backward()
+            out = run()
+            graded = not backward
+            if backward:
+                out = first_tensor(out)
+                graded = out is not None and out.requires_grad
+                if graded:
+                    (out * _seeded_like(out, 4321)).sum().backward()
     finally:
         cap.close()
     worst, where = 0.0, "" if graded else "no graded output"
@@ -393,10 +431,10 @@ def check_experts(
             # every rank gathers every module's weights and gradients, in one order, whatever it captured
             split = {n: full_tensor_of(p.grad) if p.grad is not None else None for n, p in module.named_parameters()}
             ref = _whole_experts(module)
-            got = cap.outputs.get(name)
-            grad = cap.grads.get(name)
-            if got is not None and grad is not None:
-                args, kwargs = tree_map(lambda x: full_tensor_of(x) if isinstance(x, Tensor) else x, cap.inputs[name])
+            for inputs, got, grad in cap.calls[name]:
+                if got is None or grad is None:  # a recomputed forward (checkpointing): no gradient of its own
+                    continue
+                args, kwargs = tree_map(lambda x: full_tensor_of(x) if isinstance(x, Tensor) else x, inputs)
                 with torch.enable_grad():
                     want = first_tensor(ref(*args, **kwargs))
                     want.backward(grad.to(want.dtype))
@@ -434,7 +472,7 @@ def check_experts(
             " (scales its input by them, say) cannot be split this way. Drop ep for this model, or pass"
             " self_check=False if you have checked it yourself."
         )
-    return SelfCheckReport(len(cap.outputs), worst, where, seconds)
+    return SelfCheckReport(sum(bool(c) for c in cap.calls.values()), worst, where, seconds)
 
 
 def gradient_problem(

@@ -124,6 +124,12 @@ def test_moe_and_expert_parallelism_4_processes():
     piped = [r for r in rows if r["kind"] == "moe_pp"]
     assert sorted((r["model"], r["rank"]) for r in piped) == sorted((m, k) for m in MODELS for k in range(4)), piped
     assert all(r["diff"] <= TOL and r["ep"] == 2 and r["held"] > 0 for r in piped), piped
+    # the ep self-check ran through the schedule on each stage's experts module (one per stage) and found them exact
+    assert all(r["ep_check"]["modules"] == 1 and r["ep_check"]["worst"] <= TOL for r in piped), piped
+    # experts that scale their input by a routing weight: pipelined with ep, refused by that check on every rank
+    refused = [r for r in rows if r["kind"] == "refusal" and r["case"] == "pp_ep_scaled_input"]
+    assert len(refused) == 4 and all("under PipelineStrategy: the setup self-check" in r["error"] for r in refused)
+    assert all("mlp.experts" in r["error"] for r in refused), refused
     _pipelined_router_loss(rows, 4, {"pp2_dp2", "pp2_ep2", "pp2_cp2", "pp2_dp2_local"})
     # sharded at ep=4, resumed at ep=2, consolidated for one device: every state arrives exactly
     (ck,) = [r for r in rows if r["kind"] == "ep_checkpoint" and r["rank"] == 0]

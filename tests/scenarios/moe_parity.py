@@ -350,10 +350,27 @@ def main() -> None:
         for kind in MODELS:  # pp2 x ep2: each stage's experts split over its dp_shard ranks (no router loss: see below)
             ref = pipe_reference(kind)
             task = PipeTask(kind)
-            trainer(PipelineStrategy(pp=2, ep=2, n_microbatches=2), devices=world, steps=STEPS).fit(task)
+            strategy = PipelineStrategy(pp=2, ep=2, n_microbatches=2)
+            trainer(strategy, devices=world, steps=STEPS).fit(task)
             held = full_params(task)  # this stage's parameters
             diff = max_rel_diff(held, {k: ref[k] for k in held})
-            emit(kind="moe_pp", model=kind, case="pp2_ep2", diff=diff, ep=ep_degree(task), held=len(held))
+            check = strategy.ep_check_report  # the ep self-check through the schedule, at setup
+            check = None if check is None else {"modules": check.blocks, "worst": check.worst}
+            emit(
+                kind="moe_pp", model=kind, case="pp2_ep2", diff=diff, ep=ep_degree(task), held=len(held), ep_check=check
+            )
+
+        class ScaledPipe(PipeTask):  # experts that scale their input by a routing weight: ep cannot split them
+            def __init__(self) -> None:
+                super().__init__("pack_moe")
+                for block in self.model.blocks:
+                    block.mlp.experts.forward = types.MethodType(scaled_input_forward, block.mlp.experts)
+
+        try:  # refused by the ep self-check through the schedule, on every rank, before any step
+            trainer(PipelineStrategy(pp=2, ep=2, n_microbatches=2), devices=world, steps=1).fit(ScaledPipe())
+            emit(kind="refusal", case="pp_ep_scaled_input", error=None)
+        except ValueError as err:
+            emit(kind="refusal", case="pp_ep_scaled_input", error=str(err))
     if world == 2:
         # refused on every rank before any collective: ep on a model without experts, cp with ep, grouped_mm in float64
         from lightning_dist.models import GPT

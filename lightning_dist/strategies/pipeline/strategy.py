@@ -9,7 +9,8 @@ from collections.abc import Mapping
 from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
@@ -126,6 +127,8 @@ class PipelineStrategy(MeshStrategy):
         self._step: Optional[PipelineStep] = None  # the running step, dropped at its end (training: by backward)
         self._own_loss: Any = None  # the module's pipeline_loss while the strategy serves it
         self._cp_probe_inputs: Optional[tuple[Tensor, str]] = None  # made before the split (stage 0 holds the vocab)
+        self._ep_probe_inputs: Optional[tuple[Tensor, str]] = None  # the same for the ep self-check (one per run)
+        self.ep_check_report: Any = None
 
     @property
     def n_microbatches(self) -> int:
@@ -248,9 +251,11 @@ class PipelineStrategy(MeshStrategy):
         # no sample micro-batch: the staged forward is compared with this copy on the first batch (see `PipelineRun`)
         unsplit = host_copy(net) if sample is None and not any(p.is_meta for p in net.parameters()) else None
         self.split = setup.split
+        example = getattr(module, "example_input_array", None)
         if self._cp is not None:  # cp's self-check batch, one sequence per micro-batch (see `check_context_parallel`)
-            example = getattr(module, "example_input_array", None)
             self._cp_probe_inputs = probe_inputs(net, mesh.cp_size, example=example, rows=self.n_microbatches)
+        if self.ep > 1 and self.self_check:  # the experts' self-check batch (see `check_split_model`)
+            self._ep_probe_inputs = probe_inputs(net, 1, example=example, rows=self.n_microbatches)
         if setup.mode == "balanced":
             assert sample is not None
             # profiled on global rank 0 alone (the others would compete for its cores), the same split everywhere
@@ -385,6 +390,64 @@ class PipelineStrategy(MeshStrategy):
         finally:
             if probed and self._pipeline is not None:
                 self._pipeline.runner.clear()  # the probe's schedules (its own batch shape) are not training's
+
+    @override
+    def check_split_model(self) -> None:
+        """Under ep, each stage's experts modules held to whole copies of them through one schedule (forward and
+        backward) on a probe batch, once per parallelization; each data-parallel rank's tokens rolled by its rank."""
+        found, self._ep_probe_inputs = self._ep_probe_inputs, None
+        if found is None or self._pipeline is None:
+            if self.ep > 1 and self.self_check and found is None and self._pipeline is not None:
+                rank_zero_warn(
+                    "expert-parallel self-check skipped: no probe batch for the pipelined network (set"
+                    " `example_input_array` on the LightningModule to have the split experts checked at setup)."
+                )
+            return
+        from lightning_dist.parallelize.ep import find_experts
+        from lightning_dist.parallelize.self_check import check_experts
+
+        inputs, sample = found
+        run, m = self._pipeline, self.n_microbatches
+        x = inputs.to(self.root_device).roll(self.distributed_sampler_kwargs["rank"], dims=1)
+        if x.is_floating_point():
+            x = x.to(next(iter(run.runner.params)).dtype)
+
+        def step() -> None:
+            # a projection of the output on fixed random weights: every output element gets a gradient
+            weights: dict = {}
+
+            def loss(out: Tensor, _: Any) -> Tensor:
+                key = (tuple(out.shape), out.dtype)
+                if key not in weights:
+                    g = torch.Generator().manual_seed(4321)
+                    weights[key] = torch.randn(key[0], generator=g, dtype=torch.float64).to(out.device, out.dtype)
+                return (out * weights[key]).sum()
+
+            with torch.compiler.set_stance("force_eager"):
+                run.runner.step(x, n_microbatches=m, loss_fn=loss, target=x, keep_output=False)
+
+        try:
+            step()  # a new schedule's first step also infers its stages' metadata on stand-in values: not checked
+            for p in run.runner.params:
+                p.grad = None
+            module = self.lightning_module
+            experts = find_experts(module)
+            report = check_experts(
+                module,
+                step,
+                experts,
+                dp_group=self.mesh.dp_group if self.mesh.dp_size > 1 else None,
+                describe=f"expert parallelism (ep={self.ep}) under {type(self).__name__}",
+                backward=False,
+            )
+        finally:
+            run.runner.clear()  # the probe's schedules (its own batch shape) are not training's
+        self.ep_check_report = report
+        rank_zero_info(
+            f"expert-parallel self-check ({sample}, through the schedule): {report.blocks} experts module(s) on this"
+            f" rank, outputs and expert gradients match whole copies (worst relative difference {report.worst:.1e});"
+            f" {report.seconds:.2f} s. self_check=False skips it."
+        )
 
     def _new_step(self, batch: Any = None, *, training: bool = False) -> PipelineStep:
         assert self._pipeline is not None, "a pipeline step before `parallelize`"
