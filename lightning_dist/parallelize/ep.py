@@ -27,12 +27,15 @@ GLOBAL_EXPERTS_KEY = "_ep_global_experts"
 
 def expert_count(module: nn.Module) -> int | None:
     """The number of experts of an experts module (the leading size shared by all its own parameters), or None when
-    `module` is not one: its own parameters are not all 3-D with one leading size, or its forward does not take
+    `module` is not one: its own parameters do not all have the expert first (one leading size; 3-D weights, at least
+    one, and 2-D per-expert biases ``[E, out]``, as gpt-oss's experts hold), or its forward does not take
     ``(hidden, top_k_index, top_k_weights)``."""
     import inspect
 
     params = list(module.parameters(recurse=False))
-    if not params or any(p.dim() != 3 for p in params) or len({p.shape[0] for p in params}) != 1:
+    if not params or any(p.dim() not in (2, 3) for p in params) or len({p.shape[0] for p in params}) != 1:
+        return None
+    if not any(p.dim() == 3 for p in params):  # [E, C] alone: an embedding or a router's weight, not experts
         return None
     try:
         names = [p.name for p in inspect.signature(module.forward).parameters.values()]
@@ -48,22 +51,23 @@ def find_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(n, m) for n, m in model.named_modules() if expert_count(m) is not None]
 
 
-def ep_problems(model: nn.Module, *, ep: int, dp_shard: int) -> list[str]:
+def ep_problems(model: nn.Module, *, ep: int, dp_shard: int, cp: int = 1) -> list[str]:
     """Why `model` cannot run with `ep` (one process, no collective): the same answer on every rank."""
     if ep == 1:
         return []
     problems = []
-    if dp_shard % ep:
+    if (dp_shard * cp) % ep:
+        ranks = f"dp_shard={dp_shard}" if cp == 1 else f"dp_shard x cp = {dp_shard} x {cp} = {dp_shard * cp}"
         problems.append(
-            f"ep={ep} must divide dp_shard={dp_shard}: the expert-parallel groups are formed inside the sharding"
-            " ranks (each group holds every expert once). Choose an ep that divides it."
+            f"ep={ep} must divide {ranks}: the expert-parallel groups are formed inside the sharding ranks (each"
+            " group holds every expert once). Choose an ep that divides it."
         )
     experts = find_experts(model)
     if not experts:
         problems.append(
-            f"ep={ep} but {type(model).__name__} has no experts module (3-D parameters with the expert first and a"
-            " forward (hidden, top_k_index, top_k_weights), as transformers' mixtures of experts and the pack's"
-            " MoEGPT have); drop ep, or write the experts that way."
+            f"ep={ep} but {type(model).__name__} has no experts module (3-D parameters with the expert first,"
+            " per-expert biases [E, out] allowed, and a forward (hidden, top_k_index, top_k_weights), as"
+            " transformers' mixtures of experts and the pack's MoEGPT have); drop ep, or write the experts that way."
         )
     for name, module in experts:
         n = expert_count(module)

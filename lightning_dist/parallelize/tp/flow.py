@@ -43,9 +43,11 @@ class _Watch(TorchFunctionMode):
     modules left whole (or tensors computed from them alone, as Gemma's ``1 + weight``) and other graded activations.
     Tensors are held weakly: an id freed and reused is not mistaken for a marked tensor."""
 
-    def __init__(self, owners: dict[int, tuple[str, str, Tensor]], planned: set[int]) -> None:
+    def __init__(
+        self, owners: dict[int, tuple[str, str, Tensor]], planned: set[int], buffers: frozenset[int] = frozenset()
+    ) -> None:
         super().__init__()
-        self.owners, self.planned = owners, planned
+        self.owners, self.planned, self.buffers = owners, planned, buffers
         self.split: dict[int, tuple[Any, int, str]] = {}  # id -> (weakref, unit, source layer)
         self.derived: dict[int, tuple[Any, frozenset]] = {}  # id -> (weakref, owner params it is computed from)
         self.meets: dict[str, dict[str, tuple[int, int, str]]] = {}  # module -> {param: (numel, unit, source)}
@@ -80,8 +82,10 @@ class _Watch(TorchFunctionMode):
         hit = next((got for t in operands if (got := self._get(self.split, t)) is not None), None)
         if hit is None:
             sources = [self._params_of(t) for t in operands]
-            graded_others = any(t.requires_grad and p is None for t, p in zip(operands, sources))
-            if any(sources) and not graded_others:  # computed from whole-kept parameters alone
+            # anything else that is a tensor of its own (graded, or data as a token-id model's ids: the embedding's
+            # output is an activation, not a parameter's derivative); buffers and 0-dim constants are neutral
+            others = any(p is None and t.dim() > 0 and id(t) not in self.buffers for t, p in zip(operands, sources))
+            if any(sources) and not others:  # computed from whole-kept parameters alone
                 params = frozenset().union(*(p for p in sources if p))
                 for t in tree_leaves(out):
                     if isinstance(t, Tensor):
@@ -118,7 +122,7 @@ def split_flow(model: nn.Module, entries: list[TPEntry], tp: int) -> SplitFlow:
         for pname, p in mod.named_parameters(recurse=False):
             owners.setdefault(id(p), (fqn, pname, p))
     for net, sample in probe_samples(model):
-        watch = _Watch(owners, planned)
+        watch = _Watch(owners, planned, frozenset(id(b) for b in model.buffers()))
         handles = []
         for e in active:
             mod = modules[e.fqn]
