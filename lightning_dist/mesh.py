@@ -21,7 +21,7 @@ DIM_NAMES: tuple[str, ...] = (PP, DP_REPLICATE, DP_SHARD, CP, TP)
 DP = "dp"
 # Flattened dims of context parallelism: FSDP2 shards over dp_shard x cp; the loss averages over dp x cp.
 DP_SHARD_CP, DP_CP = "dp_shard_cp", "dp_cp"
-# expert parallelism's second mesh (DistMesh.expert_meshes): dp_shard split into (dp_shard / ep, ep)
+# expert parallelism's second mesh (DistMesh.expert_meshes): dp_shard x cp split into (dp_shard cp / ep, ep)
 EP, EP_OUTER = "ep", "dp_shard_mod_ep"
 FLAT_DIMS: dict[str, tuple[str, ...]] = {
     DP: (DP_REPLICATE, DP_SHARD),
@@ -300,17 +300,19 @@ class DistMesh:
         return self._sub[(DP_REPLICATE, DP_SHARD_CP)]
 
     def expert_meshes(self, ep: int) -> "tuple[DeviceMesh, DeviceMesh]":
-        """(the ``ep`` mesh, the mesh FSDP2 shards experts over) of expert parallelism: ``dp_shard`` split into
-        ``dp_shard / ep`` x ``ep`` (consecutive ranks share experts) on a second mesh over the same ranks in the
-        same order. The experts' FSDP2 mesh is ``dp_replicate`` x ``dp_shard / ep``. Built on first use (a
-        collective: every rank calls it at the same point)."""
+        """(the ``ep`` mesh, the mesh FSDP2 shards experts over) of expert parallelism: ``dp_shard`` x ``cp`` split
+        into ``dp_shard cp / ep`` x ``ep`` (consecutive ranks share experts: cp peers first, as torchtitan borrows
+        ep from them) on a second mesh over the same ranks in the same order. The experts' FSDP2 mesh is
+        ``dp_replicate`` x ``dp_shard cp / ep``. Built on first use (a collective: every rank calls it at the same
+        point)."""
         if ("ep", ep) not in self._sub:
             from torch.distributed.device_mesh import init_device_mesh
 
-            shard = self.spec.size(DP_SHARD)
-            shape = [self.spec.size(d) for d in DIM_NAMES]
-            at = DIM_NAMES.index(DP_SHARD)
-            names = (*DIM_NAMES[:at], EP_OUTER, EP, *DIM_NAMES[at + 1 :])
+            shard = self.spec.size(DP_SHARD) * self.spec.size(CP)  # adjacent dims, cp the faster
+            shape = [self.spec.size(d) for d in DIM_NAMES if d != CP]
+            dims = tuple(d for d in DIM_NAMES if d != CP)
+            at = dims.index(DP_SHARD)
+            names = (*dims[:at], EP_OUTER, EP, *dims[at + 1 :])
             shape[at : at + 1] = [shard // ep, ep]
             root = init_device_mesh(self.device_mesh.device_type, tuple(shape), mesh_dim_names=names)
             fsdp = root[EP_OUTER] if self.spec.size(DP_REPLICATE) == 1 else root[(DP_REPLICATE, EP_OUTER)]

@@ -104,14 +104,14 @@ class HybridShardStrategy(ReplicaGroupsMixin):
                 " memory needs an accelerator): pass CPUOffloadPolicy(pin_memory=False) on CPU."
             )
         # the model's experts and the mesh, on every rank before any collective
-        problems = [
-            f"ep={self.ep} with {dim}={spec.size(dim)}: expert parallelism composes with data parallelism"
-            f" (dp_replicate, dp_shard) and tensor parallelism for now; set {dim}=1."
-            for dim in ("pp", "cp")
-            if self.ep > 1 and spec.size(dim) > 1
-        ]
-        if self.lightning_module is not None:
-            problems += ep_problems(self.lightning_module, ep=self.ep, dp_shard=spec.size("dp_shard"))
+        problems = []
+        if self.ep > 1 and spec.size("pp") > 1:
+            problems.append(
+                f"ep={self.ep} with pp={spec.size('pp')}: expert parallelism composes with data, context and tensor"
+                " parallelism here; pipeline with PipelineStrategy(pp=..., ep=...)."
+            )
+        if self.lightning_module is not None:  # ep borrows its ranks from dp_shard x cp
+            problems += ep_problems(self.lightning_module, ep=self.ep, dp_shard=spec.size("dp_shard"), cp=spec.cp)
         if problems:
             raise ValueError(f"Invalid {type(self).__name__} configuration:\n  - " + "\n  - ".join(problems))
         if self.zero_stage == 1 and spec.cp > 1:

@@ -5,12 +5,12 @@ and `router_aux_loss_coef=0.05`: the loss is the cross-entropy plus the coeffici
 ``torchrun --nproc-per-node 2 moe_parity.py``: fsdp2 (dp_shard=2), tp=2 and ep=2 (the HF models then exported to
 safetensors and loaded back by transformers), ep=2 with full activation checkpointing (the recomputed forward
 dispatches the tokens again) and ep=2 with the blocks' activations offloaded; with ``local`` as argv[1] also the
-per-rank auxiliary loss kept on purpose (``moe_aux_loss="local"``), which must differ from one device's; and a
-refusals: ep without experts, ep with cp, transformers'
-grouped_mm experts in float64, and (by ep's setup self-check) experts that scale their input by a routing weight and
-a dispatch whose expert gradients miss the 1/ep scaling. Every ep run reports its self-check's figures. 4 processes:
-hsdp 2 x 2, tp2 x dp_shard2 and the ep layouts (ep2 x tp2 among them, and pp2 x ep2 without the router loss),
-cp2 x dp_shard2 with selective activation checkpointing.
+per-rank auxiliary loss kept on purpose (``moe_aux_loss="local"``), which must differ from one device's; cp2 x ep2
+(ep borrowed from cp); and refusals: ep without experts, transformers' grouped_mm experts in float64, and (by ep's
+setup self-check) experts that scale their input by a routing weight and a dispatch whose expert gradients miss the
+1/ep scaling. Every ep run reports its self-check's figures. 4 processes: hsdp 2 x 2, tp2 x dp_shard2 and the ep
+layouts (ep2 x tp2 among them, and pp2 x ep2 without the router loss, whose self-check refuses experts ep cannot
+split), cp2 x dp_shard2 with selective activation checkpointing, and with ep4 (from dp_shard x cp).
 Every model pipelined with its router loss (transformers': its own ``labels`` loss): pp2 (1F1B; GPipe with full
 activation checkpointing) on 2 processes, pp2 x dp_shard2, x ep2, x cp2 on 4 (and the per-rank loss, which must
 differ). The ep2 runs carry the CommunicationLedger and MemoryReport
@@ -336,17 +336,15 @@ def main() -> None:
     if world == 4:
         checkpoints_across_ep_degrees()
         for kind in MODELS:  # cp2 x dp_shard2 with selective AC: the router loss over the dp x cp ranks' tokens
-            task = CPTask(kind)
-            trainer(FullyShardStrategy(cp=2, activation_checkpointing="selective"), devices=world, steps=STEPS).fit(
-                task
-            )
-            emit(
-                kind="moe",
-                model=kind,
-                case="cp2_sac",
-                mode="global",
-                diff=max_rel_diff(full_params(task), reference(kind)),
-            )
+            ref = reference(kind)
+            for case, ep, ac in (("cp2_sac", 1, "selective"), ("cp2_ep4", 4, None)):  # ep4: from dp_shard x cp
+                task = CPTask(kind)
+                strategy = FullyShardStrategy(cp=2, ep=ep, activation_checkpointing=ac)
+                trainer(strategy, devices=world, steps=STEPS).fit(task)
+                check = getattr(strategy, "ep_check_report", None)
+                check = None if check is None else {"modules": check.blocks, "worst": check.worst}
+                diff = max_rel_diff(full_params(task), ref)
+                emit(kind="moe", model=kind, case=case, mode="global", diff=diff, ep=ep_degree(task), ep_check=check)
         for kind in MODELS:  # pp2 x ep2: each stage's experts split over its dp_shard ranks (no router loss: see below)
             ref = pipe_reference(kind)
             task = PipeTask(kind)
@@ -395,7 +393,6 @@ def main() -> None:
         plain = contextlib.nullcontext
         for case, make, task, during in (
             ("ep_dense", lambda: FullyShardStrategy(ep=2), Dense, plain),
-            ("ep_cp", lambda: FullyShardStrategy(cp=2, ep=2), lambda: Task("pack_moe"), plain),
             ("grouped_mm", lambda: FullyShardStrategy(ep=2), GroupedMM, plain),
             ("ep_scaled_input", lambda: FullyShardStrategy(ep=2), ScaledInput, plain),
             ("ep_unscaled_grads", lambda: FullyShardStrategy(ep=2), lambda: Task("pack_moe"), unscaled_expert_grads),
@@ -408,6 +405,13 @@ def main() -> None:
                 emit(kind="refusal", case=case, error=str(err))
     pipelined_router_loss(world)
     if world == 2:
+        for kind in MODELS:  # cp2 x ep2: every ep rank a cp peer (ep borrowed from cp)
+            task = CPTask(kind)
+            strategy = FullyShardStrategy(cp=2, ep=2)
+            trainer(strategy, devices=world, steps=STEPS).fit(task)
+            check = {"modules": strategy.ep_check_report.blocks, "worst": strategy.ep_check_report.worst}
+            diff = max_rel_diff(full_params(task), reference(kind))
+            emit(kind="moe_cp_ep", model=kind, case="cp2_ep2", diff=diff, ep=ep_degree(task), ep_check=check)
         uniform_routing_against_the_planner()
 
 
