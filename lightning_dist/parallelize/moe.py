@@ -228,7 +228,7 @@ class StagedRouterLoss:
                 " before it: the pipelined network's forward must call the same router layers in both."
             )
         counts, rows = (t.to(stats.probs) for t in self.totals[key])
-        # the loss's own arithmetic (transformers' order, in the probabilities' dtype): the same rounding of the gradient
+        # the loss's own arithmetic (transformers' order, in the probabilities' dtype): the gradient rounds the same
         return self.weight.to(stats.probs) * switch_loss(counts, stats.probs, rows)
 
     def reduce(self, dp_group: Any, pp_group: Any, device: Any) -> Tensor:
