@@ -155,11 +155,15 @@ def replicate_for_replica_groups(roots: list[nn.Module], group: Any) -> None:
 
     ``find_unused_parameters=True``, as torchft's own ``DistributedDataParallel``: DDP then never rebuilds its
     buckets, which a group healing at step n (first step: initial buckets) would otherwise lay out differently from
-    its peers (rebuilt after their first step)."""
+    its peers (rebuilt after their first step).
+
+    One bucket per root (``bucket_cap_mb`` its gradients' size; without a cap DDP's first bucket is 1 MiB): the hook
+    waits for each bucket's all-reduce, so further buckets overlap nothing and each costs torchft's per-call work."""
     from torch.distributed._composable import replicate
 
     for module in roots:
-        replicate(module, process_group=group, find_unused_parameters=True)
+        size = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+        replicate(module, process_group=group, find_unused_parameters=True, bucket_cap_mb=max(1, size / 2**20 + 1))
 
 
 def register_state(manager: Any, key: str, state: Callable[[], Any], load: Callable[[Any], None]) -> None:
@@ -171,12 +175,14 @@ class CommitGate:
     """What Lightning's precision plugin steps: runs the closure (forward, backward, the cross-group all-reduce,
     clipping), then ``torchft.Optimizer.step``, which steps `optimizer` only if the quorum commits the step.
 
-    torchft's wrapper takes no closure; Lightning always passes one.
+    torchft's wrapper takes no closure; Lightning always passes one. Built once per optimizer; ``committed`` is the
+    last step's vote (None before the step's vote).
     """
 
     def __init__(self, optimizer: Any, manager: Any) -> None:
         import torchft
 
+        self.optimizer = optimizer
         self._wrapped = torchft.Optimizer(manager, optimizer)
         self.committed: Optional[bool] = None
 

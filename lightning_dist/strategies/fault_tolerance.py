@@ -43,6 +43,7 @@ class ReplicaGroupsMixin(MeshStrategy):
     _quorum_open = False
     _diloco: Optional[DiLoCoSync] = None
     _quorum_started: Optional[float] = None  # when this step's quorum was asked (a heal in it is timed from there)
+    _gate: Any = None  # the commit gate around the optimizer, built at its first step (one per optimizer)
     _pending_diloco: Optional[dict[str, Any]] = None  # DiLoCo's state from a checkpoint, until DiLoCo is entered
 
     def _take_fault_tolerance(self, value: FaultToleranceArg, kwargs: dict[str, Any], zero_stage: int) -> list[str]:
@@ -330,22 +331,29 @@ class ReplicaGroupsMixin(MeshStrategy):
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         if self._ft.diloco:
             return self._diloco_step(optimizer, closure, model, **kwargs)
-        from lightning.pytorch.core.optimizer import LightningOptimizer
-
-        from lightning_dist._integrations.torchft import CommitGate
-
         if not self._quorum_open:
             raise RuntimeError(
                 "fault_tolerance: an optimizer step without a quorum. The quorum is asked when the training loader"
                 " hands out a batch (the strategy wraps it in process_dataloader); a batch read another way has none."
             )
-        inner = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        gate = CommitGate(inner, self._manager)
+        gate = self._commit_gate(optimizer)
         model = model if model is not None else self.lightning_module
         result = self.precision_plugin.optimizer_step(gate, model=model, closure=closure, **kwargs)
         self._quorum_open = False
         self._record(bool(gate.committed))
         return result
+
+    def _commit_gate(self, optimizer: Any) -> Any:
+        """The commit gate around `optimizer` (the same every step: built once)."""
+        from lightning.pytorch.core.optimizer import LightningOptimizer
+
+        inner = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        if self._gate is None or self._gate.optimizer is not inner:
+            from lightning_dist._integrations.torchft import CommitGate
+
+            self._gate = CommitGate(inner, self._manager)
+        self._gate.committed = None
+        return self._gate
 
     def _diloco_step(self, optimizer: Any, closure: Any, model: Any, **kwargs: Any) -> Any:
         """The inner step; every ``sync_every`` of them DiLoCo's sync after it, where a group behind heals."""
@@ -390,12 +398,15 @@ class ReplicaGroupsMixin(MeshStrategy):
             }
         )
         self.figures.stepped(participants, committed)
-        # the module's own logging path (allowed in optimizer_step): the progress bar, and every logger
-        self.lightning_module.log_dict(self.figures.as_dict(), prog_bar=True, on_step=True, on_epoch=False)
+        # the module's own logging path (allowed in optimizer_step): the progress bar, and every logger. CPU tensors:
+        # numbers would become device tensors (a blocking host-to-device copy each) that the progress bar reads back
+        # with .item() every step, six waits for the accelerator per step; on the CPU Lightning never syncs
+        self.lightning_module.log_dict(self.figures.as_tensors(), prog_bar=True, on_step=True, on_epoch=False)
 
     @override
     def teardown(self) -> None:
         self._pending_diloco = None
+        self._gate = None
         diloco, self._diloco = self._diloco, None
         if diloco is not None:
             diloco.close()
@@ -498,3 +509,10 @@ class ReplicaGroupFigures:
 
     def as_dict(self) -> dict[str, float]:
         return {"ft/participants": self.participants, "ft/failures": self.failures, "ft/heal_s": self.heal_s}
+
+    def as_tensors(self) -> dict[str, torch.Tensor]:
+        """:meth:`as_dict` as CPU tensors in the dtype Lightning logs numbers in (float32 unless the default dtype is
+        wider): logged, they stay on the CPU, so reading them back (the progress bar, every step) waits for nothing."""
+        dtype = torch.get_default_dtype()
+        dtype = dtype if dtype in (torch.float32, torch.float64) else torch.float32
+        return {k: torch.tensor(float(v), dtype=dtype) for k, v in self.as_dict().items()}
