@@ -60,6 +60,37 @@ def shown(trainer) -> dict:
     return {"bar": pick(trainer.progress_bar_metrics), "logged": pick(trainer.logged_metrics)}
 
 
+class Indexed(Classifier):
+    """Samples that carry their index, shuffled per epoch (32 steps an epoch); one random draw per step (an RNG stream
+    the heal must carry on); StepLR every 16 steps (the tests' replays use the same). `position`: the record also
+    holds the epoch and the batch read (before a heal in this step's DiLoCo sync moves the loader)."""
+
+    position = False
+
+    def train_dataloader(self):
+        kw = self.trainer.strategy.distributed_sampler_kwargs
+        x, y = dataset(self.n, dtype=self.dtype_).tensors
+        data = TensorDataset(x, y, torch.arange(self.n))
+        sampler = DistributedSampler(data, shuffle=True, seed=0, **kw)
+        return DataLoader(data, batch_size=self.global_batch // kw["num_replicas"], sampler=sampler)
+
+    def training_step(self, batch, batch_idx):
+        x, y, index = batch
+        where = {"epoch": self.trainer.current_epoch, "batch": batch_idx} if self.position else {}
+        self.record = {
+            "indices": index.tolist(),
+            **where,
+            "draw": torch.rand(()).item(),
+            "lr": self.trainer.optimizers[0].param_groups[0]["lr"],
+        }
+        return F.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.wd)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=16, gamma=0.7)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
 def save(module, path) -> None:
     params = full_params(module)  # a collective: every rank
     if torch.distributed.get_rank() == 0:
@@ -172,31 +203,6 @@ elif mode == "heal":
     shard = int(sys.argv[7]) if len(sys.argv) > 7 else 1
     victim = shard - 1  # a group of one rank: its only rank (all of it); of two: rank 1, inside the group's shard dim
 
-    class Indexed(Classifier):
-        """Samples that carry their index, shuffled per epoch (32 steps an epoch); one random draw per step (an RNG
-        stream the heal must carry on); StepLR every 16 steps (the test's replay uses the same)."""
-
-        def train_dataloader(self):
-            kw = self.trainer.strategy.distributed_sampler_kwargs
-            x, y = dataset(self.n, dtype=self.dtype_).tensors
-            data = TensorDataset(x, y, torch.arange(self.n))
-            sampler = DistributedSampler(data, shuffle=True, seed=0, **kw)
-            return DataLoader(data, batch_size=self.global_batch // kw["num_replicas"], sampler=sampler)
-
-        def training_step(self, batch, batch_idx):
-            x, y, index = batch
-            self.record = {
-                "indices": index.tolist(),
-                "draw": torch.rand(()).item(),
-                "lr": self.trainer.optimizers[0].param_groups[0]["lr"],
-            }
-            return F.cross_entropy(self(x), y)
-
-        def configure_optimizers(self):
-            opt = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.wd)
-            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=16, gamma=0.7)
-            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-
     class Chaos(pl.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             last = trainer.strategy.committed_steps[-1]
@@ -241,33 +247,6 @@ elif mode == "heal_diloco":
     group, out, address, total, kill = int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5]), sys.argv[6]
     EVERY = 2
 
-    class Indexed(Classifier):
-        """Samples that carry their index, shuffled per epoch (32 inner steps an epoch); one random draw per step;
-        StepLR every 16 inner steps (the test's replay uses the same)."""
-
-        def train_dataloader(self):
-            kw = self.trainer.strategy.distributed_sampler_kwargs
-            x, y = dataset(self.n, dtype=self.dtype_).tensors
-            data = TensorDataset(x, y, torch.arange(self.n))
-            sampler = DistributedSampler(data, shuffle=True, seed=0, **kw)
-            return DataLoader(data, batch_size=self.global_batch // kw["num_replicas"], sampler=sampler)
-
-        def training_step(self, batch, batch_idx):
-            x, y, index = batch
-            self.record = {
-                "indices": index.tolist(),
-                "epoch": self.trainer.current_epoch,
-                "batch": batch_idx,  # the batch read (before a heal in this step's sync moves the loader)
-                "draw": torch.rand(()).item(),
-                "lr": self.trainer.optimizers[0].param_groups[0]["lr"],
-            }
-            return F.cross_entropy(self(x), y)
-
-        def configure_optimizers(self):
-            opt = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.wd)
-            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=16, gamma=0.7)
-            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-
     class Chaos(pl.Callback):
         syncs = together = 0
         state = None
@@ -304,6 +283,7 @@ elif mode == "heal_diloco":
                         sync="diloco", sync_every=EVERY)  # fmt: skip
     strategy = HybridShardStrategy(dp_replicate=2, dp_shard=1, fault_tolerance=ft)
     module = Indexed(n=512)
+    module.position = True
     ledger, chaos = CommunicationLedger(skip_steps=0, print_table=False), Chaos()
     t = trainer(strategy, devices=1, steps=10_000, callbacks=[ledger, chaos])
     t.fit(module)
