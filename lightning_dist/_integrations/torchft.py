@@ -4,6 +4,7 @@
 * :func:`make_manager`: one ``torchft.Manager`` per replica group, over a reconfigurable process group;
 * :func:`average_across_replica_groups`: FSDP2's post-reduce hook, or DDP's comm hook, through the manager's
   all-reduce; :func:`replicate_for_replica_groups`: DDP for a group of one data-parallel rank;
+  :func:`average_gradients`: the same average called after a backward (a pipeline's schedule);
 * :func:`register_state`: the state a healing replica group receives from a healthy one;
 * :class:`CommitGate`: Lightning's optimizer closure, then torchft's optimizer wrapper (step only on commit);
 * :func:`diloco`: torchft's ``DiLoCo`` over the whole module (``sync="diloco"``: no per-step average);
@@ -19,7 +20,7 @@ into Lightning's loop (checked against ``LIGHTNING_RANGE``). Notes: docs/fault_t
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -31,6 +32,7 @@ from lightning_dist._compat import require_torchft
 __all__ = [
     "CommitGate",
     "average_across_replica_groups",
+    "average_gradients",
     "check_lighthouse",
     "continue_fit_loop",
     "diloco",
@@ -147,6 +149,25 @@ def average_across_replica_groups(model: nn.Module, manager: Any) -> int:
             continue
         hooked += 1
     return hooked
+
+
+def average_gradients(grads: Sequence[torch.Tensor], manager: Any) -> int:
+    """Average `grads` in place over the participating replica groups through ``manager.allreduce``: each DTensor's
+    local shard (every group holds the same shards), in one flat buffer per dtype and device (one call each, as DDP's
+    one bucket). Returns the number of calls."""
+    from torch.distributed.tensor import DTensor
+
+    buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for g in grads:
+        local = g.to_local() if isinstance(g, DTensor) else g
+        buckets.setdefault((local.dtype, local.device), []).append(local)
+    with torch.no_grad():
+        for tensors in buckets.values():
+            flat = torch.cat([t.reshape(-1) for t in tensors])
+            manager.allreduce(flat).wait()  # a failed peer marks the step uncommitted
+            for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
+                t.copy_(part.view(t.shape))
+    return len(buckets)
 
 
 def replicate_for_replica_groups(roots: list[nn.Module], group: Any) -> None:

@@ -69,7 +69,10 @@ class ReplicaGroupsMixin(MeshStrategy):
                 " would have to be healed shard by shard): pass zero_stage=2 or 3."
             )
         if kwargs.get("pp", 1) != 1:
-            problems.append("fault_tolerance with pipeline parallelism (pp > 1) is not supported yet: set pp=1.")
+            problems.append(
+                f"fault_tolerance with pp={kwargs['pp']} on {type(self).__name__}: pipelines are PipelineStrategy's;"
+                " pass PipelineStrategy(pp=..., dp_replicate=..., fault_tolerance=...)."
+            )
         if not problems:
             self._ft, self._ft_groups = config, groups
             kwargs["dp_replicate"] = 1  # inside one replica group; the groups are torchft's
@@ -154,6 +157,10 @@ class ReplicaGroupsMixin(MeshStrategy):
         super().apply_parallelism()
         if self._manager is None or self._ft.diloco:  # DiLoCo: no per-step average; each group trains on its own
             return
+        self._hook_replica_average()
+
+    def _hook_replica_average(self) -> None:
+        """The average across the groups through the data-parallel hooks of the backward (FSDP2's, DDP's)."""
         from torch.distributed.tensor import DTensor
 
         from lightning_dist._integrations.torchft import average_across_replica_groups, replicate_for_replica_groups
@@ -182,6 +189,16 @@ class ReplicaGroupsMixin(MeshStrategy):
                 "fault_tolerance averages gradients through FSDP2's or DDP's hooks, but the model has neither (a"
                 " parallelize_fn without fully_shard?). Apply lightning_dist.parallelize.apply_fsdp in it."
             )
+
+    def _average_gradients_now(self) -> None:
+        """Average the gradients held now over the participating groups, one all-reduce per dtype (a strategy that
+        computes them outside the data-parallel hooks calls it at the end of its backward: pipelines)."""
+        if self._manager is None or self._ft.diloco:
+            return
+        from lightning_dist._integrations.torchft import average_gradients
+
+        grads = [p.grad for p in self.lightning_module.parameters() if p.grad is not None]
+        average_gradients(grads, self._manager)
 
     # ---- data: in training each replica group reads its own part of the global batch -------------------------
     @property
@@ -266,7 +283,10 @@ class ReplicaGroupsMixin(MeshStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        return self._restore_fault_tolerance(super().load_checkpoint(checkpoint_path, weights_only), checkpoint_path)
+
+    def _restore_fault_tolerance(self, checkpoint: dict[str, Any], checkpoint_path: _PATH) -> dict[str, Any]:
+        """Take torchft's step counter (and DiLoCo's state) from a loaded `checkpoint`; returns it."""
         entry = checkpoint.get(CHECKPOINT_KEY)  # left in: the LightningModule's on_load_checkpoint sees it too
         if self._manager is None:  # not fitting, or no fault tolerance
             if entry is not None and self._ft is None and self._stage() is not None:

@@ -297,8 +297,12 @@ def test_unreachable_or_killed_lighthouse_fails_every_rank_with_its_address_with
     assert reap_survivors(marker) == []
 
 
-@pytest.mark.parametrize("shard", [1, 2], ids=["ddp-groups-of-1-group-killed", "fsdp2-groups-of-2-one-rank-killed"])
-def test_killed_group_heals_and_every_committed_step_trains_its_samples_once(tmp_path, shard):
+@pytest.mark.parametrize(
+    "layout",
+    ["1", "2", "pp2"],
+    ids=["ddp-groups-of-1-group-killed", "fsdp2-groups-of-2-one-rank-killed", "pipeline-groups-of-2-one-stage-killed"],
+)
+def test_killed_group_heals_and_every_committed_step_trains_its_samples_once(tmp_path, layout):
     """The cluster way on loopback: `torchft_lighthouse` as its own process. Group 1 loses a rank after committed step
     3 (or later): with one rank per group that is the whole group (SIGKILL), with two its rank 1 (a failure inside the
     group's shard dim: the launcher ends the group, exit 1). Group 0 keeps stepping alone; group 1 restarted heals from
@@ -306,20 +310,23 @@ def test_killed_group_heals_and_every_committed_step_trains_its_samples_once(tmp
     RNG) and both end on the same step. Every committed step trained the participating groups' parts of one global
     batch, no sample twice, nothing dropped but the absent group's parts; both groups hold bitwise-identical weights
     and AdamW state, equal to a single-device replay of exactly those samples. Groups of one rank replicate with
-    DDP, of two shard with FSDP2 (uneven shards for the 5-row head)."""
+    DDP, of two shard with FSDP2 (uneven shards for the 5-row head); a group of two pipeline stages (1F1B) averages
+    each stage's gradients across the groups after its schedule, and heals stage by stage."""
     marker, total = uuid.uuid4().hex, 10
+    pipeline = layout == "pp2"
+    ranks, shard = (2, 1) if pipeline else (int(layout),) * 2  # a group's ranks; those reading distinct samples
     with lighthouse(29643, marker, "--join_timeout_ms", "2000", "--heartbeat_timeout_ms", "2000") as address:
         args = (str(tmp_path), address, str(total))
-        group0 = launch("heal", "0", *args, "0", str(shard), port=29660, marker=marker)
-        (first,) = finish([launch("heal", "1", *args, "3", str(shard), port=29661, marker=marker)])
+        group0 = launch("heal", "0", *args, "0", layout, port=29660, marker=marker)
+        (first,) = finish([launch("heal", "1", *args, "3", layout, port=29661, marker=marker)])
         # SIGKILL of the group's only rank; a group of two: the launcher ends it when its rank 1 is killed
-        assert first.returncode == (-9 if shard == 1 else 1), first.stderr[-6000:]
-        restarted = launch("heal", "1", *args, "0", str(shard), port=29662, marker=marker)
+        assert first.returncode == (-9 if ranks == 1 else 1), first.stderr[-6000:]
+        restarted = launch("heal", "1", *args, "0", layout, port=29662, marker=marker)
         done = finish([group0, restarted])
     all_ok(done, marker)
 
     launches = {"killed": results(first), "alive": results(done[0]), "healed": results(done[1])}
-    steps = {name: _steps_by_rank0(rows, shard) for name, rows in launches.items()}
+    steps = {name: _steps_by_rank0(rows, ranks) for name, rows in launches.items()}
     killed, alive, healed = steps["killed"], steps["alive"], steps["healed"]
     assert all(s["committed"] for s in killed + alive + healed)
     # group 0 never stopped (min_replicas=1: whichever group starts first may step alone until the other joins and
@@ -356,12 +363,14 @@ def test_killed_group_heals_and_every_committed_step_trains_its_samples_once(tmp
     assert 0 < heal_s < 60, healed
     assert all(s["bar"]["ft/failures"] == 0 for s in healed)
     # the ledger: torchft's all-reduce across the groups, every step, one rank's gradient payload (fp64) whether
-    # one group took part or two (a group of one rank: one DDP bucket; of two: each FSDP2 unit's padded shard)
-    assert all(s["cross"] == list(cross_group_payload(shard)) for s in killed + alive + healed)
+    # one group took part or two (a group of one rank: one DDP bucket; of two: each FSDP2 unit's padded shard; a
+    # pipeline stage: its gradients in one call after the schedule)
+    payload = lambda s: [1, s["stage_bytes"]] if pipeline else list(cross_group_payload(shard))  # noqa: E731
+    assert all(s["cross"] == payload(s) for s in killed + alive + healed)
 
     # data accounting: committed step k trained the participants' parts of global batch k - 1 (32 an epoch, shuffled
     # per epoch), nothing else; a step with one group drops the other's part, no other sample is dropped
-    samples = _committed_samples(launches)
+    samples = _committed_samples(launches, shard)
     last = max(samples)
     assert list(samples) == list(range(1, last + 1)), "every step up to the last committed, each once"
     start = min(s["step"] for s in killed + alive if s["participants"] == 2)
@@ -380,8 +389,7 @@ def test_killed_group_heals_and_every_committed_step_trains_its_samples_once(tmp
     assert len(trained) == len(set(trained)), "no sample trained twice in an epoch"
     assert len(trained) + len(dropped) == 16 * last and set(trained).isdisjoint(dropped)
 
-    g0 = torch.load(tmp_path / "heal_g0.pt", weights_only=True)
-    g1 = torch.load(tmp_path / "heal_g1.pt", weights_only=True)
+    g0, g1 = (_heal_state(tmp_path, g, ranks if pipeline else 1) for g in (0, 1))
     assert g0.keys() == g1.keys() and any(k.startswith("opt.") for k in g0)
     assert all(torch.equal(g0[k], g1[k]) for k in g0)  # weights and AdamW moments and step counts
     replay = _replay(samples)
@@ -403,12 +411,23 @@ def _steps_by_rank0(rows: list[dict], shard: int) -> list[dict]:
     return mine
 
 
-def _committed_samples(launches: dict[str, list[dict]]) -> dict[int, dict[int, list[int]]]:
-    """committed step -> replica group -> the sample indices its ranks trained in it."""
+def _heal_state(out: Path, group: int, files: int) -> dict[str, torch.Tensor]:
+    """A group's saved weights and AdamW state: one file, or one per pipeline rank (its stage's), joined."""
+    if files == 1:
+        return torch.load(out / f"heal_g{group}.pt", weights_only=True)
+    state: dict[str, torch.Tensor] = {}
+    for rank in range(files):
+        state.update(torch.load(out / f"heal_g{group}_r{rank}.pt", weights_only=True))
+    return state
+
+
+def _committed_samples(launches: dict[str, list[dict]], readers: int) -> dict[int, dict[int, list[int]]]:
+    """committed step -> replica group -> the sample indices its `readers` data-parallel ranks trained in it (a
+    pipeline's stages read the same batch: its rank 0 counts)."""
     out: dict[int, dict[int, list[int]]] = {}
     for rows in launches.values():
         for r in rows:
-            if r["kind"] == "step" and r["committed"]:
+            if r["kind"] == "step" and r["committed"] and r["rank"] < readers:
                 part = out.setdefault(r["step"], {}).setdefault(r["group"], [])
                 assert not set(part) & set(r["indices"]), ("trained twice", r)
                 part += r["indices"]

@@ -14,13 +14,14 @@ and 3 (between two) in OUT/diloco_g{G}_step{2,3}.ckpt (a ResumableDataLoader: an
 OUT/diloco_g{G}_step{STEP}.ckpt to step 6; the full parameters saved to OUT/diloco_resumed_2x{SHARD}_g{G}.pt, torchft's
 step counter and DiLoCo's inner steps at the first resumed batch emitted.
 ``unreachable ADDRESS``: a replica group whose lighthouse does not answer (connect_timeout 3 s): must fail.
-``heal G OUT ADDRESS TOTAL KILL_AT [SHARD]``: replica group G of 2 (SHARD ranks, default 1) against the lighthouse
-at ADDRESS, 0.2 s per step, until torchft's committed step TOTAL and 3 steps with both groups; with KILL_AT > 0 one rank
-SIGKILLs itself once step KILL_AT is committed in a step both groups took: a group of one rank its only rank, of two
-ranks its rank 1 (a failure inside the group's shard dim: the launcher ends the group). Every rank prints each step
+``heal G OUT ADDRESS TOTAL KILL_AT [LAYOUT]``: replica group G of 2 (LAYOUT: ``1``, ``2`` ranks of hsdp's dp_shard, or
+``pp2``, a 2-stage 1F1B pipeline) against the lighthouse at ADDRESS, 0.2 s per step, until torchft's committed step
+TOTAL and 3 steps with both groups; with KILL_AT > 0 one rank SIGKILLs itself once step KILL_AT is committed in a step
+both groups took: a group of one rank its only rank, of two ranks its rank 1 (a failure inside the group's own mesh:
+the launcher ends the group). Every rank prints each step
 (torchft's step, participants, the sample indices it trained, Lightning's global step, the LR, one random draw, the
 ``ft/`` figures of the progress bar and of the loggers, the ledger's cross-group all-reduce); the weights and optimizer
-state are saved to OUT/heal_g{G}.pt.
+state are saved to OUT/heal_g{G}.pt (a pipeline: each rank's stage to OUT/heal_g{G}_r{RANK}.pt).
 ``heal_diloco G OUT ADDRESS TOTAL KILL``: the same under ``sync="diloco"``, ``sync_every=2`` (one rank per group, its
 outer optimizer the default SGD-Nesterov), until torchft's committed sync TOTAL and 3 syncs with both groups; KILL
 ``sync``: SIGKILLed right after a sync both groups took (torchft's step >= 3, the second such sync at least),
@@ -40,14 +41,13 @@ import time
 
 import lightning.pytorch as pl
 import torch
-import torch.nn.functional as F
 from _common import Classifier, dataset, emit, full_params, rank, trainer
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_dist  # noqa: F401  (registers the strategies)
 from lightning_dist.callbacks import CommunicationLedger, MemoryReport
 from lightning_dist.data import ResumableDataLoader
-from lightning_dist.strategies import FaultTolerance, HybridShardStrategy
+from lightning_dist.strategies import FaultTolerance, HybridShardStrategy, PipelineStrategy
 
 STEPS = 3
 CROSS = ("all_reduce", "replica_group")  # the ledger's row of torchft's all-reduce across the groups
@@ -83,7 +83,7 @@ class Indexed(Classifier):
             "draw": torch.rand(()).item(),
             "lr": self.trainer.optimizers[0].param_groups[0]["lr"],
         }
-        return F.cross_entropy(self(x), y)
+        return self.pipeline_loss(self(x), y)  # cross-entropy (served by PipelineStrategy on every pp rank)
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.wd)
@@ -200,15 +200,16 @@ elif mode == "unreachable":
     emit(kind="unexpected-success")
 elif mode == "heal":
     group, out, address, total, kill_at = int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6])
-    shard = int(sys.argv[7]) if len(sys.argv) > 7 else 1
-    victim = shard - 1  # a group of one rank: its only rank (all of it); of two: rank 1, inside the group's shard dim
+    layout = sys.argv[7] if len(sys.argv) > 7 else "1"  # "1", "2": dp_shard; "pp2": a 2-stage pipeline (1F1B)
+    ranks = 2 if layout in ("2", "pp2") else 1
+    victim = ranks - 1  # a group of one rank: its only rank (all of it); of two: rank 1, inside the group's own mesh
 
     class Chaos(pl.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             last = trainer.strategy.committed_steps[-1]
             cross = ledger.steps[-1].get(CROSS)  # the ledger's callback runs first: this step's row
             emit(kind="step", group=group, global_step=trainer.global_step, **last, **pl_module.record, cross=cross,
-                 **shown(trainer))  # fmt: skip
+                 stage_bytes=sum(8 * p.numel() for p in pl_module.parameters()), **shown(trainer))  # fmt: skip
             time.sleep(0.2)  # a step long enough for the other group to be restarted during the outage
             step = trainer.strategy.manager.current_step()
             if kill_at and step >= kill_at and last["participants"] == 2:  # killed while both groups step
@@ -224,16 +225,21 @@ elif mode == "heal":
         together = 0
 
     ft = FaultTolerance(replica_group=group, lighthouse=address, min_replicas=1, timeout=10, quorum_timeout=60)
-    strategy = HybridShardStrategy(dp_replicate=2, dp_shard=shard, fault_tolerance=ft)
+    if layout == "pp2":
+        strategy = PipelineStrategy(pp=2, dp_replicate=2, fault_tolerance=ft)
+    else:
+        strategy = HybridShardStrategy(dp_replicate=2, dp_shard=int(layout), fault_tolerance=ft)
     module = Indexed(n=512)
     ledger = CommunicationLedger(skip_steps=0, print_table=False)
-    t = trainer(strategy, devices=shard, steps=10_000, callbacks=[ledger, Chaos()])
+    t = trainer(strategy, devices=ranks, steps=10_000, callbacks=[ledger, Chaos()])
     t.fit(module)
     optimizer = strategy.optimizers[0]
     moments = {f"opt.{n}.{k}": v for n, p in module.named_parameters() for k, v in optimizer.state[p].items()}
     moments = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in moments.items()}  # collectives
     state = {**full_params(module), **moments}
-    if torch.distributed.get_rank() == 0:
+    if layout == "pp2":  # each rank its stage's
+        torch.save(state, f"{out}/heal_g{group}_r{rank()}.pt")
+    elif torch.distributed.get_rank() == 0:
         torch.save(state, f"{out}/heal_g{group}.pt")
     emit(
         kind="heal",

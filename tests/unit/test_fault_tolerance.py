@@ -17,7 +17,7 @@ from lightning_dist.parallelize.shard_state import (
     module_state,
     optimizer_state,
 )
-from lightning_dist.strategies import FullyShardStrategy, HybridShardStrategy
+from lightning_dist.strategies import FullyShardStrategy, HybridShardStrategy, PipelineStrategy
 from lightning_dist.strategies.ft_config import FaultTolerance
 from lightning_dist.strategies.heal import group_loader, load_training_state, training_state
 
@@ -35,6 +35,9 @@ def test_replicate_dim_becomes_replica_groups_and_the_job_mesh_has_one():
     fsdp2 = FullyShardStrategy(dp_replicate=2, fault_tolerance={"replica_group": 1, "min_replicas": 2})
     assert fsdp2.fault_tolerance.min_replicas == 2 and fsdp2._sizes["dp_replicate"] == 1
     assert HybridShardStrategy().fault_tolerance is None
+    # a pipeline's replica groups: each group a pp x dp_shard job (the schedule's gradients averaged after it)
+    pipeline = PipelineStrategy(pp=2, dp_replicate=2, fault_tolerance=FaultTolerance(replica_group=1))
+    assert pipeline._sizes["dp_replicate"] == 1 and pipeline.replica_groups == 2 and pipeline._sizes["pp"] == 2
 
 
 @needs_torchft
@@ -59,6 +62,11 @@ def test_every_configuration_problem_is_listed_at_once():
         HybridShardStrategy(dp_replicate=2, fault_tolerance={"group": 0})
     with pytest.raises(ValueError, match="must be a FaultTolerance"):
         HybridShardStrategy(dp_replicate=2, fault_tolerance=True)
+    with pytest.raises(ValueError, match=r"pp=2 on HybridShardStrategy: .* pass PipelineStrategy\(pp=\.\.\."):
+        HybridShardStrategy(pp=2, dp_replicate=2, fault_tolerance=FaultTolerance(replica_group=0))
+    diloco = FaultTolerance(replica_group=0, sync="diloco", sync_every=4)
+    with pytest.raises(ValueError, match="sync='diloco' under PipelineStrategy is not supported yet"):
+        PipelineStrategy(pp=2, dp_replicate=2, fault_tolerance=diloco)
 
 
 @needs_torchft
@@ -490,3 +498,26 @@ def test_a_checkpoint_of_another_sync_mode_or_outer_optimizer_is_refused_and_a_p
     state = _diloco_sync(0).state_dict()
     with pytest.raises(ValueError, match="outer optimizer is torch.optim.sgd.SGD, this run's torch.optim.adam.Adam"):
         _diloco_sync(0, outer_optimizer=torch.optim.Adam).load_state_dict(state)
+
+
+def test_average_gradients_sends_one_buffer_per_dtype_and_writes_every_gradient_back():
+    """A pipeline's gradients averaged across the groups after its schedule: one call per dtype, each gradient
+    (non-contiguous ones too) given back its part of the reduced buffer."""
+    from lightning_dist._integrations.torchft import average_gradients
+
+    class Manager:  # stands in for torchft's: the "average" adds the buffer's position, so misplaced parts show
+        def __init__(self):
+            self.calls = []
+
+        def allreduce(self, flat):
+            self.calls.append((flat.dtype, flat.numel()))
+            flat += torch.arange(flat.numel(), dtype=flat.dtype)
+            return type("Work", (), {"wait": lambda self: None})()
+
+    grads = [torch.zeros(2, 3, dtype=torch.float64), torch.zeros(3, 2, dtype=torch.float64).t(), torch.zeros(4)]
+    manager = Manager()
+    assert average_gradients(grads, manager) == 2
+    assert manager.calls == [(torch.float64, 12), (torch.float32, 4)]
+    assert torch.equal(grads[0].flatten(), torch.arange(6, dtype=torch.float64))
+    assert torch.equal(grads[1].reshape(-1), torch.arange(6, 12, dtype=torch.float64))  # row-major order of its view
+    assert torch.equal(grads[2], torch.arange(4, dtype=torch.float32))

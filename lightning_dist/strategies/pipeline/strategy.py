@@ -37,14 +37,16 @@ from lightning_dist.parallelize.tp.apply import resolve_stage_plan
 from lightning_dist.parallelize.tp.plan import format_plan
 from lightning_dist.parallelize.tp.vocab import TPEntry
 from lightning_dist.rules import SCHEDULES
-from lightning_dist.strategies.base import MeshStrategy, serve_pipeline_loss, unserve_pipeline_loss
+from lightning_dist.strategies.base import serve_pipeline_loss, unserve_pipeline_loss
+from lightning_dist.strategies.fault_tolerance import ReplicaGroupsMixin
+from lightning_dist.strategies.ft_config import FaultToleranceArg
 from lightning_dist.strategies.pipeline import setup as checks
 from lightning_dist.strategies.pipeline.step import PipelineProbe, PipelineRun, PipelineStep
 
 log = logging.getLogger(__name__)
 
 
-class PipelineStrategy(MeshStrategy):
+class PipelineStrategy(ReplicaGroupsMixin):
     """Pipeline parallelism on the mesh's ``pp`` dim with torch's schedules; the rest of the ranks do data parallelism.
 
     Args:
@@ -70,6 +72,8 @@ class PipelineStrategy(MeshStrategy):
         broadcast_output: give every pp rank the network's whole output (broadcast from the last stage each step).
             Default False: the steps see a stand-in that answers ``pipeline_loss(out, target)`` / HF ``out.loss``
             with the batch loss and refuses any other use. Predict always broadcasts.
+        fault_tolerance: a :class:`~lightning_dist.strategies.ft_config.FaultTolerance`: the ``dp_replicate``
+            replicas are torchft replica groups, each its own job (``sync="step"``; docs/fault_tolerance.md).
         **kwargs: mesh, model and checkpoint options of :class:`MeshStrategy` (``dp_replicate``, ``dp_shard``,
             ``tp_plan``, ``activation_checkpointing``, ``compile``...).
     """
@@ -91,9 +95,17 @@ class PipelineStrategy(MeshStrategy):
         record_timeline: bool = False,
         tp: int = 1,
         broadcast_output: bool = False,
+        fault_tolerance: FaultToleranceArg = None,
         **kwargs: Any,
     ) -> None:
         problems = checks.option_problems(schedule=schedule, options=kwargs)
+        problems += self._take_fault_tolerance(fault_tolerance, kwargs, 3 if reshard_after_forward else 2)
+        if self._ft is not None and self._ft.diloco:
+            problems.append(
+                "fault_tolerance with sync='diloco' under PipelineStrategy is not supported yet (DiLoCo's state in"
+                " a checkpoint is one rank's, and a pipeline rank holds one stage): use sync='step', or DiLoCo with"
+                " hsdp/fsdp2."
+            )
         if schedule not in SCHEDULES:
             problems.insert(0, f"`schedule={schedule!r}` must be one of {sorted(SCHEDULES)}.")
         if kwargs.get("cp_network", "auto") not in ("auto", network):
@@ -544,6 +556,7 @@ class PipelineStrategy(MeshStrategy):
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
         # Lightning divides the loss by accumulate_grad_batches before backward; scale the schedule's grads alike
         step.backward(closure_loss, 1.0 / self.lightning_module.trainer.accumulate_grad_batches)
+        self._average_gradients_now()  # fault_tolerance: across the replica groups (no hook saw the schedule's)
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
         self.post_backward(closure_loss)
         return closure_loss
@@ -568,6 +581,10 @@ class PipelineStrategy(MeshStrategy):
         return self._evaluation_step(super().predict_step, args, kwargs)
 
     @override
+    def _hook_replica_average(self) -> None:
+        """Nothing to hook: the schedule's gradients are averaged across the groups in :meth:`backward`."""
+
+    @override
     def optimizer_gradients(self, optimizer: Any) -> tuple[list[Tensor], list[Tensor]]:
         grads, _ = super().optimizer_gradients(optimizer)
         # a weight tied across stages has a copy (summed gradient) on each holder: all are clipped, one is counted
@@ -584,13 +601,14 @@ class PipelineStrategy(MeshStrategy):
         assert self.model is not None
         self.wait_for_checkpoint()  # it may be the one being written
         fitting = self.lightning_module.trainer.state.fn == "fit"
-        return ckpt.load_stage(
+        checkpoint = ckpt.load_stage(
             self.broadcast(checkpoint_path),
             model=self.model,
             optimizers=self.optimizers if fitting else (),
             weights_only=True if weights_only is None else weights_only,
             aliases=tied_aliases(self._tied_keys),  # every copy of a tied weight reads the one saved tensor
         )
+        return self._restore_fault_tolerance(checkpoint, checkpoint_path)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
