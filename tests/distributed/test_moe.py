@@ -134,7 +134,7 @@ def test_moe_and_expert_parallelism_4_processes():
     refused = [r for r in rows if r["kind"] == "refusal" and r["case"] == "pp_ep_scaled_input"]
     assert len(refused) == 4 and all("under PipelineStrategy: the setup self-check" in r["error"] for r in refused)
     assert all("mlp.experts" in r["error"] for r in refused), refused
-    _pipelined_router_loss(rows, 4, {"pp2_dp2", "pp2_ep2", "pp2_cp2", "pp2_dp2_local"})
+    _pipelined_router_loss(rows, 4, {"pp2_dp2", "pp2_ep2", "pp2_cp2_ep2", "pp2_dp2_local"})
     # sharded at ep=4, resumed at ep=2, consolidated for one device: every state arrives exactly
     (ck,) = [r for r in rows if r["kind"] == "ep_checkpoint" and r["rank"] == 0]
     assert ck["trained_diff"] <= TOL and ck["ep2_loaded_diff"] == 0.0 and ck["ep2_adam_steps"] == [3.0], ck

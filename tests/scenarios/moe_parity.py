@@ -12,7 +12,7 @@ setup self-check) experts that scale their input by a routing weight and a dispa
 layouts (ep2 x tp2 among them, and pp2 x ep2 without the router loss, whose self-check refuses experts ep cannot
 split), cp2 x dp_shard2 with selective activation checkpointing, and with ep4 (from dp_shard x cp).
 Every model pipelined with its router loss (transformers': its own ``labels`` loss): pp2 (1F1B; GPipe with full
-activation checkpointing) on 2 processes, pp2 x dp_shard2, x ep2, x cp2 on 4 (and the per-rank loss, which must
+activation checkpointing) on 2 processes, pp2 x dp_shard2, x ep2, x cp2 x ep2 on 4 (and the per-rank loss, which must
 differ). The ep2 runs carry the CommunicationLedger and MemoryReport
 (measured next to the plan), and one more ep2 run routes every token by a fixed balanced pattern, so its all-to-alls
 can be held against the planner's uniform-routing formula.
@@ -224,7 +224,7 @@ def pipelined_router_loss(world: int) -> None:
         cases = {
             "pp2_dp2": dict(pp=2, n_microbatches=2),
             "pp2_ep2": dict(pp=2, ep=2, n_microbatches=2),
-            "pp2_cp2": dict(pp=2, cp=2, n_microbatches=2),
+            "pp2_cp2_ep2": dict(pp=2, cp=2, ep=2, n_microbatches=2),  # ep borrowed from cp, as without pipelines
             "pp2_dp2_local": dict(pp=2, n_microbatches=2, moe_aux_loss="local"),
         }
     for kind in MODELS:

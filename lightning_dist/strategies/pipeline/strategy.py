@@ -215,15 +215,14 @@ class PipelineStrategy(ReplicaGroupsMixin):
             )
         if spec.cp > 1 and isinstance(net, nn.Module):
             problems += checks.cp_stage_problems(net)
-        if self.ep > 1:  # each stage's experts split over ep ranks of dp_shard (the stages' ep peers step together)
-            problems += [
-                f"ep={self.ep} with {dim}={spec.size(dim)}: a pipeline's expert parallelism composes with its data"
-                f" parallelism (dp_shard) for now; set {dim}=1."
-                for dim in ("cp", "tp")
-                if spec.size(dim) > 1
-            ]
+        if self.ep > 1:  # each stage's experts split over ep ranks of dp_shard x cp (its ep peers step together)
+            if spec.size(TP) > 1:
+                problems.append(
+                    f"ep={self.ep} with tp={spec.size(TP)}: a pipeline's expert parallelism composes with its data and"
+                    " context parallelism (dp_shard x cp) for now; set tp=1."
+                )
             if isinstance(net, nn.Module):
-                problems += ep_problems(net, ep=self.ep, dp_shard=spec.size("dp_shard"))
+                problems += ep_problems(net, ep=self.ep, dp_shard=spec.size("dp_shard"), cp=spec.cp)
         if problems or net is None:
             raise ValueError(f"Invalid {type(self).__name__} configuration:\n  - " + "\n  - ".join(problems))
         self._plan = self._checked_plan(module, net, spec.size(TP))  # `parallelize` uses it
