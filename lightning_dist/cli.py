@@ -118,6 +118,21 @@ def _add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         " dp_replicate=N (states and traffic as plain, the all-reduce across the groups torchft's) and the heal"
         " column: what one rank sends to the matching rank of a healing group",
     )
+    p.add_argument(
+        "--sync",
+        choices=("step", "diloco"),
+        default=None,
+        help="with --replica-groups: how the groups average (FaultTolerance(sync=)): step (default), the gradients"
+        " every step; diloco, the pseudo-gradients once every --sync-every steps",
+    )
+    p.add_argument(
+        "--sync-every",
+        type=int,
+        default=None,
+        metavar="H",
+        help="with --sync diloco (required there): DiLoCo's inner steps between two syncs"
+        " (FaultTolerance(sync_every=))",
+    )
     p.add_argument("--json", action="store_true", help="print machine-readable JSON instead of the table")
     p.add_argument("--plot", metavar="FILE.png", default=None, help="save a stacked bar chart of memory per device")
     return p
@@ -174,9 +189,36 @@ def _given_moe(args: argparse.Namespace):
     )
 
 
+def _plan_sync(args: argparse.Namespace) -> tuple[str | None, int | None]:
+    """(sync mode, DiLoCo inner steps) of ``--sync`` / ``--sync-every``: (None, None) without ``--replica-groups``."""
+    if args.replica_groups is None:
+        flags = (("--sync", args.sync), ("--sync-every", args.sync_every))
+        given = [f"{flag} {value}" for flag, value in flags if value is not None]
+        if given:
+            raise ValueError(
+                f"{' '.join(given)} plans how fault-tolerant replica groups sync: add --replica-groups N"
+                " (the torchft replica groups), or drop it."
+            )
+        return None, None
+    sync = args.sync or "step"
+    if sync == "step":
+        if args.sync_every is not None:
+            raise ValueError(
+                f"--sync-every {args.sync_every} is DiLoCo's inner steps: add --sync diloco, or drop --sync-every"
+                " (--sync step all-reduces the gradients every step)."
+            )
+        return sync, None
+    if args.sync_every is None:
+        raise ValueError("--sync diloco needs --sync-every H (DiLoCo's inner steps between two syncs), e.g. 100.")
+    if args.sync_every < 1:
+        raise ValueError(f"--sync-every {args.sync_every}: DiLoCo syncs once every H >= 1 steps; pass H >= 1.")
+    return sync, args.sync_every
+
+
 def run_plan(args: argparse.Namespace) -> int:
     from lightning_dist import inputs, planner
 
+    sync, sync_every = _plan_sync(args)
     state = planner.state_bytes(
         precision=args.precision,
         optimizer=args.optimizer,
@@ -212,7 +254,7 @@ def run_plan(args: argparse.Namespace) -> int:
                 " replica group has the same number of ranks."
             )
         layouts = planner.fault_tolerant_layouts(
-            layouts, replica_groups=args.replica_groups, counts=counts, state=state
+            layouts, replica_groups=args.replica_groups, counts=counts, state=state, sync=sync, inner_steps=sync_every
         )
     best = planner.recommend(layouts)
     ep = None
@@ -237,6 +279,8 @@ def run_plan(args: argparse.Namespace) -> int:
                     "tp_sharded_params": counts.tp_sharded_params,
                     "world_size": args.world_size,
                     "replica_groups": args.replica_groups,
+                    "sync": sync,
+                    "sync_every": sync_every,
                     "devices_per_node": args.devices_per_node or args.world_size,
                     "device_memory": device_memory,
                     "state_bytes": dataclasses.asdict(state),
@@ -338,8 +382,16 @@ def _print_plan(layouts, best, *, label, counts, state, device_memory, args) -> 
         " holds 1/cp of each sequence per device. * = recommended."
         + (
             f" {args.replica_groups} fault-tolerant replica groups (dp_replicate, torchft): the all-reduce across them"
-            " is torchft's; heal: what one rank sends to the matching rank of a healing group, once per heal"
-            " (model and optimizer shards; loop and RNG state, a few kB, not counted)."
+            " is torchft's"
+            + (
+                f" (--sync diloco: DiLoCo's all-reduce of this rank's pseudo-gradients once every {args.sync_every}"
+                f" steps instead of the gradients' every step; traffic counts its mean per step, 1/{args.sync_every}"
+                " of a sync)"
+                if args.sync == "diloco"
+                else " (--sync step: the gradients, every step)"
+            )
+            + "; heal: what one rank sends to the matching rank of a healing group, once per heal"
+            " (model and optimizer shards, a pipeline rank its stage's; loop and RNG state, a few kB, not counted)."
             if args.replica_groups
             else ""
         ),

@@ -109,15 +109,21 @@ def fault_tolerant_layouts(
     """The `layouts` that ``fault_tolerance=`` can run with ``replica_groups`` groups, each with its heal.
 
     Kept: ``dp_replicate == replica_groups`` (each group one replica: its own job, ``dp_replicate=1`` inside), no
-    pipeline, no ZeRO-1, nothing offloaded: the hsdp row of shard size ``W / replica_groups``, ddp when every group is
-    one rank, and tensor parallel x replicated dp. States and traffic are the plain layout's; the all-reduce across
-    the groups (on ``dp_replicate``, or ``dp`` when ``dp_shard == 1``) is torchft's, its ``what`` says so; ``heal``
-    is :func:`heal_transfer` of the layout's parameters (``counts.shapes``, when known, give the step counters).
+    ZeRO-1, nothing offloaded: the hsdp row of shard size ``W / replica_groups``, ddp when every group is one rank,
+    tensor parallel x replicated dp, and pipeline x replicated dp under ``sync="step"`` (each group a whole pipeline
+    of ``pp`` ranks: rank ``r`` of one group all-reduces its stage's gradients with rank ``r`` of the others). States
+    and traffic are the plain layout's; the all-reduce across the groups (on ``dp_replicate``, or ``dp`` when
+    ``dp_shard == 1``) is torchft's, its ``what`` says so; ``heal`` is :func:`heal_transfer` of the parameters this
+    rank holds: after tensor parallelism, and under a pipeline those of its stage as the layout sizes them (its
+    largest stage, ``memory.params / state.param``). ``counts.shapes``, when known, give the step counters: every
+    parameter tensor's, also under a pipeline (an upper bound there, 4 B per tensor of the other stages: the counts
+    have no tensors per stage).
 
     ``sync="diloco"`` (``inner_steps`` = ``sync_every``, H): that per-step gradient all-reduce is replaced by
     :func:`diloco_sync_traffic` (the pseudo-gradients of this rank's parameter shards once every H steps, averaged
-    per step), on the same dim; the traffic inside a group is the plain layout's. The heal is the same (DiLoCo's
-    global weights and outer optimizer state also travel; not counted, as the loop's and loader's state).
+    per step), on the same dim; the traffic inside a group is the plain layout's. No pipeline: PipelineStrategy
+    refuses DiLoCo for now. The heal is the same (DiLoCo's global weights and outer optimizer state also travel; not
+    counted, as the loop's and loader's state).
     """
     if sync not in ("step", "diloco"):
         raise ValueError(f"`sync={sync!r}` must be 'step' (every step) or 'diloco' (every inner_steps).")
@@ -135,12 +141,17 @@ def fault_tolerant_layouts(
     P, out = counts.total, []
     for layout in layouts:
         mesh = layout.mesh
-        if mesh[DP_REPLICATE] != replica_groups or mesh[PP] > 1 or layout.zero_stage == 1 or layout.offload.any:
+        if mesh[DP_REPLICATE] != replica_groups or layout.zero_stage == 1 or layout.offload.any:
             continue
+        if sync == "diloco" and mesh[PP] > 1:
+            continue  # PipelineStrategy refuses fault_tolerance with sync='diloco' (not supported yet)
         # the parameters this rank holds before data-parallel sharding, as candidate_layouts counts them
-        local = tp_local_params(
-            tp_sharded_params=counts.tp_sharded_params, replicated_params=P - counts.tp_sharded_params, tp=mesh[TP]
-        )
+        if mesh[PP] > 1:  # its stage's: the layout's own per-device params (its largest stage), unsharded
+            local = layout.memory.params / state.param * (mesh[DP_SHARD] if layout.zero_stage >= 3 else 1)
+        else:
+            local = tp_local_params(
+                tp_sharded_params=counts.tp_sharded_params, replicated_params=P - counts.tp_sharded_params, tp=mesh[TP]
+            )
         across = {DP_REPLICATE} | ({DP} if mesh[DP_SHARD] == 1 else set())
         if sync == "diloco":
             traffic = tuple(

@@ -37,7 +37,7 @@ def test_fault_tolerant_layouts_are_the_plain_ones_with_dp_replicate_groups_plus
     P, tensors = counts.total, len(counts.shapes)
     plain, ft = _plan(counts, 8, 2)
     by_name = {lay.name: lay for lay in plain}
-    # dp_replicate = 2 groups, no pipeline: hsdp of shard 4 (tp2 x ddp4 replicates over 4, pp2 x ddp4 pipelines)
+    # dp_replicate = 2 groups: hsdp of shard 4 (tp2 x ddp4 and pp2 x ddp4 replicate over 4; pp4 needs 4 blocks)
     assert [lay.name for lay in ft] == ["hsdp-4"]
     (hsdp,) = ft
     base = by_name["hsdp-4"]
@@ -118,7 +118,8 @@ def test_cli_plan_replica_groups_prints_the_heal_column(capsys):
     counts = _counts()
     assert data["replica_groups"] == 2
     rows = {lay["name"]: lay for lay in data["layouts"]}
-    assert set(rows) == {"hsdp-2", "tp2-ddp2"} and data["recommended"] == "hsdp-2"
+    assert set(rows) == {"hsdp-2", "tp2-ddp2", "pp2-ddp2"} and data["recommended"] == "hsdp-2"
+    assert data["sync"] == "step" and data["sync_every"] is None
     assert rows["hsdp-2"]["heal"]["payload_bytes"] == counts.total / 2 * 12 + 4 * len(counts.shapes)
     assert main([*argv, "--replica-groups", "2"]) == 0
     out = capsys.readouterr().out
@@ -128,11 +129,111 @@ def test_cli_plan_replica_groups_prints_the_heal_column(capsys):
     assert main([*big, "--replica-groups", "8", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     rows = {lay["name"]: lay for lay in data["layouts"]}
-    assert set(rows) == {"hsdp-8", "tp8-ddp8"} and data["recommended"] == "hsdp-8"
+    assert set(rows) == {"hsdp-8", "tp8-ddp8", "pp8-ddp8"} and data["recommended"] == "hsdp-8"
     assert rows["hsdp-8"]["memory"]["total"] == 16e9 and rows["hsdp-8"]["heal"]["payload_bytes"] == 12e9
+    assert rows["pp8-ddp8"]["heal"]["payload_bytes"] == 12e9  # a stage of 1e9 parameters, whole (ddp)
     with pytest.raises(SystemExit) as exc:
         main([*argv, "--replica-groups", "3"])
     assert exc.value.code == 2 and "--replica-groups 3 does not divide --world-size 4" in capsys.readouterr().err
+
+
+def _across(row: dict) -> list[dict]:
+    """The JSON traffic rows of a layout that cross the replica groups."""
+    return [c for c in row["traffic"] if planner.ACROSS_GROUPS in c["what"]]
+
+
+def test_cli_plan_sync_diloco_reports_the_pseudo_gradient_all_reduce_per_step(capsys):
+    """--sync diloco --sync-every 4: the all-reduce across the groups is DiLoCo's, 1/4 of a sync per step, in the
+    JSON (sync, sync_every, the row) and the table's caption; no pipeline (PipelineStrategy refuses DiLoCo)."""
+    argv = ["plan", "--model", GPT, "--init-args", json.dumps(SIZES), "--world-size", "4", "--devices-per-node", "2"]
+    ft = ["--precision", "32-true", "--replica-groups", "2", "--sync", "diloco", "--sync-every", "4"]
+    assert main([*argv, *ft, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    counts = _counts()
+    assert (data["replica_groups"], data["sync"], data["sync_every"]) == (2, "diloco", 4)
+    rows = {lay["name"]: lay for lay in data["layouts"]}
+    assert set(rows) == {"hsdp-2", "tp2-ddp2"}  # pp2-ddp2: under --sync step only
+    (hsdp,) = _across(rows["hsdp-2"])
+    want = planner.diloco_sync_traffic(counts.total, param_bytes=4, inner_steps=4, replica_groups=2, shard_size=2)
+    assert (hsdp["op"], hsdp["dim"], hsdp["payload_bytes"]) == ("all_reduce", "dp_replicate", want.payload_bytes)
+    assert hsdp["payload_bytes"] == counts.total / 2 * 4 / 4 and planner.DILOCO_SYNC in hsdp["what"]
+    assert "every 4 steps" in rows["hsdp-2"]["note"]
+    # tensor parallel x replicated dp: this rank's tp shard of every parameter, whole, on dp
+    (tp,) = _across(rows["tp2-ddp2"])
+    local = planner.tp_local_params(
+        tp_sharded_params=counts.tp_sharded_params, replicated_params=counts.total - counts.tp_sharded_params, tp=2
+    )
+    want = planner.diloco_sync_traffic(local, param_bytes=4, inner_steps=4, replica_groups=2, dim="dp")
+    assert (tp["dim"], tp["payload_bytes"]) == ("dp", want.payload_bytes)
+    # the table says so
+    assert main([*argv, *ft]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # the caption wraps at 140 columns
+    assert "DiLoCo's all-reduce of this rank's pseudo-gradients once every 4 steps" in out
+    assert "traffic counts its mean per step, 1/4 of a sync" in out and "hsdp-2 *" in out
+    # docs/planner.md's command: 8e9 parameters as 8 groups of 8 ranks, DiLoCo every 100 steps
+    big = ["plan", "--params", "8e9", "--world-size", "64", "--devices-per-node", "8", "--device-memory", "80GB"]
+    assert main([*big, "--replica-groups", "8", "--sync", "diloco", "--sync-every", "100", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    rows = {lay["name"]: lay for lay in data["layouts"]}
+    assert set(rows) == {"hsdp-8", "tp8-ddp8"} and data["recommended"] == "hsdp-8"
+    b_p = data["state_bytes"]["param"]
+    (hsdp,) = _across(rows["hsdp-8"])
+    want = planner.diloco_sync_traffic(8e9, param_bytes=b_p, inner_steps=100, replica_groups=8, shard_size=8)
+    assert hsdp["payload_bytes"] == want.payload_bytes == 4e7  # 1e9 parameters of 4 B, once every 100 steps
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--replica-groups", "2", "--sync", "diloco"], "--sync diloco needs --sync-every H"),
+        (["--replica-groups", "2", "--sync-every", "4"], "--sync-every 4 is DiLoCo's inner steps: add --sync diloco"),
+        (["--replica-groups", "2", "--sync", "step", "--sync-every", "4"], "--sync-every 4 is DiLoCo's inner steps"),
+        (["--replica-groups", "2", "--sync", "diloco", "--sync-every", "0"], "--sync-every 0: DiLoCo syncs once"),
+        (["--sync", "diloco", "--sync-every", "4"], "--sync diloco --sync-every 4 plans how fault-tolerant replica"),
+        (["--sync", "step"], "--sync step plans how fault-tolerant replica groups sync: add --replica-groups N"),
+        (["--sync-every", "4"], "--sync-every 4 plans how fault-tolerant replica groups sync: add --replica-groups"),
+    ],
+)
+def test_cli_plan_refuses_sync_options_that_do_not_go_together(capsys, extra, message):
+    argv = ["plan", "--params", "1e6", "--world-size", "4", "--devices-per-node", "2"]
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, *extra])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"lightning-dist plan: error: {message}" in err, err
+
+
+def test_pipeline_layouts_are_kept_with_their_stages_heal_and_all_reduce_across_the_groups():
+    """A pp x dp layout with dp_replicate = groups: each group a whole pipeline; rank r of a group all-reduces (and
+    heals) its stage's parameters with rank r of the others: the plain layout's per-device parameters."""
+    counts = _counts()
+    plain, ft = _plan(counts, 4, 2)
+    base = {lay.name: lay for lay in plain}["pp2-ddp2"]
+    pp = {lay.name: lay for lay in ft}["pp2-ddp2"]
+    stage = base.memory.params / FP32.param  # the largest stage, as the plain layout sizes it
+    assert stage == max(counts.stage_params(2)) < counts.total
+    assert pp.memory == base.memory and pp.replica_groups == 2 and pp.idle_fraction == base.idle_fraction
+    # heal: the stage's params and Adam moments (the plain layout's), plus a float32 step per parameter tensor
+    assert pp.heal.payload_bytes == base.memory.params + base.memory.optimizer + 4 * len(counts.shapes)
+    assert pp.heal.payload_bytes < counts.total * (4 + 8)  # not the whole model's
+    # the per-step gradient all-reduce across the groups: the stage's bytes, labelled torchft's
+    (plain_ar,) = base.traffic
+    (across,) = [c for c in pp.traffic if planner.ACROSS_GROUPS in c.what]
+    assert (across.op, across.dim, across.group_size) == ("all_reduce", "dp", 2)
+    assert across.payload_bytes == plain_ar.payload_bytes == stage * FP32.reduce
+    assert across.what == f"{plain_ar.what}, {planner.ACROSS_GROUPS}"
+    # with activations: the pipeline's point-to-point transfers stay the plain layout's
+    shape = planner.ActivationShape(batch=2, seq=16, hidden=64, bytes_per_element=4, blocks=2)
+    plain = planner.candidate_layouts(counts, world_size=4, devices_per_node=2, state=FP32, activation=shape)
+    base = {lay.name: lay for lay in plain}["pp2-ddp2"]
+    step = planner.fault_tolerant_layouts(plain, replica_groups=2, counts=counts, state=FP32)
+    (pp,) = [lay for lay in step if lay.name == "pp2-ddp2"]
+    p2p = [c for c in base.traffic if c.dim == "pp"]
+    assert p2p and [c for c in pp.traffic if c.dim == "pp"] == p2p and pp.wire_bytes == base.wire_bytes
+    # sync="diloco": no pipeline (PipelineStrategy refuses fault_tolerance with DiLoCo for now)
+    kept = planner.fault_tolerant_layouts(
+        plain, replica_groups=2, counts=counts, state=FP32, sync="diloco", inner_steps=4
+    )
+    assert kept and all(lay.mesh["pp"] == 1 for lay in kept)
 
 
 @needs_torchft
