@@ -12,8 +12,10 @@ every run's and their mean (issue 42's goal: <= 1.05 without failures).
 
 Shapes: ``tiny`` is the residual MLP (width 512, depth 8, 64 samples per rank: tens of ms a step), ``realistic``
 the pack's GPT at a shape users train, scaled to this CPU (4 blocks, width 192, vocabulary 6,144 = 32 x width,
-4 x 64 tokens per rank: a few hundred ms a step). ``--profile``: each rank times, per step, where the time goes
-(wall clock: the quorum, forward, backward and the all-reduce in it, the commit vote, the optimizer, the figures).
+4 x 64 tokens per rank: a few hundred ms a step), ``larger`` the same GPT twice as wide and deep enough for steps of
+about a second here (6 blocks, width 384, vocabulary 12,288, 4 x 128 tokens; opt in). ``--profile``: each rank
+times, per step, where the time goes (wall clock: the quorum, forward, backward and the all-reduce in it, the commit
+vote, the optimizer, the figures).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ LIGHTHOUSE_PORT = 29645
 SHAPES = {
     "tiny": {"model": "mlp", "width": 512, "depth": 8, "batch": 64, "steps": 30},
     "realistic": {"model": "gpt", "width": 192, "depth": 4, "vocab": 6144, "batch": 4, "seq": 64, "steps": 16},
+    "larger": {"model": "gpt", "width": 384, "depth": 6, "vocab": 12288, "batch": 4, "seq": 128, "steps": 12},
 }
 WARMUP = 5
 # what --profile times, per step (wall clock, inclusive: a row contains the rows it calls): (label, module, owner, name)
