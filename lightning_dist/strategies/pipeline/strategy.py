@@ -555,7 +555,8 @@ class PipelineStrategy(ReplicaGroupsMixin):
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
         # Lightning divides the loss by accumulate_grad_batches before backward; scale the schedule's grads alike
         step.backward(closure_loss, 1.0 / self.lightning_module.trainer.accumulate_grad_batches)
-        self._average_gradients_now()  # fault_tolerance: across the replica groups (no hook saw the schedule's)
+        if self._manager is not None:  # fault_tolerance: across the replica groups (no hook saw the schedule's)
+            self._average_gradients_now()
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
         self.post_backward(closure_loss)
         return closure_loss
@@ -578,6 +579,13 @@ class PipelineStrategy(ReplicaGroupsMixin):
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._evaluation_step(super().predict_step, args, kwargs)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        if self._manager is not None:  # fault_tolerance: the quorum's commit vote around the step
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        # without it the step stays out of the replica groups' glue: MeshStrategy's own step
+        return super(ReplicaGroupsMixin, self).optimizer_step(optimizer, closure, model, **kwargs)
 
     @override
     def _hook_replica_average(self) -> None:
