@@ -153,21 +153,15 @@ def average_across_replica_groups(model: nn.Module, manager: Any) -> int:
 
 def average_gradients(grads: Sequence[torch.Tensor], manager: Any) -> int:
     """Average `grads` in place over the participating replica groups through ``manager.allreduce``: each DTensor's
-    local shard (every group holds the same shards), in one flat buffer per dtype and device (one call each, as DDP's
-    one bucket). Returns the number of calls."""
+    local shard (every group holds the same shards), in flat buffers per dtype and device (one call each, as DDP's
+    buckets; :func:`lightning_dist.parallelize.sync.in_flat_buckets`). Returns the number of calls."""
     from torch.distributed.tensor import DTensor
 
-    buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for g in grads:
-        local = g.to_local() if isinstance(g, DTensor) else g
-        buckets.setdefault((local.dtype, local.device), []).append(local)
-    with torch.no_grad():
-        for tensors in buckets.values():
-            flat = torch.cat([t.reshape(-1) for t in tensors])
-            manager.allreduce(flat).wait()  # a failed peer marks the step uncommitted
-            for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
-                t.copy_(part.view(t.shape))
-    return len(buckets)
+    from lightning_dist.parallelize.sync import in_flat_buckets
+
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    # a failed peer marks the step uncommitted (torchft records the error; the wait returns)
+    return in_flat_buckets(local, lambda flat: manager.allreduce(flat).wait())
 
 
 def replicate_for_replica_groups(roots: list[nn.Module], group: Any) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 import logging
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -50,6 +50,20 @@ def _buckets(tensors: list[Tensor], bucket_bytes: int) -> Iterator[list[Tensor]]
 
 
 @torch.no_grad()
+def in_flat_buckets(tensors: list[Tensor], op: Callable[[Tensor], None], *, bucket_bytes: int = BUCKET_BYTES) -> int:
+    """Run `op` in place on flat copies of `tensors` (one per dtype and device, at most `bucket_bytes` each, a tensor
+    never split), then copy each bucket's result back into its tensors; returns the calls of `op`."""
+    calls = 0
+    for bucket in _buckets(tensors, bucket_bytes):
+        flat = torch.cat([t.detach().reshape(-1) for t in bucket])
+        op(flat)
+        for t, part in zip(bucket, flat.split([t.numel() for t in bucket])):
+            t.copy_(part.view_as(t))
+        calls += 1
+    return calls
+
+
+@torch.no_grad()
 def broadcast_module_states(module: nn.Module, *, src: int = 0, group=None, bucket_bytes: int = BUCKET_BYTES) -> int:
     """Copy rank `src`'s parameters and buffers into every rank of `group` (default: all); returns the broadcasts made.
 
@@ -60,13 +74,8 @@ def broadcast_module_states(module: nn.Module, *, src: int = 0, group=None, buck
     """
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return 0
-    calls = 0
-    for bucket in _buckets(list(_plain_states(module)), bucket_bytes):
-        flat = torch.cat([t.detach().reshape(-1) for t in bucket])
-        dist.broadcast(flat, src=src, group=group)
-        for t, part in zip(bucket, flat.split([t.numel() for t in bucket])):
-            t.copy_(part.view_as(t))
-        calls += 1
+    broadcast = lambda flat: dist.broadcast(flat, src=src, group=group)  # noqa: E731
+    calls = in_flat_buckets(list(_plain_states(module)), broadcast, bucket_bytes=bucket_bytes)
     log.info("broadcast the initial parameters and buffers from rank %d in %d call(s)", src, calls)
     return calls
 

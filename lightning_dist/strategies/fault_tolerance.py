@@ -192,9 +192,9 @@ class ReplicaGroupsMixin(MeshStrategy):
 
     def _average_gradients_now(self) -> None:
         """Average the gradients held now over the participating groups, one all-reduce per dtype (a strategy that
-        computes them outside the data-parallel hooks calls it at the end of its backward: pipelines)."""
-        if self._manager is None or self._ft.diloco:
-            return
+        computes them outside the data-parallel hooks calls it at the end of its backward under ``sync="step"``:
+        pipelines)."""
+        assert self._manager is not None and not self._ft.diloco, "a per-step average across the replica groups"
         from lightning_dist._integrations.torchft import average_gradients
 
         grads = [p.grad for p in self.lightning_module.parameters() if p.grad is not None]
