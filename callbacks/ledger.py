@@ -255,13 +255,13 @@ class CommunicationLedger(Callback):
         def hook(module, args, out):
             if self._recorder is None:
                 return  # a forward outside a training step
-            hidden, index = args[0], args[1]
+            hidden = args[0]
             state = module.__dict__[GLOBAL_EXPERTS_KEY]
             entry = self._routing_pending.setdefault(
                 (state["experts"], hidden.shape[-1], hidden.element_size()), [0, 0, 0]
             )
             entry[0] += 1
-            entry[1] += index.numel()
+            entry[1] += int(state["sent"])  # this rank's share of the tokens when the ep group spans tp
             entry[2] += int(state["arrived"])  # set by this forward's exchange of the per-expert counts
 
         for h in self._expert_hooks:

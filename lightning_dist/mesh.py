@@ -21,7 +21,7 @@ DIM_NAMES: tuple[str, ...] = (PP, DP_REPLICATE, DP_SHARD, CP, TP)
 DP = "dp"
 # Flattened dims of context parallelism: FSDP2 shards over dp_shard x cp; the loss averages over dp x cp.
 DP_SHARD_CP, DP_CP = "dp_shard_cp", "dp_cp"
-# expert parallelism's second mesh (DistMesh.expert_meshes): dp_shard x cp split into (dp_shard cp / ep, ep)
+# expert parallelism's second mesh (DistMesh.expert_meshes): dp_shard x cp (x tp) split into (rest, ep)
 EP, EP_OUTER = "ep", "dp_shard_mod_ep"
 FLAT_DIMS: dict[str, tuple[str, ...]] = {
     DP: (DP_REPLICATE, DP_SHARD),
@@ -300,17 +300,20 @@ class DistMesh:
         return self._sub[(DP_REPLICATE, DP_SHARD_CP)]
 
     def expert_meshes(self, ep: int) -> "tuple[DeviceMesh, DeviceMesh]":
-        """(the ``ep`` mesh, the mesh FSDP2 shards experts over) of expert parallelism: ``dp_shard`` x ``cp`` split
-        into ``dp_shard cp / ep`` x ``ep`` (consecutive ranks share experts: cp peers first, as torchtitan borrows
-        ep from them) on a second mesh over the same ranks in the same order. The experts' FSDP2 mesh is
-        ``dp_replicate`` x ``dp_shard cp / ep``. Built on first use (a collective: every rank calls it at the same
-        point)."""
+        """(the ``ep`` mesh, the mesh FSDP2 shards experts over) of expert parallelism: ``dp_shard`` x ``cp`` (x ``tp``
+        when `ep` is a multiple of it: :func:`lightning_dist.rules.ep_spans_tp`) split into ``(rest, ep)``
+        (consecutive ranks share experts: tp then cp peers first, as torchtitan borrows ep from them) on a second mesh
+        over the same ranks in the same order. The experts' FSDP2 mesh is ``dp_replicate`` x ``rest``. Built on first
+        use (a collective: every rank calls it at the same point)."""
         if ("ep", ep) not in self._sub:
             from torch.distributed.device_mesh import init_device_mesh
 
-            shard = self.spec.size(DP_SHARD) * self.spec.size(CP)  # adjacent dims, cp the faster
-            shape = [self.spec.size(d) for d in DIM_NAMES if d != CP]
-            dims = tuple(d for d in DIM_NAMES if d != CP)
+            from lightning_dist.rules import ep_spans_tp
+
+            inner = (DP_SHARD, CP, TP) if ep_spans_tp(ep, self.spec.size(TP)) else (DP_SHARD, CP)  # adjacent dims
+            shard = math.prod(self.spec.size(d) for d in inner)
+            dims = tuple(d for d in DIM_NAMES if d == DP_SHARD or d not in inner)
+            shape = [self.spec.size(d) for d in dims]
             at = dims.index(DP_SHARD)
             names = (*dims[:at], EP_OUTER, EP, *dims[at + 1 :])
             shape[at : at + 1] = [shard // ep, ep]

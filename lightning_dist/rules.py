@@ -85,6 +85,13 @@ def replicates(*, zero_stage: int, dp_shard: int, tp: int, offload: bool = False
     return not offload and cp == 1 and (zero_stage == 1 or (dp_shard == 1 and tp == 1))
 
 
+def ep_spans_tp(ep: int, tp: int) -> bool:
+    """True when the expert-parallel groups take every ``tp`` rank (``ep`` a multiple of ``tp > 1``, torchtitan's
+    layout): each tp rank then dispatches its ``1/tp`` share of the tokens the tp group holds alike. False: the ep
+    groups are formed inside ``dp_shard x cp`` at each tp coordinate, and every tp rank runs the same tokens."""
+    return tp > 1 and ep % tp == 0
+
+
 def cp_chunks(seq_len: int, cp: int, rank: int) -> list[tuple[int, int]]:
     """The ``[start, stop)`` ranges of a sequence of `seq_len` tokens that context-parallel rank `rank` of `cp` holds.
 
@@ -103,4 +110,4 @@ def cp_chunks(seq_len: int, cp: int, rank: int) -> list[tuple[int, int]]:
     return [(rank * c, (rank + 1) * c), ((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)]
 
 
-__all__ = ["SCHEDULES", "bubble_theory", "cp_chunks", "partition", "replicates", "stage_ranks"]
+__all__ = ["SCHEDULES", "bubble_theory", "cp_chunks", "ep_spans_tp", "partition", "replicates", "stage_ranks"]

@@ -15,7 +15,7 @@ from lightning_dist.mesh import DP_CP, DP_SHARD, TP, DistMesh
 from lightning_dist.parallelize.ac import ACOption, apply_ac, apply_offload_activations, parse_ac
 from lightning_dist.parallelize.compile import apply_compile, compile_units, tp_eager_blocks
 from lightning_dist.parallelize.fsdp import apply_fsdp, apply_fsdp_to_stage, apply_replicate
-from lightning_dist.rules import replicates
+from lightning_dist.rules import ep_spans_tp, replicates
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class ParallelizeConfig:
     """The pipeline schedule runs input- and weight-gradient passes (zero-bubble): checkpointed blocks are
     recomputed in each (``apply_ac(split_backward=True)``)."""
     ep: int = 1
-    """Expert parallelism: each experts module split over ``ep`` ranks of ``dp_shard`` (``parallelize.ep``)."""
+    """Expert parallelism: each experts module split over ``ep`` ranks of ``dp_shard x cp`` (x ``tp``: ``rules``)."""
     fsdp_root: Literal["children", "model"] = "children"
     """FSDP2/replicate roots: the model's direct children (a LightningModule) or the model itself (a pipeline stage)."""
 
@@ -85,7 +85,8 @@ def parallelize_model(model: nn.Module, mesh: DistMesh, config: ParallelizeConfi
         from lightning_dist.parallelize.ep import apply_ep
 
         ep_mesh, experts_fsdp_mesh = mesh.expert_meshes(config.ep)
-        experts = [model.get_submodule(n) for n in apply_ep(model, ep_mesh)]
+        tp_group = mesh.group(TP) if ep_spans_tp(config.ep, mesh.size(TP)) else None
+        experts = [model.get_submodule(n) for n in apply_ep(model, ep_mesh, tp_group)]
 
     # 2. activation checkpointing after TP and before FSDP, so FSDP's units are the checkpointed blocks
     ac = parse_ac(config.activation_checkpointing, ops=config.selective_ac_ops)

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any, ContextManager, Protocol
 import torch
 from torch import Tensor, nn
 
-from lightning_dist.parallelize.moe import all_to_all
+from lightning_dist.parallelize.moe import all_rows, all_to_all, own_rows
+from lightning_dist.rules import ep_spans_tp
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -51,16 +52,22 @@ def find_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(n, m) for n, m in model.named_modules() if expert_count(m) is not None]
 
 
-def ep_problems(model: nn.Module, *, ep: int, dp_shard: int, cp: int = 1) -> list[str]:
+def ep_problems(model: nn.Module, *, ep: int, dp_shard: int, cp: int = 1, tp: int = 1) -> list[str]:
     """Why `model` cannot run with `ep` (one process, no collective): the same answer on every rank."""
     if ep == 1:
         return []
     problems = []
-    if (dp_shard * cp) % ep:
-        ranks = f"dp_shard={dp_shard}" if cp == 1 else f"dp_shard x cp = {dp_shard} x {cp} = {dp_shard * cp}"
+    spans_tp = ep_spans_tp(ep, tp)
+    if (dp_shard * cp) % (ep // tp if spans_tp else ep):
+        n = dp_shard * cp
+        ranks = f"dp_shard={dp_shard}" if cp == 1 else f"dp_shard x cp = {dp_shard} x {cp} = {n}"
         problems.append(
-            f"ep={ep} must divide {ranks}: the expert-parallel groups are formed inside the sharding ranks (each"
-            " group holds every expert once). Choose an ep that divides it."
+            f"ep={ep} with tp={tp} and {ranks}: an ep group either takes every tp rank (ep a multiple of tp, and ep /"
+            f" tp dividing {n}) or lies inside the {n} sharding ranks at each tp coordinate (ep dividing {n})."
+            " Choose such an ep."
+            if tp > 1
+            else f"ep={ep} must divide {ranks}: the expert-parallel groups are formed inside the sharding ranks"
+            " (each group holds every expert once). Choose an ep that divides it."
         )
     experts = find_experts(model)
     if not experts:
@@ -147,7 +154,10 @@ def _stand_in_choices(module: nn.Module, stand_in: RoutingStandIn) -> list[Any]:
 def _dispatch_forward(self: nn.Module, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
     """The forward of an experts module under expert parallelism (bound to the module: see :func:`apply_ep`)."""
     state = self.__dict__[GLOBAL_EXPERTS_KEY]
-    group, ranks, n_global = state["group"], state["ranks"], state["experts"]
+    group, ranks, n_global, tp_group = state["group"], state["ranks"], state["experts"], state["tp_group"]
+    n_all = hidden.shape[0]
+    if tp_group is not None:  # the ep group spans the tp ranks, which hold the same tokens: each sends its share
+        hidden, top_k_index, top_k_weights = (own_rows(t, tp_group) for t in (hidden, top_k_index, top_k_weights))
     n_local = n_global // ranks
     n_tokens, k = top_k_index.shape
     # the (token, choice) pairs in expert order (stable: a token's choices keep their order within an expert)
@@ -179,6 +189,7 @@ def _dispatch_forward(self: nn.Module, hidden: Tensor, top_k_index: Tensor, top_
         ).unsqueeze(1)
         ones = torch.ones(local_ids.shape, dtype=top_k_weights.dtype, device=hidden.device)
     state["arrived"] = sum(recv)  # rows this rank's experts ran in the last forward (0: none of them was chosen)
+    state["sent"] = sum(send)  # rows this rank dispatched (its share of the tp group's tokens when ep spans tp)
     x = hidden[tokens]
     arrived = all_to_all(x, recv, send, group)
     with _LocalParams(self), values():
@@ -190,7 +201,8 @@ def _dispatch_forward(self: nn.Module, hidden: Tensor, top_k_index: Tensor, top_
             out = out + 0 * arrived.sum() + sum(0 * p.sum() for p in touched)
     back = all_to_all(out, send, recv, group)
     weights = top_k_weights.reshape(-1)[order].unsqueeze(1)
-    return torch.zeros_like(hidden).index_add(0, tokens, (back * weights).to(hidden.dtype))
+    combined = torch.zeros_like(hidden).index_add(0, tokens, (back * weights).to(hidden.dtype))
+    return combined if tp_group is None else all_rows(combined, n_all, tp_group)
 
 
 class _LocalParams:
@@ -208,9 +220,10 @@ class _LocalParams:
             if p is not None and hasattr(p, "to_local"):
                 local = p.to_local()
                 if local.requires_grad:
-                    # these experts ran on the tokens of all `ranks` ep peers: their gradient sums those ranks' losses,
-                    # where a dense parameter's holds this rank's only (data parallelism then averages both alike)
-                    local.register_hook(lambda g, n=state["ranks"]: g / n)
+                    # these experts ran on the tokens of every ep peer: their gradient sums the losses of the `scale`
+                    # data-parallel ranks among them (ep / tp when the group spans tp, whose ranks share their
+                    # tokens), where a dense parameter's holds this rank's only (data parallelism then averages both)
+                    local.register_hook(lambda g, n=state["scale"]: g / n)
                 m._parameters[name] = local
         self.had = "num_experts" in m.__dict__
         self.count = m.__dict__.get("num_experts")
@@ -223,9 +236,11 @@ class _LocalParams:
             self.module.__dict__["num_experts"] = self.count
 
 
-def apply_ep(model: nn.Module, ep_mesh: "DeviceMesh") -> list[str]:
+def apply_ep(model: nn.Module, ep_mesh: "DeviceMesh", tp_group: Any = None) -> list[str]:
     """Split every experts module of `model` over the 1-D `ep_mesh` (each rank its ``E / ep`` experts, contiguous) and
-    route tokens to them (module docstring). Before FSDP (which then shards the local experts); returns their names."""
+    route tokens to them (module docstring). `tp_group`: the tp ranks inside each ep group (``rules.ep_spans_tp``),
+    which hold the same tokens and each dispatch a share. Before FSDP (which then shards the local experts); returns
+    their names."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
     ranks = ep_mesh.size()
@@ -239,6 +254,8 @@ def apply_ep(model: nn.Module, ep_mesh: "DeviceMesh") -> list[str]:
         module.__dict__[GLOBAL_EXPERTS_KEY] = {
             "group": ep_mesh.get_group(),
             "ranks": ranks,
+            "scale": ranks // (1 if tp_group is None else torch.distributed.get_world_size(tp_group)),
+            "tp_group": tp_group,
             "experts": n,
             "forward": module.forward,
         }

@@ -78,6 +78,62 @@ class _AllToAll(torch.autograd.Function):
         return out, None, None, None
 
 
+def _row_bounds(n: int, group: Any) -> tuple[list[int], int]:
+    """(rows per rank of `group` when `n` rows are split as ``torch.tensor_split`` does, this rank's first row)."""
+    size, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+    sizes = [n // size + (r < n % size) for r in range(size)]
+    return sizes, sum(sizes[:rank])
+
+
+def _gather_rows(x: Tensor, sizes: list[int], group: Any) -> Tensor:
+    """Every rank's rows of `x` (`sizes[r]` rows on rank r) in rank order, padded to one size for the all-gather."""
+    most = max(sizes)
+    padded = x if x.shape[0] == most else torch.cat([x, x.new_zeros(most - x.shape[0], *x.shape[1:])])
+    parts = [torch.empty_like(padded) for _ in sizes]
+    torch.distributed.all_gather(parts, padded.contiguous(), group=group)
+    return torch.cat([part[:n] for part, n in zip(parts, sizes)])
+
+
+class _OwnRows(torch.autograd.Function):
+    """This rank's share of rows that every rank of `group` holds alike; the backward gathers every rank's gradient
+    of its share, so each rank's input gradient is whole, as a tensor held alike must have."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:
+        ctx.group = group
+        ctx.sizes, start = _row_bounds(x.shape[0], group)
+        return x[start : start + ctx.sizes[torch.distributed.get_rank(group)]].clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple:
+        return _gather_rows(grad, ctx.sizes, ctx.group), None
+
+
+class _AllRows(torch.autograd.Function):
+    """Every rank's rows (the inverse of :class:`_OwnRows`); the backward keeps this rank's share of a gradient held
+    alike on every rank of `group`."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, n: int, group: Any) -> Tensor:
+        ctx.sizes, ctx.start = _row_bounds(n, group)
+        ctx.rows = x.shape[0]
+        return _gather_rows(x, ctx.sizes, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple:
+        return grad[ctx.start : ctx.start + ctx.rows].contiguous(), None, None
+
+
+def own_rows(x: Tensor, group: Any) -> Tensor:
+    """This rank's share of the rows of `x`, held alike on every rank of `group` (differentiable, see ``_OwnRows``)."""
+    return _OwnRows.apply(x, group)
+
+
+def all_rows(x: Tensor, n: int, group: Any) -> Tensor:
+    """The `n` rows whose shares the ranks of `group` hold (differentiable, see ``_AllRows``)."""
+    return _AllRows.apply(x, n, group)
+
+
 def all_reduce_sum(x: Tensor, group: Any) -> Tensor:
     """`x` summed over `group`, differentiable."""
     return _AllReduceSum.apply(x, group)
@@ -266,10 +322,12 @@ __all__ = [
     "RouterStats",
     "StagedRouterLoss",
     "all_reduce_sum",
+    "all_rows",
     "all_to_all",
     "balance_loss",
     "global_balance_loss",
     "join_loss",
+    "own_rows",
     "reduce_stats",
     "routed",
     "router_loss",

@@ -111,7 +111,9 @@ class HybridShardStrategy(ReplicaGroupsMixin):
                 " parallelism here; pipeline with PipelineStrategy(pp=..., ep=...)."
             )
         if self.lightning_module is not None:  # ep borrows its ranks from dp_shard x cp
-            problems += ep_problems(self.lightning_module, ep=self.ep, dp_shard=spec.size("dp_shard"), cp=spec.cp)
+            problems += ep_problems(
+                self.lightning_module, ep=self.ep, dp_shard=spec.size("dp_shard"), cp=spec.cp, tp=spec.size("tp")
+            )
         if problems:
             raise ValueError(f"Invalid {type(self).__name__} configuration:\n  - " + "\n  - ".join(problems))
         if self.zero_stage == 1 and spec.cp > 1:

@@ -4,9 +4,9 @@ device, float64, the router's auxiliary loss included.
 Two launches: 2 processes (fsdp2, tp2 and expert parallelism ep2, its HF models exported to safetensors, its ledger
 and memory report next to the plan, uniform routing against the planner's formula; ep2 with full activation
 checkpointing and with offloaded activations; the exact global router loss and the per-rank one kept on purpose; a
-pipeline, ep on a dense model, ep with cp and grouped_mm experts in float64 refused) and 4 processes (hsdp 2 x 2,
-tp2 x dp_shard2, ep4, ep2 x dp_shard2, hsdp 2 x 2 with ep2, an ep rank that receives no token, a checkpoint from ep4
-to ep2 to one device).
+pipeline, ep on a dense model, ep with cp and grouped_mm experts in float64 refused; tp2 x ep2, the ep group the tp
+group) and 4 processes (hsdp 2 x 2, tp2 x dp_shard2, ep4, ep2 x dp_shard2, hsdp 2 x 2 with ep2, tp2 x ep4 (ep from
+dp_shard x tp), pp2 x tp2 x ep2, an ep rank that receives no token, a checkpoint from ep4 to ep2 to one device).
 """
 
 import pytest
@@ -43,13 +43,15 @@ def _pipelined_router_loss(rows: list[dict], world: int, cases: set[str]) -> Non
 def test_moe_and_expert_parallelism_2_processes():
     pytest.importorskip("transformers")
     rows = results(run_torchrun("moe_parity.py", "local", nproc=2, timeout=600))
-    for r in _rows(rows, 2, {"fsdp2", "tp2", "ep2"}, {"global", "local"}):
-        assert r["ep"] == (2 if r["case"] == "ep2" else 1), r  # expert parallelism ran where asked, only there
-        if r["case"] == "ep2":  # the ep self-check held both layers' experts to whole copies at setup
+    for r in _rows(rows, 2, {"fsdp2", "tp2", "ep2", "tp2_ep2"}, {"global", "local"}):
+        # expert parallelism ran where asked, only there (tp2_ep2: the ep group is the tp group, each tp rank
+        # dispatching its half of the tokens both hold)
+        assert r["ep"] == (2 if "ep2" in r["case"] else 1), r
+        if "ep2" in r["case"]:  # the ep self-check held both layers' experts to whole copies at setup
             assert r["ep_check"]["modules"] == 2 and r["ep_check"]["worst"] <= TOL, r
         else:
             assert r["ep_check"] is None, r
-        if r["mode"] == "global" or r["case"] == "tp2":  # tp2 alone has one data-parallel rank: both are one device's
+        if r["mode"] == "global" or r["case"].startswith("tp2"):  # one data-parallel rank: both are one device's
             assert r["diff"] <= TOL, r
         else:  # each rank's own router loss, averaged: not the global batch's (so the exact path's test can fail)
             assert r["diff"] > 1e-3, r
@@ -113,10 +115,10 @@ def test_moe_and_expert_parallelism_2_processes():
 def test_moe_and_expert_parallelism_4_processes():
     pytest.importorskip("transformers")
     rows = results(run_torchrun("moe_parity.py", nproc=4, timeout=600))
-    cases = {"hsdp2x2", "tp2_dp_shard2", "ep4", "ep2_dp_shard2", "hsdp2x2_ep2", "ep2_tp2", "cp2_sac", "cp2_ep4"}
+    cases = {"hsdp2x2", "tp2_dp_shard2", "ep4", "ep2_dp_shard2", "hsdp2x2_ep2", "tp2_ep4", "cp2_sac", "cp2_ep4"}
     for r in _rows([r for r in rows if r.get("model") != "pack_moe_idle"], 4, cases, {"global"}):
         assert r["diff"] <= TOL, r
-        ep = {"ep4": 4, "ep2_dp_shard2": 2, "hsdp2x2_ep2": 2, "ep2_tp2": 2, "cp2_ep4": 4}.get(r["case"], 1)
+        ep = {"ep4": 4, "ep2_dp_shard2": 2, "hsdp2x2_ep2": 2, "tp2_ep4": 4, "cp2_ep4": 4}.get(r["case"], 1)
         assert r.get("ep", 1) == ep, r
         if r.get("ep", 1) > 1:  # the ep self-check ran (ep4, ep with dp_replicate, ep x tp) and found the copies equal
             assert r["ep_check"]["modules"] == 2 and r["ep_check"]["worst"] <= TOL, r
@@ -124,7 +126,7 @@ def test_moe_and_expert_parallelism_4_processes():
     idle = sorted((r for r in rows if r.get("model") == "pack_moe_idle"), key=lambda r: r["rank"])
     assert len(idle) == 4 and all(r["diff"] <= TOL for r in idle), idle
     assert idle[3]["arrived"] == [0, 0] and all(min(r["arrived"]) > 0 for r in idle[:3]), idle
-    # pp2 x ep2: each stage's experts split over its two dp_shard ranks; every rank's parameters as one device's
+    # pp2 x tp2 x ep2: each stage's experts split over its two tp ranks; every rank's parameters as one device's
     piped = [r for r in rows if r["kind"] == "moe_pp"]
     assert sorted((r["model"], r["rank"]) for r in piped) == sorted((m, k) for m in MODELS for k in range(4)), piped
     assert all(r["diff"] <= TOL and r["ep"] == 2 and r["held"] > 0 for r in piped), piped

@@ -2,15 +2,16 @@
 
 Unmodified HF Qwen3-MoE and Mixtral (tiny configs, experts run eagerly: float64 on CPU), `output_router_logits=True`
 and `router_aux_loss_coef=0.05`: the loss is the cross-entropy plus the coefficient times the model's own `aux_loss`.
-``torchrun --nproc-per-node 2 moe_parity.py``: fsdp2 (dp_shard=2), tp=2 and ep=2 (the HF models then exported to
-safetensors and loaded back by transformers), ep=2 with full activation checkpointing (the recomputed forward
-dispatches the tokens again) and ep=2 with the blocks' activations offloaded; with ``local`` as argv[1] also the
-per-rank auxiliary loss kept on purpose (``moe_aux_loss="local"``), which must differ from one device's; cp2 x ep2
-(ep borrowed from cp); and refusals: ep without experts, transformers' grouped_mm experts in float64, and (by ep's
-setup self-check) experts that scale their input by a routing weight and a dispatch whose expert gradients miss the
-1/ep scaling. Every ep run reports its self-check's figures. 4 processes: hsdp 2 x 2, tp2 x dp_shard2 and the ep
-layouts (ep2 x tp2 among them, and pp2 x ep2 without the router loss, whose self-check refuses experts ep cannot
-split), cp2 x dp_shard2 with selective activation checkpointing, and with ep4 (from dp_shard x cp).
+``torchrun --nproc-per-node 2 moe_parity.py``: fsdp2 (dp_shard=2), tp=2, tp2 x ep2 (the ep group is the tp group) and
+ep=2 (the HF models then exported to safetensors and loaded back by transformers), ep=2 with full activation
+checkpointing (the recomputed forward dispatches the tokens again) and ep=2 with the blocks' activations offloaded; with
+``local`` as argv[1] also the per-rank auxiliary loss kept on purpose (``moe_aux_loss="local"``), which must differ
+from one device's; cp2 x ep2 (ep borrowed from cp); and refusals: ep without experts, transformers' grouped_mm experts
+in float64, and (by ep's setup self-check) experts that scale their input by a routing weight and a dispatch whose
+expert gradients miss the 1/ep scaling. Every ep run reports its self-check's figures. 4 processes: hsdp 2 x 2, tp2 x
+dp_shard2 and the ep layouts (tp2 x ep4 among them, ep from dp_shard x tp; and pp2 x tp2 x ep2 without the router
+loss, whose self-check refuses experts ep cannot split), cp2 x dp_shard2 with selective activation checkpointing, and
+with ep4 (from dp_shard x cp).
 Every model pipelined with its router loss (transformers': its own ``labels`` loss): pp2 (1F1B; GPipe with full
 activation checkpointing) on 2 processes, pp2 x dp_shard2, x ep2, x cp2 x ep2 on 4 (and the per-rank loss, which must
 differ). The ep2 runs carry the CommunicationLedger and MemoryReport
@@ -279,6 +280,7 @@ def main() -> None:
             "fsdp2": lambda **kw: FullyShardStrategy(**kw),
             "tp2": lambda **kw: TensorParallelStrategy(tp=2, **kw),
             "ep2": lambda **kw: FullyShardStrategy(ep=2, **kw),
+            "tp2_ep2": lambda **kw: TensorParallelStrategy(tp=2, ep=2, **kw),  # the ep group is the tp group
         }
         activations = {
             "ep2_ac_full": (lambda: FullyShardStrategy(ep=2, activation_checkpointing="full"), Task),
@@ -291,7 +293,7 @@ def main() -> None:
             "ep4": lambda **kw: FullyShardStrategy(ep=4, **kw),
             "ep2_dp_shard2": lambda **kw: FullyShardStrategy(ep=2, **kw),
             "hsdp2x2_ep2": lambda **kw: HybridShardStrategy(dp_replicate=2, shard_size=2, ep=2, **kw),
-            "ep2_tp2": lambda **kw: TensorParallelStrategy(tp=2, ep=2, **kw),  # ep over dp_shard, experts whole on tp
+            "tp2_ep4": lambda **kw: TensorParallelStrategy(tp=2, ep=4, **kw),  # ep from dp_shard x tp, tp peers first
         }
     modes = ("global", "local") if sys.argv[1:2] == ["local"] else ("global",)
     if world == 4:  # the last ep rank's experts (6 and 7 of 8) never chosen: it receives no token and sends none
@@ -345,17 +347,23 @@ def main() -> None:
                 check = None if check is None else {"modules": check.blocks, "worst": check.worst}
                 diff = max_rel_diff(full_params(task), ref)
                 emit(kind="moe", model=kind, case=case, mode="global", diff=diff, ep=ep_degree(task), ep_check=check)
-        for kind in MODELS:  # pp2 x ep2: each stage's experts split over its dp_shard ranks (no router loss: see below)
+        for kind in MODELS:  # pp2 x tp2 x ep2: each stage's experts split over its tp ranks (no router loss: see below)
             ref = pipe_reference(kind)
             task = PipeTask(kind)
-            strategy = PipelineStrategy(pp=2, ep=2, n_microbatches=2)
+            strategy = PipelineStrategy(pp=2, tp=2, ep=2, n_microbatches=2)
             trainer(strategy, devices=world, steps=STEPS).fit(task)
             held = full_params(task)  # this stage's parameters
             diff = max_rel_diff(held, {k: ref[k] for k in held})
             check = strategy.ep_check_report  # the ep self-check through the schedule, at setup
             check = None if check is None else {"modules": check.blocks, "worst": check.worst}
             emit(
-                kind="moe_pp", model=kind, case="pp2_ep2", diff=diff, ep=ep_degree(task), held=len(held), ep_check=check
+                kind="moe_pp",
+                model=kind,
+                case="pp2_tp2_ep2",
+                diff=diff,
+                ep=ep_degree(task),
+                held=len(held),
+                ep_check=check,
             )
 
         class ScaledPipe(PipeTask):  # experts that scale their input by a routing weight: ep cannot split them

@@ -61,6 +61,11 @@ def test_expert_parallel_configuration_is_checked_before_any_collective():
     (problem,) = ep_problems(moe, ep=3, dp_shard=4)[:1]
     assert "ep=3 must divide dp_shard=4" in problem
     assert any("holds 6 experts, not divisible by ep=4" in p for p in ep_problems(moe, ep=4, dp_shard=4))
+    # with tp: an ep group takes every tp rank (ep a multiple of tp) or lies inside dp_shard at each tp coordinate
+    assert ep_problems(moe, ep=2, dp_shard=1, tp=2) == [] and ep_problems(moe, ep=6, dp_shard=3, tp=2) == []
+    assert ep_problems(moe, ep=2, dp_shard=2, tp=4) == []
+    (problem,) = ep_problems(moe, ep=6, dp_shard=2, tp=2)
+    assert "ep=6 with tp=2 and dp_shard=2" in problem and "ep / tp dividing 2" in problem, problem
     dense = GPT(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=8)
     assert any("has no experts module" in p for p in ep_problems(dense, ep=2, dp_shard=2))
     with pytest.raises(ValueError, match="zero_stage=1 replicates parameters instead"):

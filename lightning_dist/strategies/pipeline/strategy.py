@@ -215,14 +215,9 @@ class PipelineStrategy(ReplicaGroupsMixin):
             )
         if spec.cp > 1 and isinstance(net, nn.Module):
             problems += checks.cp_stage_problems(net)
-        if self.ep > 1:  # each stage's experts split over ep ranks of dp_shard x cp (its ep peers step together)
-            if spec.size(TP) > 1:
-                problems.append(
-                    f"ep={self.ep} with tp={spec.size(TP)}: a pipeline's expert parallelism composes with its data and"
-                    " context parallelism (dp_shard x cp) for now; set tp=1."
-                )
-            if isinstance(net, nn.Module):
-                problems += ep_problems(net, ep=self.ep, dp_shard=spec.size("dp_shard"), cp=spec.cp)
+        if self.ep > 1 and isinstance(net, nn.Module):  # each stage's experts split over ep ranks of its dp_shard x
+            # cp (x tp): its ep peers run the same schedule, so they exchange each micro-batch's tokens together
+            problems += ep_problems(net, ep=self.ep, dp_shard=spec.size("dp_shard"), cp=spec.cp, tp=spec.size(TP))
         if problems or net is None:
             raise ValueError(f"Invalid {type(self).__name__} configuration:\n  - " + "\n  - ".join(problems))
         self._plan = self._checked_plan(module, net, spec.size(TP))  # `parallelize` uses it
