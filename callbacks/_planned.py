@@ -21,6 +21,10 @@ from lightning_dist.mesh import CP, DP, DP_CP, DP_REPLICATE, DP_SHARD, DP_SHARD_
 from lightning_dist.precision import precision_flag as lightning_precision_flag
 
 # Preferred names when one group spans several dims (1x4 FSDP: dp_shard == dp; ep == dp_shard): elementary dims first.
+# The recorder names a group by its ranks alone, whatever the op: when an ep group is exactly a tp group (ep = tp, the
+# groups spanning tp) its all-to-alls are labelled ``tp`` with the tp all-gathers and all-reduces (ep first would label
+# every tp collective ``ep``); `dim_label` maps the plan's ``ep`` rows to ``tp`` too, so planned and measured still
+# meet. Likewise a dp_shard_mod_ep group equal to a dp_shard one is labelled ``dp_shard``.
 _LABEL_ORDER = (TP, CP, DP_SHARD, EP, EP_OUTER, DP_REPLICATE, PP, DP_SHARD_CP, DP, DP_CP)
 # torch optimizer class -> planner optimizer name (state tensors per parameter)
 _OPTIMIZERS = {"Adam": "adam", "AdamW": "adamw", "SGD": "sgd"}
@@ -44,17 +48,39 @@ class RunLayout:
     """Data-parallel ranks in all."""
 
 
+def _ep_block(mesh: DistMesh, rank: int, ep: int) -> list[int]:
+    """`rank`'s block of ranks expert parallelism's groups are cut from, as ``DistMesh.expert_meshes`` does:
+    ``dp_shard x cp``, or ``dp_shard x cp x tp`` when the ep groups span tp (``rules.ep_spans_tp``), in rank order
+    (adjacent mesh dims, tp the fastest)."""
+    spec = mesh.spec
+    inner = (DP_SHARD, CP, TP) if rules.ep_spans_tp(ep, spec.size(TP)) else (DP_SHARD, CP)
+    mine = spec.coords(rank)
+    return [
+        r
+        for r in range(spec.world_size)
+        if all(spec.coords(r)[d] == mine[d] for d in (PP, DP_REPLICATE, DP_SHARD, CP, TP) if d not in inner)
+    ]
+
+
 def _group_ranks(mesh: DistMesh, rank: int, dim: str, ep: int) -> list[int]:
-    """The ranks of `rank`'s group on `dim`; expert parallelism's ``ep`` (consecutive ranks of ``dp_shard``) and
-    ``dp_shard_mod_ep`` (every ``ep``-th) are cut from the ``dp_shard`` group, as ``DistMesh.expert_meshes`` does."""
+    """The ranks of `rank`'s group on `dim`; expert parallelism's ``ep`` (``ep`` consecutive ranks) and
+    ``dp_shard_mod_ep`` (every ``ep``-th) are cut from the block of :func:`_ep_block`, as ``DistMesh.expert_meshes``
+    does."""
     if dim not in (EP, EP_OUTER):
         return mesh.spec.group_ranks(rank, dim)
-    shard = mesh.spec.group_ranks(rank, DP_SHARD)
-    at = shard.index(rank)
+    block = _ep_block(mesh, rank, ep)
+    at = block.index(rank)
     if dim == EP:
         start = at - at % ep
-        return sorted(shard[start : start + ep])
-    return sorted(shard[at % ep :: ep])
+        return block[start : start + ep]
+    return block[at % ep :: ep]
+
+
+def _ep_outer_size(mesh: DistMesh, ep: int) -> int:
+    """Ranks of the experts' FSDP2 groups (``dp_shard_mod_ep``): the block of :func:`_ep_block` over ``ep``."""
+    tp = mesh.spec.size(TP)
+    block = mesh.spec.size(DP_SHARD) * mesh.spec.size(CP) * (tp if rules.ep_spans_tp(ep, tp) else 1)
+    return block // ep
 
 
 def group_label(ranks: list[int], *, mesh: DistMesh | None, rank: int, world: int, ep: int = 1) -> str:
@@ -64,7 +90,7 @@ def group_label(ranks: list[int], *, mesh: DistMesh | None, rank: int, world: in
     if mesh is not None:
         for name in _LABEL_ORDER:
             if name in (EP, EP_OUTER):
-                size = {EP: ep, EP_OUTER: mesh.spec.size(DP_SHARD) // ep}[name]
+                size = ep if name == EP else _ep_outer_size(mesh, ep)
                 if ep == 1 or size == 1:
                     continue
             elif mesh.spec.size(name) == 1:
@@ -255,6 +281,9 @@ def planned_memory(
     if ep > 1 and layout.mode != "fsdp":
         return None  # ep runs with FSDP2 only (the strategies refuse the rest)
     experts = expert_param_ids(module) if ep > 1 else set()
+    mesh = strategy_mesh(trainer.strategy)
+    tp = mesh.size(TP) if mesh is not None else 1
+    tp_rank = mesh.local_rank(TP) if tp > 1 else 0
 
     def states(trainable: bool) -> tuple[planner.MemoryBreakdown, planner.MemoryBreakdown | None]:
         params = [p for p in module.parameters() if p.requires_grad == trainable or layout.zero_stage == 1]
@@ -266,6 +295,8 @@ def planned_memory(
                 ep=ep,
                 shard_rank=layout.shard_rank,
                 state=state,
+                tp=tp,
+                tp_rank=tp_rank,
             )
         shapes = [tp_local_shape(p) for p in params]
         kw = dict(shard_size=layout.shard_size, rank=layout.shard_rank, state=state, zero_stage=layout.zero_stage)
@@ -306,6 +337,27 @@ def planned_places(strategy: Any) -> dict[str, str]:
         }
     where = "host" if isinstance(getattr(strategy, "offload_policy", None), CPUOffloadPolicy) else "device"
     return dict.fromkeys(("params", "grads", "optimizer"), where)
+
+
+def _ep_tp_gathers(routing: dict, activation: dict | None, *, tp: int, tp_rank: int) -> list[planner.Collective]:
+    """The tp all-gathers of expert parallelism when its groups span tp (:func:`lightning_dist.planner.ep_tp_gathers`)
+    for one kind of experts module: ``N`` (the tokens the tp group holds alike) from the measured block input, ``k``
+    from the rows this rank sent per forward (its ``torch.tensor_split`` share of ``N``, times ``k``); the routing
+    weights taken in the activations' dtype (the pack's routers). None (empty) without the block input's shape."""
+    if activation is None or not routing["calls"]:
+        return []
+    tokens = activation["batch"] * activation["seq"]
+    share = tokens // tp + (tp_rank < tokens % tp)
+    if not share:
+        return []
+    return planner.ep_tp_gathers(
+        tokens=tokens,
+        hidden=routing["hidden"],
+        top_k=max(1, round(routing["rows"] / routing["calls"] / share)),
+        tp=tp,
+        bytes_per_element=routing["bytes"],
+        layers=routing["calls"],
+    )
 
 
 def planned_traffic(
@@ -370,12 +422,13 @@ def planned_traffic(
                 tp_local_shape(p) for p in module.parameters() if not p.requires_grad and id(p) not in experts
             ],
         )
-        if experts:  # each rank's E / ep experts: their own FSDP2 mesh, dp_replicate x dp_shard / ep
+        tp = mesh.size(TP) if mesh is not None else 1
+        if experts:  # each rank's E / ep experts: their own FSDP2 mesh, dp_replicate x dp_shard (x tp) / ep
             twice, once = fsdp_units(module, select=lambda p: id(p) in experts)
             sharded = planner.fsdp2_traffic(
                 twice,
                 root_shapes=once,
-                shard_size=layout.shard_size // ep,
+                shard_size=planner.ep_fsdp_size(layout.shard_size, ep, tp),
                 replicate_size=layout.replicate_size,
                 state=state,
                 zero_stage=3,
@@ -395,6 +448,8 @@ def planned_traffic(
                     ep=ep,
                     layers=r["calls"],
                 )
+                if rules.ep_spans_tp(ep, tp):
+                    out += _ep_tp_gathers(r, activation, tp=tp, tp_rank=mesh.local_rank(TP))
     out = planner.with_cp_dims(out, cp)  # FSDP2 over dp_shard x cp
     out += attention_traffic or []
     if activation is not None and mesh is not None and mesh.size(TP) > 1:

@@ -438,7 +438,11 @@ def _print_ep(layouts, moe, *, state, device_memory, args) -> None:
         f" {moe.expert_params:,} expert parameters, hidden {moe.hidden}"
     )
     if not layouts:
-        console.print(f"{head}: no ep layout (ep must divide dp_shard and {moe.experts}).", soft_wrap=True)
+        console.print(
+            f"{head}: no ep layout (ep must divide {moe.experts} and dp_shard, or with tp be a multiple of tp with"
+            " ep / tp dividing dp_shard).",
+            soft_wrap=True,
+        )
         return
     scale, unit = _unit(max(max(lay.total for lay in layouts), device_memory or 0))
     counted = args.batch_size is not None
@@ -446,10 +450,11 @@ def _print_ep(layouts, moe, *, state, device_memory, args) -> None:
     table = Table(
         title=f"{head}; memory in {unit}, traffic in bytes",
         caption="ep layouts (FSDP2 / HSDP with ep=; tpN-: TensorParallelStrategy with ep=, the dense parts split over"
-        " tp, the experts whole on each tp rank): each group of ep consecutive dp_shard ranks holds every expert"
-        " once, E/ep per rank, FSDP2-sharded over the dp_shard/ep ranks left. a2a/layer: all-to-all payload per MoE"
+        " tp): each group of ep consecutive dp_shard ranks (of dp_shard x tp when ep is a multiple of tp: each tp"
+        " rank then dispatches 1/tp of the tokens, and the outputs and gradients are all-gathered over tp) holds every"
+        " expert once, E/ep per rank, FSDP2-sharded over the ranks left. a2a/layer: all-to-all payload per MoE"
         " layer and step (counts + dispatch + combine, forward; both again in backward); a2a wire: what one rank sends"
-        " per step, all layers; fsdp wire: FSDP2's gathers and reduce-scatters per step.",
+        " per step, all layers (with the tp all-gathers); fsdp wire: FSDP2's gathers and reduce-scatters per step.",
     )
     for col in (
         "layout",
@@ -474,7 +479,7 @@ def _print_ep(layouts, moe, *, state, device_memory, args) -> None:
             f"{lay.dense.total / scale:.3g}",
             f"{lay.total / scale:.3g}",
             f"{per_layer:,.0f}" if counted else "-",
-            f"{sum(c.wire_bytes for c in lay.all_to_all):,.0f}" if counted else "-",
+            f"{sum(c.wire_bytes for c in (*lay.all_to_all, *lay.tp_gathers)):,.0f}" if counted else "-",
             f"{sum(c.wire_bytes for c in lay.fsdp):,.0f}",
             "-" if lay.fits is None else ("yes" if lay.fits else "no"),
         )
@@ -485,7 +490,8 @@ def _print_ep(layouts, moe, *, state, device_memory, args) -> None:
         console.print(
             f"All-to-all per MoE layer and step on each rank, assuming {UNIFORM_ROUTING}: counts 8 x {moe.experts}"
             f" B; dispatch and combine {rows:,} rows x {moe.hidden} x {a:g} B each = {rows * moe.hidden * a:,.0f} B"
-            f" (N = {tokens:,} tokens per rank x top-{moe.top_k}); the backward sends both again.",
+            f" (N = {tokens:,} tokens per rank x top-{moe.top_k}); the backward sends both again. tpN- rows with ep a"
+            " multiple of N: 1/N of the rows per tp rank.",
             soft_wrap=True,
         )
     else:

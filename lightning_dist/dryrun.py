@@ -495,7 +495,7 @@ def plan_rank(
     ep_planned = ep > 1 and moe is not None and not pipelined
     if ep_planned:
         dense, experts = planner.ep_state_bytes(
-            P - moe["expert_params"], moe["expert_params"], shard_size=S, ep=ep, state=state
+            P - moe["expert_params"], moe["expert_params"], shard_size=S, ep=ep, state=state, tp=T
         )
         memory = planner.MemoryBreakdown(
             params=dense.params + experts.params,
@@ -510,6 +510,7 @@ def plan_rank(
             replicate_size=R,
             ep=ep,
             root_params=root,
+            tp=T,
         )
     elif replicate_only:
         memory = planner.model_state_bytes(P, state=state, zero_stage=zero if zero == 1 else 0, shard_size=dp)
@@ -532,14 +533,27 @@ def plan_rank(
     traffic = planner.with_cp_dims(traffic, C)
     seq = config.seq_len or getattr(cfg, "block_size", 1)
     if ep_planned:
+        tokens = config.batch_size * seq // C  # this rank's tokens per MoE layer (its tp group's, alike on each)
+        spans = rules.ep_spans_tp(ep, T)  # then each tp rank dispatches its share and the rows are gathered back
+        tp_rank = strategy.mesh.local_rank(TP) if spans else 0
         traffic += planner.ep_all_to_all(
-            rows=config.batch_size * seq // C * moe["top_k"],  # this rank's tokens x top_k, per MoE layer
+            rows=planner.ep_rows(tokens, moe["top_k"], ep=ep, tp=T, tp_rank=tp_rank),
+            received=tokens * moe["top_k"] / T if spans else None,  # uniform routing: the ep peers' mean share
             hidden=moe["hidden"],
             bytes_per_element=act_bytes,
             experts=moe["experts"],
             ep=ep,
             layers=moe["layers"],
         )
+        if spans:
+            traffic += planner.ep_tp_gathers(
+                tokens=tokens,
+                hidden=moe["hidden"],
+                top_k=moe["top_k"],
+                tp=T,
+                bytes_per_element=act_bytes,
+                layers=moe["layers"],
+            )
     hidden, vocab = getattr(cfg, "n_embd", None), getattr(cfg, "vocab_size", None)
     # every stage this rank holds (interleaved and V schedules hold several): their blocks, the stem, the head
     local = list(strategy.local_stages) if pipelined else [0]
@@ -558,6 +572,11 @@ def plan_rank(
         if not pipelined or e.fqn.endswith("lm_head")
     )
     if T > 1 and hidden is not None:
+        rows = 2  # row-parallel layers per block: attention and MLP; read off the plan where the blocks differ (MoE)
+        if not pipelined:
+            prefixes = tuple(f"{name}." for name, _ in find_block_lists(module))
+            entries = [e for e in getattr(strategy, "tp_entries", []) if e.active and e.style == "rowwise"]
+            rows = max(1, sum(e.fqn.startswith(prefixes) for e in entries) // max(blocks, 1)) if entries else rows
         # half the all-reduces are forward outputs (compute dtype), half backward input gradients (residual dtype)
         traffic += planner.tp_activation_traffic(
             batch=config.batch_size,
@@ -566,6 +585,7 @@ def plan_rank(
             blocks=blocks,
             tp=T,
             bytes_per_element=(act_bytes + resid_bytes) / 2,
+            row_parallel_per_block=rows,
             sequence_parallel=getattr(strategy, "sequence_parallel", False),
         )
         if (

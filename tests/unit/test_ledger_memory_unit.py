@@ -56,6 +56,48 @@ def test_group_label_names_expert_parallel_groups():
     assert _planned.dim_label("ep", mesh=hsdp, rank=3, world=4, ep=2) == "dp_shard"
 
 
+def test_group_label_follows_the_expert_meshes():
+    # DistMesh.expert_meshes cuts ep groups (consecutive) and dp_shard_mod_ep (every ep-th) from dp_shard x cp, or
+    # dp_shard x cp x tp when ep is a multiple of tp (the groups span tp); tp the fastest dim
+    def mesh(world, **dims):
+        return types.SimpleNamespace(spec=MeshSpec(world_size=world, devices_per_node=world, **dims).resolve())
+
+    wide = mesh(8, tp=2, dp_shard=4, dp_replicate=1)  # ep 4: two data-parallel ranks' tp pairs
+    assert [_planned._group_ranks(wide, r, "ep", 4) for r in (0, 5)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [_planned._group_ranks(wide, r, "dp_shard_mod_ep", 4) for r in (0, 5)] == [[0, 4], [1, 5]]
+    assert _planned.group_label([0, 1, 2, 3], mesh=wide, rank=2, world=8, ep=4) == "ep"
+    assert _planned.group_label([1, 5], mesh=wide, rank=5, world=8, ep=4) == "dp_shard_mod_ep"
+    assert _planned.group_label([4, 5], mesh=wide, rank=5, world=8, ep=4) == "tp"  # its tp all-gathers
+    assert _planned.dim_label("dp_shard_mod_ep", mesh=wide, rank=6, world=8, ep=4) == "dp_shard_mod_ep"
+    # ep = tp = 2 over dp_shard 2: each ep group is a tp group and the experts' FSDP2 groups are the dp_shard ones;
+    # a group is named by its ranks, so the all-to-alls are labelled `tp` (and the plan's ep rows map there too)
+    same = mesh(4, tp=2, dp_shard=2, dp_replicate=1)
+    assert _planned._group_ranks(same, 3, "ep", 2) == [2, 3] and _planned._group_ranks(same, 3, "dp_shard_mod_ep", 2)
+    assert _planned.group_label([2, 3], mesh=same, rank=3, world=4, ep=2) == "tp"
+    assert _planned.dim_label("ep", mesh=same, rank=3, world=4, ep=2) == "tp"
+    assert _planned.dim_label("dp_shard_mod_ep", mesh=same, rank=3, world=4, ep=2) == "dp_shard"
+    # ep 2 < tp 4: the old layout, ep groups inside dp_shard at each tp coordinate (here the dp_shard group)
+    narrow = mesh(8, tp=4, dp_shard=2, dp_replicate=1)
+    assert _planned._group_ranks(narrow, 5, "ep", 2) == [1, 5]
+    assert _planned.group_label([1, 5], mesh=narrow, rank=5, world=8, ep=2) == "dp_shard"
+    # context parallelism: the block is dp_shard x cp, cp peers first (here ep = the cp group); HSDP replicas apart
+    cp = mesh(8, cp=2, dp_shard=2, dp_replicate=2)
+    assert _planned._group_ranks(cp, 5, "ep", 2) == [4, 5]
+    assert _planned._group_ranks(cp, 5, "dp_shard_mod_ep", 2) == [5, 7]
+    assert _planned.group_label([4, 5], mesh=cp, rank=5, world=8, ep=2) == "cp"
+    assert _planned.group_label([5, 7], mesh=cp, rank=5, world=8, ep=2) == "dp_shard"  # every 2nd: the dp_shard group
+    cp4 = mesh(8, cp=2, dp_shard=4, dp_replicate=1)  # dp_shard x cp = 8 ranks, ep 4: [0..3], outer every 4th
+    assert _planned.group_label([1, 5], mesh=cp4, rank=5, world=8, ep=4) == "dp_shard_mod_ep"
+    assert _planned.group_label([4, 5, 6, 7], mesh=cp4, rank=5, world=8, ep=4) == "ep"
+    # the tp all-gathers the ledger plans: N = 4 x 32 tokens of the block input, k = 256 rows / 2 forwards / 64
+    routing = {"experts": 8, "hidden": 64, "bytes": 4, "calls": 2, "rows": 256, "received": 256}
+    activation = {"batch": 4, "seq": 32}
+    got = _planned._ep_tp_gathers(routing, activation, tp=2, tp_rank=1)
+    assert sum(c.payload_bytes for c in got) == 2 * (2 * 128 * 64 * 4 + 128 * 2 * 4)
+    assert {(c.op, c.dim) for c in got} == {("all_gather", "tp")}
+    assert _planned._ep_tp_gathers(routing, None, tp=2, tp_rank=0) == []
+
+
 def test_optimizer_names():
     p = [nn.Parameter(torch.zeros(2))]
     assert _planned.optimizer_name([torch.optim.AdamW(p)]) == "adamw"
