@@ -1,5 +1,6 @@
 """How the built-in plans transform the model, one type for every strategy: activation checkpointing, compile, the
-tensor-parallel plan, expert parallelism. Declared once by ``MeshStrategy`` and checked once, every problem listed."""
+tensor-parallel plan, expert parallelism (and its capacity factor). Declared once by ``MeshStrategy`` and checked
+once, every problem listed."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ class ModelOptions:
     compile: Union[bool, Sequence[str]] = False
     tp_plan: TPPlan = "auto"
     ep: int = 1
+    ep_capacity_factor: Optional[float] = None
 
     def problems(self, *, parallelize_fn: Optional[Callable] = None, applies_tp_plan: bool = True) -> list[str]:
         """Every problem with these values (empty when valid); pure, the same on every rank.
@@ -38,6 +40,18 @@ class ModelOptions:
         out += check_compile_option(self.compile)
         if isinstance(self.ep, bool) or not isinstance(self.ep, int) or self.ep < 1:
             out.append(f"`ep={self.ep!r}` must be an integer >= 1 (the expert-parallel degree).")
+        factor = self.ep_capacity_factor
+        if factor is not None:
+            if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+                out.append(
+                    f"`ep_capacity_factor={factor!r}` must be a number > 0 (each expert takes at most"
+                    " ceil(factor x a rank's routed pairs / experts) of them), or None to drop no token."
+                )
+            elif self.ep == 1:
+                out.append(
+                    f"`ep_capacity_factor={factor!r}` drops tokens in expert parallelism's dispatch, which `ep=1`"
+                    " does not run: set `ep` > 1, or drop `ep_capacity_factor` (every token reaches its experts)."
+                )
         plan = self.tp_plan
         if isinstance(plan, str) and plan != "auto" and plan not in BUILTIN_PLANS:
             out.append(
@@ -83,6 +97,7 @@ class ModelOptions:
             compile=self.compile,
             tp_plan=plan,
             ep=self.ep,
+            ep_capacity_factor=self.ep_capacity_factor,
         )
 
 

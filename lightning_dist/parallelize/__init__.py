@@ -60,6 +60,9 @@ class ParallelizeConfig:
     recomputed in each (``apply_ac(split_backward=True)``)."""
     ep: int = 1
     """Expert parallelism: each experts module split over ``ep`` ranks of ``dp_shard x cp`` (x ``tp``: ``rules``)."""
+    ep_capacity_factor: float | None = None
+    """None: every token reaches the experts it chose; a number: ep's dispatch drops pairs past each expert's capacity
+    (``parallelize.ep.expert_capacity``), which changes the result."""
     fsdp_root: Literal["children", "model"] = "children"
     """FSDP2/replicate roots: the model's direct children (a LightningModule) or the model itself (a pipeline stage)."""
 
@@ -86,7 +89,7 @@ def parallelize_model(model: nn.Module, mesh: DistMesh, config: ParallelizeConfi
 
         ep_mesh, experts_fsdp_mesh = mesh.expert_meshes(config.ep)
         tp_group = mesh.group(TP) if ep_spans_tp(config.ep, mesh.size(TP)) else None
-        experts = [model.get_submodule(n) for n in apply_ep(model, ep_mesh, tp_group)]
+        experts = [model.get_submodule(n) for n in apply_ep(model, ep_mesh, tp_group, config.ep_capacity_factor)]
 
     # 2. activation checkpointing after TP and before FSDP, so FSDP's units are the checkpointed blocks
     ac = parse_ac(config.activation_checkpointing, ops=config.selective_ac_ops)

@@ -7,8 +7,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import math
 import types
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, ContextManager, Protocol
 
 import torch
@@ -117,6 +118,34 @@ def assume_routing(stand_in: RoutingStandIn, model: nn.Module | None = None) -> 
         _STAND_IN.reset(token)
 
 
+@contextlib.contextmanager
+def dropless(modules: Iterable[nn.Module]) -> Iterator[None]:
+    """Inside the block the ep dispatch of these experts modules sends every (token, choice) pair, whatever their
+    capacity factor (the self-check holds them to whole copies, which drop nothing). A flag on each module, not a
+    context variable: a checkpointed block's recompute may run on autograd's device threads."""
+    states = [m.__dict__[GLOBAL_EXPERTS_KEY] for m in modules if GLOBAL_EXPERTS_KEY in m.__dict__]
+    for state in states:
+        state["dropless"] = True
+    try:
+        yield
+    finally:
+        for state in states:
+            state["dropless"] = False
+
+
+def expert_capacity(factor: float, pairs: int, experts: int) -> int:
+    """The most (token, choice) pairs one expert takes from one rank: ``ceil(factor * pairs / experts)``, as GShard."""
+    return math.ceil(factor * pairs / experts)
+
+
+def capacity_keep(sorted_experts: Tensor, counts: Tensor, capacity: int) -> Tensor:
+    """Which pairs (sorted by expert, stably: token order within an expert) fit: each expert keeps its first
+    `capacity`."""
+    starts = torch.cumsum(counts, 0) - counts
+    position = torch.arange(sorted_experts.numel(), device=sorted_experts.device) - starts[sorted_experts]
+    return position < capacity
+
+
 def stand_in_choices(stand_in: RoutingStandIn, n_tokens: int, k: int, experts: int) -> Tensor:
     """``[n_tokens, k]`` expert ids with the stand-in's rows per expert: the rows in expert order, dealt to the
     tokens one choice at a time (a token's choices are distinct while no expert gets more than `n_tokens` rows)."""
@@ -168,6 +197,13 @@ def _dispatch_forward(self: nn.Module, hidden: Tensor, top_k_index: Tensor, top_
     values = contextlib.nullcontext if stand_in is None else stand_in.concrete  # where routing tensors hold values
     if stand_in is None:
         counts = torch.bincount(experts, minlength=n_global)
+        factor = state["capacity_factor"]
+        if factor is not None and not state["dropless"]:  # token dropping, asked for explicitly (changes the result)
+            capacity = expert_capacity(factor, experts.numel(), n_global)
+            keep = capacity_keep(experts[order], counts, capacity)
+            order, tokens = order[keep], tokens[keep]
+            state["dropped"], state["capacity"] = experts.numel() - order.numel(), capacity
+            counts = counts.clamp(max=capacity)
     else:
         assumed = stand_in.rows_per_expert(experts.numel(), n_global)
         counts = torch.tensor(assumed, device=hidden.device)
@@ -236,11 +272,14 @@ class _LocalParams:
             self.module.__dict__["num_experts"] = self.count
 
 
-def apply_ep(model: nn.Module, ep_mesh: "DeviceMesh", tp_group: Any = None) -> list[str]:
+def apply_ep(
+    model: nn.Module, ep_mesh: "DeviceMesh", tp_group: Any = None, capacity_factor: float | None = None
+) -> list[str]:
     """Split every experts module of `model` over the 1-D `ep_mesh` (each rank its ``E / ep`` experts, contiguous) and
     route tokens to them (module docstring). `tp_group`: the tp ranks inside each ep group (``rules.ep_spans_tp``),
-    which hold the same tokens and each dispatch a share. Before FSDP (which then shards the local experts); returns
-    their names."""
+    which hold the same tokens and each dispatch a share. `capacity_factor`: None sends every pair (dropless); a
+    number drops the pairs past each expert's :func:`expert_capacity` of a rank's tokens. Before FSDP (which then
+    shards the local experts); returns their names."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
     ranks = ep_mesh.size()
@@ -257,11 +296,21 @@ def apply_ep(model: nn.Module, ep_mesh: "DeviceMesh", tp_group: Any = None) -> l
             "scale": ranks // (1 if tp_group is None else torch.distributed.get_world_size(tp_group)),
             "tp_group": tp_group,
             "experts": n,
+            "capacity_factor": capacity_factor,
+            "dropped": 0,  # pairs the last forward dropped (capacity_factor only)
+            "dropless": False,  # set by `dropless`
             "forward": module.forward,
         }
         module.forward = types.MethodType(_dispatch_forward, module)
         names.append(name)
     log.info("expert parallelism: %d experts module(s) split over ep=%d", len(names), ranks)
+    if capacity_factor is not None and names and torch.distributed.get_rank() == 0:
+        log.warning(
+            "ep_capacity_factor=%s: each expert takes at most ceil(%s x a rank's routed pairs / experts) of them and"
+            " the rest are dropped, so training differs from one device's (None drops nothing)",
+            capacity_factor,
+            capacity_factor,
+        )
     return names
 
 
@@ -270,7 +319,10 @@ __all__ = [
     "RoutingStandIn",
     "apply_ep",
     "assume_routing",
+    "capacity_keep",
+    "dropless",
     "ep_problems",
+    "expert_capacity",
     "expert_count",
     "find_experts",
     "stand_in_choices",

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
 from lightning_dist.parallelize.clone import full_tensor_of, unsharded_clone
-from lightning_dist.parallelize.ep import GLOBAL_EXPERTS_KEY
+from lightning_dist.parallelize.ep import GLOBAL_EXPERTS_KEY, dropless
 
 # relative difference a correct split stays under (rounding of another reduction order, with a wide margin); a
 # missing or doubled reduction is off by tens of percent
@@ -415,7 +415,8 @@ def check_experts(
     start = time.perf_counter()
     cap = _Calls(experts)
     try:
-        with torch.enable_grad(), torch.compiler.set_stance("force_eager"):
+        # dropless: the whole copies drop no token (a capacity factor is the user's declared change, not checked)
+        with torch.enable_grad(), torch.compiler.set_stance("force_eager"), dropless(m for _, m in experts):
             out = run()
             graded = not backward
             if backward:

@@ -134,7 +134,10 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
             (``"auto"``, a built-in plan name or ``{module-name glob: style}``).
         ep: expert parallelism: each group of ``ep`` ranks of ``dp_shard`` holds every expert of a mixture of experts
             once, ``E / ep`` per rank (``docs/moe.md``); 1: none.
-            These six are one :class:`~lightning_dist.options.ModelOptions` (``model_options``), applied by the
+        ep_capacity_factor: None (default): every token reaches the experts it chose (dropless, one device's result).
+            A number drops tokens, which **changes the result**: in ep's dispatch each expert takes at most
+            ``ceil(factor x pairs / experts)`` of a rank's (token, choice) pairs, the first in token order.
+            These seven are one :class:`~lightning_dist.options.ModelOptions` (``model_options``), applied by the
             built-in plan; with ``parallelize_fn`` call :func:`lightning_dist.parallelize.apply_ac` /
             ``apply_compile`` inside it instead.
         parallelize_fn: ``fn(model, mesh)`` that parallelizes the LightningModule in place, replacing the
@@ -167,6 +170,7 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
         compile: Union[bool, Sequence[str]] = False,
         tp_plan: TPPlan = "auto",
         ep: int = 1,
+        ep_capacity_factor: Optional[float] = None,
         parallelize_fn: Optional[ParallelizeFn] = None,
         save_distributed_checkpoint: bool = True,
         async_checkpoint: bool = False,
@@ -201,6 +205,7 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
             compile=compile,
             tp_plan=tp_plan,
             ep=ep,
+            ep_capacity_factor=ep_capacity_factor,
         )
         problems += options.problems(parallelize_fn=parallelize_fn, applies_tp_plan=self._applies_tp_plan)
         # a subclass's own problems (`_defer_problems`), listed with these in one error

@@ -150,6 +150,7 @@ class HybridShardStrategy(ReplicaGroupsMixin):
             compile=self.compile,
             recompute_context=self._cp.active if self._cp is not None else None,
             ep=self.ep,
+            ep_capacity_factor=self.model_options.ep_capacity_factor,
         )
 
     @override

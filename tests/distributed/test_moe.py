@@ -5,8 +5,9 @@ Two launches: 2 processes (fsdp2, tp2 and expert parallelism ep2, its HF models 
 and memory report next to the plan, uniform routing against the planner's formula; ep2 with full activation
 checkpointing and with offloaded activations; the exact global router loss and the per-rank one kept on purpose; a
 pipeline, ep on a dense model, ep with cp and grouped_mm experts in float64 refused; tp2 x ep2, the ep group the tp
-group) and 4 processes (hsdp 2 x 2, tp2 x dp_shard2, ep4, ep2 x dp_shard2, hsdp 2 x 2 with ep2, tp2 x ep4 (ep from
-dp_shard x tp), pp2 x tp2 x ep2, an ep rank that receives no token, a checkpoint from ep4 to ep2 to one device).
+group; ep2 with a capacity factor) and 4 processes (hsdp 2 x 2, tp2 x dp_shard2, ep4, ep2 x dp_shard2, hsdp 2 x 2
+with ep2, tp2 x ep4 (ep from dp_shard x tp), pp2 x tp2 x ep2, an ep rank that receives no token, a checkpoint from
+ep4 to ep2 to one device).
 """
 
 import pytest
@@ -103,6 +104,17 @@ def test_moe_and_expert_parallelism_2_processes():
             {"experts": 8, "hidden": 32, "bytes": 8, "calls": 2.0, "rows": 128.0, "received": 128.0}
         ]
         assert r["expert_states_closed_form"] == 1.0 and r["states"] == 1.0 and r["expert_states"] == 1.0, r
+    # token dropping, asked for: a factor under which every pair fits trains as one device; 0.5 drops pairs on every
+    # rank and layer, no expert receives more than its capacity from each rank, and the update is not one device's.
+    # The self-check at setup ran dropless (its whole copies drop nothing) and held
+    capacity = {(r["case"], r["rank"]): r for r in rows if r["kind"] == "ep_capacity"}
+    assert len(capacity) == 4, capacity
+    for rank in (0, 1):
+        fits, drops = capacity["ep2_capacity_8", rank], capacity["ep2_capacity_0.5", rank]
+        assert fits["diff"] <= TOL and fits["dropped"] == [0, 0] and fits["ep_check"] <= TOL, fits
+        assert drops["diff"] > 1e-3 and min(drops["dropped"]) > 0 and drops["ep_check"] <= TOL, drops
+        for cap, arrived, local in zip(drops["capacity"], drops["arrived"], drops["local_experts"]):
+            assert 0 < arrived <= cap * local * 2, drops  # at most `cap` per expert from each of the 2 ranks
     # trained at ep=2 (experts as DTensors on the ep mesh), exported to safetensors: transformers loads every trained
     # weight exactly, from the tensors it writes itself for the unsharded model (names and shapes)
     exports = {r["model"]: r for r in rows if r["kind"] == "hf_export" and r["rank"] == 0}

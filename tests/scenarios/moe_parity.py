@@ -335,6 +335,8 @@ def main() -> None:
                 checkpointed=sum(checkpointed_mode(m) == "full" for m in task.model.modules()),
                 offloaded=offloaded_bytes(task.model) or 0,
             )
+    if world == 2:
+        capacity_factor()
     if world == 4:
         checkpoints_across_ep_degrees()
         for kind in MODELS:  # cp2 x dp_shard2 with selective AC: the router loss over the dp x cp ranks' tokens
@@ -421,6 +423,27 @@ def main() -> None:
             diff = max_rel_diff(full_params(task), reference(kind))
             emit(kind="moe_cp_ep", model=kind, case="cp2_ep2", diff=diff, ep=ep_degree(task), ep_check=check)
         uniform_routing_against_the_planner()
+
+
+def capacity_factor() -> None:
+    """ep2 with token dropping asked for: a factor of 8 (8 experts: every pair fits) and 0.5 (pairs dropped)."""
+    from lightning_dist.parallelize.ep import GLOBAL_EXPERTS_KEY
+
+    ref = reference("pack_moe")
+    for case, factor in (("ep2_capacity_8", 8.0), ("ep2_capacity_0.5", 0.5)):
+        task = Task("pack_moe")
+        trainer(FullyShardStrategy(ep=2, ep_capacity_factor=factor), devices=2, steps=STEPS).fit(task)
+        states = [b.mlp.experts.__dict__[GLOBAL_EXPERTS_KEY] for b in task.model.blocks]
+        emit(
+            kind="ep_capacity",
+            case=case,
+            diff=max_rel_diff(full_params(task), ref),
+            dropped=[s["dropped"] for s in states],
+            capacity=[s.get("capacity") for s in states],
+            arrived=[s["arrived"] for s in states],
+            local_experts=[s["experts"] // s["ranks"] for s in states],
+            ep_check=task.trainer.strategy.ep_check_report.worst,
+        )
 
 
 def scaled_input_forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

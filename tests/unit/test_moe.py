@@ -131,3 +131,68 @@ def test_grouped_mm_where_torch_does_not_serve_the_dtype_is_refused_at_set_up():
     pipeline.connect(Task(qwen().double()))
     with pytest.raises(ValueError, match=r"experts_implementation=\"eager\""):
         pipeline.check_model()
+
+
+def test_ep_capacity_factor_is_an_explicit_option_that_needs_ep():
+    from lightning_dist.parallelize.ep import capacity_keep, expert_capacity
+    from lightning_dist.strategies import FullyShardStrategy
+
+    assert FullyShardStrategy(ep=2).model_options.ep_capacity_factor is None  # dropless unless asked
+    assert FullyShardStrategy(ep=2, ep_capacity_factor=1.25).model_options.ep_capacity_factor == 1.25
+    with pytest.raises(ValueError, match=r"`ep_capacity_factor=1.5` drops tokens in expert parallelism's dispatch"):
+        FullyShardStrategy(ep_capacity_factor=1.5)
+    for bad in (0, -1.0, "1.5", True):
+        with pytest.raises(ValueError, match=r"must be a number > 0"):
+            FullyShardStrategy(ep=2, ep_capacity_factor=bad)
+    assert expert_capacity(1.0, 12, 4) == 3 and expert_capacity(1.25, 12, 4) == 4 and expert_capacity(0.1, 12, 4) == 1
+    # pairs sorted by expert (token order within each): each expert keeps its first `capacity`
+    experts = torch.tensor([0, 0, 0, 1, 3, 3])
+    keep = capacity_keep(experts, torch.bincount(experts, minlength=4), 2)
+    assert keep.tolist() == [True, True, False, True, True, True]
+
+
+_CAPACITY_IN_ONE_GROUP = r"""
+import sys
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from lightning_dist.models.moe import Experts
+from lightning_dist.parallelize.ep import GLOBAL_EXPERTS_KEY, apply_ep, dropless
+
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=0, world_size=1)
+torch.manual_seed(0)
+whole = Experts(n=4, dim=8, hidden=6).double()
+x = torch.randn(10, 8, dtype=torch.float64)
+index = torch.tensor([[0, 1]] * 6 + [[1, 2]] * 2 + [[3, 0]] * 2)  # expert 0: 8 pairs, 1: 8, 2: 2, 3: 2
+weights = torch.rand(10, 2, dtype=torch.float64)
+holder = torch.nn.Module()
+holder.experts = Experts(n=4, dim=8, hidden=6).double()
+holder.experts.load_state_dict(whole.state_dict())
+apply_ep(holder, init_device_mesh("cpu", (1,)), capacity_factor=1.0)  # capacity ceil(20 / 4) = 5 pairs per expert
+got = holder.experts(x, index, weights)
+state = holder.experts.__dict__[GLOBAL_EXPERTS_KEY]
+# the reference: the whole module with the weight of each expert's pairs past its first 5 (token order) set to 0
+kept = weights.clone()
+for e in range(4):
+    rows, slot = (index == e).nonzero(as_tuple=True)
+    kept[rows[5:], slot[5:]] = 0.0
+want = whole(x, index, kept)
+assert state["dropped"] == 6, state["dropped"]
+close = lambda a, b: torch.allclose(a, b, rtol=1e-12, atol=1e-14)  # float64 round-off (other rows per matmul)
+assert close(got, want), (got - want).abs().max()
+assert not close(got, whole(x, index, weights))  # dropping changed the output
+with dropless([holder.experts]):  # the self-check's block: nothing dropped
+    assert close(holder.experts(x, index, weights), whole(x, index, weights))
+print("OK")
+"""
+
+
+def test_ep_capacity_factor_drops_each_experts_pairs_past_its_capacity_in_token_order():
+    import subprocess
+    import sys
+
+    from tests._harness import free_port
+
+    out = subprocess.run(
+        [sys.executable, "-c", _CAPACITY_IN_ONE_GROUP, str(free_port())], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0 and "OK" in out.stdout, out.stdout[-2000:] + out.stderr[-4000:]

@@ -287,6 +287,7 @@ class PipelineStrategy(ReplicaGroupsMixin):
             recompute_context=self._cp.active if self._cp is not None else None,
             split_backward="zero_bubble" in self.schedule,
             ep=self.ep,
+            ep_capacity_factor=self.model_options.ep_capacity_factor,
         )
         # before the split drops the rest of the network
         served = router_loss_methods(net)  # answered with the global batch's loss (see `_router_loss`)
