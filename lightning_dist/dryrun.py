@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -383,10 +383,15 @@ class UniformRouting:
     def rows_per_expert(self, rows: int, experts: int) -> list[int]:
         return [rows // experts + (e < rows % experts) for e in range(experts)]
 
-    def concrete(self) -> contextlib.AbstractContextManager[None]:
+    @contextlib.contextmanager
+    def concrete(self) -> Iterator[None]:
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-        return unset_fake_temporarily()  # tensors made in the block hold values; the fake ones stay fake
+        from lightning_dist._integrations.torch_memtracker import counted_outside_fake_mode
+
+        # tensors made in the block hold values, the fake ones stay fake; the step's tracker counts both
+        with unset_fake_temporarily(), counted_outside_fake_mode():
+            yield
 
 
 def _step(strategy: Any, batch: Any, optimizers: list, *, warm_up: bool) -> tuple[Any, dict, dict]:

@@ -9,9 +9,26 @@ the release and the fix.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+_UNFAKED_BLOCKS = [0]  # depth of `counted_outside_fake_mode` blocks
+
+
+@contextlib.contextmanager
+def counted_outside_fake_mode() -> Iterator[None]:
+    """A block run with the fake mode unset (``unset_fake_temporarily``: the dry run's experts forward, whose index
+    tensors must hold values) whose ops :func:`step_tracker`'s tracker still counts: torch 2.13+'s MemTracker skips
+    every op run under another fake mode than the one it was entered in (DTensor's sharding propagation), and there
+    none is."""
+    _UNFAKED_BLOCKS[0] += 1
+    try:
+        yield
+    finally:
+        _UNFAKED_BLOCKS[0] -= 1
 
 
 def step_tracker() -> Any:
@@ -30,11 +47,14 @@ def step_tracker() -> Any:
       :class:`~lightning_dist.strategies.pipeline.step.PipelineOutput`): nothing held;
     - no optimizer-step hooks: the tracked window ends before any optimizer step, and Lightning's automatic
       optimization runs ``training_step`` + ``backward`` as the closure inside ``optimizer.step``, whose pre-hook
-      would file every tensor of the step as optimizer state.
+      would file every tensor of the step as optimizer state;
+    - the ops of a :func:`counted_outside_fake_mode` block are counted: torch 2.13+ compares the active fake mode with
+      ``_fake_mode_on_entry`` (the one it was entered in) and skips the op where they differ.
     """
     from lightning_dist._compat import check_torch_internals
 
     check_torch_internals("step_tracker (MemTracker / ModTracker subclasses)")
+    from torch._guards import active_fake_mode
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed._tools.mod_tracker import ModTracker
     from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
@@ -59,9 +79,21 @@ def step_tracker() -> Any:
             super()._fw_pre_hook(mod, input)
 
     class Tracker(MemTracker):
+        _entry_fake_mode: Any = None
+
         def __init__(self) -> None:
             super().__init__()
             self._mod_tracker = Modules()
+
+        # Reason: torch's private `_fake_mode_on_entry` (2.13+; earlier releases count every op): inside a counted
+        # block the active mode (none) stands in for it
+        @property
+        def _fake_mode_on_entry(self) -> Any:
+            return active_fake_mode() if _UNFAKED_BLOCKS[0] else self._entry_fake_mode
+
+        @_fake_mode_on_entry.setter
+        def _fake_mode_on_entry(self, mode: Any) -> None:
+            self._entry_fake_mode = mode
 
         def _register_global_optimizer_hook(self) -> None:
             self._optimizer_hook_handles = None
@@ -87,4 +119,4 @@ def peak_figures(tracker: Any) -> dict[str, Any]:
     }
 
 
-__all__ = ["peak_figures", "step_tracker"]
+__all__ = ["counted_outside_fake_mode", "peak_figures", "step_tracker"]
