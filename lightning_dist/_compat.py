@@ -318,6 +318,25 @@ def all_to_all_autograd(input: Any, group: Any) -> Any:
 
 
 @lru_cache(maxsize=None)
+def grouped_mm_refusal(dtype: torch.dtype, device_type: str) -> str | None:
+    """Why torch's ``F.grouped_mm`` cannot run `dtype` on `device_type` (None: it runs a two-group product forward and
+    backward there). Probed, not version-compared: its dtypes and devices differ by release and GPU (float64 is
+    refused everywhere in 2.11-2.14; CPU serves float32 there)."""
+    import torch.nn.functional as F
+
+    if not hasattr(F, "grouped_mm"):
+        return f"torch {torch.__version__} has no torch.nn.functional.grouped_mm"
+    try:
+        x = torch.ones(4, 8, dtype=dtype, device=device_type, requires_grad=True)
+        w = torch.ones(2, 8, 8, dtype=dtype, device=device_type, requires_grad=True)
+        out = F.grouped_mm(x, w, offs=torch.tensor([2, 4], dtype=torch.int32, device=device_type))
+        out.backward(torch.ones_like(out))
+    except (RuntimeError, NotImplementedError, TypeError) as err:
+        return f"{type(err).__name__}: {str(err).splitlines()[0]}"
+    return None
+
+
+@lru_cache(maxsize=None)
 def dcp_async_staging() -> bool:
     """True when DCP can make an async save's staging copy in the background (checkpoint_async.py).
 

@@ -21,11 +21,17 @@ from lightning_dist.parallelize.moe import RouterStats, balance_loss, routed, ro
 class Experts(nn.Module):
     """`n` SwiGLU feed-forward experts of width `hidden`, as two 3-D parameters; ``forward(x, top_k_index,
     top_k_weights)`` sums each token's chosen experts' outputs, weighted (the interface of transformers' experts,
-    which expert parallelism keeps: ``parallelize.ep``)."""
+    which expert parallelism keeps: ``parallelize.ep``).
 
-    def __init__(self, *, n: int, dim: int, hidden: int) -> None:
+    `grouped`: run all experts as two grouped GEMMs (torch's ``grouped_mm``, as torchtitan does) or one expert at a
+    time; None: grouped on CUDA where torch serves the dtype and the widths meet its 16-byte alignment, the loop
+    otherwise (float64, and CPU, whose grouped GEMM is no faster)."""
+
+    def __init__(self, *, n: int, dim: int, hidden: int, grouped: bool | None = None) -> None:
         super().__init__()
-        self.num_experts = n
+        if grouped not in (None, True, False):
+            raise TypeError(f"grouped={grouped!r} must be True, False or None (grouped where torch serves it).")
+        self.num_experts, self.grouped = n, grouped
         self.gate_up = nn.Parameter(torch.empty(n, 2 * hidden, dim))
         self.down = nn.Parameter(torch.empty(n, dim, hidden))
         self.reset_parameters()
@@ -40,12 +46,40 @@ class Experts(nn.Module):
         return F.linear(F.silu(gate) * up, self.down[e])
 
     def forward(self, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        if self._use_grouped(x):
+            return self._grouped_forward(x, top_k_index, top_k_weights)
         out = torch.zeros_like(x)
         for e in range(self.num_experts):  # one expert at a time: exact, and an expert may get no token at all
             rows, slot = (top_k_index == e).nonzero(as_tuple=True)
             if rows.numel():
                 out = out.index_add(0, rows, self.expert(e, x[rows]) * top_k_weights[rows, slot, None])
         return out
+
+    def _use_grouped(self, x: Tensor) -> bool:
+        from lightning_dist._compat import grouped_mm_refusal
+
+        widths = (x.shape[-1], self.down.shape[-1])  # the rows' strides torch's kernel needs 16-byte aligned
+        aligned = all(w * x.element_size() % 16 == 0 for w in widths)
+        refusal = grouped_mm_refusal(x.dtype, x.device.type) or (None if aligned else f"widths {widths} unaligned")
+        if self.grouped is None:
+            return x.device.type == "cuda" and refusal is None
+        if self.grouped and refusal is not None:
+            raise ValueError(
+                f"Experts(grouped=True): torch's grouped GEMM does not serve {x.dtype} on {x.device.type} here"
+                f" ({refusal}). Use grouped=None (the per-expert loop where it does not) or grouped=False."
+            )
+        return self.grouped
+
+    def _grouped_forward(self, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        """All experts in two grouped GEMMs over the (token, choice) rows sorted by expert."""
+        experts = top_k_index.reshape(-1)
+        order = torch.argsort(experts, stable=True)
+        rows = order // top_k_index.shape[-1]
+        ends = torch.cumsum(torch.bincount(experts, minlength=self.num_experts), 0).to(torch.int32)
+        gate, up = F.grouped_mm(x[rows], self.gate_up.transpose(-2, -1), offs=ends).chunk(2, dim=-1)
+        y = F.grouped_mm(F.silu(gate) * up, self.down.transpose(-2, -1), offs=ends)
+        weights = top_k_weights.reshape(-1)[order].unsqueeze(1)
+        return torch.zeros_like(x).index_add(0, rows, y * weights)
 
 
 class SwiGLU(nn.Module):
@@ -67,6 +101,7 @@ class MoE(nn.Module):
     Args:
         dim: model width. n_experts, top_k: experts and how many each token uses. hidden: each expert's width.
         n_shared: shared experts every token goes through (their width ``n_shared * hidden``).
+        grouped: :class:`Experts`' ``grouped`` (None: grouped GEMMs where torch serves them on CUDA).
         router: ``"softmax"`` (weights: the chosen experts' softmax probabilities, renormalized) or ``"sigmoid"``
             (DeepSeek-V3: sigmoid scores, the chosen ones normalized to sum to one).
     """
@@ -80,6 +115,7 @@ class MoE(nn.Module):
         hidden: int,
         n_shared: int = 0,
         router: Literal["softmax", "sigmoid"] = "softmax",
+        grouped: bool | None = None,
     ) -> None:
         super().__init__()
         if not 1 <= top_k <= n_experts:
@@ -88,7 +124,7 @@ class MoE(nn.Module):
             raise ValueError(f"router={router!r} must be 'softmax' or 'sigmoid'.")
         self.n_experts, self.top_k, self.router_kind = n_experts, top_k, router
         self.router = nn.Linear(dim, n_experts, bias=False)
-        self.experts = Experts(n=n_experts, dim=dim, hidden=hidden)
+        self.experts = Experts(n=n_experts, dim=dim, hidden=hidden, grouped=grouped)
         self.shared = SwiGLU(dim=dim, hidden=n_shared * hidden) if n_shared else None
         self.register_buffer("select_bias", torch.zeros(n_experts), persistent=True)
         """Added to the scores to choose the experts, not to weigh them (DeepSeek-V3's balancing bias; zero)."""
@@ -133,6 +169,8 @@ class MoEGPT(GPT):
 
     Args:
         n_experts, top_k, expert_hidden, n_shared, router: each block's :class:`MoE` (``hidden=expert_hidden``).
+        grouped_experts: the experts' ``grouped`` (:class:`Experts`; None: grouped GEMMs where torch serves them on
+            CUDA, one expert at a time otherwise).
         **gpt: :class:`GPT`'s sizes (``vocab_size``, ``block_size``, ``n_layer``, ``n_head``, ``n_embd``...).
     """
 
@@ -144,12 +182,12 @@ class MoEGPT(GPT):
         expert_hidden: int = 32,
         n_shared: int = 0,
         router: Literal["softmax", "sigmoid"] = "softmax",
+        grouped_experts: bool | None = None,
         **gpt,
     ) -> None:
         # read by make_block while GPT.__init__ builds the blocks (before nn.Module attributes can be set)
-        object.__setattr__(
-            self, "_moe", dict(n_experts=n_experts, top_k=top_k, hidden=expert_hidden, n_shared=n_shared, router=router)
-        )
+        moe = dict(n_experts=n_experts, top_k=top_k, hidden=expert_hidden, n_shared=n_shared, router=router)
+        object.__setattr__(self, "_moe", {**moe, "grouped": grouped_experts})
         super().__init__(**gpt)
 
     def make_block(self, cfg: GPTConfig) -> nn.Module:

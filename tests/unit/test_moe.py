@@ -182,6 +182,15 @@ assert close(got, want), (got - want).abs().max()
 assert not close(got, whole(x, index, weights))  # dropping changed the output
 with dropless([holder.experts]):  # the self-check's block: nothing dropped
     assert close(holder.experts(x, index, weights), whole(x, index, weights))
+# experts as grouped GEMMs (float32) under the dispatch: the rows arrive by source rank, not sorted by expert
+from lightning_dist._compat import grouped_mm_refusal
+if grouped_mm_refusal(torch.float32, "cpu") is None:
+    loop = Experts(n=4, dim=8, hidden=12)
+    holder.experts = Experts(n=4, dim=8, hidden=12, grouped=True)
+    holder.experts.load_state_dict(loop.state_dict())
+    apply_ep(holder, init_device_mesh("cpu", (1,)))
+    got, want = holder.experts(x.float(), index, weights.float()), loop(x.float(), index, weights.float())
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (got - want).abs().max()
 print("OK")
 """
 
@@ -196,3 +205,38 @@ def test_ep_capacity_factor_drops_each_experts_pairs_past_its_capacity_in_token_
         [sys.executable, "-c", _CAPACITY_IN_ONE_GROUP, str(free_port())], capture_output=True, text=True, timeout=300
     )
     assert out.returncode == 0 and "OK" in out.stdout, out.stdout[-2000:] + out.stderr[-4000:]
+
+
+def test_experts_as_grouped_gemms_equal_the_per_expert_loop_forward_and_backward():
+    from lightning_dist._compat import grouped_mm_refusal
+    from lightning_dist.models.moe import Experts
+
+    refusal = grouped_mm_refusal(torch.float32, "cpu")
+    if refusal is not None:
+        pytest.skip(f"torch's grouped GEMM does not run float32 on this CPU: {refusal}")
+    assert grouped_mm_refusal(torch.float64, "cpu") is not None  # float64: the loop (what every parity test runs)
+    torch.manual_seed(0)
+    loop = Experts(n=4, dim=8, hidden=12)
+    grouped = Experts(n=4, dim=8, hidden=12, grouped=True)
+    grouped.load_state_dict(loop.state_dict())
+    x = torch.randn(10, 8)
+    index = torch.tensor([[0, 1]] * 6 + [[1, 2]] * 4)  # expert 3 gets no row: an empty group
+    weights = torch.rand(10, 2)
+    grad = torch.randn(10, 8)
+    outs = []
+    for m in (loop, grouped):
+        xi = x.clone().requires_grad_()
+        out = m(xi, index, weights)
+        out.backward(grad)
+        outs.append((out, xi.grad, m.gate_up.grad, m.down.grad))
+    for a, b in zip(*outs):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (a - b).abs().max()
+    assert not loop._use_grouped(x) and Experts(n=4, dim=8, hidden=12)._use_grouped(x) is False  # CPU: the loop
+    with pytest.raises(ValueError, match=r"grouped=True.*float64 on cpu"):
+        grouped.double()(x.double(), index, weights.double())
+    with pytest.raises(ValueError, match=r"widths \(8, 6\) unaligned"):  # 6 float32 = 24 bytes a row
+        Experts(n=4, dim=8, hidden=6, grouped=True)(x, index, weights)
+    with pytest.raises(TypeError, match="grouped='yes' must be True, False or None"):
+        Experts(n=4, dim=8, hidden=6, grouped="yes")
+    model = MoEGPT(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=8, expert_hidden=4, grouped_experts=True)
+    assert all(b.mlp.experts.grouped is True for b in model.blocks)
