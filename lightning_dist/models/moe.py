@@ -13,6 +13,7 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_dist._compat import grouped_mm_refusal
 from lightning_dist.models.data import CHAR_VOCAB_SIZE
 from lightning_dist.models.gpt import GPT, CharGPT, GPTBlock, GPTConfig
 from lightning_dist.parallelize.moe import RouterStats, balance_loss, routed, router_loss
@@ -56,19 +57,19 @@ class Experts(nn.Module):
         return out
 
     def _use_grouped(self, x: Tensor) -> bool:
-        from lightning_dist._compat import grouped_mm_refusal
-
+        if self.grouped is False or (self.grouped is None and x.device.type != "cuda"):
+            return False  # no probe on the paths that loop anyway (every forward asks)
         widths = (x.shape[-1], self.down.shape[-1])  # the rows' strides torch's kernel needs 16-byte aligned
         aligned = all(w * x.element_size() % 16 == 0 for w in widths)
         refusal = grouped_mm_refusal(x.dtype, x.device.type) or (None if aligned else f"widths {widths} unaligned")
         if self.grouped is None:
-            return x.device.type == "cuda" and refusal is None
-        if self.grouped and refusal is not None:
+            return refusal is None
+        if refusal is not None:
             raise ValueError(
                 f"Experts(grouped=True): torch's grouped GEMM does not serve {x.dtype} on {x.device.type} here"
                 f" ({refusal}). Use grouped=None (the per-expert loop where it does not) or grouped=False."
             )
-        return self.grouped
+        return True
 
     def _grouped_forward(self, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         """All experts in two grouped GEMMs over the (token, choice) rows sorted by expert."""

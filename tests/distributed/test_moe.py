@@ -104,17 +104,18 @@ def test_moe_and_expert_parallelism_2_processes():
             {"experts": 8, "hidden": 32, "bytes": 8, "calls": 2.0, "rows": 128.0, "received": 128.0}
         ]
         assert r["expert_states_closed_form"] == 1.0 and r["states"] == 1.0 and r["expert_states"] == 1.0, r
-    # token dropping, asked for: a factor under which every pair fits trains as one device; 0.5 drops pairs on every
-    # rank and layer, no expert receives more than its capacity from each rank, and the update is not one device's.
-    # The self-check at setup ran dropless (its whole copies drop nothing) and held
-    capacity = {(r["case"], r["rank"]): r for r in rows if r["kind"] == "ep_capacity"}
-    assert len(capacity) == 4, capacity
-    for rank in (0, 1):
-        fits, drops = capacity["ep2_capacity_8", rank], capacity["ep2_capacity_0.5", rank]
-        assert fits["diff"] <= TOL and fits["dropped"] == [0, 0] and fits["ep_check"] <= TOL, fits
-        assert drops["diff"] > 1e-3 and min(drops["dropped"]) > 0 and drops["ep_check"] <= TOL, drops
-        for cap, arrived, local in zip(drops["capacity"], drops["arrived"], drops["local_experts"]):
-            assert 0 < arrived <= cap * local * 2, drops  # at most `cap` per expert from each of the 2 ranks
+    # token dropping, asked for (the pack's MoEGPT, Qwen3-MoE, Mixtral): a factor under which every pair fits trains as
+    # one device; 0.5 drops pairs on every rank and layer, no expert receives more than its capacity from each rank,
+    # and the update is not one device's. The self-check at setup ran dropless (its whole copies drop nothing) and held
+    capacity = {(r["model"], r["case"], r["rank"]): r for r in rows if r["kind"] == "ep_capacity"}
+    assert len(capacity) == 3 * 2 * 2, capacity
+    for model in ("pack_moe", "qwen3_moe", "mixtral"):
+        for rank in (0, 1):
+            fits, drops = capacity[model, "ep2_capacity_all", rank], capacity[model, "ep2_capacity_0.5", rank]
+            assert fits["diff"] <= TOL and fits["dropped"] == [0, 0] and fits["ep_check"] <= TOL, fits
+            assert drops["diff"] > 1e-3 and min(drops["dropped"]) > 0 and drops["ep_check"] <= TOL, drops
+            for cap, arrived, local in zip(drops["capacity"], drops["arrived"], drops["local_experts"]):
+                assert 0 < arrived <= cap * local * 2, drops  # at most `cap` per expert from each of the 2 ranks
     # trained at ep=2 (experts as DTensors on the ep mesh), exported to safetensors: transformers loads every trained
     # weight exactly, from the tensors it writes itself for the unsharded model (names and shapes)
     exports = {r["model"]: r for r in rows if r["kind"] == "hf_export" and r["rank"] == 0}

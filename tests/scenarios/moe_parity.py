@@ -426,24 +426,29 @@ def main() -> None:
 
 
 def capacity_factor() -> None:
-    """ep2 with token dropping asked for: a factor of 8 (8 experts: every pair fits) and 0.5 (pairs dropped)."""
-    from lightning_dist.parallelize.ep import GLOBAL_EXPERTS_KEY
+    """ep2 with token dropping asked for, on the pack's MoEGPT and the HF models: a factor as large as the number of
+    experts (every pair fits) and 0.5 (pairs dropped)."""
+    from lightning_dist.parallelize.ep import GLOBAL_EXPERTS_KEY, expert_count, find_experts
 
-    ref = reference("pack_moe")
-    for case, factor in (("ep2_capacity_8", 8.0), ("ep2_capacity_0.5", 0.5)):
-        task = Task("pack_moe")
-        trainer(FullyShardStrategy(ep=2, ep_capacity_factor=factor), devices=2, steps=STEPS).fit(task)
-        states = [b.mlp.experts.__dict__[GLOBAL_EXPERTS_KEY] for b in task.model.blocks]
-        emit(
-            kind="ep_capacity",
-            case=case,
-            diff=max_rel_diff(full_params(task), ref),
-            dropped=[s["dropped"] for s in states],
-            capacity=[s.get("capacity") for s in states],
-            arrived=[s["arrived"] for s in states],
-            local_experts=[s["experts"] // s["ranks"] for s in states],
-            ep_check=task.trainer.strategy.ep_check_report.worst,
-        )
+    for kind in ("pack_moe", "qwen3_moe", "mixtral"):
+        ref = reference(kind)
+        for case in ("ep2_capacity_all", "ep2_capacity_0.5"):
+            task = Task(kind)
+            experts = [m for _, m in find_experts(task.model)]
+            factor = float(expert_count(experts[0])) if case == "ep2_capacity_all" else 0.5
+            trainer(FullyShardStrategy(ep=2, ep_capacity_factor=factor), devices=2, steps=STEPS).fit(task)
+            states = [m.__dict__[GLOBAL_EXPERTS_KEY] for m in experts]
+            emit(
+                kind="ep_capacity",
+                model=kind,
+                case=case,
+                diff=max_rel_diff(full_params(task), ref),
+                dropped=[s["dropped"] for s in states],
+                capacity=[s.get("capacity") for s in states],
+                arrived=[s["arrived"] for s in states],
+                local_experts=[s["experts"] // s["ranks"] for s in states],
+                ep_check=task.trainer.strategy.ep_check_report.worst,
+            )
 
 
 def scaled_input_forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
