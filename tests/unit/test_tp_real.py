@@ -201,7 +201,7 @@ def test_head_counts_in_a_shared_config_get_a_local_copy():
             self.q, self.k, self.v, self.o = (nn.Linear(12, 12) for _ in range(4))
 
     plan = {"*.q": "colwise", "*.k": "colwise", "*.v": "colwise", "*.o": "rowwise"}
-    with pytest.raises(ValueError, match=r"reads config.n_head=3, which the plan must set to the local count"):
+    with pytest.raises(ValueError, match=r"has config.n_head=3, which the plan must set to the local count"):
         resolve_plan(meta(lambda: nn.ModuleList([Attn(SimpleNamespace(n_head=3))])), plan, tp=2)
     shared = SimpleNamespace(n_head=4, n_query_groups=2, head_size=3)
     net = meta(lambda: nn.ModuleList([Attn(shared), Attn(shared)]))

@@ -32,30 +32,25 @@ def _first_int(obj: object, attrs: tuple[str, ...]) -> int | None:
     return next((getattr(obj, a) for a in attrs if isinstance(getattr(obj, a, None), int)), None)
 
 
-def _config_counts(module: nn.Module) -> tuple[object | None, dict[str, int]]:
+def _config(module: nn.Module) -> object | None:
     cfg = module.__dict__.get("config")
-    if cfg is None or isinstance(cfg, nn.Module):
-        return None, {}
-    return cfg, _ints(cfg, CONFIG_ATTRS)
+    return None if isinstance(cfg, nn.Module) else cfg
+
+
+def _head_counts(module: nn.Module) -> dict[str, int]:
+    """The head counts a split region's forward may read, by path: its own (``num_heads``) and its config's."""
+    counts = _ints(module, LOCAL_ATTRS)
+    return counts | {f"config.{a}": v for a, v in _ints(_config(module), CONFIG_ATTRS).items()}
 
 
 def local_attr_problems(model: nn.Module, entries: list[TPEntry], tp: int) -> list[str]:
-    problems = []
-    for parent in split_regions(entries):
-        module = model.get_submodule(parent)
-        for attr, value in _ints(module, LOCAL_ATTRS).items():
-            if value % tp:
-                problems.append(
-                    f"{parent or type(model).__name__} has {attr}={value}, which the plan must set to the local count"
-                    f" {attr} // tp on each rank, but {value} is not divisible by tp={tp}; choose a tp that divides it."
-                )
-        for attr, value in _config_counts(module)[1].items():
-            if value % tp:
-                problems.append(
-                    f"{parent or type(model).__name__} reads config.{attr}={value}, which the plan must set to the"
-                    f" local count on each rank, but {value} is not divisible by tp={tp}; choose a tp that divides it."
-                )
-    return problems
+    return [
+        f"{parent or type(model).__name__} has {attr}={value}, which the plan must set to the local count {attr} // tp"
+        f" on each rank, but {value} is not divisible by tp={tp}; choose a tp that divides it."
+        for parent in split_regions(entries)
+        for attr, value in _head_counts(model.get_submodule(parent)).items()
+        if value % tp
+    ]
 
 
 def set_local_attrs(model: nn.Module, entries: list[TPEntry], tp: int, *, within: nn.Module | None = None) -> list[str]:
@@ -67,18 +62,16 @@ def set_local_attrs(model: nn.Module, entries: list[TPEntry], tp: int, *, within
         module = model.get_submodule(parent)
         if (inside is not None and id(module) not in inside) or GLOBAL_ATTRS_KEY in module.__dict__:
             continue
-        saved: dict[str, object] = _ints(module, LOCAL_ATTRS)
-        for attr, value in saved.items():
-            setattr(module, attr, value // tp)
+        counts, saved = _head_counts(module), {}
+        if any(a.startswith("config.") for a in counts):
+            saved["config"] = module.config
+            module.config = copy.copy(module.config)  # this module's own config: the shared one keeps the global counts
+        for attr, value in counts.items():
+            owner, _, name = attr.rpartition(".")
+            if not owner:
+                saved[name] = value
+            setattr(module.config if owner else module, name, value // tp)
             changed.append(f"{parent}.{attr}")
-        cfg, counts = _config_counts(module)
-        if counts:
-            local = copy.copy(cfg)  # this module's own config: the shared one keeps the global counts
-            for attr, value in counts.items():
-                setattr(local, attr, value // tp)
-            saved["config"] = cfg
-            module.config = local
-            changed += [f"{parent}.config.{a}" for a in counts]
         if saved:
             module.__dict__[GLOBAL_ATTRS_KEY] = saved
     return changed
@@ -118,10 +111,7 @@ def _fused_problems(fqn: str, module: nn.Module, tp: int, parent: nn.Module | No
     head_dim = _head_dim(parent) if parent is not None else None
     heads = block // head_dim if head_dim and block % head_dim == 0 else None
     if heads is not None and heads % tp:
-        return [
-            f"{fqn}: the attention module has {heads} heads, not divisible by tp={tp}; heads are split over"
-            f" tensor ranks, so choose a tp that divides {heads}."
-        ]
+        return _heads_problem(fqn, heads, "heads", tp)
     if block % tp:
         return [
             f"{fqn} ({type(module).__name__}, colwise_qkv): each q/k/v block has {block} features, not divisible"
@@ -134,38 +124,32 @@ def _head_dim(attn: nn.Module) -> int | None:
     """Per-head width of an attention module: its or its ``config``'s ``head_dim``/``head_size`` (litgpt), else the
     config's width over the head count."""
     cfg = getattr(attn, "config", None)
-    for obj in (attn, cfg):
-        head_dim = _first_int(obj, ("head_dim", "head_size"))
-        if head_dim is not None:
-            return head_dim
-    heads = _first_int(attn, _HEAD_ATTRS)
-    if heads is None:
-        heads = _first_int(cfg, _HEAD_ATTRS)
+    head_dim = _first_int(attn, ("head_dim", "head_size")) or _first_int(cfg, ("head_dim", "head_size"))
+    heads = _first_int(attn, _HEAD_ATTRS) or _first_int(cfg, _HEAD_ATTRS)
     width = getattr(cfg, "hidden_size", None)
-    return width // heads if isinstance(width, int) and heads else None
+    return head_dim or (width // heads if isinstance(width, int) and heads else None)
 
 
-def _head_problems(fqn: str, module: nn.Module, tp: int, parent: nn.Module) -> list[str]:
-    # a column-wise projection of an attention module must give each rank whole heads (query or key/value heads)
-    head_dim = _head_dim(parent)
-    out = out_features(module)
-    name = fqn.rpartition(".")[2]
-    if not head_dim or not isinstance(out, int) or out % head_dim:
-        # no head width known: the module's own head count attribute, if any
-        heads = _first_int(parent, _HEAD_ATTRS)
-        if heads is None:
-            return []
-    else:
-        heads = out // head_dim
-        if name in ("qkv", "query_key_value", "Wqkv") and heads % 3 == 0:
-            heads //= 3  # head-major fused q, k, v
-    if heads % tp == 0:
-        return []
-    kind = "key/value heads" if name in ("k", "v", "k_proj", "v_proj", "key", "value") else "heads"
+def _heads_problem(fqn: str, heads: int, kind: str, tp: int) -> list[str]:
     return [
         f"{fqn}: the attention module has {heads} {kind}, not divisible by tp={tp}; heads are split over tensor"
         f" ranks, so choose a tp that divides {heads}."
     ]
+
+
+def _head_problems(fqn: str, module: nn.Module, tp: int, parent: nn.Module) -> list[str]:
+    # a column-wise projection of an attention module must give each rank whole heads (query or key/value heads)
+    head_dim, out, name = _head_dim(parent), out_features(module), fqn.rpartition(".")[2]
+    if head_dim and isinstance(out, int) and out % head_dim == 0:
+        heads = out // head_dim
+        if name in ("qkv", "query_key_value", "Wqkv") and heads % 3 == 0:
+            heads //= 3  # head-major fused q, k, v
+    else:  # no head width known: the module's own head count attribute, if any
+        heads = _first_int(parent, _HEAD_ATTRS)
+    if heads is None or heads % tp == 0:
+        return []
+    kind = "key/value heads" if name in ("k", "v", "k_proj", "v_proj", "key", "value") else "heads"
+    return _heads_problem(fqn, heads, kind, tp)
 
 
 # styles that lay out a module's inputs with torch's PrepareModuleInput, one layout: exactly one positional input
