@@ -17,6 +17,18 @@ from lightning_dist._compat import CUDA_AVAILABLE
 needs_cuda = pytest.mark.skipif(not CUDA_AVAILABLE, reason="needs a CUDA device (GPU-only check)")
 
 
+@pytest.fixture(autouse=True)
+def _no_process_group_left(monkeypatch):
+    """A one-process fit leaves Lightning's process group up: end it after each test, and let the next fit pick a free
+    port (the ended group's store may still hold the one in MASTER_PORT), so later tests start from a clean process."""
+    import torch.distributed as dist
+
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 @contextlib.contextmanager
 def _one_rank_nccl_group(tmp_path):
     """A one-rank NCCL default group on GPU 0 for the duration (an existing one is used as it is)."""
