@@ -116,10 +116,13 @@ def run_eval(module: nn.Module, sample: Any, *, grad: bool = False) -> Any:
         module.train(training)
 
 
-def run_first_probe(module: nn.Module, check: Callable[[Callable[[], Any]], R], *, roll: int = 0) -> Optional[R]:
+def run_first_probe(
+    module: nn.Module, check: Callable[[Callable[[], Any]], R], *, roll: int = 0, errors: Optional[list] = None
+) -> Optional[R]:
     """``check(run)``, `run` being `module`'s forward (eval mode, autograd on) on the first probe sample it takes, that
     sample rolled by `roll` along its last dim (a sample of its own per data-parallel rank). The check's refusal (a
-    ``ValueError``) propagates; any other error tries the next sample, alike on every rank. None when no sample runs."""
+    ``ValueError``) propagates; any other error tries the next sample, alike on every rank (appended to `errors`).
+    None when no sample runs."""
     for net, sample in probe_samples(module):
         if roll:
             sample = tree_map(lambda t: t.roll(roll, -1) if isinstance(t, Tensor) and t.dim() else t, sample)
@@ -127,7 +130,9 @@ def run_first_probe(module: nn.Module, check: Callable[[Callable[[], Any]], R], 
             return check(lambda: run_eval(net, sample, grad=True))
         except ValueError:
             raise
-        except Exception:  # a made-up sample this forward does not take: the next guess
+        except Exception as err:  # a made-up sample this forward does not take: the next guess
+            if errors is not None:
+                errors.append(err)
             continue
     return None
 

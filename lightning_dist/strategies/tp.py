@@ -18,7 +18,7 @@ from lightning_dist.parallelize import ParallelizeConfig, parallelize_model
 from lightning_dist.parallelize.self_check import SelfCheckReport, check_split_model, run_first_probe
 from lightning_dist.parallelize.tp.loss import LogitsGuard, head_entry, loss_parallel_step
 from lightning_dist.parallelize.tp.plan import ResolvedPlan, format_plan, resolve_tp_plan
-from lightning_dist.parallelize.tp.probe import check_probe, probe_output
+from lightning_dist.parallelize.tp.probe import check_probe, probe_output, split_failure
 from lightning_dist.parallelize.tp.vocab import TPEntry
 from lightning_dist.parallelize.units import select_units
 from lightning_dist.strategies.hsdp import HybridShardStrategy
@@ -205,12 +205,14 @@ class TensorParallelStrategy(HybridShardStrategy):
         module, tp = self.lightning_module, self.mesh.size(TP)
         planned = {module.get_submodule(e.fqn) for e in self.tp_entries if e.active and e.style != "replicate"}
         blocks = [(n, b) for n, b in select_units(module) if any(m in planned for m in b.modules())]
+        describe, errors = f"tensor-parallel plan (tp={tp})", []
         report = run_first_probe(
             module,
-            lambda run: check_split_model(
-                module, run, blocks, replica_group=self.mesh.group(TP), describe=f"tensor-parallel plan (tp={tp})"
-            ),
+            lambda run: check_split_model(module, run, blocks, replica_group=self.mesh.group(TP), describe=describe),
+            errors=errors,
         )
+        if report is None and errors and self.tp_probe_diff is not None:  # the split model ran the probe in eval
+            raise split_failure(describe, errors[0]) from errors[0]
         if report is None:
             rank_zero_warn(
                 "tensor-parallel self-check skipped: no probe sample runs through the model (set `example_input_array`"

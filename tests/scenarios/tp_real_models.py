@@ -149,6 +149,9 @@ def _build(kind: str) -> nn.Module:
         return tf.Qwen2ForCausalLM(tf.Qwen2Config(**common, num_key_value_heads=2))
     if kind == "gpt_neox":
         return tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(**common, attention_bias=False))  # fused qkv bias: see build()
+    if kind == "bloom_alibi":  # ALiBi biases built by the base model for every head
+        cfg = tf.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4, hidden_dropout=0.0)
+        return tf.BloomForCausalLM(cfg)
     assert kind == "gpt2_tied", kind
     cfg = tf.GPT2Config(
         vocab_size=VOCAB,
@@ -185,6 +188,20 @@ HF_2026 = {
             num_experts_per_tok=2,
             moe_intermediate_size=16,
             experts_implementation="eager",
+        )
+    ),
+    # fused [q | k | v] per kv group, parallel attention and MLP, `mlp_output += attention_output` in place
+    "falcon": lambda tf, c: tf.FalconForCausalLM(
+        tf.FalconConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_kv_heads=2,
+            new_decoder_architecture=True,
+            bias=False,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
         )
     ),
     "mixtral": lambda tf, c: tf.MixtralForCausalLM(
@@ -450,6 +467,14 @@ if world == 2:
         emit(kind="refusal", model="blocked_qkv_gpt", error=None)
     except ValueError as err:
         emit(kind="refusal", model="blocked_qkv_gpt", error=str(err))
+
+    # a bias the base model builds for every head (Bloom's ALiBi) meets each rank's heads: the split forward fails
+    # where the unsplit one runs, refused on every rank naming the causes (not torch's bare shape error)
+    try:
+        trainer(TensorParallelStrategy(tp_plan="auto", **mesh), devices=world, steps=STEPS).fit(Task("bloom_alibi"))
+        emit(kind="refusal", model="bloom_alibi", error=None)
+    except ValueError as err:
+        emit(kind="refusal", model="bloom_alibi", error=str(err))
 
 if world == 2 and "qwen3" in kinds:
     # a plan that leaves Qwen3's per-head q/k norms whole without summing their gradients ('replicate': the split-flow

@@ -62,6 +62,27 @@ def _two_paths():
     return resolve_plan(module, {"head": "colwise_gather"}, tp=2)
 
 
+def _norm_per_head_list():
+    from lightning_dist.parallelize.tp.plan import resolve_tp_plan
+
+    class Attn(nn.Module):  # one LayerNorm per head, paired with the heads by position (StableLM's q/k layernorm)
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.o = nn.Linear(16, 16), nn.Linear(16, 16)
+            self.norms = nn.ModuleList(nn.LayerNorm(4) for _ in range(4))
+
+        def forward(self, x):
+            heads = torch.split(self.q(x).unflatten(-1, (4, 4)), 1, dim=-2)
+            return self.o(torch.cat([n(h) for n, h in zip(self.norms, heads)], dim=-2).flatten(-2))
+
+    net = nn.Module()
+    net.blocks = nn.ModuleList([nn.Module()])
+    net.blocks[0].attn = Attn()
+    net.forward = lambda x: net.blocks[0].attn(x)
+    net.example_input_array = torch.randn(2, 3, 16)
+    return resolve_tp_plan(net, {"blocks.*.attn.q": "colwise", "blocks.*.attn.o": "rowwise"}, tp=2)
+
+
 def _styles_swapped():
     from lightning_dist.models import GPT
     from lightning_dist.parallelize.tp.plan import resolve_plan
@@ -383,6 +404,14 @@ CASES = {
         lambda t: _two_paths(),
         ValueError,
         ["'head'", "matches 2 paths", "write the full path"],
+    ),
+    "tp-plan-norm-per-head-list": (
+        lambda t: _norm_per_head_list(),
+        ValueError,
+        [
+            "attn.norms holds one LayerNorm per slice of the split output of 'blocks.0.attn.q'",
+            "Leave that region whole",
+        ],
     ),
     "tp-auto-no-plan": (
         lambda t: _auto_no_plan(),

@@ -395,6 +395,93 @@ def test_split_flow_rule_refuses_a_norm_across_the_split_dimension():
     assert not any(e.style == "replicate_grad_sum" for e in resolve_tp_plan(_HeadNormNet(False), fixed, tp=2).entries)
 
 
+class _NormPerHead(nn.Module):
+    """One LayerNorm per head, paired with the heads by position (StableLM's q/k layernorm)."""
+
+    def __init__(self, heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.norms = nn.ModuleList(nn.LayerNorm(head_dim) for _ in range(heads))
+
+    def forward(self, x):  # [B, H, T, D]
+        return torch.cat([norm(h) for norm, h in zip(self.norms, torch.split(x, 1, dim=1))], dim=1)
+
+
+class _ListNormAttention(_HeadNormAttention):
+    def __init__(self) -> None:
+        super().__init__(per_head=True)
+        self.q_norm = _NormPerHead(self.heads, 4)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2) for t in (self.q(x), self.k(x), self.v(x)))
+        y = torch.nn.functional.scaled_dot_product_attention(self.q_norm(q), k, v)
+        return self.o(y.transpose(1, 2).reshape(B, T, -1))
+
+
+def test_split_flow_rule_refuses_a_list_of_modules_one_per_head():
+    from lightning_dist.parallelize.tp.plan import resolve_tp_plan
+
+    net = _HeadNormNet(per_head=True)
+    net.layers = nn.ModuleList(_ListNormAttention() for _ in range(2))
+    plan = {"layers.*.q": "colwise", "layers.*.k": "colwise", "layers.*.v": "colwise", "layers.*.o": "rowwise"}
+    with pytest.raises(ValueError, match=r"layers.0.q_norm.norms holds one LayerNorm per slice of the split output of"):
+        resolve_tp_plan(net, plan, tp=2)
+    # the fix it names: the attention left whole (the rule adds nothing then)
+    mlp_only = resolve_tp_plan(net, {"layers.*.gate": {"style": "colwise", "output": "replicate"}}, tp=2)
+    assert not any(e.style == "replicate_grad_sum" for e in mlp_only.entries)
+    transformers = pytest.importorskip("transformers")
+    config = transformers.StableLmConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, qk_layernorm=True,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"self_attn.q_layernorm.norms holds one LayerNorm per slice"):
+        resolve_tp_plan(transformers.StableLmForCausalLM(config), "auto", tp=2)
+
+
+class _InPlaceResidual(nn.Module):
+    """An MLP whose output is changed in place (Falcon's `mlp_output += attention_output`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down, self.side = nn.Linear(8, 16), nn.Linear(16, 8), nn.Linear(8, 8)
+        self.example_input_array = torch.randn(2, 8)
+
+    def forward(self, x):
+        out = self.down(torch.relu(self.up(x)))
+        out += self.side(x)
+        return out
+
+
+def test_split_flow_rule_hands_a_copy_to_an_output_changed_in_place():
+    from lightning_dist.parallelize.tp.flow import _in_place
+    from lightning_dist.parallelize.tp.plan import resolve_tp_plan
+
+    resolved = resolve_tp_plan(_InPlaceResidual(), {"up": "colwise", "down": "rowwise"}, tp=2)
+    assert {e.fqn: e.copy_output for e in resolved.entries} == {"up": False, "down": True}
+    assert [
+        n for n in ("__iadd__", "add_", "mul_", "__init__", "__iter__", "requires_grad_", "view") if _in_place(n)
+    ] == [
+        "__iadd__",
+        "add_",
+        "mul_",
+    ]
+
+
+def test_a_split_model_failing_where_the_unsplit_one_runs_is_refused_with_the_causes():
+    from lightning_dist.parallelize.tp.probe import check_probe
+
+    class Fails(nn.Module):
+        def forward(self, x):
+            raise RuntimeError("The expanded size of the tensor (4) must match the existing size (8)")
+
+    with pytest.raises(
+        ValueError,
+        match=r"tp=2\): the split model fails on a probe sample the unsplit model takes"
+        r" \(RuntimeError: The expanded size.*ALiBi.*in-place change",
+    ):
+        check_probe(Fails(), torch.zeros(2), torch.zeros(2), describe="tensor-parallel plan (tp=2)")
+
+
 def test_split_flow_rule_traces_a_model_on_the_meta_device():
     from lightning_dist.parallelize.tp.plan import resolve_tp_plan
 

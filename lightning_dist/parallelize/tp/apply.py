@@ -202,6 +202,8 @@ def _parallelize(
         ties = shared_parameters(part)  # found before sharding: parallelize_module gives each owner a new parameter
         parallelize_module(part, tp_mesh, styles)
         _repack_gathered(part, list(styles))
+        for name in (n for n in styles if planned[n].copy_output):  # torch's local view cannot change in place
+            part.get_submodule(name).register_forward_hook(lambda m, args, out: out.clone())
         retie(part, ties)  # resolve_plan checked that every owner is sharded alike: one DTensor serves all
         # forwards that read a head count attribute see their local heads
         set_local_attrs(owner, entries, tp_mesh.size(), within=None if part is owner else part)

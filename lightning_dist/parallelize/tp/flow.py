@@ -17,6 +17,8 @@ from lightning_dist.parallelize.tp.vocab import TPEntry, out_features, split_reg
 
 SOURCES = ("colwise", "colwise_qkv")
 """Styles whose output stays split over tp (without an ``output`` layout of their own)."""
+COPIED_OUTPUTS = ("colwise", "rowwise", "colwise_gather")
+"""Styles whose output is torch's view of a DTensor's local part, which autograd forbids changing in place."""
 
 
 @dataclass
@@ -28,6 +30,8 @@ class SplitFlow:
     problems: list[str] = field(default_factory=list)
     traced: bool = False
     """True when a forward showed it; False when no probe sample ran (nothing found, nothing added)."""
+    in_place: list[str] = field(default_factory=list)
+    """Planned layers whose output the forward changes in place (``out += residual``): their styles hand it a copy."""
 
 
 def _unit(module: nn.Module, style: str, tp: int) -> int:
@@ -36,6 +40,30 @@ def _unit(module: nn.Module, style: str, tp: int) -> int:
     if not isinstance(out, int):
         out = module.weight.shape[0]
     return out // tp // (3 if style == "colwise_qkv" else 1)
+
+
+def _in_place(name: str) -> bool:
+    """A torch op that changes its first operand: ``add_``, ``x += y`` (``__iadd__``)."""
+    if name.startswith("__"):
+        return name[2:3] == "i" and name[3:-2] in _OPERATORS
+    return name.endswith("_") and name != "requires_grad_"
+
+
+_OPERATORS = {
+    "add",
+    "sub",
+    "mul",
+    "truediv",
+    "floordiv",
+    "mod",
+    "pow",
+    "matmul",
+    "and",
+    "or",
+    "xor",
+    "lshift",
+    "rshift",
+}
 
 
 class _Watch(TorchFunctionMode):
@@ -48,20 +76,27 @@ class _Watch(TorchFunctionMode):
     ) -> None:
         super().__init__()
         self.owners, self.planned, self.buffers = owners, planned, buffers
-        self.split: dict[int, tuple[Any, int, str]] = {}  # id -> (weakref, unit, source layer)
+        self.split: dict[int, tuple[Any, int, str, int]] = {}  # id -> (weakref, unit, source layer, its output's size)
         self.derived: dict[int, tuple[Any, frozenset]] = {}  # id -> (weakref, owner params it is computed from)
-        self.meets: dict[str, dict[str, tuple[int, int, str]]] = {}  # module -> {param: (numel, unit, source)}
+        # module -> {param: (numel, unit, source, whether it met a slice of the source's output only)}
+        self.meets: dict[str, dict[str, tuple[int, int, str, bool]]] = {}
         self.joins: dict[str, str] = {}  # "source -> call" -> the graded replicated activation that joined
+        self.outputs: dict[int, tuple[Any, str]] = {}  # id -> (weakref, the planned layer whose output it is)
+        self.in_place: dict[str, None] = {}  # planned layers whose output an in-place op changed
 
     @staticmethod
     def _get(table: dict, t: Tensor) -> Any:
         got = table.get(id(t))
         return got if got is not None and got[0]() is t else None
 
-    def mark(self, out: Any, unit: int, source: str) -> None:
+    def mark(self, out: Any, unit: int, source: str, size: int | None = None) -> None:
         for t in tree_leaves(out):
             if isinstance(t, Tensor):
-                self.split[id(t)] = (weakref.ref(t), unit, source)
+                self.split[id(t)] = (weakref.ref(t), unit, source, t.numel() if size is None else size)
+
+    def produced(self, out: Any, fqn: str) -> None:
+        if isinstance(out, Tensor):
+            self.outputs[id(out)] = (weakref.ref(out), fqn)
 
     def unmark(self, out: Any) -> None:
         for t in tree_leaves(out):
@@ -77,9 +112,13 @@ class _Watch(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
+        if args and isinstance(args[0], Tensor) and _in_place(getattr(func, "__name__", "")):
+            got = self._get(self.outputs, args[0])  # an in-place op on a planned layer's output
+            if got is not None:
+                self.in_place[got[1]] = None
         out = func(*args, **kwargs)
         operands = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
-        hit = next((got for t in operands if (got := self._get(self.split, t)) is not None), None)
+        hit = next(((got, t) for t in operands if (got := self._get(self.split, t)) is not None), None)
         if hit is None:
             sources = [self._params_of(t) for t in operands]
             # anything else that is a tensor of its own (graded, or data as a token-id model's ids: the embedding's
@@ -91,7 +130,7 @@ class _Watch(TorchFunctionMode):
                     if isinstance(t, Tensor):
                         self.derived[id(t)] = (weakref.ref(t), params)
             return out
-        _, unit, source = hit
+        (_, unit, source, size), operand = hit
         for t in operands:
             if self._get(self.split, t) is not None:
                 continue
@@ -99,11 +138,11 @@ class _Watch(TorchFunctionMode):
             if params:
                 for pid in params - self.planned:  # a planned module's parameters are its style's business
                     fqn, pname, _ = self.owners[pid]
-                    self.meets.setdefault(fqn, {})[pname] = (t.numel(), unit, source)
+                    self.meets.setdefault(fqn, {})[pname] = (t.numel(), unit, source, operand.numel() < size)
             elif t.requires_grad and t.grad_fn is not None:
                 name = getattr(func, "__name__", str(func))
                 self.joins.setdefault(f"{source} -> {name}", f"a {tuple(t.shape)} activation computed without it")
-        self.mark(out, unit, source)
+        self.mark(out, unit, source, size)
         return out
 
 
@@ -131,6 +170,8 @@ def split_flow(model: nn.Module, entries: list[TPEntry], tp: int) -> SplitFlow:
                 handles.append(mod.register_forward_hook(lambda m, a, o, u=unit, f=e.fqn: watch.mark(o, u, f)))
             elif e.style in ("rowwise", "colwise_gather"):
                 handles.append(mod.register_forward_hook(lambda m, a, o: watch.unmark(o)))
+            if e.style in COPIED_OUTPUTS:
+                handles.append(mod.register_forward_hook(lambda m, a, o, f=e.fqn: watch.produced(o, f)))
         try:
             with watch:
                 run_eval(net, sample, grad=True)
@@ -139,10 +180,11 @@ def split_flow(model: nn.Module, entries: list[TPEntry], tp: int) -> SplitFlow:
         finally:
             for h in handles:
                 h.remove()
-        found = SplitFlow(traced=True)
+        found = SplitFlow(traced=True, in_place=list(watch.in_place))
         for fqn in modules:  # module order
             if fqn in watch.meets:
                 _classify(found, fqn, modules[fqn], watch.meets[fqn], fqn in regions)
+        found.problems += _per_slice_lists(modules, watch.meets)
         for where, what in watch.joins.items():
             found.problems.append(
                 f"{where}: {what} joins the split activation of {where.split(' ->')[0]!r} inside its region, so its"
@@ -165,7 +207,7 @@ def _classify(found: SplitFlow, fqn: str, module: nn.Module, meets: dict, is_reg
         return
     wide = {n: m for n, m in meets.items() if m[1] % m[0]}
     if wide:
-        name, (numel, unit, source) = next(iter(wide.items()))
+        name, (numel, unit, source, _) = next(iter(wide.items()))
         found.problems.append(
             f"{fqn} ({kind}) runs on the output of {source!r}, which the plan splits into parts of {unit} features"
             f" per rank, but its {name!r} spans {numel} values: it works across the split dimension (a norm over the"
@@ -177,4 +219,22 @@ def _classify(found: SplitFlow, fqn: str, module: nn.Module, meets: dict, is_reg
     found.grad_sum.append(fqn)
 
 
-__all__ = ["SOURCES", "SplitFlow", "split_flow"]
+def _per_slice_lists(modules: dict[str, nn.Module], meets: dict) -> list[str]:
+    """Module lists whose members each ran on a slice of a split activation only (a norm per head): the split forward
+    pairs a rank's own slices with the list's first members, whatever slices they belonged to."""
+    problems = []
+    for fqn, module in modules.items():
+        members = [f"{fqn}.{k}" if fqn else k for k in module._modules] if isinstance(module, nn.ModuleList) else []
+        met = [m for m in members if m in meets and all(sliced for *_, sliced in meets[m].values())]
+        if len(met) > 1:
+            source = next(iter(meets[met[0]].values()))[2]
+            problems.append(
+                f"{fqn} holds one {type(modules[met[0]]).__name__} per slice of the split output of {source!r}"
+                f" ({len(met)} of them ran, a norm per head): after the split each rank's forward would pair its own"
+                " slices with the list's first modules, not with theirs. Leave that region whole (drop its column- and"
+                " row-wise entries; the MLP's can stay), or apply one module to every slice."
+            )
+    return problems
+
+
+__all__ = ["COPIED_OUTPUTS", "SOURCES", "SplitFlow", "split_flow"]

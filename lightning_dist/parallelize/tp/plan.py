@@ -7,7 +7,7 @@ from __future__ import annotations
 import fnmatch
 import io
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from torch import nn
@@ -221,6 +221,7 @@ def resolve_tp_plan(
     modules = dict(model.named_modules())
     order = {n: i for i, n in enumerate(modules)}
     added = [_entry(fqn, modules[fqn], "replicate_grad_sum", GRAD_SUM_RULE, tp) for fqn in flow.grad_sum]
+    entries = [replace(e, copy_output=True) if e.fqn in flow.in_place else e for e in entries]
     entries = sorted([*entries, *added], key=lambda e: order[e.fqn])
     return ResolvedPlan(
         name=name, entries=tuple(entries), tp=tp, sequence_parallel=sequence_parallel, flow_traced=flow.traced

@@ -135,7 +135,12 @@ def check_probe(module: nn.Module, sample: Any, expected: Tensor, *, describe: s
 
     Collective (the forward and one all-reduce): call on every rank. Returns the relative difference.
     """
-    got = first_tensor(run_eval(module, sample))
+    try:
+        got = first_tensor(run_eval(module, sample))
+    except ValueError:
+        raise
+    except Exception as err:  # the unsplit model took this sample: the split one fails on it
+        raise split_failure(describe, err) from err
     full = getattr(got, "full_tensor", None)
     got = full() if callable(full) else got
     if got is None or got.shape != expected.shape:
@@ -160,4 +165,15 @@ def check_probe(module: nn.Module, sample: Any, expected: Tensor, *, describe: s
     return rel
 
 
-__all__ = ["check_probe", "probe_output"]
+def split_failure(describe: str, err: BaseException) -> ValueError:
+    """The refusal of a split model that fails where the unsplit one runs (alike on every rank: same code and sizes)."""
+    what = (str(err).strip().splitlines() or [""])[0][:300]
+    return ValueError(
+        f"{describe}: the split model fails on a probe sample the unsplit model takes ({type(err).__name__}: {what})."
+        " Its forward uses something the split does not cover: a tensor built outside a split region for every head"
+        " (an ALiBi bias, a per-head mask), or an in-place change of a split layer's output (`out += residual`). Leave"
+        " that region out of the plan, or train this model without tensor parallelism."
+    )
+
+
+__all__ = ["check_probe", "probe_output", "split_failure"]

@@ -139,6 +139,8 @@ class TPEntry:
     """False for sequence-parallel entries when sequence parallelism is off."""
     kind: str = "other"
     """``linear``, ``conv1d`` (HF, transposed weight), ``embedding`` or ``other``: picks the torch style."""
+    copy_output: bool = False
+    """The model changes this layer's output in place (``out += residual``): the split layer hands it a copy."""
 
 
 def split_regions(entries: list[TPEntry], *, stated_layouts: bool = True) -> list[str]:
