@@ -3,6 +3,7 @@ shared across stages: checks on the plan, run before anything is split."""
 
 from __future__ import annotations
 
+import copy
 import os
 import warnings
 
@@ -10,16 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_dist.parallelize.pipeline.split import PipelineSplit, StagePlan, network_layout
-
-
-def _part_names(split: PipelineSplit, stage: StagePlan) -> list[str]:
-    lay = split.layout
-    return (
-        (list(lay.stem) if stage.stem else [])
-        + [lay.block_name(i) for i in stage.blocks]
-        + (list(lay.head) if stage.head else [])
-    )
+from lightning_dist.parallelize.pipeline.split import PipelineSplit, network_layout
 
 
 def shared_across_stages(net: nn.Module, split: PipelineSplit) -> list[tuple[str, ...]]:
@@ -35,9 +27,15 @@ def batchnorm_modules(net: nn.Module) -> list[str]:
 def tied_stages(net: nn.Module, split: PipelineSplit) -> list[tuple[tuple[str, ...], tuple[int, ...]]]:
     """Parameters held by two or more stages (tied embeddings): ``(qualified names, stage indices)`` of each (every
     holder keeps a copy; their gradients are summed each step, see :mod:`.tied`)."""
+    lay = split.layout
     owners: dict[int, list[tuple[int, str]]] = {}
     for stage in split.stages:
-        for part in _part_names(split, stage):
+        parts = [
+            *(lay.stem if stage.stem else ()),
+            *map(lay.block_name, stage.blocks),
+            *(lay.head if stage.head else ()),
+        ]
+        for part in parts:
             for pname, p in net.get_submodule(part).named_parameters(remove_duplicate=False):
                 owners.setdefault(id(p), []).append((stage.index, f"{part}.{pname}"))
     out = []
@@ -60,17 +58,13 @@ def check_splittable(net: nn.Module, split: PipelineSplit, *, allow_batchnorm: b
         warnings.warn(f"Pipelining BatchNorm layers {bn}: statistics come from micro-batches.", stacklevel=2)
 
 
-def staged_forward_problem(
-    net: nn.Module, sample: torch.Tensor, *, rtol: float = 1e-5, atol: float = 1e-6
-) -> str | None:
+def staged_forward_problem(net: nn.Module, sample: torch.Tensor) -> str | None:
     """Why the pipeline stages would not compute ``net(sample)`` (its layout's ``forward_problem``), or None."""
-    return network_layout(net).forward_problem(net, sample, rtol=rtol, atol=atol)
+    return network_layout(net).forward_problem(net, sample)
 
 
 def host_copy(net: nn.Module) -> nn.Module:
     """A copy of `net` with its tensors in host memory (never a second copy in device memory), to check later."""
-    import copy
-
     memo: dict[int, object] = {}
     for p in net.parameters():
         memo[id(p)] = nn.Parameter(p.detach().cpu().clone(), requires_grad=p.requires_grad)

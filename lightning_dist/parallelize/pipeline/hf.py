@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lightning_dist.parallelize.pipeline.pruned import PrunedStage
@@ -38,19 +39,13 @@ def hf_parts(net: nn.Module) -> tuple[str, str, tuple[str, ...], tuple[str, ...]
             f"Cannot split {type(net).__name__} into pipeline stages: its base model has "
             f"{'no' if not lists else len(lists)} block list (config.base_model_pp_plan: {sorted(plan) or 'none'})."
         )
-    names = list(base._modules)
+    names = [n for n, m in base._modules.items() if m is not None]
     i = names.index(lists[0])
-    stem = tuple(f"{prefix}.{n}" for n in names[:i] if base._modules[n] is not None)
-    head = tuple(
-        f"{prefix}.{n}" for n in names[i + 1 :] if base._modules[n] is not None and _has_state(base._modules[n])
-    )
-    head += tuple(n for n, m in net.named_children() if m is not base and m is not None)
-    return prefix, f"{prefix}.{lists[0]}", stem, head
-
-
-def _has_state(module: nn.Module) -> bool:
+    stem = tuple(f"{prefix}.{n}" for n in names[:i])
     # parameter-free helpers after the blocks (rotary embeddings registered late) run on every stage
-    return any(True for _ in module.parameters())
+    head = tuple(f"{prefix}.{n}" for n in names[i + 1 :] if any(True for _ in base._modules[n].parameters()))
+    head += tuple(n for n, m in net.named_children() if m is not base)
+    return prefix, f"{prefix}.{lists[0]}", stem, head
 
 
 class HFStageMixin(PrunedStage):
@@ -83,14 +78,13 @@ class HFStageMixin(PrunedStage):
         return sample["input_ids"], {k: v for k, v in sample.items() if k != "input_ids"}
 
 
-def hf_example_inputs(net: nn.Module, *, batch: int = 2, seq: int | None = None) -> dict[str, torch.Tensor]:
-    """A micro-batch of token ids built from the config (for the stage check and ``split="balanced"``)."""
+def hf_example_inputs(net: nn.Module) -> dict[str, torch.Tensor]:
+    """A micro-batch of token ids, 2 x up to 16, made from the config (for the stage check and ``split="balanced"``)."""
     config = net.config
     n_pos = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 16
-    seq = seq or min(16, int(n_pos))
     device = next(net.parameters()).device
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, int(config.vocab_size), (batch, seq), generator=gen).to(device)
+    ids = torch.randint(0, int(config.vocab_size), (2, min(16, int(n_pos))), generator=gen).to(device)
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
@@ -136,8 +130,6 @@ def hf_labels_loss(
     ``shifted=True``: `labels` are shifted already (context parallelism). Written out: HF's upcast ``logits.float()``
     would *downcast* float64.
     """
-    import torch.nn.functional as F
-
     dtype = torch.promote_types(logits.dtype, torch.float32)
     targets = labels if shifted else F.pad(labels, (0, 1), value=-100)[..., 1:]
     loss = F.cross_entropy(logits.to(dtype).flatten(0, -2), targets.flatten(), ignore_index=-100, reduction="sum")
@@ -160,7 +152,6 @@ def labelled_tokens(labels: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = [
-    "HF_STAGE_INPUTS",
     "HFStageMixin",
     "hf_call_inputs",
     "hf_call_output",

@@ -390,7 +390,6 @@ __all__ = [
     "MODEL_INPUT",
     "Absent",
     "ForwardStage",
-    "Handover",
     "PrunedStage",
     "build_pruned_stage",
     "check_pruned_stages",
@@ -400,5 +399,4 @@ __all__ = [
     "model_input_call",
     "pruned_parts",
     "profile_pruned",
-    "StageBlocks",
 ]

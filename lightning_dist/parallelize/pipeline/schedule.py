@@ -23,11 +23,9 @@ class PipelinePeer(Protocol):
 
     def stage_input(self, stage: int) -> tuple[tuple[int, ...], torch.dtype]:
         """(shape, dtype) of one micro-batch's input of `stage` (the previous stage's output)."""
-        ...
 
     def last_stage_meta(self, key: tuple) -> tuple[tuple[int, ...], torch.dtype]:
         """(shape, dtype) of what the last stage's rank holds under `key` (``("out", ...)``, ``("loss", ...)``)."""
-        ...
 
 
 def schedule_problems(schedule: str, pp: int, n_microbatches: int, stages_per_rank: int) -> list[str]:
@@ -133,10 +131,6 @@ class PipelineRunner:
         # ignores tags, so there it is posted after the schedule, behind the schedule's own transfers
         self.receive_loss_early = group is not None and dist.get_backend(group) == "gloo"
 
-    @property
-    def num_stages(self) -> int:
-        return len(self.stage_ranks)
-
     def step(
         self,
         x: torch.Tensor,
@@ -178,7 +172,7 @@ class PipelineRunner:
                 peer=self.peer,
             )
         sched, stages = self._schedules[key]
-        has_last = self.num_stages - 1 in self.local_stages
+        has_last = len(self.stage_ranks) - 1 in self.local_stages
         losses: list[torch.Tensor] = []
         kw = {"target": target, "losses": losses} if train and has_last else {}
         for st in stages:

@@ -85,9 +85,9 @@ class NetworkLayout:
         """Milliseconds of (stem, each block, head) on one sample micro-batch (best of `repeats`)."""
         return profile_plain(net, self, sample, repeats=repeats)
 
-    def forward_problem(self, net: nn.Module, sample: Any, *, rtol: float = 1e-5, atol: float = 1e-6) -> str | None:
+    def forward_problem(self, net: nn.Module, sample: Any) -> str | None:
         """Why the stages would not compute ``net(sample)``, or None when they do."""
-        return plain_forward_problem(net, self, sample, rtol=rtol, atol=atol)
+        return plain_forward_problem(net, self, sample)
 
     def join(self, pieces: Sequence[nn.Module]) -> nn.Module:
         """The whole single-device network from plain copies of every stage module (pure)."""
@@ -123,6 +123,13 @@ class PrunedLayout(NetworkLayout):
     convention: ClassVar[type] = ForwardStage
     handed_over: ClassVar[str] = "into its first block, the model's input given to every stage"
 
+    @classmethod
+    def from_parts(cls, net: nn.Module, parts: tuple, plain: NetworkLayout | None = None) -> PrunedLayout:
+        """The layout of `net` whose ``(owner, block_list, stem, head)`` are `parts`."""
+        _, block_list, stem, head = parts
+        blocks = tuple(net.get_submodule(block_list)._modules)
+        return cls(stem=stem, block_list=block_list, blocks=blocks, head=head, parts=parts, plain=plain)
+
     def build_stage(self, net: nn.Module, block_ids: Sequence[int], *, first: bool, last: bool) -> nn.Module:
         blocks = [self.blocks[i] for i in block_ids]
         return build_pruned_stage(net, self.parts, blocks, first=first, last=last, convention=self.convention)
@@ -130,7 +137,7 @@ class PrunedLayout(NetworkLayout):
     def profile(self, net: nn.Module, sample: Any, *, repeats: int = 5) -> Costs:
         return profile_pruned(net, self, sample, convention=self.convention, repeats=repeats)
 
-    def forward_problem(self, net: nn.Module, sample: Any, *, rtol: float = 1e-5, atol: float = 1e-6) -> str | None:
+    def forward_problem(self, net: nn.Module, sample: Any) -> str | None:
         n = len(self.blocks)  # every block boundary is a stage boundary: each hand-over is checked
         problem = check_pruned_stages(
             net, [self.build_stage(net, [i], first=i == 0, last=i == n - 1) for i in range(n)], sample
@@ -143,7 +150,7 @@ class PrunedLayout(NetworkLayout):
         )
         if self.plain is None:
             return f"Cannot split {type(net).__name__} into pipeline stages: {problem}. Tried: {pruned}."
-        plain = self.plain.forward_problem(net, sample, rtol=rtol, atol=atol)
+        plain = self.plain.forward_problem(net, sample)
         return (
             f"Cannot split {type(net).__name__} into pipeline stages; routes tried:\n  - its children applied in"
             f" registration order: {plain or 'they compute its forward, this model was given the other route'}"
@@ -168,7 +175,6 @@ class HFLayout(PrunedLayout):
 
     def join(self, pieces: Sequence[nn.Module]) -> nn.Module:
         whole = super().join(pieces)
-        # its `labels` loss as the pipeline computes it (in the logits' dtype; HF's own casts float64 to float32)
         whole.loss_function = pipeline_loss_function  # HF's property has a setter for this (per instance)
         return whole
 
@@ -194,29 +200,20 @@ def network_layout(net: nn.Module) -> NetworkLayout:
     """The layout of `net`; TypeError giving each route's reason when none can split it. Routes, in order: HF causal
     LM, ``nn.Sequential``, children in order around one direct block list, the model pruned per stage."""
     if layout_kind(net) is HFLayout:
-        parts = hf_parts(net)
-        _, block_list, stem, head = parts
-        return HFLayout(
-            stem=stem,
-            block_list=block_list,
-            blocks=tuple(net.get_submodule(block_list)._modules),
-            head=head,
-            parts=parts,
-        )
+        return HFLayout.from_parts(net, hf_parts(net))
     if isinstance(net, nn.Sequential):
         return NetworkLayout(stem=(), block_list=None, blocks=tuple(net._modules), head=())
-    children = list(net.named_children())
     found = [(name, mod) for name, mod in find_block_lists(net) if "." not in name]
     plain, not_chain = None, None
     if len(found) == 1:
         name, blocks = found[0]
-        if any(True for _ in net.parameters(recurse=False)):
-            direct = [n for n, _ in net.named_parameters(recurse=False)]
+        direct = [n for n, _ in net.named_parameters(recurse=False)]
+        if direct:
             raise TypeError(
                 f"{type(net).__name__} holds parameters directly ({direct}); a pipeline stage can only own whole"
                 " child modules. Move them into a child module registered before or after the block list."
             )
-        names = [n for n, _ in children]
+        names = [n for n, _ in net.named_children()]
         i = names.index(name)
         plain = NetworkLayout(
             stem=tuple(names[:i]), block_list=name, blocks=tuple(blocks._modules), head=tuple(names[i + 1 :])
@@ -229,15 +226,7 @@ def network_layout(net: nn.Module) -> NetworkLayout:
     else:
         parts, pruned_why = pruned_parts(net, found[0][0] if found else None)
     if parts is not None:
-        _, block_list, stem, head = parts
-        return PrunedLayout(
-            stem=stem,
-            block_list=block_list,
-            blocks=tuple(net.get_submodule(block_list)._modules),
-            head=head,
-            parts=parts,
-            plain=plain,
-        )
+        return PrunedLayout.from_parts(net, parts, plain)
     if plain is not None:  # the staged-forward check on one micro-batch decides, naming what the forward does
         return plain
     what = "none" if not found else f"{len(found)} ({[n for n, _ in found]})"
@@ -301,16 +290,10 @@ class PipelineSplit:
     def rows(self) -> list[dict]:
         """One row per stage: ``{"stage", "blocks", "params", "cost"}`` with readable block names."""
         out = []
+        lay = self.layout
         for s in self.stages:
-            parts = (
-                (["stem"] if s.stem and self.layout.stem else [])
-                + (
-                    [f"{self.layout.block_name(s.blocks[0])}..{self.layout.blocks[s.blocks[-1]]}"]
-                    if len(s.blocks) > 1
-                    else [self.layout.block_name(s.blocks[0])]
-                )
-                + (["head"] if s.head and self.layout.head else [])
-            )
+            blocks = lay.block_name(s.blocks[0]) + (f"..{lay.blocks[s.blocks[-1]]}" if len(s.blocks) > 1 else "")
+            parts = [*(["stem"] if s.stem and lay.stem else []), blocks, *(["head"] if s.head and lay.head else [])]
             out.append({"stage": s.index, "blocks": " + ".join(parts), "params": s.params, "cost": s.cost})
         return out
 
@@ -328,13 +311,8 @@ class PipelineSplit:
         table = Table(
             title=f"Pipeline split ({self.method}, {self.num_stages} stages, imbalance {self.imbalance():.2f})"
         )
-        for col in (
-            "stage",
-            *(("rank",) if stage_ranks is not None else ()),
-            "blocks",
-            "params",
-            f"cost ({self.cost_unit})",
-        ):
+        rank_column = ["rank"] if stage_ranks is not None else []
+        for col in ["stage", *rank_column, "blocks", "params", f"cost ({self.cost_unit})"]:
             table.add_column(col, justify="left" if col == "blocks" else "right")
         for row in self.rows():
             rank = (str(stage_ranks[row["stage"]]),) if stage_ranks is not None else ()
@@ -398,15 +376,14 @@ def plan_split(
         raise ValueError(f'split={split!r} must be "balanced", "params" or a list of {num_stages - 1} block indices.')
     if method == "manual":
         points = [int(p) for p in split]  # type: ignore[union-attr]
-        bounds = [0, *points, n]
-        if len(points) != num_stages - 1 or any(b >= e for b, e in zip(bounds, bounds[1:])):
-            raise ValueError(
-                f"Manual split points {list(split)} must be {num_stages - 1} strictly increasing block indices in"  # type: ignore[arg-type]
-                f" 1..{n - 1} (where stages 1..{num_stages - 1} start), e.g. {partition(params, num_stages)}."
-            )
     else:
         points = partition(block_costs, num_stages, first=first, last=last)
     bounds = [0, *points, n]
+    if method == "manual" and (len(points) != num_stages - 1 or any(b >= e for b, e in zip(bounds, bounds[1:]))):
+        raise ValueError(
+            f"Manual split points {list(split)} must be {num_stages - 1} strictly increasing block indices in"  # type: ignore[arg-type]
+            f" 1..{n - 1} (where stages 1..{num_stages - 1} start), e.g. {partition(params, num_stages)}."
+        )
     stages = []
     for s in range(num_stages):
         idx = tuple(range(bounds[s], bounds[s + 1]))
