@@ -170,6 +170,19 @@ def test_pp2_parity_on_unmodified_user_gpts(pp2, schedule, model):
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("model", ("granite", "olmo"))
+@pytest.mark.parametrize("schedule", ("1f1b", "interleaved"))
+def test_pp2_parity_on_hf_models_computing_around_their_blocks(pp2, schedule, model):
+    """Granite scales the embeddings and the logits in its forward, OLMo's final norm has no parameters: a stage hands
+    on its last block's output and the next takes it at its first block, so that arithmetic runs once, as on one
+    device (before: refused, the stages computing another function)."""
+    rows = pp2[f"pp2_{schedule}_{model}"]
+    _check(rows, world=2, pp=2)
+    for r in rows:
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=TOL, abs=0)
+
+
+@pytest.mark.distributed
 @pytest.mark.parametrize("tag", ("pp2xdp2_1f1b_nanogpt_tied", "pp2xdp2_1f1b_flat_gpt", "pp2xtp2_1f1b_flat_gpt"))
 def test_pp2_x_dp2_and_tp2_parity_on_unmodified_user_gpts(pp4, tag):
     rows = pp4[tag]

@@ -39,7 +39,10 @@ MODELS = ("llama", "qwen2_gqa", "gpt2_tied", "pack_gpt_tied")
 # user GPTs written the nanoGPT way (issue 40): `transformer.h` in a ModuleDict with a tied head, and blocks directly
 # on the model; 4 blocks each
 USER_GPTS = ("nanogpt_tied", "flat_gpt")
-HF = ("llama", "qwen2_gqa", "gpt2_tied", "qwen3", "olmo2")
+# HF models whose forward computes around the blocks: Granite scales the embeddings and the logits, OLMo ends with a
+# norm without parameters (a stage without the head hands on its last block's output, not the forward's result)
+AROUND_BLOCKS = ("granite", "olmo")
+HF = ("llama", "qwen2_gqa", "gpt2_tied", "qwen3", "olmo2", *AROUND_BLOCKS)
 # litgpt's GPT, unchanged: its block list `transformer.h` sits inside the ModuleDict `transformer` (pp=2 launch only)
 LITGPT = ("litgpt",) if importlib.util.find_spec("litgpt") is not None else ()
 PADS = (0, 1, 1, 0)  # right padding of sample i: i % 4 (each dp rank's batch holds as many labelled tokens)
@@ -82,6 +85,11 @@ def build(kind: str) -> torch.nn.Module:
             model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**common, num_key_value_heads=2, head_dim=4))
         elif kind == "olmo2":  # q/k norms over the whole projection: under tp its own plan gathers q/k/v
             model = tf.Olmo2ForCausalLM(tf.Olmo2Config(**common, num_key_value_heads=4, eos_token_id=0))
+        elif kind == "granite":
+            cfg = tf.GraniteConfig(**common, num_key_value_heads=2, embedding_multiplier=2.0, logits_scaling=4.0)
+            model = tf.GraniteForCausalLM(cfg)
+        elif kind == "olmo":
+            model = tf.OlmoForCausalLM(tf.OlmoConfig(**common, num_key_value_heads=4, pad_token_id=0, eos_token_id=0))
         else:
             model = tf.GPT2LMHeadModel(
                 tf.GPT2Config(
@@ -364,7 +372,9 @@ def main() -> None:
             run(f"pp2xdp2_1f1b_{kind}", kind, pp=2, dp_shard=2, schedule="1f1b")
             run(f"pp4_1f1b_{kind}", kind, pp=4, schedule="1f1b")
             run(f"pp4_interleaved_{kind}", kind, pp=4, schedule="interleaved_1f1b")
-    for kind in (*LITGPT, *USER_GPTS) if mode == "pp2" else ():  # 1F1B and interleaved (4 stages of 1 block)
+    for kind in (
+        (*LITGPT, *USER_GPTS, *AROUND_BLOCKS) if mode == "pp2" else ()
+    ):  # 1F1B and interleaved (4 stages of 1 block)
         run(f"pp2_1f1b_{kind}", kind, pp=2, schedule="1f1b")
         run(f"pp2_interleaved_{kind}", kind, pp=2, schedule="interleaved_1f1b")
     for kind in USER_GPTS if mode == "pp4" else ():  # the user GPTs with data parallelism beside the pipeline

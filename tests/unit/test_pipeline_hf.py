@@ -64,7 +64,29 @@ def test_layout_from_the_pp_plan_and_the_block_list_name():
     )
 
 
-@pytest.mark.parametrize("make", [_llama, _gpt2])
+def _granite(layers: int = 4) -> nn.Module:  # the embeddings scaled in the model's forward, the logits scaled
+    torch.manual_seed(0)
+    cfg = tf.GraniteConfig(**_COMMON, num_hidden_layers=layers, embedding_multiplier=2.0, logits_scaling=4.0)
+    return tf.GraniteForCausalLM(cfg).double()
+
+
+def _olmo(layers: int = 4) -> nn.Module:  # a final norm without parameters after the blocks
+    torch.manual_seed(0)
+    return tf.OlmoForCausalLM(
+        tf.OlmoConfig(**_COMMON, num_hidden_layers=layers, pad_token_id=0, eos_token_id=0)
+    ).double()
+
+
+def _gemma2(layers: int = 4) -> nn.Module:  # the embeddings scaled by sqrt(hidden) in the model's forward
+    torch.manual_seed(0)
+    cfg = tf.Gemma2Config(**_COMMON, num_hidden_layers=layers, head_dim=4, final_logit_softcapping=30.0)
+    return tf.Gemma2ForCausalLM(cfg).double()
+
+
+_COMMON = dict(vocab_size=V, hidden_size=16, intermediate_size=32, num_attention_heads=4, max_position_embeddings=16)
+
+
+@pytest.mark.parametrize("make", [_llama, _gpt2, _granite, _olmo, _gemma2])
 def test_stages_chain_to_the_whole_model_under_single_device_names(make):
     net = make()
     split = plan_split(net, 3, split=[1, 3])

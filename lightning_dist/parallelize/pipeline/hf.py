@@ -54,7 +54,7 @@ class HFStageMixin(PrunedStage):
     def run_local(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         key = "input_ids" if self._ld_first else "inputs_embeds"
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
-        out = self._ld_model.forward(self, **{key: x}, **kwargs, use_cache=False).logits
+        out = self._run_forward(x, lambda: self._ld_model.forward(self, **{key: x}, **kwargs, use_cache=False).logits)
         base = out._base
         if (
             base is not None
@@ -64,8 +64,8 @@ class HFStageMixin(PrunedStage):
             and base.stride() == out.stride()
             and base.storage_offset() == out.storage_offset()
         ):
-            # a stage without the head returns the view `hidden[:, 0:, :]`, which torch's split backward
-            # (zero-bubble) cannot `detach_()` in place; its base is the same tensor
+            # a view `hidden[:, 0:, :]` of a same-shaped tensor, which torch's split backward (zero-bubble) cannot
+            # `detach_()` in place: its base
             out = base
         return out
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import inspect
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -128,42 +128,29 @@ def _shallow(module: nn.Module, cls: type | None = None) -> nn.Module:
 
 
 class PrunedStage(PipelinedModule):
-    """A stage made of the model itself (a class made per model: ``(the convention, the model's class)``)."""
+    """A stage made of the model itself (a class made per model: ``(the convention, the model's class)``). While it
+    runs the model's forward, a later stage's first block takes the activation it received and a stage without the
+    head hands on its last block's output, so the forward's own arithmetic around the blocks (positions, masks, an
+    embedding sum or scale, a final norm or logit scale) runs where it runs on one device."""
 
     _ld_model: type = nn.Module
     """The model's own class (the stage class is made at run time)."""
     _ld_first: bool = True
+    _ld_last: bool = True
     _ld_block_list: str | None = None
+    _ld_handover: Handover | None = None
 
     def stage_blocks(self) -> list[nn.Module]:
         """The blocks this stage holds: its slice of the model's block list."""
         return list(self.get_submodule(self._ld_block_list).children())
 
-    @staticmethod
-    def whole_output(net: nn.Module, sample: Any) -> torch.Tensor:
-        """The unsplit model's output on a sample micro-batch (what the stages must give)."""
-        raise NotImplementedError
-
-    @staticmethod
-    def split_sample(sample: Any) -> tuple[Any, dict[str, Any]]:
-        """(the first stage's input, the keyword inputs every stage takes) of a sample micro-batch."""
-        raise NotImplementedError
-
-
-class ForwardStage(PrunedStage):
-    """Every stage runs the model's forward on the model's own input (keyword :data:`MODEL_INPUT`): a later stage's
-    first block takes the activation it received, a stage without the head hands on its last block's output, so the
-    forward's own arithmetic (positions, masks, an embedding sum or scale) runs as on one device."""
-
-    _ld_last: bool = True
-    _ld_handover: Handover | None = None
-
-    def run_local(self, x: Any, *args: Any, **kwargs: Any) -> Any:
-        inputs = kwargs.pop(MODEL_INPUT, x)
+    def _run_forward(self, received: Any, forward: Callable[[], Any]) -> Any:
+        """`forward()` (the model's forward, run as this stage) and what the stage hands on: its output on the last
+        stage, else its last block's output."""
         h = self._ld_handover
-        h.start(None if self._ld_first else x)
+        h.start(None if self._ld_first else received)
         try:
-            out = self._ld_model.forward(self, inputs, *args, **kwargs)
+            out = forward()
         finally:
             taken, last = h.finish()
         own = list(self.get_submodule(self._ld_block_list)._modules)
@@ -179,7 +166,25 @@ class ForwardStage(PrunedStage):
                 f"{self._ld_model.__name__}.forward did not call the last block of this pipeline stage"
                 f" ({self._ld_block_list}.{own[-1]}), whose output the stage hands on"
             )
-        return last
+        return last[0] if isinstance(last, tuple) else last  # a block returning (hidden states, ...)
+
+    @staticmethod
+    def whole_output(net: nn.Module, sample: Any) -> torch.Tensor:
+        """The unsplit model's output on a sample micro-batch (what the stages must give)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def split_sample(sample: Any) -> tuple[Any, dict[str, Any]]:
+        """(the first stage's input, the keyword inputs every stage takes) of a sample micro-batch."""
+        raise NotImplementedError
+
+
+class ForwardStage(PrunedStage):
+    """Every stage runs the model's forward on the model's own input (keyword :data:`MODEL_INPUT`)."""
+
+    def run_local(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        inputs = kwargs.pop(MODEL_INPUT, x)
+        return self._run_forward(x, lambda: self._ld_model.forward(self, inputs, *args, **kwargs))
 
     @staticmethod
     def whole_output(net: nn.Module, sample: Any) -> torch.Tensor:
@@ -284,8 +289,8 @@ def build_pruned_stage(
     lm._ld_block_list = block_list
     holder = _own_path(lm, owner)
     full = net.get_submodule(block_list)
-    handover = Handover() if issubclass(convention, ForwardStage) else None
-    kept = StageBlocks() if handover is not None else nn.ModuleList()
+    handover = Handover()
+    kept = StageBlocks()
     kept._modules = {k: full._modules[k] for k in blocks}  # original indices: the single-device names
     kept.handover = lm._ld_handover = handover
     kept.every = tuple(full._modules)
