@@ -220,7 +220,7 @@ class _Capture:
 def _compare_block(name: str, block: nn.Module, cap: _Capture) -> tuple[float, str]:
     """(worst relative difference, where) of one block against its unsplit copy. Collective (gathers weights)."""
     split_grads = {n: None if p.grad is None else full_tensor_of(p.grad) for n, p in block.named_parameters()}
-    ref = unsharded_clone(block, {}, {})
+    ref = unsharded_clone(block, {}, {}).eval()  # as the split forward ran (run_eval): no dropout, no sampling
     args, kwargs = tree_map(lambda x: full_tensor_of(x) if isinstance(x, Tensor) else x, cap.inputs[name])
     with torch.enable_grad(), torch.compiler.set_stance("force_eager"):
         out = first_tensor(ref(*args, **kwargs))
@@ -436,7 +436,7 @@ def check_experts(
         for name, module in experts if graded else ():
             # every rank gathers every module's weights and gradients, in one order, whatever it captured
             split = {n: full_tensor_of(p.grad) if p.grad is not None else None for n, p in module.named_parameters()}
-            ref = _whole_experts(module)
+            ref = _whole_experts(module).eval()  # as the split forward ran: no dropout, no sampled routing
             for inputs, got, grad in cap.calls[name]:
                 if got is None or grad is None:  # a recomputed forward (checkpointing): no gradient of its own
                     continue
