@@ -11,6 +11,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 
+from lightning_dist.mesh import DP_CP, TP
 from lightning_dist.parallelize.ac import split_backward_problems
 from lightning_dist.parallelize.pipeline.checks import check_splittable, staged_forward_problem
 from lightning_dist.parallelize.pipeline.split import (
@@ -121,25 +122,13 @@ def resolve_split_mode(split_option: Any, module: Any, network: str) -> Any:
     return split_option
 
 
-def pipeline_sample(module: Any, net: nn.Module, layout: NetworkLayout) -> Any:
-    """The layout's sample micro-batch (``example_input_array``, or a HF model's config ids), placed on the
-    network; None without one or on meta."""
-    first = next(iter(net.parameters()), None)
-    if first is None or first.is_meta:
-        return None
-    return layout.sample(net, getattr(module, "example_input_array", None))
-
-
 @dataclass(frozen=True)
 class PipelinePlan:
     """What ``validate_config`` planned and checked, for ``parallelize`` to use as is (made once per setup)."""
 
-    mode: Any
-    """The split mode: ``"balanced"``, ``"params"`` or manual split points."""
-    split: PipelineSplit
-    """The split (by parameters when `mode` is ``"balanced"``: the measured one is made in ``parallelize``)."""
-    sample: Any
-    """The sample micro-batch the staged forward was checked on (None: none, or on meta)."""
+    mode: Any  # "balanced", "params" or manual split points
+    split: PipelineSplit  # by parameters when `mode` is "balanced": the measured one is made in `parallelize`
+    sample: Any  # the sample micro-batch the staged forward was checked on (None: none, or on meta)
 
     @property
     def layout(self) -> NetworkLayout:
@@ -152,7 +141,11 @@ def plan_pipeline(module: Any, net: nn.Module, num_stages: int, mode: Any, *, al
     split = plan_split(net, num_stages, split="params" if mode == "balanced" else mode)
     check_splittable(net, split, allow_batchnorm=allow_batchnorm)
     check_balanced_sample(module, net, mode)
-    sample = pipeline_sample(module, net, split.layout)
+    # the layout's sample micro-batch (`example_input_array`, or a HF model's config ids); none on meta
+    first = next(iter(net.parameters()), None)
+    sample = None
+    if first is not None and not first.is_meta:
+        sample = split.layout.sample(net, getattr(module, "example_input_array", None))
     if sample is not None:  # the stages must compute the model's own forward (else: the first batch)
         problem = staged_forward_problem(net, sample)
         if problem:
@@ -165,8 +158,6 @@ def tied_groups(
 ) -> list[tuple[tuple[str, ...], Any, bool]]:
     """Tied parameters across stages (`tied`: :func:`~.checks.tied_stages`) refused on every rank, else grouped
     (``new_group``: collective when there are any)."""
-    from lightning_dist.mesh import DP_CP, TP
-
     # FSDP2 shards each stage over dp x cp (context peers average gradients too)
     problems = tied_problems(tied, stage_ranks, dp_size=mesh.size(DP_CP), tp_size=mesh.size(TP))
     if problems:
@@ -199,7 +190,6 @@ __all__ = [
     "cp_stage_problems",
     "first_batch_problem",
     "module_problems",
-    "pipeline_sample",
     "plan_pipeline",
     "resolve_split_mode",
     "tied_groups",

@@ -4,6 +4,7 @@ its output and loss, and the gradients the returned loss adds. Notes: docs/inter
 from __future__ import annotations
 
 import contextlib
+import itertools
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple, Optional
 
@@ -22,31 +23,22 @@ from lightning_dist.strategies.pipeline.setup import first_batch_problem
 
 @dataclass(eq=False)
 class PipelineRun:
-    """What the strategy's set-up made for its steps: the runner, the network's call convention, pp group, cp."""
+    """What the strategy's set-up made for its steps: the runner (its device, pp group), call convention, cp."""
 
     runner: PipelineRunner
-    layout: Any
-    """The split's ``NetworkLayout`` (its ``call_inputs`` / ``call_output``)."""
+    layout: Any  # the split's NetworkLayout (its call_inputs / call_output)
     n_microbatches: int
-    device: torch.device
     pp_rank: int
-    pp_group: Optional[Any]
     cp: Any = None
     network: str = "model"
-    unsplit: Optional[nn.Module] = None
-    """A host copy of the network, compared with the stages on the first batch (then dropped)."""
+    unsplit: Optional[nn.Module] = None  # a host copy, compared with the stages on the first batch (then dropped)
     calls: int = 0
-    router: Optional[StagedRouterLoss] = None
-    """The network's router loss over the global batch (a method marked ``router_loss``), None without one."""
-    dp_group: Optional[Any] = None
-    """The group the router statistics are summed over (the data-parallel ranks, cp included; None: this rank's)."""
+    router: Optional[StagedRouterLoss] = None  # the router loss over the global batch (a `router_loss` method)
+    dp_group: Optional[Any] = None  # where router statistics are summed (dp ranks, cp included; None: this rank's)
     dp_size: int = 1
-    counted: bool = True
-    """Run the router's counting pass (False once a training step did not use the router loss)."""
-    router_coef: Optional[float] = None
-    """A transformers model's router loss coefficient (its output's loss adds it times the router loss)."""
-    router_hooks: list = field(default_factory=list)
-    """The stages' router hooks (a transformers model): held to the model's own loss after a counting pass."""
+    counted: bool = True  # run the router's counting pass (False once a training step did not use the router loss)
+    router_coef: Optional[float] = None  # a transformers model's router loss coefficient
+    router_hooks: list = field(default_factory=list)  # the stages' router hooks (a transformers model)
 
 
 _ALLOWED = {
@@ -76,8 +68,7 @@ def refusal(owner: str, what: str, where: str) -> str:
 
 
 class PipelineOutput(Tensor):
-    """A stand-in for the pipelined network's output: its shape and dtype, no storage; refuses its values, naming
-    ``owner`` (the LightningModule) and ``where``; ``step``: the network call it came from."""
+    """A stand-in for the pipelined network's output: its shape and dtype, no storage; it refuses its values."""
 
     owner: str
     where: str
@@ -107,8 +98,7 @@ class PipelineOutput(Tensor):
 
 
 def reached_leaves(loss: Tensor) -> set[int]:
-    """The ids of the leaf tensors `loss`'s autograd graph reaches (torch has no public query): ``backward`` asks
-    for gradients on these only, as asking for every parameter cost more than the rest of a small model's step."""
+    """The ids of the leaf tensors `loss`'s autograd graph reaches (torch has no public query)."""
     # a freed Node wrapper's id is reused by the next one: `seen` holds the visited nodes, keeping ids unique
     seen: dict[int, Any] = {}
     leaves: set[int] = set()
@@ -142,8 +132,7 @@ def output_term_problem(owner: str, how: str = "e.g. a scaled loss, or an extra 
 
 
 def returned_loss_problem(d_loss: Optional[Tensor | float], scale: float, owner: str) -> Optional[str]:
-    """Why the returned loss cannot be served, from its gradient on the step's loss leaf (None: it can): it must
-    hold exactly the ``scale`` x batch loss the schedule back-propagated. The same verdict on every rank."""
+    """Why the returned loss cannot be served, from its gradient `d_loss` on the step's loss leaf (None: it can)."""
     if d_loss is None:
         return (
             f"{owner}.training_step returned a loss that does not contain the pipeline's loss (the value of"
@@ -162,9 +151,8 @@ def returned_loss_problem(d_loss: Optional[Tensor | float], scale: float, owner:
 def returned_loss_gradients(
     loss: Tensor, out: Tensor, target: Any, *, n_microbatches: int, scale: float, pipeline_loss: Any, params: list
 ) -> tuple[bool, list[tuple[Tensor, Tensor]]]:
-    """What a returned loss computed from the broadcast output (`out`, a leaf) adds: (whether ``d loss / d out``
-    differs from that of ``scale`` x the mean ``pipeline_loss`` over the micro-batches the schedule ran, the other
-    terms' gradients on `params`)."""
+    """(Whether ``d loss / d out`` on the broadcast output differs from the schedule's, the other terms' gradients
+    on `params`)."""
     grads = torch.autograd.grad(loss, [out, *params], allow_unused=True)
     user_out = grads[0] if grads[0] is not None else torch.zeros_like(out)
     differs = False
@@ -210,8 +198,7 @@ class NetworkCall(NamedTuple):
 
 
 class _Call(nn.Module):
-    """A deferred schedule run as a module call of its own, so module hooks (the memory trackers) see its stages
-    called inside a module, as inside the network call (a module called twice from the top refuses)."""
+    """A deferred schedule run as a module call, so module hooks (the memory trackers) see its stages inside one."""
 
     def __init__(self, job: Any) -> None:
         super().__init__()
@@ -222,9 +209,8 @@ class _Call(nn.Module):
 
 
 class PipelineStep:
-    """The state of one step: its batch, its last network call (the one ``pipeline_loss(out, target)`` answers for)
-    and, in training, the schedule's gradients held aside until :meth:`backward`. Otherwise every call runs forward
-    only. `own_loss`: the module's own ``pipeline_loss``."""
+    """The state of one step: its batch, its last network call and, in training, the schedule's gradients held
+    aside until :meth:`backward`. `own_loss`: the module's own ``pipeline_loss``."""
 
     def __init__(
         self,
@@ -268,7 +254,7 @@ class PipelineStep:
         runner = run.runner
         if run.unsplit is not None:  # once: the staged forward against the unsplit copy (one verdict for all)
             unsplit, run.unsplit = run.unsplit, None
-            problem = first_batch_problem(unsplit, x[: batch // m], run.device)
+            problem = first_batch_problem(unsplit, x[: batch // m], runner.device)
             if problem is not None:
                 raise ValueError(problem)
         cp, count, given = run.cp, None, None
@@ -287,17 +273,15 @@ class PipelineStep:
             assert run.router is not None
             with run.router.counting(m):
                 out, loss = self._schedule(x, extra, target, loss_fn, m, train)
-            aux = self._reduce_router(loss_dtype(out, run))
+            _, dtype = runner.output_meta(out, ("dtype",))  # the loss's dtype: the output's, at least float32
+            aux = self._reduce_router(torch.promote_types(dtype, torch.float32))
         else:
             out, loss = self._schedule(x, extra, target, loss_fn, m, train)
         shown = self._shown_output(out, train, key=("out", train, tuple(x.shape), m), device=x.device)
         if not train and labels is not None:  # HF's eval loss: computed on the last stage, a scalar to every rank
-            value = None
-            if out is not None:
-                # under cp: this rank's sum over the whole sequences' tokens / cp (the loss group's mean is the batch's)
-                value = (
-                    hf_labels_loss(out, labels) if cp is None else hf_labels_loss(out, labels, **cp_share(cp, count))
-                )
+            # under cp: this rank's sum over the whole sequences' tokens / cp (the loss group's mean is the batch's)
+            options = {} if cp is None else cp_share(cp, count)
+            value = None if out is None else hf_labels_loss(out, labels, **options)
             loss = runner.from_last_stage(value, ("loss", "eval"))
         # the target as training_step passes it (whole sequences), for `pipeline_loss(out, target)`'s check
         self.call = NetworkCall(shown, None if train else out, loss, given, train, loss_fn, m)
@@ -306,8 +290,7 @@ class PipelineStep:
         return run.layout.call_output(shown, loss, labels, aux=aux, coef=run.router_coef)
 
     def _schedule(self, x: Tensor, extra: dict, target: Any, loss_fn: Any, m: int, train: bool) -> tuple[Any, Any]:
-        """Run the schedule once; in training its gradients go aside (see :meth:`backward`) and the loss returned is
-        a leaf (``backward`` reads through it how the step used it)."""
+        """Run the schedule once; in training its gradients go aside (see :meth:`backward`), the loss is a leaf."""
         run, runner = self.run_state, self.run_state.runner
         params = runner.params  # the schedule accumulates gradients into these only
         if train:  # the schedule's gradients go aside; `backward` adds them to .grad
@@ -338,18 +321,15 @@ class PipelineStep:
         return out, loss
 
     def _counted(self, x: Tensor, extra: dict, target: Any, loss_fn: Any, m: int) -> tuple[Any, Tensor]:
-        """The router's counting pass (forward only, from the RNG state training will start from): the batch loss
-        and the router loss of the global batch (:attr:`aux`) for training_step; the schedule waits for
+        """The router's counting pass (forward only, from the RNG state training starts from); the schedule waits for
         :meth:`finish`."""
         run, runner = self.run_state, self.run_state.runner
         assert run.router is not None
-        devices = [run.device] if run.device.type == "cuda" else []
+        devices = [runner.device] if runner.device.type == "cuda" else []
         cp = run.cp.active() if run.cp is not None else contextlib.nullcontext()
         with torch.random.fork_rng(devices=devices), run.router.counting(m), cp, torch.no_grad():
             out, _, _ = runner.step(x, n_microbatches=m, kwargs=extra, keep_output=True)
-            value = None
-            if out is not None:
-                value = sum(loss_fn(o, t) for o, t in zip(out.tensor_split(m), target.tensor_split(m))) / m
+            value = None if out is None else sum(map(loss_fn, out.tensor_split(m), target.tensor_split(m))) / m
             loss = runner.from_last_stage(value, ("loss", "counted"))
             aux = self._reduce_router(loss.dtype)
         self.pending, self.loss, self.deferred = False, loss, (x, extra, target, loss_fn, m)
@@ -362,7 +342,7 @@ class PipelineStep:
         """After a counting pass: the router loss of the global batch (see ``StagedRouterLoss.reduce``), checked."""
         run = self.run_state
         assert run.router is not None
-        aux = run.router.reduce(run.dp_group, run.pp_group, run.device)
+        aux = run.router.reduce(run.dp_group, run.runner.group, run.runner.device)
         for hooks in run.router_hooks:
             hooks.hold()
         rows = run.router.totals.get("joint", (None, None))[1]
@@ -375,8 +355,7 @@ class PipelineStep:
         return aux.to(dtype)
 
     def finish(self, returned: Any) -> None:
-        """After training_step, a counted step's schedule: the router loss joins each micro-batch's backward weighted
-        as the returned loss weighs :attr:`aux` (its gradient there: ``coef`` for ``loss + coef * aux``)."""
+        """After training_step, a counted step's schedule: the router loss weighted as the returned loss weighs it."""
         if self.deferred is None:
             return
         (x, extra, target, loss_fn, m), self.deferred = self.deferred, None
@@ -403,8 +382,7 @@ class PipelineStep:
                 )
 
     def _shown_output(self, out: Optional[Tensor], train: bool, *, key: tuple, device: Any) -> Tensor:
-        """What the step sees of the output: a stand-in on `device` (default), or the whole output broadcast (the
-        opt-in, predict)."""
+        """What the step sees of the output: a stand-in on `device`, or the whole output (the opt-in, predict)."""
         run = self.run_state
         if self.shows:
             whole = run.runner.from_last_stage(out, key)
@@ -416,45 +394,40 @@ class PipelineStep:
         return PipelineOutput(shape, dtype, device, owner=self.owner, where=where, step=run.calls)
 
     def _loss_of_step(self, labels: Optional[Tensor], m: int, count: Optional[Tensor] = None) -> tuple[Any, Any]:
-        """The step's target and per-micro-batch loss: HF ``labels``, or ``pipeline_target``/``pipeline_loss``
-        (`count`: cp's labelled tokens of the whole sequences)."""
+        """The step's target and per-micro-batch loss (`count`: cp's labelled tokens of the whole sequences)."""
         if labels is not None:
             # each micro-batch's summed loss over the whole batch's labelled tokens (x m: the runner divides by m),
             # so the micro-batches add up to the batch mean whatever tokens each one holds
             if count is not None:
-                kw = cp_share(self.run_state.cp, count, m)
-                return labels, lambda out, tgt: hf_labels_loss(out, tgt, **kw)
-            share = labelled_tokens(labels).clamp_min(1) / m
-            return labels, lambda out, tgt: hf_labels_loss(out, tgt, num_items=share)
+                options = cp_share(self.run_state.cp, count, m)
+            else:
+                options = {"num_items": labelled_tokens(labels).clamp_min(1) / m}
+            return labels, lambda out, tgt: hf_labels_loss(out, tgt, **options)
         loss = self.own_loss or getattr(self.module, "pipeline_loss", None)
         if not callable(loss):
             raise ValueError(
                 f"{self.owner} has no `pipeline_loss(output, target)` method and the network"
                 " call got no `labels`: the pipeline schedule needs a loss for each micro-batch."
             )
-        return self._pipeline_target(), loss
-
-    def _pipeline_target(self) -> Tensor:
         hook = getattr(self.module, "pipeline_target", None)
         if callable(hook):
-            return hook(self.batch)
+            return hook(self.batch), loss
         if isinstance(self.batch, (tuple, list)) and len(self.batch) >= 2:
-            return self.batch[1]
+            return self.batch[1], loss
         raise TypeError(
             f"Cannot find the target in a batch of type {type(self.batch).__name__}: batches must be"
             f" (inputs, target, ...), or define `{self.owner}.pipeline_target(batch)`."
         )
 
     def serve(self, output: Any, target: Any, original: Any) -> Optional[Tensor]:
-        """``pipeline_loss(out, target)``: the batch loss when `output` is what the step's last network call
-        returned; None for any other tensor (the module's own loss computes it)."""
+        """``pipeline_loss(out, target)`` on the step's last network call's output; None: the module's own loss."""
         call = self.call
-        if isinstance(output, PipelineOutput) and (call is None or output is not call.out):
-            raise RuntimeError(
-                f"{self.owner}.pipeline_loss got the output of an earlier call of the pipelined network:"
-                " call the network and its loss in the same step."
-            )
         if call is None or output is not call.out:
+            if isinstance(output, PipelineOutput):
+                raise RuntimeError(
+                    f"{self.owner}.pipeline_loss got the output of an earlier call of the pipelined network:"
+                    " call the network and its loss in the same step."
+                )
             return None
         if call.train:
             check_target(call.target, target, self.owner)
@@ -467,17 +440,8 @@ class PipelineStep:
         value = None if call.local is None else original(call.local, target)  # the whole batch: one device's value
         return run.runner.from_last_stage(value, ("loss", "eval"))
 
-    def check_called(self) -> None:
-        """At the end of ``training_step``: the step must have called the network (which ran the schedule)."""
-        if self.pending:
-            raise RuntimeError(
-                f"training_step did not call self.{self.run_state.network}(inputs): under PipelineStrategy"
-                " the network call runs the pipeline's forward and backward."
-            )
-
     def whole_loss(self, returned: Any) -> Optional[Tensor]:
-        """The value one device would have for the returned loss: the batch loss plus the other terms (a weight
-        penalty on this rank's stages) summed over the pp ranks; None without a loss tensor or a network call."""
+        """The value one device would have for the returned loss (its other terms summed over the pp ranks)."""
         call = self.call
         if call is None or not isinstance(returned, Tensor) or returned.dim() != 0 or call.loss is None:
             return None
@@ -487,26 +451,21 @@ class PipelineStep:
         if self.aux_term is not None:  # the router loss's term: the global batch's already, on every rank
             base = base + self.aux_term.to(returned.dtype)
         extra = returned.detach() - base  # this rank's share of the other terms (0 without any)
-        if self.run_state.pp_group is not None:
-            dist.all_reduce(extra, group=self.run_state.pp_group)
+        if self.run_state.runner.group is not None:
+            dist.all_reduce(extra, group=self.run_state.runner.group)
         return base + extra
 
     def backward(self, closure_loss: Tensor, scale: float) -> None:
         """Add the schedule's gradients (times `scale`) and those of the returned loss's other terms to ``.grad``."""
         assert self.grads is not None, "backward of a step whose network call ran no schedule backward"
         extra = self._extra_gradients(closure_loss, scale)
-        for p, g in self.grads:
-            if g is None:
-                continue
-            g = g * scale if scale != 1.0 else g
-            p.grad = g if p.grad is None else p.grad + g
-        for p, g in extra:
+        scheduled = ((p, g * scale if scale != 1.0 else g) for p, g in self.grads if g is not None)  # one at a time
+        for p, g in itertools.chain(scheduled, extra):
             p.grad = g if p.grad is None else p.grad + g
         self.grads = None
 
     def _extra_gradients(self, loss: Tensor, scale: float) -> list[tuple[Tensor, Tensor]]:
-        """Gradients of the returned loss's terms the schedule did not back-propagate (weight penalties), from one
-        backward through its small graph; its gradient on the loss leaf must be ``scale``."""
+        """Gradients of the returned loss's terms the schedule did not back-propagate (weight penalties)."""
         call, self.call = self.call, None
         if call is None or not call.train:
             return []
@@ -519,36 +478,24 @@ class PipelineStep:
         inputs = [call.loss, *([call.out] if direct else []), *params]
         grads = list(torch.autograd.grad(loss, inputs, allow_unused=True, retain_graph=direct))
         d_loss = grads.pop(0)
-        if direct and grads.pop(0) is not None:  # the opt-in output used outside pipeline_loss
-            if d_loss is not None:
-                raise ValueError(output_term_problem(self.owner))
-            return self._direct_output_gradients(loss, call, scale, params)
-        # without values, a gradient on the loss stands for the one copy of it the real run checks it holds
-        problem = returned_loss_problem(d_loss if self.values or d_loss is None else scale, scale, self.owner)
-        if problem is not None:
-            raise ValueError(problem)
-        return [(p, g) for p, g in zip(params, grads) if g is not None]
-
-    def _direct_output_gradients(
-        self, loss: Tensor, call: NetworkCall, scale: float, params: list[Tensor]
-    ) -> list[tuple[Tensor, Tensor]]:
-        """``broadcast_output=True`` and a loss computed from the output itself: its gradient on the output must be
-        the schedule's (one more loss pass, one flag all-reduced)."""
+        if not direct or grads.pop(0) is None:
+            # without values, a gradient on the loss stands for the one copy of it the real run checks it holds
+            problem = returned_loss_problem(d_loss if self.values or d_loss is None else scale, scale, self.owner)
+            if problem is not None:
+                raise ValueError(problem)
+            return [(p, g) for p, g in zip(params, grads) if g is not None]
+        # the opt-in output used outside pipeline_loss: its gradient there must be the schedule's (one more loss pass)
+        if d_loss is not None:
+            raise ValueError(output_term_problem(self.owner))
         differs, extra = returned_loss_gradients(
             loss, call.out, call.target, n_microbatches=call.m, scale=scale, pipeline_loss=call.loss_fn, params=params
         )
-        mismatch = torch.tensor(float(differs), device=self.run_state.device)
-        if dist.is_initialized():
+        mismatch = torch.tensor(float(differs), device=self.run_state.runner.device)
+        if dist.is_initialized():  # one verdict on every rank
             dist.all_reduce(mismatch, op=dist.ReduceOp.MAX)
         if mismatch.item():
             raise ValueError(output_term_problem(self.owner))
         return extra
-
-
-def loss_dtype(out: Any, run: PipelineRun) -> torch.dtype:
-    """The dtype of the pipeline's loss (its output's, at least float32) on every pp rank."""
-    _, dtype = run.runner.output_meta(out, ("dtype",))
-    return torch.promote_types(dtype, torch.float32)
 
 
 def cut_for_cp(cp: Any, x: Tensor, extra: dict, labels: Optional[Tensor]) -> tuple[Tensor, dict, Any, Any]:

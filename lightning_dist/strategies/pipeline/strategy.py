@@ -26,7 +26,7 @@ from lightning_dist.mesh import DP_CP, PP, TP, MeshSpec
 from lightning_dist.parallelize import ParallelizeConfig, pipeline_model
 from lightning_dist.parallelize.ac import check_offload_device
 from lightning_dist.parallelize.cp_probe import probe_inputs
-from lightning_dist.parallelize.ep import ep_problems
+from lightning_dist.parallelize.ep import ep_problems, find_experts
 from lightning_dist.parallelize.moe import StagedRouterLoss, router_loss_methods
 from lightning_dist.parallelize.pipeline import split as plan
 from lightning_dist.parallelize.pipeline.checks import host_copy, tied_stages
@@ -225,8 +225,7 @@ class PipelineStrategy(ReplicaGroupsMixin):
     def _checked_plan(
         self, module: Any, net: nn.Module, tp: int
     ) -> tuple[checks.PipelinePlan, Optional[list[TPEntry]]]:
-        """The split plan (a balanced split is measured in ``parallelize``) and the TP plan resolved on the whole
-        network (each stage applies the entries it holds), checked once."""
+        """The split plan (a balanced split is measured in ``parallelize``) and the TP plan on the whole network."""
         setup = checks.plan_pipeline(
             module, net, self.num_stages, self.split_mode(), allow_batchnorm=self.allow_batchnorm
         )
@@ -317,9 +316,7 @@ class PipelineStrategy(ReplicaGroupsMixin):
             runner,
             layout,
             n_microbatches=self.n_microbatches,
-            device=self.root_device,
             pp_rank=pp_rank,
-            pp_group=group,
             cp=self._cp,
             network=self.network,
             unsplit=unsplit,
@@ -400,8 +397,7 @@ class PipelineStrategy(ReplicaGroupsMixin):
 
     @override
     def check_split_model(self) -> None:
-        """Under ep, each stage's experts modules held to whole copies of them through one schedule (forward and
-        backward) on a probe batch, once per parallelization; each data-parallel rank's tokens rolled by its rank."""
+        """Under ep, each stage's experts modules held to whole copies of them through one schedule on a probe batch."""
         found, self._ep_probe_inputs = self._ep_probe_inputs, None
         if found is None or self._pipeline is None:
             if self.ep > 1 and self.self_check and found is None and self._pipeline is not None:
@@ -410,7 +406,6 @@ class PipelineStrategy(ReplicaGroupsMixin):
                     " `example_input_array` on the LightningModule to have the split experts checked at setup)."
                 )
             return
-        from lightning_dist.parallelize.ep import find_experts
         from lightning_dist.parallelize.self_check import check_experts
 
         inputs, sample = found
@@ -486,8 +481,7 @@ class PipelineStrategy(ReplicaGroupsMixin):
         return out
 
     def _router_loss(self) -> Tensor:
-        """The pipelined network's router loss (its method marked ``router_loss``): the global batch's, from the
-        running training step's counting pass."""
+        """The pipelined network's router loss (its method marked ``router_loss``), from the step's counting pass."""
         step = self._step
         if step is None or step.aux is None:
             run = self._pipeline
@@ -520,7 +514,11 @@ class PipelineStrategy(ReplicaGroupsMixin):
         module.log = lambda *a, **k: logged.append((a, k))
         try:
             out = super().training_step(*args, **kwargs)
-            step.check_called()
+            if step.pending:
+                raise RuntimeError(
+                    f"training_step did not call self.{self.network}(inputs): under PipelineStrategy"
+                    " the network call runs the pipeline's forward and backward."
+                )
         except BaseException:
             self._step = None
             raise
@@ -596,7 +594,7 @@ class PipelineStrategy(ReplicaGroupsMixin):
 
     @override
     def grad_norm_group(self) -> Optional[Any]:
-        return None if self._pipeline is None else self._pipeline.pp_group  # the stages hold distinct parameters
+        return None if self._pipeline is None else self._pipeline.runner.group  # the stages hold distinct parameters
 
     # checkpoints: sharded, each stage its own keys (optimizer states by name), a tied weight once
     @override
