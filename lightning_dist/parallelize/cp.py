@@ -5,6 +5,7 @@ Notes: docs/internals.md, "lightning_dist/parallelize/cp.py"."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import sys
@@ -424,7 +425,7 @@ class ContextParallel:
         self._names = list(inspect.signature(network.forward).parameters)  # once: the hook binds each call to them
         self._hf = _is_hf(network)
         if self._hf:
-            self._hf_attention = _use_hf_attention(network)
+            self._hf_attention = _use_hf_attention(network, self.cp.size)
         if hook:
             self._handle = network.register_forward_pre_hook(self._pre_forward, with_kwargs=True, prepend=True)
         log.info("context parallelism: %s split over cp=%d (%s)", type(network).__name__, self.cp.size, self.cp.style)
@@ -498,16 +499,16 @@ def _is_hf(network: nn.Module) -> bool:
     return tf is not None and isinstance(network, tf.PreTrainedModel)
 
 
-def _use_hf_attention(network: nn.Module) -> str:
-    """HF models: attention through transformers' own SDPA function under a name of the pack's, whose causal mask
-    builder returns None (its packed-sequence detection would read the split positions as several sequences);
-    SDPA then gets ``is_causal`` and :class:`ContextParallelAttention` exchanges the whole sequence."""
+def _use_hf_attention(network: nn.Module, cp: int) -> str:
+    """HF models: attention through transformers' own SDPA function under a name of the pack's, whose mask builder
+    (:func:`_no_mask`) returns None (its packed-sequence detection would read the split positions as several
+    sequences); SDPA then gets ``is_causal`` and :class:`ContextParallelAttention` exchanges the whole sequence."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(HF_ATTENTION, sdpa_attention_forward)
-    AttentionMaskInterface.register(HF_ATTENTION, lambda *args, **kwargs: None)
+    AttentionMaskInterface.register(HF_ATTENTION, functools.partial(_no_mask, cp=cp))
     own = network.config._attn_implementation
     if own not in ("sdpa", "eager", HF_ATTENTION):
         raise ValueError(
@@ -516,6 +517,18 @@ def _use_hf_attention(network: nn.Module) -> str:
         )
     network.set_attn_implementation(HF_ATTENTION)
     return own
+
+
+def _no_mask(*args: Any, cp: int, q_length: int = 0, local_size: Optional[int] = None, **kwargs: Any) -> None:
+    """HF's attention-mask builder under cp (it sees this rank's `q_length` tokens): no mask. A sliding window
+    (`local_size`) shorter than the whole sequence would go with the mask: refused, alike on every rank."""
+    if local_size is not None and local_size < q_length * cp:
+        raise ValueError(
+            f"The model's attention keeps a sliding window of {local_size} tokens and the sequences have"
+            f" {q_length * cp}: context parallelism runs full causal attention, which would attend past the window (a"
+            f" different model). Train on sequences of at most {local_size} tokens, or use cp=1 for this model."
+        )
+    return None
 
 
 def apply_cp(model: nn.Module, state: ContextParallel, *, network: str = "auto") -> nn.Module:

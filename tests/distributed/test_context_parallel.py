@@ -113,11 +113,14 @@ def test_context_parallel_2_processes():
     assert set(resumed) == {"cp2_to_cp1", "cp1_to_cp2"}
     assert all(r["diff"] <= TOL for r in rows if r["kind"] == "cp_resume"), resumed
     refusals = [r for r in rows if r["kind"] == "cp_refusal"]
-    assert len(refusals) == 4  # each refusal raised on both ranks (no hang, no rank left behind)
+    assert len(refusals) == 6  # each refusal raised on both ranks (no hang, no rank left behind)
     for r in refusals:
-        want = (
-            "3 attention heads do not divide over cp=2" if r["name"] == "heads" else "sequence length 6 does not divide"
-        )
+        want = {
+            "heads": "3 attention heads do not divide over cp=2",
+            "odd_sequence": "sequence length 6 does not divide",
+            # HF Mistral's window (no layer_types in its config): trained wrong with exit 0 before (0.79 after 3 steps)
+            "window": "sliding window of 4 tokens and the sequences have 16",
+        }[r["name"]]
         assert r["error"] and want in r["error"], r
     # issue 38's silent cases, each trained a different model with exit 0: refused at setup under both exchanges
     _refused_with_reason(rows, "cp_self_check", 2, ("ulysses", "ring"))

@@ -58,6 +58,8 @@ def build(kind: str) -> torch.nn.Module:
         )
         if kind == "llama":
             model = tf.LlamaForCausalLM(tf.LlamaConfig(**common, num_key_value_heads=4))
+        elif kind == "mistral_window4":  # sliding-window attention (no layer_types): 4 tokens of the sequence's 16
+            model = tf.MistralForCausalLM(tf.MistralConfig(**common, num_key_value_heads=2, sliding_window=4))
         else:
             assert kind == "qwen2_gqa", kind
             model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**common, num_key_value_heads=2))
@@ -544,7 +546,7 @@ if args.features == "on" or (args.features == "auto" and world == 2 and "gpt_gqa
         )
 
     # refusals, on every rank before any collective (the job ends with a clear error, it does not hang): heads that do
-    # not divide over cp (at setup), a sequence that does not divide into 2 x cp chunks (at the first forward)
+    # not divide over cp (at setup), a sequence that does not divide into 2 x cp chunks (at the first forward),
     class ThreeHeads(Task):
         def __init__(self):
             super().__init__("gpt_gqa")
@@ -554,7 +556,9 @@ if args.features == "on" or (args.features == "auto" and world == 2 and "gpt_gqa
         def train_dataloader(self):
             return DataLoader(TensorDataset(*(t[:, :6] for t in data().tensors)), batch_size=GLOBAL_BATCH)
 
-    for name, module in (("heads", ThreeHeads()), ("odd_sequence", OddSequence("gpt_gqa"))):
+    # and a sliding window shorter than the sequence (at the first forward: HF builds its masks there)
+    cases = (("heads", ThreeHeads()), ("odd_sequence", OddSequence("gpt_gqa")), ("window", Task("mistral_window4")))
+    for name, module in cases:
         try:
             trainer(HybridShardStrategy(cp=2, dp_replicate=1), devices=world, steps=1).fit(module)
             emit(kind="cp_refusal", name=name, error=None)
