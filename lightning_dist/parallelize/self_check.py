@@ -137,6 +137,24 @@ def run_first_probe(
     return None
 
 
+class SplitRunError(RuntimeError):
+    """The split model's own forward failed on a probe sample (its cause: the error), not the check's copies."""
+
+
+def split_run(run: Callable[[], Any]) -> Callable[[], Any]:
+    """`run`, its errors other than a refusal raised as :class:`SplitRunError` (to tell them from the copies')."""
+
+    def wrapped() -> Any:
+        try:
+            return run()
+        except ValueError:
+            raise
+        except Exception as err:
+            raise SplitRunError(str(err)) from err
+
+    return wrapped
+
+
 # a gradient is compared relative to its own size, or to this share of its block's when smaller: a parameter whose exact
 # gradient is zero (a key bias: softmax ignores a shift) holds rounding noise only, which is no split error
 FLOOR = 1e-3
@@ -527,4 +545,6 @@ __all__ = [
     "probe_samples",
     "run_eval",
     "run_first_probe",
+    "split_run",
+    "SplitRunError",
 ]

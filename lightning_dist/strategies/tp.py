@@ -15,7 +15,13 @@ from typing_extensions import override
 from lightning_dist._compat import TP_SEQUENCE_PARALLEL_WITH_DP_HANGS
 from lightning_dist.mesh import TP, MeshSpec
 from lightning_dist.parallelize import ParallelizeConfig, parallelize_model
-from lightning_dist.parallelize.self_check import SelfCheckReport, check_split_model, run_first_probe
+from lightning_dist.parallelize.self_check import (
+    SelfCheckReport,
+    SplitRunError,
+    check_split_model,
+    run_first_probe,
+    split_run,
+)
 from lightning_dist.parallelize.tp.loss import LogitsGuard, head_entry, loss_parallel_step
 from lightning_dist.parallelize.tp.plan import ResolvedPlan, format_plan, resolve_tp_plan
 from lightning_dist.parallelize.tp.probe import check_probe, probe_output, split_failure
@@ -208,11 +214,14 @@ class TensorParallelStrategy(HybridShardStrategy):
         describe, errors = f"tensor-parallel plan (tp={tp})", []
         report = run_first_probe(
             module,
-            lambda run: check_split_model(module, run, blocks, replica_group=self.mesh.group(TP), describe=describe),
+            lambda run: check_split_model(
+                module, split_run(run), blocks, replica_group=self.mesh.group(TP), describe=describe
+            ),
             errors=errors,
         )
-        if report is None and errors and self.tp_probe_diff is not None:  # the split model ran the probe in eval
-            raise split_failure(describe, errors[0]) from errors[0]
+        failed = [e.__cause__ for e in errors if isinstance(e, SplitRunError)]
+        if report is None and failed and self.tp_probe_diff is not None:  # the split model ran the probe in eval
+            raise split_failure(describe, failed[0]) from failed[0]
         if report is None:
             rank_zero_warn(
                 "tensor-parallel self-check skipped: no probe sample runs through the model (set `example_input_array`"
