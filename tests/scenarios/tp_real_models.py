@@ -193,15 +193,7 @@ HF_2026 = {
     # fused [q | k | v] per kv group, parallel attention and MLP, `mlp_output += attention_output` in place
     "falcon": lambda tf, c: tf.FalconForCausalLM(
         tf.FalconConfig(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_kv_heads=2,
-            new_decoder_architecture=True,
-            bias=False,
-            hidden_dropout=0.0,
-            attention_dropout=0.0,
+            **c, num_kv_heads=2, new_decoder_architecture=True, bias=False, hidden_dropout=0.0, attention_dropout=0.0
         )
     ),
     "mixtral": lambda tf, c: tf.MixtralForCausalLM(
