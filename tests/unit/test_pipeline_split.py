@@ -676,3 +676,38 @@ def test_a_forward_no_route_can_split_is_refused_with_each_routes_reason():
     assert lines[2].startswith("  - a stage = the model with the blocks of blocks it does not own taken out")
     assert "the stages compute another function (max abs difference" in lines[2]
     assert "a skip connection from the stem to the head" in lines[2]
+
+
+class _KindBlock(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind  # read by the model's forward, as HF reads `decoder_layer.attention_type`
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, scale):
+        return torch.tanh(self.fc(x)) * scale
+
+
+class _KindNet(nn.Module):
+    """A forward that reads an attribute of every block, the ones a stage does not own too, to pick an input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.blocks = nn.ModuleList(_KindBlock(k) for k in ("a", "b", "a", "b"))
+        self.head = nn.Linear(8, 16)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        scales = {"a": 1.0, "b": 0.5}
+        for block in self.blocks:
+            x = block(x, scales[block.kind])
+        return self.head(x)
+
+
+def test_a_forward_reading_the_attributes_of_blocks_a_stage_does_not_own_still_splits():
+    from lightning_dist.parallelize.pipeline.checks import staged_forward_problem
+
+    torch.manual_seed(0)
+    net = _KindNet().double()
+    assert staged_forward_problem(net, torch.randint(0, 16, (2, 5))) is None  # every boundary, against the model

@@ -72,8 +72,19 @@ class _Boundary:
         return getattr(self.block, name)
 
 
-def _pass_through(x: Any, *args: Any, **kwargs: Any) -> Any:
-    return x
+class _Skipped:
+    """A block another stage owns, as the forward sees it: it passes its input through, and its plain attributes
+    (``attention_type``, a layer index) answer as the block's would (the forward may pick a mask by them)."""
+
+    def __init__(self, attrs: dict[str, Any]) -> None:
+        self.__dict__.update(attrs)
+
+    def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        return x
+
+
+def _plain_attrs(module: nn.Module) -> dict[str, Any]:
+    return {k: v for k, v in vars(module).items() if not k.startswith("_") and isinstance(v, (str, int, float, bool))}
 
 
 class StageBlocks(nn.ModuleList):
@@ -83,6 +94,7 @@ class StageBlocks(nn.ModuleList):
 
     handover: Handover | None = None
     every: tuple[str, ...] = ()
+    skipped: dict[str, dict[str, Any]] = {}  # the plain attributes of the blocks other stages own (class default: none)
 
     def _running(self) -> bool:
         return self.handover is not None and self.handover.active
@@ -90,7 +102,7 @@ class StageBlocks(nn.ModuleList):
     def _seen(self, key: str) -> Any:
         own = list(self._modules)
         if key not in self._modules:
-            return _pass_through
+            return _Skipped(self.skipped.get(key, {}))
         block = self._modules[key]
         if key not in (own[0], own[-1]):
             return block
@@ -294,6 +306,7 @@ def build_pruned_stage(
     kept._modules = {k: full._modules[k] for k in blocks}  # original indices: the single-device names
     kept.handover = lm._ld_handover = handover
     kept.every = tuple(full._modules)
+    kept.skipped = {k: _plain_attrs(m) for k, m in full._modules.items() if k not in kept._modules}
     holder._modules[block_list.rpartition(".")[2]] = kept
     for name in stem if not first else ():
         _set(lm, name, Absent(handover))
