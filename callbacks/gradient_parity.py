@@ -77,7 +77,7 @@ class GradientParityCheck(Callback):
     ``full_tensor()``; the batch is gathered over ``dp`` only, as tensor-parallel peers hold the same
     samples); ``pipeline`` (pp x dp): every rank holds only its stages' parameters, so the stage copies
     are gathered over ``pp`` (``all_gather_object`` of CPU copies) and joined into the whole network,
-    which runs its children in order like the single-device one; each rank compares its own parameters
+    which runs the model's own forward as on one device; each rank compares its own parameters
     and the squared differences are summed over the stages. Parameter equality is checked over the ranks
     that hold the same parameters (the world; under pipeline each stage's ``dp`` group). Not supported,
     with an error at setup: DeepSpeed (the pack's ``offload``), FSDP1, and tensor parallelism under

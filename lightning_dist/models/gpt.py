@@ -59,11 +59,7 @@ class GPTConfig:
 
 
 class PositionEmbedding(nn.Module):
-    """Learned absolute positions added to token embeddings: ``x [B, T, dim] -> x + weight[:T]``.
-
-    A module of its own (rather than an ``nn.Embedding`` looked up in ``GPT.forward``) so that the model's
-    children applied in order reproduce ``forward``, which is how pipeline stages run the stem.
-    """
+    """Learned absolute positions added to token embeddings: ``x [B, T, dim] -> x + weight[:T]``."""
 
     def __init__(self, *, block_size: int, dim: int) -> None:
         super().__init__()
@@ -151,14 +147,12 @@ class GPT(nn.Module):
         return cls(**asdict(config))
 
     def forward(self, idx: Tensor, position_ids: Tensor | None = None) -> Tensor:
-        # the children in registration order; a later pipeline stage has no tok_emb/pos_emb and gets hidden states
-        x = idx
-        if self.tok_emb is not None:
-            x = self.tok_emb(x)
+        # a part set to None is skipped: torchtitan's way of cutting a pipeline stage by hand (benchmarks/)
+        x = idx if self.tok_emb is None else self.tok_emb(idx)
         if self.pos_emb is not None:
-            x = self.pos_emb(x) if position_ids is None else self.pos_emb(x, position_ids)
+            x = self.pos_emb(x, position_ids)
         for block in self.blocks:
-            if block is not None:  # a pipeline stage may blank out blocks it does not own
+            if block is not None:
                 x = block(x)
         for part in (self.norm, self.lm_head):
             if part is not None:

@@ -199,9 +199,9 @@ class MoEGPT(GPT):
         """The router load-balancing loss of the last forward, summed over the layers (each layer's on the global
         batch when a strategy runs the step: :func:`~lightning_dist.parallelize.moe.balance_loss`; a pipeline
         answers it: :class:`~lightning_dist.parallelize.moe.StagedRouterLoss`)."""
-        if len(self.blocks) != self.config.n_layer or any(b is None for b in self.blocks):
+        if len(self.blocks) != self.config.n_layer:
             raise RuntimeError(
-                f"MoEGPT.aux_loss() on a pipeline stage: it holds {sum(b is not None for b in self.blocks)} of the"
+                f"MoEGPT.aux_loss() on a pipeline stage: it holds {len(self.blocks)} of the"
                 f" {self.config.n_layer} blocks, and a loss from its own routers only would leave out the other"
                 " stages'. Call it on the network inside training_step under PipelineStrategy, which answers it with"
                 " the loss of the global batch."

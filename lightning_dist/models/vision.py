@@ -61,12 +61,10 @@ class ShapesCNN(nn.Module):
             self.head = nn.Sequential(nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(width, num_classes))
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.stem is not None:
-            x = self.stem(x)
+        x = self.stem(x)
         for block in self.blocks:
-            if block is not None:  # a pipeline stage may blank out blocks it does not own
-                x = block(x)
-        return self.head(x) if self.head is not None else x
+            x = block(x)
+        return self.head(x)
 
 
 class PatchEmbed(nn.Module):
@@ -155,15 +153,10 @@ class ViT(nn.Module):
             self.head = nn.Linear(dim, num_classes)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.embed is not None:
-            x = self.embed(x)
+        x = self.embed(x)
         for block in self.blocks:
-            if block is not None:  # a pipeline stage may blank out blocks it does not own
-                x = block(x)
-        for part in (self.norm, self.pool, self.head):
-            if part is not None:
-                x = part(x)
-        return x
+            x = block(x)
+        return self.head(self.pool(self.norm(x)))
 
 
 class ShapesClassifier(LightningModule):

@@ -13,10 +13,8 @@ from lightning_dist.models import GPT
 from lightning_dist.parallelize.cp import ContextParallel, CPGroup, cp_model_problems, cp_style_problems, find_network
 from lightning_dist.parallelize.pipeline.hf import hf_labels_loss
 from lightning_dist.parallelize.pipeline.split import network_layout
-from lightning_dist.parallelize.pipeline.stages import build_plain_stage
 from lightning_dist.rules import cp_chunks, replicates
 from lightning_dist.strategies import HybridShardStrategy, MeshStrategy, PipelineStrategy
-from lightning_dist.strategies.pipeline.setup import cp_stage_problems
 from lightning_dist.strategies.pipeline.step import cp_share, cut_for_cp, cut_target
 
 
@@ -154,16 +152,24 @@ def test_pipeline_cp_refusals_and_zero1():
         HybridShardStrategy(cp=2, zero_stage=1).validate_config(spec)
 
 
-def test_plain_pipeline_stages_take_positions():
+def test_pipeline_stages_take_positions():
+    from lightning_dist.parallelize.cp import cp_model_problems
+    from lightning_dist.parallelize.pipeline.pruned import MODEL_INPUT
+
     torch.manual_seed(0)
     net = GPT(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=8).double()
-    assert cp_stage_problems(net) == []  # its pos_emb names position_ids
-    (msg,) = cp_stage_problems(nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 4), nn.Linear(4, 8)))
-    assert "none of its stem or block children takes `position_ids`" in msg and "cp=1" in msg
-    # the stages (children in order) pass position_ids to the children that name them, as GPT.forward does
-    stage = build_plain_stage(net, network_layout(net), [0, 1], first=True, last=True)
+    assert not cp_model_problems(net, cp=2)  # GPT.forward takes position_ids
+    (msg,) = cp_model_problems(nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 4), nn.Linear(4, 8)), cp=2)
+    assert "takes no `position_ids`" in msg and "cp=1" in msg
+    # a stage runs GPT.forward itself: the positions reach pos_emb as on one device, on either side of the cut
+    layout = network_layout(net)
+    first, last = (layout.build_stage(net, [i], first=i == 0, last=i == 1) for i in (0, 1))
     idx, pos = torch.randint(0, 32, (2, 4)), torch.tensor([[0, 1, 6, 7]] * 2)
-    assert torch.equal(stage.run_local(idx, position_ids=pos), net(idx, position_ids=pos))
+    with torch.no_grad():
+        hidden = first.run_local(idx, position_ids=pos, **{MODEL_INPUT: idx})
+        out = last.run_local(hidden, position_ids=pos, **{MODEL_INPUT: idx})
+        assert torch.equal(out, net(idx, position_ids=pos))
+        assert not torch.equal(out, net(idx))  # the positions mattered
 
 
 def test_pipeline_cut_and_hf_loss_shares_add_up_to_the_whole_sequences_loss():

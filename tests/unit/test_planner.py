@@ -382,6 +382,12 @@ class TiedLM(nn.Module):
         self.head = nn.Linear(dim, vocab, bias=False)
         self.head.weight = self.emb.weight  # tied: counted once
 
+    def forward(self, x):
+        x = self.emb(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
 
 class Wrapper(nn.Module):
     def __init__(self, inner: nn.Module, extra: int = 3):

@@ -4,7 +4,6 @@ so the model's own ``forward`` runs each stage, as torchtitan builds its stages.
 from __future__ import annotations
 
 import inspect
-import time
 from collections.abc import Sequence
 from typing import Any, Callable
 
@@ -12,7 +11,7 @@ import torch
 from torch import nn
 
 from lightning_dist.parallelize.cp_probe import evaluating
-from lightning_dist.parallelize.pipeline.stages import PipelinedModule, part_costs, plain_call_inputs
+from lightning_dist.parallelize.pipeline.stages import PipelinedModule, plain_call_inputs
 from lightning_dist.parallelize.self_check import gradient_problem
 from lightning_dist.parallelize.units import find_block_lists
 
@@ -38,14 +37,22 @@ class Handover:
 
 class Absent(nn.Module):
     """A stem part a later stage does not own: returns the activation the stage received (so shape arithmetic before
-    the blocks runs as on one device), else passes hidden states on and adds nothing to an embedding sum (HF)."""
+    the blocks runs as on one device), else passes hidden states on and adds nothing to an embedding sum (HF).
+    Called outside the stage's run (a method of the model), it refuses: the part is on another stage."""
 
-    def __init__(self, handover: Handover | None = None) -> None:
+    def __init__(self, handover: Handover, name: str = "") -> None:
         super().__init__()
-        self.handover = handover
+        self.handover, self.name = handover, name
 
     def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
-        if self.handover is not None and self.handover.active and self.handover.received is not None:
+        if not self.handover.active:
+            raise RuntimeError(
+                f"`{self.name}` is on the first pipeline stage, not on this one: PipelineStrategy replaced the network"
+                " with the parts this rank's stages run, and only the stage's own forward may call the parts another"
+                " stage owns. Compute a value over the whole model inside its forward, or train with a strategy that"
+                " keeps the whole model on each rank (hsdp, fsdp2, tp)."
+            )
+        if self.handover.received is not None:
             return self.handover.received
         if isinstance(x, torch.Tensor) and x.is_floating_point():
             return x  # e.g. the token embedding or the embedding dropout: the first stage applied it
@@ -309,7 +316,7 @@ def build_pruned_stage(
     kept.skipped = {k: _plain_attrs(m) for k, m in full._modules.items() if k not in kept._modules}
     holder._modules[block_list.rpartition(".")[2]] = kept
     for name in stem if not first else ():
-        _set(lm, name, Absent(handover))
+        _set(lm, name, Absent(handover, name))
     for name in head if not last else ():
         _set(lm, name, nn.Identity())
     if hasattr(lm, "_tied_weights_keys"):  # the pruned copy never re-ties (the tie lives in the parameters)
@@ -377,31 +384,26 @@ def check_pruned_stages(net: nn.Module, stages: Sequence[nn.Module], sample: Any
         return gradient_problem(dict(net.named_parameters()), lambda: convention.whole_output(net, sample), staged)
 
 
-def profile_pruned(
-    net: nn.Module, layout: Any, sample: Any, *, convention: type[PrunedStage], repeats: int = 5
-) -> tuple[float, list[float], float]:
-    """Milliseconds of (stem, each block, head) in forward, timed by hooks inside the model's own forward (its blocks
-    take extra inputs: mask, rotary tables), best of `repeats`; the split needs ratios only, so no backward."""
-    names = [*layout.stem, *(f"{layout.block_list}.{k}" for k in layout.blocks), *layout.head]
-    best = [float("inf")] * len(names)
-    starts: dict[int, float] = {}
-    handles = []
-    for i, name in enumerate(names):
-        module = net.get_submodule(name)
-        handles.append(module.register_forward_pre_hook(lambda m, a, i=i: starts.__setitem__(i, time.perf_counter())))
-        handles.append(
-            module.register_forward_hook(
-                lambda m, a, o, i=i: best.__setitem__(i, min(best[i], (time.perf_counter() - starts[i]) * 1e3))
+def call_order(net: nn.Module, names: Sequence[str], run: Callable[[], Any]) -> list[str]:
+    """`names` (parts of `net`; a block list stands for its blocks) in the order ``run()`` first calls them (eval,
+    no autograd)."""
+    order: list[str] = []
+    hooks = []
+    for name in names:
+        part = net.get_submodule(name)
+        for m in part.children() if isinstance(part, nn.ModuleList) else [part]:  # a ModuleList is never called
+            hooks.append(
+                m.register_forward_pre_hook(lambda m, a, name=name: None if name in order else order.append(name))
             )
-        )
     try:
-        with torch.no_grad():
-            for _ in range(repeats + 1):
-                convention.whole_output(net, sample)
+        with evaluating(net), torch.no_grad():
+            run()
+    except Exception:  # the order up to the failure is what the forward ran
+        pass
     finally:
-        for h in handles:
+        for h in hooks:
             h.remove()
-    return part_costs(layout, [0.0 if b == float("inf") else b for b in best])  # a part never called costs nothing
+    return order
 
 
 __all__ = [
@@ -410,11 +412,11 @@ __all__ = [
     "ForwardStage",
     "PrunedStage",
     "build_pruned_stage",
+    "call_order",
     "check_pruned_stages",
     "join_pruned",
     "model_class",
     "model_class_copy",
     "model_input_call",
     "pruned_parts",
-    "profile_pruned",
 ]

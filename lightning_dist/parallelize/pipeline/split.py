@@ -1,5 +1,6 @@
-"""How a network is pipelined (:class:`NetworkLayout`: plain, pruned or HF, chosen once by :func:`network_layout`)
-and its split into stages as data (:func:`plan_split`). Which models take which route: docs/strategies/pipeline.md."""
+"""How a network is pipelined (:class:`NetworkLayout`: an ``nn.Sequential``, a model pruned per stage, or HF, chosen
+once by :func:`network_layout`) and its split into stages as data (:func:`plan_split`). Which models take which route:
+docs/strategies/pipeline.md."""
 
 from __future__ import annotations
 
@@ -23,20 +24,19 @@ from lightning_dist.parallelize.pipeline.hf import (
 from lightning_dist.parallelize.pipeline.pruned import (
     ForwardStage,
     build_pruned_stage,
+    call_order,
     check_pruned_stages,
     join_pruned,
     model_input_call,
-    profile_pruned,
     pruned_parts,
 )
 from lightning_dist.parallelize.pipeline.stages import (
-    build_plain_stage,
-    chain_problem,
-    join_plain,
+    build_sequential_stage,
+    is_sequential,
+    join_sequential,
     plain_call_inputs,
     plain_call_output,
-    plain_forward_problem,
-    profile_plain,
+    profile_parts,
 )
 from lightning_dist.parallelize.units import find_block_lists
 from lightning_dist.rules import partition
@@ -50,8 +50,8 @@ Costs = tuple[float, list[float], float]
 # ---- how a network is staged -------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
 class NetworkLayout:
-    """Where a network's stem, blocks and head are, by child name, and how its stages are made: this class is the
-    plain layout (a :class:`~.stages.StageModule` runs its children in registration order, one tensor in and out)."""
+    """Where a network's stem, blocks and head are, by qualified name, and how its stages are made: this class is an
+    ``nn.Sequential``'s layout (its children are the blocks; a :class:`~.stages.StageModule` runs some in order)."""
 
     stem: tuple[str, ...]
     """Children run before the blocks (on stage 0)."""
@@ -79,19 +79,20 @@ class NetworkLayout:
     # ---- stages
     def build_stage(self, net: nn.Module, block_ids: Sequence[int], *, first: bool, last: bool) -> nn.Module:
         """The stage module of blocks `block_ids`, the stem when `first`, the head when `last` (`net`'s modules)."""
-        return build_plain_stage(net, self, block_ids, first=first, last=last)
+        return build_sequential_stage(net, [self.blocks[i] for i in block_ids])
 
     def profile(self, net: nn.Module, sample: Any, *, repeats: int = 5) -> Costs:
         """Milliseconds of (stem, each block, head) on one sample micro-batch (best of `repeats`)."""
-        return profile_plain(net, self, sample, repeats=repeats)
+        return profile_parts(net, self, lambda: net(sample), repeats=repeats)
 
     def forward_problem(self, net: nn.Module, sample: Any) -> str | None:
-        """Why the stages would not compute ``net(sample)``, or None when they do."""
-        return plain_forward_problem(net, self, sample)
+        """Why the stages would not compute ``net(sample)``, or None when they do (a Sequential's children in order
+        are its forward)."""
+        return None
 
     def join(self, pieces: Sequence[nn.Module]) -> nn.Module:
         """The whole single-device network from plain copies of every stage module (pure)."""
-        return join_plain(self, pieces)
+        return join_sequential(self.blocks, pieces)
 
     # ---- the network call
     def sample(self, net: nn.Module, example: Any) -> Any:
@@ -112,30 +113,28 @@ class NetworkLayout:
 
 @dataclass(frozen=True, kw_only=True)
 class PrunedLayout(NetworkLayout):
-    """A model whose forward is more than its children in order (nanoGPT, litgpt): a stage is the model with the parts
-    it does not own taken out (:mod:`.pruned`), running its own forward."""
+    """A model with one block list (the pack's GPT, nanoGPT, litgpt): a stage is the model with the parts it does not
+    own taken out (:mod:`.pruned`), running its own forward."""
 
     parts: tuple[str, str, tuple[str, ...], tuple[str, ...]]
     """``(owner, block_list, stem, head)`` as qualified names (``owner``: the module holding the block list)."""
-    plain: NetworkLayout | None = None
-    """The plain layout the model's structure also fits, whose reason is reported beside this route's."""
 
     convention: ClassVar[type] = ForwardStage
     handed_over: ClassVar[str] = "into its first block, the model's input given to every stage"
 
     @classmethod
-    def from_parts(cls, net: nn.Module, parts: tuple, plain: NetworkLayout | None = None) -> PrunedLayout:
+    def from_parts(cls, net: nn.Module, parts: tuple) -> PrunedLayout:
         """The layout of `net` whose ``(owner, block_list, stem, head)`` are `parts`."""
         _, block_list, stem, head = parts
         blocks = tuple(net.get_submodule(block_list)._modules)
-        return cls(stem=stem, block_list=block_list, blocks=blocks, head=head, parts=parts, plain=plain)
+        return cls(stem=stem, block_list=block_list, blocks=blocks, head=head, parts=parts)
 
     def build_stage(self, net: nn.Module, block_ids: Sequence[int], *, first: bool, last: bool) -> nn.Module:
         blocks = [self.blocks[i] for i in block_ids]
         return build_pruned_stage(net, self.parts, blocks, first=first, last=last, convention=self.convention)
 
     def profile(self, net: nn.Module, sample: Any, *, repeats: int = 5) -> Costs:
-        return profile_pruned(net, self, sample, convention=self.convention, repeats=repeats)
+        return profile_parts(net, self, lambda: self.convention.whole_output(net, sample), repeats=repeats)
 
     def forward_problem(self, net: nn.Module, sample: Any) -> str | None:
         n = len(self.blocks)  # every block boundary is a stage boundary: each hand-over is checked
@@ -144,18 +143,28 @@ class PrunedLayout(NetworkLayout):
         )
         if problem is None:
             return None
-        pruned = (
-            f"a stage = the model with the blocks of {self.block_list} it does not own taken out, hidden states"
-            f" passed {self.handed_over}"
+        cls = type(net).__name__
+        registered = [*self.stem, self.block_list, *self.head]
+        called = call_order(net, registered, lambda: self.convention.whole_output(net, sample))
+        if called != registered and set(called) == set(registered):
+            short = [n.rpartition(".")[2] for n in called]
+            return (
+                f"{cls} registers its children in the order {' -> '.join(n.rpartition('.')[2] for n in registered)},"
+                f" but its forward runs them as {' -> '.join(short)}: a pipeline stage takes the children registered"
+                " before the block list as the stem (first stage) and those after it as the head (last stage), by"
+                f" registration order. Register the children in execution order: in {cls}.__init__ assign"
+                f" {' then '.join(short)}."
+            )
+        fix = (
+            ""
+            if self.convention is not ForwardStage
+            else " A value the forward carries across blocks beside the activation (a residual add outside the"
+            " blocks, a skip connection from the stem to the head) cannot be handed between stages: move such work"
+            " into a child module (e.g. a block whose own forward adds its residual)."
         )
-        if self.plain is None:
-            return f"Cannot split {type(net).__name__} into pipeline stages: {problem}. Tried: {pruned}."
-        plain = self.plain.forward_problem(net, sample)
         return (
-            f"Cannot split {type(net).__name__} into pipeline stages; routes tried:\n  - its children applied in"
-            f" registration order: {plain or 'they compute its forward, this model was given the other route'}"
-            f"\n  - {pruned}: {problem}. A value the forward carries across blocks beside the activation (a skip"
-            " connection from the stem to the head, a residual add outside the blocks) cannot be handed between stages."
+            f"Cannot split {cls} into pipeline stages: {problem}. Tried: a stage = the model with the blocks of"
+            f" {self.block_list} it does not own taken out, hidden states passed {self.handed_over}.{fix}"
         )
 
     def join(self, pieces: Sequence[nn.Module]) -> nn.Module:
@@ -198,43 +207,19 @@ def layout_kind(net: Any) -> type[NetworkLayout]:
 
 def network_layout(net: nn.Module) -> NetworkLayout:
     """The layout of `net`; TypeError giving each route's reason when none can split it. Routes, in order: HF causal
-    LM, ``nn.Sequential``, children in order around one direct block list, the model pruned per stage."""
+    LM, ``nn.Sequential``, the model pruned per stage around its one block list."""
     if layout_kind(net) is HFLayout:
         return HFLayout.from_parts(net, hf_parts(net))
-    if isinstance(net, nn.Sequential):
+    if is_sequential(net):
         return NetworkLayout(stem=(), block_list=None, blocks=tuple(net._modules), head=())
-    found = [(name, mod) for name, mod in find_block_lists(net) if "." not in name]
-    plain, not_chain = None, None
-    if len(found) == 1:
-        name, blocks = found[0]
-        direct = [n for n, _ in net.named_parameters(recurse=False)]
-        if direct:
-            raise TypeError(
-                f"{type(net).__name__} holds parameters directly ({direct}); a pipeline stage can only own whole"
-                " child modules. Move them into a child module registered before or after the block list."
-            )
-        names = [n for n, _ in net.named_children()]
-        i = names.index(name)
-        plain = NetworkLayout(
-            stem=tuple(names[:i]), block_list=name, blocks=tuple(blocks._modules), head=tuple(names[i + 1 :])
-        )
-        not_chain = chain_problem(net, plain)
-        if not_chain is None:  # its forward is its children in order: plain stages
-            return plain
-    if len(found) > 1:
-        parts, pruned_why = None, "it has several direct block lists"
-    else:
-        parts, pruned_why = pruned_parts(net, found[0][0] if found else None)
+    direct = [name for name, _ in find_block_lists(net) if "." not in name]  # one on the model itself goes first
+    parts, why = pruned_parts(net, direct[0] if len(direct) == 1 else None)
     if parts is not None:
-        return PrunedLayout.from_parts(net, parts, plain)
-    if plain is not None:  # the staged-forward check on one micro-batch decides, naming what the forward does
-        return plain
-    what = "none" if not found else f"{len(found)} ({[n for n, _ in found]})"
+        return PrunedLayout.from_parts(net, parts)
     tried = [
         "a HuggingFace causal LM (config.base_model_pp_plan): it is not one",
         "an nn.Sequential (its children are the blocks): it is not one",
-        f"one direct nn.ModuleList of blocks between stem and head children: it has {what}",
-        f"the model with the blocks a stage does not own taken out of the child holding them: {pruned_why}",
+        f"the model with the blocks a stage does not own taken out of the child holding them: {why}",
     ]
     raise TypeError(
         f"Cannot split {type(net).__name__} into pipeline stages; routes tried:\n  - "

@@ -18,10 +18,9 @@ from lightning_dist.parallelize.pipeline.split import (
     NetworkLayout,
     PipelineSplit,
     layout_kind,
-    network_layout,
     plan_split,
 )
-from lightning_dist.parallelize.pipeline.stages import is_pipelined_module, keyword_inputs
+from lightning_dist.parallelize.pipeline.stages import is_pipelined_module
 from lightning_dist.parallelize.pipeline.tied import tied_gradient_groups, tied_problems
 
 
@@ -65,26 +64,6 @@ def module_problems(module: Any, network: str, net: Any) -> list[str]:
             " schedule computes the loss of each micro-batch on the last stage with it."
         )
     return problems
-
-
-def cp_stage_problems(net: nn.Module) -> list[str]:
-    """What keeps `net`'s stages from taking context parallelism's ``position_ids`` (pure): under the plain layout a
-    stem or block child must name them (the pack's ``GPT.pos_emb``); pruned stages take them in the model's forward."""
-    try:
-        layout = network_layout(net)
-    except TypeError:
-        return []  # the split's own check reports it
-    if type(layout) is not NetworkLayout:
-        return []
-    parts = [net.get_submodule(n) for n in layout.stem] + [layout.block(net, i) for i in range(len(layout.blocks))]
-    if any("position_ids" in keyword_inputs(p) for p in parts):
-        return []
-    return [
-        f"{type(net).__name__}'s pipeline stages run its children in order, and none of its stem or block children"
-        " takes `position_ids`: context parallelism gives each rank a part of every sequence, whose positions the"
-        " network must be told. Give the positional part a `forward(x, position_ids=None)` (as the pack's GPT's"
-        " `pos_emb`), or use cp=1."
-    ]
 
 
 def _on_meta(net: Any) -> bool:
@@ -187,7 +166,6 @@ __all__ = [
     "PipelinePlan",
     "check_balanced_sample",
     "option_problems",
-    "cp_stage_problems",
     "first_batch_problem",
     "module_problems",
     "plan_pipeline",
