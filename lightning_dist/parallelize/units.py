@@ -46,8 +46,8 @@ def select_units(
         ids = {id(u) for u in units}
         return [(n, m) for n, m in model.named_modules() if id(m) in ids]
     if isinstance(units, str) and units == "auto":
-        picked = [(f"{ln}.{i}", block) for ln, blocks in find_block_lists(model) for i, block in enumerate(blocks)]
-        return picked
+        # by key, not position: a pipeline stage's block list keeps the single-device indices of the blocks it holds
+        return [(f"{ln}.{k}", block) for ln, blocks in find_block_lists(model) for k, block in blocks._modules.items()]
     if isinstance(units, str):
         units = [units]
     wanted = set(units)

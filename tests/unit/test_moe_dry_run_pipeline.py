@@ -117,11 +117,14 @@ def test_moe_gpt_aux_loss_on_a_pipeline_stage_is_refused_naming_the_call_and_the
     split = plan_split(model, 2)
     # what the LightningModule holds on each pp rank after the split (every rank refuses alike: no rank is left waiting)
     first, last = (build_stage_module(model, split, [s]) for s in (0, 1))
+    assert len(last.blocks) == 1 and last.blocks[0] is model.blocks[1]  # outside a run: the stage's own, by position
     for stage in (first, last):  # a stage is the model with 1 of its 2 blocks: its own check refuses
         with pytest.raises(RuntimeError, match=r"MoEGPT.aux_loss\(\) on a pipeline stage: it holds 1 of the 2 blocks"):
             stage.aux_loss()
     with pytest.raises(RuntimeError, match="`tok_emb` is on the first pipeline stage, not on this one"):
         last.tok_emb(torch.zeros(2, 8, dtype=torch.long))  # a part another stage holds, called outside the stage run
+    with pytest.raises(RuntimeError, match="`lm_head` is on the last pipeline stage, not on this one"):
+        first.lm_head(torch.zeros(2, 8, 8))
     # the stages' plain copies pickle (the reference model gathers them) and join into the whole network
     whole = join_stages(split, [pickle.loads(pickle.dumps(model_class_copy(s))) for s in (first, last)])
     x = torch.randint(0, 16, (2, 8))

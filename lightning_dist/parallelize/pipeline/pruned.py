@@ -36,22 +36,25 @@ class Handover:
 
 
 class Absent(nn.Module):
-    """A stem part a later stage does not own: returns the activation the stage received (so shape arithmetic before
-    the blocks runs as on one device), else passes hidden states on and adds nothing to an embedding sum (HF).
-    Called outside the stage's run (a method of the model), it refuses: the part is on another stage."""
+    """A part another stage owns. A stem part (`head` False) returns the activation the stage received (so shape
+    arithmetic before the blocks runs as on one device), else passes hidden states on and adds nothing to an embedding
+    sum (HF); a head part passes its input on (the stage hands on its last block's output). Called outside the
+    stage's run (a method of the model), it refuses: the part is on another stage."""
 
-    def __init__(self, handover: Handover, name: str = "") -> None:
+    def __init__(self, handover: Handover, name: str = "", head: bool = False) -> None:
         super().__init__()
-        self.handover, self.name = handover, name
+        self.handover, self.name, self.head = handover, name, head
 
     def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
         if not self.handover.active:
             raise RuntimeError(
-                f"`{self.name}` is on the first pipeline stage, not on this one: PipelineStrategy replaced the network"
-                " with the parts this rank's stages run, and only the stage's own forward may call the parts another"
-                " stage owns. Compute a value over the whole model inside its forward, or train with a strategy that"
-                " keeps the whole model on each rank (hsdp, fsdp2, tp)."
+                f"`{self.name}` is on the {'last' if self.head else 'first'} pipeline stage, not on this one:"
+                " PipelineStrategy replaced the network with the parts this rank's stages run, and only the stage's"
+                " own forward may call the parts another stage owns. Compute a value over the whole model inside its"
+                " forward, or train with a strategy that keeps the whole model on each rank (hsdp, fsdp2, tp)."
             )
+        if self.head:
+            return x
         if self.handover.received is not None:
             return self.handover.received
         if isinstance(x, torch.Tensor) and x.is_floating_point():
@@ -97,7 +100,7 @@ def _plain_attrs(module: nn.Module) -> dict[str, Any]:
 class StageBlocks(nn.ModuleList):
     """A :class:`ForwardStage`'s slice of the block list (original keys). While the stage runs, the forward sees the
     whole list (`every` key): blocks it does not own pass their input through, its first and last are
-    :class:`_Boundary`."""
+    :class:`_Boundary`. Outside a run it is the stage's own blocks, indexed by position."""
 
     handover: Handover | None = None
     every: tuple[str, ...] = ()
@@ -124,8 +127,8 @@ class StageBlocks(nn.ModuleList):
         return len(self.every) if self._running() else super().__len__()
 
     def __getitem__(self, idx: Any) -> Any:
-        if not self._running():
-            return super().__getitem__(idx)
+        if not self._running():  # this stage's own blocks, by position (their keys are the single-device indices)
+            return list(self._modules.values())[idx]
         if isinstance(idx, slice):
             return [self._seen(k) for k in self.every[idx]]
         return self._seen(self.every[idx])
@@ -318,7 +321,7 @@ def build_pruned_stage(
     for name in stem if not first else ():
         _set(lm, name, Absent(handover, name))
     for name in head if not last else ():
-        _set(lm, name, nn.Identity())
+        _set(lm, name, Absent(handover, name, head=True))
     if hasattr(lm, "_tied_weights_keys"):  # the pruned copy never re-ties (the tie lives in the parameters)
         lm.__dict__["_tied_weights_keys"] = None
     return lm
@@ -334,7 +337,7 @@ def join_pruned(parts: tuple, blocks_order: Sequence[str], pieces: Sequence[nn.M
     joined = nn.ModuleList()
     joined._modules = {k: blocks[k] for k in blocks_order}
     holder._modules[block_list.rpartition(".")[2]] = joined
-    last = next(p for p in pieces if not isinstance(p.get_submodule(head[-1]), nn.Identity)) if head else pieces[-1]
+    last = next(p for p in pieces if not isinstance(p.get_submodule(head[-1]), Absent)) if head else pieces[-1]
     for name in head:
         _set(whole, name, last.get_submodule(name))
     return whole
