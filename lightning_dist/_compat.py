@@ -337,6 +337,16 @@ def grouped_mm_refusal(dtype: torch.dtype, device_type: str) -> str | None:
 
 
 @lru_cache(maxsize=None)
+def hf_mask_builder_reports_window() -> bool:
+    """transformers' SDPA mask builder takes ``q_length`` and ``local_size`` (5.x): context parallelism's mask builder
+    reads them to refuse a sliding window shorter than the sequence (parallelize/cp.py)."""
+    import inspect
+
+    from transformers.masking_utils import sdpa_mask
+
+    return {"q_length", "local_size"} <= set(inspect.signature(sdpa_mask).parameters)
+
+
 def dcp_async_staging() -> bool:
     """True when DCP can make an async save's staging copy in the background (checkpoint_async.py).
 

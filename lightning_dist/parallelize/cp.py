@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from lightning_dist import _compat
 from lightning_dist._compat import all_to_all_autograd
 from lightning_dist.rules import cp_chunks
 
@@ -514,6 +515,15 @@ def _use_hf_attention(network: nn.Module, cp: int) -> str:
         raise ValueError(
             f"{type(network).__name__} uses attn_implementation={own!r}; context parallelism runs HF models through"
             " SDPA. Load the model with attn_implementation='sdpa' (or 'eager'), or use cp=1."
+        )
+    config = network.config
+    window = getattr(config, "sliding_window", None) or getattr(config, "attention_chunk_size", None)
+    if window and not _compat.hf_mask_builder_reports_window():
+        raise ValueError(
+            f"{type(network).__name__} has a local attention window ({window} tokens), and this transformers"
+            " release's mask builder does not report it by the arguments lightning-dist reads (`q_length`,"
+            " `local_size`), so a window shorter than the sequence could not be refused under context parallelism."
+            " Use cp=1 for this model, or transformers 5.x."
         )
     network.set_attn_implementation(HF_ATTENTION)
     return own

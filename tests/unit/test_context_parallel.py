@@ -110,6 +110,23 @@ def test_hf_sliding_window_is_refused():
     assert cp_model_problems(llama, cp=2) == [] and cp_model_problems(llama, cp=8)
 
 
+def test_a_window_the_mask_builder_cannot_report_is_refused(monkeypatch):
+    """The window check under cp reads transformers' mask-builder arguments (`q_length`, `local_size`): where a release
+    does not pass them, a model with a window is refused rather than trained with full causal attention."""
+    tf = pytest.importorskip("transformers")
+    from lightning_dist import _compat
+    from lightning_dist.parallelize.cp import _use_hf_attention
+
+    assert _compat.hf_mask_builder_reports_window()  # the transformers installed here reports it
+    small = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4)
+    mistral = tf.MistralForCausalLM(tf.MistralConfig(**small, sliding_window=4))
+    llama = tf.LlamaForCausalLM(tf.LlamaConfig(**small))
+    monkeypatch.setattr(_compat, "hf_mask_builder_reports_window", lambda: False)
+    with pytest.raises(ValueError, match=r"local attention window \(4 tokens\).*Use cp=1 for this model"):
+        _use_hf_attention(mistral, cp=2)
+    assert _use_hf_attention(llama, cp=2) in ("sdpa", "eager")  # no window: nothing to report
+
+
 def test_network_lookup():
     class Task(nn.Module):
         def __init__(self):
