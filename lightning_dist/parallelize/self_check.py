@@ -239,6 +239,12 @@ def _compare_block(name: str, block: nn.Module, cap: _Capture) -> tuple[float, s
     """(worst relative difference, where) of one block against its unsplit copy. Collective (gathers weights)."""
     split_grads = {n: None if p.grad is None else full_tensor_of(p.grad) for n, p in block.named_parameters()}
     ref = unsharded_clone(block, {}, {}).eval()  # as the split forward ran (run_eval): no dropout, no sampling
+    # experts split over ep ranks (tp x ep): whole copies, run on this rank's tokens; their gradients hold every ep
+    # rank's tokens, which check_experts compares (run before this check)
+    experts = [n for n, m in block.named_modules() if n and GLOBAL_EXPERTS_KEY in m.__dict__]
+    for n in experts:
+        owner, _, child = n.rpartition(".")
+        ref.get_submodule(owner)._modules[child] = _whole_experts(block.get_submodule(n)).eval()
     args, kwargs = tree_map(lambda x: full_tensor_of(x) if isinstance(x, Tensor) else x, cap.inputs[name])
     with torch.enable_grad(), torch.compiler.set_stance("force_eager"):
         out = first_tensor(ref(*args, **kwargs))
@@ -248,7 +254,7 @@ def _compare_block(name: str, block: nn.Module, cap: _Capture) -> tuple[float, s
     worst, where = _rel(full_tensor_of(cap.outputs[name]), out), f"{name} (its output)"
     floor = FLOOR * _norm(p.grad for p in ref.parameters())
     for n, p in ref.named_parameters():
-        if not p.requires_grad:
+        if not p.requires_grad or any(n.startswith(f"{e}.") for e in experts):
             continue
         d = _rel(split_grads.get(n), p.grad if p.grad is not None else torch.zeros_like(p), floor)
         if split_grads.get(n) is None and p.grad is None:
@@ -324,8 +330,8 @@ def check_split_model(
     params = [p for p in model.parameters() if p.requires_grad]
     dtype = params[0].dtype if params else torch.float32
     cap = _Capture(blocks)
-    try:
-        with torch.enable_grad(), torch.compiler.set_stance("force_eager"):
+    try:  # experts split over ep ranks drop nothing, as their whole copies
+        with torch.enable_grad(), torch.compiler.set_stance("force_eager"), dropless(model.modules()):
             out = first_tensor(run())
             if out is None or not out.requires_grad:
                 return SelfCheckReport(0, 0.0, "no graded output", time.perf_counter() - start)

@@ -52,6 +52,8 @@ def test_moe_and_expert_parallelism_2_processes():
             assert r["ep_check"]["modules"] == 2 and r["ep_check"]["worst"] <= TOL, r
         else:
             assert r["ep_check"] is None, r
+        if r["case"].startswith("tp2"):  # the tp self-check ran, tp2 x ep2 too: each block against a whole copy
+            assert r["tp_check"]["blocks"] == 2 and r["tp_check"]["worst"] <= TOL, r
         if r["mode"] == "global" or r["case"].startswith("tp2"):  # one data-parallel rank: both are one device's
             assert r["diff"] <= TOL, r
         else:  # each rank's own router loss, averaged: not the global batch's (so the exact path's test can fail)
@@ -135,6 +137,8 @@ def test_moe_and_expert_parallelism_4_processes():
         assert r.get("ep", 1) == ep, r
         if r.get("ep", 1) > 1:  # the ep self-check ran (ep4, ep with dp_replicate, ep x tp) and found the copies equal
             assert r["ep_check"]["modules"] == 2 and r["ep_check"]["worst"] <= TOL, r
+        if r["case"].startswith("tp2"):  # and the tp self-check, its block copies with whole experts under tp2 x ep4
+            assert r["tp_check"]["blocks"] == 2 and r["tp_check"]["worst"] <= TOL, r
     # expert parallelism with a rank whose experts are never chosen: it receives no token, and stays exact
     idle = sorted((r for r in rows if r.get("model") == "pack_moe_idle"), key=lambda r: r["rank"])
     assert len(idle) == 4 and all(r["diff"] <= TOL for r in idle), idle

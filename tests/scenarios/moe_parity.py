@@ -318,7 +318,18 @@ def main() -> None:
                 diff = max_rel_diff(full_params(task), ref)
                 check = getattr(strategy, "ep_check_report", None)  # the ep self-check's figures (None: it did not run)
                 check = None if check is None else {"modules": check.blocks, "worst": check.worst}
-                emit(kind="moe", model=kind, case=case, mode=mode, diff=diff, ep=ep_degree(task), ep_check=check)
+                tp_check = getattr(strategy, "self_check_report", None)  # the tp self-check's (None: did not run)
+                tp_check = None if tp_check is None else {"blocks": tp_check.blocks, "worst": tp_check.worst}
+                emit(
+                    kind="moe",
+                    model=kind,
+                    case=case,
+                    mode=mode,
+                    diff=diff,
+                    ep=ep_degree(task),
+                    ep_check=check,
+                    tp_check=tp_check,
+                )
                 if reports:
                     emit(kind="ep_plan", model=kind, **plan_ratios(*reports))
                 if case == "ep2" and mode == "global" and not kind.startswith("pack_moe"):
