@@ -26,6 +26,7 @@ import contextlib
 import os
 import sys
 import types
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -251,6 +252,18 @@ def pipe_reference(kind: str) -> dict:
     return {n: p.detach().clone() for n, p in task.named_parameters()}
 
 
+def ep_check(strategy: Any) -> dict | None:
+    """The ep self-check's figures (None: it did not run)."""
+    report = getattr(strategy, "ep_check_report", None)
+    return None if report is None else {"modules": report.blocks, "worst": report.worst}
+
+
+def tp_check(strategy: Any) -> dict | None:
+    """The tp self-check's figures (None: it did not run)."""
+    report = getattr(strategy, "self_check_report", None)
+    return None if report is None else {"blocks": report.blocks, "worst": report.worst}
+
+
 def ep_degree(task: pl.LightningModule) -> int:
     """The ep degree the experts modules of `task` run at (1: expert parallelism not applied), the same for all."""
     from lightning_dist.parallelize.ep import GLOBAL_EXPERTS_KEY, find_experts
@@ -316,20 +329,8 @@ def main() -> None:
                 strategy = make(**kw)
                 trainer(strategy, devices=world, steps=STEPS, callbacks=reports).fit(task)
                 diff = max_rel_diff(full_params(task), ref)
-                check = getattr(strategy, "ep_check_report", None)  # the ep self-check's figures (None: it did not run)
-                check = None if check is None else {"modules": check.blocks, "worst": check.worst}
-                tp_check = getattr(strategy, "self_check_report", None)  # the tp self-check's (None: did not run)
-                tp_check = None if tp_check is None else {"blocks": tp_check.blocks, "worst": tp_check.worst}
-                emit(
-                    kind="moe",
-                    model=kind,
-                    case=case,
-                    mode=mode,
-                    diff=diff,
-                    ep=ep_degree(task),
-                    ep_check=check,
-                    tp_check=tp_check,
-                )
+                checks = {"ep_check": ep_check(strategy), "tp_check": tp_check(strategy)}
+                emit(kind="moe", model=kind, case=case, mode=mode, diff=diff, ep=ep_degree(task), **checks)
                 if reports:
                     emit(kind="ep_plan", model=kind, **plan_ratios(*reports))
                 if case == "ep2" and mode == "global" and not kind.startswith("pack_moe"):
@@ -356,10 +357,16 @@ def main() -> None:
                 task = CPTask(kind)
                 strategy = FullyShardStrategy(cp=2, ep=ep, activation_checkpointing=ac)
                 trainer(strategy, devices=world, steps=STEPS).fit(task)
-                check = getattr(strategy, "ep_check_report", None)
-                check = None if check is None else {"modules": check.blocks, "worst": check.worst}
                 diff = max_rel_diff(full_params(task), ref)
-                emit(kind="moe", model=kind, case=case, mode="global", diff=diff, ep=ep_degree(task), ep_check=check)
+                emit(
+                    kind="moe",
+                    model=kind,
+                    case=case,
+                    mode="global",
+                    diff=diff,
+                    ep=ep_degree(task),
+                    ep_check=ep_check(strategy),
+                )
         for kind in MODELS:  # pp2 x tp2 x ep2: each stage's experts split over its tp ranks (no router loss: see below)
             ref = pipe_reference(kind)
             task = PipeTask(kind)
