@@ -54,20 +54,9 @@ class HFStageMixin(PrunedStage):
     def run_local(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         key = "input_ids" if self._ld_first else "inputs_embeds"
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
-        out = self._run_forward(x, lambda: self._ld_model.forward(self, **{key: x}, **kwargs, use_cache=False).logits)
-        base = out._base
-        if (
-            base is not None
-            and base.grad_fn is not None
-            and out.grad_fn is not None
-            and base.shape == out.shape
-            and base.stride() == out.stride()
-            and base.storage_offset() == out.storage_offset()
-        ):
-            # a view `hidden[:, 0:, :]` of a same-shaped tensor, which torch's split backward (zero-bubble) cannot
-            # `detach_()` in place: its base
-            out = base
-        return out
+        # a stage without the head hands on its last block's output, never `.logits` (HF's full-slice view of the
+        # hidden states, which torch's zero-bubble split backward cannot `detach_()` in place)
+        return self._run_forward(x, lambda: self._ld_model.forward(self, **{key: x}, **kwargs, use_cache=False).logits)
 
     @staticmethod
     def whole_output(net: nn.Module, sample: Any) -> torch.Tensor:
