@@ -347,6 +347,7 @@ def hf_mask_builder_reports_window() -> bool:
     return {"q_length", "local_size"} <= set(inspect.signature(sdpa_mask).parameters)
 
 
+@lru_cache(maxsize=None)
 def dcp_async_staging() -> bool:
     """True when DCP can make an async save's staging copy in the background (checkpoint_async.py).
 

@@ -242,9 +242,8 @@ def _compare_block(name: str, block: nn.Module, cap: _Capture) -> tuple[float, s
     # experts split over ep ranks (tp x ep): whole copies, run on this rank's tokens; their gradients hold every ep
     # rank's tokens, which check_experts compares (run before this check)
     experts = [n for n, m in block.named_modules() if n and GLOBAL_EXPERTS_KEY in m.__dict__]
-    for n in experts:
-        owner, _, child = n.rpartition(".")
-        ref.get_submodule(owner)._modules[child] = _whole_experts(block.get_submodule(n)).eval()
+    for n in experts:  # their weights are gathered in the copy already: the module's own forward in place of dispatch
+        _whole_experts(block.get_submodule(n), ref.get_submodule(n))
     args, kwargs = tree_map(lambda x: full_tensor_of(x) if isinstance(x, Tensor) else x, cap.inputs[name])
     with torch.enable_grad(), torch.compiler.set_stance("force_eager"):
         out = first_tensor(ref(*args, **kwargs))
@@ -366,10 +365,11 @@ def check_split_model(
     return SelfCheckReport(len(cap.inputs), worst, where, seconds)
 
 
-def _whole_experts(module: nn.Module) -> nn.Module:
-    """A plain copy of an experts module under ep: every expert's weights gathered, its own class's forward."""
+def _whole_experts(module: nn.Module, ref: nn.Module | None = None) -> nn.Module:
+    """A plain copy of an experts module under ep: every expert's weights gathered, its own class's forward. `ref`:
+    its plain copy already made (inside a copied block), given the module's own forward in place of the dispatch."""
     original = module.__dict__[GLOBAL_EXPERTS_KEY]["forward"]  # what ran before apply_ep bound its dispatch
-    ref = unsharded_clone(module, {}, {})
+    ref = unsharded_clone(module, {}, {}) if ref is None else ref
     ref.__dict__.pop(GLOBAL_EXPERTS_KEY, None)
     ref.__dict__.pop("forward", None)
     if (

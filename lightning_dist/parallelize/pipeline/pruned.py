@@ -104,7 +104,7 @@ class StageBlocks(nn.ModuleList):
 
     handover: Handover | None = None
     every: tuple[str, ...] = ()
-    skipped: dict[str, dict[str, Any]] = {}  # the plain attributes of the blocks other stages own (class default: none)
+    skipped: dict[str, _Skipped] = {}  # the blocks other stages own, as the forward sees them
 
     def _running(self) -> bool:
         return self.handover is not None and self.handover.active
@@ -112,7 +112,7 @@ class StageBlocks(nn.ModuleList):
     def _seen(self, key: str) -> Any:
         own = list(self._modules)
         if key not in self._modules:
-            return _Skipped(self.skipped.get(key, {}))
+            return self.skipped[key]
         block = self._modules[key]
         if key not in (own[0], own[-1]):
             return block
@@ -316,7 +316,7 @@ def build_pruned_stage(
     kept._modules = {k: full._modules[k] for k in blocks}  # original indices: the single-device names
     kept.handover = lm._ld_handover = handover
     kept.every = tuple(full._modules)
-    kept.skipped = {k: _plain_attrs(m) for k, m in full._modules.items() if k not in kept._modules}
+    kept.skipped = {k: _Skipped(_plain_attrs(m)) for k, m in full._modules.items() if k not in kept._modules}
     holder._modules[block_list.rpartition(".")[2]] = kept
     for name in stem if not first else ():
         _set(lm, name, Absent(handover, name))

@@ -121,6 +121,11 @@ class PrunedLayout(NetworkLayout):
 
     convention: ClassVar[type] = ForwardStage
     handed_over: ClassVar[str] = "into its first block, the model's input given to every stage"
+    fix: ClassVar[str] = (
+        " A value the forward carries across blocks beside the activation (a residual add outside the blocks, a skip"
+        " connection from the stem to the head) cannot be handed between stages: move such work into a child module"
+        " (e.g. a block whose own forward adds its residual)."
+    )
 
     @classmethod
     def from_parts(cls, net: nn.Module, parts: tuple) -> PrunedLayout:
@@ -155,16 +160,9 @@ class PrunedLayout(NetworkLayout):
                 f" registration order. Register the children in execution order: in {cls}.__init__ assign"
                 f" {' then '.join(short)}."
             )
-        fix = (
-            ""
-            if self.convention is not ForwardStage
-            else " A value the forward carries across blocks beside the activation (a residual add outside the"
-            " blocks, a skip connection from the stem to the head) cannot be handed between stages: move such work"
-            " into a child module (e.g. a block whose own forward adds its residual)."
-        )
         return (
             f"Cannot split {cls} into pipeline stages: {problem}. Tried: a stage = the model with the blocks of"
-            f" {self.block_list} it does not own taken out, hidden states passed {self.handed_over}.{fix}"
+            f" {self.block_list} it does not own taken out, hidden states passed {self.handed_over}.{self.fix}"
         )
 
     def join(self, pieces: Sequence[nn.Module]) -> nn.Module:
@@ -179,6 +177,7 @@ class HFLayout(PrunedLayout):
 
     convention: ClassVar[type] = HFStageMixin
     handed_over: ClassVar[str] = "as `inputs_embeds` (HF's config.base_model_pp_plan layout)"
+    fix: ClassVar[str] = ""  # an unmodified HF model: nothing the user would move
     needs_pipeline_loss: ClassVar[bool] = False
     config_sample: ClassVar[bool] = True
 
