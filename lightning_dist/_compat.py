@@ -337,14 +337,15 @@ def grouped_mm_refusal(dtype: torch.dtype, device_type: str) -> str | None:
 
 
 @lru_cache(maxsize=None)
-def hf_mask_builder_reports_window() -> bool:
-    """transformers' SDPA mask builder takes ``q_length`` and ``local_size`` (5.x): context parallelism's mask builder
-    reads them to refuse a sliding window shorter than the sequence (parallelize/cp.py)."""
+def hf_mask_builder_reports_mask() -> bool:
+    """transformers' SDPA mask builder takes ``q_length``, ``local_size`` and ``use_vmap`` (5.x): context parallelism's
+    mask builder reads them to refuse a window shorter than the sequence and the model's own mask terms
+    (parallelize/cp.py)."""
     import inspect
 
     from transformers.masking_utils import sdpa_mask
 
-    return {"q_length", "local_size"} <= set(inspect.signature(sdpa_mask).parameters)
+    return {"q_length", "local_size", "use_vmap"} <= set(inspect.signature(sdpa_mask).parameters)
 
 
 @lru_cache(maxsize=None)

@@ -473,6 +473,14 @@ class ContextParallel:
         call (:meth:`split_target`). The network's hook uses it, and the pipeline for its micro-batches' inputs."""
         values = dict(values)
         seq_len = lead.shape[1]
+        given = values.get("position_ids")
+        if self._hf and isinstance(given, Tensor) and bool((given.diff(dim=-1) != 1).any()):
+            raise ValueError(
+                "Context parallelism got `position_ids` that restart or jump inside a row (packed sequences):"
+                " transformers then keeps attention inside each packed sequence (when no cache is used), and context"
+                " parallelism runs one causal attention over the whole row. Pass one sequence per row (no"
+                " `position_ids`, or 0, 1, 2, ... per row), or use cp=1."
+            )
         positions = self.cp.positions(seq_len, lead.device)  # raises ValueError naming the fix for bad lengths
         mask = values.pop("attention_mask", None)
         if mask is not None and not bool(torch.all(mask != 0)):
@@ -516,22 +524,30 @@ def _use_hf_attention(network: nn.Module, cp: int) -> str:
             f"{type(network).__name__} uses attn_implementation={own!r}; context parallelism runs HF models through"
             " SDPA. Load the model with attn_implementation='sdpa' (or 'eager'), or use cp=1."
         )
-    config = network.config
-    window = getattr(config, "sliding_window", None) or getattr(config, "attention_chunk_size", None)
-    if window and not _compat.hf_mask_builder_reports_window():
+    if not _compat.hf_mask_builder_reports_mask():
         raise ValueError(
-            f"{type(network).__name__} has a local attention window ({window} tokens), and this transformers"
-            " release's mask builder does not report it by the arguments lightning-dist reads (`q_length`,"
-            " `local_size`), so a window shorter than the sequence could not be refused under context parallelism."
-            " Use cp=1 for this model, or transformers 5.x."
+            f"{type(network).__name__}: this transformers release's mask builder does not report what"
+            " lightning-dist reads to refuse a mask that context parallelism would drop (`q_length`, `local_size`,"
+            " `use_vmap`: a window shorter than the sequence, the model's own mask terms). Use transformers 5.x,"
+            " or cp=1."
         )
     network.set_attn_implementation(HF_ATTENTION)
     return own
 
 
-def _no_mask(*args: Any, cp: int, q_length: int = 0, local_size: Optional[int] = None, **kwargs: Any) -> None:
-    """HF's attention-mask builder under cp (it sees this rank's `q_length` tokens): no mask. A sliding window
-    (`local_size`) shorter than the whole sequence would go with the mask: refused, alike on every rank."""
+def _no_mask(
+    *args: Any, cp: int, q_length: int = 0, local_size: Optional[int] = None, use_vmap: bool = False, **kwargs: Any
+) -> None:
+    """HF's attention-mask builder under cp (it sees this rank's `q_length` tokens): no mask. What would go with the
+    mask is refused, alike on every rank: a sliding window (`local_size`) shorter than the whole sequence, and the
+    model's own mask terms (transformers composes them into the mask function and sets `use_vmap`)."""
+    if use_vmap:
+        raise ValueError(
+            "The model adds its own terms to the causal attention mask (transformers' `or_mask_function` or"
+            " `and_mask_function`: bidirectional spans such as image tokens, or a window of its own); context"
+            " parallelism runs one causal (or full) attention over the whole sequence and would drop them (a"
+            " different model). Use cp=1 for this model."
+        )
     if local_size is not None and local_size < q_length * cp:
         raise ValueError(
             f"The model's attention keeps a sliding window of {local_size} tokens and the sequences have"

@@ -110,21 +110,78 @@ def test_hf_sliding_window_is_refused():
     assert cp_model_problems(llama, cp=2) == [] and cp_model_problems(llama, cp=8)
 
 
-def test_a_window_the_mask_builder_cannot_report_is_refused(monkeypatch):
-    """The window check under cp reads transformers' mask-builder arguments (`q_length`, `local_size`): where a release
-    does not pass them, a model with a window is refused rather than trained with full causal attention."""
+def test_a_mask_the_builder_cannot_report_is_refused(monkeypatch):
+    """The mask checks under cp read transformers' mask-builder arguments (`q_length`, `local_size`, `use_vmap`): where
+    a release does not pass them, HF models are refused rather than trained with a mask cp would drop."""
     tf = pytest.importorskip("transformers")
     from lightning_dist import _compat
     from lightning_dist.parallelize.cp import _use_hf_attention
 
-    assert _compat.hf_mask_builder_reports_window()  # the transformers installed here reports it
+    assert _compat.hf_mask_builder_reports_mask()  # the transformers installed here reports them
     small = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4)
-    mistral = tf.MistralForCausalLM(tf.MistralConfig(**small, sliding_window=4))
     llama = tf.LlamaForCausalLM(tf.LlamaConfig(**small))
-    monkeypatch.setattr(_compat, "hf_mask_builder_reports_window", lambda: False)
-    with pytest.raises(ValueError, match=r"local attention window \(4 tokens\).*Use cp=1 for this model"):
-        _use_hf_attention(mistral, cp=2)
-    assert _use_hf_attention(llama, cp=2) in ("sdpa", "eager")  # no window: nothing to report
+    monkeypatch.setattr(_compat, "hf_mask_builder_reports_mask", lambda: False)
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM: this transformers release's mask builder.*or cp=1"):
+        _use_hf_attention(llama, cp=2)
+    monkeypatch.undo()
+    assert _use_hf_attention(llama, cp=2) in ("sdpa", "eager")
+
+
+def _hf_small(tf, cls, config, **extra):
+    small = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4)
+    return cls(config(**small, num_key_value_heads=2, head_dim=4, **extra)).double()
+
+
+def test_the_models_own_mask_terms_are_refused_on_every_rank():
+    """A model that composes its own terms into the causal mask (transformers' or/and mask functions) would lose them
+    under cp, which runs one causal (or full) attention over the whole sequence: refused in the mask builder, on every
+    cp rank alike (before the first attention exchange). Without such terms the builder gives no mask, also on the
+    ranks whose load-balanced positions jump (transformers reads those as packed sequences)."""
+    tf = pytest.importorskip("transformers")
+    from transformers.masking_utils import create_causal_mask
+
+    net = _hf_small(tf, tf.Gemma3ForCausalLM, tf.Gemma3TextConfig, layer_types=["full_attention"] * 2)
+    net.config.use_bidirectional_attention = True  # the embedding-model form: a full-mask `or_mask_function`
+    net.train()
+    x = torch.randint(0, 32, (2, 8))
+    for rank in (0, 1):
+        state = ContextParallel(CPGroup(2, rank, None))  # no group: the refusal comes before any exchange
+        state.attach(net)
+        assert cp_model_problems(net, cp=2) == []  # nothing at setup tells it apart
+        with pytest.raises(ValueError, match=r"own terms to the causal attention mask.*Use cp=1 for this model"):
+            net(x, use_cache=False)
+        state.detach()
+    llama = _hf_small(tf, tf.LlamaForCausalLM, tf.LlamaConfig)
+    state = ContextParallel(CPGroup(2, 0, None))
+    state.attach(llama)
+    embeds = torch.zeros(2, 4, 16, dtype=torch.float64)
+    positions = state.cp.positions(8, "cpu").expand(2, -1)  # rank 0 of cp=2: positions 0, 1, 6, 7
+    assert create_causal_mask(llama.config, embeds, None, None, position_ids=positions) is None
+    with pytest.raises(ValueError, match="own terms to the causal attention mask"):
+        create_causal_mask(llama.config, embeds, None, None, position_ids=positions, and_mask_function=lambda *a: True)
+    state.detach()
+    assert llama.config._attn_implementation == "sdpa"
+
+
+def test_packed_position_ids_are_refused_for_hf_models():
+    """transformers masks attention between packed sequences (position_ids that restart in a row) when no cache is
+    used; cp runs one causal attention over the row: refused before the cut, alike on every rank."""
+    tf = pytest.importorskip("transformers")
+    llama = _hf_small(tf, tf.LlamaForCausalLM, tf.LlamaConfig)
+    state = ContextParallel(CPGroup(2, 1, None))
+    state.attach(llama, hook=False)
+    x = torch.randint(0, 32, (2, 8))
+    packed = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3]).expand(2, -1)
+    with pytest.raises(ValueError, match=r"`position_ids` that restart or jump inside a row.*or use cp=1"):
+        state.split_sequences(x, {"position_ids": packed})
+    shifted = torch.arange(3, 11).expand(2, -1)  # one sequence per row, starting anywhere: cut as given
+    cut = state.split_sequences(x, {"position_ids": shifted})
+    assert torch.equal(cut["position_ids"], shifted[:, state.cp.positions(8, "cpu")])
+    state.detach()
+    gpt = GPT(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=8)  # no per-sequence mask: positions as given
+    state.attach(gpt, hook=False)
+    assert torch.equal(state.split_sequences(x, {"position_ids": packed})["position_ids"], packed[:, 2:6])
+    state.detach()
 
 
 def test_network_lookup():
