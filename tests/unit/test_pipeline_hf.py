@@ -83,10 +83,34 @@ def _gemma2(layers: int = 4) -> nn.Module:  # the embeddings scaled by sqrt(hidd
     return tf.Gemma2ForCausalLM(cfg).double()
 
 
+def _bloom(layers: int = 4) -> nn.Module:  # ALiBi from the attention mask; blocks return tuples
+    torch.manual_seed(0)
+    cfg = tf.BloomConfig(vocab_size=V, hidden_size=16, n_layer=layers, n_head=4, pad_token_id=0, eos_token_id=0)
+    return tf.BloomForCausalLM(cfg).double()
+
+
+def _falcon_h1(layers: int = 4) -> nn.Module:  # attention beside a state-space mixer; blocks return tuples
+    torch.manual_seed(0)
+    cfg = tf.FalconH1Config(
+        **_COMMON, num_hidden_layers=layers, num_key_value_heads=2, head_dim=4, pad_token_id=0, eos_token_id=0
+    )
+    return tf.FalconH1ForCausalLM(cfg).double()
+
+
 _COMMON = dict(vocab_size=V, hidden_size=16, intermediate_size=32, num_attention_heads=4, max_position_embeddings=16)
 
 
-@pytest.mark.parametrize("make", [_llama, _gpt2, _granite, _olmo, _gemma2])
+@pytest.mark.parametrize("make", [_bloom, _falcon_h1])
+def test_blocks_returning_tuples_stage_with_any_number_of_blocks_skipped(make):
+    """A block another stage owns returns nothing that is used; where the forward takes `block(...)[0]`, what it
+    returns keeps the shape of a block's output (once, the blocks after a stage's last one made the forward fail;
+    with enough blocks before a stage's first one, so would those): one stage per block of 6, outputs and
+    gradients."""
+    net = make(6)
+    assert staged_forward_problem(net, hf_example_inputs(net)) is None
+
+
+@pytest.mark.parametrize("make", [_llama, _gpt2, _granite, _olmo, _gemma2, _bloom, _falcon_h1])
 def test_stages_chain_to_the_whole_model_under_single_device_names(make):
     net = make()
     split = plan_split(net, 3, split=[1, 3])

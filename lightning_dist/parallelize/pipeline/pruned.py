@@ -83,14 +83,20 @@ class _Boundary:
 
 
 class _Skipped:
-    """A block another stage owns, as the forward sees it: it passes its input through, and its plain attributes
+    """A block another stage owns, as the forward sees it. What it returns is not used: before the stage's first
+    block, the activation the stage received (that block takes it); after its last block, that block's output (a
+    tuple where blocks return one, so `block(...)[0]` keeps its shape); else its input. Its plain attributes
     (``attention_type``, a layer index) answer as the block's would (the forward may pick a mask by them)."""
 
-    def __init__(self, attrs: dict[str, Any]) -> None:
+    def __init__(self, attrs: dict[str, Any], handover: Handover) -> None:
         self.__dict__.update(attrs)
+        self._handover = handover
 
     def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
-        return x
+        h = self._handover
+        if h.output is not None:
+            return h.output
+        return h.received if h.received is not None and not h.taken else x
 
 
 def _plain_attrs(module: nn.Module) -> dict[str, Any]:
@@ -316,7 +322,7 @@ def build_pruned_stage(
     kept._modules = {k: full._modules[k] for k in blocks}  # original indices: the single-device names
     kept.handover = lm._ld_handover = handover
     kept.every = tuple(full._modules)
-    kept.skipped = {k: _Skipped(_plain_attrs(m)) for k, m in full._modules.items() if k not in kept._modules}
+    kept.skipped = {k: _Skipped(_plain_attrs(m), handover) for k, m in full._modules.items() if k not in kept._modules}
     holder._modules[block_list.rpartition(".")[2]] = kept
     for name in stem if not first else ():
         _set(lm, name, Absent(handover, name))
