@@ -97,6 +97,14 @@ def _falcon_h1(layers: int = 4) -> nn.Module:  # attention beside a state-space 
     return tf.FalconH1ForCausalLM(cfg).double()
 
 
+def _ctrl(layers: int = 4) -> nn.Module:  # the input embeddings scaled in place (`*=`) in the model's forward
+    torch.manual_seed(0)
+    cfg = tf.CTRLConfig(
+        vocab_size=V, n_embd=16, dff=32, n_layer=layers, n_head=4, n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0
+    )
+    return tf.CTRLLMHeadModel(cfg).double()
+
+
 _COMMON = dict(vocab_size=V, hidden_size=16, intermediate_size=32, num_attention_heads=4, max_position_embeddings=16)
 
 
@@ -110,7 +118,7 @@ def test_blocks_returning_tuples_stage_with_any_number_of_blocks_skipped(make):
     assert staged_forward_problem(net, hf_example_inputs(net)) is None
 
 
-@pytest.mark.parametrize("make", [_llama, _gpt2, _granite, _olmo, _gemma2, _bloom, _falcon_h1])
+@pytest.mark.parametrize("make", [_llama, _gpt2, _granite, _olmo, _gemma2, _bloom, _falcon_h1, _ctrl])
 def test_stages_chain_to_the_whole_model_under_single_device_names(make):
     net = make()
     split = plan_split(net, 3, split=[1, 3])

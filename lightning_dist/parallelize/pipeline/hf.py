@@ -56,7 +56,11 @@ class HFStageMixin(PrunedStage):
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
         # a stage without the head hands on its last block's output, never `.logits` (HF's full-slice view of the
         # hidden states, which torch's zero-bubble split backward cannot `detach_()` in place)
-        return self._run_forward(x, lambda: self._ld_model.forward(self, **{key: x}, **kwargs, use_cache=False).logits)
+        h = self._ld_handover  # a later stage's forward gets a copy of the activation (see Handover)
+        forward = self._ld_model.forward
+        return self._run_forward(
+            x, lambda: forward(self, **{key: x if h.stand_in is None else h.stand_in}, **kwargs, use_cache=False).logits
+        )
 
     @staticmethod
     def whole_output(net: nn.Module, sample: Any) -> torch.Tensor:

@@ -21,17 +21,20 @@ MODEL_INPUT = "model_input"
 
 class Handover:
     """One stage's boundary while it runs: the activation it received (None on the first stage), whether its first
-    block took it, and its last block's output (what a stage without the head hands on)."""
+    block took it, and its last block's output (what a stage without the head hands on). The forward's own code sees
+    a copy of the activation (`stand_in`), which it may change in place (CTRL scales its input embeddings with
+    ``*=``): the first block takes the activation as received."""
 
     def __init__(self) -> None:
-        self.active, self.received, self.taken, self.output = False, None, False, None
+        self.active, self.received, self.stand_in, self.taken, self.output = False, None, None, False, None
 
     def start(self, received: Any) -> None:
         self.active, self.received, self.taken, self.output = True, received, False, None
+        self.stand_in = received.detach().clone() if isinstance(received, torch.Tensor) else received
 
     def finish(self) -> tuple[bool, Any]:
         taken, output = self.taken, self.output
-        self.active, self.received, self.taken, self.output = False, None, False, None
+        self.active, self.received, self.stand_in, self.taken, self.output = False, None, None, False, None
         return taken, output
 
 
@@ -56,7 +59,7 @@ class Absent(nn.Module):
         if self.head:
             return x
         if self.handover.received is not None:
-            return self.handover.received
+            return self.handover.stand_in
         if isinstance(x, torch.Tensor) and x.is_floating_point():
             return x  # e.g. the token embedding or the embedding dropout: the first stage applied it
         return torch.zeros((), dtype=torch.get_default_dtype())  # e.g. wpe(position_ids): x + 0 is x exactly
@@ -84,8 +87,8 @@ class _Boundary:
 
 class _Skipped:
     """A block another stage owns, as the forward sees it. What it returns is not used: before the stage's first
-    block, the activation the stage received (that block takes it); after its last block, that block's output (a
-    tuple where blocks return one, so `block(...)[0]` keeps its shape); else its input. Its plain attributes
+    block, the stand-in of the activation the stage received; after its last block, that block's output (a tuple
+    where blocks return one, so `block(...)[0]` keeps its shape); else its input. Its plain attributes
     (``attention_type``, a layer index) answer as the block's would (the forward may pick a mask by them)."""
 
     def __init__(self, attrs: dict[str, Any], handover: Handover) -> None:
@@ -96,7 +99,7 @@ class _Skipped:
         h = self._handover
         if h.output is not None:
             return h.output
-        return h.received if h.received is not None and not h.taken else x
+        return h.stand_in if h.received is not None and not h.taken else x
 
 
 def _plain_attrs(module: nn.Module) -> dict[str, Any]:
