@@ -126,6 +126,7 @@ class PrunedLayout(NetworkLayout):
         " connection from the stem to the head) cannot be handed between stages: move such work into a child module"
         " (e.g. a block whose own forward adds its residual)."
     )
+    own_class: ClassVar[bool] = True
 
     @classmethod
     def from_parts(cls, net: nn.Module, parts: tuple) -> PrunedLayout:
@@ -153,12 +154,16 @@ class PrunedLayout(NetworkLayout):
         called = call_order(net, registered, lambda: self.convention.whole_output(net, sample))
         if called != registered and set(called) == set(registered):
             short = [n.rpartition(".")[2] for n in called]
+            hint = (
+                f" Register the children in execution order: in {cls}.__init__ assign {' then '.join(short)}."
+                if self.own_class
+                else self.fix
+            )
             return (
                 f"{cls} registers its children in the order {' -> '.join(n.rpartition('.')[2] for n in registered)},"
                 f" but its forward runs them as {' -> '.join(short)}: a pipeline stage takes the children registered"
                 " before the block list as the stem (first stage) and those after it as the head (last stage), by"
-                f" registration order. Register the children in execution order: in {cls}.__init__ assign"
-                f" {' then '.join(short)}."
+                f" registration order.{hint}"
             )
         return (
             f"Cannot split {cls} into pipeline stages: {problem}. Tried: a stage = the model with the blocks of"
@@ -177,7 +182,8 @@ class HFLayout(PrunedLayout):
 
     convention: ClassVar[type] = HFStageMixin
     handed_over: ClassVar[str] = "as `inputs_embeds` (HF's config.base_model_pp_plan layout)"
-    fix: ClassVar[str] = ""  # an unmodified HF model: nothing the user would move
+    fix: ClassVar[str] = " transformers' class cannot be changed here: train this model with pp=1 (fsdp2, hsdp, tp)."
+    own_class: ClassVar[bool] = False  # the model's class is not the user's to reorder
     needs_pipeline_loss: ClassVar[bool] = False
     config_sample: ClassVar[bool] = True
 
