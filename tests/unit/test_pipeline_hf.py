@@ -108,17 +108,48 @@ def _ctrl(layers: int = 4) -> nn.Module:  # the input embeddings scaled in place
 _COMMON = dict(vocab_size=V, hidden_size=16, intermediate_size=32, num_attention_heads=4, max_position_embeddings=16)
 
 
-@pytest.mark.parametrize("make", [_bloom, _falcon_h1])
-def test_blocks_returning_tuples_stage_with_any_number_of_blocks_skipped(make):
-    """A block another stage owns returns nothing that is used; where the forward takes `block(...)[0]`, what it
-    returns keeps the shape of a block's output (once, the blocks after a stage's last one made the forward fail;
-    with enough blocks before a stage's first one, so would those): one stage per block of 6, outputs and
-    gradients."""
+def _openai_gpt(layers: int = 4) -> nn.Module:  # blocks return lists
+    torch.manual_seed(0)
+    drop = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg = tf.OpenAIGPTConfig(vocab_size=V, n_embd=16, n_layer=layers, n_head=4, n_positions=16, **drop)
+    return tf.OpenAIGPTLMHeadModel(cfg).double()
+
+
+def _modernbert_decoder(layers: int = 4) -> nn.Module:  # the embeddings called with keywords only
+    torch.manual_seed(0)
+    ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, sep_token_id=3, cls_token_id=3)
+    cfg = tf.ModernBertDecoderConfig(**_COMMON, num_hidden_layers=layers, **ids)
+    return tf.ModernBertDecoderForCausalLM(cfg).double()
+
+
+def _llama4(layers: int = 4) -> nn.Module:  # base_model_prefix `language_model` names no child (`model` holds it)
+    torch.manual_seed(0)
+    cfg = tf.Llama4TextConfig(
+        **_COMMON,
+        intermediate_size_mlp=32,
+        num_hidden_layers=layers,
+        num_key_value_heads=2,
+        head_dim=4,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return tf.Llama4ForCausalLM(cfg).double()
+
+
+@pytest.mark.parametrize("make", [_bloom, _falcon_h1, _openai_gpt, _modernbert_decoder, _llama4])
+def test_models_of_other_forms_stage_with_any_number_of_blocks_skipped(make):
+    """Forms once refused: blocks returning tuples or lists, where the forward takes `block(...)[0]` (a block another
+    stage owns now returns a block output's structure: before, those after a stage's last block indexed the hidden
+    states down to a scalar); a stem part called with keywords only; a base-model prefix naming no child. One stage
+    per block of 6, outputs and gradients against the whole model."""
     net = make(6)
     assert staged_forward_problem(net, hf_example_inputs(net)) is None
 
 
-@pytest.mark.parametrize("make", [_llama, _gpt2, _granite, _olmo, _gemma2, _bloom, _falcon_h1, _ctrl])
+@pytest.mark.parametrize("make", [_llama, _gpt2, _granite, _olmo, _gemma2, _bloom, _falcon_h1, _ctrl, _openai_gpt])
 def test_stages_chain_to_the_whole_model_under_single_device_names(make):
     net = make()
     split = plan_split(net, 3, split=[1, 3])
@@ -286,3 +317,58 @@ def test_gemma4_stages_and_its_per_layer_inputs_are_refused_naming_pp1():
     problem = staged_forward_problem(net, hf_example_inputs(net))
     assert "its forward runs them as embed_tokens -> embed_tokens_per_layer" in problem, problem
     assert "train this model with pp=1" in problem and "__init__" not in problem
+
+
+def test_a_residual_stream_of_another_shape_than_the_embedding_stages():
+    """Models whose blocks carry several residual streams ([B, T, streams, C], from the embedding [B, T, C]: DeepSeek
+    V4's hyper-connections) and read an absent part's parameter dtype in their forward: a later stage's forward gets
+    zeros shaped as the embedding gives them, and the part's parameters as meta tensors. Before, the stand-in was the
+    received activation ([B, T, streams, C]), which the forward's expand refused, and the dtype read failed."""
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mix, self.ff = nn.Linear(2, 2, bias=False), nn.Linear(8, 8)
+
+        def forward(self, x):  # [B, T, 2, C]: the streams mixed, then each through the feed-forward
+            return x + self.ff(torch.tanh(self.mix(x.transpose(2, 3)).transpose(2, 3)))
+
+    class Streams(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = nn.Embedding(V, 8)
+            self.blocks = nn.ModuleList(Block() for _ in range(4))
+            self.ln_f, self.lm_head = nn.LayerNorm(8), nn.Linear(8, V)
+
+        def forward(self, idx):
+            x = self.wte(idx).unsqueeze(2).expand(-1, -1, 2, -1).contiguous()
+            for block in self.blocks:
+                x = block(x)
+            return self.lm_head(self.ln_f(x.mean(2).to(self.ln_f.weight.dtype)))
+
+    torch.manual_seed(0)
+    net = Streams().double()
+    assert staged_forward_problem(net, torch.randint(0, V, (2, 8))) is None
+    if not hasattr(tf, "DeepseekV4Config"):
+        return
+    small = dict(q_lora_rank=16, o_lora_rank=16, o_groups=2, index_n_heads=4, index_head_dim=8, index_topk=8)
+    cfg = tf.DeepseekV4Config(
+        **_COMMON,
+        **small,
+        num_hidden_layers=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        qk_rope_head_dim=4,
+        moe_intermediate_size=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=8,
+        mlp_layer_types=["moe"] * 4,  # its hash-routed layers read the token ids in every block: refused
+        layer_types=tf.DeepseekV4Config().layer_types[:4],
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    net = tf.DeepseekV4ForCausalLM._from_config(cfg, experts_implementation="eager").double()
+    assert staged_forward_problem(net, hf_example_inputs(net)) is None

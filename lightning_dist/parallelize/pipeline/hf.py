@@ -26,14 +26,19 @@ def is_hf_causal_lm(net: nn.Module) -> bool:
 
 def hf_parts(net: nn.Module) -> tuple[str, str, tuple[str, ...], tuple[str, ...]]:
     """``(base, block_list, stem, head)`` as qualified child names of `net`; TypeError naming what is missing."""
+    plan = dict(getattr(net.config, "base_model_pp_plan", None) or {})
+
+    def block_lists(base: nn.Module) -> list[str]:  # GPT-2 & co. have no pp plan: the conventional names
+        lists = [n for n in plan if isinstance(getattr(base, n, None), nn.ModuleList)]
+        return lists or [n for n in BLOCK_LIST_NAMES if isinstance(getattr(base, n, None), nn.ModuleList)]
+
     base = net.base_model
+    if base is net:  # a prefix naming no child (Llama 4's `language_model` for `model`): the child with the blocks
+        base = next((m for _, m in net.named_children() if block_lists(m)), net)
     prefix = next((n for n, m in net.named_children() if m is base), None)
     if prefix is None:
         raise TypeError(f"{type(net).__name__}: its base model is not a direct child; cannot find the stages' parts.")
-    plan = dict(getattr(net.config, "base_model_pp_plan", None) or {})
-    lists = [n for n in plan if isinstance(getattr(base, n, None), nn.ModuleList)]
-    if not lists:  # GPT-2 & co. have no pp plan: the conventional block-list names
-        lists = [n for n in BLOCK_LIST_NAMES if isinstance(getattr(base, n, None), nn.ModuleList)]
+    lists = block_lists(base)
     if len(lists) != 1:
         raise TypeError(
             f"Cannot split {type(net).__name__} into pipeline stages: its base model has "
@@ -56,11 +61,22 @@ class HFStageMixin(PrunedStage):
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
         # a stage without the head hands on its last block's output, never `.logits` (HF's full-slice view of the
         # hidden states, which torch's zero-bubble split backward cannot `detach_()` in place)
-        h = self._ld_handover  # a later stage's forward gets a copy of the activation (see Handover)
         forward = self._ld_model.forward
         return self._run_forward(
-            x, lambda: forward(self, **{key: x if h.stand_in is None else h.stand_in}, **kwargs, use_cache=False).logits
+            x, lambda: forward(self, **{key: self._stage_input(x)}, **kwargs, use_cache=False).logits
         )
+
+    def _stage_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The ids on the first stage; later, zeros in place of the input embeddings (the first block takes the
+        activation), shaped as the embedding gives them: DeepSeek V4's blocks hand on several residual streams."""
+        if self._ld_first:
+            return x
+        try:
+            width = getattr(self.get_input_embeddings(), "width", None)
+        except AttributeError:  # inside a stem part (ModernBERT's `embeddings.tok_embeddings`): not on this stage
+            width = None
+        h = self._ld_handover
+        return h.stand_in if width is None else h.zeros((*x.shape[:2], width))
 
     @staticmethod
     def whole_output(net: nn.Module, sample: Any) -> torch.Tensor:

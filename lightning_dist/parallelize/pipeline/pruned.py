@@ -21,35 +21,63 @@ MODEL_INPUT = "model_input"
 
 class Handover:
     """One stage's boundary while it runs: the activation it received (None on the first stage), whether its first
-    block took it, and its last block's output (what a stage without the head hands on). The forward's own code sees
-    a copy of the activation (`stand_in`), which it may change in place (CTRL scales its input embeddings with
-    ``*=``): the first block takes the activation as received."""
+    block took it, and its last block's output (what a stage without the head hands on). The forward's own code gets
+    zeros in the activation's place (`stand_in`, `zeros`), which it may change in place (CTRL scales its input
+    embeddings with ``*=``): only the first block takes the activation."""
 
     def __init__(self) -> None:
-        self.active, self.received, self.stand_in, self.taken, self.output = False, None, None, False, None
+        self.active, self.received, self.taken, self.output, self._stand_in = False, None, False, None, None
 
     def start(self, received: Any) -> None:
         self.active, self.received, self.taken, self.output = True, received, False, None
-        self.stand_in = received.detach().clone() if isinstance(received, torch.Tensor) else received
 
     def finish(self) -> tuple[bool, Any]:
         taken, output = self.taken, self.output
-        self.active, self.received, self.stand_in, self.taken, self.output = False, None, None, False, None
+        self.active, self.received, self.taken, self.output, self._stand_in = False, None, False, None, None
         return taken, output
+
+    @property
+    def stand_in(self) -> Any:
+        """Zeros shaped like the received activation (made once per run)."""
+        if self._stand_in is None and isinstance(self.received, torch.Tensor):
+            self._stand_in = torch.zeros_like(self.received)
+        return self._stand_in
+
+    def zeros(self, shape: Sequence[int]) -> torch.Tensor:
+        """Zeros of `shape`, in the received activation's dtype and device (what an embedding would have given)."""
+        return self.received.new_zeros(tuple(shape))
 
 
 class Absent(nn.Module):
-    """A part another stage owns. A stem part (`head` False) returns the activation the stage received (so shape
-    arithmetic before the blocks runs as on one device), else passes hidden states on and adds nothing to an embedding
-    sum (HF); a head part passes its input on (the stage hands on its last block's output). Called outside the
-    stage's run (a method of the model), it refuses: the part is on another stage."""
+    """A part another stage owns. A stem part (`head` False) returns zeros of the shape the part would give (an
+    embedding, a linear projection; else the received activation's), so shape arithmetic before the blocks runs as on
+    one device; a head part passes its input on (the stage hands on its last block's output). The forward may read
+    the part's plain attributes and its parameters' shapes and dtypes (meta tensors: Zaya casts to
+    ``self.norm.weight.dtype``). Called outside the stage's run (a method of the model), it refuses."""
 
-    def __init__(self, handover: Handover, name: str = "", head: bool = False) -> None:
+    def __init__(self, handover: Handover, name: str, part: nn.Module, head: bool = False) -> None:
         super().__init__()
         self.handover, self.name, self.head = handover, name, head
+        self.width = part.embedding_dim if isinstance(part, nn.Embedding) else getattr(part, "out_features", None)
+        self.keeps_dims = isinstance(part, nn.Embedding)  # ids [..., n] -> [..., n, width]; a Linear: [..., width]
+        params = {
+            n: torch.empty(p.shape, dtype=p.dtype, device="meta") for n, p in part.named_parameters(recurse=False)
+        }
+        self.shadows = {**_plain_attrs(part), **params}
 
-    def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
-        if not self.handover.active:
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            shadows = self.__dict__.get("shadows", {})
+            if name in shadows:
+                return shadows[name]
+            raise
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        x = args[0] if args else next((v for v in kwargs.values() if v is not None), None)  # ModernBERT: keywords
+        h = self.handover
+        if not h.active:
             raise RuntimeError(
                 f"`{self.name}` is on the {'last' if self.head else 'first'} pipeline stage, not on this one:"
                 " PipelineStrategy replaced the network with the parts this rank's stages run, and only the stage's"
@@ -58,11 +86,11 @@ class Absent(nn.Module):
             )
         if self.head:
             return x
-        if self.handover.received is not None:
-            return self.handover.stand_in
-        if isinstance(x, torch.Tensor) and x.is_floating_point():
-            return x  # e.g. the token embedding or the embedding dropout: the first stage applied it
-        return torch.zeros((), dtype=torch.get_default_dtype())  # e.g. wpe(position_ids): x + 0 is x exactly
+        if h.received is None:  # not expected on a later stage; the values are not used
+            return x if isinstance(x, torch.Tensor) and x.is_floating_point() else torch.zeros(())
+        if self.width is not None and isinstance(x, torch.Tensor):
+            return h.zeros((*(x.shape if self.keeps_dims else x.shape[:-1]), self.width))
+        return h.stand_in
 
 
 class _Boundary:
@@ -197,7 +225,7 @@ class PrunedStage(PipelinedModule):
                 f"{self._ld_model.__name__}.forward did not call the last block of this pipeline stage"
                 f" ({self._ld_block_list}.{own[-1]}), whose output the stage hands on"
             )
-        return last[0] if isinstance(last, tuple) else last  # a block returning (hidden states, ...)
+        return last[0] if isinstance(last, (tuple, list)) else last  # a block returning (hidden states, ...)
 
     @staticmethod
     def whole_output(net: nn.Module, sample: Any) -> torch.Tensor:
@@ -328,9 +356,9 @@ def build_pruned_stage(
     kept.skipped = {k: _Skipped(_plain_attrs(m), handover) for k, m in full._modules.items() if k not in kept._modules}
     holder._modules[block_list.rpartition(".")[2]] = kept
     for name in stem if not first else ():
-        _set(lm, name, Absent(handover, name))
+        _set(lm, name, Absent(handover, name, net.get_submodule(name)))
     for name in head if not last else ():
-        _set(lm, name, Absent(handover, name, head=True))
+        _set(lm, name, Absent(handover, name, net.get_submodule(name), head=True))
     if hasattr(lm, "_tied_weights_keys"):  # the pruned copy never re-ties (the tie lives in the parameters)
         lm.__dict__["_tied_weights_keys"] = None
     return lm

@@ -152,7 +152,8 @@ class PrunedLayout(NetworkLayout):
         cls = type(net).__name__
         registered = [*self.stem, self.block_list, *self.head]
         called = call_order(net, registered, lambda: self.convention.whole_output(net, sample))
-        if called != registered and set(called) == set(registered):
+        before = set(called[: called.index(self.block_list)]) if self.block_list in called else set(self.stem)
+        if before != set(self.stem) and set(called) == set(registered):  # a part on the wrong side of the blocks
             short = [n.rpartition(".")[2] for n in called]
             hint = (
                 f" Register the children in execution order: in {cls}.__init__ assign {' then '.join(short)}."
