@@ -93,7 +93,9 @@ NETWORK = {  # the split network itself (as the user's model code): the model's 
         "forward",
         "model_input_call",
         "run_local",
+        "stand_in",
         "start",
+        "zeros",
     },
 }
 LIFECYCLE = {  # what Lightning calls on every MeshStrategy each batch (data guard, self.log's reduce, optimizer step)
