@@ -106,6 +106,7 @@ def _ctrl(layers: int = 4) -> nn.Module:  # the input embeddings scaled in place
 
 
 _COMMON = dict(vocab_size=V, hidden_size=16, intermediate_size=32, num_attention_heads=4, max_position_embeddings=16)
+_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
 def _openai_gpt(layers: int = 4) -> nn.Module:  # blocks return lists
@@ -117,8 +118,7 @@ def _openai_gpt(layers: int = 4) -> nn.Module:  # blocks return lists
 
 def _modernbert_decoder(layers: int = 4) -> nn.Module:  # the embeddings called with keywords only
     torch.manual_seed(0)
-    ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, sep_token_id=3, cls_token_id=3)
-    cfg = tf.ModernBertDecoderConfig(**_COMMON, num_hidden_layers=layers, **ids)
+    cfg = tf.ModernBertDecoderConfig(**_COMMON, num_hidden_layers=layers, **_IDS, sep_token_id=3, cls_token_id=3)
     return tf.ModernBertDecoderForCausalLM(cfg).double()
 
 
@@ -132,9 +132,7 @@ def _llama4(layers: int = 4) -> nn.Module:  # base_model_prefix `language_model`
         head_dim=4,
         num_local_experts=2,
         num_experts_per_tok=1,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
+        **_IDS,
     )
     return tf.Llama4ForCausalLM(cfg).double()
 
@@ -305,9 +303,7 @@ def test_gemma4_stages_and_its_per_layer_inputs_are_refused_naming_pp1():
             sliding_window=8,
             hidden_size_per_layer_input=per_layer,
             vocab_size_per_layer_input=V,
-            pad_token_id=0,
-            bos_token_id=1,
-            eos_token_id=2,
+            **_IDS,
         )
         return tf.Gemma4ForCausalLM(cfg).double()
 
@@ -365,9 +361,7 @@ def test_a_residual_stream_of_another_shape_than_the_embedding_stages():
         sliding_window=8,
         mlp_layer_types=["moe"] * 4,  # its hash-routed layers read the token ids in every block: refused
         layer_types=tf.DeepseekV4Config().layer_types[:4],
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
+        **_IDS,
     )
     torch.manual_seed(0)
     net = tf.DeepseekV4ForCausalLM._from_config(cfg, experts_implementation="eager").double()
