@@ -125,6 +125,10 @@ def test_moe_gpt_aux_loss_on_a_pipeline_stage_is_refused_naming_the_call_and_the
         last.tok_emb(torch.zeros(2, 8, dtype=torch.long))  # a part another stage holds, called outside the stage run
     with pytest.raises(RuntimeError, match="`lm_head` is on the last pipeline stage, not on this one"):
         first.lm_head(torch.zeros(2, 8, 8))
+    # its parameters too (a stage's forward may read their dtype and shape; outside it, as if it had none)
+    with pytest.raises(AttributeError, match=r"`lm_head.weight`: `lm_head` is on the last pipeline stage"):
+        first.lm_head.weight.norm()
+    assert not hasattr(first.lm_head, "weight") and hasattr(last.lm_head, "weight")
     # the stages' plain copies pickle (the reference model gathers them) and join into the whole network
     whole = join_stages(split, [pickle.loads(pickle.dumps(model_class_copy(s))) for s in (first, last)])
     x = torch.randint(0, 16, (2, 8))

@@ -70,20 +70,25 @@ class Absent(nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             shadows = self.__dict__.get("shadows", {})
-            if name in shadows:
-                return shadows[name]
-            raise
+            if name not in shadows:
+                raise
+            if not self.handover.active:  # AttributeError, as before the split: hasattr() stays False
+                raise AttributeError(self._elsewhere(f"`{self.name}.{name}`")) from None
+            return shadows[name]
+
+    def _elsewhere(self, what: str) -> str:
+        return (
+            f"{what}: `{self.name}` is on the {'last' if self.head else 'first'} pipeline stage, not on this one:"
+            " PipelineStrategy replaced the network with the parts this rank's stages run, and only the stage's"
+            " own forward may use the parts another stage owns. Compute a value over the whole model inside its"
+            " forward, or train with a strategy that keeps the whole model on each rank (hsdp, fsdp2, tp)."
+        )
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         x = args[0] if args else next((v for v in kwargs.values() if v is not None), None)  # ModernBERT: keywords
         h = self.handover
         if not h.active:
-            raise RuntimeError(
-                f"`{self.name}` is on the {'last' if self.head else 'first'} pipeline stage, not on this one:"
-                " PipelineStrategy replaced the network with the parts this rank's stages run, and only the stage's"
-                " own forward may call the parts another stage owns. Compute a value over the whole model inside its"
-                " forward, or train with a strategy that keeps the whole model on each rank (hsdp, fsdp2, tp)."
-            )
+            raise RuntimeError(self._elsewhere(f"`{self.name}(...)`"))
         if self.head:
             return x
         if h.received is None:  # not expected on a later stage; the values are not used
