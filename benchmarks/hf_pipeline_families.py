@@ -53,11 +53,11 @@ def _model(model_type: str) -> torch.nn.Module:
 
     cfg = CONFIG_MAPPING[model_type]()
     for key, value in SMALL.items():
-        if hasattr(cfg, key) and not isinstance(getattr(type(cfg), key, None), property):
-            try:
+        try:  # a field the config lacks, derives, holds per layer or validates against others keeps its default
+            if hasattr(cfg, key) and not isinstance(getattr(type(cfg), key, None), property):
                 setattr(cfg, key, value)
-            except Exception:  # a config validating the field against others: its default stays
-                pass
+        except Exception:
+            pass
     if getattr(cfg, "layer_types", None):
         types = list(cfg.layer_types)
         cfg.layer_types = (types + types[-1:] * 4)[:4]
