@@ -56,6 +56,9 @@ def hf_parts(net: nn.Module) -> tuple[str, str, tuple[str, ...], tuple[str, ...]
 class HFStageMixin(PrunedStage):
     """Forward of a pipeline stage of a HF causal LM: ids (first stage) or hidden states in, logits or hidden out."""
 
+    _ld_embed_width: int | None = None
+    """The whole model's input-embedding width (set at the split)."""
+
     def run_local(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         key = "input_ids" if self._ld_first else "inputs_embeds"
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
@@ -71,11 +74,7 @@ class HFStageMixin(PrunedStage):
         activation), shaped as the embedding gives them: DeepSeek V4's blocks hand on several residual streams."""
         if self._ld_first:
             return x
-        try:
-            width = getattr(self.get_input_embeddings(), "width", None)
-        except AttributeError:  # inside a stem part (ModernBERT's `embeddings.tok_embeddings`): not on this stage
-            width = None
-        h = self._ld_handover
+        h, width = self._ld_handover, self._ld_embed_width
         return h.stand_in if width is None else h.zeros((*x.shape[:2], width))
 
     @staticmethod

@@ -188,6 +188,11 @@ class HFLayout(PrunedLayout):
     needs_pipeline_loss: ClassVar[bool] = False
     config_sample: ClassVar[bool] = True
 
+    def build_stage(self, net: nn.Module, block_ids: Sequence[int], *, first: bool, last: bool) -> nn.Module:
+        stage = super().build_stage(net, block_ids, first=first, last=last)
+        stage._ld_embed_width = getattr(net.get_input_embeddings(), "embedding_dim", None)  # the whole model's
+        return stage
+
     def join(self, pieces: Sequence[nn.Module]) -> nn.Module:
         whole = super().join(pieces)
         whole.loss_function = pipeline_loss_function  # HF's property has a setter for this (per instance)
