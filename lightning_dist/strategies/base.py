@@ -198,6 +198,12 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
             )
         if parallelize_fn is not None and not callable(parallelize_fn):
             problems.append(f"`parallelize_fn={parallelize_fn!r}` must be callable as fn(model, mesh).")
+        if parallelize_fn is None and type(self) is MeshStrategy:  # the base: its subclasses hold the plans
+            problems.append(
+                f"{type(self).__name__} has no built-in plan: pass `parallelize_fn=fn(model, mesh)`, or use one of"
+                " the pack's strategies (HybridShardStrategy 'hsdp', FullyShardStrategy 'fsdp2',"
+                " TensorParallelStrategy 'tp', PipelineStrategy 'pipeline')."
+            )
         options = ModelOptions(
             activation_checkpointing=activation_checkpointing,
             selective_ac_ops=selective_ac_ops,

@@ -56,6 +56,17 @@ def test_bad_options_raise_value_error_naming_the_value(kwargs, message):
     assert message in str(err.value)
 
 
+def test_the_base_strategy_without_a_plan_is_refused_at_construction():
+    """MeshStrategy alone has no plan: refused when built (before: a bare NotImplementedError inside fit, after the
+    process group started), naming the fix; with `parallelize_fn` it is a strategy."""
+    from lightning_dist.strategies import MeshStrategy
+
+    with pytest.raises(ValueError, match=r"MeshStrategy has no built-in plan: pass `parallelize_fn=") as err:
+        MeshStrategy(tp=2)
+    assert "TensorParallelStrategy 'tp'" in str(err.value)
+    MeshStrategy(parallelize_fn=lambda model, mesh: None)
+
+
 def test_mesh_is_a_lifecycle_error_before_fit():
     with pytest.raises(RuntimeError, match="not available before"):
         HybridShardStrategy().mesh

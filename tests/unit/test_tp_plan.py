@@ -168,6 +168,33 @@ def test_heads_not_divisible_by_tp():
         resolve_plan(meta(lambda: FusedNet(dim=64, n_heads=4)), "auto", tp=8)
 
 
+def test_a_config_that_refuses_a_global_read_is_read_as_absent():
+    """transformers' heterogeneous configs (Gemma 4 unified) raise their own error, not AttributeError, when a
+    per-layer field is read globally (`config.head_dim`): the plan's checks read the module's own counts instead
+    (before: that error escaped from resolving the plan, at tp=2 too)."""
+
+    class PerLayerError(Exception):
+        pass
+
+    class PerLayerConfig:
+        hidden_size = 32
+
+        def __getattribute__(self, name):
+            if name in ("head_dim", "num_attention_heads", "num_key_value_heads"):
+                raise PerLayerError(f"{name!r} is a per-layer attribute")
+            return object.__getattribute__(self, name)
+
+    def build():
+        net = FusedNet(dim=64, n_heads=4)
+        for block in net.layers:
+            block.attn.config = PerLayerConfig()
+        return net
+
+    assert resolve_plan(meta(build), "auto", tp=2)
+    with pytest.raises(ValueError, match=r"attn has num_heads=4, which .* not divisible by tp=8"):
+        resolve_plan(meta(build), "auto", tp=8)
+
+
 def test_hidden_size_not_divisible_by_tp():
     with pytest.raises(ValueError) as err:
         resolve_plan(meta(lambda: plain_mlp(hidden=30)), "mlp", tp=4)

@@ -23,13 +23,22 @@ GLOBAL_ATTRS_KEY = "_tp_global_attrs"
 CONFIG_ATTRS = (*_HEAD_ATTRS, "num_key_value_heads", "n_query_groups", "num_kv_heads", "n_kv_heads")
 
 
+def _read(obj: object, attr: str) -> object:
+    """`obj.attr`, or None where reading it raises (transformers' heterogeneous configs refuse a global read of a
+    per-layer field with their own error, not AttributeError)."""
+    try:
+        return getattr(obj, attr, None)
+    except Exception:
+        return None
+
+
 def _ints(obj: object, attrs: tuple[str, ...]) -> dict[str, int]:
-    values = {a: getattr(obj, a, None) for a in attrs}
+    values = {a: _read(obj, a) for a in attrs}
     return {a: v for a, v in values.items() if isinstance(v, int) and not isinstance(v, bool)}
 
 
 def _first_int(obj: object, attrs: tuple[str, ...]) -> int | None:
-    return next((getattr(obj, a) for a in attrs if isinstance(getattr(obj, a, None), int)), None)
+    return next((v for v in (_read(obj, a) for a in attrs) if isinstance(v, int) and not isinstance(v, bool)), None)
 
 
 def _config(module: nn.Module) -> object | None:
@@ -126,7 +135,7 @@ def _head_dim(attn: nn.Module) -> int | None:
     cfg = getattr(attn, "config", None)
     head_dim = _first_int(attn, ("head_dim", "head_size")) or _first_int(cfg, ("head_dim", "head_size"))
     heads = _first_int(attn, _HEAD_ATTRS) or _first_int(cfg, _HEAD_ATTRS)
-    width = getattr(cfg, "hidden_size", None)
+    width = _read(cfg, "hidden_size")
     return head_dim or (width // heads if isinstance(width, int) and heads else None)
 
 
