@@ -130,8 +130,10 @@ def cp_model_problems(network: nn.Module, *, cp: int, tp: int = 1, style: str = 
     layer_types = getattr(config, "layer_types", None) or ()
     if getattr(config, "use_sliding_window", False) or any(t != "full_attention" for t in layer_types):
         problems.append(
-            f"{type(network).__name__} uses sliding-window attention ({sorted(set(layer_types))}); context"
-            " parallelism runs full causal attention only. Use cp=1 for this model."
+            f"{type(network).__name__} has attention layers other than full causal attention"
+            f" ({sorted(set(layer_types)) or 'use_sliding_window=True'}: sliding windows, chunks, linear or recurrent"
+            " attention, convolutions over the sequence); context parallelism splits full causal attention only."
+            " Use cp=1 for this model."
         )
     params = inspect.signature(network.forward).parameters
     if "position_ids" not in params:
@@ -548,7 +550,11 @@ def _no_mask(
             " parallelism runs one causal (or full) attention over the whole sequence and would drop them (a"
             " different model). Use cp=1 for this model."
         )
-    if local_size is not None and local_size < q_length * cp:
+    # a window mask that no layer uses (Qwen2-MoE builds one whatever its `layer_types`, all full attention here:
+    # setup refuses any other) changes nothing
+    layer_types = getattr(kwargs.get("config"), "layer_types", None) or ()
+    unused = bool(layer_types) and all(t == "full_attention" for t in layer_types)
+    if local_size is not None and local_size < q_length * cp and not unused:
         raise ValueError(
             f"The model's attention keeps a sliding window of {local_size} tokens and the sequences have"
             f" {q_length * cp}: context parallelism runs full causal attention, which would attend past the window (a"

@@ -103,7 +103,7 @@ def test_hf_sliding_window_is_refused():
         max_window_layers=0,
     )
     problems = cp_model_problems(tf.Qwen2ForCausalLM(cfg), cp=2)
-    assert any("sliding-window" in p for p in problems), problems
+    assert any("other than full causal attention (['sliding_attention']: sliding windows" in p for p in problems)
     llama = tf.LlamaForCausalLM(
         tf.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4)
     )
@@ -130,6 +130,29 @@ def test_a_mask_the_builder_cannot_report_is_refused(monkeypatch):
 def _hf_small(tf, cls, config, **extra):
     small = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4)
     return cls(config(**small, num_key_value_heads=2, head_dim=4, **extra)).double()
+
+
+def test_a_window_mask_no_layer_uses_is_not_refused():
+    """Qwen2-MoE builds a sliding-window mask (window 0 without `use_sliding_window`) whatever its layer types: with
+    every layer full attention nothing uses it, so cp trains the model (refused at the first forward before); a
+    window every layer keeps (HF Mistral: no layer types) is still refused."""
+    tf = pytest.importorskip("transformers")
+    from transformers.masking_utils import create_sliding_window_causal_mask
+
+    moe = _hf_small(tf, tf.Qwen2MoeForCausalLM, tf.Qwen2MoeConfig, num_experts=4, moe_intermediate_size=8)
+    assert moe.config.sliding_window == 0 and set(moe.config.layer_types) == {"full_attention"}
+    mistral = _hf_small(tf, tf.MistralForCausalLM, tf.MistralConfig, sliding_window=4)
+    embeds = torch.zeros(2, 4, 16, dtype=torch.float64)
+    for net in (moe, mistral):
+        state = ContextParallel(CPGroup(2, 0, None))
+        state.attach(net)
+        positions = state.cp.positions(8, "cpu").expand(2, -1)
+        if net is moe:
+            assert create_sliding_window_causal_mask(net.config, embeds, None, None, position_ids=positions) is None
+        else:
+            with pytest.raises(ValueError, match="sliding window of 4 tokens and the sequences have 8"):
+                create_sliding_window_causal_mask(net.config, embeds, None, None, position_ids=positions)
+        state.detach()
 
 
 def test_the_models_own_mask_terms_are_refused_on_every_rank():
