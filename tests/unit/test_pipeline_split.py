@@ -706,3 +706,40 @@ def test_a_forward_reading_the_attributes_of_blocks_a_stage_does_not_own_still_s
     torch.manual_seed(0)
     net = _KindNet().double()
     assert staged_forward_problem(net, torch.randint(0, 16, (2, 5))) is None  # every boundary, against the model
+
+
+class _StateBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, state=None):
+        return torch.tanh(self.fc(x)), state  # (hidden, state handed from block to block), as HF's Kolibri 1.1
+
+
+class _StateNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.blocks = nn.ModuleList(_StateBlock() for _ in range(4))
+        self.head = nn.Linear(8, 16)
+
+    def forward(self, idx):
+        x, state = self.emb(idx), None
+        for block in self.blocks:
+            x, state = block(x, state)
+        return self.head(x)
+
+
+def test_a_forward_unpacking_block_tuples_is_checked_on_one_row():
+    """A later stage's skipped blocks give the activation's stand-in (one tensor): a forward that unpacks each block's
+    (hidden, state) from it unpacks a 2-row sample by chance (rows as values) and trained until a micro-batch of
+    another size failed on one rank, mid-step (HF Kolibri 1.1 at pp=2). The check runs one row of the example: refused
+    at setup, on every rank alike."""
+    from lightning_dist.strategies.pipeline.setup import plan_pipeline
+
+    torch.manual_seed(0)
+    module = _Module(_StateNet().double())
+    module.example_input_array = torch.randint(0, 16, (2, 5))
+    with pytest.raises(ValueError, match=r"its forward fails on a stage without the parts it does not own"):
+        plan_pipeline(module, module.model, 2, "params", allow_batchnorm=False)

@@ -87,12 +87,14 @@ class HFStageMixin(PrunedStage):
 
 
 def hf_example_inputs(net: nn.Module) -> dict[str, torch.Tensor]:
-    """A micro-batch of token ids, 2 x up to 16, made from the config (for the stage check and ``split="balanced"``)."""
+    """A micro-batch of token ids, 1 x up to 16, made from the config (for the stage check and ``split="balanced"``).
+    One row: a later stage's forward that unpacks a block's tuple (``h, state = block(...)``) from the activation's
+    stand-in fails on it, where 2 rows would unpack by chance (see ``HFLayout.sample``)."""
     config = net.config
     n_pos = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 16
     device = next(net.parameters()).device
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, int(config.vocab_size), (2, min(16, int(n_pos))), generator=gen).to(device)
+    ids = torch.randint(0, int(config.vocab_size), (1, min(16, int(n_pos))), generator=gen).to(device)
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 

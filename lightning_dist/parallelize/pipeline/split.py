@@ -96,8 +96,13 @@ class NetworkLayout:
 
     # ---- the network call
     def sample(self, net: nn.Module, example: Any) -> Any:
-        """The sample micro-batch (`example`: ``example_input_array``) placed on `net`; None without one."""
-        return None if example is None else self.place_sample(example, net)
+        """The sample micro-batch (`example`: ``example_input_array``, its first row: a later stage's forward that
+        unpacks a block's tuple from the activation's stand-in fails on one row, where two unpack by chance) placed
+        on `net`; None without one."""
+        if example is None:
+            return None
+        example = torch.as_tensor(example)
+        return self.place_sample(example[:1] if example.dim() else example, net)
 
     def place_sample(self, sample: Any, net: nn.Module) -> Any:
         """`sample` on `net`'s device (and floating dtype: the precision plugin may have converted `net`)."""
@@ -201,7 +206,10 @@ class HFLayout(PrunedLayout):
     def sample(self, net: nn.Module, example: Any) -> Any:
         if example is None:
             return hf_example_inputs(net)
-        return self.place_sample(dict(example) if isinstance(example, Mapping) else {"input_ids": example}, net)
+        sample = dict(example) if isinstance(example, Mapping) else {"input_ids": example}
+        # one row, as hf_example_inputs gives
+        rows = {k: v[:1] if isinstance(v, torch.Tensor) and v.dim() else v for k, v in sample.items()}
+        return self.place_sample(rows, net)
 
     def place_sample(self, sample: Any, net: nn.Module) -> Any:
         device = next(net.parameters()).device
