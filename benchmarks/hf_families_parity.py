@@ -41,25 +41,12 @@ def _families():
 def build(model_type: str) -> torch.nn.Module:
     """The pipeline survey's tiny config with every dropout-like probability at 0 (the runs must be deterministic)."""
     import transformers as tf
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     fam = _families()
-    cfg = CONFIG_MAPPING[model_type]()
-    for key, value in fam.SMALL.items():
-        try:
-            if hasattr(cfg, key) and not isinstance(getattr(type(cfg), key, None), property):
-                setattr(cfg, key, value)
-        except Exception:
-            pass
+    cfg = fam.tiny_config(model_type)
     for key, value in cfg.to_dict().items():
         if isinstance(value, float) and any(w in key for w in ("dropout", "pdrop", "drop_prob", "layerdrop", "jitter")):
-            try:
-                setattr(cfg, key, 0.0)
-            except Exception:
-                pass
-    if getattr(cfg, "layer_types", None):
-        types = list(cfg.layer_types)
-        cfg.layer_types = (types + types[-1:] * 4)[:4]
+            fam.set_field(cfg, key, 0.0)
     with torch.device("meta"):  # a config whose size fields are named otherwise stays large: not built
         size = sum(p.numel() for p in tf.AutoModelForCausalLM.from_config(cfg).parameters())
     if size > 20_000_000:

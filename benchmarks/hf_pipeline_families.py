@@ -47,20 +47,33 @@ class _Timeout(Exception):
     pass
 
 
-def _model(model_type: str) -> torch.nn.Module:
-    import transformers as tf
+def set_field(cfg, key: str, value) -> None:
+    """`cfg.key = value` where the config has the field as a plain attribute; a field it derives, holds per layer or
+    validates against others keeps its default."""
+    try:
+        if hasattr(cfg, key) and not isinstance(getattr(type(cfg), key, None), property):
+            setattr(cfg, key, value)
+    except Exception:
+        pass
+
+
+def tiny_config(model_type: str):
+    """The model type's default config at the SMALL sizes, 4 layers of its layer types."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     cfg = CONFIG_MAPPING[model_type]()
     for key, value in SMALL.items():
-        try:  # a field the config lacks, derives, holds per layer or validates against others keeps its default
-            if hasattr(cfg, key) and not isinstance(getattr(type(cfg), key, None), property):
-                setattr(cfg, key, value)
-        except Exception:
-            pass
+        set_field(cfg, key, value)
     if getattr(cfg, "layer_types", None):
         types = list(cfg.layer_types)
         cfg.layer_types = (types + types[-1:] * 4)[:4]
+    return cfg
+
+
+def _model(model_type: str) -> torch.nn.Module:
+    import transformers as tf
+
+    cfg = tiny_config(model_type)
     torch.manual_seed(0)
     return tf.AutoModelForCausalLM.from_config(cfg, experts_implementation="eager").double()
 
