@@ -9,11 +9,52 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 from lightning_dist.parallelize.self_check import first_tensor, probe_samples, run_eval
 
 # relative output difference allowed for a correct split: rounding of another reduction order, with margin
 _TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+
+
+class _LowerPrecision(TorchFunctionMode):
+    """Records, during one unsplit forward with autograd on, the first op whose result on the activations' path (it
+    requires grad) is a floating dtype of lower precision than the parameters', and the module that ran it: a model
+    that computes parts in float32 (an RMSNorm on `x.float()`) carries float32's rounding, which a split's other
+    reduction order or shapes move. Constants (rotary tables of positions) do not require grad and do not count."""
+
+    def __init__(self, owner: nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps, self.found = torch.finfo(dtype).eps, None  # (dtype, where)
+        self.where: list[str] = []
+        self.handles = []
+        for name, m in owner.named_modules():
+            label = f"{name or 'the model'} ({type(m).__name__})"
+            self.handles.append(m.register_forward_pre_hook(lambda m, a, label=label: self.where.append(label)))
+            self.handles.append(m.register_forward_hook(self._left))
+
+    def _left(self, module: nn.Module, args: Any, out: Any) -> None:  # returns None: the output stays as it is
+        if self.where:
+            self.where.pop()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.found is None:
+            for t in tree_leaves(out):
+                if (
+                    isinstance(t, Tensor)
+                    and t.is_floating_point()
+                    and t.requires_grad
+                    and torch.finfo(t.dtype).eps > self.eps
+                ):
+                    self.found = (t.dtype, self.where[-1] if self.where else "the model")
+                    break
+        return out
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
 
 
 class _FlowTrace:
@@ -99,9 +140,10 @@ class _FlowTrace:
 
 def probe_output(
     module: nn.Module, device: torch.device, entries: Optional[list] = None
-) -> Optional[tuple[nn.Module, Any, Tensor]]:
-    """(what ran, sample, output) of one sample through `module` in eval mode, or None when nothing can run
-    (no sample, weights on the meta device, a made-up sample the network does not take, no tensor out).
+) -> Optional[tuple[nn.Module, Any, Tensor, Optional[tuple[torch.dtype, str]]]]:
+    """(what ran, sample, output, inner) of one sample through `module` in eval mode, or None when nothing can run
+    (no sample, weights on the meta device, a made-up sample the network does not take, no tensor out). `inner`:
+    (dtype, module) where the forward first computes activations in a lower precision than its parameters, or None.
 
     `entries`: the resolved plan (on `module`); the forward also traces its regions' layer order and raises
     ``ValueError`` for a row-wise layer fed the replicated input or a column-wise layer whose split output
@@ -111,13 +153,15 @@ def probe_output(
     if not params or any(p.is_meta for p in params):
         return None
     for net, sample in probe_samples(module, device):
-        trace = _FlowTrace(module, entries or [])
+        trace, lower = _FlowTrace(module, entries or []), _LowerPrecision(module, params[0].dtype)
         try:
-            out = first_tensor(run_eval(net, sample))
+            with lower:  # autograd on, so that the activations' path is known (the probe is one small sample)
+                out = first_tensor(run_eval(net, sample, grad=any(p.requires_grad for p in params)))
         except Exception:  # a sample the forward does not take (other inputs or sizes, no forward): the next guess
             continue
         finally:
             trace.close()
+            lower.close()
         if out is not None:
             problems = trace.problems()
             if problems:
@@ -125,13 +169,21 @@ def probe_output(
                     "Invalid tensor-parallel plan (found by running one sample through the unsplit"
                     " model):\n  - " + "\n  - ".join(problems)
                 )
-            return net, sample, out.detach().clone()
+            return net, sample, out.detach().clone(), lower.found
     return None
 
 
-def check_probe(module: nn.Module, sample: Any, expected: Tensor, *, describe: str) -> float:
+def check_probe(
+    module: nn.Module,
+    sample: Any,
+    expected: Tensor,
+    inner: Optional[tuple[torch.dtype, str]] = None,
+    *,
+    describe: str,
+) -> float:
     """Run `sample` through the parallelized `module` (what ran before: the LightningModule or its network)
-    and refuse an output that differs from `expected`.
+    and refuse an output that differs from `expected`, beyond the rounding of its dtype or, when the forward computes
+    parts in a lower precision (`inner`, from :func:`probe_output`), of that one.
 
     Collective (the forward and one all-reduce): call on every rank. Returns the relative difference.
     """
@@ -152,12 +204,17 @@ def check_probe(module: nn.Module, sample: Any, expected: Tensor, *, describe: s
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # one verdict on every rank
         rel = float(t.item())
     tol = _TOLERANCE.get(expected.dtype, 1e-4)
+    why = ""
+    if inner is not None and _TOLERANCE.get(inner[0], 1e-4) > tol:  # that dtype's rounding, moved by the split
+        tol = _TOLERANCE.get(inner[0], 1e-4)
+        why = f", {str(inner[0]).replace('torch.', '')}'s as the model computes in it ({inner[1]} first)"
     if not rel <= tol:
         shape = None if got is None else tuple(got.shape)
         raise ValueError(
             f"{describe}: on one sample (`example_input_array`, or a made-up batch of inputs) the split model's output"
             " differs from the unsplit model's"
-            f" (relative difference {rel:.3e} > {tol:.0e}; output shape {shape} vs {tuple(expected.shape)}). A split"
+            f" (relative difference {rel:.3e} > {tol:.0e}{why}; output shape {shape} vs {tuple(expected.shape)})."
+            " A split"
             " layer's forward uses a global size: an attention reading its head count from a shared config, a fused"
             " q/k/v projection that is not head-major ([q | k | v] blocks), a reshape to the full width. Leave that"
             " module out of the plan, or make its forward read sizes from the tensors (view(B, T, -1, head_dim))."
