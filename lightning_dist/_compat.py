@@ -48,6 +48,9 @@ TORCH_GROUP_REGISTRY = (
     and hasattr(getattr(torch.distributed, "distributed_c10d", None), "_world")
 )
 
+# torch's C++ DTensor dispatch cache can be emptied (2.11 and later): _integrations/torch_distributed.py
+DTENSOR_CACHE_CLEAR = hasattr(torch._C, "_clear_DTensor_sharding_propagator_cache")
+
 CUDA_AVAILABLE = torch.cuda.is_available()
 
 

@@ -20,6 +20,8 @@ The flush runs barriers (no tensors) on every gloo group, in creation order: eve
 in the same order, so all ranks meet in each group without deadlock. Each barrier replaces the work a worker
 held; with the default two worker threads per group, four rounds reach both.
 
+* :func:`clear_dtensor_sharding_cache`: every parallelization starts with DTensor's sharding caches empty (below).
+
 It reads torch's private group registry (``distributed_c10d._world``) because there is no public list of a
 process's groups; :data:`lightning_dist._compat.TORCH_GROUP_REGISTRY` says whether it has the shape relied
 on, and without it the flush is skipped (plain ``destroy_process_group``). Test:
@@ -36,10 +38,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_dist._compat import TORCH_GROUP_REGISTRY, check_torch_internals
+from lightning_dist._compat import DTENSOR_CACHE_CLEAR, TORCH_GROUP_REGISTRY, check_torch_internals
 
 __all__ = [
     "build_replicate_reducers",
+    "clear_dtensor_sharding_cache",
     "ddp_on_fake_process_group",
     "destroy_process_groups_at_exit",
     "destroy_process_groups_for_exit",
@@ -63,6 +66,24 @@ def gloo_groups() -> list[Any]:
         if backend.name().lower() == "gloo":
             groups.append(group)
     return groups
+
+
+def clear_dtensor_sharding_cache() -> None:
+    """Empty DTensor's sharding-propagation caches (the C++ dispatch fast path's and Python's).
+
+    Reason: on torch 2.13-2.14 the fast path's key does not tell a Python float from a 0-dim tensor argument. After a
+    vocab-parallel embedding's output times a float (BioGPT's scale), the same op times a 0-dim tensor (Gemma's) reuses
+    the cached plan and fails with "'float' object has no attribute 'mesh'": a second model trained in one process was
+    refused for a reason of torch's (torch 2.11 is not affected). Upstream: no issue found. Private names: torch's
+    ``_clear_DTensor_sharding_propagator_cache`` (:data:`~lightning_dist._compat.DTENSOR_CACHE_CLEAR`) and the
+    dispatcher's Python LRU cache; a torch without them is left as it is. Test: ``tests/unit/test_integrations.py``.
+    """
+    if DTENSOR_CACHE_CLEAR:
+        torch._C._clear_DTensor_sharding_propagator_cache()
+    from torch.distributed.tensor import DTensor
+
+    cache = getattr(getattr(DTensor._op_dispatcher, "sharding_propagator", None), "propagate_op_sharding", None)
+    getattr(cache, "cache_clear", lambda: None)()
 
 
 def _cpu_barrier() -> Any:

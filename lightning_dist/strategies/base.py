@@ -30,6 +30,7 @@ from lightning_dist._integrations.lightning import (
     set_sampler_epoch,
     sync_ddp_if_available,
 )
+from lightning_dist._integrations.torch_distributed import clear_dtensor_sharding_cache
 from lightning_dist.grads import clip_grads_by_norm_, clip_grads_by_value_
 from lightning_dist.mesh import CP, DIM_NAMES, DP_CP, TP, DistMesh, MeshSpec
 from lightning_dist.options import ModelOptions, TPPlan
@@ -482,6 +483,7 @@ class MeshStrategy(ProcessesMixin, ShardedCheckpointMixin):
             self._check_cp_model()
         if not parallelized:
             broadcast_module_states(self.model)
+            clear_dtensor_sharding_cache()  # a model trained before in this process leaves torch's plans behind
             self.apply_parallelism()
         if self._cp is not None:
             self._attach_cp()
