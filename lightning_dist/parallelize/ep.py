@@ -31,11 +31,14 @@ def expert_count(module: nn.Module) -> int | None:
     """The number of experts of an experts module (the leading size shared by all its own parameters), or None when
     `module` is not one: its own parameters do not all have the expert first (one leading size; 3-D weights, at least
     one, and 2-D per-expert biases ``[E, out]``, as gpt-oss's experts hold), or its forward does not take
-    ``(hidden, top_k_index, top_k_weights)``."""
+    ``(hidden, top_k_index, top_k_weights)``. One "expert" is no mixture (XLNet's base model holds a ``[1, 1, d]``
+    mask embedding)."""
     import inspect
 
     params = list(module.parameters(recurse=False))
     if not params or any(p.dim() not in (2, 3) for p in params) or len({p.shape[0] for p in params}) != 1:
+        return None
+    if params[0].shape[0] < 2:
         return None
     if not any(p.dim() == 3 for p in params):  # [E, C] alone: an embedding or a router's weight, not experts
         return None

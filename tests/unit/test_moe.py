@@ -68,6 +68,17 @@ def test_expert_parallel_configuration_is_checked_before_any_collective():
     assert "ep=6 with tp=2 and dp_shard=2" in problem and "ep / tp dividing 2" in problem, problem
     dense = GPT(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=8)
     assert any("has no experts module" in p for p in ep_problems(dense, ep=2, dp_shard=2))
+
+    class MaskEmbedding(torch.nn.Module):  # XLNet's base model: one [1, 1, d] parameter of its own, a wide forward
+        def __init__(self):
+            super().__init__()
+            self.mask_emb = torch.nn.Parameter(torch.zeros(1, 1, 8))
+
+        def forward(self, input_ids, attention_mask=None, mems=None):
+            return input_ids
+
+    # was "holds 1 experts, not divisible by ep=2"
+    assert any("has no experts module" in p for p in ep_problems(MaskEmbedding(), ep=2, dp_shard=2))
     with pytest.raises(ValueError, match="zero_stage=1 replicates parameters instead"):
         FullyShardStrategy(ep=2, zero_stage=1)
     with pytest.raises(ValueError, match=r"`ep=0` must be an integer >= 1"):
