@@ -51,6 +51,20 @@ def expert_count(module: nn.Module) -> int | None:
     return int(params[0].shape[0])
 
 
+def expert_params(module: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(owner, name) of every parameter of an experts module held per expert: its own, and its descendants' whose
+    leading size is the expert count (Ergo's per-expert norm scales ``[E, d]``, indexed by the expert id)."""
+    n = expert_count(module)
+    own = [(module, name) for name, p in module._parameters.items() if p is not None]
+    return own + [
+        (m, name)
+        for child in module.children()
+        for m in child.modules()
+        for name, p in m._parameters.items()
+        if p is not None and p.dim() >= 1 and p.shape[0] == n
+    ]
+
+
 def find_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Every experts module of `model` (see :func:`expert_count`), outermost first."""
     return [(n, m) for n, m in model.named_modules() if expert_count(m) is not None]
@@ -236,7 +250,7 @@ def _dispatch_forward(self: nn.Module, hidden: Tensor, top_k_index: Tensor, top_
         if not len(arrived):
             # none of this rank's experts was chosen: keep the exchanges and the experts in the backward all the
             # same (the peers' backward all-to-alls wait for this rank; FSDP2 reduces every rank's expert gradients)
-            touched = [p for p in self._parameters.values() if p is not None and p.requires_grad]
+            touched = [p for o, n in state["params"] if (p := o._parameters[n]) is not None and p.requires_grad]
             out = out + 0 * arrived.sum() + sum(0 * p.sum() for p in touched)
     back = all_to_all(out, send, recv, group)
     weights = top_k_weights.reshape(-1)[order].unsqueeze(1)
@@ -254,8 +268,8 @@ class _LocalParams:
     def __enter__(self) -> None:
         m = self.module
         state = m.__dict__[GLOBAL_EXPERTS_KEY]
-        self.saved = dict(m._parameters)
-        for name, p in self.saved.items():
+        self.saved = [(owner, name, owner._parameters[name]) for owner, name in state["params"]]
+        for owner, name, p in self.saved:
             if p is not None and hasattr(p, "to_local"):
                 local = p.to_local()
                 if local.requires_grad:
@@ -263,14 +277,15 @@ class _LocalParams:
                     # data-parallel ranks among them (ep / tp when the group spans tp, whose ranks share their
                     # tokens), where a dense parameter's holds this rank's only (data parallelism then averages both)
                     local.register_hook(lambda g, n=state["scale"]: g / n)
-                m._parameters[name] = local
+                owner._parameters[name] = local
         self.had = "num_experts" in m.__dict__
         self.count = m.__dict__.get("num_experts")
         if self.had:
             m.__dict__["num_experts"] = state["experts"] // state["ranks"]
 
     def __exit__(self, *exc: Any) -> None:
-        self.module._parameters.update(self.saved)
+        for owner, name, p in self.saved:
+            owner._parameters[name] = p
         if self.had:
             self.module.__dict__["num_experts"] = self.count
 
@@ -288,17 +303,19 @@ def apply_ep(
     ranks = ep_mesh.size()
     names = []
     for name, module in find_experts(model):
-        n = expert_count(module)
-        for pname, p in list(module.named_parameters(recurse=False)):
+        n, params = expert_count(module), expert_params(module)
+        for owner, pname in params:
             # every rank holds the whole value (broadcast from rank 0 at set-up): each keeps its own experts
+            p = owner._parameters[pname]
             shard = distribute_tensor(p.detach(), ep_mesh, [Shard(0)], src_data_rank=None)
-            module.register_parameter(pname, nn.Parameter(shard, requires_grad=p.requires_grad))
+            owner.register_parameter(pname, nn.Parameter(shard, requires_grad=p.requires_grad))
         module.__dict__[GLOBAL_EXPERTS_KEY] = {
             "group": ep_mesh.get_group(),
             "ranks": ranks,
             "scale": ranks // (1 if tp_group is None else torch.distributed.get_world_size(tp_group)),
             "tp_group": tp_group,
             "experts": n,
+            "params": params,  # (owner, name) of the per-expert parameters
             "capacity_factor": capacity_factor,
             "dropped": 0,  # pairs the last forward dropped (capacity_factor only)
             "dropless": False,  # set by `dropless`
@@ -327,6 +344,7 @@ __all__ = [
     "ep_problems",
     "expert_capacity",
     "expert_count",
+    "expert_params",
     "find_experts",
     "stand_in_choices",
 ]

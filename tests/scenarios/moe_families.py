@@ -1,6 +1,7 @@
-"""Two more mixture-of-experts families against one device on the global batch, float64: unmodified HF DeepSeek-V3
+"""Three more mixture-of-experts families against one device on the global batch, float64: unmodified HF DeepSeek-V3
 (multi-head latent attention, sigmoid routing with group-limited top-k and a correction bias, a shared expert, the
-first layer dense) and gpt-oss (experts with biases, clamped SwiGLU, attention sinks, a sliding window).
+first layer dense), gpt-oss (experts with biases, clamped SwiGLU, attention sinks, a sliding window) and Ergo (each
+expert's norm scale held by a child of the experts module; fsdp2 and ep2 only).
 
 Tiny random configs (vocab 64, hidden 32, 2 layers, experts run eagerly). gpt-oss has transformers' Switch router loss
 (``output_router_logits=True``, ``router_aux_loss_coef=0.05``): the loss adds it, as ``moe_parity.py`` does.
@@ -28,12 +29,12 @@ from moe_parity import COEF, GLOBAL_BATCH, STEPS, VOCAB, Task, data, ep_degree
 import lightning_dist  # noqa: F401  (registers the strategies)
 from lightning_dist.strategies import FullyShardStrategy, TensorParallelStrategy
 
-MODELS = ("deepseek_v3", "gpt_oss")
+MODELS = ("deepseek_v3", "gpt_oss", "ergo")
 ATTN, DENSE, SHARED = "model.model.layers.*.self_attn.", "model.model.layers.0.mlp.", "model.model.layers.1.mlp.shared_"
 CASES = {  # case -> (models, strategy)
     "fsdp2": (MODELS, lambda: FullyShardStrategy()),
     "ep2": (MODELS, lambda: FullyShardStrategy(ep=2)),
-    "tp2": (MODELS, lambda: TensorParallelStrategy(tp=2)),  # tp_plan="auto"
+    "tp2": (MODELS[:2], lambda: TensorParallelStrategy(tp=2)),  # tp_plan="auto"
     # gpt-oss: the router loss per rank on purpose, which must differ (so the exact path's test can fail)
     "fsdp2_local": (("gpt_oss",), lambda: FullyShardStrategy(moe_aux_loss="local")),
     # plans written by hand: latent attention's heads split (its shared rotary key joins them: refused), the dense
@@ -98,6 +99,25 @@ def build(kind: str) -> torch.nn.Module:
             if hasattr(mod, "e_score_correction_bias"):
                 mod.e_score_correction_bias.copy_(0.1 * torch.randn(mod.num_experts, generator=g))
         return model
+    if kind == "ergo":  # each expert scales its output by a norm of its own, held by a child of the experts module
+        cfg = tf.AutoConfig.for_model(
+            "ergo",
+            **{k: v for k, v in common.items() if k != "experts_implementation"},
+            num_key_value_heads=2,
+            num_dense_blocks=1,  # layer 0 dense, layer 1 a mixture of experts
+            first_dense_intermediate_size=32,
+            moe_intermediate_size=16,
+            shared_intermediate_size=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+        )
+        model = tf.AutoModelForCausalLM.from_config(cfg, experts_implementation="eager").double()
+        g = torch.Generator().manual_seed(2)
+        with torch.no_grad():  # the per-expert norm scales differ, so an expert given another's scale shows
+            for name, p in model.named_parameters():
+                if "post_expert_norm" in name:
+                    p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+        return model
     assert kind == "gpt_oss", kind
     cfg = tf.GptOssConfig(
         **common,
@@ -157,7 +177,7 @@ def main() -> None:
         ref = reference(kind)
         # DeepSeek-V3's router runs in float32 whatever the model's dtype: one device differs from itself by ~1e-8
         # between two splits of the batch, so the data-parallel runs are also held to one device on the ranks' split
-        split = reference(kind, parts=2) if kind == "deepseek_v3" else None
+        split = reference(kind, parts=2) if kind in ("deepseek_v3", "ergo") else None
         aux = getattr(build(kind).config, "output_router_logits", False)
         for case, (models, make) in CASES.items():
             if kind not in models:
