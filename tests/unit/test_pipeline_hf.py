@@ -48,6 +48,25 @@ def _gpt2(layers: int = 4) -> nn.Module:
     return tf.GPT2LMHeadModel(cfg).double()
 
 
+def _gemma3_multimodal(layers: int = 4) -> nn.Module:  # what AutoModelForCausalLM gives for a Gemma 3 4B+ checkpoint
+    torch.manual_seed(0)
+    text = dict(_COMMON, num_hidden_layers=layers, num_key_value_heads=2, head_dim=4, sliding_window=8)
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=16)
+    cfg = tf.Gemma3Config(text_config=text, vision_config=dict(vision, patch_size=4), mm_tokens_per_image=4)
+    return tf.AutoModelForCausalLM.from_config(cfg).double()
+
+
+def test_a_multimodal_model_stages_its_text_model():
+    # Gemma3ForConditionalGeneration: the blocks are in `model.language_model` (a text model with a pp plan of its
+    # own), beside a vision tower; before 2026-12-06 refused ("its base model has no block list")
+    lay = network_layout(_gemma3_multimodal())
+    assert (lay.stem, lay.block_list, lay.head) == (
+        ("model.vision_tower", "model.multi_modal_projector", "model.language_model.embed_tokens"),
+        "model.language_model.layers",
+        ("model.language_model.norm", "lm_head"),
+    )
+
+
 def test_layout_from_the_pp_plan_and_the_block_list_name():
     lay = network_layout(_llama())
     assert (lay.stem, lay.block_list, lay.blocks, lay.head) == (
@@ -147,7 +166,9 @@ def test_models_of_other_forms_stage_with_any_number_of_blocks_skipped(make):
     assert staged_forward_problem(net, hf_example_inputs(net)) is None
 
 
-@pytest.mark.parametrize("make", [_llama, _gpt2, _granite, _olmo, _gemma2, _bloom, _falcon_h1, _ctrl, _openai_gpt])
+@pytest.mark.parametrize(
+    "make", [_llama, _gpt2, _granite, _olmo, _gemma2, _bloom, _falcon_h1, _ctrl, _openai_gpt, _gemma3_multimodal]
+)
 def test_stages_chain_to_the_whole_model_under_single_device_names(make):
     net = make()
     split = plan_split(net, 3, split=[1, 3])

@@ -28,7 +28,7 @@ def hf_parts(net: nn.Module) -> tuple[str, str, tuple[str, ...], tuple[str, ...]
     """``(base, block_list, stem, head)`` as qualified child names of `net`; TypeError naming what is missing."""
     plan = dict(getattr(net.config, "base_model_pp_plan", None) or {})
 
-    def block_lists(base: nn.Module) -> list[str]:  # GPT-2 & co. have no pp plan: the conventional names
+    def block_lists(base: nn.Module, plan: dict = plan) -> list[str]:  # GPT-2 & co. have no pp plan: the usual names
         lists = [n for n in plan if isinstance(getattr(base, n, None), nn.ModuleList)]
         return lists or [n for n in BLOCK_LIST_NAMES if isinstance(getattr(base, n, None), nn.ModuleList)]
 
@@ -38,19 +38,32 @@ def hf_parts(net: nn.Module) -> tuple[str, str, tuple[str, ...], tuple[str, ...]
     prefix = next((n for n, m in net.named_children() if m is base), None)
     if prefix is None:
         raise TypeError(f"{type(net).__name__}: its base model is not a direct child; cannot find the stages' parts.")
-    lists = block_lists(base)
+    owner, holder, lists, before, after = prefix, base, block_lists(base), (), ()
+    # a multimodal model's text model one level down (Gemma 3's `language_model`, with a pp plan of its own): its
+    # blocks are the stages'; the base's other parts (a vision tower) go with the side of it they are registered on
+    inner = [(n, m) for n, m in base.named_children() if block_lists(m, _pp_plan(m)) and hasattr(m, "config")]
+    if not lists and len(inner) == 1:
+        (name, holder), owner = inner[0], f"{prefix}.{inner[0][0]}"
+        lists = block_lists(holder, _pp_plan(holder))
+        children = [n for n, m in base._modules.items() if m is not None]
+        before = tuple(f"{prefix}.{n}" for n in children[: children.index(name)])
+        after = tuple(f"{prefix}.{n}" for n in children[children.index(name) + 1 :])
     if len(lists) != 1:
         raise TypeError(
             f"Cannot split {type(net).__name__} into pipeline stages: its base model has "
             f"{'no' if not lists else len(lists)} block list (config.base_model_pp_plan: {sorted(plan) or 'none'})."
         )
-    names = [n for n, m in base._modules.items() if m is not None]
+    names = [n for n, m in holder._modules.items() if m is not None]
     i = names.index(lists[0])
-    stem = tuple(f"{prefix}.{n}" for n in names[:i])
+    stem = before + tuple(f"{owner}.{n}" for n in names[:i])
     # parameter-free helpers after the blocks (rotary embeddings registered late) run on every stage
-    head = tuple(f"{prefix}.{n}" for n in names[i + 1 :] if any(True for _ in base._modules[n].parameters()))
-    head += tuple(n for n, m in net.named_children() if m is not base)
-    return prefix, f"{prefix}.{lists[0]}", stem, head
+    head = tuple(f"{owner}.{n}" for n in names[i + 1 :] if any(True for _ in holder._modules[n].parameters()))
+    head += after + tuple(n for n, m in net.named_children() if m is not base)
+    return owner, f"{owner}.{lists[0]}", stem, head
+
+
+def _pp_plan(module: nn.Module) -> dict:
+    return dict(getattr(getattr(module, "config", None), "base_model_pp_plan", None) or {})
 
 
 class HFStageMixin(PrunedStage):
@@ -90,7 +103,7 @@ def hf_example_inputs(net: nn.Module) -> dict[str, torch.Tensor]:
     """A micro-batch of token ids, 1 x up to 16, made from the config (for the stage check and ``split="balanced"``).
     One row: a later stage's forward that unpacks a block's tuple (``h, state = block(...)``) from the activation's
     stand-in fails on it, where 2 rows would unpack by chance (see ``HFLayout.sample``)."""
-    config = net.config
+    config = net.config.get_text_config() if hasattr(net.config, "get_text_config") else net.config  # multimodal
     n_pos = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 16
     device = next(net.parameters()).device
     gen = torch.Generator().manual_seed(0)

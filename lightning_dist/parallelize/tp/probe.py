@@ -19,14 +19,17 @@ _TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 5e-2, to
 
 
 class _LowerPrecision(TorchFunctionMode):
-    """Records, during one unsplit forward with autograd on, the first op whose result on the activations' path (it
-    requires grad) is a floating dtype of lower precision than the parameters', and the module that ran it: a model
-    that computes parts in float32 (an RMSNorm on `x.float()`) carries float32's rounding, which a split's other
-    reduction order or shapes move. Constants (rotary tables of positions) do not require grad and do not count."""
+    """Records, during one unsplit forward, the first op whose result depends on the parameters (the activations, not
+    a rotary table of positions) and is a floating dtype of lower precision than theirs, and the module that ran it: a
+    model that computes parts in float32 (an RMSNorm on `x.float()`) carries float32's rounding, which a split's other
+    reduction order or shapes move. Dependence is followed op by op from the parameters (no autograd: the forward
+    leaves no graph behind in a module that keeps a tensor of its own)."""
 
     def __init__(self, owner: nn.Module, dtype: torch.dtype) -> None:
         super().__init__()
         self.eps, self.found = torch.finfo(dtype).eps, None  # (dtype, where)
+        # tensors computed from the parameters, by id (held until close: one small sample's activations)
+        self.derived = {id(p): p for p in owner.parameters()}
         self.where: list[str] = []
         self.handles = []
         for name, m in owner.named_modules():
@@ -40,21 +43,18 @@ class _LowerPrecision(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if self.found is None:
+        if self.found is None and any(id(t) in self.derived for t in tree_leaves((args, kwargs))):
             for t in tree_leaves(out):
-                if (
-                    isinstance(t, Tensor)
-                    and t.is_floating_point()
-                    and t.requires_grad
-                    and torch.finfo(t.dtype).eps > self.eps
-                ):
-                    self.found = (t.dtype, self.where[-1] if self.where else "the model")
-                    break
+                if isinstance(t, Tensor):
+                    self.derived[id(t)] = t
+                    if t.is_floating_point() and torch.finfo(t.dtype).eps > self.eps:
+                        self.found = (t.dtype, self.where[-1] if self.where else "the model")
         return out
 
     def close(self) -> None:
         for h in self.handles:
             h.remove()
+        self.derived.clear()
 
 
 class _FlowTrace:
@@ -155,8 +155,8 @@ def probe_output(
     for net, sample in probe_samples(module, device):
         trace, lower = _FlowTrace(module, entries or []), _LowerPrecision(module, params[0].dtype)
         try:
-            with lower:  # autograd on, so that the activations' path is known (the probe is one small sample)
-                out = first_tensor(run_eval(net, sample, grad=any(p.requires_grad for p in params)))
+            with lower:
+                out = first_tensor(run_eval(net, sample))
         except Exception:  # a sample the forward does not take (other inputs or sizes, no forward): the next guess
             continue
         finally:
