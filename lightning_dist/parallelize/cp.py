@@ -127,6 +127,8 @@ def cp_model_problems(network: nn.Module, *, cp: int, tp: int = 1, style: str = 
             " F.scaled_dot_product_attention (HF models, the pack's GPT), or cp=1."
         )
     config = getattr(network, "config", None)
+    if hasattr(config, "get_text_config"):  # a multimodal model's attention layers are its text config's
+        config = config.get_text_config()
     layer_types = getattr(config, "layer_types", None) or ()
     if getattr(config, "use_sliding_window", False) or any(t != "full_attention" for t in layer_types):
         problems.append(

@@ -108,6 +108,20 @@ def test_hf_sliding_window_is_refused():
         tf.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4)
     )
     assert cp_model_problems(llama, cp=2) == [] and cp_model_problems(llama, cp=8)
+    # a multimodal model (AutoModelForCausalLM of a Gemma 4 checkpoint) holds its layer types in its text config: read
+    # there (before 2026-12-06 it was missed at setup, and only the mask builder refused a window at the first step)
+    text = dict(layer_types=["sliding_attention", "full_attention"], num_hidden_layers=2)
+    mm = tf.Gemma3Config(text_config=text)
+    assert not hasattr(mm, "layer_types") or not getattr(mm, "layer_types", None)
+
+    class Multimodal(nn.Module):
+        config = mm
+
+        def forward(self, input_ids, position_ids=None):
+            return input_ids
+
+    problems = cp_model_problems(Multimodal(), cp=2)
+    assert any("(['full_attention', 'sliding_attention']: sliding windows" in p for p in problems), problems
 
 
 def test_a_mask_the_builder_cannot_report_is_refused(monkeypatch):
