@@ -40,6 +40,21 @@ SMALL = dict(
     num_experts_per_tok=2,
     moe_intermediate_size=16,
     max_position_embeddings=64,
+    # multi-head latent attention (DeepSeek-V2/V3 and their kin): the rotary and latent widths
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=8,
+    kv_lora_rank=16,
+    q_lora_rank=16,
+    rotary_dim=4,  # GPT-J, CodeGen: rotary on part of each head
+    vocab_size_per_layer_input=64,  # Gemma 3n/4's per-layer inputs
+    hidden_size_per_layer_input=8,
+    shared_intermediate_size=16,
+    first_dense_intermediate_size=32,
+    index_head_dim=8,  # sparse-attention indexers (DeepSeek-V3.2, GLM-DSA)
+    index_n_heads=2,
+    n_group=2,  # group-limited routing: 2 groups of 2 experts, the top 1 group
+    topk_group=1,
 )
 
 
@@ -62,12 +77,28 @@ def tiny_config(model_type: str):
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     cfg = CONFIG_MAPPING[model_type]()
+    _shrink(cfg)
+    return cfg
+
+
+def _shrink(cfg) -> None:
+    """SMALL on `cfg` and on each config it holds (a multimodal model's text and vision configs)."""
+    from transformers import PretrainedConfig
+
     for key, value in SMALL.items():
         set_field(cfg, key, value)
-    if getattr(cfg, "layer_types", None):
+    try:  # (a heterogeneous config refuses global reads of per-layer fields)
+        latent = getattr(cfg, "kv_lora_rank", None)
+    except Exception:
+        latent = None
+    if latent:  # latent attention expands its keys per head: as many as the queries
+        set_field(cfg, "num_key_value_heads", getattr(cfg, "num_attention_heads", None))
+    if getattr(cfg, "layer_types", None) and not isinstance(getattr(type(cfg), "layer_types", None), property):
         types = list(cfg.layer_types)
-        cfg.layer_types = (types + types[-1:] * 4)[:4]
-    return cfg
+        set_field(cfg, "layer_types", (types + types[-1:] * 4)[:4])
+    for value in list(vars(cfg).values()):
+        if isinstance(value, PretrainedConfig):
+            _shrink(value)
 
 
 def _model(model_type: str) -> torch.nn.Module:
