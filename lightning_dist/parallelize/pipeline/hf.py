@@ -41,13 +41,12 @@ def hf_parts(net: nn.Module) -> tuple[str, str, tuple[str, ...], tuple[str, ...]
     owner, holder, lists, before, after = prefix, base, block_lists(base), (), ()
     # a multimodal model's text model one level down (Gemma 3's `language_model`, with a pp plan of its own): its
     # blocks are the stages'; the base's other parts (a vision tower) go with the side of it they are registered on
-    inner = [(n, m) for n, m in base.named_children() if block_lists(m, _pp_plan(m)) and hasattr(m, "config")]
-    if not lists and len(inner) == 1:
-        (name, holder), owner = inner[0], f"{prefix}.{inner[0][0]}"
+    inner = [] if lists else [(n, m) for n, m in base.named_children() if block_lists(m, _pp_plan(m))]
+    if len(inner) == 1 and hasattr(inner[0][1], "config"):
+        holder, owner = inner[0][1], f"{prefix}.{inner[0][0]}"
         lists = block_lists(holder, _pp_plan(holder))
-        children = [n for n, m in base._modules.items() if m is not None]
-        before = tuple(f"{prefix}.{n}" for n in children[: children.index(name)])
-        after = tuple(f"{prefix}.{n}" for n in children[children.index(name) + 1 :])
+        children = [f"{prefix}.{n}" for n, m in base._modules.items() if m is not None]
+        before, after = tuple(children[: children.index(owner)]), tuple(children[children.index(owner) + 1 :])
     if len(lists) != 1:
         raise TypeError(
             f"Cannot split {type(net).__name__} into pipeline stages: its base model has "
